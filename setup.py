@@ -1,0 +1,26 @@
+"""megatron_oases: faster, planned tensor parallelism for Megatron-Core (Oases, ATP, 3-D TP, DistSim)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_oases",
+    version="0.1.0",
+    description="Overlapped, planned tensor parallelism plug-in for NVIDIA Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_oases", "megatron_oases.*"]),
+    package_data={"megatron_oases": ["topology/examples/*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",
+        "pulp>=2.7",
+        "pyyaml>=6",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        # CUDA-only accelerators; never required, imported lazily behind HAVE_APEX / HAVE_TE.
+        "gpu": ["apex", "transformer-engine"],
+    },
+    entry_points={"console_scripts": ["megatron-oases=megatron_oases.cli:main"]},
+)
