@@ -1,0 +1,103 @@
+"""Where code runs: cuda + nccl when GPUs are present, cpu + gloo otherwise, decided in one place.
+
+Layers never call ``torch.cuda.current_device()`` themselves; they ask ``current_runtime()``.
+Streams and events are real CUDA objects on GPU and no-ops on CPU, so the overlap schedules run
+the same code on both (on CPU, async gloo work handles provide the overlap).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_oases.runtime.cpu_compat import _NoOpEvent, _NoOpStream, install_cpu_compat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """The execution target of this process."""
+
+    device: torch.device
+    """``cuda:<local_rank>`` or ``cpu``."""
+    backend: str
+    """torch.distributed backend: ``nccl`` with CUDA, ``gloo`` on CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def stream(self):
+        """A new side stream (for async collectives); a no-op object on CPU."""
+        return torch.cuda.Stream(device=self.device) if self.is_cuda else _NoOpStream()
+
+    def event(self, enable_timing: bool = False):
+        return torch.cuda.Event(enable_timing=enable_timing) if self.is_cuda else _NoOpEvent()
+
+    def use_stream(self, stream):
+        """Context manager making ``stream`` current (no-op on CPU)."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes allocated on the device (CUDA allocator); on CPU the process's peak RSS."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_RUNTIME: Runtime | None = None
+
+
+def detect_runtime(device: str | None = None) -> Runtime:
+    """Choose the runtime: ``device`` ("cuda"/"cpu") when given, else CUDA when available."""
+    want = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return Runtime(device=torch.device("cuda", local_rank), backend="nccl")
+    if want != "cpu":
+        raise ValueError(f"--device must be 'cuda' or 'cpu' (got {want!r})")
+    return Runtime(device=torch.device("cpu"), backend="gloo")
+
+
+def current_runtime() -> Runtime:
+    """The runtime set up by ``init_runtime`` (detected lazily if nobody set it up)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = detect_runtime()
+    return _RUNTIME
+
+
+def init_runtime(device: str | None = None) -> Runtime:
+    """Fix this process's runtime; on CPU install the Megatron-Core compatibility layer."""
+    global _RUNTIME
+    _RUNTIME = detect_runtime(device)
+    if _RUNTIME.is_cuda:
+        torch.cuda.set_device(_RUNTIME.device)
+    else:
+        install_cpu_compat(force=True)
+    return _RUNTIME
+
+
+def init_distributed(runtime: Runtime, timeout_s: float = 600.0) -> None:
+    """``init_process_group`` from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if runtime.is_cuda:
+        kwargs["device_id"] = runtime.device
+    dist.init_process_group(
+        backend=runtime.backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )

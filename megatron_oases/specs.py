@@ -1,0 +1,79 @@
+"""The one place a model is assembled: TransformerConfig from trainer args, layer spec per backend.
+
+Later backends (ATP, 3-D) and schedules (Oases) register here, so the trainer, the Megatron-LM
+entry point and the tests all build models the same way.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from megatron_oases.train_args import padded_vocab_size
+
+
+def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> TransformerConfig:
+    """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_vp_size(args),
+        sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        normalization=args.normalization,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        use_cpu_initialization=not cuda,
+        # Fused kernels and TE/Apex paths need CUDA; the local spec uses torch ops.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def _vp_size(args) -> int | None:
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return None
+    return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+
+
+def layer_spec(args: argparse.Namespace):
+    """The TransformerLayer ModuleSpec for ``--tp-backend`` (stock Megatron local spec for now)."""
+    if args.tp_backend == "megatron":
+        return get_gpt_layer_local_spec(normalization=args.normalization)
+    raise ValueError(f"unknown --tp-backend {args.tp_backend!r}")
+
+
+def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_process: bool,
+                    post_process: bool, vp_stage: int | None = None) -> GPTModel:
+    """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=padded_vocab_size(args),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
+    )

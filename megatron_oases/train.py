@@ -1,0 +1,234 @@
+"""Reference GPT trainer on Megatron-Core: the stock baseline, and the README's main job.
+
+``megatron-oases train`` / ``python -m megatron_oases.train``. One process per rank: spawned here
+with ``--nproc-per-node N`` or started by torchrun / srun. Prints a Megatron-style line per
+iteration (loss, step ms, tokens/s, TFLOP/s per rank) and optionally JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+import warnings
+
+from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.train_args import build_parser, validate_args, world_size_of
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything one rank needs for a step."""
+
+    args: argparse.Namespace
+    runtime: object
+    config: object
+    model: list
+    optimizer: object
+    num_microbatches: int
+    dp_rank: int
+    dp_size: int
+
+
+def setup(args: argparse.Namespace) -> Trainer:
+    """Process groups, model chunks (DDP-wrapped), optimizer. Call on every rank."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_oases.parallel.layout import tp_invariant_init_
+    from megatron_oases.runtime import init_distributed, init_runtime
+    from megatron_oases.specs import build_gpt_model, transformer_config_from_args
+
+    runtime = init_runtime(args.device)
+    init_distributed(runtime, timeout_s=args.dist_timeout)
+    dims = validate_args(args, torch.distributed.get_world_size(), runtime.is_cuda)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vp)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config_from_args(args, cuda=runtime.is_cuda)
+
+    chunks = []
+    for vp_stage in (range(dims.vp) if dims.vp else [None]):
+        chunk = build_gpt_model(
+            args, config, vp_stage=vp_stage,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+        chunk.to(runtime.device)
+        chunks.append(chunk)
+    if args.tp_invariant_init:
+        tp_invariant_init_(chunks, seed=args.seed, init_method_std=args.init_method_std,
+                           num_layers=args.num_layers)
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
+             for i, c in enumerate(chunks)]
+    for m in model:
+        m.broadcast_params()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        params_dtype=config.params_dtype),
+        model, use_gloo_process_groups=not runtime.is_cuda)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in model]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return Trainer(args=args, runtime=runtime, config=config, model=model, optimizer=optimizer,
+                   num_microbatches=dims.check_batch(args.micro_batch_size, args.global_batch_size),
+                   dp_rank=ps.get_data_parallel_rank(), dp_size=dims.dp)
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss = (losses * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+def train_step(tr: Trainer, iteration: int) -> dict:
+    """One optimizer step over the global batch; returns loss (on the last stage) and grad norm."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_oases.data import micro_batches
+
+    args = tr.args
+    batches = micro_batches(seed=args.seed, iteration=iteration,
+                            global_batch_size=args.global_batch_size,
+                            micro_batch_size=args.micro_batch_size, dp_rank=tr.dp_rank,
+                            dp_size=tr.dp_size, seq_length=args.seq_length,
+                            vocab_size=args.vocab_size, device=tr.runtime.device)
+    data = [iter(batches) for _ in tr.model] if len(tr.model) > 1 else iter(batches)
+    for m in tr.model:
+        m.zero_grad_buffer()
+    tr.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=data,
+        model=tr.model if len(tr.model) > 1 else tr.model[0],
+        num_microbatches=tr.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = tr.optimizer.step()
+    loss = None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        value = torch.stack([d["lm loss"] for d in losses]).mean()
+        torch.distributed.all_reduce(value, group=ps.get_data_parallel_group())
+        loss = (value / tr.dp_size).item()
+    return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
+            "update_successful": bool(ok)}
+
+
+def is_logging_rank() -> bool:
+    """Megatron prints from the last rank (last pipeline stage, first TP/DP rank there)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Set up and train ``--train-iters`` steps on this rank; returns the per-iteration records."""
+    import torch
+
+    from megatron_oases.flops import gpt_flops_per_iteration
+    from megatron_oases.train_args import padded_vocab_size
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    tr = setup(args)
+    flops = gpt_flops_per_iteration(
+        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        padded_vocab_size=padded_vocab_size(args))
+    world = torch.distributed.get_world_size()
+    log = is_logging_rank()
+    json_file = open(args.log_json, "w", encoding="utf-8") if (log and args.log_json) else None
+    records = []
+    try:
+        for it in range(1, args.train_iters + 1):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            out = train_step(tr, it)
+            tr.runtime.synchronize()
+            step_s = time.perf_counter() - start
+            rec = {"iteration": it, "lm_loss": out["loss"], "grad_norm": out["grad_norm"],
+                   "step_ms": step_s * 1e3,
+                   "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
+                   "tflops_per_rank": flops / step_s / world / 1e12,
+                   "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20}
+            records.append(rec)
+            if log and it % args.log_interval == 0:
+                print(f" iteration {it:8d}/{args.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "
+                      f"grad norm: {rec['grad_norm']:.3f} | elapsed time per iteration (ms): "
+                      f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
+                      f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
+            if json_file:
+                json_file.write(json.dumps(rec) + "\n")
+                json_file.flush()
+    finally:
+        if json_file:
+            json_file.close()
+    return records
+
+
+def _spawned_rank(args: argparse.Namespace) -> list[dict]:
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        import torch
+
+        world = world_size_of(args)
+        cuda = (args.device == "cuda") or (args.device is None and torch.cuda.is_available())
+        validate_args(args, world, cuda)
+    except ConfigError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.nproc_per_node is not None and "RANK" not in os.environ:
+        from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
+
+        if rank_env_device := ("cuda" if cuda else "cpu"):
+            args.device = rank_env_device
+        try:
+            run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,),
+                         timeout_s=args.dist_timeout + 60)
+        except RankFailure as exc:
+            print(f"{parser.prog}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    run(args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Flags of the reference trainer, named as in Megatron-LM, and their validation.
+
+Validation runs before any process group exists, and every error is one line naming the flag and
+the fix (``ConfigError``). Later issues add ``--tp-backend atp|3d`` and ``--schedule oases``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_oases.parallel.dims import ConfigError, ParallelDims
+
+TP_BACKENDS = ("megatron",)
+SCHEDULES = ("default",)
+
+
+def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Reference GPT pretraining loop on Megatron-Core (GPTModel, Megatron DDP and "
+                    "optimizer, get_forward_backward_func). The stock baseline every "
+                    "megatron_oases feature is compared against. Runs on CUDA+NCCL or CPU+gloo.")
+    g = p.add_argument_group("launch")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="spawn this many local ranks (omit under torchrun / srun, which set RANK "
+                        "and WORLD_SIZE)")
+    g.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when available, else cpu (gloo)")
+    g.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds before a hung collective (or spawned run) is aborted")
+    g.add_argument("--topology", default=None,
+                   help="cluster topology YAML (file or shipped example name); validated at start")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="enables the interleaved 1F1B schedule")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--tp-backend", choices=TP_BACKENDS, default="megatron",
+                   help="tensor-parallel layer implementation (megatron = stock 1-D TP)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="default",
+                   help="executor of the TP layers (default = Megatron's sequential one)")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--vocab-size", type=int, default=1024,
+                   help="vocabulary of the synthetic data (padded as Megatron does)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
+                   help="keep Megatron's own init (depends on TP/PP); by default every parameter "
+                        "is drawn from (seed, global name) so all layouts start identical")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 params (Float16Module); CUDA only")
+    g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling; CUDA only")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-json", default=None,
+                   help="also write one JSON object per iteration to this file")
+    return p
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    """Ranks this run will have: --nproc-per-node when spawning, else the launcher's WORLD_SIZE."""
+    if args.nproc_per_node is not None and "RANK" not in os.environ:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1 (got {args.nproc_per_node})")
+        return args.nproc_per_node
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
+    """Check every flag and combination; returns the validated ``ParallelDims``."""
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    vp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
+        if (args.num_layers_per_virtual_pipeline_stage < 1
+                or per_stage % args.num_layers_per_virtual_pipeline_stage != 0):
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
+                f" must divide the {per_stage} layers of each pipeline stage")
+        vp = per_stage // args.num_layers_per_virtual_pipeline_stage
+    dims = ParallelDims(
+        world_size=world_size, tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size, vp=vp, num_layers=args.num_layers,
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size)
+    n_micro = dims.check_batch(args.micro_batch_size, args.global_batch_size)
+    if vp is not None and n_micro % dims.pp != 0:
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({n_micro}) to be a "
+            f"multiple of --pipeline-model-parallel-size {dims.pp}; raise --global-batch-size")
+    if args.max_position_embeddings < args.seq_length:
+        raise ConfigError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
+                          f"than --seq-length {args.seq_length}")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    if (args.bf16 or args.fp16) and not cuda:
+        flag = "--bf16" if args.bf16 else "--fp16"
+        raise ConfigError(f"{flag} needs CUDA: Megatron's mixed-precision optimizer accepts only "
+                          f"torch.cuda tensors; drop {flag} on CPU (fp32 runs there)")
+    if args.use_distributed_optimizer and not cuda:
+        raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
+                          "optimizer accepts only torch.cuda tensors; drop it on CPU")
+    if args.sequence_parallel and dims.tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1 if args.recompute_method == "uniform" else args.num_layers // dims.pp
+        if args.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers must be >= 1 (got {args.recompute_num_layers})")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        raise ConfigError("--recompute-method / --recompute-num-layers need "
+                          "--recompute-granularity full")
+    for flag, value in (("--hidden-dropout", args.hidden_dropout),
+                        ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1) (got {value})")
+    for flag, value in (("--train-iters", args.train_iters), ("--seq-length", args.seq_length),
+                        ("--vocab-size", args.vocab_size), ("--log-interval", args.log_interval)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+    if args.topology is not None:
+        from megatron_oases.topology import TopologyError, load_topology
+
+        try:
+            load_topology(args.topology)
+        except (TopologyError, OSError) as exc:
+            raise ConfigError(f"--topology: {exc}") from None
+    return dims
+
+
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """Megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((args.vocab_size + multiple - 1) // multiple) * multiple
