@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.train_args import build_parser, validate_args, world_size_of
@@ -148,14 +147,14 @@ def is_logging_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Set up and train ``--train-iters`` steps on this rank; returns the per-iteration records."""
+def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
+    """Set up and train ``--train-iters`` steps on this rank; returns the trainer and the
+    per-iteration records (``lm_loss`` is set on the last pipeline stage only)."""
     import torch
 
     from megatron_oases.flops import gpt_flops_per_iteration
     from megatron_oases.train_args import padded_vocab_size
 
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     tr = setup(args)
     flops = gpt_flops_per_iteration(
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
@@ -190,11 +189,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     finally:
         if json_file:
             json_file.close()
-    return records
+    return tr, records
 
 
-def _spawned_rank(args: argparse.Namespace) -> list[dict]:
-    return run(args)
+def _spawned_rank(args: argparse.Namespace) -> None:
+    run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         import torch
+
+        from megatron_oases.runtime.quiet import quiet_known_warnings
+
+        quiet_known_warnings(cpu=not torch.cuda.is_available())
 
         world = world_size_of(args)
         cuda = (args.device == "cuda") or (args.device is None and torch.cuda.is_available())

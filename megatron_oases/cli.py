@@ -1,0 +1,36 @@
+"""``megatron-oases <command>``: one entry point for the trainer and the tools around it."""
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("megatron_oases.train", "main", "reference GPT trainer on Megatron-Core (the stock baseline)"),
+    "emulate": ("megatron_oases.topology.emulate", "emulate_main",
+                "run a command on an emulated cluster (network namespaces + tc) from a topology YAML"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: megatron-oases <command> [args]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "megatron-oases <command> --help shows a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"megatron-oases: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[name]
+    import importlib
+
+    return int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

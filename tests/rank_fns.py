@@ -1,0 +1,101 @@
+"""Functions that tests run on spawned gloo ranks (importable by the forkserver children)."""
+from __future__ import annotations
+
+import os
+
+
+def train_and_gather(argv: list[str]):
+    """Train with the reference trainer; return losses (last rank) and global params/grads."""
+    from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.train import run
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(argv)
+    tr, records = run(args)
+    params = gather_global(tr.model, what="param")
+    rank = int(os.environ["RANK"])
+    return {"losses": [r["lm_loss"] for r in records], "params": params if rank == 0 else None}
+
+
+def init_only(argv: list[str]):
+    """Build the model (TP/PP-invariant init) and return the global parameters on rank 0."""
+    from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.train import setup
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(argv)
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    tr = setup(args)
+    params = gather_global(tr.model, what="param")
+    return params if int(os.environ["RANK"]) == 0 else None
+
+
+def dropout_forward_vs_recompute():
+    """Dropout under Megatron's RNG tracker inside full recompute: the recomputed mask must equal
+    the forward mask, so checkpointed and plain gradients agree exactly."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    rt = init_runtime("cpu")
+    init_distributed(rt, timeout_s=60)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(123)
+
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def block(x):
+        with get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(x @ w, p=0.5, training=True)
+
+    x = torch.randn(4, 16, requires_grad=True)
+    state = get_cuda_rng_tracker().get_states()
+    cpu_state = torch.get_rng_state()
+    plain = block(x)
+    plain.sum().backward()
+    g_plain = w.grad.clone()
+    w.grad = None
+    get_cuda_rng_tracker().set_states(state)
+    torch.set_rng_state(cpu_state)
+    ckpt = tensor_parallel.checkpoint(block, False, x)
+    ckpt.sum().backward()
+    same_out = torch.equal(plain, ckpt)
+    mask_fraction = float((plain == 0).float().mean())
+    # Forking twice from the same tracker state gives the same mask; a fresh fork gives another.
+    return {"same_out": same_out, "same_grad": torch.equal(g_plain, w.grad),
+            "zero_fraction": mask_fraction}
+
+
+def global_memory_buffer_on_cpu():
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    rt = init_runtime("cpu")
+    init_distributed(rt, timeout_s=60)
+    ps.initialize_model_parallel(1, 1)
+    buf = ps.get_global_memory_buffer().get_tensor((4, 4), torch.float32, "test")
+    return str(buf.device)
+
+
+def raise_on_rank_one():
+    if int(os.environ["RANK"]) == 1:
+        raise ValueError("boom on rank one")
+    return "fine"
+
+
+def hang_on_rank_zero():
+    import time
+
+    if int(os.environ["RANK"]) == 0:
+        time.sleep(60)
+    return "done"
+
+
+def env_rank():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,54 @@
+"""The runtime layer: CPU compatibility shims for Megatron-Core and the rank launcher."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_oases.runtime import detect_runtime
+from megatron_oases.runtime.spawn import RankFailure
+from tests import rank_fns
+
+
+def test_detect_runtime_cpu_is_gloo():
+    rt = detect_runtime("cpu")
+    assert rt.backend == "gloo" and not rt.is_cuda
+    # Streams and events are no-ops on CPU, with the same interface as CUDA's.
+    s = rt.stream()
+    s.wait_stream(rt.stream())
+    e = rt.event()
+    e.record()
+    e.synchronize()
+    with rt.use_stream(s):
+        pass
+
+
+def test_detect_runtime_rejects_unknown_device():
+    with pytest.raises(ValueError, match="--device"):
+        detect_runtime("tpu")
+
+
+def test_dropout_mask_same_in_forward_and_recompute(on_ranks):
+    out = on_ranks(rank_fns.dropout_forward_vs_recompute, 1)[0]
+    assert out["same_out"] and out["same_grad"]
+    assert 0.3 < out["zero_fraction"] < 0.7  # dropout really dropped
+
+
+def test_global_memory_buffer_lives_on_cpu(on_ranks):
+    assert on_ranks(rank_fns.global_memory_buffer_on_cpu, 1) == ["cpu"]
+
+
+def test_launcher_returns_per_rank_results(on_ranks):
+    assert on_ranks(rank_fns.env_rank, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_launcher_surfaces_rank_traceback(on_ranks):
+    with pytest.raises(RankFailure, match="(?s)rank 1 traceback.*boom on rank one"):
+        on_ranks(rank_fns.raise_on_rank_one, 2)
+
+
+def test_launcher_fails_fast_on_hang(on_ranks):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 5 s"):
+        on_ranks(rank_fns.hang_on_rank_zero, 2, timeout_s=5)
+    assert time.monotonic() - start < 30
