@@ -52,3 +52,12 @@ def test_launcher_fails_fast_on_hang(on_ranks):
     with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 5 s"):
         on_ranks(rank_fns.hang_on_rank_zero, 2, timeout_s=5)
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_pairs_and_counter(on_ranks, world):
+    out = on_ranks(rank_fns.collectives_pairs, world)
+    for rank_checks in out:
+        assert all(v for k, v in rank_checks.items() if k not in ("kinds", "ag_payload")), rank_checks
+        assert rank_checks["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"]
+        assert rank_checks["ag_payload"] == 4 * world * 6 * 4  # fp32 bytes of the gathered tensor

@@ -1,0 +1,245 @@
+"""Collectives as tiny autograd functions on an explicit group, with byte accounting.
+
+Every TP backend (Megatron 1-D, ATP mesh axes, 3-D cube directions) builds its layers from these
+pairs; each docstring states the forward / backward pair. Each call is recorded by the active
+``CommCounter`` (kind, group size, payload bytes, ring bytes per rank), which tests use to check
+a backend's traffic against its paper's formula and the simulator uses as ground truth.
+
+| function                  | forward                 | backward                |
+|---------------------------|-------------------------|-------------------------|
+| copy_to_group             | identity                | all-reduce              |
+| reduce_from_group         | all-reduce              | identity                |
+| all_gather_dim            | all-gather along dim    | reduce-scatter along dim|
+| reduce_scatter_dim        | reduce-scatter along dim| all-gather along dim    |
+| split_dim                 | keep own chunk of dim   | all-gather along dim    |
+| gather_dim                | all-gather along dim    | keep own chunk of dim   |
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRecord:
+    kind: str
+    """all_reduce | all_gather | reduce_scatter."""
+    group_size: int
+    payload_bytes: int
+    """Bytes of the full logical tensor (all-reduce input, all-gather output, reduce-scatter input)."""
+    wire_bytes_per_rank: float
+    """Bytes each rank sends with a ring algorithm: 2(n-1)/n S for all-reduce, (n-1)/n S otherwise."""
+    tag: str = ""
+
+
+class CommCounter:
+    """Records collectives issued while active (``with CommCounter() as c: ...``); nestable."""
+
+    _active: list["CommCounter"] = []
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+
+    def __enter__(self):
+        CommCounter._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        CommCounter._active.remove(self)
+
+    def total(self, kind: str | None = None, field: str = "wire_bytes_per_rank") -> float:
+        return sum(getattr(r, field) for r in self.records if kind is None or r.kind == kind)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for r in self.records if kind is None or r.kind == kind)
+
+
+_TAG: list[str] = []
+
+
+@contextlib.contextmanager
+def comm_tag(tag: str):
+    """Label the collectives issued inside (e.g. ``"recompute"``) in the counters' records."""
+    _TAG.append(tag)
+    try:
+        yield
+    finally:
+        _TAG.pop()
+
+
+def _record(kind: str, payload: torch.Tensor, group) -> None:
+    if not CommCounter._active:
+        return
+    n = dist.get_world_size(group)
+    size = payload.numel() * payload.element_size()
+    factor = 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    rec = CommRecord(kind, n, size, factor * size, _TAG[-1] if _TAG else "")
+    for counter in CommCounter._active:
+        counter.records.append(rec)
+
+
+def all_reduce(x: torch.Tensor, group, async_op: bool = False):
+    """In-place sum over ``group`` (counted); returns the work handle when ``async_op``."""
+    _record("all_reduce", x, group)
+    if dist.get_world_size(group) == 1:
+        return None
+    return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def all_gather_into(x: torch.Tensor, dim: int, group, async_op: bool = False):
+    """All-gather ``x`` along ``dim``; returns (output, work-or-None). Output is filled on wait."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x, None
+    x = x.contiguous()
+    shape = list(x.shape)
+    shape[0] *= n
+    moved = x.movedim(dim, 0).contiguous() if dim != 0 else x
+    flat = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", flat, group)
+    work = dist.all_gather_into_tensor(flat, moved, group=group, async_op=async_op)
+    out = flat if dim == 0 else _LazyMove(flat, dim)
+    return out, work
+
+
+class _LazyMove:
+    """An all-gather result along a non-leading dim: ``.get()`` after the wait moves the dim back."""
+
+    def __init__(self, flat, dim):
+        self.flat, self.dim = flat, dim
+
+    def get(self) -> torch.Tensor:
+        return self.flat.movedim(0, self.dim).contiguous()
+
+
+def _materialize(out):
+    return out.get() if isinstance(out, _LazyMove) else out
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    out, _ = all_gather_into(x, dim, group)
+    return _materialize(out)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} not divisible by {n}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", moved, group)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"split: dim {dim} of size {x.shape[dim]} not divisible by {n}")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGatherDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _SplitDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_group(x, group):
+    """Forward identity, backward all-reduce (Megatron's f): enter a region of partial gradients."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+    """Forward all-reduce, backward identity (Megatron's g): sum partial results."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+def all_gather_dim(x, dim: int, group):
+    """Forward all-gather along ``dim``, backward reduce-scatter (gradients are partial per rank)."""
+    return _AllGatherDim.apply(x, dim, group)
+
+
+def reduce_scatter_dim(x, dim: int, group):
+    """Forward reduce-scatter along ``dim``, backward all-gather."""
+    return _ReduceScatterDim.apply(x, dim, group)
+
+
+def split_dim(x, dim: int, group):
+    """Forward keep this rank's chunk of ``dim`` (input replicated), backward all-gather."""
+    return _SplitDim.apply(x, dim, group)
+
+
+def gather_dim(x, dim: int, group):
+    """Forward all-gather along ``dim``, backward keep own chunk (output gradient replicated)."""
+    return _GatherDim.apply(x, dim, group)
