@@ -131,6 +131,13 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel:
+        from megatron_oases.runtime.optional import have
+
+        if not (have("apex") or have("te")):
+            raise ConfigError("--sequence-parallel needs Apex or Transformer Engine norms "
+                              "(Megatron's torch LayerNorm refuses sequence parallelism); "
+                              "install one or drop --sequence-parallel")
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
             raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")

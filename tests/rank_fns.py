@@ -139,3 +139,57 @@ def collectives_pairs():
     checks["kinds"] = sorted({r.kind for r in counter.records})
     checks["ag_payload"] = [r.payload_bytes for r in counter.records if r.kind == "all_gather"][0]
     return checks
+
+
+def megatron_layer_collectives(tp: int, sequence_parallel: bool):
+    """Run one real Megatron-Core TransformerLayer forward + backward with TP and record every
+    collective torch.distributed sees (kind, bytes), per pass."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    init_distributed(init_runtime("cpu"), timeout_s=60)
+    ps.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
+                            tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            bias_activation_fusion=False, masked_softmax_fusion=False,
+                            bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                            persist_layer_norm=False)
+    layer = build_module(get_gpt_layer_local_spec(), config=cfg, layer_number=1)
+    seen = []
+    originals = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_into_tensor",
+                                                "reduce_scatter_tensor", "_all_gather_base",
+                                                "_reduce_scatter_base")
+                 if hasattr(dist, n)}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            t = args[0] if name == "all_reduce" else (args[1] if "reduce_scatter" in name else args[0])
+            kind = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                    "_all_gather_base": "all_gather"}.get(name, "reduce_scatter")
+            seen.append((phase[0], kind, t.numel() * t.element_size()))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    phase = ["forward"]
+    for n, fn in originals.items():
+        setattr(dist, n, spy(n, fn))
+    try:
+        s, b = 8, 2
+        s_local = s // tp if sequence_parallel else s
+        x = torch.randn(s_local, b, 16, requires_grad=True)
+        out = layer(x, attention_mask=None)[0]
+        phase[0] = "backward"
+        out.sum().backward()
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return seen

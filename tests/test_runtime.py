@@ -61,3 +61,28 @@ def test_collective_pairs_and_counter(on_ranks, world):
         assert all(v for k, v in rank_checks.items() if k not in ("kinds", "ag_payload")), rank_checks
         assert rank_checks["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"]
         assert rank_checks["ag_payload"] == 4 * world * 6 * 4  # fp32 bytes of the gathered tensor
+
+
+def test_optional_packages_are_lazy_and_named_in_errors():
+    from megatron_oases.runtime import optional
+
+    assert isinstance(optional.HAVE_APEX, bool) and isinstance(optional.HAVE_TE, bool)
+    if not optional.HAVE_TE:
+        with pytest.raises(ImportError, match="--transformer-impl transformer_engine needs transformer_engine"):
+            optional.require("te", "--transformer-impl transformer_engine")
+
+
+def test_upstream_signatures_the_cpu_layer_replaces_are_unchanged():
+    """The CPU layer swaps three Megatron-Core functions; fail loudly if upstream changes them."""
+    import inspect
+
+    from megatron.core.optimizer import optimizer
+    from megatron.core.tensor_parallel import random
+
+    def params(fn):
+        return list(inspect.signature(fn).parameters)
+
+    assert params(random._get_cuda_rng_state) == ["device", "clone", "graph_safe"]
+    assert params(random._set_cuda_rng_state) == ["new_state", "device", "graph_safe"]
+    assert params(optimizer.clip_grad_by_total_norm_fp32) == [
+        "parameters", "max_norm", "total_norm", "use_decoupled_grad"]

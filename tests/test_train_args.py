@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_oases.flops import gpt_flops_per_iteration
+from megatron_oases.runtime.optional import have
 from megatron_oases.train import main
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
@@ -30,6 +31,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--nproc-per-node", "1", "--topology", "/nonexistent/cluster.yaml"], "--topology"),
     (["--nproc-per-node", "1", "--bf16", "--device", "cpu"], "--bf16 needs CUDA"),
     (["--nproc-per-node", "1", "--recompute-granularity", "full"], "--recompute-method"),
+    pytest.param(["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 "--sequence-parallel needs Apex or Transformer Engine",
+                 marks=pytest.mark.skipif(have("apex") or have("te"), reason="Apex/TE present")),
 ])
 def test_bad_input_one_line_before_any_process_group(argv, needle, capsys):
     assert main(BASE + argv) == 2
