@@ -1,0 +1,176 @@
+"""ATP column-first and row-first linears on a 2-D mesh (ATP paper §3.2, Fig. 5/6, §4.1/4.2).
+
+Both compute ``Y = X W^T + b`` with ``W`` stored as ``[out, in]`` (Megatron / ``torch.nn.Linear``
+layout) on local shards and explicit collectives on the two mesh-axis groups. Notation: a spec
+``[P1, P2]`` gives the placement on mesh axis 1 and axis 2; ``Shard(h)`` is the hidden (last) dim.
+
+| layer        | X (input)          | W [out, in]: out / in on | Y (output)         | fwd AR | bwd AR |
+|--------------|--------------------|--------------------------|--------------------|--------|--------|
+| ColumnFirst  | [Replicate, Shard(h)] | axis 1 / axis 2       | [Shard(h), Replicate] | axis 2 | axis 1 |
+| RowFirst     | [Shard(h), Replicate] | axis 2 / axis 1       | [Replicate, Shard(h)] | axis 1 | axis 2 |
+
+In the paper's ``[in, out]`` terms the column-first weight is ``[Shard(1), Shard(0)]`` and the
+row-first weight ``[Shard(0), Shard(1)]``. Column-first's output spec is row-first's input spec,
+so fc1 -> activation -> fc2 chains with no resharding and returns to the between-layer spec
+``[Replicate, Shard(h)]``. The local GEMM gives a partial sum over the axis that splits ``in``;
+the forward all-reduce runs there, and the backward all-reduce (of dX) on the axis that splits
+``out`` (the conjugate pair). See docs/atp_layers.md for how this matches the paper's f1..f4.
+
+``chunks > 1`` (paper §4.1) splits the input along ``chunk_dim`` and launches each chunk's
+forward all-reduce asynchronously while the next chunk's GEMM runs; in backward (§4.2) the dX
+all-reduce is launched before the weight gradient is computed and waited on after it:
+
+| pass      | compute                 | collective                                 |
+|-----------|-------------------------|--------------------------------------------|
+| forward   | Y_c = X_c W^T per chunk | async all-reduce of Y_c on the ``in`` axis |
+| dgrad     | dX = dY W               | async all-reduce on the ``out`` axis       |
+| wgrad     | dW = dY^T X, db = sum dY| none (overlaps the dX all-reduce)          |
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_oases.parallel import collectives as C
+from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.parallel.mesh import MeshGroups, shard_index
+
+
+class _OverlappedMeshLinear(torch.autograd.Function):
+    """Chunked forward with async all-reduce per chunk; dgrad all-reduce overlapped with wgrad.
+
+    forward: all-reduce on ``fwd_group``; backward: all-reduce of dX on ``bwd_group``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fwd_group, bwd_group, chunks, chunk_dim):
+        ctx.save_for_backward(x, weight)
+        ctx.bwd_group, ctx.has_bias = bwd_group, bias is not None
+        pieces, works = [], []
+        for x_chunk in torch.tensor_split(x, chunks, dim=chunk_dim):
+            y_chunk = F.linear(x_chunk, weight)
+            works.append(C.all_reduce(y_chunk, fwd_group, async_op=True))
+            pieces.append(y_chunk)
+        for work in works:
+            if work is not None:
+                work.wait()
+        y = torch.cat(pieces, dim=chunk_dim)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y.matmul(weight)
+            work = C.all_reduce(grad_x, ctx.bwd_group, async_op=True)
+        dy2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = dy2d.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _MeshLinear(torch.nn.Module):
+    """Shared body of the two ATP linears; subclasses fix which mesh axis splits ``in`` / ``out``."""
+
+    in_axis: int
+    """Mesh axis that splits the input features (and the hidden dim of the input activation)."""
+    out_axis: int
+    """Mesh axis that splits the output features (and the hidden dim of the output activation)."""
+
+    def __init__(self, input_size: int, output_size: int, mesh_groups: MeshGroups, *,
+                 bias: bool = True, init_weight: torch.Tensor | None = None,
+                 init_bias: torch.Tensor | None = None,
+                 init_method: Callable[[torch.Tensor], object] | None = None,
+                 chunks: int = 1, chunk_dim: int = 0,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        """``init_weight`` is the full ``[output_size, input_size]`` weight (same on every rank);
+        without it a full weight is drawn with ``init_method`` (default N(0, 0.02)) from the
+        current RNG state, which must then be equal on all TP ranks. ``chunks`` > 1 turns on the
+        chunk-based overlap along ``chunk_dim`` (use 1 for Megatron's ``[s, b, h]``)."""
+        super().__init__()
+        mesh = mesh_groups.mesh
+        name = type(self).__name__
+        for what, size, axis in (("input_size", input_size, self.in_axis),
+                                 ("output_size", output_size, self.out_axis)):
+            n = mesh.axis_size(axis)
+            if size % n != 0:
+                raise ConfigError(f"{name}: {what} {size} is not divisible by --atp-mesh "
+                                  f"{mesh.d1}x{mesh.d2} axis {axis} (size {n})")
+        if chunks < 1:
+            raise ConfigError(f"{name}: chunks must be >= 1 (got {chunks})")
+        self.input_size, self.output_size = input_size, output_size
+        self.mesh_groups, self.chunks, self.chunk_dim = mesh_groups, chunks, chunk_dim
+        self.weight_layout = (self.out_axis, self.in_axis)
+        self.bias_layout = (self.out_axis,)
+
+        if init_weight is None:
+            init_weight = torch.empty(output_size, input_size, dtype=torch.float32)
+            (init_method or (lambda w: torch.nn.init.normal_(w, 0.0, 0.02)))(init_weight)
+        elif tuple(init_weight.shape) != (output_size, input_size):
+            raise ConfigError(f"{name}: init_weight has shape {tuple(init_weight.shape)}, expected "
+                              f"[out, in] = ({output_size}, {input_size}) (transpose an [in, out] weight)")
+        self.weight = self._param(init_weight, self.weight_layout, params_dtype, device,
+                                  partition_dim=self._weight_partition_dim)
+        if bias:
+            if init_bias is None:
+                init_bias = torch.zeros(output_size)
+            elif tuple(init_bias.shape) != (output_size,):
+                raise ConfigError(f"{name}: init_bias has shape {tuple(init_bias.shape)}, "
+                                  f"expected ({output_size},)")
+            self.bias = self._param(init_bias, self.bias_layout, params_dtype, device, partition_dim=0)
+        else:
+            self.register_parameter("bias", None)
+
+    _weight_partition_dim: int
+
+    def _param(self, full, layout, dtype, device, partition_dim):
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        mg = self.mesh_groups
+        local = full.detach()[shard_index(full.shape, layout, mg.coord, mg.mesh)]
+        param = torch.nn.Parameter(local.to(dtype=dtype, device=device).clone())
+        set_tensor_model_parallel_attributes(param, True, partition_dim, 1)
+        param.mesh_layout = layout  # per tensor dim: the mesh axis that splits it (None: whole)
+        return param
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mg = self.mesh_groups
+        local_in = self.input_size // mg.mesh.axis_size(self.in_axis)
+        if x.shape[-1] != local_in:
+            raise ValueError(f"{type(self).__name__}: input hidden dim {x.shape[-1]} != "
+                             f"{self.input_size} / mesh axis {self.in_axis} = {local_in}")
+        fwd_group, bwd_group = mg.group(self.in_axis), mg.group(self.out_axis)
+        if self.chunks > 1:
+            return _OverlappedMeshLinear.apply(x, self.weight, self.bias, fwd_group, bwd_group,
+                                               self.chunks, self.chunk_dim)
+        x = C.copy_to_group(x, bwd_group)  # backward: sum dX over the axis that splits ``out``
+        y = C.reduce_from_group(F.linear(x, self.weight), fwd_group)  # sum partials over ``in``
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        m = self.mesh_groups.mesh
+        return (f"in={self.input_size}, out={self.output_size}, mesh={m.d1}x{m.d2}, "
+                f"coord={self.mesh_groups.coord}, bias={self.bias is not None}, chunks={self.chunks}")
+
+
+class ColumnFirstLinear(_MeshLinear):
+    """fc1 / QKV: output features split on axis 1, input features on axis 2 (paper
+    ``[Shard(1), Shard(0)]`` for ``W[in, out]``). In ``[Replicate, Shard(h)]``, out
+    ``[Shard(h), Replicate]``; bias split on axis 1, replicated on axis 2."""
+
+    in_axis, out_axis = 2, 1
+    _weight_partition_dim = 0  # like Megatron's ColumnParallelLinear: ``out`` is the main split
+
+
+class RowFirstLinear(_MeshLinear):
+    """fc2 / output projection: input features split on axis 1, output features on axis 2
+    (paper ``[Shard(0), Shard(1)]`` for ``W[in, out]``). In ``[Shard(h), Replicate]``, out
+    ``[Replicate, Shard(h)]``; bias split on axis 2, replicated on axis 1."""
+
+    in_axis, out_axis = 1, 2
+    _weight_partition_dim = 1  # like Megatron's RowParallelLinear: ``in`` is the main split
