@@ -26,12 +26,13 @@ import torch.distributed as dist
 @dataclasses.dataclass(frozen=True)
 class CommRecord:
     kind: str
-    """all_reduce | all_gather | reduce_scatter."""
+    """all_reduce | all_gather | reduce_scatter (| broadcast | reduce, recorded by the 3-D vector ops)."""
     group_size: int
     payload_bytes: int
     """Bytes of the full logical tensor (all-reduce input, all-gather output, reduce-scatter input)."""
     wire_bytes_per_rank: float
-    """Bytes each rank sends with a ring algorithm: 2(n-1)/n S for all-reduce, (n-1)/n S otherwise."""
+    """Bytes each rank sends with a ring algorithm: 2(n-1)/n S for all-reduce, (n-1)/n S otherwise
+    (for broadcast / reduce that is the per-rank average of a pipelined chain)."""
     tag: str = ""
 
 
@@ -70,7 +71,8 @@ def comm_tag(tag: str):
         _TAG.pop()
 
 
-def _record(kind: str, payload: torch.Tensor, group) -> None:
+def record_collective(kind: str, payload: torch.Tensor, group) -> None:
+    """Count a collective issued outside this module (e.g. a broadcast) in the active counters."""
     if not CommCounter._active:
         return
     n = dist.get_world_size(group)
@@ -83,7 +85,7 @@ def _record(kind: str, payload: torch.Tensor, group) -> None:
 
 def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """In-place sum over ``group`` (counted); returns the work handle when ``async_op``."""
-    _record("all_reduce", x, group)
+    record_collective("all_reduce", x, group)
     if dist.get_world_size(group) == 1:
         return None
     return dist.all_reduce(x, group=group, async_op=async_op)
@@ -99,7 +101,7 @@ def all_gather_into(x: torch.Tensor, dim: int, group, async_op: bool = False):
     shape[0] *= n
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x
     flat = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", flat, group)
+    record_collective("all_gather", flat, group)
     work = dist.all_gather_into_tensor(flat, moved, group=group, async_op=async_op)
     out = flat if dim == 0 else _LazyMove(flat, dim)
     return out, work
@@ -132,7 +134,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} not divisible by {n}")
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", moved, group)
+    record_collective("reduce_scatter", moved, group)
     dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
