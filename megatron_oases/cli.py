@@ -7,6 +7,8 @@ COMMANDS = {
     "train": ("megatron_oases.train", "main", "reference GPT trainer on Megatron-Core (the stock baseline)"),
     "mesh": ("megatron_oases.plan.mesh_cli", "mesh_main",
              "pick ATP's 2-D device mesh for a TP group on a topology (hierarchical comm matrix)"),
+    "sim": ("megatron_oases.sim.cli", "sim_main",
+            "simulate one training iteration (DP x TP x PP, 1F1B/GPipe, Oases overlap): summary, trace"),
     "emulate": ("megatron_oases.topology.emulate", "emulate_main",
                 "run a command on an emulated cluster (network namespaces + tc) from a topology YAML"),
 }

@@ -1,0 +1,203 @@
+"""Prices events: an analytical GPU + topology model, overridden by measured times when given.
+
+DistSim (§4.2) profiles each unique event once; without hardware we price the same events from
+data-sheet peaks and the topology. A ``ProfileDB`` of measured times replaces the analytical
+price event by event, so the simulator's structure does not change when real numbers arrive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+from ..layers.description import Collective, Compute
+from ..topology import Topology
+
+PROFILE_FORMAT = "megatron-oases-profile/1"
+
+
+class SimError(ValueError):
+    """Bad simulator input; the message is one line that names the offending values."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """Peak numbers of one GPU model, from its public data sheet (dense, no sparsity)."""
+
+    name: str
+    tensor_tflops: float
+    """Dense fp16/bf16 tensor-core TFLOP/s (fp32 accumulate)."""
+    fp32_tflops: float
+    """Non-tensor fp32 TFLOP/s (used when elements are 4 bytes)."""
+    hbm_GBps: float
+    """Memory bandwidth, GB/s."""
+    memory_GB: float
+
+
+# Data-sheet numbers (dense; the sheets' larger "with sparsity" figures are halved back):
+#  V100 SXM2 32GB  (NVIDIA V100 data sheet, 2020): 125 TF tensor, 15.7 TF fp32, 900 GB/s HBM2.
+#  A100 40GB SXM   (NVIDIA A100 data sheet, 2021): 312 TF bf16/fp16, 19.5 TF fp32, 1,555 GB/s.
+#  A100 80GB SXM   (same sheet): 312 TF, 19.5 TF fp32, 2,039 GB/s HBM2e.
+#  H100 SXM 80GB   (NVIDIA H100 data sheet): 989 TF bf16 (1,979 sparse), 67 TF fp32, 3.35 TB/s.
+#  RTX 3090        (GA102 whitepaper, app. A): 71 TF fp16 tensor w/ fp32 accumulate, 35.6 TF
+#                  fp32, 936 GB/s GDDR6X, 24 GB.
+GPUS: dict[str, GpuSpec] = {g.name: g for g in (
+    GpuSpec(name="v100-sxm2", tensor_tflops=125.0, fp32_tflops=15.7, hbm_GBps=900.0, memory_GB=32.0),
+    GpuSpec(name="a100-40gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=1555.0, memory_GB=40.0),
+    GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0),
+    GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0),
+    GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0),
+)}
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+
+
+def gemm_efficiency(ideal_ms: float, *, max_efficiency: float, half_ms: float) -> float:
+    """Fraction of peak a GEMM of ``ideal_ms`` (time at peak) reaches: saturating in size.
+
+    eff = max_efficiency * t / (t + half_ms): tiny GEMMs are launch/tail dominated, large ones
+    approach ``max_efficiency`` (~0.75 is what cuBLAS reaches on big bf16 GEMMs). Equivalently
+    time = (t + half_ms) / max_efficiency: a fixed overhead plus an efficiency factor.
+    """
+    if ideal_ms <= 0:
+        return max_efficiency
+    return max_efficiency * ideal_ms / (ideal_ms + half_ms)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileDB:
+    """Measured times, event key -> ms (keys as ``sim.events`` names them)."""
+
+    device: str
+    events_ms: Mapping[str, float]
+
+    def __post_init__(self) -> None:
+        bad = [k for k, v in self.events_ms.items() if not isinstance(v, (int, float)) or not v >= 0]
+        if bad:
+            raise SimError(f"profile for {self.device!r}: times must be numbers >= 0 (bad: {', '.join(bad[:3])})")
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> "ProfileDB":
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or not isinstance(data.get("events"), dict):
+            raise SimError(f"{source}: expected {{'format': {PROFILE_FORMAT!r}, 'device': ..., 'events': {{key: ms}}}}")
+        return cls(device=str(data.get("device", "")), events_ms=dict(data["events"]))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ProfileDB":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SimError(f"{os.fspath(path)}: cannot read profile ({e.__class__.__name__}: {e})") from None
+        return cls.from_dict(data, source=os.fspath(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "device": self.device, "events": dict(self.events_ms)}
+
+    def require(self, keys: list[str]) -> None:
+        """Raise naming every event the simulation needs that the profile lacks."""
+        missing = sorted(set(k for k in keys if k not in self.events_ms))
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise SimError(f"profile for {self.device!r} lacks {len(missing)} event(s): "
+                           f"{', '.join(missing[:5])}{more}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceModel:
+    """One GPU model plus the cluster topology; prices compute, collectives and P2P in ms."""
+
+    gpu: GpuSpec
+    topology: Topology
+    bytes_per_element: int = 2
+    """2 -> tensor-core peak; 4 -> fp32 peak."""
+    max_gemm_efficiency: float = 0.75
+    gemm_half_ms: float = 0.01
+    """A GEMM whose ideal time is this reaches half of ``max_gemm_efficiency`` (10 us)."""
+    attention_efficiency: float = 0.5
+    """The s^2 attention part runs at this fraction of the GEMM curve (unfused softmax path)."""
+    memory_efficiency: float = 0.8
+    """Fraction of HBM bandwidth element-wise kernels reach."""
+    profile: ProfileDB | None = None
+    """Measured times; when given, every event must be in it (``strict``) or falls back."""
+    strict_profile: bool = True
+
+    @property
+    def peak_tflops(self) -> float:
+        return self.gpu.tensor_tflops if self.bytes_per_element <= 2 else self.gpu.fp32_tflops
+
+    # ---- analytical prices ----------------------------------------------------------------
+    def compute_ms(self, c: Compute) -> float:
+        peak_per_ms = self.peak_tflops * 1e9  # FLOP per ms
+        t = 0.0
+        if c.gemm_flops:
+            ideal = c.gemm_flops / peak_per_ms
+            t += ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
+        if c.attention_flops:
+            ideal = c.attention_flops / peak_per_ms
+            eff = self.attention_efficiency * gemm_efficiency(
+                ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
+            t += ideal / eff
+        return t + c.elementwise_bytes / (self.gpu.hbm_GBps * 1e6 * self.memory_efficiency)
+
+    def ring_link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(bottleneck GB/s, worst latency us) of the ring over ``ranks`` in the given order."""
+        cal = self.topology.calibrated_allreduce(ranks)
+        n = len(ranks)
+        pairs = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)] if n > 1 else []
+        lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
+        if cal is not None:
+            return cal, lat
+        return min((self.topology.p2p_bandwidth(a, b) for a, b in pairs), default=math.inf), lat
+
+    def collective_ms(self, kind: str, payload_bytes: float, ranks: tuple[int, ...]) -> float:
+        """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter (n-1)/n S/B + (n-1) lat."""
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        bw, lat_us = self.ring_link(ranks)
+        if kind == "all_reduce":
+            factor, steps = 2.0 * (n - 1) / n, 2 * (n - 1)
+        elif kind in ("all_gather", "reduce_scatter"):
+            factor, steps = (n - 1) / n, n - 1
+        else:
+            raise SimError(f"unknown collective kind {kind!r}")
+        return factor * payload_bytes / (bw * 1e6) + steps * lat_us / 1e3
+
+    def p2p_ms(self, nbytes: float, src: int, dst: int) -> float:
+        if src == dst:
+            return 0.0
+        return nbytes / (self.topology.p2p_bandwidth(src, dst) * 1e6) + self.topology.link_latency(src, dst) / 1e3
+
+    def analytical_ms(self, op: Compute | Collective | None, *, kind: str, nbytes: float,
+                      ranks: tuple[int, ...]) -> float:
+        if kind == "compute":
+            assert isinstance(op, Compute)
+            return self.compute_ms(op)
+        if kind == "p2p":
+            return self.p2p_ms(nbytes, ranks[0], ranks[1])
+        assert isinstance(op, Collective)
+        return self.collective_ms(op.kind, op.payload_bytes, ranks)
+
+    def price(self, key: str, op: Compute | Collective | None, *, kind: str, nbytes: float = 0.0,
+              ranks: tuple[int, ...] = ()) -> float:
+        """Measured time when the profile has ``key``, else the analytical one."""
+        if self.profile is not None and key in self.profile.events_ms:
+            return float(self.profile.events_ms[key])
+        return self.analytical_ms(op, kind=kind, nbytes=nbytes, ranks=ranks)
+
+
+def device_model(topology: Topology, *, gpu: str | None = None, profile: ProfileDB | None = None,
+                 **kw: Any) -> DeviceModel:
+    """A DeviceModel for ``topology``; the GPU defaults to the topology's ``device`` field."""
+    name = gpu or topology.device
+    if not name:
+        raise SimError(f"topology {topology.name!r} names no device; pass gpu= one of {', '.join(GPUS)}")
+    return DeviceModel(gpu=gpu_spec(name), topology=topology, profile=profile, **kw)

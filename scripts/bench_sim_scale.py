@@ -1,0 +1,63 @@
+"""Simulate one iteration of a 128-layer GPT on 3,072 GPUs and print the wall time + summary.
+
+Run: python scripts/bench_sim_scale.py [--tp 8 --pp 8 --dp 48 --overlap oases]
+Bad splits (TP x PP x DP != GPUs, layers not divisible by PP) print one error line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from megatron_oases.sim.device_model import SimError, device_model
+from megatron_oases.sim.events import ModelConfig, Strategy
+from megatron_oases.sim.timeline import SimResult, simulate, summary_table
+from megatron_oases.topology import Level, Topology
+
+
+def cluster(gpus: int, per_node: int = 8) -> Topology:
+    """DGX-H100-like nodes: NVSwitch inside, 8 x 400 Gb/s InfiniBand (400 GB/s) between."""
+    if gpus % per_node:
+        raise SimError(f"{gpus} GPUs are not a multiple of {per_node} per node")
+    levels = [Level(name="nvswitch", size=per_node, scope="intra_node", p2p_bandwidth_GBps=900,
+                    group_bandwidth_GBps=900, latency_us=2)]
+    if gpus > per_node:
+        levels.append(Level(name="ib", size=gpus // per_node, scope="inter_node", p2p_bandwidth_GBps=400,
+                            group_bandwidth_GBps=400, latency_us=5))
+    return Topology(name=f"h100x{gpus}", levels=tuple(levels), device="h100-sxm")
+
+
+def run(*, gpus: int = 3072, layers: int = 128, tp: int = 8, pp: int = 8, dp: int = 48,
+        microbatches: int = 32, overlap: str = "oases", schedule: str = "1f1b") -> tuple[SimResult, float]:
+    """(result, seconds) for a GPT-175B-like model (h 12288, 96 heads, s 2048)."""
+    t0 = time.perf_counter()
+    model = ModelConfig(num_layers=layers, hidden=12288, heads=96, seq=2048, vocab=51200, micro_batch=2)
+    strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, schedule=schedule,
+                        overlap=overlap, recompute=True)
+    r = simulate(model, strategy, device_model(cluster(gpus)))
+    return r, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("gpus", 3072), ("layers", 128), ("tp", 8), ("pp", 8), ("dp", 48), ("microbatches", 32)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--overlap", default="oases", choices=("none", "oases"))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    a = p.parse_args(argv)
+    try:
+        r, secs = run(gpus=a.gpus, layers=a.layers, tp=a.tp, pp=a.pp, dp=a.dp, microbatches=a.microbatches,
+                      overlap=a.overlap, schedule=a.schedule)
+    except SimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"simulated {a.gpus} GPUs in {secs:.3f} s")
+    print(summary_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Simulator: device-model formulas, profile override, event dedup, timeline invariants, scale."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_oases.sim.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.sim.timeline import run_template, simulate
+from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
+from megatron_oases.topology import Level, Topology, load_topology
+
+EPS = 1e-9
+SMALL = ModelConfig(num_layers=4, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+
+
+def topo(nodes: int = 2, per_node: int = 8, lat: float = 2.0) -> Topology:
+    lv = [Level(name="nvlink", size=per_node, scope="intra_node", p2p_bandwidth_GBps=300,
+                group_bandwidth_GBps=300, latency_us=lat)]
+    if nodes > 1:
+        lv.append(Level(name="ib", size=nodes, scope="inter_node", p2p_bandwidth_GBps=25,
+                        group_bandwidth_GBps=25, latency_us=2 * lat))
+    return Topology(name="t", levels=tuple(lv), device="a100-80gb")
+
+
+def test_gpu_table_and_gemm_curve():
+    assert GPUS["a100-80gb"].tensor_tflops == 312 and GPUS["h100-sxm"].hbm_GBps == 3350
+    effs = [gemm_efficiency(t, max_efficiency=0.75, half_ms=0.01) for t in (1e-4, 1e-2, 1, 100)]
+    assert effs == sorted(effs) and effs[1] == pytest.approx(0.375) and effs[-1] < 0.75
+
+
+def test_ring_collectives_use_bottleneck_link():
+    dm = device_model(topo())
+    s, n = 64e6, 4
+    intra = dm.collective_ms("all_reduce", s, (0, 1, 2, 3))
+    assert intra == pytest.approx(2 * (n - 1) / n * s / 300e6 + 2 * (n - 1) * 2e-3)
+    cross = dm.collective_ms("all_reduce", s, (0, 1, 8, 9))  # ring crosses IB: 25 GB/s bottleneck
+    assert cross == pytest.approx(2 * (n - 1) / n * s / 25e6 + 2 * (n - 1) * 4e-3)
+    ag = dm.collective_ms("all_gather", s, (0, 1, 2, 3))
+    assert ag == pytest.approx((n - 1) / n * s / 300e6 + (n - 1) * 2e-3)
+    assert dm.collective_ms("all_reduce", s, (5,)) == 0.0
+
+
+def test_events_dedup_and_layer_description_shared():
+    st = build_stage_events(SMALL, Strategy(tp=4, pp=2, dp=2), topo())
+    assert len(st[0].forward) == 2 + 4 * 2  # embedding + its all-reduce, 2 layers x 4 ops
+    keys = unique_events(st)
+    assert len(keys) < sum(len(s.forward) + len(s.backward) for s in st)
+    assert sum(k.startswith("compute:attention[") for k in keys) == 1
+
+
+def test_profile_overrides_and_names_missing(tmp_path: Path):
+    t, strat = topo(nodes=1, per_node=2), Strategy(tp=2, pp=1, dp=1, num_microbatches=2)
+    keys = list(unique_events(build_stage_events(SMALL, strat, t)))
+    prof = ProfileDB(device="a100-80gb", events_ms={k: 1.0 for k in keys})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    r = simulate(SMALL, strat, device_model(t, profile=ProfileDB.load(path)))
+    n_fwd = len(build_stage_events(SMALL, strat, t)[0].forward)
+    assert r.templates[0][0].duration == pytest.approx(n_fwd)
+    partial = ProfileDB(device="x", events_ms={k: 1.0 for k in keys[1:]})
+    with pytest.raises(SimError, match="lacks 1 event.*" + keys[0].split("[")[0]):
+        simulate(SMALL, strat, device_model(t, profile=partial))
+    lenient = device_model(t, profile=partial, strict_profile=False)
+    assert simulate(SMALL, strat, lenient).iteration_ms > 0
+
+
+CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=6, schedule=sch, overlap=ov, recompute=rc)
+           for sch in ("gpipe", "1f1b") for ov in ("none", "oases") for rc in (False, True)]
+
+
+@pytest.mark.parametrize("strat", CONFIGS, ids=lambda s: f"{s.schedule}-{s.overlap}-rc{int(s.recompute)}")
+def test_timeline_invariants(strat: Strategy):
+    r = simulate(SMALL, strat, device_model(topo()))
+    evs = timeline_events(r)
+    for st in range(strat.pp):
+        comp = sorted((e for e in evs if e["stage"] == st and e["stream"] == "compute"), key=lambda e: e["start"])
+        assert all(a["end"] <= b["start"] + EPS for a, b in zip(comp, comp[1:])), "compute overlap"
+        comm = sorted((e for e in evs if e["stage"] == st and e["stream"] == "comm"), key=lambda e: e["start"])
+        assert all(a["end"] <= b["start"] + EPS for a, b in zip(comm, comm[1:])), "comm overlap"
+    span = {}
+    for e in evs:
+        if e["phase"] in ("F", "B") and e["stream"] != "p2p":
+            k = (e["stage"], e["phase"], e["micro_batch"])
+            lo, hi = span.get(k, (float("inf"), 0.0))
+            span[k] = (min(lo, e["start"]), max(hi, e["end"]))
+    last = strat.pp - 1
+    for m in range(strat.num_microbatches):
+        for s in range(1, strat.pp):
+            assert span[(s, "F", m)][0] >= span[(s - 1, "F", m)][1] + r.p2p_ms[s - 1][0] - EPS
+        for s in range(last):
+            assert span[(s, "B", m)][0] >= span[(s + 1, "B", m)][1] + r.p2p_ms[s + 1][1] - EPS
+        assert span[(last, "B", m)][0] >= span[(last, "F", m)][1] - EPS
+    assert r.iteration_ms == pytest.approx(max(e["end"] for e in evs))
+    for x in r.stages:
+        assert x.compute_ms + x.exposed_comm_ms + x.bubble_ms == pytest.approx(r.iteration_ms)
+        assert x.bubble_ms >= -EPS
+    assert 0 < r.mfu < 1 and 0 <= r.bubble_fraction < 1
+
+
+@pytest.mark.parametrize("tp,pp,mb", [(2, 1, 2), (4, 2, 4), (8, 2, 2), (8, 1, 8)])
+def test_oases_never_slower_with_linear_costs(tp: int, pp: int, mb: int):
+    """With costs linear in batch (no GEMM overhead, no latency) halving is free, so overlap only helps."""
+    dm = device_model(topo(lat=0.0), gemm_half_ms=0.0)
+    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=mb)
+    times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, overlap=ov),
+                          dm).iteration_ms for ov in ("none", "oases")}
+    assert times["oases"] <= times["none"] + EPS
+
+
+def test_oases_meets_max_bound_for_one_layer_comm_equal_compute():
+    model = ModelConfig(num_layers=1, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+    layer = ("attention", "attention.g", "mlp", "mlp.g")
+    for ov, unit in (("none", 2.0), ("oases", 1.0)):  # a sub-batch op costs half a micro-batch op
+        st = build_stage_events(model, Strategy(tp=2, overlap=ov), topo(nodes=1, per_node=2))[0]
+        ops = tuple(e for e in st.forward if e.name in layer)
+        tm = run_template(ops, st.chains, {e.key: unit for e in ops})
+        c = m = 2 * 2.0  # total compute = total comm = 4 (two segments of 2 per micro-batch)
+        if ov == "none":
+            assert tm.duration == pytest.approx(c + m)
+        else:  # max(C, M) + the one sub-batch segment that cannot overlap (pipeline fill)
+            assert tm.duration == pytest.approx(max(c, m) + unit)
+
+
+def test_chrome_trace(tmp_path: Path):
+    r = simulate(SMALL, Strategy(tp=2, pp=2, dp=4, num_microbatches=3, overlap="oases"), device_model(topo()))
+    tr = chrome_trace(r)
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert xs and all({"name", "pid", "tid", "ts", "dur", "args"} <= e.keys() for e in xs)
+    names = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"compute", "comm", "p2p"}
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(r.iteration_ms * 1e3)
+    write_chrome_trace(r, tmp_path / "t.json")
+    json.loads((tmp_path / "t.json").read_text())
+
+
+def test_png_timeline(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    from megatron_oases.sim.trace import plot_timeline
+    r = simulate(SMALL, Strategy(tp=2, pp=2, dp=4, num_microbatches=3), device_model(topo()))
+    plot_timeline(r, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("strat,msg", [
+    (Strategy(tp=4, pp=2, dp=3), r"TP 4 x PP 2 x DP 3 = 24 != 16 GPUs"),
+    (Strategy(tp=2, pp=8, dp=1), r"4 layers are not divisible by PP 8"),
+    (Strategy(tp=16, pp=1, dp=1), r"divisible by TP 16"),
+])
+def test_bad_input_one_line(strat: Strategy, msg: str):
+    with pytest.raises(SimError, match=msg) as e:
+        simulate(SMALL, strat, device_model(topo()))
+    assert "\n" not in str(e.value)
+    with pytest.raises(SimError, match="schedule must be one of"):
+        Strategy(schedule="zb")
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_sim_scale.py"
+    spec = importlib.util.spec_from_file_location("bench_sim_scale", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_3072_gpus_under_one_second(capsys):
+    bench = _bench()
+    t0 = time.perf_counter()
+    r, _ = bench.run()
+    n = len(timeline_events(r))  # the expanded timeline too
+    assert time.perf_counter() - t0 <= 1.0 and n > 10_000
+    assert r.strategy.world_size == 3072 and 0.1 < r.mfu < 0.7
+    assert bench.main(["--dp", "47"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: TP 8 x PP 8 x DP 47 = 3008 != 3072 GPUs"
+
+
+def test_shipped_topology_prices_with_its_device():
+    r = simulate(SMALL, Strategy(tp=4, pp=2, dp=2, num_microbatches=4), device_model(load_topology("2node-ib")))
+    assert r.iteration_ms > 0 and len(r.stages) == 2
+
+
+def test_sim_main(tmp_path: Path, capsys):
+    from megatron_oases.sim.cli import sim_main
+    base = ["--topology", "2node-ib", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "256", "--micro-batch-size", "2", "--vocab-size", "4096", "--num-microbatches", "4"]
+    out = tmp_path / "t.json"
+    assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "2", "--overlap", "oases", "--trace", str(out)]) == 0
+    assert "iteration" in capsys.readouterr().out and out.is_file()
+    assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "error: TP 4 x PP 2 x DP 3 = 24 != 16 GPUs"
