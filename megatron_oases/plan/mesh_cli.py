@@ -64,6 +64,12 @@ def format_choice(choice: MeshChoice, shape: str = "") -> str:
                                     for i, (v, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     if any(c.axis1.calibrated or c.axis2.calibrated for c in choice.candidates):
         lines.append("* measured all-reduce bandwidth from the topology's calibration")
+        axes = [a for c in choice.candidates for a in (c.axis1, c.axis2) if a.size > 1]
+        if not all(a.calibrated for a in axes):
+            lines.append("warning: the calibration covers only some mesh axes; the others use the "
+                         "matrix estimate, which the calibration exists to correct, so the pick may "
+                         "be optimistic: measure the remaining groups "
+                         "(plan.atp_mesh.measurement_plan) before trusting it")
     p, meg = choice.pick, choice.megatron
     line = f"pick: DeviceMesh({p.d1},{p.d2}) ({p.label}), predicted T_comm {p.t_comm_s * 1e3:.3f} ms"
     if meg is not None and p is not meg and meg.t_comm_s > 0:

@@ -109,10 +109,11 @@ class Level:
 
 @dataclass(kw_only=True, frozen=True)
 class AllReduceCalibration:
-    """A measured all-reduce bus bandwidth for one rank group, which beats the matrix estimate."""
+    """A measured all-reduce bandwidth for one rank group, which beats the matrix estimate."""
 
     bandwidth_GBps: float
-    """Measured all-reduce bus bandwidth of the group, GB/s."""
+    """Measured all-reduce algorithm bandwidth of the group (ATP's B in Eq. 2: bytes / time), GB/s.
+    Convert nccl-tests "busbw" with plan.atp_mesh.calibration_from_measurements(kind="bus")."""
     ranks: tuple[int, ...] | None = None
     """Explicit member ranks; give either this or ``group_size`` (+ ``stride``)."""
     group_size: int | None = None
