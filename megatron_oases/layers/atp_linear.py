@@ -86,12 +86,14 @@ class _MeshLinear(torch.nn.Module):
                  bias: bool = True, init_weight: torch.Tensor | None = None,
                  init_bias: torch.Tensor | None = None,
                  init_method: Callable[[torch.Tensor], object] | None = None,
-                 chunks: int = 1, chunk_dim: int = 0,
+                 chunks: int = 1, chunk_dim: int = 0, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None):
         """``init_weight`` is the full ``[output_size, input_size]`` weight (same on every rank);
         without it a full weight is drawn with ``init_method`` (default N(0, 0.02)) from the
         current RNG state, which must then be equal on all TP ranks. ``chunks`` > 1 turns on the
-        chunk-based overlap along ``chunk_dim`` (use 1 for Megatron's ``[s, b, h]``)."""
+        chunk-based overlap along ``chunk_dim`` (use 1 for Megatron's ``[s, b, h]``).
+        ``skip_bias_add`` leaves the bias out of ``forward`` so Megatron's bias-dropout-add can
+        fuse it (the caller reads ``self.bias``)."""
         super().__init__()
         mesh = mesh_groups.mesh
         name = type(self).__name__
@@ -105,6 +107,7 @@ class _MeshLinear(torch.nn.Module):
             raise ConfigError(f"{name}: chunks must be >= 1 (got {chunks})")
         self.input_size, self.output_size = input_size, output_size
         self.mesh_groups, self.chunks, self.chunk_dim = mesh_groups, chunks, chunk_dim
+        self.skip_bias_add = skip_bias_add
         self.weight_layout = (self.out_axis, self.in_axis)
         self.bias_layout = (self.out_axis,)
 
@@ -145,12 +148,13 @@ class _MeshLinear(torch.nn.Module):
             raise ValueError(f"{type(self).__name__}: input hidden dim {x.shape[-1]} != "
                              f"{self.input_size} / mesh axis {self.in_axis} = {local_in}")
         fwd_group, bwd_group = mg.group(self.in_axis), mg.group(self.out_axis)
+        bias = None if self.skip_bias_add else self.bias
         if self.chunks > 1:
-            return _OverlappedMeshLinear.apply(x, self.weight, self.bias, fwd_group, bwd_group,
+            return _OverlappedMeshLinear.apply(x, self.weight, bias, fwd_group, bwd_group,
                                                self.chunks, self.chunk_dim)
         x = C.copy_to_group(x, bwd_group)  # backward: sum dX over the axis that splits ``out``
         y = C.reduce_from_group(F.linear(x, self.weight), fwd_group)  # sum partials over ``in``
-        return y + self.bias if self.bias is not None else y
+        return y + bias if bias is not None else y
 
     def extra_repr(self) -> str:
         m = self.mesh_groups.mesh
@@ -174,3 +178,48 @@ class RowFirstLinear(_MeshLinear):
 
     in_axis, out_axis = 1, 2
     _weight_partition_dim = 1  # like Megatron's RowParallelLinear: ``in`` is the main split
+
+
+def mesh_replica_index(mesh_layout, mesh_groups: MeshGroups) -> int:
+    """This rank's replica number for a parameter: its position along the mesh axes that do not
+    split it (0 on exactly one rank per distinct shard)."""
+    free = [a for a in (1, 2) if a not in mesh_layout]
+    index = 0
+    for axis in free:
+        index = index * mesh_groups.mesh.axis_size(axis) + mesh_groups.index(axis)
+    return index
+
+
+def count_once_in_grad_norm_(module: torch.nn.Module, mesh_groups: MeshGroups) -> None:
+    """Megatron's grad norm counts a param on every TP rank when ``tensor_model_parallel`` is set,
+    else only on TP rank 0. A mesh param replicated on one axis must count once: keep the flag only
+    on its main replica (TP rank 0 is coordinate (0, 0), always a main replica)."""
+    for param in module.parameters():
+        layout = getattr(param, "mesh_layout", None)
+        if layout is not None:
+            param.tensor_model_parallel = mesh_replica_index(layout, mesh_groups) == 0
+
+
+def mesh_sharded_state_dict(module: torch.nn.Module, mesh_groups: MeshGroups, prefix: str = "",
+                            sharded_offsets=(), dp_rank: int | None = None) -> dict:
+    """``ShardedTensor``s for every parameter of ``module`` from its ``mesh_layout``: global shape
+    and offsets per split dim, replica id from the unsplit axes (what dist-checkpointing and
+    ``parallel.layout`` read)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if dp_rank is None:
+        from megatron.core import parallel_state
+
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    n_pre = len(sharded_offsets)
+    out = {}
+    for name, param in module.named_parameters():
+        layout = param.mesh_layout
+        split = [(dim + n_pre, mesh_groups.index(axis), mesh_groups.mesh.axis_size(axis))
+                 for dim, axis in enumerate(layout) if axis is not None]
+        key = f"{prefix}{name}"
+        out[key] = ShardedTensor.from_rank_offsets(
+            key, param, *sharded_offsets, *split,
+            replica_id=(0, mesh_replica_index(layout, mesh_groups), dp_rank),
+            prepend_axis_num=n_pre)
+    return out

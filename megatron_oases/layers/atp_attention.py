@@ -1,0 +1,124 @@
+"""ATP self-attention for Megatron's TransformerLayer (ATP paper §3.2.2, ops f1 / f2).
+
+Dataflow on a ``d1 x d2`` mesh, hidden states ``[s, b, h]`` in the between-layer spec
+``[Replicate, Shard(h)]`` (local ``[s, b, h/d2]``):
+
+| step                         | local shape          | spec                    | collective        |
+|------------------------------|----------------------|-------------------------|-------------------|
+| linear_qkv (column-first)    | [s, b, 3h/d1]        | [Shard(h), Replicate]   | f1: AR axis 2     |
+| scatter heads over axis 2    | [s, b, 3h/N]         | [Shard(h), Shard(h)]    | bwd: AG axis 2    |
+| core attention (Megatron's)  | [s, b, h/N]          | fully sharded by head   | none              |
+| gather heads over axis 2     | [s, b, h/d1]         | [Shard(h), Replicate]   | fwd: AG axis 2    |
+| linear_proj (row-first)      | [s, b, h/d2]         | [Replicate, Shard(h)]   | f2: AR axis 1     |
+
+Megatron lays QKV rows out head by head (``[q_h, k_h, v_h]`` per head), so contiguous splits of
+``out`` keep heads whole: the rank at TP position ``r = i d2 + j`` owns heads
+``[r nh/N, (r+1) nh/N)``, exactly Megatron's TP head partition. The core is Megatron's own
+``DotProductAttention`` built on the whole TP group (so heads per partition = ``nh / N``); it
+draws attention dropout under ``get_cuda_rng_tracker().fork()``. ``linear_proj``'s bias is
+returned, not added, so the layer's bias-dropout-add sees ``(output, bias)`` as with Megatron.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
+                                              count_once_in_grad_norm_, mesh_sharded_state_dict)
+from megatron_oases.parallel import collectives as C
+from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.parallel.mesh import MeshGroups
+
+
+def check_megatron_config(config, mesh_groups: MeshGroups, what: str) -> None:
+    """One-line errors for Megatron features the ATP layers do not implement (yet)."""
+    import torch.distributed as dist
+
+    m = mesh_groups.mesh
+    if getattr(config, "sequence_parallel", False):
+        raise ConfigError(f"{what}: --sequence-parallel is not supported with --tp-backend atp")
+    if getattr(config, "context_parallel_size", 1) != 1:
+        raise ConfigError(f"{what}: --context-parallel-size > 1 is not supported with --tp-backend atp")
+    if config.tensor_model_parallel_size != m.size:
+        raise ConfigError(f"{what}: --atp-mesh {m.d1}x{m.d2} needs --tensor-model-parallel-size "
+                          f"{m.size} (got {config.tensor_model_parallel_size})")
+    for axis in (1, 2):  # splits and gathers index shards by group rank: it must be the mesh index
+        if dist.get_rank(mesh_groups.group(axis)) != mesh_groups.index(axis):
+            raise ConfigError(f"{what}: --atp-mesh axis-{axis} group order differs from the mesh "
+                              "order (TP ranks must be increasing)")
+
+
+def param_device(config):
+    """Where parameters live: CPU with ``--use-cpu-initialization`` or without CUDA."""
+    if getattr(config, "use_cpu_initialization", True) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class ATPSelfAttention(torch.nn.Module):
+    """Drop-in for Megatron's ``SelfAttention`` in ``TransformerLayer`` (same call and return)."""
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None, pg_collection=None,
+                 cp_comm_type=None, *, mesh_groups: MeshGroups, chunks: int = 1, submodules=None):
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+
+        check_megatron_config(config, mesh_groups, "ATPSelfAttention")
+        m = mesh_groups.mesh
+        nh, ng = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if ng != nh:
+            raise ConfigError("ATPSelfAttention: --group-query-attention is not supported with "
+                              "--tp-backend atp yet")
+        if nh % m.size != 0:
+            raise ConfigError(f"ATPSelfAttention: --num-attention-heads {nh} is not divisible by "
+                              f"--atp-mesh {m.d1}x{m.d2} ({m.size} ranks)")
+        if getattr(config, "qk_layernorm", False):
+            raise ConfigError("ATPSelfAttention: --qk-layernorm is not supported with --tp-backend atp")
+        self.config, self.layer_number, self.mesh_groups = config, layer_number, mesh_groups
+        self.attn_mask_type = attn_mask_type if attn_mask_type is not None else AttnMaskType.causal
+        self.head_dim = config.kv_channels
+        proj = self.head_dim * nh
+        bias = config.add_bias_linear or config.add_qkv_bias
+        common = dict(chunks=chunks, chunk_dim=1, params_dtype=config.params_dtype,
+                      device=param_device(config))
+        self.linear_qkv = ColumnFirstLinear(config.hidden_size, 3 * proj, mesh_groups, bias=bias,
+                                            init_method=config.init_method, **common)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.core_attention = DotProductAttention(
+            config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
+            attention_type="self", pg_collection=pg_collection)
+        self.linear_proj = RowFirstLinear(proj, config.hidden_size, mesh_groups,
+                                          bias=config.add_bias_linear, skip_bias_add=True,
+                                          init_method=config.output_layer_init_method, **common)
+        count_once_in_grad_norm_(self, mesh_groups)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """``hidden_states`` ``[s, b, h/d2]`` -> ``(output [s, b, h/d2], bias [h/d2] or None)``."""
+        unsupported = {"key_value_states": key_value_states, "inference_context": inference_context,
+                       "rotary_pos_emb": rotary_pos_emb, "rotary_pos_cos": rotary_pos_cos,
+                       "packed_seq_params": packed_seq_params, "inference_params": inference_params}
+        for name, value in unsupported.items():
+            if value is not None:
+                raise NotImplementedError(f"ATPSelfAttention: {name} is not supported yet "
+                                          "(use --position-embedding-type learned_absolute)")
+        axis2 = self.mesh_groups.group(2)
+        qkv = self.linear_qkv(hidden_states)                 # [s, b, 3h/d1], f1
+        qkv = C.split_dim(qkv, -1, axis2)                    # [s, b, 3h/N]: own heads only
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
+        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
+        context = self.core_attention(query, key, value, attention_mask,
+                                      attn_mask_type=self.attn_mask_type,
+                                      attention_bias=attention_bias,
+                                      packed_seq_params=None)  # [s, b, h/N]
+        context = C.gather_dim(context, -1, axis2)           # [s, b, h/d1]
+        output = self.linear_proj(context)                   # [s, b, h/d2], f2
+        return output, self.linear_proj.bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets)

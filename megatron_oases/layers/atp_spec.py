@@ -1,0 +1,126 @@
+"""The GPT layer spec for ``--tp-backend atp``: Megatron's TransformerLayer with ATP submodules.
+
+Layout conversion. Megatron's block boundaries (embedding output, pipeline P2P buffers, the
+final layernorm and output layer) carry ``[s, b, h]`` replicated over TP. ``ATPTransformerLayer``
+converts only at the edges of its block: the *first* layer of each block (pipeline / virtual
+stage) keeps its axis-2 slice of the hidden dim (``split_dim``: free in forward, an axis-2
+all-gather of dX in backward) and the *last* all-gathers it back on axis 2 (backward: keep own
+slice). In between, hidden states, residuals and the bias-dropout-add stay in the paper's
+``[Replicate, Shard(h)]`` (local ``[s, b, h/d2]``). Cost per block and micro-batch: one
+``[s, b, h]`` all-gather over ``d2`` ranks in forward and one in backward (nothing when
+``d2 == 1``), against the per-layer f1..f4 all-reduces it leaves untouched.
+
+Hidden dropout: Megatron's bias-dropout-add would draw a mask for the local ``h/d2`` slice from
+the default RNG (equal on all TP ranks), so every axis-2 slice of a token would get the *same*
+pattern. ``atp_bias_dropout_add`` draws the mask of the whole ``[s, b, h]`` (as the replicated
+stock path does) and keeps this rank's slice: statistically right, and on CPU bit-equal to the
+stock TP mask; it costs ``d2`` times the random numbers of the slice.
+"""
+from __future__ import annotations
+
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_oases.parallel import collectives as C
+from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.parallel.mesh import MeshGroups
+
+
+class ATPTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer that enters / leaves ``[Replicate, Shard(h)]`` at the block's
+    first / last layer (``mesh_groups`` comes from the spec's params)."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None, *, mesh_groups: MeshGroups):
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.utils import get_pg_rank
+
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self.mesh_groups = mesh_groups
+        pp_rank = get_pg_rank(getattr(self.pg_collection, "pp", None))
+        n_local = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        # ``layer_number`` as passed by TransformerBlock is 1-based within this block.
+        self.atp_enter, self.atp_leave = layer_number == 1, layer_number == n_local
+
+    def forward(self, hidden_states, *args, **kwargs):
+        axis2 = self.mesh_groups.group(2)
+        if self.atp_enter:
+            hidden_states = C.split_dim(hidden_states, -1, axis2)  # [s, b, h] -> [s, b, h/d2]
+        output, context = super().forward(hidden_states, *args, **kwargs)
+        if self.atp_leave:
+            output = C.gather_dim(output, -1, axis2)  # back to Megatron's replicated [s, b, h]
+        return output, context
+
+
+def atp_bias_dropout_add_builder(mesh_groups: MeshGroups):
+    """A ``get_bias_dropout_add`` replacement for hidden states in ``[Replicate, Shard(h)]``."""
+    import torch
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    d2, j = mesh_groups.mesh.d2, mesh_groups.index(2)
+
+    def get_atp_bias_dropout_add(training: bool, fused: bool):
+        stock = get_bias_dropout_add(training, fused)
+
+        def bias_dropout_add(x_with_bias, residual, prob: float):
+            if not training or prob == 0.0 or d2 == 1:
+                return stock(x_with_bias, residual, prob)
+            x, bias = x_with_bias
+            x = x + bias if bias is not None else x
+            h_local = x.shape[-1]
+            full = torch.empty((*x.shape[:-1], h_local * d2), dtype=x.dtype, device=x.device)
+            keep = full.bernoulli_(1.0 - prob)[..., j * h_local:(j + 1) * h_local]
+            return residual + x * (keep / (1.0 - prob))  # torch's CPU dropout order
+
+        return bias_dropout_add
+
+    return get_atp_bias_dropout_add
+
+
+def get_gpt_layer_atp_spec(d1: int, d2: int, chunks: int = 1, *,
+                           mesh_groups: MeshGroups | None = None):
+    """``ModuleSpec`` of an ATP GPT layer on a ``d1 x d2`` mesh with ``chunks``-way overlap.
+
+    Call after ``initialize_model_parallel``. Without ``mesh_groups`` the mesh groups are built
+    from Megatron's TP groups here, which is collective over the world: call it once on every
+    rank and reuse the spec for all model chunks.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from megatron_oases.layers.atp_attention import ATPSelfAttention
+    from megatron_oases.layers.atp_mlp import ATPMLP
+    from megatron_oases.layers.atp_norm import ATPNorm
+    from megatron_oases.parallel.mesh import mesh_groups_from_megatron
+
+    if chunks < 1:
+        raise ConfigError(f"--atp-chunks must be >= 1 (got {chunks})")
+    if mesh_groups is None:
+        mesh_groups = mesh_groups_from_megatron(d1, d2)
+    elif (mesh_groups.mesh.d1, mesh_groups.mesh.d2) != (d1, d2):
+        raise ConfigError(f"--atp-mesh {d1}x{d2} does not match the given mesh groups "
+                          f"{mesh_groups.mesh.d1}x{mesh_groups.mesh.d2}")
+    mesh = {"mesh_groups": mesh_groups}
+    bda = atp_bias_dropout_add_builder(mesh_groups)
+    return ModuleSpec(
+        module=ATPTransformerLayer,
+        params=mesh,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=ModuleSpec(module=ATPNorm, params=mesh),
+            self_attention=ModuleSpec(module=ATPSelfAttention,
+                                      params={**mesh, "chunks": chunks,
+                                              "attn_mask_type": AttnMaskType.causal}),
+            self_attn_bda=bda,
+            pre_mlp_layernorm=ModuleSpec(module=ATPNorm, params=mesh),
+            mlp=ModuleSpec(module=ATPMLP, params={**mesh, "chunks": chunks}),
+            mlp_bda=bda,
+            # Same checkpoint keys as Megatron's local spec, so checkpoints and
+            # ``parallel.layout`` keys are interchangeable with --tp-backend megatron.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
