@@ -56,19 +56,34 @@ def _vp_size(args) -> int | None:
     return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
 
 
-def layer_spec(args: argparse.Namespace):
-    """The TransformerLayer ModuleSpec for ``--tp-backend`` (stock Megatron local spec for now)."""
+def backend_groups(args: argparse.Namespace):
+    """Process groups a backend needs beyond Megatron's; collective, so call once on all ranks
+    after ``initialize_model_parallel`` (ATP: the two mesh-axis groups of every TP group)."""
+    if args.tp_backend == "atp":
+        from megatron_oases.parallel.mesh import mesh_groups_from_megatron
+
+        return mesh_groups_from_megatron(*args.atp_mesh)
+    return None
+
+
+def layer_spec(args: argparse.Namespace, groups=None):
+    """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
     if args.tp_backend == "megatron":
         return get_gpt_layer_local_spec(normalization=args.normalization)
+    if args.tp_backend == "atp":
+        from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
+
+        d1, d2 = args.atp_mesh
+        return get_gpt_layer_atp_spec(d1, d2, args.atp_chunks, mesh_groups=groups)
     raise ValueError(f"unknown --tp-backend {args.tp_backend!r}")
 
 
 def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_process: bool,
-                    post_process: bool, vp_stage: int | None = None) -> GPTModel:
+                    post_process: bool, vp_stage: int | None = None, groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=layer_spec(args, groups),
         vocab_size=padded_vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

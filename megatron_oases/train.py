@@ -43,7 +43,7 @@ def setup(args: argparse.Namespace) -> Trainer:
 
     from megatron_oases.parallel.layout import tp_invariant_init_
     from megatron_oases.runtime import init_distributed, init_runtime
-    from megatron_oases.specs import build_gpt_model, transformer_config_from_args
+    from megatron_oases.specs import backend_groups, build_gpt_model, transformer_config_from_args
 
     runtime = init_runtime(args.device)
     init_distributed(runtime, timeout_s=args.dist_timeout)
@@ -55,10 +55,11 @@ def setup(args: argparse.Namespace) -> Trainer:
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args, cuda=runtime.is_cuda)
 
+    groups = backend_groups(args)
     chunks = []
     for vp_stage in (range(dims.vp) if dims.vp else [None]):
         chunk = build_gpt_model(
-            args, config, vp_stage=vp_stage,
+            args, config, vp_stage=vp_stage, groups=groups,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
         chunk.to(runtime.device)

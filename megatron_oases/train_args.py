@@ -10,7 +10,7 @@ import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
-TP_BACKENDS = ("megatron",)
+TP_BACKENDS = ("megatron", "atp")
 SCHEDULES = ("default",)
 
 
@@ -39,7 +39,13 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--tp-backend", choices=TP_BACKENDS, default="megatron",
-                   help="tensor-parallel layer implementation (megatron = stock 1-D TP)")
+                   help="tensor-parallel layer implementation: megatron = stock 1-D TP, "
+                        "atp = ATP's 2-D device mesh inside the TP group (needs --atp-mesh)")
+    g.add_argument("--atp-mesh", default=None, metavar="D1,D2",
+                   help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size; pick one with "
+                        "`megatron-oases mesh` (d2 is the fastest-varying, innermost axis)")
+    g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=1,
+                   help="ATP chunk-based overlap: split the batch into this many chunks")
     g.add_argument("--schedule", choices=SCHEDULES, default="default",
                    help="executor of the TP layers (default = Megatron's sequential one)")
     g = p.add_argument_group("model")
@@ -129,6 +135,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     if args.use_distributed_optimizer and not cuda:
         raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
+    _validate_atp(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:
@@ -164,6 +171,31 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
     return dims
+
+
+def _validate_atp(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """Parse --atp-mesh into (d1, d2) and check it against TP and the model."""
+    if args.tp_backend != "atp":
+        if args.atp_mesh is not None:
+            raise ConfigError("--atp-mesh needs --tp-backend atp")
+        return
+    if args.atp_mesh is None:
+        raise ConfigError("--tp-backend atp needs --atp-mesh D1,D2 (e.g. from `megatron-oases mesh`)")
+    if isinstance(args.atp_mesh, str):
+        if args.atp_mesh == "auto":
+            raise ConfigError("--atp-mesh auto is not wired into the trainer yet; run "
+                              "`megatron-oases mesh --topology ...` and pass its pick as D1,D2")
+        try:
+            d1, d2 = (int(v) for v in args.atp_mesh.split(","))
+        except ValueError:
+            raise ConfigError(f"--atp-mesh must be D1,D2 (got {args.atp_mesh!r})") from None
+        args.atp_mesh = (d1, d2)
+    d1, d2 = args.atp_mesh
+    if d1 < 1 or d2 < 1 or d1 * d2 != dims.tp:
+        raise ConfigError(f"--atp-mesh {d1},{d2}: d1 x d2 = {d1 * d2} must equal "
+                          f"--tensor-model-parallel-size {dims.tp}")
+    if args.sequence_parallel:
+        raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:

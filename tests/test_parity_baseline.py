@@ -63,3 +63,14 @@ def test_tp_invariant_init_gives_identical_global_model(on_ranks_module):
     assert one.keys() == four.keys()
     for key in one:
         assert max_rel_diff(four[key], one[key]) == 0.0, key
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "4", "--atp-mesh", "2,2", "--atp-chunks", "2"],
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--atp-mesh", "1,2",
+     "--recompute-granularity", "full", "--recompute-method", "uniform"],
+], ids=["atp-2x2-chunks2", "pp2-atp-1x2-recompute"])
+def test_trainer_with_atp_backend_matches_single_rank(reference, on_ranks_module, extra):
+    out = on_ranks_module(train_and_gather, 4, MODEL + ["--train-iters", "10", "--tp-backend", "atp"]
+                          + extra)
+    _compare({"losses": out[-1]["losses"], "params": out[0]["params"]}, reference)
