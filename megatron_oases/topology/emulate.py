@@ -186,8 +186,12 @@ class EmulatedCluster:
         }
 
     def launch(self, cmd: list[str], env: dict[str, str] | None = None, *, timeout: float = 600,
-               stream_rank0: bool = False, cwd: str | None = None) -> LaunchResult:
-        """Run ``cmd`` once per rank in its node's namespace; stop all on first failure or timeout."""
+               stream_rank0: bool = False, stream_rank: int | None = None,
+               cwd: str | None = None) -> LaunchResult:
+        """Run ``cmd`` once per rank in its node's namespace; stop all on first failure or timeout.
+
+        ``stream_rank`` echoes that rank's output live (-1: the last rank, where Megatron-style
+        trainers print); ``stream_rank0`` is the same for rank 0."""
         if not self._namespaces:
             raise EmulationError("cluster is not up; use 'with EmulatedCluster(...)' or call up()")
         # The namespaces are ours alone, so a port is free unless an earlier launch used it.
@@ -196,13 +200,15 @@ class EmulatedCluster:
         base = {**os.environ, **(env or {})}
         procs, outputs, readers = [], [[] for _ in range(self.topology.world_size)], []
         t0 = time.monotonic()
+        world = self.topology.world_size
+        echo_rank = 0 if stream_rank0 else (None if stream_rank is None else stream_rank % world)
         try:
-            for r in range(self.topology.world_size):
+            for r in range(world):
                 p = subprocess.Popen(["ip", "netns", "exec", self.node_ns(self.topology.node_of(r)), *cmd],
                                      env={**base, **self.rank_env(r, port)}, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
                 procs.append(p)
-                th = threading.Thread(target=_pump, args=(p.stdout, outputs[r], stream_rank0 and r == 0), daemon=True)
+                th = threading.Thread(target=_pump, args=(p.stdout, outputs[r], r == echo_rank), daemon=True)
                 th.start()
                 readers.append(th)
             res = self._wait(procs, t0 + timeout)
@@ -279,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: megatron-oases emulate --topology emu-2x2 -- python -m my.train --tp 2")
     p.add_argument("--topology", help="YAML file or name of a shipped example (emu-flat4, emu-2x2, ...)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before all ranks are killed (default 600)")
-    p.add_argument("--quiet", action="store_true", help="do not stream rank 0's output live")
+    p.add_argument("--quiet", action="store_true", help="do not stream any rank's output live")
+    p.add_argument("--stream-rank", type=int, default=-1,
+                   help="rank whose output is streamed live (default -1: the last rank, where "
+                        "Megatron and megatron-oases train print their iteration lines)")
     p.add_argument("--no-latency", action="store_true", help="do not add netem delays even if available")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix (lowercase letters)")
     p.add_argument("--cleanup-stale", action="store_true",
@@ -302,7 +311,8 @@ def emulate_main(argv: list[str] | None = None) -> int:
     try:
         with EmulatedCluster(load_topology(args.topology), prefix=args.prefix, latency=not args.no_latency) as c:
             print(describe(c), file=sys.stderr)
-            res = c.launch(cmd, timeout=args.timeout, stream_rank0=not args.quiet)
+            res = c.launch(cmd, timeout=args.timeout,
+                           stream_rank=None if args.quiet else args.stream_rank)
     except (EmulationError, ValueError) as e:
         print(f"megatron-oases emulate: error: {e}", file=sys.stderr)
         return 2
