@@ -173,48 +173,27 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-class _AllGatherDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+def _dim_pair(name: str, forward_fn, backward_fn):
+    """An autograd Function over (x, dim, group) whose backward is ``backward_fn`` of the grad."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+    class _Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return forward_fn(x, dim, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_fn(grad, ctx.dim, ctx.group), None, None
 
-class _ReduceScatterDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+    _Pair.__name__ = _Pair.__qualname__ = name
+    return _Pair
 
 
-class _SplitDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
+_AllGatherDim = _dim_pair("_AllGatherDim", _gather, _reduce_scatter)
+_ReduceScatterDim = _dim_pair("_ReduceScatterDim", _reduce_scatter, _gather)
+_SplitDim = _dim_pair("_SplitDim", _split, _gather)
+_GatherDim = _dim_pair("_GatherDim", _gather, _split)
 
 
 def copy_to_group(x, group):
