@@ -49,9 +49,11 @@ def check_megatron_config(config, mesh_groups: MeshGroups, what: str) -> None:
 
 def param_device(config):
     """Where parameters live: CPU with ``--use-cpu-initialization`` or without CUDA."""
-    if getattr(config, "use_cpu_initialization", True) or not torch.cuda.is_available():
+    from megatron_oases.runtime import current_runtime
+
+    if getattr(config, "use_cpu_initialization", True):
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return current_runtime().device
 
 
 class ATPSelfAttention(torch.nn.Module):
