@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
 
-        if rank_env_device := ("cuda" if cuda else "cpu"):
-            args.device = rank_env_device
+        args.device = "cuda" if cuda else "cpu"  # every spawned rank uses the parent's choice
         try:
             run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,),
                          timeout_s=args.dist_timeout + 60)
