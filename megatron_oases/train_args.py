@@ -11,7 +11,7 @@ import os
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
 TP_BACKENDS = ("megatron", "atp")
-SCHEDULES = ("default",)
+SCHEDULES = ("default", "oases")
 
 
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
@@ -47,7 +47,12 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=1,
                    help="ATP chunk-based overlap: split the batch into this many chunks")
     g.add_argument("--schedule", choices=SCHEDULES, default="default",
-                   help="executor of the TP layers (default = Megatron's sequential one)")
+                   help="executor of the TP layers: default = Megatron's sequential one; oases = "
+                        "two sub-batches per micro-batch whose TP collectives overlap the other's "
+                        "compute (see the oases group)")
+    from megatron_oases.schedules.oases.options import add_oases_args
+
+    add_oases_args(p)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -136,6 +141,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
     _validate_atp(args, dims)
+    from megatron_oases.schedules.oases.options import validate_oases_args
+
+    validate_oases_args(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:

@@ -1,0 +1,79 @@
+"""Flags of the Oases schedule, their validation, and the typed options the executor reads.
+
+One place for the flags so the reference trainer and the Megatron-LM ``extra_args_provider`` add
+the same ones. Validation runs before any process group exists; each error names the flag.
+
+How Oases relates to Megatron's recompute flags:
+
+* ``--recompute-granularity full`` (method ``uniform``): every layer of the stage is recomputed
+  in backward. With ``--oases-fine-grained-recompute`` (default) the outputs of the forward
+  all-reduces are saved as recompute boundaries, so recomputation issues no collective; with
+  ``--no-oases-fine-grained-recompute`` only each layer's input is saved (Megatron's full
+  recompute) and the recompute pass repeats the forward all-reduces.
+* no recompute: the autograd graph of each sub-batch is kept, nothing is recomputed.
+* ``--recompute-granularity selective`` and ``--recompute-method block`` are refused: Oases
+  replaces Megatron's recompute with its own per-layer form.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_oases.parallel.dims import ConfigError, ParallelDims
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OasesOptions:
+    """What the Oases executor does for one model chunk."""
+
+    recompute: bool
+    """Recompute every layer in backward (from ``--recompute-granularity full``)."""
+    fine_grained_recompute: bool = True
+    """Save the forward collectives' outputs so recomputation issues no collective (§3.2)."""
+    cross_pass: bool = True
+    """Interleave one sub-batch's recompute with the other's backward across layers (§3.1);
+    off: a barrier between the recompute and the backward pass of every layer."""
+    sub_batches: int = 2
+
+
+def add_oases_args(parser: argparse.ArgumentParser) -> None:
+    """The ``oases`` argument group (Table 3's ablation switches)."""
+    g = parser.add_argument_group(
+        "oases", "Oases schedule (--schedule oases): two sub-batches per micro-batch, "
+                 "fine-grained recompute, cross-pass recompute/backward overlap")
+    g.add_argument("--oases-cross-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap one sub-batch's recompute with the other's backward across "
+                        "layer boundaries (off: a barrier between each layer's recompute and "
+                        "backward pass)")
+    g.add_argument("--oases-fine-grained-recompute", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="with --recompute-granularity full: save each forward all-reduce's "
+                        "output so recomputation starts after it and issues no collective "
+                        "(off: Megatron-style full recompute from each layer's input)")
+
+
+def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """Refuse combinations the Oases schedule does not support, naming the flag."""
+    if getattr(args, "schedule", "default") != "oases":
+        return
+    if args.tp_backend != "megatron":
+        raise ConfigError(f"--schedule oases does not support --tp-backend {args.tp_backend} "
+                          f"yet; use --tp-backend megatron with it")
+    if args.micro_batch_size < 2:
+        raise ConfigError(f"--schedule oases splits each micro-batch into two sub-batches and "
+                          f"needs --micro-batch-size >= 2 (got {args.micro_batch_size})")
+    if args.sequence_parallel:
+        raise ConfigError("--schedule oases overlaps the plain TP all-reduce and does not "
+                          "support --sequence-parallel; drop one of them")
+    if args.recompute_granularity == "selective":
+        raise ConfigError("--recompute-granularity selective cannot be combined with --schedule "
+                          "oases (Oases recomputes whole layers); use full or none")
+    if args.recompute_granularity == "full" and args.recompute_method != "uniform":
+        raise ConfigError("--schedule oases recomputes every layer: use --recompute-method "
+                          "uniform (block recomputes only some layers)")
+
+
+def oases_options_from_args(args: argparse.Namespace) -> OasesOptions:
+    return OasesOptions(recompute=args.recompute_granularity == "full",
+                        fine_grained_recompute=args.oases_fine_grained_recompute,
+                        cross_pass=args.oases_cross_pass)
