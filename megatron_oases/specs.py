@@ -18,6 +18,7 @@ from megatron_oases.train_args import padded_vocab_size
 def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> TransformerConfig:
     """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    oases = getattr(args, "schedule", "default") == "oases"
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -35,9 +36,10 @@ def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> Tra
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        # The Oases schedule recomputes by itself (OasesOptions); Megatron's must stay off then.
+        recompute_granularity=None if oases else args.recompute_granularity,
+        recompute_method=None if oases else args.recompute_method,
+        recompute_num_layers=None if oases else args.recompute_num_layers,
         use_cpu_initialization=not cuda,
         # Fused kernels and TE/Apex paths need CUDA; the local spec uses torch ops.
         bias_activation_fusion=False,
@@ -81,7 +83,7 @@ def layer_spec(args: argparse.Namespace, groups=None):
 def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_process: bool,
                     post_process: bool, vp_stage: int | None = None, groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args, groups),
         vocab_size=padded_vocab_size(args),
@@ -92,3 +94,9 @@ def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_
         position_embedding_type="learned_absolute",
         vp_stage=vp_stage,
     )
+    if getattr(args, "schedule", "default") == "oases":
+        from megatron_oases.schedules.oases.block import enable_oases_schedule
+        from megatron_oases.schedules.oases.options import oases_options_from_args
+
+        enable_oases_schedule(model, oases_options_from_args(args))
+    return model

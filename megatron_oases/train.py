@@ -80,7 +80,8 @@ def setup(args: argparse.Namespace) -> Trainer:
     for m in model:
         m.broadcast_params()
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+        OptimizerConfig(optimizer=args.optimizer, lr=args.lr, sgd_momentum=args.sgd_momentum,
+                        weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                         use_distributed_optimizer=args.use_distributed_optimizer,

@@ -76,6 +76,10 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
     g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="Megatron's optimizer; sgd keeps parity runs free of Adam's amplification "
+                        "of float noise in near-zero gradients")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)

@@ -1,0 +1,78 @@
+"""Selecting the Oases schedule on a Megatron-Core model: ``enable_oases_schedule(model, options)``.
+
+The hook is the model's ``TransformerBlock``: its class is swapped for a subclass whose training
+forward runs the stage's layers through ``OasesStage``; parameters, state-dict keys, checkpoints,
+eval forward and everything outside the block stay Megatron's. A Megatron-LM model provider calls
+it right after building ``GPTModel`` (the trainer does so in ``specs.build_gpt_model``).
+"""
+from __future__ import annotations
+
+from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
+from megatron_oases.schedules.oases.options import OasesOptions
+from megatron_oases.schedules.oases.tape import UnsupportedLayer, megatron_layer_tape
+
+_UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos",
+                       "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+                       "inference_context", "packed_seq_params", "sequence_len_offset",
+                       "padding_mask", "inference_params")
+
+
+class OasesBlockMixin:
+    """Training forward of a ``TransformerBlock`` through the Oases executor."""
+
+    oases_runner: OasesRunner
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        import torch
+        from megatron.core.utils import make_viewless_tensor
+
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        used = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+        if args or used:
+            raise UnsupportedLayer(f"the Oases schedule does not support {used or 'positional'} "
+                                   f"block arguments (e.g. rotary position embeddings) yet")
+        if not self.pre_process:
+            hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if len(self.layers):
+            hidden_states = OasesStage.apply(hidden_states, self.oases_runner, attention_mask)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
+                                                 keep_graph=True)
+        elif not self.pre_process and not len(self.layers):
+            hidden_states = hidden_states.clone()
+        return hidden_states
+
+
+_SUBCLASSES: dict = {}
+
+
+def _oases_class(cls):
+    if issubclass(cls, OasesBlockMixin):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Oases{cls.__name__}", (OasesBlockMixin, cls), {})
+    return _SUBCLASSES[cls]
+
+
+def enable_oases_schedule(model, options: OasesOptions):
+    """Run ``model``'s transformer block(s) with the Oases schedule; returns ``model``.
+
+    ``model`` is a ``GPTModel`` (its ``decoder``) or a ``TransformerBlock``. The config's own
+    recompute must be off (Oases recomputes itself, per ``options``)."""
+    block = getattr(model, "decoder", model)
+    if block.config.recompute_granularity is not None:
+        raise UnsupportedLayer("leave TransformerConfig.recompute_granularity unset with the "
+                               "Oases schedule; OasesOptions.recompute selects its recompute")
+    offset = _layer_offset(block)
+    tapes = [megatron_layer_tape(layer, offset + i) for i, layer in enumerate(block.layers)]
+    block.oases_runner = OasesRunner(tapes, options)
+    block.__class__ = _oases_class(type(block))
+    return model
+
+
+def _layer_offset(block) -> int:
+    """Global index of the block's first layer (dropout sites must not collide across chunks)."""
+    return block.layers[0].layer_number - 1 if len(block.layers) else 0

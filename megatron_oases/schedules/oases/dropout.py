@@ -1,0 +1,107 @@
+"""Dropout masks of a whole micro-batch, shared by its two sub-batches and redrawn in recompute.
+
+Stock Megatron draws one dropout mask per site for the whole micro-batch. Two sub-batches that
+each drew their own would consume the generator differently (CPU bernoulli is filled in parallel
+blocks, CUDA Philox by element index), so their masks would differ from stock and losses would
+not match. Here the first sub-batch to reach a site draws the mask at full micro-batch shape, in
+exactly the generator state stock Megatron would have there, and each sub-batch multiplies by its
+slice. The generator state before the draw is kept, so the recompute pass redraws the identical
+mask without disturbing the generator (as Megatron's CheckpointFunction restores RNG states).
+
+Sites are visited in the same order by both sub-batches, and the first arrival draws, so the
+draws per generator happen in stock order. Attention dropout runs inside Megatron's RNG-tracker
+fork, so its draws come from the tracker's stream, as in stock.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class MicroBatchMasks:
+    """The dropout masks of one micro-batch split into sub-batches along the batch dimension."""
+
+    def __init__(self, sub_batch_sizes: list[int]):
+        self.sizes = list(sub_batch_sizes)
+        self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._drawn: dict = {}
+        """site -> [scaled full mask, sub-batches still to use it]; freed after the last one."""
+        self._states: dict = {}
+        """site -> generator state before the forward draw (for the recompute redraw)."""
+
+    def scaled_mask(self, site, x: torch.Tensor, batch_dim: int, p: float, sub: int,
+                    recompute: bool) -> torch.Tensor:
+        """``mask / (1 - p)`` for sub-batch ``sub``'s slice; ``x`` is that sub-batch's tensor."""
+        entry = self._drawn.get(site)
+        if entry is None:
+            shape = list(x.shape)
+            shape[batch_dim] = sum(self.sizes)
+            if recompute:
+                current = _rng_state(x.device)
+                _set_rng_state(self._states[site], x.device)
+                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+                _set_rng_state(current, x.device)
+            else:
+                self._states[site] = _rng_state(x.device)
+                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+            entry = self._drawn[site] = [full, len(self.sizes)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._drawn[site]
+        return entry[0].narrow(batch_dim, self.starts[sub], self.sizes[sub])
+
+
+@dataclasses.dataclass
+class _Active:
+    masks: MicroBatchMasks
+    sub: int
+    recompute: bool
+
+
+_ACTIVE: list[_Active] = []
+
+
+@contextlib.contextmanager
+def active_sub_batch(masks: MicroBatchMasks, sub: int, recompute: bool):
+    """Dropout inside refers to sub-batch ``sub`` of ``masks`` (set by the executor per resume)."""
+    _ACTIVE.append(_Active(masks, sub, recompute))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, site, batch_dim: int) -> torch.Tensor:
+    """``F.dropout`` that, inside the Oases executor, applies the micro-batch's mask slice."""
+    if not training or p == 0.0:
+        return x
+    if not _ACTIVE:
+        return F.dropout(x, p, True)
+    a = _ACTIVE[-1]
+    return x * a.masks.scaled_mask(site, x, batch_dim, p, a.sub, a.recompute)
+
+
+class SubBatchDropout(torch.nn.Module):
+    """Replaces ``DotProductAttention.attention_dropout`` (probabilities are [b, np, sq, sk])."""
+
+    def __init__(self, p: float, site):
+        super().__init__()
+        self.p = p
+        self.site = site
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training, self.site, batch_dim=0)

@@ -1,0 +1,237 @@
+"""The Oases executor: two sub-batches, async TP collectives, fine-grained and cross-pass recompute.
+
+A pipeline stage's layers run as one autograd node (``OasesStage``) so Megatron's schedules
+(no pipelining, 1F1B, interleaved) see an ordinary module. Inside, each sub-batch's pass is a
+generator that yields whenever it has launched a collective; ``interleave`` resumes the other
+sub-batch meanwhile and waits on a handle only when its sub-batch needs the result (Algorithm 1).
+
+* Forward: both sub-batches through every layer; layer boundaries are not barriers.
+* Backward (one generator per sub-batch over all layers of the stage, last to first): recompute a
+  layer's local steps from its saved boundaries, then walk its tape in reverse, all-reducing the
+  gradients at the column linears' inputs async. While one sub-batch waits for its all-reduce,
+  the other recomputes or runs backward: recompute and backward of the two sub-batches overlap
+  across layers (cross-pass). ``cross_pass=False`` puts a barrier between each layer's recompute
+  and backward passes instead (Table 3's ablation).
+* Fine-grained recompute: the outputs of the forward all-reduces are saved, so recompute starts
+  after them and issues no collective; the gradient of an all-reduce's input equals its output's
+  (Eq. 1). Without it, recompute repeats the forward all-reduces (tagged "recompute").
+
+Parameter gradients of the two sub-batches are summed and handed to autograd once per step and
+layer (``torch.autograd.backward`` on the parameters), so Megatron DDP's per-parameter hooks fire
+exactly once per micro-batch, as with stock layers.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_oases.parallel.collectives import all_reduce, comm_tag
+from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
+from megatron_oases.schedules.oases.options import OasesOptions
+from megatron_oases.schedules.oases.tape import (BackwardAllReduce, ForwardAllReduce, LayerTape,
+                                                 Local)
+
+BARRIER = object()
+"""Yielded by a program to wait until every other program reached its barrier too."""
+
+
+def interleave(programs, resume_context) -> None:
+    """Run generator ``programs`` round-robin; each yields an async work handle (switch to the
+    next program, wait on the handle before resuming this one) or ``BARRIER``."""
+    n = len(programs)
+    pending = [None] * n
+    done = [False] * n
+    while not all(done):
+        for i in range(n):
+            if done[i] or pending[i] is BARRIER:
+                continue
+            if pending[i] is not None:
+                pending[i].wait()
+            pending[i] = None
+            with resume_context(i):
+                try:
+                    pending[i] = next(programs[i])
+                except StopIteration:
+                    done[i] = True
+        if all(done[i] or pending[i] is BARRIER for i in range(n)):
+            pending = [None] * n
+
+
+def _leaves(env: dict, names) -> dict:
+    return {n: env[n].detach().requires_grad_() for n in names}
+
+
+def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
+    grads[name] = g if name not in grads else grads[name] + g
+
+
+class _StepState:
+    """What the forward leaves for the backward of one micro-batch."""
+
+    def __init__(self, n_sub: int, n_layers: int, masks: MicroBatchMasks, attention_masks):
+        self.masks = masks
+        self.attention_masks = attention_masks
+        self.saved = [[{} for _ in range(n_layers)] for _ in range(n_sub)]
+        self.outputs = [None] * n_sub
+        self.grad_inputs = [None] * n_sub
+
+
+class OasesRunner:
+    """Executes the layers of one model chunk (their ``LayerTape``s) with the Oases schedule."""
+
+    def __init__(self, tapes: list[LayerTape], options: OasesOptions):
+        self.tapes = tapes
+        self.options = options
+        self._param_grads: dict = {}
+
+    # ----- forward -------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, attention_mask) -> tuple[torch.Tensor, _StepState]:
+        subs = [s.contiguous() for s in torch.tensor_split(hidden_states, self.options.sub_batches, dim=1)]
+        masks = MicroBatchMasks([s.shape[1] for s in subs])
+        state = _StepState(len(subs), len(self.tapes), masks, self._split_mask(attention_mask, subs))
+        programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
+        with self._collectives_off():
+            interleave(programs, lambda i: active_sub_batch(masks, i, recompute=False))
+        return torch.cat(state.outputs, dim=1), state
+
+    def _forward_program(self, i: int, x: torch.Tensor, state: _StepState):
+        keep_graph = not self.options.recompute
+        keep = set()
+        for li, tape in enumerate(self.tapes):
+            saved = state.saved[i][li]
+            if not keep_graph:
+                keep = set(tape.saved_boundaries(self.options.fine_grained_recompute))
+            env = {tape.input: x}
+            for step in tape.steps:
+                if isinstance(step, Local):
+                    if keep_graph:
+                        leaves = _leaves(env, step.inputs)
+                        with torch.enable_grad():
+                            outs = step.fn(leaves, state.attention_masks[i])
+                        saved[step.name] = (leaves, outs)
+                        outs = {k: v.detach() for k, v in outs.items()}
+                    else:
+                        outs = step.fn({n: env[n] for n in step.inputs}, state.attention_masks[i])
+                    env.update(outs)
+                elif isinstance(step, ForwardAllReduce):
+                    t = env[step.src]
+                    work = all_reduce(t, tape.group, async_op=True)
+                    if work is not None:
+                        yield work
+                    env[step.dst] = t
+            for name in keep:
+                saved[name] = env[name]
+            x = env[tape.output]
+        state.outputs[i] = x
+
+    # ----- backward ------------------------------------------------------------------------
+    def backward(self, state: _StepState, grad_output: torch.Tensor) -> torch.Tensor:
+        grads = [g.contiguous() for g in torch.tensor_split(grad_output, len(state.outputs), dim=1)]
+        programs = [self._backward_program(i, g, state) for i, g in enumerate(grads)]
+        with self._collectives_off():
+            interleave(programs, lambda i: active_sub_batch(state.masks, i, recompute=True))
+        assert not self._param_grads, "parameter gradients left undelivered"
+        return torch.cat(state.grad_inputs, dim=1)
+
+    def _recompute(self, i: int, li: int, state: _StepState):
+        """Rebuild layer ``li``'s local graphs for sub-batch ``i`` from its saved boundaries."""
+        tape, saved = self.tapes[li], state.saved[i][li]
+        env, graphs = {tape.input: saved[tape.input]}, {}
+        for step in tape.steps:
+            if isinstance(step, Local):
+                leaves = _leaves(env, step.inputs)
+                with torch.enable_grad():
+                    outs = step.fn(leaves, state.attention_masks[i])
+                graphs[step.name] = (leaves, outs)
+                env.update({k: v.detach() for k, v in outs.items()})
+            elif isinstance(step, ForwardAllReduce):
+                if step.dst in saved:
+                    env[step.dst] = saved[step.dst]
+                else:
+                    t = env[step.src].clone()
+                    with comm_tag("recompute"):
+                        work = all_reduce(t, tape.group, async_op=True)
+                    if work is not None:
+                        yield work
+                    env[step.dst] = t
+        return graphs
+
+    def _backward_program(self, i: int, grad: torch.Tensor, state: _StepState):
+        for li in reversed(range(len(self.tapes))):
+            tape = self.tapes[li]
+            if self.options.recompute:
+                graphs = yield from self._recompute(i, li, state)
+                if not self.options.cross_pass:
+                    yield BARRIER
+            else:
+                graphs = state.saved[i][li]
+            grads = {tape.output: grad}
+            for step in reversed(tape.steps):
+                if isinstance(step, Local):
+                    self._local_backward(li, step, graphs.pop(step.name), grads, tape.params)
+                elif isinstance(step, ForwardAllReduce):
+                    grads[step.src] = grads.pop(step.dst)  # Eq. 1
+                elif isinstance(step, BackwardAllReduce):
+                    work = all_reduce(grads[step.tensor], tape.group, async_op=True)
+                    if work is not None:
+                        yield work
+            state.saved[i][li] = None
+            grad = grads.pop(tape.input)
+            if not self.options.cross_pass:
+                yield BARRIER
+        state.grad_inputs[i] = grad
+
+    def _local_backward(self, li: int, step: Local, graph, grads: dict, params) -> None:
+        leaves, outs = graph
+        roots = [(outs[n], grads.pop(n)) for n in step.outputs if n in grads]
+        names = list(leaves)
+        inputs = [leaves[n] for n in names] + list(params)
+        got = torch.autograd.grad([r for r, _ in roots], inputs, [g for _, g in roots],
+                                  allow_unused=True)
+        for n, g in zip(names, got):
+            if g is not None:
+                _accumulate(grads, n, g)
+        self._collect_param_grads((li, step.name), params, got[len(names):])
+
+    def _collect_param_grads(self, key, params, got) -> None:
+        """Sum over sub-batches; deliver through autograd once the last sub-batch is done."""
+        entry = self._param_grads.setdefault(key, [0, {}])
+        entry[0] += 1
+        for prm, g in zip(params, got):
+            if g is not None:
+                entry[1][prm] = g if prm not in entry[1] else entry[1][prm] + g
+        if entry[0] == self.options.sub_batches:
+            del self._param_grads[key]
+            if entry[1]:
+                torch.autograd.backward(list(entry[1]), list(entry[1].values()))
+
+    # ----- helpers -------------------------------------------------------------------------
+    def _collectives_off(self):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for tape in self.tapes:
+            stack.enter_context(tape.collectives_off())
+        return stack
+
+    @staticmethod
+    def _split_mask(mask, subs):
+        batch = sum(s.shape[1] for s in subs)
+        if mask is None or mask.dim() == 0 or mask.shape[0] != batch or batch == 1:
+            return [mask] * len(subs)
+        return list(torch.split(mask, [s.shape[1] for s in subs], dim=0))
+
+
+class OasesStage(torch.autograd.Function):
+    """The stage's layers as one autograd node whose backward runs the Oases backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, runner: OasesRunner, attention_mask):
+        out, state = runner.forward(hidden_states, attention_mask)
+        ctx.runner, ctx.state = runner, state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = ctx.runner.backward(ctx.state, grad_output)
+        ctx.state = None
+        return grad, None, None

@@ -1,0 +1,62 @@
+"""Rank functions for the Oases schedule tests (importable by the forkserver children)."""
+from __future__ import annotations
+
+import os
+
+
+def train_losses_and_grads(argv: list[str]):
+    """Train step by step; return per-iteration losses (last rank) and, on rank 0, the global
+    gradients of every iteration and the final parameters."""
+    from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(argv)
+
+    tr = setup(args)
+    losses, grads = [], []
+    for it in range(1, args.train_iters + 1):
+        out = train_step(tr, it)
+        losses.append(out["loss"])
+        grads.append(gather_global(tr.model, what="grad"))
+    params = gather_global(tr.model, what="param")
+    rank = int(os.environ["RANK"])
+    return {"losses": losses, "grads": grads if rank == 0 else None,
+            "params": params if rank == 0 else None}
+
+
+def count_recompute_collectives(argv: list[str]):
+    """One training step under a CommCounter: collectives by tag ("" forward/backward,
+    "recompute") on this rank."""
+    from megatron_oases.parallel.collectives import CommCounter
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(argv)
+    tr = setup(args)
+    with CommCounter() as counter:
+        train_step(tr, 1)
+    tags = {}
+    for r in counter.records:
+        tags[r.tag] = tags.get(r.tag, 0) + 1
+    return tags
+
+
+def megatron_tape_steps():
+    """(step kind, name) of the tape of one stock local-spec TransformerLayer (one rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+    from megatron_oases.schedules.oases.tape import megatron_layer_tape
+
+    init_distributed(init_runtime("cpu"), timeout_s=60)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               use_cpu_initialization=True)
+    layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+    return [(type(s).__name__, s.name) for s in megatron_layer_tape(layer, 0).steps]
