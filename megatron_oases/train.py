@@ -179,6 +179,10 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                    "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
                    "tflops_per_rank": flops / step_s / world / 1e12,
                    "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20}
+            if args.schedule == "oases":
+                from megatron_oases.schedules.oases.block import oases_saved_bytes
+
+                rec["oases_saved_mb"] = oases_saved_bytes(tr.model) / 2**20
             records.append(rec)
             if log and it % args.log_interval == 0:
                 print(f" iteration {it:8d}/{args.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "

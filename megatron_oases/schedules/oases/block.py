@@ -76,3 +76,11 @@ def enable_oases_schedule(model, options: OasesOptions):
 def _layer_offset(block) -> int:
     """Global index of the block's first layer (dropout sites must not collide across chunks)."""
     return block.layers[0].layer_number - 1 if len(block.layers) else 0
+
+
+def oases_saved_bytes(model_chunks) -> int | None:
+    """Bytes the Oases blocks of ``model_chunks`` kept for backward in their last forward
+    (one micro-batch per chunk); None when no chunk runs the Oases schedule."""
+    found = [m.oases_runner.saved_bytes() for chunk in model_chunks for m in chunk.modules()
+             if isinstance(m, OasesBlockMixin)]
+    return sum(found) if found else None

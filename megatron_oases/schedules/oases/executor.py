@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_oases.parallel.collectives import all_reduce, comm_tag
+from megatron_oases.parallel.collectives import all_reduce as _all_reduce
+from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.tape import (BackwardAllReduce, ForwardAllReduce, LayerTape,
@@ -60,6 +61,23 @@ def _leaves(env: dict, names) -> dict:
     return {n: env[n].detach().requires_grad_() for n in names}
 
 
+def _bytes_of(saved) -> int:
+    """Bytes of the distinct tensor storages reachable from nested lists/dicts/tuples."""
+    seen, total, todo = set(), 0, [saved]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            ptr = obj.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return total
+
+
 def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
     grads[name] = g if name not in grads else grads[name] + g
 
@@ -82,6 +100,7 @@ class OasesRunner:
         self.tapes = tapes
         self.options = options
         self._param_grads: dict = {}
+        self._last_saved_bytes = 0
 
     # ----- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask) -> tuple[torch.Tensor, _StepState]:
@@ -91,6 +110,7 @@ class OasesRunner:
         programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(masks, i, recompute=False))
+        self._last_saved_bytes = _bytes_of(state.saved)
         return torch.cat(state.outputs, dim=1), state
 
     def _forward_program(self, i: int, x: torch.Tensor, state: _StepState):
@@ -114,7 +134,7 @@ class OasesRunner:
                     env.update(outs)
                 elif isinstance(step, ForwardAllReduce):
                     t = env[step.src]
-                    work = all_reduce(t, tape.group, async_op=True)
+                    work = self._all_reduce(t, tape.group)
                     if work is not None:
                         yield work
                     env[step.dst] = t
@@ -149,7 +169,7 @@ class OasesRunner:
                 else:
                     t = env[step.src].clone()
                     with comm_tag("recompute"):
-                        work = all_reduce(t, tape.group, async_op=True)
+                        work = self._all_reduce(t, tape.group)
                     if work is not None:
                         yield work
                     env[step.dst] = t
@@ -171,7 +191,7 @@ class OasesRunner:
                 elif isinstance(step, ForwardAllReduce):
                     grads[step.src] = grads.pop(step.dst)  # Eq. 1
                 elif isinstance(step, BackwardAllReduce):
-                    work = all_reduce(grads[step.tensor], tape.group, async_op=True)
+                    work = self._all_reduce(grads[step.tensor], tape.group)
                     if work is not None:
                         yield work
             state.saved[i][li] = None
@@ -205,6 +225,18 @@ class OasesRunner:
                 torch.autograd.backward(list(entry[1]), list(entry[1].values()))
 
     # ----- helpers -------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor, group):
+        """Launch an async in-place all-reduce (counted); None when there is nothing to wait for."""
+        if self.options.skip_collectives:
+            return None
+        return _all_reduce(t, group, async_op=True)
+
+    def saved_bytes(self) -> int:
+        """Bytes the last forward kept for backward, one micro-batch. With recompute that is all
+        the stage holds between the passes; without, only the step boundaries (the autograd
+        graphs' own saved tensors are not counted)."""
+        return self._last_saved_bytes
+
     def _collectives_off(self):
         import contextlib
 

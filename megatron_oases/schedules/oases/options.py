@@ -34,6 +34,9 @@ class OasesOptions:
     """Interleave one sub-batch's recompute with the other's backward across layers (§3.1);
     off: a barrier between the recompute and the backward pass of every layer."""
     sub_batches: int = 2
+    skip_collectives: bool = False
+    """Benchmark only: launch no TP collective (wrong results), for the compute-only time of
+    the perfect-overlap bound."""
 
 
 def add_oases_args(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +53,16 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
                    help="with --recompute-granularity full: save each forward all-reduce's "
                         "output so recomputation starts after it and issues no collective "
                         "(off: Megatron-style full recompute from each layer's input)")
+    g.add_argument("--oases-skip-tp-collectives", action="store_true",
+                   help="benchmark only: skip every TP collective of the Oases schedule to time "
+                        "compute alone (the perfect-overlap bound); losses are wrong")
 
 
 def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
     """Refuse combinations the Oases schedule does not support, naming the flag."""
     if getattr(args, "schedule", "default") != "oases":
+        if getattr(args, "oases_skip_tp_collectives", False):
+            raise ConfigError("--oases-skip-tp-collectives needs --schedule oases")
         return
     if args.tp_backend != "megatron":
         raise ConfigError(f"--schedule oases does not support --tp-backend {args.tp_backend} "
@@ -76,4 +84,5 @@ def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
 def oases_options_from_args(args: argparse.Namespace) -> OasesOptions:
     return OasesOptions(recompute=args.recompute_granularity == "full",
                         fine_grained_recompute=args.oases_fine_grained_recompute,
-                        cross_pass=args.oases_cross_pass)
+                        cross_pass=args.oases_cross_pass,
+                        skip_collectives=args.oases_skip_tp_collectives)

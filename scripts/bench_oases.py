@@ -1,0 +1,220 @@
+"""Oases schedule vs stock Megatron TP on the emulated interconnect (the paper's Table 3 shape).
+
+For each TP size, runs the reference trainer in one emulated node whose link is rate-limited so
+TP communication takes about as long as compute, and measures the median step time of:
+
+  stock        --schedule default, full recompute (Megatron's)
+  oases        --schedule oases, all switches on
+  no-cross     --no-oases-cross-pass
+  no-fine      --no-oases-fine-grained-recompute
+  both-off     both switches off
+  compute      Oases with every TP collective skipped (compute-only time; wrong losses)
+  comm         the step's TP all-reduces alone, back to back, same sizes (communication-only)
+
+The perfect-overlap bound is max(compute, comm). Prints a table, writes CSV and JSON.
+Needs root (network namespaces); ``--no-emulate`` runs the same on plain local ranks (no
+bandwidth limit: a smoke test, not a measurement).
+
+    python scripts/bench_oases.py --tp 2 4 --hidden 1024 --link-GBps 0.25 --out results/oases
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+VARIANTS = {
+    "stock": ["--schedule", "default"] + RECOMPUTE,
+    "oases": ["--schedule", "oases"] + RECOMPUTE,
+    "no-cross": ["--schedule", "oases", "--no-oases-cross-pass"] + RECOMPUTE,
+    "no-fine": ["--schedule", "oases", "--no-oases-fine-grained-recompute"] + RECOMPUTE,
+    "both-off": ["--schedule", "oases", "--no-oases-cross-pass",
+                 "--no-oases-fine-grained-recompute"] + RECOMPUTE,
+    "compute": ["--schedule", "oases", "--oases-skip-tp-collectives"] + RECOMPUTE,
+}
+
+
+def model_args(a, tp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--num-layers", str(a.layers),
+            "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.micro_batch * a.micro_batches),
+            "--vocab-size", str(a.vocab), "--train-iters", str(a.iters),
+            "--no-tp-invariant-init", "--dist-timeout", "300"]
+
+
+def topology_yaml(tp: int, link_GBps: float) -> str:
+    return (f"name: bench-flat{tp}\ndescription: one node, {tp} ranks, rate-limited loopback\n"
+            f"levels:\n  - name: lo\n    size: {tp}\n    scope: intra_node\n"
+            f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps / tp}\n"
+            f"    latency_us: 20\n")
+
+
+def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
+    """Run ``cmd`` on ``tp`` ranks, emulated or local; raise with the output tail on failure."""
+    if topo_path is None:
+        out = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node",
+                              str(tp)] + cmd[3:], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            raise RuntimeError(out.stdout[-3000:] + out.stderr[-3000:])
+        return
+    from megatron_oases.topology import load_topology
+    from megatron_oases.topology.emulate import EmulatedCluster
+
+    with EmulatedCluster(load_topology(topo_path)) as cluster:
+        res = cluster.launch(cmd, timeout=a.timeout, cwd=ROOT)
+    if not res.ok:
+        raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
+
+
+def step_stats(log_path: str, warmup: int) -> dict:
+    recs = [json.loads(line) for line in open(log_path, encoding="utf-8")]
+    steps = [r["step_ms"] for r in recs[warmup:]] or [r["step_ms"] for r in recs]
+    last = recs[-1]
+    return {"step_ms": statistics.median(steps), "step_ms_min": min(steps),
+            "peak_mem_mb": last["peak_mem_mb"], "oases_saved_mb": last.get("oases_saved_mb"),
+            "loss": last["lm_loss"]}
+
+
+def comm_only_main(argv: list[str]) -> None:
+    """Rank program: the TP all-reduces of one Oases training step, back to back."""
+    import torch
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser()
+    for f in ("--elements", "--count", "--repeats"):
+        p.add_argument(f, type=int)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    x = torch.ones(a.elements)
+    dist.all_reduce(x)
+    times = []
+    for _ in range(a.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.count):
+            dist.all_reduce(x)
+        times.append((time.perf_counter() - t0) * 1e3)
+    if dist.get_rank() == 0:
+        json.dump({"comm_ms": statistics.median(times)}, open(a.out, "w"))
+    dist.destroy_process_group()
+
+
+def bench_tp(a, tp: int, workdir: str) -> list[dict]:
+    topo = None
+    if not a.no_emulate:
+        topo = os.path.join(workdir, f"bench-flat{tp}.yaml")
+        with open(topo, "w", encoding="utf-8") as f:
+            f.write(topology_yaml(tp, a.link_GBps))
+    rows = []
+    for name in a.variants:
+        log = os.path.join(workdir, f"tp{tp}-{name}.jsonl")
+        cmd = [sys.executable, "-m", "megatron_oases.train"] + model_args(a, tp) + \
+            VARIANTS[name] + ["--log-json", log]
+        t0 = time.time()
+        run_ranks(cmd, tp, a, topo)
+        row = {"tp": tp, "variant": name, **step_stats(log, a.warmup),
+               "wall_s": round(time.time() - t0, 1)}
+        rows.append(row)
+        print(f"  tp={tp} {name:9s} {row['step_ms']:9.1f} ms", flush=True)
+    # Communication alone: 4 all-reduces of one sub-batch activation per layer and sub-batch.
+    sub = a.micro_batch // 2
+    count = a.layers * 2 * 4 * a.micro_batches
+    out = os.path.join(workdir, f"tp{tp}-comm.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--elements",
+           str(a.seq * sub * a.hidden), "--count", str(count), "--repeats", str(a.iters),
+           "--out", out]
+    if topo is None:
+        from megatron_oases.runtime.spawn import run_on_ranks
+
+        run_on_ranks(_comm_only_spawned, tp, args=(cmd[3:],), timeout_s=a.timeout)
+    else:
+        run_ranks(cmd, tp, a, topo)
+    rows.append({"tp": tp, "variant": "comm", "step_ms": json.load(open(out))["comm_ms"]})
+    print(f"  tp={tp} comm      {rows[-1]['step_ms']:9.1f} ms", flush=True)
+    return rows
+
+
+def _comm_only_spawned(argv):
+    comm_only_main(argv)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for tp in sorted({r["tp"] for r in rows}):
+        by = {r["variant"]: r for r in rows if r["tp"] == tp}
+        stock = by.get("stock", {}).get("step_ms")
+        bound = max(by["compute"]["step_ms"], by["comm"]["step_ms"]) if "compute" in by else None
+        for name, r in by.items():
+            r = dict(r)
+            r["speedup_vs_stock"] = stock / r["step_ms"] if stock else None
+            r["over_bound"] = r["step_ms"] / bound if bound else None
+            out.append(r)
+    return out
+
+
+def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--comm-only"]:
+        comm_only_main(sys.argv[2:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--link-GBps", type=float, default=0.25,
+                   help="per-link rate of the emulated node (loopback), GB/s")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default="results/bench_oases")
+    a = p.parse_args(argv)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for tp in a.tp:
+            rows += bench_tp(a, tp, work)
+    rows = summarize(rows)
+    cols = ["tp", "variant", "step_ms", "speedup_vs_stock", "over_bound", "peak_mem_mb",
+            "oases_saved_mb", "loss"]
+    print(f"\nhidden {a.hidden}, layers {a.layers}, seq {a.seq}, micro-batch {a.micro_batch} x "
+          f"{a.micro_batches}, link {a.link_GBps} GB/s{' (NOT emulated)' if a.no_emulate else ''}")
+    print(" | ".join(f"{c:>15s}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{_fmt(r.get(c)):>15s}" for c in cols))
+    with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "wall_s"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(a.out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"config": vars(a), "rows": rows}, f, indent=1)
+    print(f"wrote {a.out}.csv and {a.out}.json")
+    return 0
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
