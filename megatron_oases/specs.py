@@ -65,6 +65,10 @@ def backend_groups(args: argparse.Namespace):
         from megatron_oases.parallel.mesh import mesh_groups_from_megatron
 
         return mesh_groups_from_megatron(*args.atp_mesh)
+    if args.tp_backend == "3d":
+        from megatron_oases.parallel.cube import cube_groups_from_megatron
+
+        return cube_groups_from_megatron()
     return None
 
 
@@ -77,6 +81,10 @@ def layer_spec(args: argparse.Namespace, groups=None):
 
         d1, d2 = args.atp_mesh
         return get_gpt_layer_atp_spec(d1, d2, args.atp_chunks, mesh_groups=groups)
+    if args.tp_backend == "3d":
+        from megatron_oases.layers.tp3d_spec import get_gpt_layer_3d_spec
+
+        return get_gpt_layer_3d_spec(cube_groups=groups)
     raise ValueError(f"unknown --tp-backend {args.tp_backend!r}")
 
 

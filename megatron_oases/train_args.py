@@ -10,7 +10,7 @@ import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
-TP_BACKENDS = ("megatron", "atp")
+TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
 
 
@@ -145,6 +145,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
     _validate_atp(args, dims)
+    _validate_3d(args, dims)
     from megatron_oases.schedules.oases.options import validate_oases_args
 
     validate_oases_args(args, dims)
@@ -208,6 +209,38 @@ def _validate_atp(args: argparse.Namespace, dims: ParallelDims) -> None:
                           f"--tensor-model-parallel-size {dims.tp}")
     if args.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
+
+
+def _validate_3d(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
+    if args.tp_backend != "3d":
+        return
+    from megatron_oases.parallel.cube import Cube
+
+    try:
+        p = Cube(tp_size=dims.tp).p
+    except ConfigError as exc:
+        raise ConfigError(f"--tp-backend 3d: {exc}") from None
+    if p < 2:
+        raise ConfigError("--tp-backend 3d needs --tensor-model-parallel-size = p^3 with p >= 2 "
+                          f"(8, 27, 64, ...); got {dims.tp}")
+    q = p * p
+    for flag, value in (("--hidden-size", args.hidden_size),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % q:
+            raise ConfigError(f"--tp-backend 3d splits {flag} over p^2 = {q} ranks of the cube "
+                              f"(--tensor-model-parallel-size {dims.tp}); {value} is not a multiple "
+                              f"of {q}")
+    if args.num_attention_heads % p:
+        raise ConfigError(f"--tp-backend 3d splits heads over p = {p}: --num-attention-heads "
+                          f"{args.num_attention_heads} is not a multiple of {p}")
+    if args.micro_batch_size % q:
+        raise ConfigError(f"--tp-backend 3d splits each micro-batch into p^2 = {q} blocks of whole "
+                          f"sequences: --micro-batch-size {args.micro_batch_size} is not a multiple "
+                          f"of {q}")
+    if args.sequence_parallel:
+        raise ConfigError("--tp-backend 3d does not support --sequence-parallel (its activations "
+                          "are already split p^3 ways); drop it")
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:

@@ -54,6 +54,18 @@ class BlockLayout:
     def take(self, full: torch.Tensor, coord, p) -> torch.Tensor:
         return full[self.region(full.shape, coord, p)].contiguous()
 
+    def rank_offsets(self, shape, coord, p) -> list[tuple[int, int, int]]:
+        """``(dim, block index, number of blocks)`` per split dim (dist-checkpointing's form)."""
+        self.region(shape, coord, p)  # divisibility check
+        out = []
+        for dim, dirs in enumerate((self.rows, self.cols)):
+            if dirs:
+                k = 0
+                for d in dirs:
+                    k = k * p + coord["xyz".index(d)]
+                out.append((dim, k, p ** len(dirs)))
+        return out
+
     def gather(self, local: torch.Tensor, groups: CubeGroups) -> torch.Tensor:
         """The full tensor on every rank (inner direction first; differentiable)."""
         for dim, dirs in ((0, self.rows), (1, self.cols)):
@@ -78,6 +90,13 @@ class DiagonalLayout:
     def take(self, full: torch.Tensor, coord, p) -> torch.Tensor:
         region = self.region(full.shape, coord, p)
         return full[region].contiguous() if region else full.new_empty(0)
+
+    def rank_offsets(self, shape, coord, p) -> list[tuple[int, int, int]] | None:
+        """``[(0, j p + i, p^2)]`` on a diagonal holder; ``None`` elsewhere (nothing held)."""
+        if self.region(shape, coord, p) is None:
+            return None
+        i, j, _ = coord
+        return [(0, j * p + i, p * p)]
 
     def gather(self, local: torch.Tensor, groups: CubeGroups, size: int) -> torch.Tensor:
         """The full vector on every rank (not differentiable; for checkpoints and tests)."""
@@ -210,6 +229,7 @@ def _cube_param(local: torch.Tensor, layout, global_shape) -> torch.nn.Parameter
     param = torch.nn.Parameter(local)
     param.cube_layout, param.global_shape = layout, tuple(global_shape)
     param.tensor_model_parallel = True  # Megatron: not a TP duplicate (each shard is unique)
+    param.partition_dim, param.partition_stride = 0, 1  # read by Megatron's attribute copies
     return param
 
 
@@ -261,6 +281,16 @@ class Linear3D(torch.nn.Module):
             full_b = full_bias if full_bias is not None else torch.zeros(out_features, dtype=dtype)
             self.bias = _cube_param(DIAGONAL.take(full_b.to(dtype), groups.coord, groups.p),
                                     DIAGONAL, (out_features,))
+        # A state dict without ``_extra_state`` (plain torch, or no Megatron linear) still loads.
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+
+    def get_extra_state(self) -> None:
+        """None, like Megatron's local linears (its checkpoints carry an ``_extra_state`` key)."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Extra state is ignored (as in Megatron's local linears)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -271,23 +301,29 @@ class Linear3D(torch.nn.Module):
 
 
 class LayerNorm3D(torch.nn.Module):
-    """LayerNorm over a hidden dim split in ``other_dir(input_dir)``; keeps the direction state.
+    """LayerNorm (or RMSNorm) over a hidden dim split in ``other_dir(input_dir)``; keeps the
+    direction state.
 
-    Mean and variance are partial sums all-reduced over the p ranks that share a row block;
-    gamma and beta are diagonal vectors applied with Algorithm 7 (mul, then add).
+    Mean and variance (RMSNorm: the mean square) are partial sums all-reduced over the p ranks
+    that share a row block; gamma and beta are diagonal vectors applied with Algorithm 7 (mul,
+    then add). ``rms=True`` has no beta (``self.bias`` is None).
     """
 
     def __init__(self, hidden: int, groups: CubeGroups, *, input_dir: str = "y", eps: float = 1e-5,
                  full_weight: torch.Tensor | None = None, full_bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, rms: bool = False):
         super().__init__()
         _check_divisible("LayerNorm3D hidden size", hidden, groups)
         self.groups, self.input_dir, self.eps, self.hidden = groups, input_dir, eps, hidden
-        self.col_dir = other_dir(input_dir)
+        self.col_dir, self.rms = other_dir(input_dir), rms
         w = full_weight if full_weight is not None else torch.ones(hidden, dtype=dtype)
-        b = full_bias if full_bias is not None else torch.zeros(hidden, dtype=dtype)
         self.weight = _cube_param(DIAGONAL.take(w.to(dtype), groups.coord, groups.p), DIAGONAL, (hidden,))
-        self.bias = _cube_param(DIAGONAL.take(b.to(dtype), groups.coord, groups.p), DIAGONAL, (hidden,))
+        if rms:
+            self.register_parameter("bias", None)
+        else:
+            b = full_bias if full_bias is not None else torch.zeros(hidden, dtype=dtype)
+            self.bias = _cube_param(DIAGONAL.take(b.to(dtype), groups.coord, groups.p), DIAGONAL,
+                                    (hidden,))
 
     def _sum_hidden(self, t: torch.Tensor) -> torch.Tensor:
         # all-reduce forward and backward: every rank uses the sum for its own columns
@@ -295,12 +331,61 @@ class LayerNorm3D(torch.nn.Module):
         return reduce_from_group(copy_to_group(t.sum(-1, keepdim=True), g), g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            y = x * torch.rsqrt(self._sum_hidden(x * x) / self.hidden + self.eps)
+            return vector_op_3d(y, self.weight, self.groups, self.col_dir, "mul")
         mean = self._sum_hidden(x) / self.hidden
         xc = x - mean
         var = self._sum_hidden(xc * xc) / self.hidden
         y = xc * torch.rsqrt(var + self.eps)
         y = vector_op_3d(y, self.weight, self.groups, self.col_dir, "mul")
         return vector_op_3d(y, self.bias, self.groups, self.col_dir, "add")
+
+
+def cube_sharded_state_dict(module: torch.nn.Module, groups: CubeGroups, prefix: str = "",
+                            sharded_offsets=(), dp_rank: int | None = None,
+                            metadata: dict | None = None) -> dict:
+    """Megatron ``ShardedTensor``s for the cube parameters of ``module`` (from ``cube_layout``).
+
+    Keys and global shapes are those of the dense tensors, so a checkpoint saved under 3-D TP
+    loads into stock Megatron TP (and back). Every weight block is unique (replica id 0). A rank
+    off the diagonal holds no part of a vector: its empty parameter is a
+    ``LocalNonpersistentObject`` (not saved, restored as is on load). Each ``Linear3D`` also gets
+    the empty ``_extra_state`` object that Megatron's local linears save (from TP rank 0), so
+    the key sets are the same both ways. The DP rank comes from ``metadata["dp_cp_group"]`` when
+    given (as in Megatron's linears), else from ``parallel_state``.
+    """
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+    if dp_rank is None:
+        group = (metadata or {}).get("dp_cp_group")
+        if group is not None:
+            import torch.distributed as dist
+
+            dp_rank = dist.get_rank(group)
+        else:
+            from megatron.core import parallel_state
+
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    n_pre = len(sharded_offsets)
+    out = {}
+    for name, param in module.named_parameters():
+        key = f"{prefix}{name}"
+        offsets = param.cube_layout.rank_offsets(param.global_shape, groups.coord, groups.p)
+        if offsets is None:
+            out[key] = LocalNonpersistentObject(param)
+            continue
+        out[key] = ShardedTensor.from_rank_offsets(
+            key, param, *sharded_offsets, *((dim + n_pre, k, n) for dim, k, n in offsets),
+            replica_id=(0, 0, dp_rank), prepend_axis_num=n_pre)
+    tp_rank = groups.cube.index(groups.coord)
+    for name, sub in module.named_modules():
+        if isinstance(sub, Linear3D):
+            key = f"{prefix}{name}{'.' if name else ''}_extra_state"
+            out[key] = make_sharded_object_for_checkpoint(
+                sub.get_extra_state(), key, sharded_offsets, replica_id=(0, tp_rank, dp_rank))
+    return out
 
 
 def predicted_gemm_bytes(m: int, n: int, k: int, p: int, elem_size: int = 4) -> dict:

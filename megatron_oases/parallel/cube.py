@@ -162,3 +162,19 @@ def reduce_(tensor: torch.Tensor, dst_pos: int, group) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         dist.reduce(tensor, dst=dist.get_global_rank(group, dst_pos), group=group)
     return tensor
+
+
+def cube_groups_from_tp_group(tp_group, *, order: str = "zxy") -> CubeGroups:
+    """Cube groups over an explicit TP group (e.g. ``pg_collection.tp``); collective over the world
+    (every rank learns all TP groups, then creates every direction group in the same order)."""
+    from megatron_oases.parallel.mesh import all_tp_groups
+
+    tp_groups = all_tp_groups(tp_group)
+    return build_cube_groups(tp_groups, Cube(tp_size=len(tp_groups[0]), order=order).p, order=order)
+
+
+def cube_groups_from_megatron(*, order: str = "zxy") -> CubeGroups:
+    """Cube groups over Megatron's TP groups (after ``initialize_model_parallel``)."""
+    from megatron.core import parallel_state
+
+    return cube_groups_from_tp_group(parallel_state.get_tensor_model_parallel_group(), order=order)

@@ -1,0 +1,146 @@
+"""3-D self-attention for Megatron's TransformerLayer (Bian et al. 2021, §3.2, Fig. 6a).
+
+Between layers a rank ``(i, j, l)`` of the cube holds ``activation_layout("y")`` of the hidden
+states: samples block ``i p + j`` of the micro-batch (``b / p^2`` whole sequences) and hidden
+columns block ``l`` (``h / p``), as a local ``[s, b/p^2, h/p]``. Rows are split by *samples*, not
+positions, so attention needs no token exchange (what Colossal-AI's 3-D layers do: split the batch
+over the input and weight directions):
+
+| step                           | local shape          | layout (rows / cols)          | collectives           |
+|--------------------------------|----------------------|-------------------------------|-----------------------|
+| input                          | [s, b/p^2, h/p]      | samples (x, y) / hidden (z)   |                       |
+| linear_qkv (Linear3D, y -> z)  | [s, b/p^2, 3h/p]     | samples (x, z) / heads (y)    | AG y, AG x, RS z; bias|
+| core attention (Megatron's)    | [s, b/p^2, h/p]      | nh/p heads of b/p^2 samples   | none                  |
+| linear_proj (Linear3D, z -> y) | [s, b/p^2, h/p]      | samples (x, y) / hidden (z)   | AG z, AG x, RS y; bias|
+
+Megatron lays QKV rows out head by head (``[q_h, k_h, v_h]``), and ``linear_qkv``'s weight rows
+are split by y into contiguous blocks, so rank ``(i, j, l)`` computes heads
+``[j nh/p, (j+1) nh/p)`` for samples block ``i p + l``: every (sample, head) pair exactly once on
+the cube. The core is Megatron's ``DotProductAttention`` built on the y group (heads per partition
+``nh / p``); it draws attention dropout under ``get_cuda_rng_tracker().fork()``, which differs per
+TP rank, so the p^3 blocks get independent masks. Biases are added inside the linears (Algorithm
+7), so ``forward`` returns ``(output, None)`` and the layer's bias-dropout-add just drops and adds.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
+from megatron_oases.parallel.cube import CubeGroups
+from megatron_oases.parallel.dims import ConfigError
+
+
+def check_3d_config(config, groups: CubeGroups, what: str) -> None:
+    """One-line errors for Megatron features the 3-D layers do not implement (yet)."""
+    import torch.distributed as dist
+
+    flag = "--tp-backend 3d"
+    if getattr(config, "sequence_parallel", False):
+        raise ConfigError(f"{what}: --sequence-parallel is not supported with {flag}")
+    if getattr(config, "context_parallel_size", 1) != 1:
+        raise ConfigError(f"{what}: --context-parallel-size > 1 is not supported with {flag}")
+    if config.tensor_model_parallel_size != groups.cube.tp_size:
+        raise ConfigError(f"{what}: the cube has {groups.cube.tp_size} ranks but "
+                          f"--tensor-model-parallel-size is {config.tensor_model_parallel_size}")
+    for d in "xyz":  # gathers and splits index blocks by group rank: it must be the coordinate
+        if dist.get_rank(groups.group(d)) != groups.pos(d):
+            raise ConfigError(f"{what}: the {d} group order differs from the cube coordinates "
+                              "(TP ranks must be increasing)")
+
+
+def linear_3d(config, in_features: int, out_features: int, groups: CubeGroups, *, input_dir: str,
+              bias: bool, init_method) -> Linear3D:
+    """A ``Linear3D`` whose weight shard is drawn with ``init_method`` under the model-parallel RNG
+    tracker (a different stream per TP rank, as Megatron's own TP init), on ``config``'s device."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_oases.layers.atp_attention import param_device
+
+    lin = Linear3D(in_features, out_features, groups, input_dir=input_dir, bias=bias, init_std=0.0,
+                   dtype=config.params_dtype).to(param_device(config))
+    if getattr(config, "perform_initialization", True) and init_method is not None:
+        with get_cuda_rng_tracker().fork():
+            init_method(lin.weight.data)
+    return lin
+
+
+def local_samples(t: torch.Tensor, dim: int, groups: CubeGroups, rows: tuple[str, str]):
+    """The samples block of ``t`` (split along ``dim``) a rank holds under row directions ``rows``."""
+    p = groups.p
+    n = t.shape[dim] // (p * p)
+    k = groups.pos(rows[0]) * p + groups.pos(rows[1])
+    return t.narrow(dim, k * n, n)
+
+
+class SelfAttention3D(torch.nn.Module):
+    """Drop-in for Megatron's ``SelfAttention`` in ``TransformerLayer`` (same call and return)."""
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None, pg_collection=None,
+                 cp_comm_type=None, *, cube_groups: CubeGroups, submodules=None):
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+
+        groups = cube_groups
+        check_3d_config(config, groups, "SelfAttention3D")
+        nh, ng = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if ng != nh:
+            raise ConfigError("SelfAttention3D: --group-query-attention is not supported with "
+                              "--tp-backend 3d yet")
+        if nh % groups.p:
+            raise ConfigError(f"SelfAttention3D: --num-attention-heads {nh} is not divisible by "
+                              f"p = {groups.p} (--tp-backend 3d, --tensor-model-parallel-size "
+                              f"{groups.p ** 3})")
+        if getattr(config, "qk_layernorm", False):
+            raise ConfigError("SelfAttention3D: --qk-layernorm is not supported with --tp-backend 3d")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ConfigError("SelfAttention3D: only the vanilla softmax is supported with "
+                              "--tp-backend 3d")
+        self.config, self.layer_number, self.groups = config, layer_number, groups
+        self.attn_mask_type = attn_mask_type if attn_mask_type is not None else AttnMaskType.causal
+        self.head_dim = config.kv_channels
+        proj = self.head_dim * nh
+        self.linear_qkv = linear_3d(config, config.hidden_size, 3 * proj, groups, input_dir="y",
+                                    bias=config.add_bias_linear or config.add_qkv_bias,
+                                    init_method=config.init_method)
+        heads = ProcessGroupCollection()
+        # QKV output columns (heads) are split by the QKV input direction: nh / p heads per rank
+        heads.tp = groups.group(self.linear_qkv.input_dir)
+        self.core_attention = DotProductAttention(
+            config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
+            attention_type="self", pg_collection=heads)
+        self.linear_proj = linear_3d(config, proj, config.hidden_size, groups,
+                                     input_dir=self.linear_qkv.output_dir,
+                                     bias=config.add_bias_linear,
+                                     init_method=config.output_layer_init_method)
+        # rows of the attention core: samples block (x, z) of the QKV output
+        self.sample_rows = activation_layout(self.linear_qkv.output_dir).rows
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """``[s, b/p^2, h/p]`` (layout y) -> ``(output [s, b/p^2, h/p] (layout y), None)``."""
+        unsupported = {"key_value_states": key_value_states, "inference_context": inference_context,
+                       "rotary_pos_emb": rotary_pos_emb, "rotary_pos_cos": rotary_pos_cos,
+                       "attention_bias": attention_bias, "packed_seq_params": packed_seq_params,
+                       "inference_params": inference_params}
+        for name, value in unsupported.items():
+            if value is not None:
+                raise NotImplementedError(f"SelfAttention3D: {name} is not supported yet "
+                                          "(use --position-embedding-type learned_absolute)")
+        if attention_mask is not None and attention_mask.shape[0] > 1:  # [b, 1, s, s]
+            attention_mask = local_samples(attention_mask, 0, self.groups, self.sample_rows)
+        qkv = self.linear_qkv(hidden_states)                 # [s, b/p^2, 3h/p], heads block j
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
+        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
+        context = self.core_attention(query, key, value, attention_mask,
+                                      attn_mask_type=self.attn_mask_type,
+                                      attention_bias=None, packed_seq_params=None)
+        return self.linear_proj(context), None               # [s, b/p^2, h/p], layout y
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        return cube_sharded_state_dict(self, self.groups, prefix, sharded_offsets,
+                                       metadata=metadata)
