@@ -187,17 +187,49 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
 
 
 def _validate_atp(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """Parse --atp-mesh into (d1, d2) and check it against TP and the model."""
+    """Parse --atp-mesh into (d1, d2) and check it against TP and the model.
+
+    ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
+    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, replaces the flag
+    by the pick and prints it with its predicted time on rank 0. It runs before any process
+    group exists; once resolved, a second validation (``train.setup``) sees D1,D2 and is silent.
+    """
     if args.tp_backend != "atp":
         if args.atp_mesh is not None:
             raise ConfigError("--atp-mesh needs --tp-backend atp")
         return
     if args.atp_mesh is None:
         raise ConfigError("--tp-backend atp needs --atp-mesh D1,D2 (e.g. from `megatron-oases mesh`)")
+    if args.atp_mesh == "auto":
+        if args.topology is None:
+            raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
+                              "priced on), or pass --atp-mesh D1,D2")
+        from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, MeshError, ModelShape, search_mesh
+        from megatron_oases.plan.mesh_cli import pick_summary
+        from megatron_oases.topology import TopologyError, load_topology
+
+        try:
+            topology = load_topology(args.topology)
+        except (TopologyError, OSError) as exc:
+            raise ConfigError(f"--topology: {exc}") from None
+        try:
+            shape = ModelShape(hidden=args.hidden_size, layers=args.num_layers // dims.pp,
+                               micro_batch=args.micro_batch_size, seq_length=args.seq_length,
+                               bytes_per_element=2 if (args.bf16 or args.fp16) else 4)
+            choice = search_mesh(topology, dims.tp, shape,
+                                 min_gain=getattr(args, "atp_min_gain", DEFAULT_MIN_GAIN))
+        except MeshError as exc:
+            raise ConfigError(f"--atp-mesh auto on --topology {args.topology}: {exc}") from None
+        args.atp_mesh = (choice.pick.d1, choice.pick.d2)
+        import torch.distributed as dist
+
+        rank0 = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
+                 else os.environ.get("RANK", "0") == "0")
+        if rank0:
+            print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
+                  f"h={shape.hidden} L={shape.layers} b={shape.micro_batch} s={shape.seq_length}; "
+                  "`megatron-oases mesh` prints every mesh)", flush=True)
     if isinstance(args.atp_mesh, str):
-        if args.atp_mesh == "auto":
-            raise ConfigError("--atp-mesh auto is not wired into the trainer yet; run "
-                              "`megatron-oases mesh --topology ...` and pass its pick as D1,D2")
         try:
             d1, d2 = (int(v) for v in args.atp_mesh.split(","))
         except ValueError:

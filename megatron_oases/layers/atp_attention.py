@@ -123,4 +123,5 @@ class ATPSelfAttention(torch.nn.Module):
         return output, self.linear_proj.bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets)
+        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets,
+                                       metadata=metadata)

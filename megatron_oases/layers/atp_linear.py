@@ -128,8 +128,19 @@ class _MeshLinear(torch.nn.Module):
             self.bias = self._param(init_bias, self.bias_layout, params_dtype, device, partition_dim=0)
         else:
             self.register_parameter("bias", None)
+        # Megatron's Column/RowParallelLinear carry an empty ``_extra_state`` (TE compatibility)
+        # and checkpoint it; carrying it too keeps checkpoints loadable both ways.
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
 
     _weight_partition_dim: int
+
+    def get_extra_state(self) -> None:
+        """Empty, as Megatron's parallel linears (``_extra_state`` key in the state dict)."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Ignored, as in Megatron's parallel linears."""
 
     def _param(self, full, layout, dtype, device, partition_dim):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -201,25 +212,46 @@ def count_once_in_grad_norm_(module: torch.nn.Module, mesh_groups: MeshGroups) -
 
 
 def mesh_sharded_state_dict(module: torch.nn.Module, mesh_groups: MeshGroups, prefix: str = "",
-                            sharded_offsets=(), dp_rank: int | None = None) -> dict:
-    """``ShardedTensor``s for every parameter of ``module`` from its ``mesh_layout``: global shape
-    and offsets per split dim, replica id from the unsplit axes (what dist-checkpointing and
-    ``parallel.layout`` read)."""
+                            sharded_offsets=(), dp_rank: int | None = None,
+                            metadata: dict | None = None) -> dict:
+    """dist-checkpointing entries for ``module``'s state dict, from each tensor's ``mesh_layout``.
+
+    A tensor becomes a ``ShardedTensor`` with the global shape and, per split dim, this rank's
+    chunk along the mesh axis that splits it (``shard_index``'s rule); its replica id counts the
+    axes that do not split it, so one rank per distinct shard saves it. ``_extra_state`` becomes
+    a ``ShardedObject`` as in Megatron's ``make_sharded_tensors_for_checkpoint``. Keys and global
+    layouts equal those of Megatron's local spec at the same TP size (QKV rows head by head,
+    ``[out, in]`` weights), so a checkpoint reshards freely between ATP meshes and stock TP.
+    The DP rank comes from ``metadata["dp_cp_group"]`` when given (as Megatron's linears do).
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
     if dp_rank is None:
-        from megatron.core import parallel_state
+        group = (metadata or {}).get("dp_cp_group")
+        if group is not None:
+            import torch.distributed as dist
 
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            dp_rank = dist.get_rank(group)
+        else:
+            from megatron.core import parallel_state
+
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    mesh = mesh_groups.mesh
+    tp_rank = mesh_groups.index(1) * mesh.d2 + mesh_groups.index(2)
     n_pre = len(sharded_offsets)
     out = {}
-    for name, param in module.named_parameters():
-        layout = param.mesh_layout
-        split = [(dim + n_pre, mesh_groups.index(axis), mesh_groups.mesh.axis_size(axis))
-                 for dim, axis in enumerate(layout) if axis is not None]
+    for name, value in module.state_dict(prefix="", keep_vars=True).items():
         key = f"{prefix}{name}"
+        if name.endswith("_extra_state"):
+            out[key] = make_sharded_object_for_checkpoint(
+                value, key, sharded_offsets, replica_id=(0, tp_rank, dp_rank))
+            continue
+        layout = getattr(value, "mesh_layout", (None,) * value.dim())  # no layout: replicated
+        split = [(dim + n_pre, mesh_groups.index(axis), mesh.axis_size(axis))
+                 for dim, axis in enumerate(layout) if axis is not None]
         out[key] = ShardedTensor.from_rank_offsets(
-            key, param, *sharded_offsets, *split,
+            key, value, *sharded_offsets, *split,
             replica_id=(0, mesh_replica_index(layout, mesh_groups), dp_rank),
             prepend_axis_num=n_pre)
     return out

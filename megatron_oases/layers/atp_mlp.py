@@ -45,4 +45,5 @@ class ATPMLP(torch.nn.Module):
         return self.linear_fc2(intermediate), self.linear_fc2.bias            # f4
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets)
+        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets,
+                                       metadata=metadata)

@@ -86,7 +86,8 @@ class ATPNorm(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets)
+        return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets,
+                                       metadata=metadata)
 
     def extra_repr(self) -> str:
         m = self.mesh_groups.mesh

@@ -70,16 +70,22 @@ def format_choice(choice: MeshChoice, shape: str = "") -> str:
                          "matrix estimate, which the calibration exists to correct, so the pick may "
                          "be optimistic: measure the remaining groups "
                          "(plan.atp_mesh.measurement_plan) before trusting it")
+    lines += ["", f"pick: {pick_summary(choice)}"]
+    return "\n".join(lines)
+
+
+def pick_summary(choice: MeshChoice) -> str:
+    """One line: the picked mesh, its predicted T_comm and how it compares with Megatron's (N,1)
+    (also what ``megatron-oases train --atp-mesh auto`` prints)."""
     p, meg = choice.pick, choice.megatron
-    line = f"pick: DeviceMesh({p.d1},{p.d2}) ({p.label}), predicted T_comm {p.t_comm_s * 1e3:.3f} ms"
+    line = f"DeviceMesh({p.d1},{p.d2}) ({p.label}), predicted T_comm {p.t_comm_s * 1e3:.3f} ms"
     if meg is not None and p is not meg and meg.t_comm_s > 0:
         line += f", {100 * (1 - p.t_comm_s / meg.t_comm_s):.1f}% below Megatron's DeviceMesh({meg.d1},1)"
     elif meg is not None and p is meg and choice.candidates[0] is not meg:
         best = choice.candidates[0]
         line += (f"; ({best.d1},{best.d2}) is only {100 * (1 - best.t_comm_s / meg.t_comm_s):.1f}% "
                  f"faster, under --min-gain {choice.min_gain:g}")
-    lines += ["", line]
-    return "\n".join(lines)
+    return line
 
 
 def mesh_main(argv: list[str] | None = None) -> int:
