@@ -16,6 +16,7 @@ setup(
         "pulp>=2.7",
         "pyyaml>=6",
         "numpy",
+        "psutil",  # Megatron's torch_dist checkpoint writer
     ],
     extras_require={
         "test": ["pytest>=7"],

@@ -45,6 +45,9 @@ def setup(args: argparse.Namespace) -> Trainer:
     from megatron_oases.runtime import init_distributed, init_runtime
     from megatron_oases.specs import backend_groups, build_gpt_model, transformer_config_from_args
 
+    from megatron_oases.runtime.cuda_env import ensure_cuda_device_max_connections
+
+    ensure_cuda_device_max_connections(args.device)  # before CUDA initialises
     runtime = init_runtime(args.device)
     init_distributed(runtime, timeout_s=args.dist_timeout)
     dims = validate_args(args, torch.distributed.get_world_size(), runtime.is_cuda)

@@ -41,9 +41,10 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--tp-backend", choices=TP_BACKENDS, default="megatron",
                    help="tensor-parallel layer implementation: megatron = stock 1-D TP, "
                         "atp = ATP's 2-D device mesh inside the TP group (needs --atp-mesh)")
-    g.add_argument("--atp-mesh", default=None, metavar="D1,D2",
-                   help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size; pick one with "
-                        "`megatron-oases mesh` (d2 is the fastest-varying, innermost axis)")
+    g.add_argument("--atp-mesh", default=None, metavar="D1,D2|auto",
+                   help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size (d2 is the fastest-"
+                        "varying, innermost axis); auto picks it from --topology with the search "
+                        "`megatron-oases mesh` prints")
     g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=1,
                    help="ATP chunk-based overlap: split the batch into this many chunks")
     g.add_argument("--schedule", choices=SCHEDULES, default="default",

@@ -39,6 +39,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.module",
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
