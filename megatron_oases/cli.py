@@ -9,6 +9,8 @@ COMMANDS = {
              "pick ATP's 2-D device mesh for a TP group on a topology (hierarchical comm matrix)"),
     "sim": ("megatron_oases.sim.cli", "sim_main",
             "simulate one training iteration (DP x TP x PP, 1F1B/GPipe, Oases overlap): summary, trace"),
+    "profile": ("megatron_oases.sim.profile_cli", "profile_main",
+                "measure the simulator's events on this machine (compute + collectives) into a profile JSON"),
     "emulate": ("megatron_oases.topology.emulate", "emulate_main",
                 "run a command on an emulated cluster (network namespaces + tc) from a topology YAML"),
 }

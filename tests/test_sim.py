@@ -61,7 +61,7 @@ def test_profile_overrides_and_names_missing(tmp_path: Path):
     path.write_text(json.dumps(prof.to_dict()))
     r = simulate(SMALL, strat, device_model(t, profile=ProfileDB.load(path)))
     n_fwd = len(build_stage_events(SMALL, strat, t)[0].forward)
-    assert r.templates[0][0].duration == pytest.approx(n_fwd)
+    assert r.templates[0][0][0].duration == pytest.approx(n_fwd)
     partial = ProfileDB(device="x", events_ms={k: 1.0 for k in keys[1:]})
     with pytest.raises(SimError, match="lacks 1 event.*" + keys[0].split("[")[0]):
         simulate(SMALL, strat, device_model(t, profile=partial))
@@ -69,32 +69,53 @@ def test_profile_overrides_and_names_missing(tmp_path: Path):
     assert simulate(SMALL, strat, lenient).iteration_ms > 0
 
 
-CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=6, schedule=sch, overlap=ov, recompute=rc)
-           for sch in ("gpipe", "1f1b") for ov in ("none", "oases") for rc in (False, True)]
+CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=8, schedule=sch, overlap=ov, recompute=rc, virtual_stages=vp)
+           for sch, vp in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)) for ov in ("none", "oases") for rc in (False, True)
+           if sch == "1f1b" or vp == 1]
+CONFIGS += [Strategy(tp=4, pp=2, dp=2, num_microbatches=4, backend="atp", mesh=(2, 2), recompute=True, virtual_stages=2),
+            Strategy(tp=2, pp=2, dp=4, num_microbatches=3, distributed_optimizer=True)]
+MODEL8 = ModelConfig(num_layers=8, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
 
 
-@pytest.mark.parametrize("strat", CONFIGS, ids=lambda s: f"{s.schedule}-{s.overlap}-rc{int(s.recompute)}")
+def _label(s: Strategy) -> str:
+    return f"{s.schedule}-vp{s.virtual_stages}-{s.overlap}-rc{int(s.recompute)}-{s.backend}"
+
+
+@pytest.mark.parametrize("strat", CONFIGS, ids=_label)
 def test_timeline_invariants(strat: Strategy):
-    r = simulate(SMALL, strat, device_model(topo()))
+    """Streams never overlap, every dependency holds, iteration = end of the last event."""
+    r = simulate(MODEL8, strat, device_model(topo()))
     evs = timeline_events(r)
     for st in range(strat.pp):
-        comp = sorted((e for e in evs if e["stage"] == st and e["stream"] == "compute"), key=lambda e: e["start"])
-        assert all(a["end"] <= b["start"] + EPS for a, b in zip(comp, comp[1:])), "compute overlap"
-        comm = sorted((e for e in evs if e["stage"] == st and e["stream"] == "comm"), key=lambda e: e["start"])
-        assert all(a["end"] <= b["start"] + EPS for a, b in zip(comm, comm[1:])), "comm overlap"
+        for stream in ("compute", "comm"):
+            on = sorted((e for e in evs if e["stage"] == st and e["stream"] == stream), key=lambda e: e["start"])
+            assert all(a["end"] <= b["start"] + EPS for a, b in zip(on, on[1:])), f"{stream} overlap"
+    chain_end = {}  # inside a template each sub-batch's ops run in order (compute waits on its collectives)
+    for e in evs:
+        if e["phase"] in ("F", "B") and e["stream"] != "p2p":
+            k = (e["stage"], e["chunk"], e["phase"], e["micro_batch"], e["chain"])
+            assert e["start"] >= chain_end.get(k, 0.0) - EPS
+            chain_end[k] = e["end"]
     span = {}
     for e in evs:
         if e["phase"] in ("F", "B") and e["stream"] != "p2p":
-            k = (e["stage"], e["phase"], e["micro_batch"])
+            k = (e["chunk"] * strat.pp + e["stage"], e["phase"], e["micro_batch"])
             lo, hi = span.get(k, (float("inf"), 0.0))
             span[k] = (min(lo, e["start"]), max(hi, e["end"]))
-    last = strat.pp - 1
+    pp, last = strat.pp, strat.pp * strat.virtual_stages - 1
+    send = lambda g, i: r.p2p_ms[g % pp][g // pp][i]  # noqa: E731
+    assert len(span) == 2 * strat.num_microbatches * (last + 1)
     for m in range(strat.num_microbatches):
-        for s in range(1, strat.pp):
-            assert span[(s, "F", m)][0] >= span[(s - 1, "F", m)][1] + r.p2p_ms[s - 1][0] - EPS
-        for s in range(last):
-            assert span[(s, "B", m)][0] >= span[(s + 1, "B", m)][1] + r.p2p_ms[s + 1][1] - EPS
+        for g in range(1, last + 1):
+            assert span[(g, "F", m)][0] >= span[(g - 1, "F", m)][1] + send(g - 1, 0) - EPS
+        for g in range(last):
+            assert span[(g, "B", m)][0] >= span[(g + 1, "B", m)][1] + send(g + 1, 1) - EPS
         assert span[(last, "B", m)][0] >= span[(last, "F", m)][1] - EPS
+    step = [e for e in evs if e["phase"] == "STEP"]
+    for st in range(strat.pp):  # the step's tail follows the stage's last backward
+        last_b = max(e["end"] for e in evs if e["stage"] == st and e["phase"] == "B")
+        assert all(e["start"] >= last_b - EPS for e in step if e["stage"] == st)
+    assert {e["name"] for e in step} >= {"grad_norm", "optimizer"}
     assert r.iteration_ms == pytest.approx(max(e["end"] for e in evs))
     for x in r.stages:
         assert x.compute_ms + x.exposed_comm_ms + x.bubble_ms == pytest.approx(r.iteration_ms)
@@ -193,3 +214,30 @@ def test_sim_main(tmp_path: Path, capsys):
     assert "iteration" in capsys.readouterr().out and out.is_file()
     assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "3"]) == 2
     assert capsys.readouterr().err.strip() == "error: TP 4 x PP 2 x DP 3 = 24 != 16 GPUs"
+
+
+def test_atp_description_matches_megatron_flops_and_eq2_forward_volume():
+    from megatron_oases.layers.description import megatron_1d_gpt_layer
+    from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES
+    from megatron_oases.sim.backends import atp_2d_gpt_layer
+
+    b, s, h, a, e = 2, 128, 512, 8, 2
+    for d1, d2 in ((4, 2), (2, 4), (1, 8)):
+        atp = atp_2d_gpt_layer(micro_batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, d1=d1, d2=d2, bytes_per_element=e)
+        meg = megatron_1d_gpt_layer(micro_batch=b, seq=s, hidden=h, heads=a, ffn=4 * h, tp=8, bytes_per_element=e)
+        for p in ("forward", "backward"):
+            assert atp.flops(p) == pytest.approx(meg.flops(p))
+        fwd = {1: 0.0, 2: 0.0}
+        for c in atp.collectives("forward"):
+            if c.kind == "all_reduce" and not c.name.startswith("ln"):
+                fwd[int(c.axis[-1])] += c.payload_bytes
+        want = {1: 0.0, 2: 0.0}
+        for _, axis, width, shard in ATP_LAYER_ALLREDUCES:  # Eq. 2's forward half
+            if (d1, d2)[axis - 1] > 1:
+                want[axis] += b * s * width * h / (d1, d2)[shard - 1] * e
+        assert fwd == pytest.approx(want)
+        # the conjugate backward all-reduces: column-first dX on axis 1, row-first dX on axis 2
+        bwd = {c.name: c for c in atp.collectives("backward")}
+        if d1 > 1:
+            assert bwd["qkv.bwd"].axis == "mesh1" and bwd["qkv.bwd"].payload_bytes == b * s * h // d2 * e
+        assert bwd["fc2.bwd"].axis == "mesh2" and bwd["fc2.bwd"].payload_bytes == b * s * 4 * h // d1 * e

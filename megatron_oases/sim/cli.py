@@ -1,4 +1,9 @@
-"""``megatron-oases sim``: simulate one iteration and print the summary (the lead wires this in)."""
+"""``megatron-oases sim``: simulate one iteration, search strategies, or predict a trainer step.
+
+    megatron-oases sim --topology T <model> --tp 8 --pp 4 --dp 2 ...          one strategy: summary, trace
+    megatron-oases sim --search --topology T --gpus N --memory-gb M <model> --global-batch-size G
+    megatron-oases sim --predict --profile P.json -- <megatron-oases train flags>
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,44 +12,168 @@ import sys
 from ..topology import TopologyError, load_topology
 from .device_model import ProfileDB, SimError, device_model
 from .events import ModelConfig, Strategy
-from .timeline import simulate, summary_table
+
+MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SimError(f"{flag} must be a comma-separated list of integers (got {text!r})") from None
+    if not vals or min(vals) < 1:
+        raise SimError(f"{flag} must list positive integers (got {text!r})")
+    return vals
+
+
+def resolve_topology(name: str | None, world: int):
+    """A shipped example / YAML path, or ``local`` (what ``profile`` measures by default): one flat
+    level of ``world`` ranks."""
+    if name in (None, "local"):
+        from .profiler import local_topology
+
+        return local_topology(world)
+    return load_topology(name)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (Megatron flag names)")
+    for name in MODEL_FLAGS:
+        g.add_argument(f"--{name}", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=51200, help="padded vocabulary")
+    g.add_argument("--ffn-hidden-size", type=int, default=0, help="default 4 x hidden")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+
+
+def add_strategy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("strategy")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--num-microbatches", type=int, default=1)
+    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    g.add_argument("--virtual-stages", default="1",
+                   help="model chunks per device (interleaved 1F1B when > 1); with --search a list, e.g. 1,2")
+    g.add_argument("--overlap", default="none", choices=("none", "oases"))
+    g.add_argument("--recompute", action="store_true", help="full recompute (every layer)")
+    g.add_argument("--recompute-layers", type=int, default=0, help="recompute only the first k layers per chunk")
+    g.add_argument("--no-fine-grained-recompute", dest="fine_grained_recompute", action="store_false",
+                   help="oases: recompute from each layer's input (repeats the forward all-reduces)")
+    g.add_argument("--tp-backend", default="megatron", choices=("megatron", "atp"))
+    g.add_argument("--atp-mesh", default=None, metavar="D1,D2")
+    g.add_argument("--distributed-optimizer", action="store_true")
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("search (--search)")
+    g.add_argument("--search", action="store_true", help="rank every TP x PP x DP strategy (+ backends, oases, recompute)")
+    g.add_argument("--gpus", type=int, default=None, help="default: the topology's world size")
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--tp-sizes", default=None, help="e.g. 1,2,4,8 (default: powers of two up to heads)")
+    g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
+    g.add_argument("--backends", default="megatron,atp", help="TP backends to try: megatron,atp")
+    g.add_argument("--overlaps", default="none,oases")
+    g.add_argument("--recompute-options", default="off,on")
+
+
+def model_from_args(a: argparse.Namespace) -> ModelConfig:
+    missing = [f"--{n}" for n in MODEL_FLAGS if getattr(a, n.replace("-", "_")) is None]
+    if missing:
+        raise SimError(f"the model needs {', '.join(missing)}")
+    dtype = "fp32" if a.fp32 else a.dtype
+    return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
+                       seq=a.seq_length, vocab=a.vocab_size, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
+                       bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
+                       tied_embeddings=not a.untie_embeddings_and_output_weights)
+
+
+def strategy_from_args(a: argparse.Namespace) -> Strategy:
+    vps = _ints(a.virtual_stages, "--virtual-stages")
+    if len(vps) != 1:
+        raise SimError("--virtual-stages takes one value unless --search is given")
+    mesh = tuple(_ints(a.atp_mesh, "--atp-mesh")) if a.atp_mesh else None
+    if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
+        raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
+    return Strategy(tp=a.tp, pp=a.pp, dp=a.dp, num_microbatches=a.num_microbatches, schedule=a.schedule,
+                    virtual_stages=vps[0], recompute=a.recompute or a.recompute_layers > 0,
+                    recompute_layers=a.recompute_layers, overlap=a.overlap,
+                    fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
+                    mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer)
+
+
+def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int):
+    from .search import SearchSpace
+
+    if a.global_batch_size is None:
+        raise SimError("--search needs --global-batch-size")
+    onoff = {"off": False, "on": True}
+    rc = [onoff.get(v.strip()) for v in a.recompute_options.split(",")]
+    if None in rc:
+        raise SimError(f"--recompute-options takes off,on (got {a.recompute_options!r})")
+    return SearchSpace(gpus=gpus, global_batch=a.global_batch_size,
+                       tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
+                       pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
+                       backends=tuple(v.strip() for v in a.backends.split(",")),
+                       overlaps=tuple(v.strip() for v in a.overlaps.split(",")), recompute=tuple(rc),
+                       virtual_stages=tuple(_ints(a.virtual_stages, "--virtual-stages")), schedule=a.schedule,
+                       distributed_optimizer=a.distributed_optimizer)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-oases sim", description="Simulate one training iteration.")
-    p.add_argument("--topology", required=True, help="YAML path or shipped example name")
+    p = argparse.ArgumentParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--topology", default=None,
+                   help="YAML path, shipped example name, or local (one flat level, as `profile` uses by default)")
     p.add_argument("--gpu", default=None, help="GPU model; default: the topology's device")
     p.add_argument("--profile", default=None, help="ProfileDB JSON of measured event times (ms)")
-    for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, default=51200)
-    p.add_argument("--ffn-hidden-size", type=int, default=0)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--num-microbatches", type=int, default=1)
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    p.add_argument("--overlap", default="none", choices=("none", "oases"))
-    p.add_argument("--recompute", action="store_true")
-    p.add_argument("--fp32", action="store_true", help="4-byte elements, fp32 peak")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
-    p.add_argument("--png", default=None, help="write a timeline PNG here (needs matplotlib)")
+    p.add_argument("--memory-gb", type=float, default=None, help="device memory (GiB); default: the GPU's")
+    add_model_args(p)
+    add_strategy_args(p)
+    add_search_args(p)
+    g = p.add_argument_group("outputs")
+    g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    g.add_argument("--png", default=None, help="write a timeline PNG here (needs matplotlib)")
+    g.add_argument("--csv", default=None, help="--search: write every strategy as CSV here")
+    g.add_argument("--top", type=int, default=20, help="--search: feasible rows to print")
+    p.add_argument("--predict", action="store_true",
+                   help="predict the step time of `megatron-oases train` with the flags after `--` (needs --profile)")
     return p
 
 
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
 def sim_main(argv: list[str] | None = None) -> int:
-    """Exit 0 and print the summary; exit 2 with one ``error:`` line on bad input."""
-    a = build_parser().parse_args(argv)
+    """Exit 0 and print the summary / table; exit 2 with one ``error:`` line on bad input."""
+    own, rest = _split(list(sys.argv[1:] if argv is None else argv))
+    a = build_parser().parse_args(own)
     try:
-        e = 4 if a.fp32 else 2
-        model = ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
-                            seq=a.seq_length, vocab=a.vocab_size, micro_batch=a.micro_batch_size,
-                            ffn=a.ffn_hidden_size, bytes_per_element=e)
-        strategy = Strategy(tp=a.tp, pp=a.pp, dp=a.dp, num_microbatches=a.num_microbatches,
-                            schedule=a.schedule, overlap=a.overlap, recompute=a.recompute)
         profile = ProfileDB.load(a.profile) if a.profile else None
-        dm = device_model(load_topology(a.topology), gpu=a.gpu, profile=profile, bytes_per_element=e)
-        r = simulate(model, strategy, dm)
+        if a.predict:
+            return _predict(a, profile, rest)
+        if rest:
+            raise SimError(f"arguments after `--` are trainer flags for --predict (got {' '.join(rest)})")
+        if a.topology is None:
+            raise SimError("--topology is required (a YAML path, a shipped example name, or local)")
+        model = model_from_args(a)
+        strategy = None if a.search else strategy_from_args(a)
+        world = a.gpus if a.search else strategy.world_size
+        if a.topology == "local" and not world:
+            raise SimError("--topology local with --search needs --gpus")
+        dm = device_model(resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
+                          bytes_per_element=model.bytes_per_element)
+        if a.search:
+            return _search(a, model, dm)
+        from .timeline import simulate, summary_table
+
+        r = simulate(model, strategy, dm, memory_limit_GB=a.memory_gb)
     except (SimError, TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -57,4 +186,31 @@ def sim_main(argv: list[str] | None = None) -> int:
         from .trace import plot_timeline
         plot_timeline(r, a.png)
         print(f"timeline: {a.png}")
+    return 0
+
+
+def _search(a: argparse.Namespace, model: ModelConfig, dm) -> int:
+    from .search import search, search_table, write_csv
+
+    gpus = a.gpus or dm.topology.world_size
+    cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb)
+    print(search_table(cands, top=a.top))
+    if a.csv:
+        write_csv(cands, a.csv)
+        print(f"csv: {a.csv}")
+    return 0
+
+
+def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[str]) -> int:
+    from ..train_args import build_parser as train_parser
+    from .predict import predict_train_step
+    from .timeline import summary_table
+
+    if profile is None:
+        raise SimError("--predict needs --profile (measure one with `megatron-oases profile -- <train flags>`)")
+    if not train_argv:
+        raise SimError("--predict needs the trainer's flags after `--`")
+    r = predict_train_step(train_parser().parse_args(train_argv), profile, topology=a.topology)
+    print(summary_table(r))
+    print(f"predicted step time: {r.iteration_ms:.1f} ms")
     return 0

@@ -7,6 +7,7 @@ price event by event, so the simulator's structure does not change when real num
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from typing import Any, Mapping
 from ..layers.description import Collective, Compute
 from ..topology import Topology
 
-PROFILE_FORMAT = "megatron-oases-profile/1"
+PROFILE_FORMAT = "megatron-oases-profile/2"
 
 
 class SimError(ValueError):
@@ -73,21 +74,32 @@ def gemm_efficiency(ideal_ms: float, *, max_efficiency: float, half_ms: float) -
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileDB:
-    """Measured times, event key -> ms (keys as ``sim.events`` names them)."""
+    """Measured times, event key -> ms (keys as ``sim.events`` names them). See docs/sim.md."""
 
     device: str
+    """What the compute events ran on (``torch.cuda.get_device_name()`` or ``cpu``)."""
     events_ms: Mapping[str, float]
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Optional per-key provenance: ``measured``, ``extrapolated from 4 ranks``, ``scaled from N bytes``."""
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Free-form: torch version, threads, warm-up / repetitions, topology, ranks at hand."""
 
     def __post_init__(self) -> None:
-        bad = [k for k, v in self.events_ms.items() if not isinstance(v, (int, float)) or not v >= 0]
+        bad = [k for k, v in self.events_ms.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or math.isinf(v)]
         if bad:
-            raise SimError(f"profile for {self.device!r}: times must be numbers >= 0 (bad: {', '.join(bad[:3])})")
+            raise SimError(f"profile for {self.device!r}: times must be finite numbers >= 0 (bad: {', '.join(bad[:3])})")
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "profile") -> "ProfileDB":
+        if isinstance(data, dict) and str(data.get("format", "")).startswith("megatron-oases-profile/") \
+                and data.get("format") != PROFILE_FORMAT:
+            raise SimError(f"{source}: profile format {data.get('format')!r} is not {PROFILE_FORMAT!r}; "
+                           "measure it again with `megatron-oases profile`")
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or not isinstance(data.get("events"), dict):
             raise SimError(f"{source}: expected {{'format': {PROFILE_FORMAT!r}, 'device': ..., 'events': {{key: ms}}}}")
-        return cls(device=str(data.get("device", "")), events_ms=dict(data["events"]))
+        return cls(device=str(data.get("device", "")), events_ms=dict(data["events"]),
+                   sources=dict(data.get("sources") or {}), meta=dict(data.get("meta") or {}))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ProfileDB":
@@ -99,15 +111,36 @@ class ProfileDB:
         return cls.from_dict(data, source=os.fspath(path))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "device": self.device, "events": dict(self.events_ms)}
+        out: dict[str, Any] = {"format": PROFILE_FORMAT, "device": self.device, "events": dict(sorted(self.events_ms.items()))}
+        if self.sources:
+            out["sources"] = dict(sorted(self.sources.items()))
+        if self.meta:
+            out["meta"] = dict(self.meta)
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    def merged(self, other: "ProfileDB") -> "ProfileDB":
+        """This DB with ``other``'s entries added (``other`` wins on equal keys)."""
+        if self.device and other.device and self.device != other.device:
+            raise SimError(f"cannot merge profiles of different devices ({self.device!r}, {other.device!r})")
+        return ProfileDB(device=self.device or other.device, events_ms={**self.events_ms, **other.events_ms},
+                         sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta})
+
+    def missing(self, keys: list[str]) -> list[str]:
+        return sorted(set(k for k in keys if k not in self.events_ms))
 
     def require(self, keys: list[str]) -> None:
         """Raise naming every event the simulation needs that the profile lacks."""
-        missing = sorted(set(k for k in keys if k not in self.events_ms))
+        missing = self.missing(keys)
         if missing:
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             raise SimError(f"profile for {self.device!r} lacks {len(missing)} event(s): "
-                           f"{', '.join(missing[:5])}{more}")
+                           f"{', '.join(missing[:5])}{more}; measure them with `megatron-oases profile` "
+                           "for this model, strategy and topology")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,10 +185,23 @@ class DeviceModel:
         cal = self.topology.calibrated_allreduce(ranks)
         n = len(ranks)
         pairs = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)] if n > 1 else []
+        if not any(lv.p2p_matrix_GBps is not None for lv in self.topology.levels):
+            # Uniform levels: neighbours crossing the same level share bandwidth and latency.
+            pairs = list({link_level(self.topology, a, b): (a, b) for a, b in pairs}.values())
         lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
         if cal is not None:
             return cal, lat
-        return min((self.topology.p2p_bandwidth(a, b) for a, b in pairs), default=math.inf), lat
+        return min((self.link_bandwidth(a, b) for a, b in pairs), default=math.inf), lat
+
+    def link_bandwidth(self, a: int, b: int) -> float:
+        """GB/s between two ranks; a missing link (0 in the level's p2p matrix) is an error."""
+        bw = self.topology.p2p_bandwidth(a, b)
+        if not bw > 0:
+            lv = self.topology.levels[self.topology.level_between(a, b)]
+            raise SimError(f"topology {self.topology.name!r} has no link between ranks {a} and {b} "
+                           f"(level {lv.name!r} p2p_matrix_GBps entry is 0), but the strategy sends between them; "
+                           "add the link or choose a strategy whose groups avoid it")
+        return bw
 
     def collective_ms(self, kind: str, payload_bytes: float, ranks: tuple[int, ...]) -> float:
         """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter (n-1)/n S/B + (n-1) lat."""
@@ -174,7 +220,7 @@ class DeviceModel:
     def p2p_ms(self, nbytes: float, src: int, dst: int) -> float:
         if src == dst:
             return 0.0
-        return nbytes / (self.topology.p2p_bandwidth(src, dst) * 1e6) + self.topology.link_latency(src, dst) / 1e3
+        return nbytes / (self.link_bandwidth(src, dst) * 1e6) + self.topology.link_latency(src, dst) / 1e3
 
     def analytical_ms(self, op: Compute | Collective | None, *, kind: str, nbytes: float,
                       ranks: tuple[int, ...]) -> float:
@@ -194,10 +240,30 @@ class DeviceModel:
         return self.analytical_ms(op, kind=kind, nbytes=nbytes, ranks=ranks)
 
 
+@functools.lru_cache(maxsize=64)
+def _strides(topo: Topology) -> tuple[tuple[int, int], ...]:
+    """(level, rank stride of one unit of that level), outermost first."""
+    out, stride = [], topo.world_size
+    for i in range(len(topo.levels) - 1, -1, -1):
+        stride //= topo.levels[i].size
+        out.append((i, stride))
+    return tuple(out)
+
+
+def link_level(topo: Topology, a: int, b: int) -> int:
+    """The level two ranks' link crosses (the outermost level where their coordinates differ)."""
+    if a == b:
+        return -1
+    for i, stride in _strides(topo):
+        if a // stride != b // stride:
+            return i
+    return -1
+
+
 def device_model(topology: Topology, *, gpu: str | None = None, profile: ProfileDB | None = None,
                  **kw: Any) -> DeviceModel:
     """A DeviceModel for ``topology``; the GPU defaults to the topology's ``device`` field."""
     name = gpu or topology.device
     if not name:
-        raise SimError(f"topology {topology.name!r} names no device; pass gpu= one of {', '.join(GPUS)}")
+        raise SimError(f"topology {topology.name!r} names no device; pass --gpu (gpu=) one of {', '.join(GPUS)}")
     return DeviceModel(gpu=gpu_spec(name), topology=topology, profile=profile, **kw)

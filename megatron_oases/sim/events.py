@@ -1,20 +1,24 @@
 """Model + strategy -> the events each pipeline stage runs, read from the shared layer description.
 
 DistSim §4.1-4.2: TP maps a layer onto compute and collective events; identical events (same
-name, shapes and group class) are priced once. One representative device per stage stands for
-its TP peers and DP replicas, which run the same events.
+name, shapes, dtype and group class) are priced once. One representative device per stage stands
+for its TP peers and DP replicas, which run the same events. Each event carries ``dims`` (the
+sizes its work depends on) so the profiler can run the matching torch ops.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Union
 
-from ..layers.description import Collective, Compute, megatron_1d_gpt_layer
+from ..layers.description import Collective, Compute
 from ..topology import Topology
-from .device_model import SimError
+from .backends import BACKENDS, axis_ranks, layer_description, layer_params
+from .device_model import SimError, link_level
 
 SCHEDULES = ("gpipe", "1f1b")
 OVERLAPS = ("none", "oases")
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,10 +30,16 @@ class ModelConfig:
     heads: int
     seq: int
     vocab: int
+    """Padded vocabulary (a multiple of TP)."""
     micro_batch: int
     ffn: int = 0
     """FFN size; 0 means 4 * hidden."""
     bytes_per_element: int = 2
+    dtype: str = ""
+    """bf16 | fp16 | fp32; empty: bf16 for 2-byte elements, fp32 for 4."""
+    tied_embeddings: bool = True
+    """Input and output embeddings share one weight (Megatron's default); with PP > 1 the first
+    and last stage each hold a copy and all-reduce its gradient."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -37,6 +47,11 @@ class ModelConfig:
                 raise SimError(f"model {f} must be a positive integer (got {getattr(self, f)!r})")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
+        if not self.dtype:
+            object.__setattr__(self, "dtype", "fp32" if self.bytes_per_element == 4 else "bf16")
+        if DTYPES.get(self.dtype) != self.bytes_per_element:
+            raise SimError(f"model dtype {self.dtype!r} does not have {self.bytes_per_element}-byte elements "
+                           f"(known: {', '.join(f'{k}={v}' for k, v in DTYPES.items())})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,24 +63,65 @@ class Strategy:
     dp: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
-    """gpipe | 1f1b"""
+    """gpipe | 1f1b (interleaved 1F1B when ``virtual_stages`` > 1)."""
+    virtual_stages: int = 1
+    """Model chunks per device (Megatron's virtual pipeline size)."""
     recompute: bool = False
     """Full recompute: each layer's forward is rerun before its backward."""
+    recompute_layers: int = 0
+    """With ``recompute``: 0 recomputes every layer (Megatron's uniform method); k > 0 only the first
+    k layers of each chunk (block method)."""
     overlap: str = "none"
     """none (stock: compute waits on each collective) | oases (two sub-batches cross-overlap)."""
+    fine_grained_recompute: bool = True
+    """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
+    backend: str = "megatron"
+    """TP layer: megatron (1-D) | atp (2-D mesh, needs ``mesh``)."""
+    mesh: tuple[int, int] | None = None
+    """ATP DeviceMesh(d1, d2) with d1 * d2 = tp."""
+    distributed_optimizer: bool = False
+    """Optimizer states (fp32 master + Adam moments) sharded over DP."""
+    optimizer_step: bool = True
+    """Model the step's tail: grad-norm all-reduce over TP x PP and Adam."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "num_microbatches"):
+        for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise SimError(f"strategy {f} must be a positive integer (got {getattr(self, f)!r})")
         if self.schedule not in SCHEDULES:
             raise SimError(f"schedule must be one of {', '.join(SCHEDULES)} (got {self.schedule!r})")
         if self.overlap not in OVERLAPS:
             raise SimError(f"overlap must be one of {', '.join(OVERLAPS)} (got {self.overlap!r})")
+        if self.backend not in BACKENDS:
+            raise SimError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        if self.backend == "atp":
+            if self.mesh is None or len(self.mesh) != 2 or self.mesh[0] * self.mesh[1] != self.tp:
+                raise SimError(f"ATP mesh {self.mesh} must be (d1, d2) with d1 x d2 = TP {self.tp}")
+            object.__setattr__(self, "mesh", (int(self.mesh[0]), int(self.mesh[1])))
+        elif self.mesh is not None:
+            raise SimError("a mesh needs backend 'atp'")
+        if self.recompute_layers < 0:
+            raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def label(self) -> str:
+        """Short name: ``tp8.pp8.dp48`` + backend / schedule / overlap / recompute markers."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.backend == "atp":
+            parts.append(f"atp{self.mesh[0]}x{self.mesh[1]}")
+        if self.virtual_stages > 1:
+            parts.append(f"vp{self.virtual_stages}")
+        if self.schedule == "gpipe":
+            parts.append("gpipe")
+        if self.overlap == "oases":
+            parts.append("oases")
+        if self.recompute:
+            parts.append(f"rc{self.recompute_layers}" if self.recompute_layers else "rc")
+        return ".".join(parts)
 
     def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Megatron's default order: TP fastest, then DP, then PP."""
@@ -84,56 +140,103 @@ class Event:
     ranks: tuple[int, ...] = ()
     """The collective's group, or (src, dst) for p2p; empty for compute."""
     nbytes: float = 0.0
+    dims: tuple[tuple[str, Union[int, str]], ...] = ()
+    """Sizes the work depends on (b s h a f t d1 d2 v p dtype), for the profiler's workloads."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StageEvents:
-    """One micro-batch (or sub-batch, under oases) through one stage, in execution order."""
+class ChunkEvents:
+    """One micro-batch (or sub-batch, under oases) through one model chunk of one stage."""
 
     stage: int
+    chunk: int
+    layers: int
     forward: tuple[Event, ...]
     backward: tuple[Event, ...]
     """Includes the recomputed forward of each layer before its backward when recompute is on."""
     send_forward: Event | None
     send_backward: Event | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageEvents:
+    """A stage's chunks plus its end-of-step work (DP all-reduce, tie all-reduce, optimizer)."""
+
+    stage: int
+    chunks: tuple[ChunkEvents, ...]
     grad_allreduce: Event | None
+    tie_allreduce: Event | None
+    """Embedding-gradient all-reduce between the first and the last stage (tied, PP > 1)."""
+    grad_norm: Event | None
+    norm_allreduce: Event | None
+    optimizer: Event | None
+    param_allgather: Event | None
+    """Distributed optimizer: updated parameters all-gathered over DP after the step."""
     params_per_rank: int
     chains: int
     """Sub-batches that run these events concurrently: 1, or 2 under oases."""
 
+    # One-chunk conveniences (the non-interleaved schedules).
+    @property
+    def forward(self) -> tuple[Event, ...]:
+        return self.chunks[0].forward
+
+    @property
+    def backward(self) -> tuple[Event, ...]:
+        return self.chunks[0].backward
+
+    @property
+    def send_forward(self) -> Event | None:
+        return self.chunks[0].send_forward
+
+    @property
+    def send_backward(self) -> Event | None:
+        return self.chunks[0].send_backward
+
 
 def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
     """Validate the split; one line naming the whole product."""
-    s = strategy
+    s, m = strategy, model
     if s.world_size != world_size:
         raise SimError(f"TP {s.tp} x PP {s.pp} x DP {s.dp} = {s.world_size} != {world_size} GPUs")
-    if model.num_layers % s.pp:
-        raise SimError(f"{model.num_layers} layers are not divisible by PP {s.pp}")
-    if s.overlap == "oases" and model.micro_batch % 2:
-        raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {model.micro_batch} is odd")
-    if model.hidden % s.tp or model.heads % s.tp or model.ffn % s.tp or model.vocab % s.tp:
-        raise SimError(f"hidden {model.hidden}, heads {model.heads}, ffn {model.ffn}, vocab {model.vocab} "
+    if m.num_layers % s.pp:
+        raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp}")
+    if s.virtual_stages > 1:
+        if s.pp == 1 or s.schedule != "1f1b":
+            raise SimError(f"virtual stages {s.virtual_stages} need the 1f1b schedule with PP > 1 (interleaved)")
+        if m.num_layers % (s.pp * s.virtual_stages):
+            raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp} x virtual stages "
+                           f"{s.virtual_stages}")
+        if s.num_microbatches % s.pp:
+            raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
+                           f"of PP {s.pp}")
+    if s.overlap == "oases" and m.micro_batch % 2:
+        raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {m.micro_batch} is odd")
+    if s.overlap == "oases" and s.backend != "megatron":
+        raise SimError(f"oases overlap supports the megatron TP backend only (got {s.backend})")
+    if m.hidden % s.tp or m.heads % s.tp or m.ffn % s.tp or m.vocab % s.tp:
+        raise SimError(f"hidden {m.hidden}, heads {m.heads}, ffn {m.ffn}, vocab {m.vocab} "
                        f"must be divisible by TP {s.tp}")
 
 
-def _group_tag(topo: Topology, ranks: tuple[int, ...]) -> str:
+@functools.lru_cache(maxsize=4096)
+def group_tag(topo: Topology, ranks: tuple[int, ...]) -> str:
     """Group class: size + the link levels its ring crosses (same class -> same price)."""
     n = len(ranks)
-    levels = sorted({topo.levels[topo.level_between(ranks[i], ranks[(i + 1) % n])].name
+    levels = sorted({topo.levels[link_level(topo, ranks[i], ranks[(i + 1) % n])].name
                      for i in range(n) if ranks[i] != ranks[(i + 1) % n]})
     return f"{n}:{'+'.join(levels) or 'self'}"
 
 
-def _event(op: Compute | Collective, shape: str, topo: Topology, ranks: tuple[int, ...]) -> Event:
-    if isinstance(op, Compute):
-        return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op)
-    key = f"{op.kind}:{op.name}[{shape}]@{op.axis}{_group_tag(topo, ranks)}"
-    return Event(key=key, name=op.name, kind="collective", op=op, ranks=ranks, nbytes=op.payload_bytes)
+def _collective(op: Collective, shape: str, topo: Topology, ranks: tuple[int, ...], dims) -> Event:
+    axis = op.axis
+    key = f"{op.kind}:{op.name}[{shape}]@{axis}x{group_tag(topo, ranks)}"
+    return Event(key=key, name=op.name, kind="collective", op=op, ranks=ranks, nbytes=op.payload_bytes,
+                 dims=dims)
 
 
-def _layer_params(h: int, f: int, t: int) -> int:
-    """Weights + biases of one layer on one TP rank (LayerNorms replicated)."""
-    return (4 * h * h + 2 * h * f) // t + (3 * h + f) // t + 2 * h + 4 * h
+def _compute(op: Compute, shape: str, dims) -> Event:
+    return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
 
 
 def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -> list[StageEvents]:
@@ -141,58 +244,147 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     check(model, strategy, topo.world_size)
     s, m = strategy, model
     chains = 2 if s.overlap == "oases" else 1
-    b = m.micro_batch // chains
-    e = m.bytes_per_element
-    layer = megatron_1d_gpt_layer(micro_batch=b, seq=m.seq, hidden=m.hidden, heads=m.heads, ffn=m.ffn,
-                                  tp=s.tp, bytes_per_element=e)
-    shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{s.tp}e{e}"
+    b, e, t, vp = m.micro_batch // chains, m.bytes_per_element, s.tp, s.virtual_stages
+    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
+                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e)
+    mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
+    shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}"
+    head_shape = f"b{b}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
+    dims = (("b", b), ("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
+            ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
+            ("dtype", m.dtype))
     act = b * m.seq * m.hidden * e
-    per_stage = m.num_layers // s.pp
+    per_chunk = m.num_layers // (s.pp * vp)
+    n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
     out = []
     for st in range(s.pp):
-        tp_ranks = tuple(s.rank(tp=i, pp=st) for i in range(s.tp))
-        fwd_l = [_event(op, shape, topo, tp_ranks) for op in layer.forward]
-        bwd_l = [_event(op, shape, topo, tp_ranks) for op in layer.backward]
-        fwd, bwd = fwd_l * per_stage, (fwd_l + bwd_l if s.recompute else bwd_l) * per_stage
-        params = per_stage * _layer_params(m.hidden, m.ffn, s.tp)
-        if st == 0:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
-            emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * act)
-            red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=s.tp, payload_bytes=act)
-            emb_b = Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * act)
-            fwd = [_event(emb, shape, topo, tp_ranks)] + ([_event(red, shape, topo, tp_ranks)] if s.tp > 1 else []) + fwd
-            bwd = bwd + [_event(emb_b, shape, topo, tp_ranks)]
-            params += m.vocab * m.hidden // s.tp
-        if st == s.pp - 1:  # final LN, vocab-parallel logits + cross-entropy; f all-reduces dX
-            logits_flops = 2 * b * m.seq * m.hidden * m.vocab / s.tp
-            ce_bytes = 4 * b * m.seq * (m.vocab // s.tp) * e
-            head = Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes)
-            ce = Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=s.tp,
-                            payload_bytes=3 * b * m.seq * 4)
-            head_b = Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes)
-            f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=s.tp, payload_bytes=act)
-            tp_only = s.tp > 1
-            fwd = fwd + [_event(head, shape, topo, tp_ranks)] + ([_event(ce, shape, topo, tp_ranks)] if tp_only else [])
-            bwd = [_event(head_b, shape, topo, tp_ranks)] + ([_event(f_b, shape, topo, tp_ranks)] if tp_only else []) + bwd
-            if s.pp > 1:
-                params += m.vocab * m.hidden // s.tp  # untied copy of the output embedding
-        me = s.rank(pp=st)
-        send_f = send_b = None
-        if st < s.pp - 1:
-            nxt = s.rank(pp=st + 1)
-            send_f = Event(key=f"p2p:activation[{shape}]@pp{_group_tag(topo, (me, nxt))}", name="send_forward",
-                           kind="p2p", ranks=(me, nxt), nbytes=act * chains)
-        if st > 0:
-            prv = s.rank(pp=st - 1)
-            send_b = Event(key=f"p2p:activation[{shape}]@pp{_group_tag(topo, (me, prv))}", name="send_backward",
-                           kind="p2p", ranks=(me, prv), nbytes=act * chains)
-        grad = None
-        if s.dp > 1:
-            dp_ranks = tuple(s.rank(dp=d, pp=st) for d in range(s.dp))
-            gbytes = 4 * params  # fp32 main_grad buffers
-            grad_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=s.dp, payload_bytes=gbytes)
-            grad = _event(grad_op, f"p{params}", topo, dp_ranks)
-        out.append(StageEvents(stage=st, forward=tuple(fwd), backward=tuple(bwd), send_forward=send_f,
-                               send_backward=send_b, grad_allreduce=grad, params_per_rank=params, chains=chains))
+        tp_ranks = tuple(s.rank(tp=i, pp=st) for i in range(t))
+
+        def ev(op):
+            if isinstance(op, Compute):
+                return _compute(op, shape, dims)
+            return _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks, s.mesh), dims)
+
+        def head_ev(op):
+            if isinstance(op, Compute):
+                return _compute(op, head_shape, dims)
+            return _collective(op, head_shape, topo, tp_ranks, dims)
+
+        fwd_l = [ev(op) for op in layer.forward]
+        bwd_l = [ev(op) for op in layer.backward]
+        fine = s.overlap == "oases" and s.fine_grained_recompute
+        rec_l = [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
+        chunks = []
+        for c in range(vp):
+            g = c * s.pp + st
+            first, last = g == 0, g == s.pp * vp - 1
+            fwd = fwd_l * per_chunk
+            # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
+            bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
+            if s.backend == "atp" and s.mesh[1] > 1:  # enter: split (bwd all-gather); leave: all-gather
+                d2 = s.mesh[1]
+                gather = Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=d2, payload_bytes=act)
+                enter_b = Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=d2,
+                                     payload_bytes=act)
+                fwd, bwd = fwd + [ev(gather)], bwd + [ev(enter_b)]
+            if first:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
+                emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * act)
+                red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act)
+                emb_b = Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * act)
+                fwd = [head_ev(emb)] + ([head_ev(red)] if t > 1 else []) + fwd
+                bwd = bwd + [head_ev(emb_b)]
+            if last:  # final LN, vocab-parallel logits + cross-entropy; f all-reduces dX
+                logits_flops = 2 * b * m.seq * m.hidden * m.vocab / t
+                ce_bytes = 4 * b * m.seq * (m.vocab // t) * e
+                head = Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes)
+                ce = Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
+                                payload_bytes=3 * b * m.seq * 4)
+                head_b = Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes)
+                f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act)
+                fwd = fwd + [head_ev(head)] + ([head_ev(ce)] if t > 1 else [])
+                bwd = [head_ev(head_b)] + ([head_ev(f_b)] if t > 1 else []) + bwd
+            me = s.rank(pp=st)
+            send_f = send_b = None
+            if not last:
+                nxt = s.rank(pp=(g + 1) % s.pp)
+                send_f = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, nxt))}", name="send_forward",
+                               kind="p2p", ranks=(me, nxt), nbytes=act * chains, dims=dims)
+            if not first:
+                prv = s.rank(pp=(g - 1) % s.pp)
+                send_b = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, prv))}", name="send_backward",
+                               kind="p2p", ranks=(me, prv), nbytes=act * chains, dims=dims)
+            chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk, forward=tuple(fwd), backward=tuple(bwd),
+                                      send_forward=send_f, send_backward=send_b))
+        out.append(_stage_tail(m, s, topo, st, tuple(chunks), chains))
+    return out
+
+
+def stage_params(model: ModelConfig, strategy: Strategy, stage: int) -> int:
+    """Parameters one rank of ``stage`` holds (layers of all its chunks + embeddings)."""
+    m, s = model, strategy
+    per_stage = m.num_layers // s.pp
+    params = per_stage * layer_params(s.backend, m.hidden, m.ffn, s.tp, s.mesh)
+    emb = m.vocab * m.hidden // s.tp
+    if stage == 0:
+        params += emb + m.seq * m.hidden  # word + learned position embeddings
+    if stage == s.pp - 1:
+        params += 2 * m.hidden  # final LayerNorm
+        if s.pp > 1 or not m.tied_embeddings:
+            params += emb  # the last stage's own copy (tied) or the untied output layer
+    return params
+
+
+def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tuple[ChunkEvents, ...],
+                chains: int) -> StageEvents:
+    params = stage_params(m, s, st)
+    pshape = f"p{params}_fp32"
+    pdims = (("p", params), ("dtype", "fp32"))
+    grad = tie = norm = norm_ar = opt = gather = None
+    if s.dp > 1:
+        dp_ranks = tuple(s.rank(dp=d, pp=st) for d in range(s.dp))
+        if s.distributed_optimizer:  # reduce-scatter grads, all-gather updated params after the step
+            op = Collective(name="grad.rs", kind="reduce_scatter", axis="dp", group_size=s.dp, payload_bytes=4 * params)
+            ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
+                            payload_bytes=m.bytes_per_element * params)
+            gather = _collective(ag, f"p{params}_{m.dtype}", topo, dp_ranks, (("p", params), ("dtype", m.dtype)))
+        else:
+            op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=s.dp, payload_bytes=4 * params)
+        grad = _collective(op, pshape, topo, dp_ranks, pdims)
+    if m.tied_embeddings and s.pp > 1 and st in (0, s.pp - 1):
+        pair = (s.rank(pp=0), s.rank(pp=s.pp - 1))
+        nb = 4 * m.vocab * m.hidden // s.tp
+        op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2, payload_bytes=nb)
+        tie = _collective(op, f"v{m.vocab}h{m.hidden}t{s.tp}_fp32", topo, pair, (("p", nb // 4), ("dtype", "fp32")))
+    if s.optimizer_step:
+        norm = _compute(Compute(name="grad_norm", gemm_flops=0.0, elementwise_bytes=4 * params), pshape, pdims)
+        if s.tp * s.pp > 1:
+            norm_ar = _norm_allreduce(topo, s.tp, s.pp, s.dp)
+        shard = s.dp if s.distributed_optimizer else 1
+        # zero grads (4), clip (8), Adam: read p g m v, write p m v (28), + bf16 copy (2 + 4)
+        nbytes = params * (12 + (28 + (6 if m.bytes_per_element == 2 else 0)) / shard)
+        op = Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=nbytes)
+        oshape = f"p{params}d{shard}_{m.dtype}"
+        opt = _compute(op, oshape, (("p", params), ("shard", shard), ("dtype", m.dtype)))
+    return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
+                       norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
+                       params_per_rank=params, chains=chains)
+
+
+@functools.lru_cache(maxsize=256)
+def _norm_allreduce(topo: Topology, tp: int, pp: int, dp: int) -> Event:
+    """Grad-norm all-reduce over the model-parallel group (TP x PP ranks of DP replica 0)."""
+    mp = tuple(i + tp * dp * j for j in range(pp) for i in range(tp))
+    op = Collective(name="grad_norm.ar", kind="all_reduce", axis="mp", group_size=len(mp), payload_bytes=4)
+    return _collective(op, "n1_fp32", topo, mp, (("p", 1), ("dtype", "fp32")))
+
+
+def stage_event_list(st: StageEvents) -> list[Event]:
+    out: list[Event] = []
+    for ch in st.chunks:
+        out += [*ch.forward, *ch.backward]
+        out += [x for x in (ch.send_forward, ch.send_backward) if x is not None]
+    out += [x for x in (st.grad_allreduce, st.tie_allreduce, st.grad_norm, st.norm_allreduce, st.optimizer,
+                        st.param_allgather) if x is not None]
     return out
 
 
@@ -200,7 +392,7 @@ def unique_events(stages: list[StageEvents]) -> dict[str, Event]:
     """Each distinct event once (DistSim's profiling dedup): key -> first occurrence."""
     seen: dict[str, Event] = {}
     for st in stages:
-        for ev in (*st.forward, *st.backward, st.send_forward, st.send_backward, st.grad_allreduce):
-            if ev is not None and ev.key not in seen:
+        for ev in stage_event_list(st):
+            if ev.key not in seen:
                 seen[ev.key] = ev
     return seen

@@ -1,21 +1,25 @@
 """Places events on streams: TP inside a stage, then the pipeline schedule, then DP (DistSim §4.3).
 
-Every micro-batch runs the same events on a stage, so the stage's forward and backward are
-simulated once each on a compute and a communication stream (a *template*), and the pipeline
-(Algorithm 1) places those templates with P2P dependencies. This keeps 3,000+ GPUs under a
-second while the expanded trace (``sim.trace``) stays exact.
+Every micro-batch runs the same events on a model chunk, so each chunk's forward and backward are
+simulated once on a compute and a communication stream (a *template*), and the pipeline
+(Algorithm 1) places those templates with P2P dependencies. The step ends with each stage's
+tail: DP gradient all-reduce, the tied-embedding all-reduce between first and last stage, the
+grad-norm all-reduce over TP x PP (a barrier across stages), Adam. This keeps 3,000+ GPUs under
+a second while the expanded trace (``sim.trace``) stays exact.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from ..flops import gpt_flops_per_iteration
 from .device_model import DeviceModel, SimError
 from .events import Event, ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
+from .memory import GiB, StageMemory, stage_memory
+from .schedules import schedule_order
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Slot:
+class Slot(NamedTuple):
     """One event placed in a template, times relative to the template's start (ms)."""
 
     stream: str
@@ -29,7 +33,7 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Template:
-    """One micro-batch's forward or backward on one stage."""
+    """One micro-batch's forward or backward on one model chunk of one stage."""
 
     slots: tuple[Slot, ...]
     duration: float
@@ -37,13 +41,25 @@ class Template:
     comm_busy: float
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """A template placed on the pipeline: stage, 'F' or 'B', micro-batch, absolute ms."""
+class Placement(NamedTuple):
+    """A template placed on the pipeline: stage, 'F' or 'B', micro-batch, absolute ms, chunk."""
 
     stage: int
     phase: str
     micro_batch: int
+    start: float
+    end: float
+    chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TailSlot:
+    """End-of-step work on one stage (absolute ms): grad.ar, embedding.tie, grad_norm, optimizer..."""
+
+    stage: int
+    stream: str
+    name: str
+    key: str
     start: float
     end: float
 
@@ -55,11 +71,13 @@ class StageStats:
     compute_ms: float
     comm_ms: float
     exposed_comm_ms: float
-    """Time the compute stream waits on TP collectives and the DP all-reduce."""
+    """Time the compute stream waits on TP collectives, its own P2P sends and the end-of-step collectives."""
     bubble_ms: float
-    """Time the stage waits on other stages (pipeline fill/drain)."""
+    """Time the stage waits on other stages (pipeline fill/drain, the step's barriers)."""
     idle_ms: float
     """iteration - compute = exposed comm + bubble."""
+    memory_GB: float = 0.0
+    """Peak memory of one device of this stage (GiB)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,12 +93,32 @@ class SimResult:
     tokens_per_s: float
     mfu: float
     placements: tuple[Placement, ...]
-    templates: tuple[tuple[Template, Template], ...]
-    """Per stage: (forward, backward)."""
-    p2p_ms: tuple[tuple[float, float], ...]
-    """Per stage: (send forward, send backward) durations."""
+    templates: tuple[tuple[tuple[Template, Template], ...], ...]
+    """Per stage, per chunk: (forward, backward)."""
+    p2p_ms: tuple[tuple[tuple[float, float], ...], ...]
+    """Per stage, per chunk: (send forward, send backward) durations."""
     grad_ms: tuple[float, ...]
+    tail: tuple[TailSlot, ...]
     unique_events: int
+    memory: tuple[StageMemory, ...] = ()
+    memory_limit_GB: float = 0.0
+
+    @property
+    def peak_memory_GB(self) -> float:
+        return max((m.total for m in self.memory), default=0.0) / GiB
+
+    @property
+    def fits(self) -> bool:
+        return not self.memory_limit_GB or self.peak_memory_GB <= self.memory_limit_GB
+
+    @property
+    def infeasible_reason(self) -> str:
+        if self.fits:
+            return ""
+        worst = max(self.memory, key=lambda m: m.total)
+        return (f"memory {self.peak_memory_GB:.1f} GB > {self.memory_limit_GB:g} GB on stage {worst.stage} "
+                f"(states {(worst.weights + worst.grads + worst.optimizer) / GiB:.1f}, "
+                f"activations {worst.activations / GiB:.1f})")
 
 
 def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]) -> Template:
@@ -100,53 +138,73 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
             start = max(free[stream], prev[c])
             free[stream] = prev[c] = start + d
             busy[stream] += d
-            slots.append(Slot(stream=stream, name=ev.name, key=ev.key, chain=c, start=start, dur=d))
+            slots.append(Slot(stream, ev.name, ev.key, c, start, d))
     return Template(slots=tuple(slots), duration=max(prev, default=0.0),
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
 
 
-def schedule_order(schedule: str, stage: int, pp: int, m: int) -> list[tuple[str, int]]:
-    """The stage's order of (phase, micro-batch): GPipe all F then all B; 1F1B warm-up, steady, cool-down."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(pp - stage - 1, m)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warm, m)]
+def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tuple[float, float]]],
+                   p2p: list[list[tuple[float, float]]], *, record: bool = True) -> tuple[list[Placement], list[float]]:
+    """DistSim Algorithm 1: repeatedly run the next op of any stage whose input is ready.
 
-
-def place_pipeline(orders: list[list[tuple[str, int]]], dur: list[tuple[float, float]],
-                   p2p: list[tuple[float, float]]) -> list[Placement]:
-    """DistSim Algorithm 1: repeatedly run the next op of any stage whose input is ready."""
+    Virtual stage ``g = chunk * pp + stage``; F of g waits for F of g - 1 plus its send, B of g
+    for B of g + 1 plus its send, and B of the last virtual stage for its own F. A stage's next op
+    also waits for its own send (Megatron's P2P calls wait on their requests; DistSim Algorithm 1
+    appends the send to the sender's event list). Returns the placements (when ``record``) and
+    each stage's end, including its last send.
+    """
     pp = len(orders)
-    end: dict[tuple[int, str, int], float] = {}
+    vp = len(dur[0])
+    last = pp * vp - 1
+    m_all = 1 + max((m for o in orders for _, _, m in o), default=0)
+    end_f = [[-1.0] * m_all for _ in range(last + 1)]  # end time per virtual stage and micro-batch
+    end_b = [[-1.0] * m_all for _ in range(last + 1)]
+    send = [p2p[g % pp][g // pp] for g in range(last + 1)]
     pos, free, out = [0] * pp, [0.0] * pp, []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                phase, m = orders[s][pos[s]]
-                if phase == "F":
-                    ready = s == 0 or (s - 1, "F", m) in end
-                    dep = 0.0 if s == 0 else end.get((s - 1, "F", m), 0.0) + p2p[s - 1][0]
-                elif s == pp - 1:
-                    ready, dep = (s, "F", m) in end, end.get((s, "F", m), 0.0)
+    todo = list(range(pp - 1, -1, -1))  # stages that may be able to run their next op
+    queued = [True] * pp
+    while todo:
+        s = todo.pop()
+        queued[s] = False
+        order, ds = orders[s], dur[s]
+        while pos[s] < len(order):
+            phase, c, m = order[pos[s]]
+            g = c * pp + s
+            if phase == "F":
+                if g == 0:
+                    dep = 0.0
                 else:
-                    ready = (s + 1, "B", m) in end
-                    dep = end.get((s + 1, "B", m), 0.0) + p2p[s + 1][1]
-                if not ready:
-                    break
-                start = max(free[s], dep)
-                free[s] = end[(s, phase, m)] = start + dur[s][0 if phase == "F" else 1]
-                out.append(Placement(stage=s, phase=phase, micro_batch=m, start=start, end=free[s]))
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise SimError("pipeline schedule deadlocks: no stage can start its next micro-batch")
-    return out
+                    dep = end_f[g - 1][m]
+                    if dep < 0:
+                        break
+                    dep += send[g - 1][0]
+                start = free[s] if free[s] > dep else dep
+                end_f[g][m] = e = start + ds[c][0]
+                free[s] = e + send[g][0]  # Megatron waits on its sends
+                nxt = (g + 1) % pp
+            else:
+                if g == last:
+                    dep = end_f[g][m]
+                    if dep < 0:
+                        break
+                else:
+                    dep = end_b[g + 1][m]
+                    if dep < 0:
+                        break
+                    dep += send[g + 1][1]
+                start = free[s] if free[s] > dep else dep
+                end_b[g][m] = e = start + ds[c][1]
+                free[s] = e + send[g][1]
+                nxt = (g - 1) % pp
+            if record:
+                out.append(Placement(s, phase, m, start, e, c))
+            pos[s] += 1
+            if not queued[nxt] and nxt != s:  # the stage this op may unblock
+                queued[nxt] = True
+                todo.append(nxt)
+    if any(pos[s] < len(orders[s]) for s in range(pp)):
+        raise SimError("pipeline schedule deadlocks: no stage can start its next micro-batch")
+    return out, free
 
 
 def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, float]:
@@ -157,31 +215,81 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
     return {k: device.price(k, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks) for k, e in uniq.items()}
 
 
-def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel) -> SimResult:
-    """One training iteration (no optimizer step) on ``device.topology``."""
+def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float]) -> list[TailSlot]:
+    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> grad norm -> its all-reduce
+    over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather."""
+    pp = len(stages)
+    out: list[TailSlot] = []
+    t = list(last_end)
+
+    def put(s: int, ev: Event | None, stream: str, start: float | None = None) -> None:
+        if ev is None:
+            return
+        st = t[s] if start is None else start
+        t[s] = st + price[ev.key]
+        out.append(TailSlot(stage=s, stream=stream, name=ev.name, key=ev.key, start=st, end=t[s]))
+
+    for s, st in enumerate(stages):
+        put(s, st.grad_allreduce, "comm")
+    tied = [s for s, st in enumerate(stages) if st.tie_allreduce is not None]
+    if tied:
+        start = max(t[s] for s in tied)
+        for s in tied:
+            put(s, stages[s].tie_allreduce, "comm", start)
+    for s, st in enumerate(stages):
+        put(s, st.grad_norm, "compute")
+    if any(st.norm_allreduce is not None for st in stages):
+        start = max(t)
+        for s, st in enumerate(stages):
+            put(s, st.norm_allreduce, "comm", start)
+    for s, st in enumerate(stages):
+        put(s, st.optimizer, "compute")
+        put(s, st.param_allgather, "comm")
+    return out
+
+
+def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
+             memory_limit_GB: float | None = None, timeline: bool = True) -> SimResult:
+    """One training iteration on ``device.topology``; memory checked against ``memory_limit_GB``
+    (default: the GPU's memory; 0 disables the check). ``timeline=False`` keeps no placements
+    (the numbers are the same; a search needs no trace)."""
     stages = build_stage_events(model, strategy, device.topology)
     price = price_events(stages, device)
     s = strategy
-    templates = tuple((run_template(st.forward, st.chains, price), run_template(st.backward, st.chains, price))
-                      for st in stages)
-    p2p = [(price[st.send_forward.key] if st.send_forward else 0.0,
-            price[st.send_backward.key] if st.send_backward else 0.0) for st in stages]
-    grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else 0.0 for st in stages)
-    orders = [schedule_order(s.schedule, i, s.pp, s.num_microbatches) for i in range(s.pp)]
-    placements = place_pipeline(orders, [(f.duration, b.duration) for f, b in templates], p2p)
-    last_b = [0.0] * s.pp
-    for p in placements:
-        last_b[p.stage] = max(last_b[p.stage], p.end)
-    iteration = max(last_b[i] + grad[i] for i in range(s.pp))
+    cache: dict[tuple, Template] = {}
+
+    def template(events: tuple[Event, ...], chains: int) -> Template:
+        k = (chains, *(e.key for e in events))  # middle stages share their event lists
+        if k not in cache:
+            cache[k] = run_template(events, chains, price)
+        return cache[k]
+    templates = tuple(tuple((template(ch.forward, st.chains), template(ch.backward, st.chains))
+                            for ch in st.chunks) for st in stages)
+    p2p = [[(price[ch.send_forward.key] if ch.send_forward else 0.0,
+             price[ch.send_backward.key] if ch.send_backward else 0.0) for ch in st.chunks] for st in stages]
+    orders = [schedule_order(s.schedule, i, s.pp, s.num_microbatches, s.virtual_stages) for i in range(s.pp)]
+    placements, last_end = place_pipeline(orders, [[(f.duration, b.duration) for f, b in tt] for tt in templates],
+                                          p2p, record=timeline)
+    tail = _tail(stages, price, last_end)
+    iteration = max([*last_end, *(x.end for x in tail)])
+    mem = tuple(stage_memory(model, s, st, orders[i]) for i, st in enumerate(stages))
     m = s.num_microbatches
     stats = []
-    for i, (f, b) in enumerate(templates):
-        compute = m * (f.compute_busy + b.compute_busy)
-        exposed = m * (f.duration - f.compute_busy + b.duration - b.compute_busy) + grad[i]
-        comm = m * (f.comm_busy + b.comm_busy) + m * sum(p2p[i]) + grad[i]
+    for i, tt in enumerate(templates):
+        compute = m * sum(f.compute_busy + b.compute_busy for f, b in tt)
+        sends = m * sum(a + b for a, b in p2p[i])
+        exposed = m * sum(f.duration - f.compute_busy + b.duration - b.compute_busy for f, b in tt) + sends
+        comm = m * sum(f.comm_busy + b.comm_busy for f, b in tt) + sends
+        for x in tail:
+            if x.stage == i:
+                if x.stream == "compute":
+                    compute += x.end - x.start
+                else:
+                    exposed += x.end - x.start
+                    comm += x.end - x.start
         stats.append(StageStats(stage=i, rank=s.rank(pp=i), compute_ms=compute, comm_ms=comm,
                                 exposed_comm_ms=exposed, bubble_ms=iteration - compute - exposed,
-                                idle_ms=iteration - compute))
+                                idle_ms=iteration - compute, memory_GB=mem[i].total / GiB))
     global_batch = model.micro_batch * m * s.dp
     flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq,
                                     num_layers=model.num_layers, hidden_size=model.hidden,
@@ -189,24 +297,33 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel) -> Sim
                                     padded_vocab_size=model.vocab)
     secs = iteration / 1e3
     peak = device.peak_tflops * 1e12 * s.world_size
+    grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else 0.0 for st in stages)
+    limit = device.gpu.memory_GB if memory_limit_GB is None else memory_limit_GB
     return SimResult(model=model, strategy=s, iteration_ms=iteration, stages=tuple(stats),
                      bubble_fraction=sum(x.bubble_ms for x in stats) / (len(stats) * iteration),
                      exposed_comm_ms=sum(x.exposed_comm_ms for x in stats) / len(stats),
                      tokens_per_s=global_batch * model.seq / secs, mfu=flops / (secs * peak),
-                     placements=tuple(placements), templates=templates, p2p_ms=tuple(p2p),
-                     grad_ms=grad, unique_events=len(price))
+                     placements=tuple(placements), templates=templates,
+                     p2p_ms=tuple(tuple(x) for x in p2p), grad_ms=grad, tail=tuple(tail),
+                     unique_events=len(price), memory=mem, memory_limit_GB=limit)
 
 
 def summary_table(r: SimResult) -> str:
     """Plain-text per-stage breakdown plus the headline numbers."""
     s = r.strategy
-    lines = [f"TP {s.tp} x PP {s.pp} x DP {s.dp} = {s.world_size} GPUs, {s.schedule}, "
+    vp = f" x {s.virtual_stages} virtual" if s.virtual_stages > 1 else ""
+    be = f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
+    lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
              f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}",
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
              f"bubble {100 * r.bubble_fraction:.1f}% | exposed comm {r.exposed_comm_ms:.2f} ms | "
              f"{r.unique_events} unique events",
-             f"{'stage':>5} {'rank':>6} {'compute ms':>11} {'comm ms':>9} {'exposed':>9} {'bubble':>9} {'idle':>9}"]
+             f"memory peak {r.peak_memory_GB:.2f} GB"
+             + (f" of {r.memory_limit_GB:g} GB" if r.memory_limit_GB else "")
+             + (f" -- INFEASIBLE: {r.infeasible_reason}" if not r.fits else ""),
+             f"{'stage':>5} {'rank':>6} {'compute ms':>11} {'comm ms':>9} {'exposed':>9} {'bubble':>9} "
+             f"{'idle':>9} {'mem GB':>8}"]
     for x in r.stages:
         lines.append(f"{x.stage:>5} {x.rank:>6} {x.compute_ms:>11.2f} {x.comm_ms:>9.2f} "
-                     f"{x.exposed_comm_ms:>9.2f} {x.bubble_ms:>9.2f} {x.idle_ms:>9.2f}")
+                     f"{x.exposed_comm_ms:>9.2f} {x.bubble_ms:>9.2f} {x.idle_ms:>9.2f} {x.memory_GB:>8.2f}")
     return "\n".join(lines)

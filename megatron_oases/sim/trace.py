@@ -15,27 +15,28 @@ TIDS = {"compute": 0, "comm": 1, "p2p": 2}
 
 
 def timeline_events(r: SimResult) -> list[dict[str, Any]]:
-    """Every placed event as a dict: stage, stream, name, key, micro_batch, phase, chain, start, end (ms)."""
+    """Every placed event as a dict: stage, chunk, stream, name, key, micro_batch, phase, chain, start, end (ms)."""
     out: list[dict[str, Any]] = []
-    last = r.strategy.pp - 1
+    last = r.strategy.pp * r.strategy.virtual_stages - 1
     for p in r.placements:
-        tmpl = r.templates[p.stage][0 if p.phase == "F" else 1]
+        tmpl = r.templates[p.stage][p.chunk][0 if p.phase == "F" else 1]
         for sl in tmpl.slots:
-            out.append({"stage": p.stage, "stream": sl.stream, "name": sl.name, "key": sl.key,
+            out.append({"stage": p.stage, "chunk": p.chunk, "stream": sl.stream, "name": sl.name, "key": sl.key,
                         "micro_batch": p.micro_batch, "phase": p.phase, "chain": sl.chain,
                         "start": p.start + sl.start, "end": p.start + sl.start + sl.dur})
-        send_f, send_b = r.p2p_ms[p.stage]
-        if p.phase == "F" and p.stage < last:
-            out.append({"stage": p.stage, "stream": "p2p", "name": "send_forward", "key": "", "chain": 0,
-                        "micro_batch": p.micro_batch, "phase": "F", "start": p.end, "end": p.end + send_f})
-        if p.phase == "B" and p.stage > 0:
-            out.append({"stage": p.stage, "stream": "p2p", "name": "send_backward", "key": "", "chain": 0,
-                        "micro_batch": p.micro_batch, "phase": "B", "start": p.end, "end": p.end + send_b})
-    for st, g in enumerate(r.grad_ms):
-        if g:
-            end_b = max(p.end for p in r.placements if p.stage == st)
-            out.append({"stage": st, "stream": "comm", "name": "grad.ar", "key": "", "chain": 0,
-                        "micro_batch": -1, "phase": "DP", "start": end_b, "end": end_b + g})
+        send_f, send_b = r.p2p_ms[p.stage][p.chunk]
+        g = p.chunk * r.strategy.pp + p.stage
+        if p.phase == "F" and g < last:
+            out.append({"stage": p.stage, "chunk": p.chunk, "stream": "p2p", "name": "send_forward", "key": "",
+                        "chain": 0, "micro_batch": p.micro_batch, "phase": "F", "start": p.end,
+                        "end": p.end + send_f})
+        if p.phase == "B" and g > 0:
+            out.append({"stage": p.stage, "chunk": p.chunk, "stream": "p2p", "name": "send_backward", "key": "",
+                        "chain": 0, "micro_batch": p.micro_batch, "phase": "B", "start": p.end,
+                        "end": p.end + send_b})
+    for x in r.tail:
+        out.append({"stage": x.stage, "chunk": -1, "stream": x.stream, "name": x.name, "key": x.key, "chain": 0,
+                    "micro_batch": -1, "phase": "STEP", "start": x.start, "end": x.end})
     return out
 
 
@@ -50,7 +51,8 @@ def chrome_trace(r: SimResult) -> dict[str, Any]:
     for e in timeline_events(r):
         evs.append({"ph": "X", "name": e["name"], "cat": e["phase"], "pid": e["stage"], "tid": TIDS[e["stream"]],
                     "ts": e["start"] * 1e3, "dur": (e["end"] - e["start"]) * 1e3,
-                    "args": {"micro_batch": e["micro_batch"], "sub_batch": e["chain"], "key": e["key"]}})
+                    "args": {"micro_batch": e["micro_batch"], "chunk": e["chunk"], "sub_batch": e["chain"],
+                             "key": e["key"]}})
     return {"traceEvents": evs, "displayTimeUnit": "ms",
             "otherData": {"iteration_ms": r.iteration_ms, "strategy": repr(r.strategy)}}
 
@@ -69,7 +71,7 @@ def plot_timeline(r: SimResult, path: str | os.PathLike) -> None:
     except ImportError:
         raise ImportError("plot_timeline needs matplotlib: pip install matplotlib") from None
     colors = {("compute", "F"): "tab:blue", ("compute", "B"): "tab:green", ("comm", "F"): "tab:orange",
-              ("comm", "B"): "tab:red", ("comm", "DP"): "tab:purple"}
+              ("comm", "B"): "tab:red", ("comm", "STEP"): "tab:purple", ("compute", "STEP"): "tab:olive"}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * r.strategy.pp))
     for e in timeline_events(r):
         row = e["stage"] * 3 + TIDS[e["stream"]]

@@ -1,0 +1,82 @@
+"""Memory per device: model states + the activations the schedule keeps alive (DistSim's
+feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
+
+* Model states per parameter: weights (e bytes), fp32 gradient buffer (4), Adam in fp32 (m, v: 8)
+  plus fp32 master weights when the weights are 2-byte (4): 18 bytes with bf16, 16 with fp32.
+  The distributed optimizer shards master weights and moments over DP.
+* Activations per micro-batch and layer (``backends.layer_activation_bytes``); with recompute a
+  recomputed layer keeps only its input, or under Oases fine-grained recompute its input plus the
+  two forward all-reduce outputs (3 [s, b, h] tensors instead of 1); while a recomputed layer runs
+  its backward, one layer's full activations exist on top (the working set).
+* The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
+* How many micro-batches are alive comes from the stage's op order (GPipe: all of them; 1F1B:
+  ``pp - stage``; interleaved: Megatron's warm-up), walked op by op.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .backends import layer_activation_bytes, layer_input_bytes
+from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
+
+GiB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Peak bytes on one device of a stage."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Peak activation bytes over the schedule (including the recompute working set)."""
+    in_flight: int
+    """Most micro-batches (summed over chunks) alive at once."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def model_state_bytes(params: int, model: ModelConfig, strategy: Strategy) -> tuple[float, float, float]:
+    e = model.bytes_per_element
+    shard = strategy.dp if strategy.distributed_optimizer else 1
+    return e * params, 4.0 * params, ((4 if e == 2 else 0) + 8) * params / shard
+
+
+def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
+    """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
+    m, s = model, strategy
+    kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, e=m.bytes_per_element, mesh=s.mesh)
+    full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, **kw)
+    inp = layer_input_bytes(s.backend, **kw)
+    n = chunk.layers
+    n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
+    saved = 3 * inp if (s.overlap == "oases" and s.fine_grained_recompute) else inp
+    per_mb = n_rc * saved + (n - n_rc) * full
+    g = chunk.chunk * s.pp + chunk.stage
+    if g == 0:
+        per_mb += m.micro_batch * m.seq * m.hidden  # embedding dropout mask
+    if g == s.pp * s.virtual_stages - 1:
+        per_mb += m.micro_batch * m.seq * (m.vocab // s.tp) * (m.bytes_per_element + 4)
+    return per_mb, (full if n_rc else 0.0)
+
+
+def stage_memory(model: ModelConfig, strategy: Strategy, stage: StageEvents,
+                 order: list[tuple[str, int, int]]) -> StageMemory:
+    w, g, o = model_state_bytes(stage.params_per_rank, model, strategy)
+    per = [chunk_activation_bytes(model, strategy, ch) for ch in stage.chunks]
+    live = [0] * len(per)
+    cur = peak = 0.0
+    alive = most = 0
+    for phase, c, _ in order:
+        step = 1 if phase == "F" else -1
+        live[c] += step
+        alive += step
+        cur += step * per[c][0]
+        peak, most = max(peak, cur), max(most, alive)
+    working = max((wk for _, wk in per), default=0.0)
+    return StageMemory(stage=stage.stage, weights=w, grads=g, optimizer=o, activations=peak + working,
+                       in_flight=most)

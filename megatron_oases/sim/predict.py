@@ -1,0 +1,102 @@
+"""From the reference trainer's flags to a simulation: predict the step time ``megatron-oases
+train`` would print, from a ProfileDB measured for exactly those events.
+
+    args = train_args.build_parser().parse_args([...])
+    db = profile_train_args(args)                        # events measured on this machine
+    r = predict_train_step(args, db)                     # r.iteration_ms ~ "elapsed time per iteration"
+
+The trainer runs one GPTModel (tied embeddings unless --untie-embeddings-and-output-weights)
+under Megatron's no-pipelining / 1F1B / interleaved schedule, finalize_model_grads (DP
+all-reduce, tied-embedding all-reduce), then the optimizer step with grad-norm clipping; the
+simulated step has the same pieces. Ranks are ranks 0..N-1 of one flat "local" topology unless a
+topology is given, so the profile and the prediction agree on event keys.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..topology import Topology
+from .device_model import DeviceModel, ProfileDB, SimError, gpu_spec
+from .events import ModelConfig, Strategy, build_stage_events, unique_events
+from .profiler import ProfileSettings, profile_events
+from .timeline import SimResult, simulate
+
+
+def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None = None
+                               ) -> tuple[ModelConfig, Strategy]:
+    """Validate the trainer flags as the trainer does and map them to (ModelConfig, Strategy)."""
+    from ..parallel.dims import ConfigError
+    from ..train_args import padded_vocab_size, validate_args, world_size_of
+
+    args = argparse.Namespace(**vars(args))  # validate_args fills defaults in place
+    try:
+        world = world_size or world_size_of(args)
+        dims = validate_args(args, world, cuda=getattr(args, "device", None) != "cpu")
+    except ConfigError as e:
+        raise SimError(str(e)) from None
+    if getattr(args, "sequence_parallel", False):
+        raise SimError("--sequence-parallel is not modeled by the simulator yet")
+    if args.recompute_granularity == "selective":
+        raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
+    backend = getattr(args, "tp_backend", "megatron")
+    if backend not in ("megatron", "atp"):
+        raise SimError(f"--tp-backend {backend} is not modeled by the simulator yet")
+    if backend == "atp" and getattr(args, "atp_chunks", 1) > 1:
+        raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    model = ModelConfig(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+                        seq=args.seq_length, vocab=padded_vocab_size(args), micro_batch=args.micro_batch_size,
+                        ffn=args.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
+                        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False))
+    full = args.recompute_granularity == "full"
+    block = full and args.recompute_method == "block"
+    strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
+                        num_microbatches=args.global_batch_size // (args.micro_batch_size * dims.dp),
+                        schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
+                        recompute_layers=args.recompute_num_layers if block else 0,
+                        overlap="oases" if getattr(args, "schedule", "default") == "oases" else "none",
+                        fine_grained_recompute=getattr(args, "oases_fine_grained_recompute", True),
+                        backend=backend, mesh=tuple(args.atp_mesh) if backend == "atp" else None,
+                        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    return model, strategy
+
+
+def _topology(topology: Topology | str | None, world: int) -> Topology:
+    """The given topology, else the trainer's ``--topology``, else one flat level of ``world`` ranks."""
+    if topology is None or isinstance(topology, str):
+        from .cli import resolve_topology
+
+        return resolve_topology(topology, world)
+    return topology
+
+
+def profile_train_args(args: argparse.Namespace, *, world_size: int | None = None,
+                       settings: ProfileSettings | None = None, topology: Topology | str | None = None,
+                       existing: ProfileDB | None = None) -> ProfileDB:
+    """Measure every event the trainer run needs, on ``world_size`` local ranks by default.
+
+    On CPU each compute event runs with ``cpu_count // world_size`` threads, as the spawned ranks do.
+    """
+    import os
+
+    model, strategy = sim_inputs_from_train_args(args, world_size)
+    topo = _topology(topology or getattr(args, "topology", None), strategy.world_size)
+    if settings is None:
+        settings = ProfileSettings(nproc=min(strategy.world_size, topo.world_size), device=getattr(args, "device", None),
+                                   threads=max(1, (os.cpu_count() or 1) // strategy.world_size))
+    events = unique_events(build_stage_events(model, strategy, topo))
+    if existing is not None:
+        events = {k: e for k, e in events.items() if k not in existing.events_ms}
+    db = profile_events(events, topo, settings)
+    return existing.merged(db) if existing is not None else db
+
+
+def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_size: int | None = None,
+                       topology: Topology | str | None = None) -> SimResult:
+    """The simulated step of the trainer run ``args`` priced only from ``profile`` (every event
+    must be in it; the error names the missing ones)."""
+    model, strategy = sim_inputs_from_train_args(args, world_size)
+    topo = _topology(topology or getattr(args, "topology", None), strategy.world_size)
+    dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
+                     bytes_per_element=model.bytes_per_element)
+    return simulate(model, strategy, dm, memory_limit_GB=0)

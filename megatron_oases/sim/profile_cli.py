@@ -1,0 +1,94 @@
+"""``megatron-oases profile``: measure the simulator's events on this machine into a ProfileDB.
+
+    megatron-oases profile --out p.json --nproc 2 <model> --tp 2 --pp 1 --dp 1 ...      one strategy
+    megatron-oases profile --out p.json --nproc 4 --search --global-batch-size G <model>  a search's events
+    megatron-oases profile --out p.json -- <megatron-oases train flags>                 a trainer run's events
+
+Compute events run on the local device; collectives and P2P on ``--nproc`` local ranks, taken as
+ranks 0..nproc-1 of ``--topology`` (default: one flat level named "local" of --nproc ranks, or
+--gpus for --search). ``sim --profile p.json`` then prices from it with the same topology.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..topology import TopologyError, load_topology
+from .cli import _split, add_model_args, add_search_args, add_strategy_args, model_from_args, \
+    resolve_topology, search_space_from_args, strategy_from_args
+from .device_model import ProfileDB, SimError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--out", required=True, help="ProfileDB JSON to write")
+    p.add_argument("--merge", action="store_true", help="keep the entries --out already has; measure only new ones")
+    p.add_argument("--topology", default=None, help="the cluster the ranks at hand belong to (default: local)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks at hand (default: 2, or the trainer's world size)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for compute events")
+    p.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
+    add_model_args(p)
+    add_strategy_args(p)
+    add_search_args(p)
+    return p
+
+
+def profile_main(argv: list[str] | None = None) -> int:
+    own, train_argv = _split(list(sys.argv[1:] if argv is None else argv))
+    a = build_parser().parse_args(own)
+    try:
+        from .profiler import ProfileSettings, needed_events, profile_events
+
+        existing = ProfileDB.load(a.out) if a.merge and os.path.exists(a.out) else None
+        common = dict(device=a.device, warmup=a.warmup, reps=a.reps, threads=a.threads,
+                      max_comm_bytes=int(a.max_comm_mb * (1 << 20)))
+        if train_argv:
+            from ..train_args import build_parser as train_parser
+            from .predict import profile_train_args, sim_inputs_from_train_args
+
+            targs = train_parser().parse_args(train_argv)
+            world = sim_inputs_from_train_args(targs)[1].world_size
+            settings = None
+            if a.nproc or a.threads or a.device:
+                settings = ProfileSettings(nproc=a.nproc or world, **{**common, "threads": a.threads or
+                                                                      max(1, (os.cpu_count() or 1) // world)})
+            db = profile_train_args(targs, settings=settings, topology=a.topology, existing=existing)
+        else:
+            model = model_from_args(a)
+            nproc = a.nproc or 2
+            if a.search:
+                gpus = a.gpus or (load_topology(a.topology).world_size if a.topology not in (None, "local") else nproc)
+                topo = resolve_topology(a.topology, gpus)
+                from .search import candidates
+
+                strategies = [c.strategy for c in candidates(model, search_space_from_args(a, model, gpus))
+                              if c.strategy is not None]
+            else:
+                strategy = strategy_from_args(a)
+                topo = resolve_topology(a.topology, strategy.world_size)
+                strategies = [strategy]
+            events = {}
+            for s in strategies:
+                try:
+                    events.update(needed_events(model, [s], topo))
+                except SimError:
+                    if not a.search:
+                        raise  # a search keeps going: that strategy is infeasible anyway
+            if existing is not None:
+                events = {k: e for k, e in events.items() if k not in existing.events_ms}
+            db = profile_events(events, topo, ProfileSettings(nproc=nproc, **common))
+            db = existing.merged(db) if existing is not None else db
+        db.save(a.out)
+    except (SimError, TopologyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    n_meas = sum(v == "measured" for v in db.sources.values())
+    print(f"{len(db.events_ms)} events ({n_meas} measured, {len(db.events_ms) - n_meas} scaled or extrapolated) "
+          f"on {db.device}: {a.out}")
+    return 0

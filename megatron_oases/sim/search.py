@@ -1,0 +1,207 @@
+"""Strategy search: simulate every TP x PP x DP split (x TP backend / ATP mesh, Oases on/off,
+recompute on/off, virtual stages) of a fixed global batch on N GPUs and rank them (DistSim §6,
+Fig. 12 / Table 2). Infeasible strategies stay in the table with the reason: divisibility (the
+same one-line ``SimError`` a single simulation gives), memory, or missing profile events.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+from typing import Iterable, Sequence
+
+from .device_model import DeviceModel, SimError
+from .events import ModelConfig, Strategy, check
+from .timeline import SimResult, simulate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What to enumerate; None means the default for that axis."""
+
+    gpus: int
+    global_batch: int
+    tp_sizes: Sequence[int] | None = None
+    """Default: powers of two dividing ``gpus``, at most the number of heads."""
+    pp_sizes: Sequence[int] | None = None
+    """Default: powers of two dividing ``gpus / tp``, at most the number of layers."""
+    backends: Sequence[str] = ("megatron", "atp")
+    overlaps: Sequence[str] = ("none", "oases")
+    recompute: Sequence[bool] = (False, True)
+    virtual_stages: Sequence[int] = (1,)
+    schedule: str = "1f1b"
+    distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.global_batch < 1:
+            raise SimError(f"search needs gpus >= 1 and a global batch >= 1 (got {self.gpus}, {self.global_batch})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    vp: int
+    backend: str
+    overlap: str
+    recompute: bool
+    num_microbatches: int | None
+    strategy: Strategy | None
+    result: SimResult | None = None
+    reason: str = ""
+    """Empty when feasible; else why not (divisibility, memory, profile)."""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+    @property
+    def label(self) -> str:
+        if self.strategy is not None:
+            return self.strategy.label
+        return f"tp{self.tp}.pp{self.pp}.dp{self.dp}"
+
+    def row(self) -> dict[str, object]:
+        r = self.result
+        return {"strategy": self.label, "tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp,
+                "backend": self.backend, "overlap": self.overlap, "recompute": int(self.recompute),
+                "micro_batches": self.num_microbatches if self.num_microbatches is not None else "",
+                "iteration_ms": f"{r.iteration_ms:.3f}" if r else "",
+                "tokens_per_s": f"{r.tokens_per_s:.1f}" if r else "",
+                "mfu": f"{r.mfu:.4f}" if r else "",
+                "memory_GB": f"{r.peak_memory_GB:.2f}" if r else "",
+                "feasible": int(self.feasible), "reason": self.reason}
+
+
+def _pow2_divisors(n: int, cap: int) -> list[int]:
+    out, d = [], 1
+    while d <= min(n, cap):
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+def _meshes(tp: int) -> list[tuple[int, int]]:
+    """ATP meshes with a real second axis (d2 > 1); (tp, 1) is Megatron's own layer."""
+    return [(tp // d2, d2) for d2 in range(2, tp + 1) if tp % d2 == 0]
+
+
+def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
+    """Every point of the space, with Strategy built (or the reason it cannot be)."""
+    out: list[Candidate] = []
+    tps = space.tp_sizes or _pow2_divisors(space.gpus, model.heads)
+    for tp in tps:
+        pps = space.pp_sizes or _pow2_divisors(space.gpus // tp if space.gpus % tp == 0 else 1, model.num_layers)
+        for pp in pps:
+            base = dict(tp=tp, pp=pp, vp=1, backend="megatron", overlap="none", recompute=False)
+            if space.gpus % (tp * pp):
+                out.append(Candidate(dp=0, num_microbatches=None, strategy=None,
+                                     reason=f"TP {tp} x PP {pp} does not divide {space.gpus} GPUs", **base))
+                continue
+            dp = space.gpus // (tp * pp)
+            per = model.micro_batch * dp
+            if space.global_batch % per:
+                out.append(Candidate(dp=dp, num_microbatches=None, strategy=None, reason=(
+                    f"global batch {space.global_batch} is not divisible by micro-batch {model.micro_batch} x DP {dp}"),
+                    **base))
+                continue
+            m = space.global_batch // per
+            try:  # the split itself (layers / heads / hidden vs TP and PP): one row, not one per variant
+                check(model, Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m), space.gpus)
+            except SimError as e:
+                out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
+                continue
+            for backend in space.backends:
+                meshes = [None] if backend == "megatron" else _meshes(tp)
+                for mesh in meshes:
+                    for overlap in space.overlaps:
+                        if overlap == "oases" and backend != "megatron":
+                            continue  # Oases overlaps Megatron's 1-D layer only
+                        for rc in space.recompute:
+                            for vp in space.virtual_stages:
+                                if vp > 1 and pp == 1:
+                                    continue
+                                info = dict(tp=tp, pp=pp, dp=dp, vp=vp, backend=backend, overlap=overlap,
+                                            recompute=rc, num_microbatches=m)
+                                try:
+                                    st = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=space.schedule,
+                                                  virtual_stages=vp, recompute=rc, overlap=overlap,
+                                                  backend=backend, mesh=mesh,
+                                                  distributed_optimizer=space.distributed_optimizer)
+                                except SimError as e:
+                                    out.append(Candidate(strategy=None, reason=str(e), **info))
+                                    continue
+                                out.append(Candidate(strategy=st, **info))
+    return out
+
+
+def search(model: ModelConfig, space: SearchSpace, device: DeviceModel, *,
+           memory_limit_GB: float | None = None) -> list[Candidate]:
+    """Simulate every candidate; feasible ones first by iteration time, then memory-infeasible
+    ones (they have a time), then the rest."""
+    if device.topology.world_size != space.gpus:
+        raise SimError(f"--gpus {space.gpus} but topology {device.topology.name!r} describes "
+                       f"{device.topology.world_size} GPUs")
+    done: list[Candidate] = []
+    for c in candidates(model, space):
+        if c.strategy is None:
+            done.append(c)
+            continue
+        try:
+            r = simulate(model, c.strategy, device, memory_limit_GB=memory_limit_GB, timeline=False)
+        except SimError as e:
+            done.append(dataclasses.replace(c, reason=str(e)))
+            continue
+        done.append(dataclasses.replace(c, result=r, reason=r.infeasible_reason))
+
+    def order(c: Candidate):
+        if c.feasible:
+            return (0, c.result.iteration_ms)
+        if c.result is not None:
+            return (1, c.result.iteration_ms)
+        return (2, 0.0)
+    return sorted(done, key=order)
+
+
+COLUMNS = ("strategy", "tp", "pp", "dp", "vp", "backend", "overlap", "recompute", "micro_batches",
+           "iteration_ms", "tokens_per_s", "mfu", "memory_GB", "feasible", "reason")
+
+
+def write_csv(cands: Iterable[Candidate], path: str | os.PathLike | None = None) -> str:
+    """CSV of every candidate (the ranked order); returns the text, writes it when ``path`` is given."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for c in cands:
+        w.writerow(c.row())
+    if path is not None:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(buf.getvalue())
+    return buf.getvalue()
+
+
+def search_table(cands: Sequence[Candidate], top: int | None = None) -> str:
+    """Ranked plain-text table; infeasible rows show their reason instead of numbers."""
+    n_ok = sum(c.feasible for c in cands)
+    best = next((c for c in cands if c.feasible), None)
+    lines = [f"{len(cands)} strategies, {n_ok} feasible"
+             + (f"; best {best.label}: {best.result.iteration_ms:.2f} ms" if best else "")]
+    lines.append(f"{'#':>4} {'strategy':<34} {'m':>4} {'iter ms':>10} {'x best':>7} {'tokens/s':>12} "
+                 f"{'MFU':>6} {'mem GB':>7}  status")
+    shown = cands if top is None else [*[c for c in cands if c.feasible][:top], *[c for c in cands if not c.feasible]]
+    for i, c in enumerate(shown, 1):
+        r = c.result
+        m = c.num_microbatches if c.num_microbatches is not None else "-"
+        if r is None:
+            lines.append(f"{i:>4} {c.label:<34} {m:>4} {'-':>10} {'-':>7} {'-':>12} {'-':>6} {'-':>7}  {c.reason}")
+            continue
+        slow = f"{r.iteration_ms / best.result.iteration_ms:.2f}" if best else "-"
+        status = "ok" if c.feasible else c.reason
+        lines.append(f"{i:>4} {c.label:<34} {m:>4} {r.iteration_ms:>10.2f} {slow:>7} {r.tokens_per_s:>12,.0f} "
+                     f"{100 * r.mfu:>5.1f}% {r.peak_memory_GB:>7.1f}  {status}")
+    if top is not None and n_ok > top:
+        lines.append(f"     ({n_ok - top} more feasible strategies in the CSV)")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""The torch ops behind each compute event, so the profiler can time them on the local device.
+
+Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv``, ...) maps to
+a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
+Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm), LayerNorm, GeLU, the
+residual adds. ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
+the forward's graph retained. ``optimizer`` is the step's tail (zero grads, clip, AdamW as
+Megatron falls back to ``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .device_model import SimError
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+Forward = Callable[[], Any]
+
+
+class _Maker:
+    """Allocates inputs (requiring grad) and parameters on one device and dtype."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, seed: int = 0):
+        self.dtype, self.device = dtype, device
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def t(self, *shape: int, grad: bool = True, scale: float = 1.0) -> torch.Tensor:
+        x = (torch.randn(*shape, generator=self.gen) * scale).to(device=self.device, dtype=self.dtype)
+        return x.requires_grad_(grad)
+
+    def w(self, *shape: int) -> torch.Tensor:
+        return self.t(*shape, scale=0.02)
+
+
+def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's DotProductAttention (unfused): [s, b, heads * 3 hd] -> [s, b, heads * hd]."""
+    q, k, v = qkv.view(s, b, heads, 3 * hd).split(hd, dim=-1)
+    q = q.reshape(s, b * heads, hd).transpose(0, 1)
+    k = k.reshape(s, b * heads, hd).transpose(0, 1)
+    v = v.reshape(s, b * heads, hd).transpose(0, 1)
+    scores = torch.baddbmm(torch.empty(b * heads, s, s, dtype=q.dtype, device=q.device), q, k.transpose(1, 2),
+                           beta=0.0, alpha=1.0 / math.sqrt(hd))
+    scores = scores.view(b, heads, s, s).masked_fill(mask, -10000.0)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    ctx = torch.bmm(probs.view(b * heads, s, s), v)
+    return ctx.transpose(0, 1).reshape(s, b, heads * hd)
+
+
+def _forward(name: str, d: dict, mk: _Maker) -> Forward:
+    b, s, h, a, f, t = (int(d.get(k, 1)) for k in ("b", "s", "h", "a", "f", "t"))
+    d1, d2, v = int(d.get("d1", t)), int(d.get("d2", 1)), int(d.get("v", 1))
+    hd = h // a
+    if name in ("attention", "mlp", "atp.core") or name.startswith("logits"):
+        mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
+    if name == "attention":
+        prev, res = mk.t(s, b, h), mk.t(s, b, h)
+        lw, lb, wq, bq, wp = mk.w(h), mk.w(h), mk.w(3 * h // t, h), mk.w(3 * h // t), mk.w(h, h // t)
+        return lambda: F.linear(_attention_core(F.linear(F.layer_norm(prev + res, (h,), lw, lb), wq, bq),
+                                                s, b, a // t, hd, mask), wp)
+    if name == "mlp":
+        prev, res = mk.t(s, b, h), mk.t(s, b, h)
+        lw, lb, w1, b1, w2 = mk.w(h), mk.w(h), mk.w(f // t, h), mk.w(f // t), mk.w(h, f // t)
+        return lambda: F.linear(F.gelu(F.linear(F.layer_norm(prev + res, (h,), lw, lb), w1, b1)), w2)
+    if name == "embedding":
+        vt = v // t
+        tokens = torch.randint(0, v, (b, s), generator=mk.gen).to(mk.device)
+        emb, pos = mk.w(vt, h), mk.w(s, h)
+
+        def embed():
+            outside = (tokens < 0) | (tokens >= vt)  # vocab-parallel: rows of other TP ranks -> 0
+            out = F.embedding(tokens.masked_fill(outside, 0), emb).masked_fill(outside.unsqueeze(-1), 0.0)
+            return out.transpose(0, 1) + pos.unsqueeze(1)
+        return embed
+    if name == "logits":
+        vt = v // t
+        prev, res = mk.t(s, b, h), mk.t(s, b, h)
+        lw, lb, out_w = mk.w(h), mk.w(h), mk.w(vt, h)
+        target = torch.randint(0, vt, (s, b, 1), generator=mk.gen).to(mk.device)
+
+        def head():  # final LN, logits, the local part of Megatron's vocab-parallel cross-entropy
+            lf = F.linear(F.layer_norm(prev + res, (h,), lw, lb), out_w).float()
+            lf = lf - lf.max(dim=-1, keepdim=True)[0].detach()
+            pred = lf.gather(-1, target)
+            return torch.log(lf.exp().sum(-1, keepdim=True)) - pred
+        return head
+    n = d1 * d2
+    if name in ("atp.ln1", "atp.ln2"):
+        prev, res = mk.t(s, b, h // d2), mk.t(s, b, h // d2)
+
+        def partial_stats():
+            x = prev + res
+            xf = x.float()
+            mean = xf.sum(-1, keepdim=True) / h
+            return x, ((xf - mean) ** 2).sum(-1, keepdim=True)
+        return partial_stats
+    if name in ("atp.qkv", "atp.fc1"):
+        out = 3 * h // d1 if name == "atp.qkv" else f // d1
+        x, mean, var = mk.t(s, b, h // d2), mk.t(s, b, 1), mk.t(s, b, 1, scale=0.0)
+        lw, lb, wt, bias = mk.w(h // d2), mk.w(h // d2), mk.w(out, h // d2), mk.w(out)
+        return lambda: F.linear((x - mean) * torch.rsqrt(var.float().abs() + 1e-5).to(x.dtype) * lw + lb, wt, bias)
+    if name == "atp.core":
+        qkv = mk.t(s, b, 3 * h // d1)
+        j = 0  # this rank's heads within the axis-2 group
+        return lambda: _attention_core(qkv[..., j * 3 * h // n:(j + 1) * 3 * h // n], s, b, a // n, hd, mask)
+    if name == "atp.proj":
+        x, wt = mk.t(s, b, h // d1), mk.w(h // d2, h // d1)
+        return lambda: F.linear(x, wt)
+    if name == "atp.fc2":
+        x, wt = mk.t(s, b, f // d1), mk.w(h // d2, f // d1)
+        return lambda: F.linear(F.gelu(x), wt)
+    raise SimError(f"no profiling workload for compute event {name!r}")
+
+
+def _as_list(out: Any) -> list[torch.Tensor]:
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.requires_grad]
+
+
+def compute_workload(name: str, dims: dict, device: torch.device) -> Forward:
+    """A no-argument function running the event's work once (what the profiler times)."""
+    dtype = TORCH_DTYPES[str(dims.get("dtype", "fp32"))]
+    mk = _Maker(dtype, device)
+    if name == "optimizer":
+        p = int(dims["p"]) // int(dims.get("shard", 1))
+        master = torch.zeros(p, dtype=torch.float32, device=device, requires_grad=True)
+        master.grad = torch.randn(p, generator=mk.gen).to(device)
+        grads = torch.zeros(int(dims["p"]), dtype=torch.float32, device=device)
+        opt = torch.optim.AdamW([master], lr=1e-4)
+        copy = torch.empty(p, dtype=dtype, device=device) if dtype != torch.float32 else None
+
+        def step():
+            grads.zero_()
+            master.grad.mul_(0.5)  # clip-by-norm scale
+            opt.step()
+            if copy is not None:
+                copy.copy_(master.detach())
+        return step
+    if name == "grad_norm":
+        g = torch.randn(int(dims["p"]), generator=mk.gen).to(device)
+        return lambda: torch.linalg.vector_norm(g)
+    if name.endswith(".bwd"):
+        fwd = _forward(name[: -len(".bwd")], dims, mk)
+        outs = _as_list(fwd())
+        seeds = [torch.randn_like(o) for o in outs]
+        return lambda: torch.autograd.backward(outs, seeds, retain_graph=True)
+    return _forward(name, dims, mk)

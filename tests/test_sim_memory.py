@@ -1,0 +1,94 @@
+"""Memory per device: model states, activations per schedule and recompute mode, infeasibility."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_oases.sim.backends import layer_activation_bytes, layer_input_bytes
+from megatron_oases.sim.device_model import device_model
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events
+from megatron_oases.sim.memory import GiB, model_state_bytes
+from megatron_oases.sim.timeline import simulate
+from megatron_oases.topology import Level, Topology
+
+MODEL = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=4)
+
+
+def _topo(n: int = 8) -> Topology:
+    return Topology(name="flat", device="a100-80gb", levels=(Level(
+        name="nvswitch", size=n, scope="intra_node", p2p_bandwidth_GBps=300, group_bandwidth_GBps=300),))
+
+
+def test_korthikanti_formula():
+    b, s, h, a, t = 4, 2048, 4096, 32, 8
+    got = layer_activation_bytes("megatron", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=None)
+    assert got == pytest.approx(s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t)
+    assert layer_input_bytes("megatron", b=b, s=s, h=h, e=2, mesh=None) == 2 * s * b * h
+    atp = layer_activation_bytes("atp", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=(4, 2))
+    assert atp < got  # ATP also shards the LayerNorm / residual side (by d2)
+
+
+def test_model_states_bytes_per_param():
+    p = 1000
+    assert sum(model_state_bytes(p, MODEL, Strategy())) == 18 * p  # bf16 + fp32 grad + master + Adam
+    fp32 = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=4, bytes_per_element=4)
+    assert sum(model_state_bytes(p, fp32, Strategy())) == 16 * p
+    w, g, o = model_state_bytes(p, MODEL, Strategy(dp=4, distributed_optimizer=True))
+    assert (w, g, o) == (2 * p, 4 * p, 12 * p / 4)
+
+
+def _mem(**kw):
+    s = Strategy(**{"tp": 2, "pp": 4, "dp": 1, "num_microbatches": 8, **kw})
+    return simulate(MODEL, s, device_model(_topo()), memory_limit_GB=0)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    one = _mem()
+    assert [m.in_flight for m in one.memory] == [4, 3, 2, 1]  # 1F1B: pp - stage
+    assert [m.in_flight for m in _mem(schedule="gpipe").memory] == [8] * 4
+    inter = _mem(virtual_stages=2)
+    # Megatron's interleaved warm-up: 2 (pp - s - 1) + (v - 1) pp forwards, plus the steady one
+    assert [m.in_flight for m in inter.memory] == [2 * (4 - s - 1) + 4 + 1 for s in range(4)]
+    # stage 0 keeps more chunk-micro-batches, each of half the layers: more activations than 1F1B
+    assert inter.memory[0].activations > one.memory[0].activations
+
+
+def test_recompute_and_oases_fine_grained():
+    b, s, h, e = MODEL.micro_batch, MODEL.seq, MODEL.hidden, 2
+    inp = b * s * h * e
+    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.heads, f=MODEL.ffn, t=2, e=e, mesh=None)
+    none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
+    oases = _mem(recompute=True, overlap="oases").memory[1]
+    coarse = _mem(recompute=True, overlap="oases", fine_grained_recompute=False).memory[1]
+    layers, alive = 2, 3  # stage 1 of 4: 2 layers, 3 micro-batches in flight
+    assert none.activations == pytest.approx(alive * layers * full)
+    assert rc.activations == pytest.approx(alive * layers * inp + full)  # + the recompute working set
+    assert oases.activations - rc.activations == pytest.approx(alive * layers * 2 * inp)  # 3 tensors, not 1
+    assert coarse.activations == pytest.approx(rc.activations)
+    block = _mem(recompute=True, recompute_layers=1).memory[1]
+    assert block.activations == pytest.approx(alive * (inp + full) + full)
+    assert none.weights == rc.weights
+
+
+def test_infeasible_strategies_are_marked(capsys):
+    r = simulate(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), device_model(_topo()), memory_limit_GB=0.1)
+    assert not r.fits and r.infeasible_reason.startswith("memory ")
+    assert "> 0.1 GB" in r.infeasible_reason
+    ok = simulate(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), device_model(_topo()))
+    assert ok.fits and ok.memory_limit_GB == 80 and 0 < ok.peak_memory_GB < 80
+    assert max(x.memory_GB for x in ok.stages) == pytest.approx(ok.peak_memory_GB)
+    from megatron_oases.sim.cli import sim_main
+
+    base = ["--topology", "dgx-a100", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--seq-length", "512", "--micro-batch-size", "4", "--vocab-size", "8192", "--num-microbatches", "8",
+            "--tp", "2", "--pp", "4"]
+    assert sim_main(base + ["--memory-gb", "0.1"]) == 0
+    assert "INFEASIBLE: memory" in capsys.readouterr().out
+
+
+def test_params_count_embeddings_once_per_copy():
+    st = build_stage_events(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), _topo())
+    mid = st[1].params_per_rank
+    assert st[0].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + MODEL.seq * MODEL.hidden
+    assert st[3].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + 2 * MODEL.hidden
+    assert st[0].tie_allreduce is not None and st[3].tie_allreduce is not None and st[1].tie_allreduce is None
+    assert GiB == 2 ** 30

@@ -1,0 +1,156 @@
+"""Profile DB: measuring events (compute on this device, collectives / P2P on gloo ranks), the
+comm plan's extrapolation, pricing from the DB, and the trainer-args -> step-time prediction."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_oases.sim.device_model import ProfileDB, SimError, device_model
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.sim.profiler import local_topology, needed_events, plan_comm
+from megatron_oases.sim.timeline import simulate
+from megatron_oases.topology import load_topology
+
+TINY = ModelConfig(num_layers=2, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
+TRAIN = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+         "--num-layers-per-virtual-pipeline-stage", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--recompute-granularity", "full", "--recompute-method", "uniform", "--device", "cpu"]
+
+
+def test_plan_comm_extrapolates_scales_and_names_unreachable_links():
+    topo = load_topology("2node-ib")  # 8 ranks per node
+    model = ModelConfig(num_layers=2, hidden=1024, heads=8, seq=512, vocab=8192, micro_batch=2)
+    tp8 = unique_events(build_stage_events(model, Strategy(tp=8, pp=2), topo))
+    comm = [e for e in tp8.values() if e.kind == "collective" and e.ranks and len(e.ranks) == 8]
+    jobs, plan = plan_comm(comm, topo, nproc=4, max_bytes=1 << 20)
+    ar = next(e for e in comm if e.name == "attention.g")
+    j, scale, why = plan[ar.key]
+    assert jobs[j].ranks == (0, 1, 2, 3) and jobs[j].kind == "all_reduce"
+    nbytes = ar.nbytes
+    assert scale == pytest.approx(nbytes / (1 << 20) * (2 * 7 / 8) / (2 * 3 / 4))  # bytes, then ring formula
+    assert "extrapolated from 4 ranks" in why and "scaled from" in why
+    p2p = [e for e in tp8.values() if e.kind == "p2p"]  # stage 0 -> 1 is rank 0 -> 8: crosses ib
+    with pytest.raises(SimError, match=r"ranks 0-3 of topology '2node-ib'\) form no group crossing ib.*p2p:"):
+        plan_comm(p2p, topo, nproc=4, max_bytes=1 << 20)
+    jobs, plan = plan_comm(p2p, topo, nproc=16, max_bytes=1 << 30)  # ranks spanning both nodes
+    assert jobs[0].kind == "p2p" and topo.level_between(*jobs[0].ranks) == 1
+
+
+def test_every_compute_event_has_a_workload():
+    import torch
+
+    from megatron_oases.sim.workloads import compute_workload
+
+    topo = local_topology(4)
+    strats = [Strategy(tp=2, pp=2, num_microbatches=2, recompute=True),
+              Strategy(tp=4, backend="atp", mesh=(2, 2), num_microbatches=2),
+              Strategy(tp=2, dp=2, overlap="oases", distributed_optimizer=True)]
+    events = needed_events(TINY, strats, topo)
+    names = {e.name for e in events.values() if e.kind == "compute"}
+    assert {"attention.bwd", "atp.core.bwd", "logits.bwd", "embedding", "optimizer", "grad_norm"} <= names
+    for e in events.values():
+        if e.kind == "compute":
+            compute_workload(e.name, dict(e.dims), torch.device("cpu"))()
+    with pytest.raises(SimError, match="no profiling workload"):
+        compute_workload("nope", dict(next(iter(events.values())).dims), torch.device("cpu"))
+
+
+def test_profile_search_on_gloo_ranks_then_simulate(tmp_path: Path, capsys):
+    """`megatron-oases profile --search` on 2 local ranks, then `sim --search --profile`: every
+    strategy priced from measurements (strict: a missing key would be an infeasible reason)."""
+    from megatron_oases.sim.cli import sim_main
+    from megatron_oases.sim.profile_cli import profile_main
+
+    out = tmp_path / "p.json"
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--micro-batch-size", "2", "--vocab-size", "128", "--dtype", "fp32"]
+    search = ["--search", "--gpus", "2", "--global-batch-size", "4"]
+    assert profile_main(["--out", str(out), "--nproc", "2", "--warmup", "0", "--reps", "1", *model, *search]) == 0
+    db = ProfileDB.load(out)
+    assert db.device.startswith("cpu") and db.meta["nproc"] == 2
+    kinds = {k.split(":", 1)[0] for k in db.events_ms}
+    assert {"compute", "all_reduce", "all_gather", "p2p"} <= kinds
+    assert all(v == "measured" for v in db.sources.values())
+    capsys.readouterr()
+    assert sim_main(["--topology", "local", "--gpu", "a100-80gb", "--profile", str(out), *model, *search,
+                     "--csv", str(tmp_path / "s.csv")]) == 0
+    assert "lacks" not in capsys.readouterr().out
+    # a strategy the profile never saw: the error names the missing events
+    assert sim_main(["--topology", "local", "--gpu", "a100-80gb", "--profile", str(out), *model[:-6],
+                     "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "128", "--dtype", "fp32",
+                     "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks 17 event(s)" in err and "[b2s32h32a4f128t2_fp32]@tpx2:local" in err
+
+
+def test_predict_maps_trainer_flags():
+    from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(TRAIN)
+    model, s = sim_inputs_from_train_args(args)
+    assert (model.vocab, model.dtype, model.tied_embeddings) == (128, "fp32", True)  # padded to 128
+    assert (s.tp, s.pp, s.dp, s.virtual_stages, s.num_microbatches, s.recompute) == (1, 2, 1, 2, 4, True)
+    oases = build_parser().parse_args([
+        "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--schedule", "oases", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--device", "cpu"])
+    assert sim_inputs_from_train_args(oases)[1].overlap == "oases"
+    topo = local_topology(2)
+    keys = unique_events(build_stage_events(model, s, topo))
+    db = ProfileDB(device="cpu", events_ms={k: 1.0 for k in keys})
+    r = predict_train_step(args, db)
+    assert r.iteration_ms > 0 and r.strategy == s
+    with pytest.raises(SimError, match="lacks 1 event"):
+        predict_train_step(args, ProfileDB(device="cpu", events_ms={k: 1.0 for k in list(keys)[1:]}))
+    bad = build_parser().parse_args(TRAIN[:-6] + ["--recompute-granularity", "selective", "--device", "cpu"])
+    assert bad.recompute_granularity == "selective"
+    with pytest.raises(SimError, match="selective"):
+        sim_inputs_from_train_args(bad)
+    with pytest.raises(SimError, match="--global-batch-size|micro"):
+        sim_inputs_from_train_args(build_parser().parse_args(TRAIN + ["--global-batch-size", "3"]))
+
+
+def test_profile_train_args_on_gloo_ranks(tmp_path: Path):
+    """The accuracy study's path: profile exactly the trainer run's events, then predict it."""
+    from megatron_oases.sim.predict import predict_train_step, profile_train_args
+    from megatron_oases.sim.profiler import ProfileSettings
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(TRAIN)
+    db = profile_train_args(args, settings=ProfileSettings(nproc=2, warmup=0, reps=1, threads=1))
+    assert any(k.startswith("p2p:activation") for k in db.events_ms)
+    assert any(k.startswith("all_reduce:embedding.tie") for k in db.events_ms)
+    db.save(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["format"] == "megatron-oases-profile/2"
+    r = predict_train_step(args, ProfileDB.load(tmp_path / "t.json"))
+    assert r.iteration_ms > 0 and r.strategy.virtual_stages == 2
+
+
+def test_profile_format_errors(tmp_path: Path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "megatron-oases-profile/1", "device": "x", "events": {}}))
+    with pytest.raises(SimError, match="measure it again"):
+        ProfileDB.load(old)
+    with pytest.raises(SimError, match="finite numbers"):
+        ProfileDB(device="x", events_ms={"k": -1.0})
+    a = ProfileDB(device="x", events_ms={"a": 1.0}, sources={"a": "measured"})
+    assert a.merged(ProfileDB(device="x", events_ms={"b": 2.0})).events_ms == {"a": 1.0, "b": 2.0}
+    with pytest.raises(SimError, match="different devices"):
+        a.merged(ProfileDB(device="y", events_ms={}))
+
+
+def test_missing_link_named():
+    topo = load_topology("fig7b-torus")  # ring links only: rank 0 and 2 are not linked
+    model = ModelConfig(num_layers=2, hidden=256, heads=4, seq=64, vocab=512, micro_batch=2)
+    dm = device_model(topo, gpu="a100-80gb")
+    with pytest.raises(SimError, match=r"no link between ranks 0 and 2 \(level 'ring'"):
+        simulate(model, Strategy(tp=2, dp=8), dm)  # the DP ring 0-2-4-...
+    with pytest.raises(SimError, match=r"no link between ranks 0 and 8 \(level 'ring-of-rings'"):
+        simulate(model, Strategy(tp=2, pp=2, dp=4, optimizer_step=False), dm)
+    with pytest.raises(SimError, match="no link between ranks 0 and 2"):
+        simulate(model, Strategy(tp=4, dp=4, backend="atp", mesh=(2, 2)), dm)
+    assert simulate(model, Strategy(tp=4, dp=4), dm).iteration_ms > 0  # the 4-ring 0-1-2-3 is linked

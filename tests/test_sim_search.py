@@ -1,0 +1,69 @@
+"""Strategy search (DistSim §6): ranking, infeasible reasons, table + CSV, CLI."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from megatron_oases.sim.device_model import SimError, device_model
+from megatron_oases.sim.events import ModelConfig
+from megatron_oases.sim.search import COLUMNS, SearchSpace, candidates, search, search_table, write_csv
+from megatron_oases.sim.timeline import simulate
+from megatron_oases.topology import load_topology
+
+MODEL = ModelConfig(num_layers=12, hidden=1536, heads=12, seq=1024, vocab=51200, micro_batch=2)
+
+
+def _run(memory=None, **kw):
+    space = SearchSpace(gpus=16, global_batch=64, **kw)
+    return search(MODEL, space, device_model(load_topology("2node-ib")), memory_limit_GB=memory)
+
+
+def test_ranked_with_reasons():
+    cands = _run(memory=6.0)
+    ok = [c for c in cands if c.feasible]
+    assert ok and [c.result.iteration_ms for c in ok] == sorted(c.result.iteration_ms for c in ok)
+    assert cands[: len(ok)] == ok  # feasible first
+    reasons = " | ".join(c.reason for c in cands)
+    assert "memory" in reasons  # DP-only replicas do not fit in 6 GB
+    assert "not divisible by PP 8" in reasons  # 12 layers
+    assert "must be divisible by TP 8" in reasons  # 12 heads
+    # every point of the space appears, Megatron and ATP meshes, Oases on and off
+    labels = {c.label for c in cands}
+    assert {"tp4.pp1.dp4", "tp4.pp1.dp4.oases", "tp4.pp1.dp4.atp2x2", "tp4.pp1.dp4.rc"} <= labels
+    best = ok[0]
+    again = simulate(MODEL, best.strategy, device_model(load_topology("2node-ib")), memory_limit_GB=6.0)
+    assert again.iteration_ms == pytest.approx(best.result.iteration_ms)
+    table = search_table(cands, top=5)
+    assert f"best {best.label}" in table and "memory" in table
+
+
+def test_global_batch_divisibility_and_space():
+    cands = candidates(MODEL, SearchSpace(gpus=16, global_batch=24, tp_sizes=(1, 2), pp_sizes=(1,)))
+    assert any("global batch 24 is not divisible by micro-batch 2 x DP 16" in c.reason for c in cands)
+    with pytest.raises(SimError, match="--gpus 8 but topology '2node-ib' describes 16 GPUs"):
+        search(MODEL, SearchSpace(gpus=8, global_batch=16), device_model(load_topology("2node-ib")))
+
+
+def test_csv(tmp_path: Path):
+    cands = _run(tp_sizes=(2, 4), pp_sizes=(1, 2), backends=("megatron",))
+    path = tmp_path / "s.csv"
+    write_csv(cands, path)
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(cands) and tuple(rows[0]) == COLUMNS
+    assert rows[0]["feasible"] == "1" and float(rows[0]["iteration_ms"]) > 0
+
+
+def test_cli_search(tmp_path: Path, capsys):
+    from megatron_oases.sim.cli import sim_main
+
+    out = tmp_path / "s.csv"
+    argv = ["--search", "--topology", "2node-ib", "--gpus", "16", "--memory-gb", "6", "--global-batch-size", "64",
+            "--num-layers", "12", "--hidden-size", "1536", "--num-attention-heads", "12", "--seq-length", "1024",
+            "--micro-batch-size", "2", "--csv", str(out), "--top", "3"]
+    assert sim_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "feasible; best" in text and "memory" in text and out.is_file()
+    assert sim_main(argv[:4] + ["32"] + argv[5:]) == 2
+    assert "error: --gpus 32 but topology '2node-ib' describes 16 GPUs" in capsys.readouterr().err
