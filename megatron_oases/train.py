@@ -57,6 +57,14 @@ def setup(args: argparse.Namespace) -> Trainer:
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args, cuda=runtime.is_cuda)
+    if dims.pp == 2 and dims.vp:
+        # Interleaved PP=2: the previous and the next stage are the same peer, and in the steady
+        # state a rank sends an activation (next) and a gradient (prev) to it in one exchange.
+        # Megatron's batched p2p posts send_prev before send_next but recv_prev before
+        # recv_next, so the peer's in-order matching (same tag, same shape) swaps activation and
+        # gradient whenever there are more micro-batches than stages. The unbatched path posts
+        # both directions in a matching order on separate groups.
+        config.batch_p2p_comm = False
 
     groups = backend_groups(args)
     chunks = []

@@ -68,7 +68,7 @@ def test_tp2_matches_stock(switches):
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      RECOMPUTE + ["--no-oases-cross-pass", "--no-oases-fine-grained-recompute"]),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1"], RECOMPUTE),
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"], RECOMPUTE),
     (["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"], RECOMPUTE),
 ], ids=["tp4", "pp2-tp2", "pp2-tp2-ablations-off", "interleaved-pp2-tp2", "dp2-tp2-overlap-grad"])
 def test_four_rank_layouts_match_stock(layout, switches):

@@ -49,11 +49,17 @@ def test_tp2_pp2_full_recompute_matches_single_rank(reference, on_ranks_module):
     _compare({"losses": out[-1]["losses"], "params": out[0]["params"]}, reference)
 
 
-def test_interleaved_pp2_dp2_matches_single_rank(reference, on_ranks_module):
-    """Interleaved 1F1B (2 virtual stages) with data parallelism 2 and the optimizer across DP."""
-    out = on_ranks_module(train_and_gather, 4, MODEL + [
-        "--train-iters", "10", "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "1"])
+def test_interleaved_pp2_dp2_matches_single_rank(on_ranks_module):
+    """Interleaved 1F1B (2 virtual stages) with data parallelism 2 and the optimizer across DP.
+
+    Global batch 16: 4 micro-batches per DP rank, more than the 2 stages, so each virtual stage
+    runs two micro-batch groups and the steady state has exchanges in which a rank sends an
+    activation and a gradient to its single peer at once (with only 2 micro-batches, one per
+    stage, those exchanges never happen and a swap of the two goes unnoticed)."""
+    model = [*MODEL, "--global-batch-size", "16", "--train-iters", "5"]  # the later flag wins
+    reference = on_ranks_module(train_and_gather, 1, model)[0]
+    out = on_ranks_module(train_and_gather, 4, model + [
+        "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"])
     _compare({"losses": out[-1]["losses"], "params": out[0]["params"]}, reference)
 
 
