@@ -7,6 +7,8 @@ COMMANDS = {
     "train": ("megatron_oases.train", "main", "reference GPT trainer on Megatron-Core (the stock baseline)"),
     "mesh": ("megatron_oases.plan.mesh_cli", "mesh_main",
              "pick ATP's 2-D device mesh for a TP group on a topology (hierarchical comm matrix)"),
+    "plan": ("megatron_oases.plan.plan_cli", "plan_main",
+             "Oases planner: a TP degree per block under a memory budget (Eq. 5-6), plan JSON, launch flags"),
     "sim": ("megatron_oases.sim.cli", "sim_main",
             "simulate one training iteration (DP x TP x PP, 1F1B/GPipe, Oases overlap): summary, trace"),
     "profile": ("megatron_oases.sim.profile_cli", "profile_main",

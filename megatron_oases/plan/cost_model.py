@@ -1,0 +1,260 @@
+"""The Oases cost model (paper §4.2): node, edge and memory costs of every block x strategy.
+
+Per block and strategy the Pricer gives, for ONE sub-batch, forward compute C, forward
+communication M, backward compute C' (recompute + dgrad + wgrad) and backward communication M'.
+With two sub-batches (``sub_batches=2``) the executor runs the blocks in lock-step: one
+sub-batch's compute overlaps the other's collective, so a chain of blocks 0..N-1 costs (forward)
+
+    C_0 + sum_v max(C_v, M_v) + sum_(u,v) max(C_v, M_u) + M_(N-1)
+
+(the first compute and the last collective have no partner; backward is the same in reverse with
+C', M'). The node cost (Eq. 3) is ``max(C_v, M_v)`` plus the first/last terms; the cross term
+``max(C_v, M_u)`` depends on both neighbours and lives on the edge. When neighbours differ in
+layout (Eq. 4), an exclusive all-gather reshards the activation (forward, when the next block
+has fewer replicas) or its gradient (backward, when the previous block has fewer), and the
+overlap across that edge is lost: the edge costs ``M_u + AG + C_v`` instead of ``max(C_v, M_u)``.
+The embedding and the logits run at degree T; blocks next to them pay that resharding too.
+With ``sub_batches=1`` (stock executor) nothing overlaps: node ``C + M``, edge ``AG``.
+
+Per iteration: ``num_microbatches`` x (forward + backward). With ``grad_sync`` also, per block,
+the all-reduce of its fp32 weight gradient over its data-parallel replicas (T/d inside the TP
+group x DP), unoverlapped (as the simulator models DP); off by default, as in the paper's Eq. 5,
+where it hides behind the backward pass (DDP / ``--overlap-grad-reduce``). Memory (Eq. 6) per
+block: parameters + gradients + Adam states, the tensors saved for backward, and the backward
+working set (see ``block_memory``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from megatron_oases.layers.description import Collective
+from megatron_oases.parallel.dims import ParallelDims
+from megatron_oases.topology import Topology
+
+from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, build_graph, candidate_strategies,
+                    family_of, split_blocks)
+from .ilp import PlanProblem
+from .pricing import DevicePricer, Pricer, shape_dims, shape_tag
+
+GRANULARITIES = ("block", "layer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """One block kind under one strategy; times in ms for one sub-batch."""
+
+    c_fwd: float
+    m_fwd: float
+    c_bwd: float
+    m_bwd: float
+    params: int
+    state_bytes: float
+    saved_bytes: float
+    runtime_bytes: float
+    grad_sync_ms: float
+    """Per iteration: fp32 gradient all-reduce over the block's data-parallel replicas."""
+
+
+def state_bytes_per_param(m: PlanModel, shard: int) -> float:
+    """Weights (e) + fp32 main grads (4) + Adam m, v (8) + fp32 master copy when e = 2 (4), the
+    optimizer part divided by ``shard`` (distributed optimizer); as ``sim.memory``."""
+    e = m.bytes_per_element
+    return e + 4 + ((4 if e == 2 else 0) + 8) / shard
+
+
+def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -> float:
+    """Bytes a block keeps for backward without recompute (Korthikanti et al. 2022, Table 2,
+    split at the all-reduce; e-byte elements): attention keeps LN1 and QKV inputs (2 e h), a
+    dropout mask (h), Q, K, V, proj input (4 e h / d) per token plus scores, softmax and their
+    mask (a s^2 b (2e + 1) / d); MLP keeps LN2 and fc1 inputs (2 e h), a mask (h), GeLU and fc2
+    inputs (2 e f / d)."""
+    e, h, f, s, a = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, m.seq_length, m.num_attention_heads
+    tok = samples * s
+    if kind == "attention":
+        return tok * (2 * e * h + h + 4 * e * h / degree) + a * s * s * samples / degree * (2 * e + 1)
+    return tok * (2 * e * h + h + 2 * e * f / degree)
+
+
+def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[float, float]:
+    """(saved bytes per micro-batch, backward working set) of one block on ``samples`` samples.
+
+    Recompute (Oases fine-grained): attention saves its input and its all-reduce output, MLP its
+    all-reduce output (3 [s, b, h] tensors per layer, as ``sim.memory``); while a block runs
+    backward its recomputed activations exist, plus the output and input gradients (2 e s b h).
+    Without recompute the full activations are saved and the working set is the two gradients.
+    """
+    one = samples * m.seq_length * m.hidden_size * m.bytes_per_element
+    full = block_activation_bytes(m, kind, samples, degree)
+    if m.recompute:
+        return (2 if kind == "attention" else 1) * one, full + 2 * one
+    return full, 2 * one
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Everything the ILP and the reports need for one planning request."""
+
+    model: PlanModel
+    strategies: tuple[Strategy, ...]
+    blocks: tuple[Block, ...]
+    costs: dict[tuple[str, int], BlockCost]
+    """(block kind, strategy index) -> costs."""
+    reshard_fwd_ms: np.ndarray
+    """(K, K) all-gather ms per micro-batch (all sub-batches) from strategy a to b, forward."""
+    reshard_bwd_ms: np.ndarray
+    embed_bwd_ms: np.ndarray
+    """(K,) backward all-gather from block 0 at strategy k into the degree-T embedding."""
+    head_fwd_ms: np.ndarray
+    """(K,) forward all-gather from the last block into the degree-T logits."""
+    num_microbatches: int
+    data_parallel: int
+    global_batch_size: int
+    grad_sync: bool
+    granularity: str
+    problem: PlanProblem
+    pricing: dict[str, Any]
+
+    @property
+    def degrees(self) -> list[int]:
+        return [s.degree for s in self.strategies]
+
+    def uniform(self, degree: int) -> tuple[int, ...] | None:
+        """The assignment with every block at ``degree`` (None if that strategy is not a candidate)."""
+        if degree not in self.degrees:
+            return None
+        return (self.degrees.index(degree),) * len(self.blocks)
+
+    def breakdown(self, assignment) -> list[dict[str, Any]]:
+        """Per block: degree, node / incoming-edge / grad-sync ms per iteration, memory bytes."""
+        p, out = self.problem, []
+        for v, k in enumerate(assignment):
+            c = self.costs[(self.blocks[v].kind, k)]
+            grad = c.grad_sync_ms if self.grad_sync else 0.0
+            edge = float(p.edge[v - 1, assignment[v - 1], k]) if v else 0.0
+            out.append({"block": v, "layer": self.blocks[v].layer, "kind": self.blocks[v].kind,
+                        "degree": self.strategies[k].degree, "strategy": self.strategies[k].label,
+                        "node_ms": float(p.node[v, k]) - grad, "edge_in_ms": edge, "grad_sync_ms": grad,
+                        "time_ms": float(p.node[v, k]) + edge,
+                        "state_bytes": c.state_bytes, "saved_bytes": c.saved_bytes,
+                        "runtime_bytes": c.runtime_bytes})
+        return out
+
+
+def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
+    fam = family_of(s)
+    share = m.micro_batch_size * s.degree // m.tp
+    if share % m.sub_batches == 0:
+        sub, scale = share // m.sub_batches, 1.0
+    else:  # degree 1 (no collective): price the replica's whole share, split evenly in time
+        sub, scale = share, 1.0 / m.sub_batches
+    shape, dims = shape_tag(m, sub, s.degree), shape_dims(m, sub, s.degree)
+    ops = split_blocks(fam.describe(s, m, sub))
+    grad_ranks = tuple(j * s.degree + m.tp * i for i in range(dp) for j in range(m.tp // s.degree))
+    out = {}
+
+    def comm(cs) -> float:
+        return sum(pricer.collective_ms(c, shape=shape, ranks=fam.group_ranks(s, c.axis), dims=dims) for c in cs)
+
+    for blk in ops:
+        c_f = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.fwd_compute)
+        c_b = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.bwd_compute)
+        c_b += c_f if m.recompute else 0.0
+        params = fam.params(s, m, blk.kind)
+        shard = len(grad_ranks) if m.distributed_optimizer else 1
+        saved, runtime = block_memory(m, blk.kind, share, s.degree)
+        g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(grad_ranks),
+                          payload_bytes=4 * params)
+        out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b, m_bwd=comm(blk.bwd_comm),
+                                  params=params, state_bytes=params * state_bytes_per_param(m, shard),
+                                  saved_bytes=saved, runtime_bytes=runtime,
+                                  grad_sync_ms=pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=grad_ranks,
+                                                                    dims=(("p", params), ("dtype", "fp32"))))
+    return out
+
+
+def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple[float, float]:
+    """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b."""
+    rs = family_of(a).reshard(a, b, m)
+    hi = max(a.degree, b.degree)
+    samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
+    shape, dims = shape_tag(m, samples, hi), shape_dims(m, samples, hi)
+    f = pricer.collective_ms(rs.forward, shape=shape, ranks=rs.ranks_forward, dims=dims) if rs.forward else 0.0
+    g = pricer.collective_ms(rs.backward, shape=shape, ranks=rs.ranks_backward, dims=dims) if rs.backward else 0.0
+    return m.sub_batches * f, m.sub_batches * g
+
+
+def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int, pricer: Pricer | None = None,
+                     memory_gb: float | None = None, grad_sync: bool = False, granularity: str = "block",
+                     degrees: tuple[int, ...] | None = None, gpu: str | None = None) -> CostModel:
+    """Price every block x strategy and assemble the ILP arrays (Eq. 3-6)."""
+    if granularity not in GRANULARITIES:
+        raise PlanError(f"--granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
+    world = topology.world_size
+    if world % m.tp:
+        raise PlanError(f"topology {topology.name!r} has {world} ranks, not a multiple of "
+                        f"--tensor-model-parallel-size {m.tp}")
+    dims = ParallelDims(world_size=world, tp=m.tp, num_layers=m.num_layers, hidden_size=m.hidden_size,
+                        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size)
+    n_micro = dims.check_batch(m.micro_batch_size, global_batch_size)
+    pricer = pricer or DevicePricer(topology=topology, model=m, gpu=gpu)
+    strategies = candidate_strategies(m, degrees)
+    blocks = build_graph(m)
+    costs = {}
+    for k, s in enumerate(strategies):
+        for kind, c in _strategy_costs(m, s, pricer, dims.dp).items():
+            costs[(kind, k)] = c
+    K, N, S = len(strategies), len(blocks), m.sub_batches
+    full = Strategy(degree=m.tp)
+    rf, rb = np.zeros((K, K)), np.zeros((K, K))
+    for a in range(K):
+        for b in range(K):
+            rf[a, b], rb[a, b] = _reshard_ms(m, strategies[a], strategies[b], pricer)
+    embed_b = np.array([_reshard_ms(m, full, s, pricer)[1] for s in strategies])
+    head_f = np.array([_reshard_ms(m, s, full, pricer)[0] for s in strategies])
+
+    def arr(kind: str, field: str) -> np.ndarray:
+        return np.array([getattr(costs[(kind, k)], field) for k in range(K)])
+
+    kinds = [b.kind for b in blocks]
+    C = {kd: arr(kd, "c_fwd") for kd in BLOCK_KINDS}
+    M = {kd: arr(kd, "m_fwd") for kd in BLOCK_KINDS}
+    Cb = {kd: arr(kd, "c_bwd") for kd in BLOCK_KINDS}
+    Mb = {kd: arr(kd, "m_bwd") for kd in BLOCK_KINDS}
+    node = np.zeros((N, K))
+    for v, kd in enumerate(kinds):
+        if S == 2:
+            f = np.maximum(C[kd], M[kd]) + (C[kd] if v == 0 else 0) + (M[kd] if v == N - 1 else 0)
+            g = np.maximum(Cb[kd], Mb[kd]) + (Cb[kd] if v == N - 1 else 0) + (Mb[kd] if v == 0 else 0)
+        else:
+            f, g = C[kd] + M[kd], Cb[kd] + Mb[kd]
+        edge_terms = (embed_b if v == 0 else 0) + (head_f if v == N - 1 else 0)
+        node[v] = n_micro * (f + g + edge_terms) + (arr(kd, "grad_sync_ms") if grad_sync else 0)
+    edge = np.zeros((max(N - 1, 0), K, K))
+    for v in range(N - 1):
+        u_k, v_k = kinds[v], kinds[v + 1]
+        if S == 2:
+            same_f = np.maximum(C[v_k][None, :], M[u_k][:, None])
+            lost_f = M[u_k][:, None] + rf + C[v_k][None, :]
+            same_b = np.maximum(Cb[u_k][:, None], Mb[v_k][None, :])
+            lost_b = Mb[v_k][None, :] + rb + Cb[u_k][:, None]
+            fwd = np.where(rf > 0, lost_f, same_f)
+            bwd = np.where(rb > 0, lost_b, same_b)
+        else:
+            fwd, bwd = rf, rb
+        edge[v] = n_micro * (fwd + bwd)
+    mem = np.array([arr(kd, "state_bytes") + arr(kd, "saved_bytes") for kd in kinds])
+    peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
+    e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.vocab_size, m.tp, m.micro_batch_size, m.seq_length)
+    emb_params = V * h // T + s * h + 2 * h
+    const = (emb_params * state_bytes_per_param(m, dims.dp if m.distributed_optimizer else 1)
+             + b * s * h * e + b * s * (V // T) * (e + 4))
+    ties = tuple((2 * i, 2 * i + 1) for i in range(m.num_layers)) if granularity == "layer" else ()
+    budget = memory_gb * float(1 << 30) if memory_gb is not None else None
+    problem = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=float(const), budget=budget, ties=ties)
+    return CostModel(model=m, strategies=tuple(strategies), blocks=tuple(blocks), costs=costs, reshard_fwd_ms=rf,
+                     reshard_bwd_ms=rb, embed_bwd_ms=embed_b, head_fwd_ms=head_f, num_microbatches=n_micro,
+                     data_parallel=dims.dp, global_batch_size=global_batch_size, grad_sync=grad_sync,
+                     granularity=granularity, problem=problem, pricing=pricer.summary())

@@ -1,0 +1,301 @@
+"""The Oases planner's model graph (paper §4.1): blocks, and the strategies a block can take.
+
+A block is one computation sequence plus the communication op that ends it. Megatron's 1-D TP
+layer (``layers/description.py``) is ``[LN, QKV, core, proj] g [LN, fc1, act, fc2] g``, so one
+TransformerLayer is **two blocks**: attention and MLP. (Table 6 of the paper lists one degree per
+layer; ``granularity="layer"`` ties a layer's two blocks to one strategy to reproduce that.)
+
+Strategies. The TP group has ``T`` ranks (``--tensor-model-parallel-size``). A block at degree
+``d`` (a power of two dividing ``T``) runs as ``T / d`` replicas of a ``d``-way TP block, each on
+``d`` consecutive ranks and on ``d / T`` of the micro-batch; so per rank its GEMM FLOPs equal the
+degree-``T`` block's, its all-reduce moves ``d / T`` of the bytes on a smaller (often faster)
+group, and it holds ``T / d`` times the weights. The cost model only sees ``Strategy`` objects:
+a family (``megatron`` 1-D today; an ATP mesh or the 3-D cube later) that describes the layer on
+its share of the batch, the group ranks of each collective axis, and how to reshard between two
+strategies. Nothing else in the planner looks at ``degree``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from megatron_oases.layers.description import Collective, Compute, LayerDescription, megatron_1d_gpt_layer
+from megatron_oases.parallel.dims import ConfigError, ParallelDims
+
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BLOCK_KINDS = ("attention", "mlp")
+
+
+class PlanError(ConfigError):
+    """Bad planner input or an unsatisfiable request; one line naming the flag and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanModel:
+    """The GPT and the training setup a plan is made for (Megatron-LM flag names in comments)."""
+
+    num_layers: int
+    """--num-layers"""
+    hidden_size: int
+    """--hidden-size"""
+    num_attention_heads: int
+    """--num-attention-heads"""
+    seq_length: int
+    """--seq-length"""
+    micro_batch_size: int
+    """--micro-batch-size: samples of one micro-batch on one TP group."""
+    tp: int
+    """--tensor-model-parallel-size T: the TP group every block's degree divides."""
+    ffn_hidden_size: int = 0
+    """--ffn-hidden-size; 0 means 4 x hidden."""
+    vocab_size: int = 51200
+    """Padded vocabulary (embedding / logits memory only)."""
+    dtype: str = "bf16"
+    """bf16 | fp16 | fp32 (activation and weight element size; Adam states are fp32)."""
+    recompute: bool = True
+    """Oases fine-grained recompute: each block saves its input and forward all-reduce output and
+    recomputes its compute (no collective) before its backward."""
+    sub_batches: int = 2
+    """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor."""
+    distributed_optimizer: bool = False
+    """Optimizer states sharded over each block's data-parallel replicas."""
+
+    def __post_init__(self) -> None:
+        if not self.ffn_hidden_size:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "micro_batch_size", "tp", "ffn_hidden_size", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"model {name} must be a positive integer (got {v!r})")
+        if self.tp & (self.tp - 1):
+            raise PlanError(f"--tensor-model-parallel-size {self.tp} must be a power of two for the "
+                            "planner (block degrees are powers of two dividing it)")
+        if self.dtype not in DTYPES:
+            raise PlanError(f"model dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.sub_batches not in (1, 2):
+            raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
+        ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                     num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers * len(BLOCK_KINDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_ALIASES = {"vocab": "vocab_size", "tensor_model_parallel_size": "tp", "micro_batch": "micro_batch_size",
+            "layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "seq": "seq_length", "ffn": "ffn_hidden_size", "padded_vocab_size": "vocab_size"}
+
+
+def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> PlanModel:
+    """A PlanModel from a parsed YAML/JSON mapping (Megatron flag names with ``_``; aliases such
+    as ``vocab`` and ``tensor_model_parallel_size`` accepted) plus non-None ``overrides``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{source}: must be a mapping of model fields (got {type(data).__name__})")
+    allowed = [f.name for f in dataclasses.fields(PlanModel)]
+    d: dict[str, Any] = {}
+    for k, v in data.items():
+        key = _ALIASES.get(str(k).replace("-", "_"), str(k).replace("-", "_"))
+        if key not in allowed:
+            raise PlanError(f"{source}: unknown field {k!r}; allowed: {', '.join(allowed)}")
+        d[key] = v
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [f.name for f in dataclasses.fields(PlanModel)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+        flags = ", ".join("--tensor-model-parallel-size" if m == "tp" else "--" + m.replace("_", "-")
+                          for m in missing)
+        raise PlanError(f"{source}: missing {', '.join(missing)} (set them in the file or pass {flags})")
+    return PlanModel(**d)
+
+
+# ---- strategies --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """How one block is partitioned inside the TP group of ``T`` ranks."""
+
+    degree: int
+    """Ranks that shard one replica of the block; ``T / degree`` replicas split the batch."""
+    family: str = "megatron"
+    """megatron (1-D TP); future: atp (``mesh`` = (d1, d2)), 3d (``mesh`` = (q, q, q))."""
+    mesh: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.family == "megatron":
+            return f"tp{self.degree}"
+        return f"{self.family}{'x'.join(map(str, self.mesh or (self.degree,)))}"
+
+    def replicas(self, tp: int) -> int:
+        return tp // self.degree
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockOps:
+    """One block of a layer description: its forward and backward compute and collectives."""
+
+    kind: str
+    fwd_compute: tuple[Compute, ...]
+    fwd_comm: tuple[Collective, ...]
+    bwd_compute: tuple[Compute, ...]
+    bwd_comm: tuple[Collective, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reshard:
+    """Collectives that convert one block's output layout into the next block's input layout."""
+
+    forward: Collective | None
+    backward: Collective | None
+    ranks_forward: tuple[int, ...] = ()
+    ranks_backward: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Family:
+    """What a strategy family must provide to the cost model."""
+
+    describe: Callable[[Strategy, PlanModel, int], LayerDescription]
+    """(strategy, model, samples per replica) -> the layer as one replica's rank runs it."""
+    group_ranks: Callable[[Strategy, str], tuple[int, ...]]
+    """(strategy, collective axis) -> the ranks of the group containing TP rank 0."""
+    reshard: Callable[[Strategy, Strategy, PlanModel], Reshard]
+    """(src, dst, model) -> the collectives of one sub-batch between a src and a dst block."""
+    params: Callable[[Strategy, PlanModel, str], int]
+    """(strategy, model, block kind) -> parameters of the block on one rank."""
+
+
+def _megatron_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+    return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
+                                 heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
+                                 bytes_per_element=m.bytes_per_element)
+
+
+def _megatron_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+    if axis != "tp":
+        raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}")
+    return tuple(range(s.degree))
+
+
+def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+    """Replicas of ``src`` hold their share of the batch, replicated over their ``d`` ranks.
+    Fewer replicas next (d_src < d_dst): forward all-gathers the batch over d_dst / d_src ranks
+    (stride d_src), backward slices. More replicas next: forward slices, backward all-gathers the
+    input gradient. Payload: the gathered [s, b_share, h] tensor of one sub-batch."""
+    if src.degree == dst.degree:
+        return Reshard(forward=None, backward=None)
+    lo, hi = sorted((src.degree, dst.degree))
+    ranks = tuple(range(0, hi, lo))
+    share = m.micro_batch_size * hi / m.tp / m.sub_batches  # samples of one sub-batch
+    payload = round(share * m.seq_length * m.hidden_size * m.bytes_per_element)
+    op = Collective(name="reshard.ag", kind="all_gather", axis="tp", group_size=len(ranks), payload_bytes=payload)
+    if src.degree < dst.degree:
+        return Reshard(forward=op, backward=None, ranks_forward=ranks)
+    return Reshard(forward=None, backward=op, ranks_backward=ranks)
+
+
+def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
+    """Weights + biases + LayerNorm of one block on one rank (Megatron's layer, split in two)."""
+    h, f, d = m.hidden_size, m.ffn_hidden_size, s.degree
+    if kind == "attention":
+        return 4 * h * h // d + 3 * h // d + h + 2 * h
+    return 2 * h * f // d + f // d + h + 2 * h
+
+
+FAMILIES: dict[str, Family] = {
+    "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
+                       params=_megatron_params),
+}
+
+
+def family_of(s: Strategy) -> Family:
+    try:
+        return FAMILIES[s.family]
+    except KeyError:
+        raise PlanError(f"strategy family {s.family!r} is not supported by the planner yet "
+                        f"(known: {', '.join(FAMILIES)})") from None
+
+
+def split_blocks(desc: LayerDescription) -> list[BlockOps]:
+    """Blocks of a layer: each compute segment (local work between collectives) opens a block and
+    the collectives after it end it (at TP 1 a block has none).
+    Backward runs the blocks in reverse; block i's backward is matched to forward block i."""
+    def runs(ops) -> list[tuple[list[Compute], list[Collective]]]:
+        out: list[tuple[list[Compute], list[Collective]]] = []
+        for op in ops:
+            if isinstance(op, Compute):
+                out.append(([op], []))
+            else:
+                if not out:
+                    raise PlanError(f"{desc.backend} layer description starts with collective {op.name!r}")
+                out[-1][1].append(op)
+        return out
+
+    fwd, bwd = runs(desc.forward), runs(desc.backward)[::-1]
+    if len(fwd) != len(BLOCK_KINDS) or len(bwd) != len(fwd):
+        raise PlanError(f"{desc.backend} layer description has {len(fwd)} forward / {len(bwd)} backward "
+                        f"blocks; the planner expects {len(BLOCK_KINDS)} ({', '.join(BLOCK_KINDS)})")
+    return [BlockOps(kind=k, fwd_compute=tuple(fc), fwd_comm=tuple(fm), bwd_compute=tuple(bc), bwd_comm=tuple(bm))
+            for k, (fc, fm), (bc, bm) in zip(BLOCK_KINDS, fwd, bwd)]
+
+
+def feasible(s: Strategy, m: PlanModel) -> str:
+    """Why ``s`` cannot run ``m`` (empty string: it can)."""
+    d = s.degree
+    if d < 1 or m.tp % d:
+        return f"degree {d} does not divide T={m.tp}"
+    if m.hidden_size % d or m.num_attention_heads % d or m.ffn_hidden_size % d:
+        return f"hidden/heads/ffn not divisible by {d}"
+    share = m.micro_batch_size * d
+    if share % m.tp:
+        return f"micro-batch {m.micro_batch_size} does not split over {m.tp // d} replicas"
+    share //= m.tp
+    if d > 1 and share % m.sub_batches:
+        return f"a replica's {share} sample(s) do not split into {m.sub_batches} sub-batches"
+    return ""
+
+
+def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None) -> list[Strategy]:
+    """Power-of-two degrees up to T that can run the model (ascending); ``degrees`` restricts them."""
+    all_d = [1 << i for i in range(m.tp.bit_length()) if m.tp % (1 << i) == 0]
+    if degrees:
+        bad = [d for d in degrees if d not in all_d]
+        if bad:
+            raise PlanError(f"--degrees {','.join(map(str, bad))}: each must be a power of two dividing "
+                            f"--tensor-model-parallel-size {m.tp} (one of {','.join(map(str, all_d))})")
+        all_d = sorted(set(degrees))
+    out = [Strategy(degree=d) for d in all_d if not feasible(Strategy(degree=d), m)]
+    if not out:
+        why = "; ".join(f"tp{d}: {feasible(Strategy(degree=d), m)}" for d in all_d)
+        raise PlanError(f"no block strategy can run this model ({why}); raise --micro-batch-size")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Block:
+    """One node of the model graph."""
+
+    index: int
+    layer: int
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer}.{self.kind}"
+
+
+def build_graph(m: PlanModel) -> list[Block]:
+    """The chain of blocks: layer 0 attention, layer 0 mlp, layer 1 attention, ..."""
+    return [Block(index=i, layer=i // len(BLOCK_KINDS), kind=BLOCK_KINDS[i % len(BLOCK_KINDS)])
+            for i in range(m.num_blocks)]

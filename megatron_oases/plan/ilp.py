@@ -1,0 +1,284 @@
+"""The planner's ILP (Oases Eq. 5-6) on a chain of blocks, solved with PuLP.
+
+Eq. 5: minimise  sum_v c_v^T s_v  +  sum_(u,v) s_u^T R_uv s_v  over one-hot s_v.
+The edge products are linearised the usual way (Alpa): a continuous e_uv[a, b] >= 0 per pair of
+strategies with the marginals  sum_b e_uv[a, b] = s_u[a],  sum_a e_uv[a, b] = s_v[b];  with
+one-hot s this forces e_uv = s_u s_v^T (and on a chain the LP relaxation is already tight).
+Eq. 6: resident bytes (parameters + optimizer state, saved tensors) summed over blocks, plus the
+largest backward working set (one block runs backward at a time):
+    const + sum_v m_v^T s_v + z <= M,    z >= p_v^T s_v  for every v.
+``ties`` groups blocks that must share one strategy (one degree per TransformerLayer).
+
+Nothing here knows what a block or a strategy is: the arrays come from ``cost_model``.
+``chain_dp`` solves the same problem exactly without an LP; ``solve`` picks between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import warnings
+
+import numpy as np
+
+from .graph import PlanError
+
+GiB = float(1 << 30)
+
+
+class MemoryInfeasible(PlanError):
+    """No plan fits the memory budget; ``min_bytes`` is the least memory any plan needs."""
+
+    def __init__(self, message: str, *, min_bytes: float, budget: float):
+        super().__init__(message)
+        self.min_bytes, self.budget = min_bytes, budget
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanProblem:
+    node: np.ndarray
+    """(N, K) cost of block v under strategy k (ms per iteration); inf = not allowed."""
+    edge: np.ndarray
+    """(N-1, K, K) cost between block v (strategy a) and block v+1 (strategy b), ms."""
+    mem: np.ndarray
+    """(N, K) resident bytes of block v (states + saved tensors of the micro-batches in flight)."""
+    peak: np.ndarray
+    """(N, K) transient bytes while block v runs its backward."""
+    mem_const: float = 0.0
+    """Bytes no strategy changes (embeddings, logits)."""
+    budget: float | None = None
+    """Device memory in bytes; None: no constraint."""
+    ties: tuple[tuple[int, ...], ...] = ()
+    """Groups of consecutive blocks that take the same strategy index."""
+
+    def __post_init__(self) -> None:
+        n, k = self.node.shape
+        if self.edge.shape != (max(n - 1, 0), k, k) or self.mem.shape != (n, k) or self.peak.shape != (n, k):
+            raise ValueError(f"inconsistent shapes: node {self.node.shape}, edge {self.edge.shape}, "
+                             f"mem {self.mem.shape}, peak {self.peak.shape}")
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Partition of the blocks into strategy groups (singletons where untied), in order."""
+        rep = list(range(self.node.shape[0]))
+        for g in self.ties:
+            for v in g:
+                rep[v] = g[0]
+        out: dict[int, list[int]] = {}
+        for v, r in enumerate(rep):
+            out.setdefault(r, []).append(v)
+        groups = list(out.values())
+        for g in groups:
+            if g != list(range(g[0], g[-1] + 1)):
+                raise ValueError(f"tied blocks {g} are not consecutive")
+        return sorted(groups)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Solution:
+    assignment: tuple[int, ...]
+    """Strategy index per block."""
+    time_ms: float
+    memory_bytes: float
+    solver: str
+    status: str
+    build_s: float = 0.0
+    solve_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.build_s + self.solve_s
+
+
+def evaluate(p: PlanProblem, assignment) -> tuple[float, float]:
+    """(objective ms, memory bytes) of one assignment: the same sums the ILP encodes."""
+    a = np.asarray(assignment, dtype=int)
+    for g in p.ties:
+        if len({int(a[v]) for v in g}) != 1:
+            raise ValueError(f"assignment breaks the tie of blocks {g}")
+    n = len(a)
+    t = float(p.node[np.arange(n), a].sum())
+    if n > 1:
+        t += float(p.edge[np.arange(n - 1), a[:-1], a[1:]].sum())
+    m = p.mem_const + float(p.mem[np.arange(n), a].sum()) + float(p.peak[np.arange(n), a].max())
+    return t, m
+
+
+def min_memory(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
+    """The least memory any allowed assignment needs, and one such assignment (exact: for each
+    candidate largest working set z, every group takes its smallest resident strategy with
+    working set <= z)."""
+    groups = p.groups
+    allowed = np.isfinite(p.node)
+    res = np.stack([p.mem[g].sum(axis=0) for g in groups])
+    pk = np.stack([p.peak[g].max(axis=0) for g in groups])
+    ok = np.stack([allowed[g].all(axis=0) for g in groups])
+    best, best_a = math.inf, None
+    for z in np.unique(pk[ok]):
+        fits = ok & (pk <= z)
+        if not fits.any(axis=1).all():
+            continue
+        r = np.where(fits, res, np.inf)
+        pick = r.argmin(axis=1)
+        total = p.mem_const + float(r[np.arange(len(groups)), pick].sum()) + float(z)
+        if total < best:
+            best, best_a = total, pick
+    if best_a is None:
+        raise PlanError("no block has an allowed strategy")
+    assign = [0] * p.node.shape[0]
+    for g, k in zip(groups, best_a):
+        for v in g:
+            assign[v] = int(k)
+    return best, tuple(assign)
+
+
+def brute_force(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
+    """Optimal (objective, assignment) by enumerating every assignment (small problems only)."""
+    groups = p.groups
+    k = p.node.shape[1]
+    if k ** len(groups) > 2_000_000:
+        raise ValueError(f"{k}^{len(groups)} assignments is too many to enumerate")
+    combos = np.array(list(itertools.product(range(k), repeat=len(groups))), dtype=int)
+    a = np.zeros((len(combos), p.node.shape[0]), dtype=int)
+    for j, g in enumerate(groups):
+        a[:, g] = combos[:, [j]]
+    n = p.node.shape[0]
+    t = p.node[np.arange(n), a].sum(axis=1)
+    if n > 1:
+        t = t + p.edge[np.arange(n - 1), a[:, :-1], a[:, 1:]].sum(axis=1)
+    if p.budget is not None:
+        m = p.mem_const + p.mem[np.arange(n), a].sum(axis=1) + p.peak[np.arange(n), a].max(axis=1)
+        t = np.where(m <= p.budget * (1 + 1e-12), t, np.inf)
+    i = int(np.argmin(t))
+    return float(t[i]), tuple(int(x) for x in a[i])
+
+
+def _solver(name: str, time_limit: float | None):
+    """PuLP solver for ``cbc``, ``highs`` or ``ilp`` (HiGHS when installed, else CBC)."""
+    import pulp
+
+    if name in ("highs", "ilp"):
+        for cls in ("HiGHS", "HiGHS_CMD"):
+            try:
+                s = getattr(pulp, cls)(msg=False, timeLimit=time_limit)
+                if s.available():
+                    return s, "highs"
+            except Exception:  # noqa: BLE001 - an unusable optional solver is skipped
+                pass
+        if name == "highs":
+            raise PlanError("--solver highs: HiGHS is not installed (pip install highspy); use --solver cbc")
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC for 4.0; still the default
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, timeLimit=time_limit), "cbc"
+
+
+def check_memory(p: PlanProblem) -> None:
+    """Raise ``MemoryInfeasible`` naming --memory-gb when no assignment fits the budget."""
+    if p.budget is None:
+        return
+    need, _ = min_memory(p)
+    if need > p.budget:
+        raise MemoryInfeasible(
+            f"--memory-gb {p.budget / GiB:.2f} is too small: the least memory any plan needs is "
+            f"{need / GiB:.2f} GiB per device ({p.mem_const / GiB:.2f} GiB embeddings/logits); "
+            f"raise --memory-gb to {math.ceil(need / GiB * 100) / 100:.2f} or use a larger TP / smaller "
+            "--micro-batch-size", min_bytes=need, budget=p.budget)
+
+
+SOLVERS = ("auto", "dp", "ilp", "cbc", "highs")
+
+
+def solve(p: PlanProblem, *, solver: str = "auto", time_limit: float | None = None) -> Solution:
+    """Optimal strategy per block (Eq. 5) under the memory constraint (Eq. 6).
+
+    ``ilp`` (HiGHS when installed, else CBC), ``cbc``, ``highs``: the ILP below through PuLP.
+    ``dp``: the exact chain DP (``chain_dp``), the same optimum in milliseconds. ``auto``: the
+    DP, because the model graph is a chain and CBC needs seconds when the memory budget binds
+    (docs/planner.md). Either way an infeasible budget raises ``MemoryInfeasible`` first.
+    """
+    if solver not in SOLVERS:
+        raise PlanError(f"--solver must be one of {', '.join(SOLVERS)} (got {solver!r})")
+    t0 = time.perf_counter()
+    check_memory(p)
+    if solver in ("auto", "dp"):
+        from .chain_dp import solve_chain
+
+        t1 = time.perf_counter()
+        t, assign, _ = solve_chain(p)
+        t2 = time.perf_counter()
+        return Solution(assignment=assign, time_ms=t, memory_bytes=evaluate(p, assign)[1], solver="dp",
+                        status="Optimal", build_s=t1 - t0, solve_s=t2 - t1)
+    return solve_ilp(p, solver=solver, time_limit=time_limit, _t0=t0)
+
+
+def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None = None,
+              _t0: float | None = None) -> Solution:
+    """Eq. 5-6 as an ILP through PuLP (CBC, or HiGHS when installed and asked for)."""
+    import pulp
+
+    t0 = time.perf_counter() if _t0 is None else _t0
+    if _t0 is None:
+        check_memory(p)
+    n, k = p.node.shape
+    groups = p.groups
+    gid = [0] * n
+    for j, g in enumerate(groups):
+        for v in g:
+            gid[v] = j
+    allowed = np.isfinite(p.node)
+    prob = pulp.LpProblem("oases_plan", pulp.LpMinimize)
+    var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3 / older
+    x: list[dict[int, pulp.LpVariable]] = []
+    obj: list[tuple[pulp.LpVariable, float]] = []
+    for j, g in enumerate(groups):
+        ks = [a for a in range(k) if allowed[g, a].all()]
+        if not ks:
+            raise PlanError(f"blocks {g} have no allowed strategy")
+        xs = {a: var(f"s_{j}_{a}", cat="Binary") for a in ks}
+        x.append(xs)
+        prob += pulp.lpSum(xs.values()) == 1, f"one_{j}"
+        for a in ks:
+            c = float(p.node[g, a].sum())
+            c += sum(float(p.edge[v, a, a]) for v in g[:-1])  # edges inside a tied group
+            obj.append((xs[a], c))
+    for v in range(n - 1):
+        gu, gv = gid[v], gid[v + 1]
+        if gu == gv:
+            continue
+        xu, xv = x[gu], x[gv]
+        e = {(a, b): var(f"e_{v}_{a}_{b}", lowBound=0) for a in xu for b in xv
+             if math.isfinite(p.edge[v, a, b])}
+        for a in xu:
+            prob += pulp.lpSum(e[a, b] for b in xv if (a, b) in e) == xu[a], f"row_{v}_{a}"
+        for b in xv:
+            prob += pulp.lpSum(e[a, b] for a in xu if (a, b) in e) == xv[b], f"col_{v}_{b}"
+        obj += [(var, float(p.edge[v, a, b])) for (a, b), var in e.items()]
+    prob += pulp.LpAffineExpression(obj)
+    if p.budget is not None:
+        z = var("z_peak", lowBound=0)
+        scale = 1.0 / GiB  # keep coefficients near 1 for the solver
+        seen = set()
+        for v in range(n):
+            row = tuple(float(p.peak[v, a]) for a in x[gid[v]])
+            if (gid[v], row) in seen:
+                continue
+            seen.add((gid[v], row))
+            prob += z >= pulp.lpSum(float(p.peak[v, a]) * scale * var for a, var in x[gid[v]].items()), f"peak_{v}"
+        terms = [(var, float(p.mem[groups[j], a].sum()) * scale) for j, xs in enumerate(x) for a, var in xs.items()]
+        prob += pulp.LpAffineExpression(terms) + z <= (p.budget - p.mem_const) * scale, "memory"
+    slv, slv_name = _solver(solver, time_limit)
+    t1 = time.perf_counter()
+    prob.solve(slv)
+    t2 = time.perf_counter()
+    status = pulp.LpStatus[prob.status]
+    if status != "Optimal":
+        raise PlanError(f"the ILP solver ({slv_name}) returned {status}; try --solver cbc or raise --time-limit")
+    assign = [0] * n
+    for j, g in enumerate(groups):
+        a = max(x[j], key=lambda a: x[j][a].value() or 0.0)
+        for v in g:
+            assign[v] = a
+    t, m = evaluate(p, assign)
+    return Solution(assignment=tuple(assign), time_ms=t, memory_bytes=m, solver=slv_name, status=status,
+                    build_s=t1 - t0, solve_s=t2 - t1)

@@ -1,0 +1,227 @@
+"""``megatron-oases plan``: the Oases planner from the command line.
+
+Prices every block x TP degree on a topology, solves the ILP, prints a per-block table and the
+paper's compact notation, writes the plan JSON and the launch flags (or a rewritten launch
+command). Bad input is one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .graph import PlanError, PlanModel, model_from_mapping
+from .plan_file import PLAN_FORMAT, compact_notation, launch_flags, rewrite_command, write_plan
+
+PROG = "megatron-oases plan"
+MiB, GiB = float(1 << 20), float(1 << 30)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Oases planner: one TP degree per block (attention, MLP) of a GPT "
+                "under a memory budget, from the layer description, a topology and a device model or profile.")
+    p.add_argument("--model", metavar="CONFIG", help="YAML/JSON with num_layers, hidden_size, num_attention_heads, "
+                   "seq_length, ffn_hidden_size, vocab_size, micro_batch_size, tensor_model_parallel_size "
+                   "(flags below override it)")
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "ffn-hidden-size",
+                 "vocab-size", "micro-batch-size"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
+                   help="TP group size T; block degrees are powers of two dividing it")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="Oases fine-grained recompute (default on)")
+    p.add_argument("--sub-batches", type=int, choices=(1, 2), default=None,
+                   help="2: Oases two-sub-batch overlap (default); 1: stock sequential executor")
+    p.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
+    p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="device memory for the model, GiB (default: the GPU's memory)")
+    p.add_argument("--gpu", default=None, help="GPU model of the device model (default: the topology's device)")
+    p.add_argument("--profile", default=None, help="ProfileDB JSON (megatron-oases-profile/*) of measured event times")
+    p.add_argument("--strict-profile", action="store_true", help="fail when the profile lacks an event")
+    p.add_argument("--granularity", choices=("block", "layer"), default="block",
+                   help="block: attention and MLP choose separately; layer: one degree per layer (Table 6)")
+    p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
+    p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
+                   help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
+                        "exposed: also charge each block's fp32 gradient all-reduce over its "
+                        "data-parallel replicas (T/d x DP ranks) once per iteration, unoverlapped")
+    p.add_argument("--solver", choices=("auto", "dp", "ilp", "cbc", "highs"), default="auto",
+                   help="auto/dp: exact chain DP (default, milliseconds); ilp: PuLP with HiGHS when "
+                        "installed, else CBC; cbc, highs: that ILP solver")
+    p.add_argument("--time-limit", type=float, default=None, help="solver time limit, s")
+    p.add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
+    p.add_argument("--rewrite-cmd", default=None, metavar="CMD",
+                   help="a launch command whose TP size and --oases-plan flags to set")
+    p.add_argument("--quiet", action="store_true", help="no per-block table")
+    return p
+
+
+def _load_config(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise PlanError(f"--model {path}: cannot be read ({e.strerror or e})") from None
+    try:
+        if path.endswith(".json"):
+            return json.loads(text)
+        import yaml
+        return yaml.safe_load(text)
+    except ValueError as e:  # json.JSONDecodeError and yaml.YAMLError both
+        raise PlanError(f"--model {path}: cannot be parsed ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - yaml errors are not ValueErrors
+        raise PlanError(f"--model {path}: cannot be parsed ({str(e).splitlines()[0]})") from None
+
+
+def model_from_args(a: argparse.Namespace) -> PlanModel:
+    over = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
+            "seq_length": a.seq_length, "ffn_hidden_size": a.ffn_hidden_size, "vocab_size": a.vocab_size,
+            "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
+            "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer}
+    return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
+
+
+def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
+    """(plan JSON dict, CostModel, Solution) for parsed arguments."""
+    from megatron_oases.topology import load_topology
+
+    from .cost_model import build_cost_model
+    from .ilp import evaluate, solve
+    from .pricing import DevicePricer, resolve_gpu
+
+    m = model_from_args(a)
+    topo = load_topology(a.topology)
+    degrees = None
+    if a.degrees:
+        try:
+            degrees = tuple(int(x) for x in a.degrees.split(","))
+        except ValueError:
+            raise PlanError(f"--degrees must be comma-separated integers (got {a.degrees!r})") from None
+    pricer = DevicePricer(topology=topo, model=m, gpu=a.gpu, profile_path=a.profile, strict=a.strict_profile)
+    memory_gb = a.memory_gb
+    if memory_gb is None:
+        from megatron_oases.sim.device_model import gpu_spec
+        memory_gb = gpu_spec(resolve_gpu(a.gpu or topo.device or "")).memory_GB
+    if memory_gb <= 0:
+        raise PlanError(f"--memory-gb must be > 0 (got {memory_gb:g})")
+    cm = build_cost_model(m, topology=topo, global_batch_size=a.global_batch_size, pricer=pricer,
+                          memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
+                          degrees=degrees)
+    sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
+    degs = [cm.strategies[k].degree for k in sol.assignment]
+    per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
+    uni = cm.uniform(m.tp)
+    uni_t, uni_m = evaluate(cm.problem, uni) if uni else (None, None)
+    rows = cm.breakdown(sol.assignment)
+    data = {
+        "format": PLAN_FORMAT,
+        "tensor_model_parallel_size": m.tp,
+        "num_layers": m.num_layers,
+        "block_kinds": ["attention", "mlp"],
+        "degrees": degs,
+        "compact": compact_notation(degs),
+        "compact_layers": compact_notation(per_layer) if per_layer else None,
+        "granularity": a.granularity,
+        "predicted": {
+            "iteration_ms": sol.time_ms, "memory_gib": sol.memory_bytes / GiB,
+            "uniform_tp_iteration_ms": uni_t, "uniform_tp_memory_gib": None if uni_m is None else uni_m / GiB,
+            "scope": "transformer blocks only (embedding, logits, optimizer step excluded); "
+                     "analytical or profiled, not measured",
+            "blocks": [{"block": r["block"], "layer": r["layer"], "kind": r["kind"], "degree": r["degree"],
+                        "time_ms": r["time_ms"], "node_ms": r["node_ms"], "edge_in_ms": r["edge_in_ms"],
+                        "grad_sync_ms": r["grad_sync_ms"],
+                        "memory_bytes": r["state_bytes"] + r["saved_bytes"], "backward_peak_bytes": r["runtime_bytes"]}
+                       for r in rows],
+        },
+        "inputs": {"model": m.to_dict(), "topology": topo.name, "topology_arg": a.topology,
+                   "global_batch_size": a.global_batch_size, "data_parallel_size": cm.data_parallel,
+                   "num_microbatches": cm.num_microbatches, "memory_gb": memory_gb, "grad_sync": a.grad_sync,
+                   "candidate_degrees": cm.degrees, "pricing": cm.pricing},
+        "solver": {"name": sol.solver, "status": sol.status, "build_ms": sol.build_s * 1e3,
+                   "solve_ms": sol.solve_s * 1e3},
+    }
+    return data, cm, sol
+
+
+def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
+    inp, pred, m = data["inputs"], data["predicted"], data["inputs"]["model"]
+    lines = [f"Oases plan: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
+             f"s {m['seq_length']}, ffn {m['ffn_hidden_size']}, {m['dtype']}, micro-batch {m['micro_batch_size']}; "
+             f"global batch {inp['global_batch_size']} = DP {inp['data_parallel_size']} x "
+             f"{inp['num_microbatches']} micro-batches; TP group {data['tensor_model_parallel_size']} on "
+             f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)"]
+    if table:
+        cols = ("block", "layer", "kind", "degree", "time ms", "node ms", "edge ms", "grad ms", "memory MiB")
+        rows = [cols] + [(str(b["block"]), str(b["layer"]), b["kind"], str(b["degree"]), f"{b['time_ms']:.2f}",
+                          f"{b['node_ms']:.2f}", f"{b['edge_in_ms']:.2f}", f"{b['grad_sync_ms']:.2f}",
+                          f"{b['memory_bytes'] / MiB:.0f}") for b in pred["blocks"]]
+        w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+        lines += [""] + ["  ".join(v.ljust(w[i]) if i == 2 else v.rjust(w[i]) for i, v in enumerate(r)) for r in rows]
+    lines.append("")
+    line = (f"predicted iteration (transformer blocks): {pred['iteration_ms']:.2f} ms, "
+            f"memory {pred['memory_gib']:.2f} GiB")
+    if pred["uniform_tp_iteration_ms"]:
+        line += (f"; uniform TP {data['tensor_model_parallel_size']}: {pred['uniform_tp_iteration_ms']:.2f} ms "
+                 f"({pred['uniform_tp_iteration_ms'] / pred['iteration_ms']:.3f}x), "
+                 f"{pred['uniform_tp_memory_gib']:.2f} GiB")
+    lines.append(line)
+    lines.append(f"plan (per block, attention/mlp alternating): {data['compact']}")
+    if data.get("compact_layers"):
+        lines.append(f"plan (per layer, as the paper's Table 6): {data['compact_layers']}")
+    s = data["solver"]
+    lines.append(f"solver: {s['name']} {s['status'].lower()}, {s['solve_ms']:.1f} ms "
+                 f"(+ {s['build_ms']:.1f} ms model build)")
+    pr = inp["pricing"]
+    if "profile" in pr:
+        lines.append(f"pricing: {pr['events_from_profile']} events from {pr['profile']}, "
+                     f"{pr['events_analytical']} analytical")
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``megatron-oases plan``; exit 2 with one line on bad input."""
+    from megatron_oases.parallel.dims import ConfigError
+    from megatron_oases.topology import TopologyError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = build_parser().parse_args(argv)
+        data, _, _ = make_plan(a)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ConfigError, TopologyError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        write_plan(a.out, data)
+    except OSError as e:
+        print(f"{PROG}: error: cannot write --out {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(format_plan(data, table=not a.quiet))
+    print(f"wrote {a.out}")
+    tp = data["tensor_model_parallel_size"]
+    print(f"launch flags: {launch_flags(tp, a.out)}")
+    if a.rewrite_cmd is not None:
+        print(f"launch command: {rewrite_command(a.rewrite_cmd, tp=tp, plan_path=a.out)}")
+    print("note: predicted times come from the cost model; the per-block-degree runtime that would "
+          "consume --oases-plan is not built yet, so nothing here is a measured throughput")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(plan_main())

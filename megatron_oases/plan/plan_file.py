@@ -1,0 +1,186 @@
+"""Plan files (``--oases-plan plan.json``), the paper's compact notation, and launch rewriting.
+
+The file format is documented in docs/planner.md. ``load_plan`` is what a launcher or the
+per-block runtime calls: every problem is one ``ConfigError`` line naming ``--oases-plan``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_oases.parallel.dims import ConfigError
+
+from .graph import BLOCK_KINDS
+
+PLAN_FORMAT = "megatron-oases-plan/1"
+FLAG = "--oases-plan"
+TP_FLAG = "--tensor-model-parallel-size"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A validated plan: one TP degree per block (layer 0 attention, layer 0 mlp, layer 1 ...)."""
+
+    tp: int
+    num_layers: int
+    degrees: tuple[int, ...]
+    block_kinds: tuple[str, ...] = BLOCK_KINDS
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_degrees(self, layer: int) -> dict[str, int]:
+        """``{"attention": d, "mlp": d}`` of one TransformerLayer."""
+        k = len(self.block_kinds)
+        return dict(zip(self.block_kinds, self.degrees[layer * k:(layer + 1) * k]))
+
+    @property
+    def per_layer(self) -> tuple[int, ...] | None:
+        """One degree per layer when each layer's blocks agree (Table 6's form), else None."""
+        k = len(self.block_kinds)
+        layers = [self.degrees[i:i + k] for i in range(0, len(self.degrees), k)]
+        if all(len(set(x)) == 1 for x in layers):
+            return tuple(x[0] for x in layers)
+        return None
+
+
+def compact_notation(degrees) -> str:
+    """Run-length form of the paper's Table 6: ``[[2] * 8 + [4] * 16]``."""
+    runs: list[list[int]] = []
+    for d in degrees:
+        if runs and runs[-1][0] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(d), 1])
+    return "[" + " + ".join(f"[{d}] * {n}" for d, n in runs) + "]"
+
+
+def parse_compact(text: str) -> tuple[int, ...]:
+    """Inverse of ``compact_notation`` (also accepts a plain list ``[2, 2, 4]``)."""
+    body = text.strip()
+    if body.startswith("[[") and body.endswith("]"):
+        body = body[1:-1]
+    out: list[int] = []
+    for part in body.split("+"):
+        mt = re.fullmatch(r"\s*\[(\d+)\]\s*\*\s*(\d+)\s*", part)
+        if mt:
+            out += [int(mt.group(1))] * int(mt.group(2))
+            continue
+        mt = re.fullmatch(r"\s*\[([\d,\s]*)\]\s*", part)
+        if not mt:
+            raise ValueError(f"cannot parse {part.strip()!r} of {text!r} (expected [d] * n)")
+        out += [int(x) for x in mt.group(1).replace(",", " ").split()]
+    return tuple(out)
+
+
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*)\s*\]")
+
+
+def write_plan(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """JSON with one key per line, but lists of numbers (``degrees``) on one line."""
+    text = _NUMBER_LIST.sub(lambda mt: "[" + ", ".join(x.strip() for x in mt.group(1).split(",")) + "]",
+                            json.dumps(data, indent=1))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+def _fail(path: str, problem: str) -> None:
+    raise ConfigError(f"{FLAG} {path}: {problem}")
+
+
+def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
+    """Read and check a plan file against the launch (``--num-layers``, TP size)."""
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        _fail(p, f"cannot be read ({e.strerror or e}); give the JSON written by `megatron-oases plan`")
+    except ValueError as e:
+        _fail(p, f"is not valid JSON ({e}); regenerate it with `megatron-oases plan`")
+    if not isinstance(data, dict):
+        _fail(p, f"must be a JSON object (got {type(data).__name__})")
+    if data.get("format") != PLAN_FORMAT:
+        _fail(p, f"format is {data.get('format')!r}, expected {PLAN_FORMAT!r}; "
+                 "regenerate it with `megatron-oases plan`")
+    ftp, flayers, kinds, degrees = (data.get("tensor_model_parallel_size"), data.get("num_layers"),
+                                    data.get("block_kinds", list(BLOCK_KINDS)), data.get("degrees"))
+    if ftp != tp:
+        _fail(p, f"was made for {TP_FLAG} {ftp!r} but the launch uses {tp}; plan again for TP {tp} "
+                 f"or launch with {TP_FLAG} {ftp}")
+    if flayers != num_layers:
+        _fail(p, f"was made for --num-layers {flayers!r} but the launch uses {num_layers}; plan again")
+    if kinds != list(BLOCK_KINDS):
+        _fail(p, f"block_kinds {kinds!r} are not {list(BLOCK_KINDS)}")
+    if not isinstance(degrees, list) or any(isinstance(d, bool) or not isinstance(d, int) for d in degrees):
+        _fail(p, "'degrees' must be a list of integers (one TP degree per block)")
+    want = num_layers * len(BLOCK_KINDS)
+    if len(degrees) != want:
+        _fail(p, f"has {len(degrees)} block degrees; {num_layers} layers need {want} "
+                 f"({len(BLOCK_KINDS)} blocks per layer: {', '.join(BLOCK_KINDS)})")
+    bad = [(i, d) for i, d in enumerate(degrees) if d < 1 or tp % d or d & (d - 1)]
+    if bad:
+        i, d = bad[0]
+        _fail(p, f"block {i} (layer {i // len(BLOCK_KINDS)} {BLOCK_KINDS[i % len(BLOCK_KINDS)]}) has degree {d}, "
+                 f"which is not a power of two dividing {TP_FLAG} {tp}"
+                 + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return Plan(tp=tp, num_layers=num_layers, degrees=tuple(degrees), raw=data)
+
+
+# ---- launch command rewriting ------------------------------------------------------------------
+
+_TOKEN = re.compile(r"""(?:[^\s'"\\]|\\.|'[^']*'|"(?:[^"\\]|\\.)*")+""", re.S)
+
+
+def _tokens(cmd: str) -> list[tuple[int, int, str]]:
+    """(start, end, unquoted text) of every shell word, so edits keep the rest byte for byte."""
+    out = []
+    for mt in _TOKEN.finditer(cmd):
+        raw = mt.group(0)
+        if raw == "\\\n":
+            continue
+        try:
+            words = shlex.split(raw)
+        except ValueError:
+            words = [raw]
+        out.append((mt.start(), mt.end(), words[0] if words else ""))
+    return out
+
+
+def rewrite_command(cmd: str, *, tp: int, plan_path: str) -> str:
+    """Set ``--tensor-model-parallel-size`` and ``--oases-plan`` in a launch command line:
+    replace their values where present (``--flag v`` or ``--flag=v``; repeats removed), append
+    them otherwise; every other character stays as it was."""
+    values = {TP_FLAG: str(tp), FLAG: shlex.quote(plan_path)}
+    toks = _tokens(cmd)
+    edits: list[tuple[int, int, str]] = []
+    seen: set[str] = set()
+    i = 0
+    while i < len(toks):
+        s, e, word = toks[i]
+        name = word.split("=", 1)[0]
+        if name in values:
+            end = e
+            if "=" not in word and i + 1 < len(toks):
+                end = toks[i + 1][1]
+                i += 1
+            edits.append((s, end, "" if name in seen else f"{name} {values[name]}"))
+            seen.add(name)
+        i += 1
+    out = cmd
+    for s, e, text in reversed(edits):
+        if not text:  # drop a repeated flag and the blank before it
+            while s > 0 and out[s - 1] in " \t":
+                s -= 1
+        out = out[:s] + text + out[e:]
+    missing = [f"{n} {v}" for n, v in values.items() if n not in seen]
+    if missing:
+        stripped = out.rstrip()
+        out = stripped + " " + " ".join(missing) + out[len(stripped):]
+    return out
+
+
+def launch_flags(tp: int, plan_path: str) -> str:
+    return f"{TP_FLAG} {tp} {FLAG} {shlex.quote(plan_path)}"

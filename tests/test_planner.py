@@ -1,0 +1,306 @@
+"""Oases planner: model graph, cost model (Eq. 3-4, 6), and optimality of the ILP and the DP (Eq. 5-6)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import numpy as np
+import pytest
+
+from megatron_oases.layers.description import megatron_1d_gpt_layer
+from megatron_oases.plan.chain_dp import solve_chain
+from megatron_oases.plan.cost_model import (block_activation_bytes, build_cost_model, state_bytes_per_param)
+from megatron_oases.plan.graph import (PlanError, PlanModel, Strategy, build_graph, candidate_strategies, family_of,
+                                       split_blocks)
+from megatron_oases.plan.ilp import (MemoryInfeasible, PlanProblem, brute_force, evaluate, min_memory, solve,
+                                     solve_ilp)
+from megatron_oases.plan.pricing import DevicePricer, resolve_gpu
+from megatron_oases.topology import Level, Topology, load_topology
+
+GiB = float(1 << 30)
+
+
+def flat(n: int, name: str = "flat") -> Topology:
+    return Topology(name=name, device="a100-80gb", levels=(Level(name="nvlink", size=n, scope="intra_node",
+                    p2p_bandwidth_GBps=100, group_bandwidth_GBps=100, latency_us=2),))
+
+
+def small_model(**kw) -> PlanModel:
+    d = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tp=2)
+    d.update(kw)
+    return PlanModel(**d)
+
+
+class FakePricer:
+    """Compute / collective ms from a function of (op name, TP degree in the shape)."""
+
+    def __init__(self, compute, comm):
+        self.compute, self.comm = compute, comm
+
+    def compute_ms(self, op, *, shape, dims=()):
+        return self.compute(op.name, int(re.search(r"t(\d+)_", shape).group(1)))
+
+    def collective_ms(self, op, *, shape, ranks, dims=()):
+        return self.comm(op.name, len(ranks)) if len(ranks) > 1 else 0.0
+
+    def summary(self):
+        return {"gpu": "fake", "topology": "fake"}
+
+
+# ---- model graph -------------------------------------------------------------------------------
+
+def test_a_layer_is_two_blocks_attention_then_mlp():
+    for tp in (1, 2):
+        blocks = split_blocks(megatron_1d_gpt_layer(micro_batch=2, seq=8, hidden=16, heads=2, ffn=64, tp=tp))
+        assert [b.kind for b in blocks] == ["attention", "mlp"]
+        assert [c.name for c in blocks[0].fwd_compute] == ["attention"]
+        assert [c.name for c in blocks[1].bwd_compute] == ["mlp.bwd"]
+        comm = [([c.name for c in b.fwd_comm], [c.name for c in b.bwd_comm]) for b in blocks]
+        assert comm == ([(["attention.g"], ["attention.f.bwd"]), (["mlp.g"], ["mlp.f.bwd"])] if tp == 2
+                        else [([], []), ([], [])])
+    assert [b.name for b in build_graph(small_model(num_layers=2))] == ["0.attention", "0.mlp", "1.attention", "1.mlp"]
+
+
+def test_candidates_are_feasible_powers_of_two():
+    m8 = small_model(tp=8, micro_batch_size=8, num_attention_heads=8)
+    assert [s.degree for s in candidate_strategies(m8)] == [1, 2, 4, 8]
+    # micro-batch 2 over TP 4: degree 1 and 2 replicas get too few samples for two sub-batches
+    assert [s.degree for s in candidate_strategies(small_model(tp=4, micro_batch_size=2))] == [4]
+    with pytest.raises(PlanError, match="--degrees 3"):
+        candidate_strategies(small_model(tp=4), degrees=(3,))
+    with pytest.raises(PlanError, match="power of two"):
+        small_model(tp=6, hidden_size=96, num_attention_heads=6)
+
+
+def test_reshard_groups_and_payload():
+    m = small_model(tp=4, micro_batch_size=8)
+    fam = family_of(Strategy(degree=2))
+    up = fam.reshard(Strategy(degree=2), Strategy(degree=4), m)
+    down = fam.reshard(Strategy(degree=4), Strategy(degree=1), m)
+    assert up.backward is None and up.ranks_forward == (0, 2)
+    # one sub-batch of the degree-4 share: 8 * 4/4 / 2 samples x s x h x 2 bytes
+    assert up.forward.payload_bytes == 4 * 16 * 64 * 2 and up.forward.kind == "all_gather"
+    assert down.forward is None and down.ranks_backward == (0, 1, 2, 3)
+    assert fam.reshard(Strategy(degree=2), Strategy(degree=2), m).forward is None
+
+
+# ---- cost model --------------------------------------------------------------------------------
+
+def _forward_only(C: dict, M: dict, **kw):
+    m = small_model(recompute=False, **kw)
+    pricer = FakePricer(lambda name, t: 0.0 if name.endswith(".bwd") else C[name],
+                        lambda name, n: 0.0 if ("bwd" in name or name == "grad.ar") else M[name.split(".")[0]])
+    return build_cost_model(m, topology=flat(m.tp), global_batch_size=m.micro_batch_size, pricer=pricer,
+                            grad_sync=False, degrees=(m.tp,))
+
+
+def _two_stream(C: dict, M: dict, layers: int) -> float:
+    from megatron_oases.sim.events import Event
+    from megatron_oases.sim.timeline import run_template
+
+    evs, price = [], {}
+    for _ in range(layers):
+        for kind in ("attention", "mlp"):
+            evs += [Event(key=f"c{kind}", name=kind, kind="compute"),
+                    Event(key=f"m{kind}", name=kind, kind="collective")]
+            price[f"c{kind}"], price[f"m{kind}"] = C[kind], M[kind]
+    return run_template(tuple(evs), 2, price).duration
+
+
+@pytest.mark.parametrize("C,M", [({"attention": 1.0, "mlp": 1.0}, {"attention": 3.0, "mlp": 3.0}),
+                                 ({"attention": 3.0, "mlp": 2.0}, {"attention": 1.0, "mlp": 0.5}),
+                                 ({"attention": 1.0, "mlp": 4.0}, {"attention": 3.0, "mlp": 2.0})])
+def test_overlap_node_cost_against_the_simulators_two_streams(C, M):
+    """Eq. 3 in lock-step: C_0 + sum max(C_v, M_v) + sum max(C_v, M_u) + M_last. It equals the
+    simulator's two-stream template when every block is compute- or comm-bound, and is an upper
+    bound otherwise (lock-step only adds waits)."""
+    cm = _forward_only(C, M)
+    uni = cm.uniform(2)
+    t, _ = evaluate(cm.problem, uni)
+    seq = [("attention", "mlp")[v % 2] for v in range(4)]
+    want = (C[seq[0]] + sum(max(C[k], M[k]) for k in seq) + sum(max(C[b], M[a]) for a, b in zip(seq, seq[1:]))
+            + M[seq[-1]])
+    assert t == pytest.approx(want)
+    sim = _two_stream(C, M, layers=2)
+    bound = all(C[k] >= M[j] for k in C for j in M) or all(M[j] >= C[k] for k in C for j in M)
+    assert t == pytest.approx(sim) if bound else t >= sim - 1e-9
+
+
+def test_resharding_edge_is_allgather_plus_lost_overlap():
+    m = small_model(tp=4, micro_batch_size=8, recompute=False)
+    C = {1: 1.0, 2: 1.5, 4: 2.0}
+    M = {1: 0.0, 2: 1.0, 4: 3.0}
+    pricer = FakePricer(lambda name, t: 0.0 if name.endswith(".bwd") else C[t],
+                        lambda name, n: 0.7 * n if name == "reshard.ag" else
+                        (0.0 if "bwd" in name or name == "grad.ar" else M[n]))
+    cm = build_cost_model(m, topology=flat(4), global_batch_size=8, pricer=pricer, grad_sync=False)
+    k = {s.degree: i for i, s in enumerate(cm.strategies)}
+    e = cm.problem.edge[0]
+    ag_up = 2 * 0.7 * 2  # two sub-batches, group of 2 (ranks 0, 2)
+    assert e[k[2], k[4]] == pytest.approx(M[2] + ag_up + C[4])  # forward all-gather, overlap lost
+    assert e[k[4], k[2]] == pytest.approx(max(C[2], M[4]) + 2 * 0.7 * 2)  # forward slices; backward gathers
+    assert e[k[4], k[4]] == pytest.approx(max(C[4], M[4]))
+
+
+def test_memory_terms_agree_with_the_simulator():
+    from megatron_oases.sim.backends import layer_activation_bytes, layer_params
+
+    m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=4)
+    fam = family_of(Strategy(degree=2))
+    for d in (1, 2, 4):
+        s = Strategy(degree=d)
+        assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("megatron", 256, 1024, d, None)
+        acts = sum(block_activation_bytes(m, k, 4, d) for k in ("attention", "mlp"))
+        want = layer_activation_bytes("megatron", b=4, s=64, h=256, a=8, f=1024, t=d, e=2, mesh=None)
+        assert acts == pytest.approx(want)
+    assert state_bytes_per_param(m, 1) == 18 and state_bytes_per_param(dataclasses.replace(m, dtype="fp32"), 1) == 16
+
+
+def test_event_keys_are_the_simulators():
+    """The planner prices the same events (same keys) the simulator asks a profile for."""
+    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
+    for d in (2, 4, 8):
+        sim = unique_events(build_stage_events(
+            ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=8 * d // 8),
+            SimStrategy(tp=d, dp=8 // d, overlap="oases", recompute=True), topo))
+        ours = {k for k in pricer.events
+                if f"t{d}_" in k and ("compute:" in k or "all_reduce:" in k) and "grad" not in k}
+        assert ours and ours <= set(sim), sorted(ours - set(sim))
+        assert all(pricer.events[k].dims == sim[k].dims and pricer.events[k].nbytes == sim[k].nbytes for k in ours)
+
+
+def test_planner_events_can_be_profiled():
+    """Every compute event the planner prices maps to the profiler's torch workload."""
+    import torch
+
+    from megatron_oases.sim.workloads import compute_workload
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tp=4)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
+    comp = [e for e in pricer.events.values() if e.kind == "compute"]
+    assert len(comp) == 4 * 3  # attention, mlp, and their .bwd at degrees 1, 2, 4
+    for e in comp:
+        compute_workload(e.name, dict(e.dims), torch.device("cpu"))
+    kinds = {(e.op.kind, e.name) for e in pricer.events.values() if e.kind == "collective"}
+    assert {("all_gather", "reshard.ag"), ("all_reduce", "grad.ar"), ("all_reduce", "mlp.f.bwd")} <= kinds
+
+
+def test_gpu_names_resolve():
+    assert resolve_gpu("rtx3090-24gb") == "rtx-3090" and resolve_gpu("a100-80gb") == "a100-80gb"
+    with pytest.raises(PlanError, match="--gpu"):
+        resolve_gpu("tpu-v5")
+
+
+def test_real_model_plan_respects_memory_and_trades_time():
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=8, hidden_size=2048, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=4)
+    cm = build_cost_model(m, topology=topo, global_batch_size=16, grad_sync=False)
+    free = solve(cm.problem)
+    assert [cm.strategies[k].degree for k in free.assignment] == [1] * 16  # no memory limit: no TP traffic
+    _, need_t4 = evaluate(cm.problem, cm.uniform(4))
+    budget = (need_t4 + free.memory_bytes) / 2
+    tight = solve(dataclasses.replace(cm.problem, budget=budget))
+    assert tight.memory_bytes <= budget and free.time_ms < tight.time_ms < evaluate(cm.problem, cm.uniform(4))[0]
+    ilp = solve_ilp(dataclasses.replace(cm.problem, budget=budget), solver="cbc")
+    assert ilp.time_ms == pytest.approx(tight.time_ms, rel=1e-9)
+
+
+# ---- ILP / DP optimality -----------------------------------------------------------------------
+
+def random_problem(rng, n, k, ties=False, budget_frac=None) -> PlanProblem:
+    node = rng.uniform(1, 10, (n, k))
+    edge = rng.uniform(0, 4, (n - 1, k, k))
+    mem = rng.uniform(1, 8, (n, k)) * GiB
+    peak = rng.uniform(0, 3, (n, k)) * GiB
+    tie = tuple((i, i + 1) for i in range(0, n - 1, 2)) if ties else ()
+    p = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=0.5 * GiB, ties=tie)
+    lo, _ = min_memory(p)
+    hi = max(evaluate(p, brute_force(p)[1])[1], lo)
+    frac = rng.uniform(0, 1) if budget_frac is None else budget_frac
+    return dataclasses.replace(p, budget=lo + frac * (hi - lo))
+
+
+def test_ilp_and_dp_match_brute_force_on_random_instances():
+    rng = np.random.default_rng(2024)
+    for i in range(24):
+        n, k = int(rng.integers(2, 9)), int(rng.integers(2, 5))
+        if k ** n > 20000:
+            n = 6
+        p = random_problem(rng, n, k, ties=i % 4 == 3)
+        best, _ = brute_force(p)
+        ilp = solve_ilp(p, solver="cbc")
+        dp_t, dp_a, _ = solve_chain(p)
+        assert ilp.time_ms == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
+        assert dp_t == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
+        assert ilp.memory_bytes <= p.budget * (1 + 1e-9) and evaluate(p, dp_a)[1] <= p.budget * (1 + 1e-9)
+
+
+def test_dp_matches_brute_force_without_a_budget_and_min_memory_is_exact():
+    rng = np.random.default_rng(7)
+    for _ in range(10):
+        p = dataclasses.replace(random_problem(rng, 6, 3), budget=None)
+        assert solve_chain(p)[0] == pytest.approx(brute_force(p)[0])
+        need, a = min_memory(p)
+        k = p.node.shape[1]
+        allm = [evaluate(p, c)[1] for c in np.ndindex(*(k,) * 6)]
+        assert need == pytest.approx(min(allm)) and evaluate(p, a)[1] == pytest.approx(need)
+
+
+def test_infeasible_budget_names_the_minimum():
+    rng = np.random.default_rng(3)
+    p = random_problem(rng, 5, 3)
+    need, _ = min_memory(p)
+    bad = dataclasses.replace(p, budget=need * 0.9)
+    for solver in ("auto", "cbc"):
+        with pytest.raises(MemoryInfeasible) as e:
+            solve(bad, solver=solver)
+        assert e.value.min_bytes == pytest.approx(need)
+        assert "--memory-gb" in str(e.value) and f"{need / GiB:.2f}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_96_blocks_x_4_strategies_solve_fast():
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=48, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=8, tp=8)
+    cm = build_cost_model(m, topology=topo, global_batch_size=16, grad_sync=False)
+    assert cm.problem.node.shape == (96, 4)
+    lo, _ = min_memory(cm.problem)
+    hi = evaluate(cm.problem, cm.uniform(2))[1]
+    for frac in (0.05, 0.2, 0.5, 1.0):
+        p = dataclasses.replace(cm.problem, budget=lo + frac * (hi - lo))
+        t0 = time.process_time()
+        sol = solve(p)
+        assert time.process_time() - t0 < 0.5
+        assert sol.memory_bytes <= p.budget
+
+
+def test_exposed_grad_sync_charges_the_replica_all_reduce_once_per_iteration():
+    seen = {}
+
+    def comm(name, n):
+        return 5.0 * n if name == "grad.ar" else 0.0
+
+    class Recorder(FakePricer):
+        def collective_ms(self, op, *, shape, ranks, dims=()):
+            if op.name == "grad.ar":
+                seen[shape] = ranks
+            return super().collective_ms(op, shape=shape, ranks=ranks)
+
+    m = small_model(tp=4, micro_batch_size=8)
+    topo = Topology(name="two", device="a100-80gb", levels=(
+        Level(name="nvlink", size=4, scope="intra_node", p2p_bandwidth_GBps=100, group_bandwidth_GBps=100),
+        Level(name="ib", size=2, scope="inter_node", p2p_bandwidth_GBps=10, group_bandwidth_GBps=10)))
+    kw = dict(topology=topo, global_batch_size=32, pricer=Recorder(lambda name, t: 1.0, comm))
+    on, off = build_cost_model(m, grad_sync=True, **kw), build_cost_model(m, **kw)
+    assert off.num_microbatches == 2 and off.data_parallel == 2
+    k = {s.degree: i for i, s in enumerate(on.strategies)}
+    diff = on.problem.node - off.problem.node
+    assert diff[:, k[2]] == pytest.approx([5.0 * 4] * 4) and diff[:, k[4]] == pytest.approx([5.0 * 2] * 4)
+    assert (0, 2, 4, 6) in seen.values() and (0, 4) in seen.values()

@@ -1,0 +1,118 @@
+"""Plan files, compact notation, launch-command rewriting and ``megatron-oases plan``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_oases.cli import main as cli_main
+from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.plan.plan_cli import plan_main
+from megatron_oases.plan.plan_file import (PLAN_FORMAT, compact_notation, load_plan, parse_compact,
+                                           rewrite_command)
+
+MODEL = """num_layers: 4
+hidden_size: 1024
+num_attention_heads: 16
+seq_length: 512
+ffn_hidden_size: 4096
+vocab: 51200
+micro_batch_size: 4
+tp: 4
+"""
+
+
+def test_compact_notation_round_trips():
+    d = [2] * 8 + [4] * 16
+    assert compact_notation(d) == "[[2] * 8 + [4] * 16]"
+    assert parse_compact("[[2] * 8 + [4] * 16]") == tuple(d)
+    assert parse_compact(compact_notation([1, 2, 2, 1])) == (1, 2, 2, 1)
+    assert parse_compact("[2, 4]") == (2, 4)
+
+
+def _plan_file(tmp_path, **over):
+    data = {"format": PLAN_FORMAT, "tensor_model_parallel_size": 4, "num_layers": 2,
+            "block_kinds": ["attention", "mlp"], "degrees": [2, 2, 4, 4]}
+    data.update(over)
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_load_plan_accepts_a_good_file(tmp_path):
+    plan = load_plan(_plan_file(tmp_path), num_layers=2, tp=4)
+    assert plan.degrees == (2, 2, 4, 4) and plan.layer_degrees(1) == {"attention": 4, "mlp": 4}
+    assert plan.per_layer == (2, 4)
+
+
+@pytest.mark.parametrize("over,kw,match", [
+    ({"degrees": [2, 2, 3, 4]}, {}, "block 2 .*degree 3.*not a power of two dividing --tensor-model-parallel-size 4"),
+    ({"degrees": [2, 2, 8, 4]}, {}, "degree 8"),
+    ({"degrees": [2, 2, 4]}, {}, "has 3 block degrees; 2 layers need 4"),
+    ({}, {"num_layers": 3}, "--num-layers 2 but the launch uses 3"),
+    ({}, {"tp": 8}, "--tensor-model-parallel-size 4 but the launch uses 8"),
+    ({"format": "x/0"}, {}, "format is 'x/0'"),
+    ({"degrees": "2,2,4,4"}, {}, "must be a list of integers"),
+])
+def test_load_plan_errors_are_one_line_naming_the_flag(tmp_path, over, kw, match):
+    args = {"num_layers": 2, "tp": 4, **kw}
+    with pytest.raises(ConfigError, match=match) as e:
+        load_plan(_plan_file(tmp_path, **over), **args)
+    assert str(e.value).startswith("--oases-plan ") and "\n" not in str(e.value)
+
+
+def test_load_plan_malformed_and_missing(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path, match in ((bad, "not valid JSON"), (tmp_path / "nope.json", "cannot be read")):
+        with pytest.raises(ConfigError, match=match) as e:
+            load_plan(path, num_layers=2, tp=4)
+        assert str(e.value).startswith("--oases-plan ") and "\n" not in str(e.value)
+
+
+def test_rewrite_command_replaces_adds_and_keeps_the_rest():
+    cmd = "torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 8 --lr 'a  b' --x=\"q r\""
+    out = rewrite_command(cmd, tp=4, plan_path="p.json")
+    assert out == ("torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 4 --lr 'a  b' "
+                   "--x=\"q r\" --oases-plan p.json")
+    cmd = "python train.py \\\n  --tensor-model-parallel-size=2 --oases-plan old.json --oases-plan older.json\n"
+    out = rewrite_command(cmd, tp=4, plan_path="my plan.json")
+    assert out == "python train.py \\\n  --tensor-model-parallel-size 4 --oases-plan 'my plan.json'\n"
+    assert rewrite_command("run", tp=2, plan_path="p") == "run --tensor-model-parallel-size 2 --oases-plan p"
+
+
+def test_plan_cli_end_to_end(tmp_path, capsys):
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text(MODEL)
+    out = tmp_path / "plan.json"
+    rc = cli_main(["plan", "--model", str(cfg), "--topology", "pcie-3090-2node", "--global-batch-size", "16",
+                   "--memory-gb", "6", "--out", str(out), "--granularity", "layer",
+                   "--rewrite-cmd", "torchrun x.py --tensor-model-parallel-size 8 --seed 1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    plan = load_plan(out, num_layers=4, tp=4)
+    data = json.loads(out.read_text())
+    assert data["compact"] in text and data["compact_layers"] in text and plan.per_layer is not None
+    assert f"launch flags: --tensor-model-parallel-size 4 --oases-plan {out}" in text
+    assert f"launch command: torchrun x.py --tensor-model-parallel-size 4 --seed 1 --oases-plan {out}" in text
+    assert data["predicted"]["memory_gib"] <= 6 and len(data["predicted"]["blocks"]) == 8
+    assert data["inputs"]["num_microbatches"] == 2 and data["inputs"]["data_parallel_size"] == 2
+    assert "not built yet" in text
+
+
+def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
+    base = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "256", "--micro-batch-size", "4", "--tensor-model-parallel-size", "4",
+            "--out", str(tmp_path / "p.json"), "--quiet"]
+    assert plan_main(base + ["--global-batch-size", "8"]) == 0
+    capsys.readouterr()
+    cases = [(["--global-batch-size", "8", "--memory-gb", "0.01"], "--memory-gb 0.01 is too small: the least memory"),
+             (["--global-batch-size", "12"], "--global-batch-size 12 is not divisible"),
+             (["--global-batch-size", "8", "--gpu", "tpu"], "unknown GPU 'tpu'"),
+             (["--global-batch-size", "8", "--degrees", "3"], "--degrees 3")]
+    for extra, match in cases:
+        assert plan_main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and len(err.splitlines()) == 1, err
+    assert plan_main(["--topology", "pcie-3090-2node", "--global-batch-size", "8"]) == 2
+    assert "missing num_layers" in capsys.readouterr().err
