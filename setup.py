@@ -22,6 +22,8 @@ setup(
         "test": ["pytest>=7"],
         # CUDA-only accelerators; never required, imported lazily behind HAVE_APEX / HAVE_TE.
         "gpu": ["apex", "transformer-engine"],
+        # What megatron.training (a Megatron-LM checkout) imports beyond megatron-core.
+        "megatron-lm": ["six", "einops", "pydantic", "pybind11", "regex", "triton"],
     },
     entry_points={"console_scripts": ["megatron-oases=megatron_oases.cli:main"]},
 )

@@ -1,0 +1,83 @@
+"""Find the Megatron-LM checkout (``MEGATRON_LM_PATH``) and import its ``pretrain_gpt.py``.
+
+We import Megatron-LM's entry script as a module (its ``__main__`` block does not run) to reuse
+its ``forward_step``, dataset provider, ``get_embedding_ranks`` and model provider, rather than
+re-implementing them. Megatron-Core itself comes from the installed ``megatron-core`` package;
+the checkout adds ``megatron.training`` (``megatron`` is a namespace package) and must be the
+same release.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from megatron_oases.parallel.dims import ConfigError
+
+ENV = "MEGATRON_LM_PATH"
+SUPPORTED_TAG = "core_v0.16.1"
+STOCK_MODULE = "megatron_lm_pretrain_gpt"
+"""Name the checkout's pretrain_gpt.py is imported under (ours is megatron_oases.pretrain_gpt)."""
+
+
+def checkout_path(path: str | os.PathLike | None = None) -> Path:
+    """The checkout directory (``path`` or $MEGATRON_LM_PATH), checked to hold pretrain_gpt.py."""
+    text = os.fspath(path) if path is not None else os.environ.get(ENV, "")
+    if not text:
+        raise ConfigError(f"set {ENV} to a Megatron-LM checkout (tag {SUPPORTED_TAG}), e.g. "
+                          f"`git clone -b {SUPPORTED_TAG} https://github.com/NVIDIA/Megatron-LM`")
+    root = Path(text).expanduser().resolve()
+    for need in ("pretrain_gpt.py", "megatron/training/__init__.py"):
+        if not (root / need).is_file():
+            raise ConfigError(f"{ENV}={text} is not a Megatron-LM checkout: {need} is missing")
+    return root
+
+
+def checkout_version(root: Path) -> str | None:
+    """``MAJOR.MINOR.PATCH`` from the checkout's megatron/core/package_info.py (None if absent)."""
+    try:
+        text = (root / "megatron/core/package_info.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def check_versions(root: Path) -> None:
+    """The checkout and the installed megatron-core must be the same MAJOR.MINOR."""
+    from megatron.core.package_info import __version__ as installed
+
+    found = checkout_version(root)
+    if found is None:
+        raise ConfigError(f"{root} has no megatron/core/package_info.py; use a Megatron-LM "
+                          f"checkout of tag {SUPPORTED_TAG}")
+    if found.split(".")[:2] != installed.split(".")[:2]:
+        raise ConfigError(f"{ENV} checkout is Megatron-Core {found} but megatron-core {installed} "
+                          f"is installed; check out tag core_v{installed}")
+
+
+def add_to_path(root: Path) -> None:
+    """Put the checkout first on sys.path (pretrain_gpt.py imports gpt_builders, model_provider)."""
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+def import_stock_pretrain_gpt(path: str | os.PathLike | None = None) -> ModuleType:
+    """The checkout's pretrain_gpt.py as module ``megatron_lm_pretrain_gpt`` (cached)."""
+    if STOCK_MODULE in sys.modules:
+        return sys.modules[STOCK_MODULE]
+    root = checkout_path(path)
+    check_versions(root)
+    add_to_path(root)
+    spec = importlib.util.spec_from_file_location(STOCK_MODULE, root / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[STOCK_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[STOCK_MODULE]
+        raise
+    return module

@@ -1,0 +1,288 @@
+"""Our flags on Megatron-LM's parser (``extra_args_provider``) and their validation.
+
+``extra_args_provider(parser)`` adds the ``megatron_oases`` group (``--tp-backend``, ``--atp-mesh``,
+``--atp-chunks``, ``--topology``, ``--schedule``, ``--oases-plan``) and the ``oases`` group of
+``schedules.oases.options``. Every flag except ``--oases-plan`` reuses the reference trainer's
+definition (``train_args.build_parser``), so help texts and defaults live in one place; none of
+Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is redefined.
+
+Validation runs when the parser has parsed (Megatron-LM's ``parse_args`` calls
+``parser.parse_args()``; the provider makes that call also validate), so a bad launch stops
+before ``initialize_megatron`` with one line on rank 0 and exit status 2. The checks are ours
+(``ParallelDims``, the trainer's ATP check, ``validate_oases_args``) applied through
+``trainer_view``, which maps Megatron-LM's namespace onto the trainer's names.
+
+A stock run (``--tp-backend megatron --schedule default``) keeps Megatron-LM's own validation
+of sizes; only our flags are checked then (``--topology``, ``--oases-plan``, a stray
+``--atp-mesh`` or Oases switch).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from megatron_oases.parallel.dims import ConfigError, ParallelDims
+
+PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
+"""``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
+yet (not in ``train_args.TP_BACKENDS``) is refused at validation with a clear message."""
+
+_FROM_TRAINER = ("--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule")
+
+_HELP_EXTRA = {
+    "--atp-mesh": "; or auto: pick the mesh with that search on --topology at start-up",
+}
+
+_METAVAR = {"--atp-mesh": "D1,D2|auto", "--topology": "FILE"}
+
+# Megatron-LM features our layer specs do not build; refused unless the run is stock.
+_STOCK_ONLY = (
+    ("use_legacy_models", "--use-legacy-models"),
+    ("spec", "--spec"),
+    ("num_experts", "--num-experts"),
+    ("multi_latent_attention", "--multi-latent-attention"),
+    ("experimental_attention_variant", "--experimental-attention-variant"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+    ("mtp_num_layers", "--mtp-num-layers"),
+    ("fp8", "--fp8-format"),
+    ("fp4", "--fp4-format"),
+    ("yaml_cfg", "--yaml-cfg"),
+    ("fp16_lm_cross_entropy", "--fp16-lm-cross-entropy"),
+)
+
+_BACKEND_CHECKS = ("_validate_atp", "_validate_3d")
+"""The reference trainer's backend validators (``train_args``), applied to ``trainer_view``."""
+
+
+def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags to ``parser`` (Megatron-LM's, or any parser without them); returns it."""
+    from megatron_oases.schedules.oases.options import add_oases_args
+    from megatron_oases.train_args import build_parser
+
+    trainer = {opt: a for a in build_parser()._actions for opt in a.option_strings}
+    group = parser.add_argument_group(
+        "megatron_oases", "tensor-parallel backends, schedules and planning (docs/megatron_lm.md)")
+    for option in _FROM_TRAINER:
+        _copy_store_flag(group, trainer[option], option)
+    group.add_argument("--oases-plan", default=None, metavar="FILE",
+                       help="run the per-layer TP plan written by the Oases planner "
+                            "(not implemented yet: refused at start-up)")
+    add_oases_args(parser)
+    return parser
+
+
+def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
+    kwargs = {"dest": action.dest, "default": action.default, "type": action.type,
+              "metavar": _METAVAR.get(option, action.metavar),
+              "help": (action.help or "") + _HELP_EXTRA.get(option, ""), "choices": action.choices}
+    if option == "--tp-backend":
+        kwargs["choices"] = tuple(dict.fromkeys((*action.choices, *PLANNED_TP_BACKENDS)))
+        missing = [b for b in kwargs["choices"] if b not in action.choices]
+        if missing:
+            kwargs["help"] += f"; {', '.join(missing)}: not a Megatron-Core layer spec yet (refused)"
+    group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def make_extra_args_provider(*others: Callable | None) -> Callable:
+    """An ``extra_args_provider`` that runs ``others`` (e.g. Megatron-LM's ModelOpt args) and then
+    adds our flags, and makes the parser validate them after parsing."""
+
+    def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for other in others:
+            if other is not None:
+                parser = other(parser)
+        add_flags(parser)
+        return validating(parser)
+
+    return extra_args_provider
+
+
+extra_args_provider = make_extra_args_provider()
+"""``pretrain(..., extra_args_provider=extra_args_provider)``: our flags, validated at parse."""
+
+
+def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make ``parser.parse_args()`` / ``parse_known_args()`` also run ``validate_megatron_args``.
+
+    argparse has no post-parse hook, so the parser's class becomes a subclass of its own whose
+    ``parse_known_args`` (which ``parse_args`` calls) validates. A ConfigError prints one line on
+    rank 0 and exits with status 2 on every rank, before any process group exists.
+    """
+    base = type(parser)
+    if getattr(base, "_oases_validating", False):
+        return parser
+
+    class _Validating(base):  # type: ignore[valid-type, misc]
+        _oases_validating = True
+
+        def parse_known_args(self, args=None, namespace=None):
+            ns, extras = super().parse_known_args(args, namespace)
+            try:
+                validate_megatron_args(ns)
+            except ConfigError as exc:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            return ns, extras
+
+    _Validating.__name__ = _Validating.__qualname__ = f"OasesValidating{base.__name__}"
+    parser.__class__ = _Validating
+    return parser
+
+
+def is_stock(args: argparse.Namespace) -> bool:
+    """Stock Megatron-LM model and schedule: none of our backends or schedules selected."""
+    return args.tp_backend == "megatron" and getattr(args, "schedule", "default") == "default"
+
+
+def _virtual_stages(args) -> int | None:
+    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if vp is None and per is not None and args.pipeline_model_parallel_size > 0:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        if per < 1 or per_stage % per:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per} must divide the "
+                              f"{per_stage} layers of each pipeline stage")
+        vp = per_stage // per
+    return vp if vp and vp > 1 else None
+
+
+def _uneven_pipeline(args) -> bool:
+    return any(getattr(args, name, None) for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+        "pipeline_model_parallel_layout"))
+
+
+def trainer_view(args: argparse.Namespace, world_size: int | None = None,
+                 ) -> tuple[argparse.Namespace, ParallelDims]:
+    """Megatron-LM's args as the reference trainer's namespace, and the validated degrees.
+
+    The view is a shallow copy (our validators normalise fields such as ``atp_mesh`` in place);
+    ``world_size`` defaults to WORLD_SIZE, as Megatron-LM's ``parse_args`` reads it.
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size"):
+        if getattr(args, name, None) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required")
+    view = argparse.Namespace(**vars(args))
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if world_size % cp:
+        raise ConfigError(f"world size {world_size} is not divisible by --context-parallel-size {cp}")
+    vp = _virtual_stages(args)
+    pp = args.pipeline_model_parallel_size
+    # Uneven pipeline splits are Megatron-LM's to check; ParallelDims wants equal stages.
+    layers = pp * (vp or 1) if _uneven_pipeline(args) else args.num_layers
+    if getattr(args, "ffn_hidden_size", None) is None:  # Megatron-LM's default, set later by it
+        view.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64
+                                if getattr(args, "swiglu", False) else 4 * args.hidden_size)
+    dims = ParallelDims(world_size=world_size // cp, tp=args.tensor_model_parallel_size, pp=pp,
+                        vp=vp, num_layers=layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads,
+                        ffn_hidden_size=view.ffn_hidden_size)
+    if getattr(args, "global_batch_size", None) is not None:
+        dims.check_batch(args.micro_batch_size, args.global_batch_size)
+    elif args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1 (got {args.micro_batch_size})")
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        setattr(view, name, getattr(args, name, None))  # present even on a partial namespace
+    view.sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+    return view, dims
+
+
+def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """Check our flags against Megatron-LM's args (TP size, sequence parallel, recompute, ...).
+
+    Raises ``ConfigError`` (one line naming the flag). On success Megatron-LM's namespace gets
+    ``atp_mesh`` as a ``(d1, d2)`` tuple (``auto`` resolved from ``--topology``).
+    """
+    from megatron_oases.train_args import TP_BACKENDS as BUILT
+
+    if args.oases_plan is not None:
+        raise ConfigError("--oases-plan is not implemented yet (per-block TP degrees do not run "
+                          "in Megatron-LM yet); drop it and set --tensor-model-parallel-size "
+                          "directly")
+    if args.topology is not None:
+        _check_topology(args.topology)
+    if args.tp_backend not in BUILT:
+        raise ConfigError(f"--tp-backend {args.tp_backend} is not available as a Megatron-Core "
+                          f"layer spec yet; use one of: {', '.join(BUILT)}")
+    if is_stock(args):
+        try:
+            view, dims = trainer_view(args, world_size)
+        except ConfigError:
+            return  # sizes of a stock run are Megatron-LM's to check, in its own words
+        _our_checks(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases, ...
+        return
+    _check_non_stock(args)
+    view, dims = trainer_view(args, world_size)
+    if args.tp_backend == "atp" and view.atp_mesh == "auto":
+        view.atp_mesh = resolve_auto_mesh(args, dims)
+    _our_checks(view, dims)
+    args.atp_mesh = view.atp_mesh
+
+
+def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
+    """The reference trainer's backend checks (where it has them) and the Oases checks."""
+    from megatron_oases import train_args
+    from megatron_oases.schedules.oases.options import validate_oases_args
+
+    for check in _BACKEND_CHECKS:
+        fn = getattr(train_args, check, None)
+        if fn is not None:
+            fn(view, dims)
+    validate_oases_args(view, dims)
+
+
+def _check_non_stock(args: argparse.Namespace) -> None:
+    """Megatron-LM features our backends / schedules do not build."""
+    what = (f"--tp-backend {args.tp_backend}" if args.tp_backend != "megatron"
+            else f"--schedule {args.schedule}")
+    for name, flag in _STOCK_ONLY:
+        if getattr(args, name, None):
+            raise ConfigError(f"{what} builds its own layers and does not support {flag}; "
+                              f"drop one of them")
+    pos = getattr(args, "position_embedding_type", "learned_absolute")
+    if pos != "learned_absolute":
+        raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which uses "
+                          f"learned absolute position embeddings; drop --position-embedding-type "
+                          f"{pos}")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ConfigError(f"{what} does not support --context-parallel-size > 1 yet")
+    if args.schedule == "oases" and getattr(args, "tp_comm_overlap", False):
+        raise ConfigError("--schedule oases overlaps the TP collectives itself; drop "
+                          "--tp-comm-overlap (Transformer Engine's userbuffer overlap)")
+
+
+def _check_topology(path: str) -> None:
+    from megatron_oases.topology import TopologyError, load_topology
+
+    try:
+        load_topology(path)
+    except (TopologyError, OSError) as exc:
+        raise ConfigError(f"--topology: {exc}") from None
+
+
+def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
+    """``--atp-mesh auto``: ATP's mesh search on ``--topology`` for this model; returns "d1,d2"."""
+    if args.topology is None:
+        raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the mesh search "
+                          "prices); or pass D1,D2 from `megatron-oases mesh`")
+    from megatron_oases.plan.atp_mesh import MeshError, ModelShape, search_mesh
+
+    elem = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    try:
+        choice = search_mesh(args.topology, dims.tp, ModelShape(
+            hidden=args.hidden_size, layers=max(args.num_layers // dims.pp, 1),
+            micro_batch=args.micro_batch_size, seq_length=args.seq_length,
+            bytes_per_element=elem))
+    except MeshError as exc:
+        raise ConfigError(f"--atp-mesh auto: {exc}") from None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron_oases: --atp-mesh auto picked {choice.pick.d1},{choice.pick.d2} on "
+              f"{choice.topology} (predicted TP all-reduce {choice.pick.t_comm_s * 1e3:.2f} ms "
+              f"per micro-batch step)", flush=True)
+    return f"{choice.pick.d1},{choice.pick.d2}"

@@ -1,0 +1,22 @@
+"""The two objects a Megatron-LM entry script hands to ``pretrain``: our ``extra_args_provider``
+and our model provider, each wrapping the stock one.
+
+Used by ``python -m megatron_oases.pretrain_gpt`` and by the patched checkout
+(``patches/core_v0.16.1``), so both launch paths behave the same::
+
+    model_provider_fn, extra_args_fn = wrap_entry(partial(model_provider, gpt_builder),
+                                                  add_modelopt_args if has_nvidia_modelopt else None)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_oases.megatron_lm.flags import make_extra_args_provider
+from megatron_oases.megatron_lm.model_provider import ModelProvider
+
+
+def wrap_entry(stock_model_provider: Callable | None,
+               stock_extra_args_provider: Callable | None = None) -> tuple[ModelProvider, Callable]:
+    """(model provider, extra_args_provider) for ``megatron.training.pretrain``."""
+    return (ModelProvider(stock_model_provider),
+            make_extra_args_provider(stock_extra_args_provider))

@@ -1,0 +1,108 @@
+"""The model provider ``megatron.training.pretrain`` calls, for every backend and schedule.
+
+A stock run (``--tp-backend megatron --schedule default``) goes to Megatron-LM's own provider
+(``partial(model_provider, gpt_builder)`` from the checkout), so the baseline is bit-for-bit the
+stock one, Transformer Engine spec included. Otherwise the model is assembled where the
+reference trainer assembles it, ``megatron_oases.specs`` (``backend_groups``, then
+``build_gpt_model``: layer spec per backend, schedule applied), with the TransformerConfig from
+Megatron-LM's own ``core_transformer_config_from_args`` so its model flags (activation, norm,
+bias, init, precision) carry over. Process groups are Megatron's global ones (what
+``get_model`` passes as ``pg_collection`` by default).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+StockProvider = Callable[..., Any]
+"""Megatron-LM's provider signature: ``(pre_process, post_process, vp_stage, config,
+pg_collection)`` as keywords (``megatron.training.training.get_model``)."""
+
+
+def _megatron_get_args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _megatron_config_from_args(args):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return core_transformer_config_from_args(args)
+
+
+class ModelProvider:
+    """``pretrain(..., model_provider=ModelProvider(stock), ...)``.
+
+    ``stock`` is Megatron-LM's provider (``None``: stock runs use our ``megatron`` spec too);
+    ``get_args`` and ``config_from_args`` default to Megatron-LM's and exist for tests. The
+    backend's extra process groups (ATP's mesh axes) are created on the first call, which
+    Megatron makes on every rank after ``initialize_model_parallel``, and reused for every
+    virtual pipeline stage.
+    """
+
+    def __init__(self, stock: StockProvider | None = None, *,
+                 get_args: Callable[[], argparse.Namespace] = _megatron_get_args,
+                 config_from_args: Callable[[argparse.Namespace], Any] = _megatron_config_from_args):
+        self.stock = stock
+        self._get_args = get_args
+        self._config_from_args = config_from_args
+        self._groups: tuple[Any, Any] | None = None  # (key, groups)
+
+    def __call__(self, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None, config=None, pg_collection=None):
+        from megatron_oases.megatron_lm.flags import is_stock
+
+        args = self._get_args()
+        ensure_validated(args)
+        if is_stock(args) and self.stock is not None:
+            return self.stock(pre_process=pre_process, post_process=post_process,
+                              vp_stage=vp_stage, config=config, pg_collection=pg_collection)
+        if config is None:
+            config = self._config_from_args(args)
+        return build_model(args, config, pre_process=pre_process, post_process=post_process,
+                           vp_stage=vp_stage, groups=self.backend_groups(args))
+
+    def backend_groups(self, args: argparse.Namespace):
+        """``specs.backend_groups(args)`` once per (backend, mesh); collective on first use."""
+        from megatron_oases.specs import backend_groups
+
+        key = (args.tp_backend, args.atp_mesh)
+        if self._groups is None or self._groups[0] != key:
+            self._groups = (key, backend_groups(args))
+        return self._groups[1]
+
+
+def ensure_validated(args: argparse.Namespace) -> None:
+    """Validate when the args did not pass our parser hook (e.g. ``parsed_args=`` callers)."""
+    if isinstance(getattr(args, "atp_mesh", None), str) or not hasattr(args, "tp_backend"):
+        from megatron_oases.megatron_lm.flags import validate_megatron_args
+
+        if not hasattr(args, "tp_backend"):
+            raise RuntimeError("megatron_oases' flags are missing from Megatron-LM's args: pass "
+                               "extra_args_provider=megatron_oases.megatron_lm.flags."
+                               "extra_args_provider to pretrain()")
+        validate_megatron_args(args)
+
+
+def build_model(args: argparse.Namespace, config, *, pre_process: bool, post_process: bool,
+                vp_stage: int | None = None, groups=None):
+    """A GPTModel chunk from ``specs.build_gpt_model`` (layer spec of ``--tp-backend``, the
+    ``--schedule`` applied), with Megatron-LM's config and padded vocabulary.
+
+    The Oases schedule recomputes by itself: Megatron's recompute is cleared from the config
+    (``--recompute-granularity full`` then selects Oases' recompute through its options).
+    """
+    import dataclasses
+
+    from megatron_oases.specs import build_gpt_model
+
+    if getattr(args, "schedule", "default") == "oases" and config.recompute_granularity:
+        config = dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
+                                     recompute_num_layers=None)
+    # specs pads ``vocab_size`` to a multiple of make_vocab_size_divisible_by x TP; Megatron-LM
+    # has already padded it (from the tokenizer), so hand that over unchanged.
+    view = argparse.Namespace(**{**vars(args), "vocab_size": args.padded_vocab_size,
+                                 "make_vocab_size_divisible_by": 1})
+    return build_gpt_model(view, config, pre_process=pre_process, post_process=post_process,
+                           vp_stage=vp_stage, groups=groups)

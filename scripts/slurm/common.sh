@@ -1,0 +1,179 @@
+# shellcheck shell=bash
+# Shared by the sbatch scripts in this directory (sourced, not run). Every setting is a variable
+# with a default; nothing here names a site or a person. See docs/megatron_lm.md.
+#
+# Paths
+#   OASES_ROOT        this repository (default: $SLURM_SUBMIT_DIR under sbatch, so submit from the
+#                     repository root; the script's own checkout otherwise)
+#   MEGATRON_LM_PATH  Megatron-LM checkout at tag core_v0.16.1 (default: Megatron-LM next to
+#                     OASES_ROOT)
+#   PYTHON            python on the compute nodes (default: python); TORCHRUN (default: torchrun)
+#   RESULTS_DIR       where logs go (default: $OASES_ROOT/results/<family>-<job id or time>)
+# Cluster
+#   NNODES            nodes (default: $SLURM_JOB_NUM_NODES, else 1)
+#   GPUS_PER_NODE     ranks per node (default: $SLURM_GPUS_ON_NODE, else 8)
+#   MASTER_ADDR       rendezvous host (default: first of `scontrol show hostnames $SLURM_JOB_NODELIST`)
+#   MASTER_PORT       first rendezvous port; run k uses MASTER_PORT + k (default: 29500 + job id % 1000)
+#   TOPOLOGY          cluster topology YAML for --atp-mesh auto and the planner (default: none)
+# Run
+#   TRAIN_ITERS (20)  LOG_INTERVAL (1)  TRANSFORMER_IMPL (local)  VOCAB_SIZE (50257)
+#   EXTRA_ARGS        appended to every run's Megatron-LM arguments
+#   VARIANTS          runs per case; names: stock, megatron, oases, oases-no-cross-pass,
+#                     oases-no-fine-grained-recompute, atp-auto, atp-D1xD2[-cK], 3d
+#   DRY_RUN=1         print the exact srun/torchrun command lines instead of running them
+# NCCL (exported with these defaults; site-specific ones are passed through only when set)
+#   NCCL_DEBUG=WARN, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, NCCL_IB_TIMEOUT=22;
+#   NCCL_SOCKET_IFNAME (e.g. ib0), NCCL_IB_HCA (e.g. mlx5), NCCL_P2P_DISABLE=1 (PCIe-only runs,
+#   ATP's IC1), NCCL_NVLS_ENABLE: set them in the environment of sbatch to use them.
+#   CUDA_DEVICE_MAX_CONNECTIONS=1 always (Megatron-LM's TP overlap and our schedules need
+#   kernels issued in launch order).
+
+oases_setup() {
+    FAMILY="$1"
+    OASES_ROOT="${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+    MEGATRON_LM_PATH="${MEGATRON_LM_PATH:-$(dirname "$OASES_ROOT")/Megatron-LM}"
+    PYTHON="${PYTHON:-python}"
+    TORCHRUN="${TORCHRUN:-torchrun}"
+    NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
+    GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+    WORLD=$((NNODES * GPUS_PER_NODE))
+    if [[ -z "${MASTER_ADDR:-}" ]]; then
+        if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null; then
+            MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+        else
+            MASTER_ADDR="$(hostname)"
+        fi
+    fi
+    MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
+    RESULTS_DIR="${RESULTS_DIR:-$OASES_ROOT/results/$FAMILY-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}}"
+    TRAIN_ITERS="${TRAIN_ITERS:-20}"
+    LOG_INTERVAL="${LOG_INTERVAL:-1}"
+    TRANSFORMER_IMPL="${TRANSFORMER_IMPL:-local}"
+    VOCAB_SIZE="${VOCAB_SIZE:-50257}"
+    EXTRA_ARGS="${EXTRA_ARGS:-}"
+    TOPOLOGY="${TOPOLOGY:-}"
+    DRY_RUN="${DRY_RUN:-0}"
+    RUN_INDEX=0
+
+    export CUDA_DEVICE_MAX_CONNECTIONS=1
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
+    export PYTHONPATH="$OASES_ROOT:$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
+    export MEGATRON_LM_PATH OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "# DRY_RUN=1 $FAMILY: $NNODES node(s) x $GPUS_PER_NODE GPUs, results in $RESULTS_DIR"
+        echo "# env: CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS NCCL_DEBUG=$NCCL_DEBUG" \
+             "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING PYTHONPATH=$PYTHONPATH"
+    else
+        [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] || {
+            echo "error: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py; set it to a" \
+                 "Megatron-LM checkout at core_v0.16.1" >&2; exit 2; }
+        mkdir -p "$RESULTS_DIR"
+        {
+            echo "family=$FAMILY nodes=$NNODES gpus_per_node=$GPUS_PER_NODE job=${SLURM_JOB_ID:-none}"
+            echo "oases=$(git -C "$OASES_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+            echo "megatron_lm=$(git -C "$MEGATRON_LM_PATH" describe --tags --always 2>/dev/null || echo unknown)"
+            env | grep -E '^(NCCL_|CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_)' | sort
+        } > "$RESULTS_DIR/env.txt"
+    fi
+}
+
+# Our flags for a variant name (empty for stock and megatron).
+variant_flags() {
+    local v="$1"
+    case "$v" in
+        stock|megatron) ;;
+        oases) echo "--schedule oases" ;;
+        oases-no-cross-pass) echo "--schedule oases --no-oases-cross-pass" ;;
+        oases-no-fine-grained-recompute) echo "--schedule oases --no-oases-fine-grained-recompute" ;;
+        atp-auto)
+            [[ -n "$TOPOLOGY" ]] || { echo "error: variant atp-auto needs TOPOLOGY=FILE" >&2; return 2; }
+            echo "--tp-backend atp --atp-mesh auto --topology $TOPOLOGY" ;;
+        atp-*x*)
+            local mesh="${v#atp-}" chunks=1
+            if [[ "$mesh" == *-c* ]]; then chunks="${mesh##*-c}"; mesh="${mesh%-c*}"; fi
+            echo "--tp-backend atp --atp-mesh ${mesh%x*},${mesh#*x} --atp-chunks $chunks" ;;
+        3d) echo "--tp-backend 3d" ;;
+        *) echo "error: unknown variant '$v' (see scripts/slurm/common.sh)" >&2; return 2 ;;
+    esac
+}
+
+# Words as one shell line, quoted only where needed (copy-pasteable).
+shell_words() {
+    local out="" w
+    for w in "$@"; do
+        if [[ "$w" =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then out+="$w "; else out+="$(printf '%q' "$w") "; fi
+    done
+    echo "${out% }"
+}
+
+# The launcher for one run: srun (one task per node) + torchrun.
+launcher() {
+    local port="$1"
+    local -a srun=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    if [[ "$NNODES" == 1 ]]; then
+        LAUNCH=("${srun[@]}" "$TORCHRUN" --standalone --nnodes=1 --nproc-per-node="$GPUS_PER_NODE")
+    else
+        LAUNCH=("${srun[@]}" "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
+                --rdzv-id="${SLURM_JOB_ID:-0}-$port" --rdzv-backend=c10d
+                --rdzv-endpoint="$MASTER_ADDR:$port")
+    fi
+}
+
+# run_variant CASE VARIANT MODEL_ARGS...: one training run into $RESULTS_DIR/CASE/VARIANT.log.
+run_variant() {
+    local case_name="$1" variant="$2"; shift 2
+    local flags; flags="$(variant_flags "$variant")" || return 0
+    local port=$((MASTER_PORT + RUN_INDEX)); RUN_INDEX=$((RUN_INDEX + 1))
+    launcher "$port"
+    local -a entry
+    if [[ "$variant" == stock ]]; then
+        entry=("$MEGATRON_LM_PATH/pretrain_gpt.py")       # the checkout's own script, untouched flags
+    else
+        entry=(-m megatron_oases.pretrain_gpt)            # our entry, same Megatron-LM arguments
+    fi
+    # shellcheck disable=SC2206  # flags and EXTRA_ARGS are word lists by design
+    local -a cmd=("${LAUNCH[@]}" "${entry[@]}" "$@"
+                  --train-iters "$TRAIN_ITERS" --log-interval "$LOG_INTERVAL" --log-throughput
+                  --eval-iters 0 --mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE"
+                  --lr 1e-4 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0
+                  --transformer-impl "$TRANSFORMER_IMPL" --distributed-backend nccl
+                  $EXTRA_ARGS $flags)
+    local log="$RESULTS_DIR/$case_name/$variant.log"
+    local line; line="$(shell_words "${cmd[@]}") > $(shell_words "$log") 2>&1"
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "$line"
+        return 0
+    fi
+    mkdir -p "$RESULTS_DIR/$case_name"
+    echo "$line" >> "$RESULTS_DIR/commands.sh"
+    echo "[$(date +%T)] $case_name/$variant"
+    "${cmd[@]}" > "$log" 2>&1
+    local rc=$?
+    echo "$case_name $variant exit=$rc" >> "$RESULTS_DIR/status.txt"
+    [[ $rc == 0 ]] || echo "[$(date +%T)] $case_name/$variant failed (exit $rc), see $log" >&2
+    return 0
+}
+
+# Speedup table, CSV and chart of everything in RESULTS_DIR (scripts/compare.py).
+oases_finish() {
+    [[ "$DRY_RUN" == 1 ]] && return 0
+    "$PYTHON" "$OASES_ROOT/scripts/compare.py" "$RESULTS_DIR" --baseline stock \
+        --csv "$RESULTS_DIR/speedup.csv" --png "$RESULTS_DIR/speedup.png" --title "$FAMILY" \
+        | tee "$RESULTS_DIR/speedup.txt"
+}
+
+# Refuse unknown variant names before anything runs (exit 2).
+check_variants() {
+    local v
+    for v in $VARIANTS; do variant_flags "$v" > /dev/null || exit 2; done
+}
+
+# global_batch WANTED TP MICRO: WANTED rounded up to a multiple of MICRO x data-parallel size.
+global_batch() {
+    local want="$1" tp="$2" micro="$3" dp=$((WORLD / $2))
+    local step=$((micro * dp))
+    echo $(( (want + step - 1) / step * step ))
+}

@@ -1,0 +1,329 @@
+"""Against a real Megatron-LM checkout (MEGATRON_LM_PATH, tag core_v0.16.1); skipped without one.
+
+* the upstream signatures our entry and patch rely on are unchanged;
+* Megatron-LM's own ``parse_args`` with our ``extra_args_provider`` takes and validates our flags;
+* our model provider builds a GPTModel for every backend / schedule from those args on CPU
+  (2 gloo ranks; process groups set up here: ``initialize_megatron`` asserts CUDA);
+* ``python -m megatron_oases.pretrain_gpt`` answers --help and bad flags before needing CUDA;
+* ``scripts/apply_patches.sh`` applies idempotently, refuses other files / releases, and the
+  patched ``pretrain_gpt.py`` hands our providers to ``pretrain``.
+
+Megatron-LM's ``validate_args`` reads the GPU architecture when TP > 1; the CPU runs replace
+that one function (``get_device_arch_version``) and set CUDA_DEVICE_MAX_CONNECTIONS=1.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import io
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
+pytestmark = pytest.mark.skipif(
+    not CHECKOUT or not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")),
+    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (tag core_v0.16.1)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
+        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
+        "--transformer-impl local --use-cpu-initialization --no-bias-gelu-fusion "
+        "--no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
+        "--no-gradient-accumulation-fusion --no-rope-fusion").split()
+
+
+@pytest.fixture(scope="module")
+def stock():
+    from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
+
+    return import_stock_pretrain_gpt(CHECKOUT)
+
+
+def parse_megatron(argv, *, world, validate_megatron=False):
+    """Megatron-LM's parse_args (+ validate_args) with our extra_args_provider, on CPU."""
+    from megatron_oases.megatron_lm.pretrain_gpt import entry_objects
+
+    provider, extra = entry_objects(import_stock_pretrain_gpt_cached())  # checkout on sys.path
+    import megatron.training.arguments as margs
+
+    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    saved_argv, saved_arch = sys.argv, margs.get_device_arch_version
+    sys.argv, os.environ["WORLD_SIZE"] = ["pretrain_gpt.py", *argv], str(world)
+    try:
+        args = margs.parse_args(extra)
+        if validate_megatron:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+            margs.get_device_arch_version = lambda: 9  # the one CUDA query of validate_args
+            with contextlib.redirect_stdout(io.StringIO()):
+                margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    finally:
+        sys.argv, margs.get_device_arch_version = saved_argv, saved_arch
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return args, provider
+
+
+def import_stock_pretrain_gpt_cached():
+    from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
+
+    return import_stock_pretrain_gpt(CHECKOUT)
+
+
+# ---- upstream surface ----------------------------------------------------------------------
+def test_upstream_signatures_we_rely_on(stock):
+    from megatron.training import pretrain
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import get_model
+
+    params = inspect.signature(pretrain).parameters
+    for name in ("train_valid_test_dataset_provider", "model_provider", "model_type",
+                 "forward_step_func", "extra_args_provider", "args_defaults",
+                 "get_embedding_ranks", "store"):
+        assert name in params, name
+    assert list(inspect.signature(parse_args).parameters) == ["extra_args_provider",
+                                                              "ignore_unknown_args"]
+    src = inspect.getsource(parse_args)
+    assert "parser = extra_args_provider(parser)" in src and "parser.parse_args()" in src
+    call = inspect.getsource(get_model)
+    for kw in ("pre_process=pre_process", "post_process=post_process", "vp_stage=i",
+               "config=config", "pg_collection=pg_collection"):
+        assert kw in call, kw
+    assert list(inspect.signature(stock.model_provider).parameters) == [
+        "model_builder", "pre_process", "post_process", "vp_stage", "config", "pg_collection"]
+    for name in ("train_valid_test_datasets_provider", "forward_step", "get_embedding_ranks",
+                 "gpt_builder", "has_nvidia_modelopt"):
+        assert hasattr(stock, name), name
+
+
+def test_our_flags_do_not_redefine_megatrons():
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_oases.megatron_lm.flags import add_flags
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    before = {o for a in parser._actions for o in a.option_strings}
+    add_flags(parser)  # argparse raises on a conflicting option string
+    ours = {o for a in parser._actions for o in a.option_strings} - before
+    assert {"--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule",
+            "--oases-plan", "--oases-cross-pass", "--no-oases-fine-grained-recompute"} <= ours
+
+
+# ---- parse and validate ----------------------------------------------------------------------
+def test_megatron_parse_args_takes_our_flags():
+    args, _ = parse_megatron(TINY + ["--tensor-model-parallel-size", "4", "--tp-backend", "atp",
+                                     "--atp-mesh", "2,2", "--atp-chunks", "2"], world=4,
+                             validate_megatron=True)
+    assert (args.tp_backend, args.atp_mesh, args.atp_chunks) == ("atp", (2, 2), 2)
+    args, _ = parse_megatron(TINY + ["--tensor-model-parallel-size", "2", "--schedule", "oases",
+                                     "--no-oases-cross-pass", "--recompute-granularity", "full",
+                                     "--recompute-method", "uniform"], world=2,
+                             validate_megatron=True)
+    assert args.schedule == "oases" and not args.oases_cross_pass
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,2"],
+     "--atp-mesh 4,2: d1 x d2 = 8 must equal --tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--sequence-parallel"],
+     "does not support --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
+      "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--oases-plan", "plan.json"], "--oases-plan is not implemented yet"),
+])
+def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        parse_megatron(TINY + extra + ["--global-batch-size", "8"], world=4)
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    assert len(err) == 1 and needle in err[0], err
+
+
+# ---- model provider on CPU -------------------------------------------------------------------
+def _provider_rank(argv, world):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    args, provider = parse_megatron(argv, world=world, validate_megatron=True)
+    from megatron.training.global_vars import set_global_variables
+    with contextlib.redirect_stdout(io.StringIO()):
+        set_global_variables(args)  # get_args() for the providers; builds the NullTokenizer
+    runtime = init_runtime("cpu")
+    init_distributed(runtime, timeout_s=120)
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model = provider(pre_process=True, post_process=True)
+    b = args.micro_batch_size
+    tokens = torch.randint(0, 1000, (b, args.seq_length), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(args.seq_length).unsqueeze(0).expand(b, -1)
+    model.train()
+    loss = model(tokens, pos, None, labels=tokens).float().mean()
+    loss.backward()
+    layer = model.decoder.layers[0]
+    return {"model": type(model).__name__, "layer": type(layer).__name__,
+            "block": type(model.decoder).__name__, "loss": float(loss),
+            "grads": all(p.grad is not None for p in model.parameters() if p.requires_grad)}
+
+
+@pytest.mark.parametrize("extra, layer, block", [
+    ([], "TransformerLayer", "TransformerBlock"),  # stock: Megatron-LM's own gpt_builder
+    (["--tp-backend", "atp", "--atp-mesh", "1,2", "--atp-chunks", "2"], "ATPTransformerLayer",
+     "TransformerBlock"),
+    (["--tp-backend", "atp", "--atp-mesh", "2,1"], "ATPTransformerLayer", "TransformerBlock"),
+    (["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], "TransformerLayer", "OasesTransformerBlock"),
+    (["--schedule", "oases", "--no-oases-cross-pass", "--no-oases-fine-grained-recompute"],
+     "TransformerLayer", "OasesTransformerBlock"),
+])
+def test_model_provider_builds_from_megatron_args(on_ranks, extra, layer, block):
+    argv = TINY + ["--tensor-model-parallel-size", "2"] + extra
+    out = on_ranks(_provider_rank, 2, argv, 2, timeout_s=300)
+    r = out[0]
+    assert (r["model"], r["layer"], r["block"]) == ("GPTModel", layer, block), r
+    assert math.isfinite(r["loss"]) and r["grads"]
+    assert out[1]["loss"] == pytest.approx(r["loss"])
+
+
+# ---- entry -----------------------------------------------------------------------------------
+def _entry(argv):
+    env = {**os.environ, "MEGATRON_LM_PATH": CHECKOUT, "WORLD_SIZE": "2",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "megatron_oases.pretrain_gpt", *argv],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_entry_help_bad_flags_and_cpu():
+    proc = _entry(["--help"])
+    assert proc.returncode == 0 and "--tp-backend {megatron,atp,3d}" in proc.stdout
+    assert "--oases-fine-grained-recompute" in proc.stdout
+    proc = _entry(TINY + ["--tensor-model-parallel-size", "2", "--tp-backend", "atp",
+                          "--atp-mesh", "2,2"])
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert proc.returncode == 2 and len(errors) == 1 and "--atp-mesh 2,2" in errors[0], proc.stderr
+    proc = _entry(TINY + ["--tensor-model-parallel-size", "2", "--schedule", "oases"])
+    if not __import__("torch").cuda.is_available():
+        assert proc.returncode == 1 and "needs CUDA" in proc.stderr and "flags are valid" in proc.stderr
+
+
+# ---- patch set -------------------------------------------------------------------------------
+def _copy_checkout(dst):
+    os.makedirs(os.path.join(dst, "megatron/core"))
+    shutil.copy(os.path.join(CHECKOUT, "pretrain_gpt.py"), dst)
+    shutil.copy(os.path.join(CHECKOUT, "megatron/core/package_info.py"),
+                os.path.join(dst, "megatron/core"))
+    return dst
+
+
+def _apply(*argv):
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts/apply_patches.sh"), *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_apply_patches_idempotent_and_revertible(tmp_path):
+    tree = _copy_checkout(str(tmp_path / "mlm"))
+    target = os.path.join(tree, "pretrain_gpt.py")
+    upstream = _sha(target)
+    assert "would apply" in _apply("--check", tree).stdout
+    first = _apply(tree)
+    assert first.returncode == 0 and "applied" in first.stdout, first.stderr
+    patched = _sha(target)
+    assert patched != upstream and "wrap_entry" in open(target).read()
+    again = _apply(tree)
+    assert again.returncode == 0 and "already applied" in again.stdout and _sha(target) == patched
+    assert _apply("--revert", tree).returncode == 0 and _sha(target) == upstream
+
+
+def test_apply_patches_refuses_other_files_and_releases(tmp_path):
+    tree = _copy_checkout(str(tmp_path / "mlm"))
+    target = os.path.join(tree, "pretrain_gpt.py")
+    text = open(target).read().replace("partial(model_provider, gpt_builder)", "my_provider")
+    open(target, "w").write(text)
+    proc = _apply(tree)
+    assert proc.returncode == 1 and "neither core_v0.16.1's nor patched" in proc.stderr
+    assert open(target).read() == text  # untouched
+    info = os.path.join(tree, "megatron/core/package_info.py")
+    release = open(info).read().replace("PATCH = 1", "PATCH = 0")
+    open(info, "w").write(release)
+    proc = _apply(tree)
+    assert proc.returncode == 1 and "is Megatron-Core 0.16.0" in proc.stderr
+    assert _apply().returncode == 2 and _apply(str(tmp_path / "missing")).returncode == 1
+
+
+def test_apply_patches_checks_the_git_tag(tmp_path):
+    tree = _copy_checkout(str(tmp_path / "mlm"))
+    git = ["git", "-C", tree, "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "upstream"], check=True)
+    subprocess.run([*git, "tag", "core_v0.16.1"], check=True)
+    assert _apply(tree).returncode == 0
+    subprocess.run([*git, "commit", "-qam", "local change"], check=True)
+    proc = _apply(tree)
+    assert proc.returncode == 1 and "not core_v0.16.1" in proc.stderr
+
+
+def _run_patched_main(path, argv):
+    """Run the patched pretrain_gpt.py as __main__ with pretrain() replaced by a recorder."""
+    import runpy
+
+    import megatron.training as mt
+
+    seen = {}
+
+    def fake_pretrain(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+
+    saved = mt.pretrain, sys.argv
+    mt.pretrain, sys.argv = fake_pretrain, [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        mt.pretrain, sys.argv = saved
+    return seen
+
+
+def test_patched_pretrain_gpt_hands_over_our_providers(tmp_path, stock):
+    from megatron_oases.megatron_lm.model_provider import ModelProvider
+
+    tree = _copy_checkout(str(tmp_path / "mlm"))
+    assert _apply(tree).returncode == 0
+    seen = _run_patched_main(os.path.join(tree, "pretrain_gpt.py"), TINY)
+    provider = seen["args"][1]
+    assert isinstance(provider, ModelProvider) and provider.stock is not None
+    import argparse
+
+    parser = seen["kwargs"]["extra_args_provider"](argparse.ArgumentParser(allow_abbrev=False))
+    assert any("--schedule" in a.option_strings for a in parser._actions)
+
+
+def test_model_provider_builds_3d_from_megatron_args(on_ranks):
+    from megatron_oases.train_args import TP_BACKENDS
+
+    if "3d" not in TP_BACKENDS:
+        pytest.skip("--tp-backend 3d is not a Megatron-Core layer spec yet")
+    argv = TINY + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d",
+                   "--num-attention-heads", "8", "--micro-batch-size", "4",
+                   "--global-batch-size", "4"]
+    out = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
+    assert out[0]["model"] == "GPTModel" and math.isfinite(out[0]["loss"]) and out[0]["grads"]
+    assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)

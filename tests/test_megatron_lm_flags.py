@@ -1,0 +1,219 @@
+"""Our flags on a Megatron-LM-style parser and their validation, without a Megatron-LM checkout.
+
+``megatron_like_parser`` has the Megatron-LM flags our validation reads, with Megatron-LM's
+names, dests and defaults; tests/test_megatron_lm_checkout.py repeats the key cases on the real
+``megatron.training.arguments.parse_args``.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_oases.megatron_lm import flags
+from megatron_oases.megatron_lm.flags import (extra_args_provider, make_extra_args_provider,
+                                              trainer_view, validate_megatron_args)
+from megatron_oases.parallel.dims import ConfigError
+
+
+def megatron_like_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    for name in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                 "--seq-length", "--max-position-embeddings", "--global-batch-size",
+                 "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                 "--num-experts", "--recompute-num-layers", "--decoder-first-pipeline-num-layers"):
+        p.add_argument(name, type=int, default=None)
+    for name, default in (("--micro-batch-size", None), ("--tensor-model-parallel-size", 1),
+                          ("--pipeline-model-parallel-size", 1), ("--context-parallel-size", 1)):
+        p.add_argument(name, type=int, default=default)
+    for name in ("--sequence-parallel", "--bf16", "--fp16", "--swiglu", "--tp-comm-overlap",
+                 "--use-legacy-models", "--untie-embeddings-and-output-weights"):
+        p.add_argument(name, action="store_true")
+    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    p.add_argument("--position-embedding-type", default="learned_absolute")
+    p.add_argument("--normalization", default="LayerNorm")
+    p.add_argument("--fp8-format", dest="fp8", default=None)
+    return p
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8"]
+
+
+def parse(argv, world=4, monkeypatch=None, provider=extra_args_provider):
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    return provider(megatron_like_parser()).parse_args(BASE + argv)
+
+
+def plain_parse(parser, argv):
+    """argparse's own parse, without the validation hook our provider installs."""
+    ns, extras = argparse.ArgumentParser.parse_known_args(parser, argv)
+    assert not extras
+    return ns
+
+
+def test_flags_reuse_the_trainers_definitions():
+    from megatron_oases.train_args import build_parser
+
+    p = extra_args_provider(megatron_like_parser())
+    ours = {o: a for a in p._actions for o in a.option_strings}
+    trainer = {o: a for a in build_parser()._actions for o in a.option_strings}
+    for opt in ("--schedule", "--atp-chunks", "--oases-cross-pass", "--no-oases-cross-pass",
+                "--oases-fine-grained-recompute", "--no-oases-fine-grained-recompute"):
+        assert ours[opt].help == trainer[opt].help and ours[opt].default == trainer[opt].default
+    assert {"megatron", "atp", "3d"} <= set(ours["--tp-backend"].choices)
+    assert ours["--oases-plan"].default is None and ours["--topology"].metavar == "FILE"
+    ns = p.parse_args(BASE)
+    assert (ns.tp_backend, ns.schedule, ns.atp_mesh, ns.atp_chunks) == ("megatron", "default", None, 1)
+    assert ns.oases_cross_pass and ns.oases_fine_grained_recompute
+
+
+def test_atp_mesh_is_validated_into_a_tuple(monkeypatch):
+    ns = parse(["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+                "--atp-chunks", "2"], monkeypatch=monkeypatch)
+    assert ns.atp_mesh == (2, 2) and ns.atp_chunks == 2
+
+
+def test_oases_flags_parse(monkeypatch):
+    ns = parse(["--tensor-model-parallel-size", "2", "--schedule", "oases",
+                "--no-oases-cross-pass", "--recompute-granularity", "full",
+                "--recompute-method", "uniform"], monkeypatch=monkeypatch)
+    assert ns.schedule == "oases" and not ns.oases_cross_pass and ns.oases_fine_grained_recompute
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,3"],
+     "--atp-mesh 2,3: d1 x d2 = 6 must equal --tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp"], "--tp-backend atp needs --atp-mesh"),
+    (["--tensor-model-parallel-size", "4", "--atp-mesh", "2,2"], "--atp-mesh needs --tp-backend atp"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto"],
+     "--atp-mesh auto needs --topology"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,1",
+      "--sequence-parallel"], "--tp-backend atp does not support --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--sequence-parallel"],
+     "--schedule oases overlaps the plain TP all-reduce and does not support --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--micro-batch-size", "1"],
+     "needs --micro-batch-size >= 2"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
+      "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity", "full",
+      "--recompute-method", "block"], "use --recompute-method uniform"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--tp-comm-overlap"],
+     "drop --tp-comm-overlap"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+      "--num-experts", "8"], "--tp-backend atp builds its own layers and does not support --num-experts"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--position-embedding-type",
+      "rope"], "drop --position-embedding-type rope"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--context-parallel-size", "2"],
+     "--context-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "3", "--schedule", "oases", "--num-attention-heads", "3",
+      "--hidden-size", "63"], "world size 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+      "--hidden-size", "66", "--num-attention-heads", "4"], "--hidden-size 66 is not divisible"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--global-batch-size", "6"],
+     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    (["--oases-plan", "plan.json"], "--oases-plan is not implemented yet"),
+    (["--topology", "/nonexistent/cluster.yaml"], "--topology"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        parse(argv, monkeypatch=monkeypatch)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("pretrain_gpt.py: error: ") and needle in err, err
+
+
+def test_only_rank_0_prints(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as exc:
+        parse(["--oases-plan", "plan.json"], monkeypatch=monkeypatch)
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_stock_runs_are_left_to_megatron(monkeypatch):
+    # World 3 with TP 2 is Megatron-LM's to refuse (its own message); we add nothing to stock.
+    ns = parse(["--tensor-model-parallel-size", "2"], world=3, monkeypatch=monkeypatch)
+    assert ns.tp_backend == "megatron"
+
+
+def test_backend_without_a_layer_spec_is_refused(monkeypatch, capsys):
+    from megatron_oases import train_args
+
+    monkeypatch.setattr(train_args, "TP_BACKENDS", ("megatron", "atp"))
+    with pytest.raises(SystemExit):
+        parse(["--tensor-model-parallel-size", "8", "--tp-backend", "3d"], world=8,
+              monkeypatch=monkeypatch)
+    assert "--tp-backend 3d is not available as a Megatron-Core layer spec yet" in capsys.readouterr().err
+
+
+def test_atp_mesh_auto_uses_the_mesh_search(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    ns = parse(["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto",
+                "--topology", "pcie-3090x4"], monkeypatch=monkeypatch)
+    from megatron_oases.plan.atp_mesh import ModelShape, search_mesh
+
+    pick = search_mesh("pcie-3090x4", 4, ModelShape(hidden=64, layers=4, micro_batch=2,
+                                                    seq_length=32, bytes_per_element=4)).pick
+    assert ns.atp_mesh == (pick.d1, pick.d2)
+    assert f"--atp-mesh auto picked {pick.d1},{pick.d2}" in capsys.readouterr().out
+
+
+def test_other_providers_are_chained_and_validation_installed_once(monkeypatch):
+    def modelopt_like(parser):
+        parser.add_argument("--other-flag", type=int, default=7)
+        return parser
+
+    provider = make_extra_args_provider(None, modelopt_like)
+    p = provider(megatron_like_parser())
+    again = flags.validating(p)
+    assert again is p and type(p).__mro__[1] is argparse.ArgumentParser
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ns = p.parse_args(BASE + ["--other-flag", "3", "--schedule", "oases",
+                              "--tensor-model-parallel-size", "2"])
+    assert ns.other_flag == 3 and ns.schedule == "oases"
+
+
+def test_trainer_view_maps_megatron_names():
+    p = extra_args_provider(megatron_like_parser())
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                   "1", "--swiglu", "--hidden-size", "96", "--num-attention-heads", "4",
+                   "--global-batch-size", "4", "--micro-batch-size", "1"]
+    ns = plain_parse(p, argv)
+    view, dims = trainer_view(ns, world_size=8)
+    assert (dims.tp, dims.pp, dims.vp, dims.dp) == (1, 2, 2, 4)
+    assert view.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 and ns.ffn_hidden_size is None
+    view.atp_mesh = (9, 9)
+    assert ns.atp_mesh is None  # a copy: validators normalise the view, not Megatron's args
+
+
+def test_validate_can_be_called_directly():
+    ns = plain_parse(extra_args_provider(megatron_like_parser()),
+                     BASE + ["--tensor-model-parallel-size", "2", "--tp-backend", "atp",
+                             "--atp-mesh", "1,2"])
+    validate_megatron_args(ns, world_size=2)
+    assert ns.atp_mesh == (1, 2)
+    with pytest.raises(ConfigError, match="world size 3"):
+        validate_megatron_args(ns, world_size=3)
+
+
+def test_stock_runs_still_refuse_stray_flags_of_ours(monkeypatch, capsys):
+    options = {o for a in extra_args_provider(megatron_like_parser())._actions for o in a.option_strings}
+    if "--oases-skip-tp-collectives" not in options:
+        pytest.skip("no --oases-skip-tp-collectives in this version of the oases group")
+    with pytest.raises(SystemExit):
+        parse(["--oases-skip-tp-collectives"], world=1, monkeypatch=monkeypatch)
+    assert "needs --schedule oases" in capsys.readouterr().err
+
+
+def test_missing_model_sizes(monkeypatch, capsys):
+    p = extra_args_provider(megatron_like_parser())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert p.parse_args([]).tp_backend == "megatron"  # stock: Megatron-LM asks for them itself
+    with pytest.raises(SystemExit):
+        p.parse_args(["--schedule", "oases"])
+    assert "--num-layers is required" in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""The Megatron-LM model provider and entry, without a Megatron-LM checkout.
+
+The provider is given Megatron-LM-shaped args and a config factory (Megatron-LM's
+``core_transformer_config_from_args`` needs the checkout; tests/test_megatron_lm_checkout.py
+uses the real one). Models are built on 2 gloo ranks with TP=2 and run forward and backward.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_oases.megatron_lm.flags import add_flags
+from megatron_oases.megatron_lm.hooks import wrap_entry
+from megatron_oases.megatron_lm.model_provider import ModelProvider, ensure_validated
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def megatron_args(**over) -> argparse.Namespace:
+    """What Megatron-LM's parse_args + validate_args leave, for the fields the provider reads
+    (``vocab_size`` None as with a GPT-2 tokenizer: only ``padded_vocab_size`` is set)."""
+    ns = argparse.Namespace(
+        num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, seq_length=8,
+        max_position_embeddings=8, micro_batch_size=2, global_batch_size=2,
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+        num_layers_per_virtual_pipeline_stage=None, context_parallel_size=1,
+        sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+        recompute_num_layers=None, bf16=False, fp16=False, normalization="LayerNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+        vocab_size=None, make_vocab_size_divisible_by=128, padded_vocab_size=256)
+    ours = add_flags(argparse.ArgumentParser()).parse_args([])  # our flags' defaults
+    for k, v in {**vars(ours), **over}.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _config_keeping_recompute(args):
+    """Like Megatron-LM's config factory: recompute straight from the args, whatever the schedule."""
+    from megatron_oases.specs import transformer_config_from_args
+
+    return transformer_config_from_args(argparse.Namespace(**{**vars(args), "schedule": "default"}),
+                                        cuda=False)
+
+
+def _build_and_step(over: dict):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    runtime = init_runtime("cpu")
+    init_distributed(runtime, timeout_s=120)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234)
+    args = megatron_args(**over)
+    provider = ModelProvider(None, get_args=lambda: args, config_from_args=_config_keeping_recompute)
+    chunks = [provider(pre_process=True, post_process=True) for _ in range(2)]
+    model = chunks[0]
+    tokens = torch.randint(0, 200, (2, args.seq_length), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(args.seq_length).unsqueeze(0).expand(2, -1)
+    loss = model(tokens, pos, None, labels=tokens).float().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    layer = model.decoder.layers[0]
+    mesh = getattr(layer, "mesh_groups", None)
+    return {"layer": type(layer).__name__, "block": type(model.decoder).__name__,
+            "loss": float(loss), "all_grads": all(g is not None for g in grads),
+            "groups_reused": mesh is None or mesh is chunks[1].decoder.layers[0].mesh_groups,
+            "atp_mesh": args.atp_mesh, "vocab": model.embedding.word_embeddings.weight.shape[0],
+            "config_recompute": model.config.recompute_granularity}
+
+
+@pytest.mark.parametrize("over, layer, block", [
+    ({}, "TransformerLayer", "TransformerBlock"),
+    ({"tp_backend": "atp", "atp_mesh": "1,2", "atp_chunks": 2}, "ATPTransformerLayer", "TransformerBlock"),
+    ({"tp_backend": "atp", "atp_mesh": (2, 1)}, "ATPTransformerLayer", "TransformerBlock"),
+    ({"schedule": "oases", "recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1}, "TransformerLayer", "OasesTransformerBlock"),
+])
+def test_provider_builds_each_backend_and_schedule(on_ranks, over, layer, block):
+    out = on_ranks(_build_and_step, 2, over, timeout_s=240)
+    r = out[0]
+    assert (r["layer"], r["block"]) == (layer, block), r
+    assert math.isfinite(r["loss"]) and r["all_grads"] and r["groups_reused"]
+    assert r["vocab"] == 256 // 2  # Megatron-LM's padded vocabulary, split over TP=2
+    if over.get("tp_backend") == "atp":
+        assert isinstance(r["atp_mesh"], tuple)  # validated on the way in
+    if over.get("schedule") == "oases":
+        assert r["config_recompute"] is None  # Oases recomputes by itself
+    assert out[0]["loss"] == pytest.approx(out[1]["loss"])
+
+
+def test_stock_runs_use_the_stock_provider():
+    calls = []
+
+    def stock(**kwargs):
+        calls.append(kwargs)
+        return "stock model"
+
+    args = megatron_args()
+    provider = ModelProvider(stock, get_args=lambda: args,
+                             config_from_args=lambda a: pytest.fail("stock builds its own config"))
+    assert provider(pre_process=True, post_process=False, vp_stage=1) == "stock model"
+    assert calls == [{"pre_process": True, "post_process": False, "vp_stage": 1, "config": None,
+                      "pg_collection": None}]
+
+
+def test_wrap_entry_and_unvalidated_args(monkeypatch):
+    stock = object()
+    model_provider, extra = wrap_entry(stock, None)
+    assert isinstance(model_provider, ModelProvider) and model_provider.stock is stock
+    p = extra(argparse.ArgumentParser(allow_abbrev=False))
+    assert any("--tp-backend" in a.option_strings for a in p._actions)
+    args = megatron_args(tp_backend="atp", atp_mesh="2,1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(Exception, match="world size 1"):
+        ensure_validated(args)  # a parse that skipped our hook is validated here
+    bare = argparse.Namespace(num_layers=2)
+    with pytest.raises(RuntimeError, match="extra_args_provider"):
+        ensure_validated(bare)
+
+
+def _entry(env_path: str | None):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
+    if env_path is not None:
+        env["MEGATRON_LM_PATH"] = env_path
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "megatron_oases.pretrain_gpt", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("path, needle", [
+    (None, "set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
+    ("/", "MEGATRON_LM_PATH=/ is not a Megatron-LM checkout: pretrain_gpt.py is missing"),
+])
+def test_entry_without_a_checkout_is_one_line(path, needle):
+    proc = _entry(path)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("megatron_oases.pretrain_gpt: error: ")
+    assert needle in lines[0], proc.stderr
+
+
+def test_checkout_version_check(tmp_path):
+    from megatron_oases.megatron_lm.checkout import check_versions, checkout_path, checkout_version
+    from megatron_oases.parallel.dims import ConfigError
+
+    (tmp_path / "megatron/training").mkdir(parents=True)
+    (tmp_path / "megatron/training/__init__.py").write_text("")
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    info = tmp_path / "megatron/core/package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("MAJOR = 0\nMINOR = 15\nPATCH = 3\n")
+    assert checkout_path(tmp_path) == tmp_path.resolve()
+    assert checkout_version(tmp_path) == "0.15.3"
+    with pytest.raises(ConfigError, match="checkout is Megatron-Core 0.15.3 but megatron-core 0.16"):
+        check_versions(tmp_path)
+    info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 9\n")
+    check_versions(tmp_path)

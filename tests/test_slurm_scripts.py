@@ -1,0 +1,214 @@
+"""scripts/slurm: syntax, DRY_RUN command lines, a full run with stand-in srun/torchrun, and
+(with MEGATRON_LM_PATH) every printed command parsed and validated by Megatron-LM itself."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLURM = os.path.join(ROOT, "scripts", "slurm")
+SBATCH = sorted(glob.glob(os.path.join(SLURM, "*.sbatch")))
+FAMILIES = {"oases_models", "atp_models", "tp3d_scaling", "single_node", "multi_node"}
+
+# (script, environment) -> one cluster shape per family, and the world size it has
+CASES = [
+    ("oases_models", {"NNODES": "8", "GPUS_PER_NODE": "4"}),
+    ("oases_models", {"NNODES": "1", "GPUS_PER_NODE": "8", "MODELS": "1024 8192"}),
+    ("atp_models", {"GPUS_PER_NODE": "8"}),
+    ("atp_models", {"NNODES": "2", "GPUS_PER_NODE": "8", "ATP_CHUNKS": "2", "MODELS": "M4"}),
+    ("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4"}),
+    ("tp3d_scaling", {"NNODES": "16", "GPUS_PER_NODE": "4"}),
+    ("single_node", {"GPUS_PER_NODE": "4", "VARIANTS": "stock oases atp-2x2-c2"}),
+    ("multi_node", {"NNODES": "4", "GPUS_PER_NODE": "8"}),
+]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "NNODES", "GPUS_PER_NODE", "RESULTS_DIR",
+                                "VARIANTS", "MODELS", "TOPOLOGY", "OASES_ROOT", "DRY_RUN"))}
+    return {**env, **extra}
+
+
+def dry_run(script: str, env: dict, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", os.path.join(SLURM, f"{script}.sbatch")], cwd=cwd,
+                          env=clean_env(DRY_RUN="1", MEGATRON_LM_PATH="/opt/Megatron-LM", **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def commands(stdout: str) -> list[list[str]]:
+    return [shlex.split(line.split(" > ")[0]) for line in stdout.splitlines()
+            if line and not line.startswith("#")]
+
+
+def training_args(words: list[str]) -> tuple[str, list[str]]:
+    """("stock" | "ours", the Megatron-LM argument list) of one printed command."""
+    if "-m" in words:
+        i = words.index("-m")
+        assert words[i + 1] == "megatron_oases.pretrain_gpt"
+        return "ours", words[i + 2:]
+    i = next(k for k, w in enumerate(words) if w.endswith("/pretrain_gpt.py"))
+    return "stock", words[i + 1:]
+
+
+def test_every_script_parses_with_bash_n():
+    scripts = SBATCH + [os.path.join(SLURM, "common.sh"), os.path.join(ROOT, "scripts", "apply_patches.sh")]
+    assert {os.path.basename(s)[:-7] for s in SBATCH} == FAMILIES
+    for s in scripts:
+        proc = subprocess.run(["bash", "-n", s], capture_output=True, text=True)
+        assert proc.returncode == 0, (s, proc.stderr)
+
+
+def test_no_personal_paths_or_sites():
+    for s in SBATCH + [os.path.join(SLURM, "common.sh")]:
+        text = open(s).read()
+        assert not re.search(r"/home/|/Users/|~/|/scratch/|/lustre/|#SBATCH\s+(-A|--account|-p|--partition)", text), s
+
+
+@pytest.mark.parametrize("script, env", CASES, ids=[f"{s}-{e.get('NNODES', '1')}x{e.get('GPUS_PER_NODE')}" for s, e in CASES])
+def test_dry_run_prints_exact_launch_lines(script, env, tmp_path):
+    env = {**env, "RESULTS_DIR": str(tmp_path / "res")}
+    proc = dry_run(script, env)
+    assert proc.returncode == 0, proc.stderr
+    header = [ln for ln in proc.stdout.splitlines() if ln.startswith("#")]
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS=1" in ln for ln in header)
+    cmds = commands(proc.stdout)
+    assert cmds and not (tmp_path / "res").exists()  # a dry run touches nothing
+    nnodes, gpus = int(env.get("NNODES", "1")), env["GPUS_PER_NODE"]
+    cases = {}
+    for words, line in zip(cmds, [ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]):
+        assert words[:2] == ["srun", f"--nodes={nnodes}"] and "--ntasks-per-node=1" in words
+        assert "torchrun" in words and f"--nproc-per-node={gpus}" in words
+        if nnodes == 1:
+            assert "--standalone" in words
+        else:
+            assert f"--nnodes={nnodes}" in words and "--rdzv-backend=c10d" in words
+            assert any(w.startswith("--rdzv-endpoint=") for w in words)
+        kind, args = training_args(words)
+        assert "--mock-data" in args and "--train-iters" in args
+        log = shlex.split(line.split(" > ")[1])[0]
+        assert log.startswith(str(tmp_path / "res")) and log.endswith(".log")
+        case, variant = log.split("/")[-2:]
+        cases.setdefault(case, []).append((variant[:-4], kind, args))
+    for case, runs in cases.items():
+        assert runs[0][0] == "stock" and runs[0][1] == "stock", case  # baseline first
+        assert all(kind == "ours" for _, kind, _ in runs[1:]) and len(runs) > 1
+        model = [a for a in runs[0][2]]
+        for _, _, args in runs[1:]:
+            assert args[:len(model)] == model  # same Megatron-LM arguments, our flags appended
+
+
+def test_dry_run_family_contents():
+    out = dry_run("oases_models", {"NNODES": "8", "GPUS_PER_NODE": "4"}).stdout
+    assert len(commands(out)) == 7 * 4 and "--hidden-size 12288" in out and "--no-oases-cross-pass" in out
+    out = dry_run("atp_models", {"GPUS_PER_NODE": "8", "MODELS": "M2"}).stdout
+    meshes = set(re.findall(r"--atp-mesh (\d+,\d+) --atp-chunks (\d)", out))
+    assert meshes == {(m, c) for m in ("8,1", "4,2", "2,4", "1,8") for c in "124"}
+    out = dry_run("atp_models", {"GPUS_PER_NODE": "8", "MODELS": "M1", "TOPOLOGY": "dgx-a100"}).stdout
+    assert "--atp-mesh auto --topology dgx-a100" in out
+    out = dry_run("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4"}).stdout
+    assert "weak-8gpu/3d.log" in out and "strong-8gpu/stock.log" in out and "--tp-backend 3d" in out
+    proc = dry_run("tp3d_scaling", {"NNODES": "4", "GPUS_PER_NODE": "4", "MODES": "weak"})
+    assert proc.returncode == 0 and "skip weak: no weak-scaling point for 16 GPUs" in proc.stderr
+
+
+def test_master_address_from_scontrol(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a17\\ngpu-a18\\n'\n")
+    (fake / "scontrol").chmod(0o755)
+    env = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_ID": "4242"}
+    proc = dry_run("multi_node", env)
+    assert proc.returncode == 0, proc.stderr
+    words = commands(proc.stdout)[0]
+    assert "--rdzv-endpoint=gpu-a17:29742" in words and "--nnodes=2" in words
+    assert "--rdzv-endpoint=gpu-a17:29743" in commands(proc.stdout)[1]  # next run, next port
+
+
+def test_unknown_variant_is_refused():
+    proc = dry_run("single_node", {"GPUS_PER_NODE": "8", "VARIANTS": "stock turbo"})
+    assert proc.returncode == 2 and "unknown variant 'turbo'" in proc.stderr
+    proc = dry_run("atp_models", {"GPUS_PER_NODE": "8", "VARIANTS": "atp-auto"})
+    assert proc.returncode == 2 and "atp-auto needs TOPOLOGY" in proc.stderr
+
+
+def test_our_flags_in_printed_commands_parse():
+    from megatron_oases.megatron_lm.flags import add_flags
+
+    parser = add_flags(argparse.ArgumentParser(allow_abbrev=False))
+    for script, env in CASES:
+        for words in commands(dry_run(script, env).stdout):
+            kind, args = training_args(words)
+            ns, rest = parser.parse_known_args(args)
+            if kind == "stock":
+                assert (ns.tp_backend, ns.schedule) == ("megatron", "default")
+
+
+def test_full_run_with_stand_in_launchers(tmp_path):
+    """Not a dry run: srun/torchrun stand-ins print Megatron-style iteration lines (faster with
+    our flags), so logs, status, commands.sh and the compare.py table all get written."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\nwhile [ \"${1#--}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n")
+    (fake / "torchrun").write_text(
+        "#!/bin/sh\nms=200; case \"$*\" in *--schedule*|*--tp-backend*) ms=100;; esac\n"
+        "for i in 1 2 3; do echo \" iteration $i/3 | elapsed time per iteration (ms): $ms.0 |\"; done\n"
+        "case \"$*\" in *no-oases-cross-pass*) exit 3;; esac\n")
+    for f in ("srun", "torchrun"):
+        (fake / f).chmod(0o755)
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("")
+    res = tmp_path / "res"
+    env = clean_env(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", MEGATRON_LM_PATH=str(mlm),
+                    RESULTS_DIR=str(res), NNODES="1", GPUS_PER_NODE="2", PYTHON=sys.executable,
+                    MODELS="1024", VARIANTS="stock oases oases-no-cross-pass")
+    proc = subprocess.run(["bash", os.path.join(SLURM, "oases_models.sbatch")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(res / "h1024")) == ["oases-no-cross-pass.log", "oases.log", "stock.log"]
+    status = (res / "status.txt").read_text()
+    assert "h1024 stock exit=0" in status and "h1024 oases-no-cross-pass exit=3" in status
+    assert "failed (exit 3)" in proc.stderr
+    assert len((res / "commands.sh").read_text().splitlines()) == 3
+    table = (res / "speedup.txt").read_text()
+    assert "2.000x" in table and (res / "speedup.csv").exists() and (res / "env.txt").exists()
+
+
+# ---- with a Megatron-LM checkout: Megatron-LM itself accepts every printed command -----------
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
+
+
+@pytest.mark.skipif(not CHECKOUT or not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")),
+                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (tag core_v0.16.1)")
+def test_printed_commands_pass_megatron_lm_validation(monkeypatch):
+    from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
+    from megatron_oases.megatron_lm.pretrain_gpt import entry_objects
+
+    _, extra = entry_objects(import_stock_pretrain_gpt(CHECKOUT))
+    import megatron.training.arguments as margs
+
+    monkeypatch.setattr(margs, "get_device_arch_version", lambda: 9)  # validate_args' CUDA query
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    checked = 0
+    for script, env in CASES:
+        world = int(env.get("NNODES", "1")) * int(env["GPUS_PER_NODE"])
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        for words in commands(dry_run(script, env).stdout):
+            kind, args = training_args(words)
+            monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args])
+            parsed = margs.parse_args(extra if kind == "ours" else None)
+            with contextlib.redirect_stdout(io.StringIO()):
+                margs.validate_args(parsed, {"tokenizer_type": "GPT2BPETokenizer"})
+            checked += 1
+    assert checked > 50
