@@ -57,7 +57,7 @@ def model_args(a, tp: int) -> list[str]:
 def topology_yaml(tp: int, link_GBps: float) -> str:
     return (f"name: bench-flat{tp}\ndescription: one node, {tp} ranks, rate-limited loopback\n"
             f"levels:\n  - name: lo\n    size: {tp}\n    scope: intra_node\n"
-            f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps / tp}\n"
+            f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps}\n"
             f"    latency_us: 20\n")
 
 
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--link-GBps", type=float, default=0.25,
-                   help="per-link rate of the emulated node (loopback), GB/s")
+                   help="per-rank bandwidth in the emulated node, GB/s (the shared loopback is "
+                        "limited to TP x this)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=900)
