@@ -45,8 +45,50 @@ def test_up_down_leaves_no_namespaces():
     c = EmulatedCluster(load_topology("emu-2x2"), prefix=PREFIX)
     with c:
         assert sorted(_ours(c.tag)) == sorted([c.node_ns(0), c.node_ns(1), c.switch_ns])
-        assert all(s["burst"] >= 256 * 1024 for s in c.shaping)
+        assert all(s["burst"] >= 2 * s["packet"] for s in c.shaping)
     assert _ours(c.tag) == []
+
+
+def _link(ns: str, dev: str) -> dict:
+    import json
+    return json.loads(netns.run(["ip", "-j", "-d", "-n", ns, "link", "show", "dev", dev]).stdout)[0]
+
+
+def test_small_tbf_bucket_and_packets_that_fit_it():
+    """The bucket (free traffic after an idle gap) is two packets, ~0.3 ms at the link rate, and
+    each shaped device really sends packets no larger than that (lo by MTU, veth by GSO size)."""
+    c = EmulatedCluster(load_topology("emu-2x2"), prefix=PREFIX)
+    with c:
+        for s in c.shaping:
+            assert s["burst"] >= 2 * s["packet"]
+            rate_Bps = s["rate_bit"] / 8
+            assert s["burst"] <= max(rate_Bps * 0.3e-3, 2 * (8192 + 2048)), s
+            link = _link(s["ns"], s["dev"])
+            assert link["gso_max_size"] == s["packet"], (s, link)
+            if s["dev"] == "lo":
+                assert link["mtu"] == s["packet"], (s, link)
+        by_dev = {s["dev"]: s["packet"] for s in c.shaping if s["ns"] == c.node_ns(0)}
+        assert by_dev == {"lo": 65536, "emu0": 16384}  # 0.5 GB/s lo, 0.125 GB/s NIC
+    assert netns.tbf_params(0.5e9, netns.packet_size(0.5e9, 1e-3), 1e-3)[0] == 500_000  # --burst-ms 1
+    with pytest.raises(netns.EmulationError, match="burst_ms"):
+        EmulatedCluster("emu-2x2", prefix=PREFIX, burst_ms=0)
+
+
+def test_rank_compute_threads_fit_the_cpus():
+    """Ranks get cpus // ranks OpenMP threads (oversubscribed spinning threads made a trainer step
+    ~12x slower); a caller's own setting wins, and an oversubscribing one waits passively."""
+    from megatron_oases.topology.emulate import available_cpus, thread_env
+
+    cpus = available_cpus()
+    assert thread_env({}, 4)["OMP_NUM_THREADS"] == str(max(1, cpus // 4))
+    assert "OMP_NUM_THREADS" not in thread_env({"OMP_NUM_THREADS": "1"}, 4)
+    with pytest.warns(RuntimeWarning, match="oversubscribes"):
+        env = thread_env({"OMP_NUM_THREADS": str(cpus + 1)}, 2)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    code = "import os; print('T', os.environ['OMP_NUM_THREADS'], flush=True)"
+    with EmulatedCluster("emu-flat4", prefix=PREFIX) as c:
+        res = c.launch([sys.executable, "-c", code], env={"OMP_NUM_THREADS": ""}, timeout=LAUNCH_TIMEOUT)
+    assert res.ok and all(o.split() == ["T", str(max(1, cpus // 4))] for o in res.outputs), res.outputs
 
 
 def test_exception_inside_with_cleans_up():

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from . import netns
@@ -84,6 +85,7 @@ class EmulatedCluster:
     prefix: str = DEFAULT_PREFIX
     latency: bool = True
     master_port: int = 29500
+    burst_ms: float = netns.BURST_TIME_S * 1e3  # tbf bucket in ms of traffic (netns.tbf_params)
     shaping: list[dict] = field(default_factory=list, init=False)
     _namespaces: list[str] = field(default_factory=list, init=False)
     _launches: int = field(default=0, init=False)
@@ -93,6 +95,8 @@ class EmulatedCluster:
         self.topology = load_topology(self.topology)
         if not self.prefix.isalpha() or not self.prefix.islower():
             raise EmulationError(f"prefix must be lowercase letters (got {self.prefix!r})")
+        if not self.burst_ms > 0:
+            raise EmulationError(f"burst_ms must be > 0 (got {self.burst_ms})")
         if self.topology.num_nodes + 2 > ADDRESS_RANGE.num_addresses:
             raise EmulationError("too many nodes for 198.18.0.0/15")
         self.tag = f"{self.prefix}{os.getpid()}x{next(_instances)}"
@@ -144,10 +148,11 @@ class EmulatedCluster:
             netns.run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"])
             netns.run(["ip", "-n", ns, "addr", "add", f"{self.node_addr(n)}/{ADDRESS_RANGE.prefixlen}", "dev", NODE_IFNAME])
             netns.run(["ip", "-n", ns, "link", "set", NODE_IFNAME, "up"])
-            self.shaping.append(netns.shape(ns, "lo", intra, lo_lat))
+            bt = self.burst_ms / 1e3
+            self.shaping.append(netns.shape(ns, "lo", intra, lo_lat, bt))
             if topo.num_nodes > 1:  # node egress and node ingress (switch egress) model a duplex NIC
-                self.shaping.append(netns.shape(ns, NODE_IFNAME, inter, net_lat))
-                self.shaping.append(netns.shape(sw, port, inter, net_lat))
+                self.shaping.append(netns.shape(ns, NODE_IFNAME, inter, net_lat, bt))
+                self.shaping.append(netns.shape(sw, port, inter, net_lat, bt))
 
     def down(self) -> None:
         """Kill leftover rank processes and delete every namespace; safe to call repeatedly."""
@@ -198,6 +203,7 @@ class EmulatedCluster:
         port = self.master_port + self._launches
         self._launches += 1
         base = {**os.environ, **(env or {})}
+        threads = thread_env(base, self.topology.world_size)
         procs, outputs, readers = [], [[] for _ in range(self.topology.world_size)], []
         t0 = time.monotonic()
         world = self.topology.world_size
@@ -205,7 +211,7 @@ class EmulatedCluster:
         try:
             for r in range(world):
                 p = subprocess.Popen(["ip", "netns", "exec", self.node_ns(self.topology.node_of(r)), *cmd],
-                                     env={**base, **self.rank_env(r, port)}, cwd=cwd, stdout=subprocess.PIPE,
+                                     env={**base, **threads, **self.rank_env(r, port)}, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
                 procs.append(p)
                 th = threading.Thread(target=_pump, args=(p.stdout, outputs[r], r == echo_rank), daemon=True)
@@ -232,6 +238,42 @@ class EmulatedCluster:
             if time.monotonic() > deadline:
                 return LaunchResult(rcs, [], timed_out=True)
             time.sleep(0.02)
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_env(base: dict[str, str], ranks: int) -> dict[str, str]:
+    """Compute-thread variables for ``ranks`` processes sharing this machine's CPUs.
+
+    torch starts one OpenMP thread per core in every rank, and idle OpenMP threads spin-wait: 4
+    ranks x 2 threads on 2 cores made the reference trainer (TP2 x DP2, hidden 256) take 5.4 s a
+    step instead of 0.4 s, the spinning threads starving gloo and the other ranks. Unless the
+    caller set them, each rank gets cpus // ranks threads (at least 1); when the caller's own
+    OMP_NUM_THREADS is larger than that, OpenMP waits passively (unless OMP_WAIT_POLICY is set)
+    and a warning says so.
+    """
+    cpus = available_cpus()
+    try:
+        per_rank = int(base.get("OMP_NUM_THREADS") or max(1, cpus // ranks))
+    except ValueError:
+        per_rank = 1
+    # all three follow OMP_NUM_THREADS: torch takes MKL_NUM_THREADS over it when both are set
+    out = {v: str(per_rank) for v in THREAD_VARS if not base.get(v)}
+    if per_rank > max(1, cpus // ranks):
+        if not base.get("OMP_WAIT_POLICY"):
+            out["OMP_WAIT_POLICY"] = "PASSIVE"
+        warnings.warn(f"OMP_NUM_THREADS={per_rank} x {ranks} ranks oversubscribes {cpus} CPUs; compute "
+                      "threads compete with gloo (set OMP_NUM_THREADS=1 or leave it unset)",
+                      RuntimeWarning, stacklevel=3)
+    return out
 
 
 def _pump(stream, sink: list[str], echo: bool) -> None:
@@ -273,7 +315,7 @@ def describe(cluster: EmulatedCluster) -> str:
     for s in cluster.shaping:
         lat = f", delay {s['delay_us']:g} us" if s["delay_us"] else ""
         lines.append(f"  {s['ns']}:{s['dev']} tbf {s['rate_bit'] / 8e9:.3f} GB/s burst {s['burst']} B "
-                     f"limit {s['limit']} B{lat}")
+                     f"limit {s['limit']} B, packets <= {s['packet']} B{lat}")
     return "\n".join(lines)
 
 
@@ -290,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank whose output is streamed live (default -1: the last rank, where "
                         "Megatron and megatron-oases train print their iteration lines)")
     p.add_argument("--no-latency", action="store_true", help="do not add netem delays even if available")
+    p.add_argument("--burst-ms", type=float, default=netns.BURST_TIME_S * 1e3,
+                   help="tbf bucket in ms of link traffic (default %(default)g): bytes a collective "
+                        "sends at memory speed after an idle link; larger hides CPU stalls of the "
+                        "ranks but makes messages after compute faster than the link")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix (lowercase letters)")
     p.add_argument("--cleanup-stale", action="store_true",
                    help="only delete namespaces left by dead runs with this prefix, then exit")
@@ -309,7 +355,8 @@ def emulate_main(argv: list[str] | None = None) -> int:
     if not args.topology or not cmd:
         parser.error("need --topology NAME_OR_FILE and a command after '--'")
     try:
-        with EmulatedCluster(load_topology(args.topology), prefix=args.prefix, latency=not args.no_latency) as c:
+        with EmulatedCluster(load_topology(args.topology), prefix=args.prefix, latency=not args.no_latency,
+                             burst_ms=args.burst_ms) as c:
             print(describe(c), file=sys.stderr)
             res = c.launch(cmd, timeout=args.timeout,
                            stream_rank=None if args.quiet else args.stream_rank)

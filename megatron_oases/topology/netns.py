@@ -105,24 +105,56 @@ def netem_available(ns: str) -> bool:
     return _NETEM["ok"]
 
 
-def tbf_params(rate_Bps: float) -> tuple[int, int]:
-    """(burst, limit) bytes for a tbf at ``rate_Bps``.
+# Bytes a tbf may send at line speed after the link was idle: the bucket refills while compute
+# runs, so every burst byte is a byte the next collective gets for free. Real links have no such
+# credit, so the bucket is kept to ~0.3 ms of traffic; the packets are made small enough to fit.
+BURST_TIME_S = 0.3e-3
+PACKET_SIZES = (65536, 32768, 16384, 8192)   # candidate lo MTU / veth GSO sizes, largest first
+_PKT_SLACK = 2048                             # L2 header (lo) / per-segment headers of a GSO skb
 
-    burst >= 256 KiB: it must exceed the largest packet (lo's MTU is 64 KiB and GSO packets reach
-    64 KiB; a smaller burst drops them forever), and tbf refills from an hrtimer so a ~1-2 ms
-    bucket already holds the rate (measured: 0.125 and 0.5 GB/s targets gave 0.125 / 0.499 GB/s
-    with 256 KiB). Capped growth (2 ms of traffic) keeps overshoot at the start of a transfer
-    small. limit (queue) = 100 ms of traffic, >= 4 MiB, so parallel flows queue rather than drop.
+
+def packet_size(rate_Bps: float, burst_time_s: float = BURST_TIME_S) -> int:
+    """Largest packet (lo MTU, veth gso_max_size) such that a bucket of two of them holds no more
+    than ``burst_time_s`` of traffic; 8 KiB at least (per-packet CPU cost on a small box)."""
+    budget = rate_Bps * burst_time_s
+    return next((s for s in PACKET_SIZES if 2 * (s + _PKT_SLACK) <= budget), PACKET_SIZES[-1])
+
+
+def tbf_params(rate_Bps: float, packet: int = PACKET_SIZES[0],
+               burst_time_s: float = BURST_TIME_S) -> tuple[int, int]:
+    """(burst, limit) bytes for a tbf at ``rate_Bps`` whose device sends packets of <= ``packet``.
+
+    burst = ``burst_time_s`` of traffic, and at least two packets: a packet longer than the bucket
+    is never sent (a non-GSO 64 KiB lo packet over a 16 KiB bucket hung a TCP transfer), and the
+    second one absorbs a late refill timer. tbf refills from an hrtimer, so a bucket this small
+    still holds the rate (>= 1 MiB all_reduces took 0.9-1.1 x bytes/rate). It is not larger because
+    a full bucket is free traffic: with the former 2 ms bucket (1 MB on a 0.5 GB/s lo) a 256 KiB
+    all_reduce after a compute gap took 0.4 ms instead of the 1 ms its bytes need. The price: a
+    stall of the ranks (a CPU-starved box) longer than the bucket is lost link time, where a
+    bigger bucket refunds it; ``burst_time_s`` is that trade-off (``--burst-ms``).
+    limit (queue) = 100 ms of traffic, >= 4 MiB, so parallel flows queue rather than drop.
     Both are capped (32 MiB, 1 GiB) so real-hardware rates, far above loopback, stay legal.
     """
-    burst = min(max(256 * 1024, int(rate_Bps * 0.002)), 32 << 20)
+    burst = min(max(2 * (packet + _PKT_SLACK), int(rate_Bps * burst_time_s)), 32 << 20)
     limit = min(max(4 << 20, int(rate_Bps * 0.1), 2 * burst), 1 << 30)  # tc takes a u32
     return burst, limit
 
 
-def shape(ns: str, dev: str, rate_Bps: float, delay_us: float = 0.0) -> dict:
-    """Put a tbf (and, if wanted and possible, a netem delay under it) on ``dev``'s egress."""
-    burst, limit = tbf_params(rate_Bps)
+def set_packet_size(ns: str, dev: str, packet: int) -> None:
+    """Cap the packets ``dev`` sends at ``packet`` bytes: lo by its MTU (its TCP segments are not
+    GSO), a veth by gso_max_size (TCP builds no larger GSO skbs; the 1500 MTU stays)."""
+    if dev == "lo":
+        run(["ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(packet)])
+    run(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(packet)])
+
+
+def shape(ns: str, dev: str, rate_Bps: float, delay_us: float = 0.0,
+          burst_time_s: float = BURST_TIME_S) -> dict:
+    """Put a tbf (and, if wanted and possible, a netem delay under it) on ``dev``'s egress, after
+    sizing ``dev``'s packets for a ``burst_time_s`` bucket (``packet_size``)."""
+    packet = packet_size(rate_Bps, burst_time_s)
+    set_packet_size(ns, dev, packet)
+    burst, limit = tbf_params(rate_Bps, packet, burst_time_s)
     rate_bit = int(rate_Bps * 8)
     run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf",
          "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)])
@@ -131,7 +163,8 @@ def shape(ns: str, dev: str, rate_Bps: float, delay_us: float = 0.0) -> dict:
         run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
              "delay", f"{int(round(delay_us))}us", "limit", "100000"])
         delayed = delay_us
-    return {"ns": ns, "dev": dev, "rate_bit": rate_bit, "burst": burst, "limit": limit, "delay_us": delayed}
+    return {"ns": ns, "dev": dev, "rate_bit": rate_bit, "burst": burst, "limit": limit, "packet": packet,
+            "delay_us": delayed}
 
 
 def _pid_alive(pid: int) -> bool:
