@@ -1,0 +1,394 @@
+"""ATP 2-D meshes vs stock Megatron TP on emulated topologies, next to the mesh search's prediction.
+
+For each topology (default: the 2-level ``emu-2x2``, 2 nodes x 2 ranks, fast intra / slow inter,
+and the flat ``emu-flat4``), runs the reference trainer with TP = 4 inside an EmulatedCluster:
+
+  stock            --tp-backend megatron (Megatron's 1-D TP)
+  atp D1xD2 cK     --tp-backend atp --atp-mesh D1,D2 --atp-chunks K, every mesh of TP, every K
+
+and prints the median step time after warm-up next to ``search_mesh``'s predicted T_comm and
+ranking for the same topology and model (what ``megatron-oases mesh`` prints), marks the search's
+pick and the measured-fastest mesh, and gives the best ATP mesh over stock. Also recorded per
+variant: bytes each rank sends per step (counted at the ``torch.distributed`` call level, groups
+of one excluded) and the peak RSS per rank.
+
+``--bw-scale F`` multiplies every bandwidth of the topology (written to a temporary YAML), so that
+communication is comparable to compute on a slow box; the level structure and the intra/inter
+ratio stay as shipped, and the search prices the same scaled file. Rank -> node: consecutive
+ranks share a node (``node_of(r) = r // ranks_per_node``), and ATP's axis 2 (size d2) is the
+consecutive-rank axis, so on emu-2x2 DeviceMesh(2,2) puts axis 2 inside the nodes and axis 1
+across them.
+
+    python scripts/bench_atp.py --out results/bench_atp
+    python scripts/bench_atp.py --topologies emu-2x2 --chunks 1 2 --bw-scale 0.5
+
+This file is also the per-rank wrapper that counts bytes (``--rank-main``; used by bench_tp3d).
+Needs root (network namespaces); ``--no-emulate`` runs plain local ranks (smoke test only).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ---- per-rank wrapper: count collective bytes and peak memory per training step -----------------
+# (positional index of the tensor whose size counts, how it is sized, wire factor kind)
+_COUNTED = {
+    "all_reduce": (0, "t", "ar"),
+    "all_gather_into_tensor": (0, "t", "ag"),
+    "_all_gather_base": (0, "t", "ag"),
+    "all_gather": (0, "list", "ag"),
+    "reduce_scatter_tensor": (1, "t", "ag"),
+    "_reduce_scatter_base": (1, "t", "ag"),
+    "reduce_scatter": (1, "list", "ag"),
+    "broadcast": (0, "t", "ag"),
+    "reduce": (0, "t", "ag"),
+    "all_to_all_single": (1, "t", "ag"),
+}
+
+
+def rank_main(argv: list[str]) -> int:
+    """``--rank-main --stats-out PREFIX -- <trainer flags>``: run ``megatron_oases.train`` on this
+    rank with every ``torch.distributed`` collective counted while a training step runs, and write
+    ``PREFIX.rank<R>.json`` with per-step bytes and peak memory.
+
+    Wire bytes per rank follow ``CommCounter``: all-reduce 2 (n-1)/n x size, the others (n-1)/n x
+    the full (gathered / scattered) size. Groups of one rank are not counted. The patch is applied
+    before Megatron is imported (it binds ``all_gather_into_tensor`` at import time)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--stats-out", required=True)
+    a, rest = p.parse_known_args(argv)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    state = {"on": False, "depth": 0, "wire": 0.0, "payload": 0.0, "calls": 0, "kinds": {}}
+
+    def wrap(name, orig, idx, how, fk):
+        sig = inspect.signature(orig)
+
+        def counted(*args, **kwargs):
+            if state["on"] and state["depth"] == 0:
+                try:
+                    bound = sig.bind_partial(*args, **kwargs).arguments
+                    group = bound.get("group")
+                    n = dist.get_world_size(group)
+                    t = args[idx] if len(args) > idx else list(bound.values())[idx]
+                    ts = t if how == "list" else [t]
+                    size = sum(x.numel() * x.element_size() for x in ts)
+                except Exception:  # noqa: BLE001 - counting must never break training
+                    n, size = 1, 0
+                if n > 1:
+                    wire = (2.0 * (n - 1) / n if fk == "ar" else (n - 1) / n) * size
+                    state["wire"] += wire
+                    state["payload"] += size
+                    state["calls"] += 1
+                    k = state["kinds"].setdefault(name, [0, 0.0])
+                    k[0] += 1
+                    k[1] += wire
+            state["depth"] += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                state["depth"] -= 1
+
+        counted.__name__ = name
+        return counted
+
+    for name, (idx, how, fk) in _COUNTED.items():
+        orig = getattr(dist, name, None)
+        if orig is not None:
+            setattr(dist, name, wrap(name, orig, idx, how, fk))
+
+    import megatron_oases.train as T
+
+    steps = []
+    orig_step = T.train_step
+
+    def step(tr, it):
+        state.update(wire=0.0, payload=0.0, calls=0, kinds={}, on=True)
+        try:
+            out = orig_step(tr, it)
+        finally:
+            state["on"] = False
+        steps.append({"iteration": it, "wire_bytes": state["wire"],
+                      "payload_bytes": state["payload"], "calls": state["calls"],
+                      "kinds": {k: {"calls": v[0], "wire_bytes": v[1]}
+                                for k, v in state["kinds"].items()},
+                      "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20})
+        return out
+
+    T.train_step = step
+    rc = T.main(rest)
+    rank = os.environ.get("RANK", "0")
+    with open(f"{a.stats_out}.rank{rank}.json", "w", encoding="utf-8") as f:
+        json.dump({"rank": int(rank), "steps": steps}, f)
+    return rc
+
+
+def rank_stats(prefix: str, warmup: int) -> dict:
+    """Bytes per rank per step (mean and max over ranks, median over steps after warm-up) and peak
+    memory per rank (max over ranks) from the files ``rank_main`` wrote."""
+    per_rank = []
+    for path in sorted(glob.glob(prefix + ".rank*.json")):
+        steps = json.load(open(path, encoding="utf-8"))["steps"]
+        use = steps[warmup:] or steps
+        per_rank.append({"wire": statistics.median(s["wire_bytes"] for s in use),
+                         "calls": statistics.median(s["calls"] for s in use),
+                         "mem": max(s["peak_mem_mb"] for s in steps),
+                         "kinds": use[-1]["kinds"]})
+    if not per_rank:
+        return {}
+    wires = [r["wire"] for r in per_rank]
+    mems = [r["mem"] for r in per_rank]
+    return {"wire_MB_per_rank": statistics.mean(wires) / 1e6,
+            "wire_MB_max_rank": max(wires) / 1e6,
+            "collectives_per_rank": statistics.mean(r["calls"] for r in per_rank),
+            "peak_mem_mb_max_rank": max(mems), "peak_mem_mb_min_rank": min(mems),
+            "kinds_rank0": per_rank[0]["kinds"]}
+
+
+# ---- launching -----------------------------------------------------------------------------------
+def scaled_topology(name_or_path: str, scale: float, workdir: str) -> str:
+    """Write a copy of the topology with every bandwidth times ``scale``; return its path."""
+    import yaml
+
+    from megatron_oases.topology import load_topology
+    from megatron_oases.topology.loader import example_path
+
+    path = name_or_path if os.path.isfile(name_or_path) else str(example_path(name_or_path))
+    doc = yaml.safe_load(open(path, encoding="utf-8"))
+    if scale != 1.0:
+        for lvl in doc["levels"]:
+            for k in ("p2p_bandwidth_GBps", "group_bandwidth_GBps"):
+                lvl[k] = lvl[k] * scale
+            if lvl.get("p2p_matrix_GBps"):
+                lvl["p2p_matrix_GBps"] = [[v * scale for v in row] for row in lvl["p2p_matrix_GBps"]]
+        for e in (doc.get("calibration") or {}).get("allreduce_GBps", []) or []:
+            e["bandwidth_GBps"] = e["bandwidth_GBps"] * scale
+        doc["name"] = f"{doc['name']}-x{scale:g}"
+        doc["description"] = f"{doc.get('description', '')} (bandwidths x {scale:g})".strip()
+    out = os.path.join(workdir, f"{doc['name']}.yaml")
+    with open(out, "w", encoding="utf-8") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    load_topology(out)  # validate
+    return out
+
+
+def run_ranks(cmd: list[str], world: int, topo_path: str, timeout: float, emulate: bool) -> None:
+    """Run ``cmd`` once per rank inside an EmulatedCluster of ``topo_path`` (or as local ranks)."""
+    if not emulate:
+        from megatron_oases.topology import load_topology
+        from megatron_oases.topology.emulate import thread_env
+
+        base = dict(os.environ)
+        procs = []
+        for r in range(world):
+            env = {**base, **thread_env(base, world), "RANK": str(r), "LOCAL_RANK": str(r),
+                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("\n".join(o[-3000:] for o in outs))
+        del load_topology
+        return
+    from megatron_oases.topology import load_topology
+    from megatron_oases.topology.emulate import EmulatedCluster
+
+    topo = load_topology(topo_path)
+    topo.check_world_size(world, flag="world size")
+    with EmulatedCluster(topo) as cluster:
+        res = cluster.launch(cmd, timeout=timeout, cwd=ROOT)
+    if not res.ok:
+        raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
+
+
+def step_stats(log_path: str, warmup: int) -> dict:
+    recs = [json.loads(line) for line in open(log_path, encoding="utf-8")]
+    steps = [r["step_ms"] for r in recs[warmup:]] or [r["step_ms"] for r in recs]
+    return {"step_ms": statistics.median(steps), "step_ms_min": min(steps),
+            "steps_ms": [round(s, 1) for s in steps], "peak_mem_mb": recs[-1]["peak_mem_mb"],
+            "loss": recs[-1]["lm_loss"]}
+
+
+def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: list[str]) -> dict:
+    """One trainer run under the counting wrapper; returns step and byte statistics."""
+    log = os.path.join(workdir, f"{tag}.jsonl")
+    stats = os.path.join(workdir, f"{tag}.stats")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_atp.py"), "--rank-main",
+           "--stats-out", stats, "--", "--topology", topo_path] + flags + ["--log-json", log]
+    t0 = time.time()
+    run_ranks(cmd, world, topo_path, a.timeout, not a.no_emulate)
+    return {**step_stats(log, a.warmup), **rank_stats(stats, a.warmup),
+            "wall_s": round(time.time() - t0, 1)}
+
+
+# ---- the ATP benchmark ---------------------------------------------------------------------------
+def model_flags(a) -> list[str]:
+    return ["--tensor-model-parallel-size", str(a.tp), "--num-layers", str(a.layers),
+            "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.micro_batch * a.micro_batches),
+            "--vocab-size", str(a.vocab), "--train-iters", str(a.iters),
+            "--no-tp-invariant-init", "--dist-timeout", "300"]
+
+
+def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
+    from megatron_oases.plan.atp_mesh import ModelShape, search_mesh
+    from megatron_oases.plan.mesh_cli import format_choice
+
+    topo_path = scaled_topology(topo_name, a.bw_scale, workdir)
+    shape = ModelShape(hidden=a.hidden, layers=a.layers, micro_batch=a.micro_batch,
+                       seq_length=a.seq, bytes_per_element=4)
+    choice = search_mesh(topo_path, a.tp, shape, min_gain=a.min_gain)
+    print(format_choice(choice), flush=True)
+    pred = {(c.d1, c.d2): (rank + 1, c.t_comm_s * 1e3) for rank, c in enumerate(choice.candidates)}
+    pick = (choice.pick.d1, choice.pick.d2)
+    variants = [("stock", None, None, ["--tp-backend", "megatron"])]
+    for c in choice.candidates:  # in predicted order
+        for k in a.chunks:
+            variants.append((f"atp {c.d1}x{c.d2} c{k}", (c.d1, c.d2), k,
+                             ["--tp-backend", "atp", "--atp-mesh", f"{c.d1},{c.d2}",
+                              "--atp-chunks", str(k)]))
+    rows = []
+    for name, mesh, k, flags in variants:
+        tag = f"{os.path.basename(topo_path)[:-5]}-{name.replace(' ', '_')}"
+        r = run_variant(a, a.tp, topo_path, workdir, tag, model_flags(a) + flags)
+        row = {"topology": topo_name, "variant": name,
+               "mesh": f"({mesh[0]},{mesh[1]})" if mesh else "-", "chunks": k,
+               "pred_rank": pred[mesh][0] if mesh else None,
+               # Eq. 2 is per micro-batch; a step runs micro_batches of them
+               "pred_t_comm_ms": pred[mesh][1] * a.micro_batches if mesh else None,
+               **r}
+        rows.append(row)
+        print(f"  {topo_name} {name:14s} {row['step_ms']:9.1f} ms  "
+              f"{row.get('wire_MB_per_rank', 0):7.1f} MB/rank  ({row['wall_s']} s)", flush=True)
+    stock = rows[0]["step_ms"]
+    atp = [r for r in rows if r["mesh"] != "-"]
+    best_by_mesh = {}
+    for r in atp:
+        if r["mesh"] not in best_by_mesh or r["step_ms"] < best_by_mesh[r["mesh"]]["step_ms"]:
+            best_by_mesh[r["mesh"]] = r
+    fastest = min(best_by_mesh.values(), key=lambda r: r["step_ms"])
+    measured_order = sorted(best_by_mesh, key=lambda m: best_by_mesh[m]["step_ms"])
+    pick_s = f"({pick[0]},{pick[1]})"
+    for r in rows:
+        r["vs_stock"] = r["step_ms"] / stock
+        r["measured_rank"] = measured_order.index(r["mesh"]) + 1 if r["mesh"] != "-" else None
+        marks = []
+        if r["mesh"] == pick_s:
+            marks.append("pick")
+        if r is fastest:
+            marks.append("fastest")
+        r["mark"] = ",".join(marks)
+    summary = {"topology": topo_name, "topology_file": os.path.basename(topo_path),
+               "search_pick": pick_s, "search_argmin": f"({choice.candidates[0].d1},"
+                                                      f"{choice.candidates[0].d2})",
+               "measured_fastest_mesh": fastest["mesh"], "measured_fastest_variant": fastest["variant"],
+               "pick_is_fastest": pick_s == fastest["mesh"],
+               "predicted_order": [f"({c.d1},{c.d2})" for c in choice.candidates],
+               "measured_order": measured_order,
+               "stock_step_ms": stock, "best_atp_step_ms": fastest["step_ms"],
+               "best_atp_over_stock": fastest["step_ms"] / stock,
+               "pick_best_step_ms": best_by_mesh[pick_s]["step_ms"],
+               "pick_over_stock": best_by_mesh[pick_s]["step_ms"] / stock}
+    return rows, summary
+
+
+COLS = ["topology", "variant", "chunks", "pred_t_comm_ms", "pred_rank", "step_ms", "measured_rank",
+        "vs_stock", "wire_MB_per_rank", "peak_mem_mb_max_rank", "mark"]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    w = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    print(" | ".join(f"{c:>{w[c]}s}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{_fmt(r.get(c)):>{w[c]}s}" for c in cols))
+
+
+def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--rank-main"]:
+        return rank_main(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--topologies", nargs="+", default=["emu-2x2", "emu-flat4"],
+                   help="shipped example names or YAML paths")
+    p.add_argument("--bw-scale", type=float, default=1.0,
+                   help="multiply every bandwidth of each topology by this (ratios kept)")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], choices=(1, 2, 4))
+    p.add_argument("--min-gain", type=float, default=None,
+                   help="search margin over (N,1) (default: the search's own, 0.10)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default="results/bench_atp")
+    a = p.parse_args(argv)
+    if a.min_gain is None:
+        from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN
+
+        a.min_gain = DEFAULT_MIN_GAIN
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    rows, summaries = [], []
+    with tempfile.TemporaryDirectory() as work:
+        for t in a.topologies:
+            r, s = bench_topology(a, t, work)
+            rows += r
+            summaries.append(s)
+    print(f"\nTP={a.tp}, hidden {a.hidden}, heads {a.heads}, layers {a.layers}, seq {a.seq}, "
+          f"micro-batch {a.micro_batch} x {a.micro_batches}, fp32, bandwidths x {a.bw_scale:g}"
+          f"{' (NOT emulated)' if a.no_emulate else ''}; step_ms = median after {a.warmup} "
+          f"warm-up of {a.iters}; pred_t_comm_ms = Eq. 2 x {a.micro_batches} micro-batches")
+    print_table(rows, COLS)
+    print()
+    for s in summaries:
+        print(f"{s['topology']}: search pick {s['search_pick']} (raw argmin {s['search_argmin']}), "
+              f"measured fastest {s['measured_fastest_mesh']} ({s['measured_fastest_variant']}) -> "
+              f"{'AGREE' if s['pick_is_fastest'] else 'DIFFER'}; best ATP / stock = "
+              f"{s['best_atp_over_stock']:.3f}; predicted order {' '.join(s['predicted_order'])}, "
+              f"measured {' '.join(s['measured_order'])}")
+    with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=COLS + ["mesh", "step_ms_min", "wire_MB_max_rank",
+                                                 "collectives_per_rank", "peak_mem_mb", "loss",
+                                                 "wall_s"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(a.out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"config": vars(a), "summary": summaries, "rows": rows}, f, indent=1)
+    print(f"wrote {a.out}.csv and {a.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
