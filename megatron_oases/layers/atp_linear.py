@@ -228,15 +228,9 @@ def mesh_sharded_state_dict(module: torch.nn.Module, mesh_groups: MeshGroups, pr
     from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
     if dp_rank is None:
-        group = (metadata or {}).get("dp_cp_group")
-        if group is not None:
-            import torch.distributed as dist
+        from megatron_oases.parallel.layout import checkpoint_dp_rank
 
-            dp_rank = dist.get_rank(group)
-        else:
-            from megatron.core import parallel_state
-
-            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_rank = checkpoint_dp_rank(metadata)
     mesh = mesh_groups.mesh
     tp_rank = mesh_groups.index(1) * mesh.d2 + mesh_groups.index(2)
     n_pre = len(sharded_offsets)

@@ -134,3 +134,16 @@ def gather_global(model_chunks, *, what: str = "param", group=None) -> dict[str,
             full = out.setdefault(key, torch.zeros(shape))
             full[index] = tensor
     return out
+
+
+def checkpoint_dp_rank(metadata: dict | None) -> int:
+    """The DP rank a sharded_state_dict writes replicas for: from ``metadata["dp_cp_group"]``
+    when Megatron passes it (as its own linears read it), else from ``parallel_state``."""
+    group = (metadata or {}).get("dp_cp_group")
+    if group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
