@@ -38,9 +38,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import bench_common  # noqa: E402
 
 
 # ---- per-rank wrapper: count collective bytes and peak memory per training step -----------------
@@ -192,7 +196,6 @@ def scaled_topology(name_or_path: str, scale: float, workdir: str) -> str:
 def run_ranks(cmd: list[str], world: int, topo_path: str, timeout: float, emulate: bool) -> None:
     """Run ``cmd`` once per rank inside an EmulatedCluster of ``topo_path`` (or as local ranks)."""
     if not emulate:
-        from megatron_oases.topology import load_topology
         from megatron_oases.topology.emulate import thread_env
 
         base = dict(os.environ)
@@ -206,7 +209,6 @@ def run_ranks(cmd: list[str], world: int, topo_path: str, timeout: float, emulat
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError("\n".join(o[-3000:] for o in outs))
-        del load_topology
         return
     from megatron_oases.topology import load_topology
     from megatron_oases.topology.emulate import EmulatedCluster
@@ -219,14 +221,6 @@ def run_ranks(cmd: list[str], world: int, topo_path: str, timeout: float, emulat
         raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
 
 
-def step_stats(log_path: str, warmup: int) -> dict:
-    recs = [json.loads(line) for line in open(log_path, encoding="utf-8")]
-    steps = [r["step_ms"] for r in recs[warmup:]] or [r["step_ms"] for r in recs]
-    return {"step_ms": statistics.median(steps), "step_ms_min": min(steps),
-            "steps_ms": [round(s, 1) for s in steps], "peak_mem_mb": recs[-1]["peak_mem_mb"],
-            "loss": recs[-1]["lm_loss"]}
-
-
 def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: list[str]) -> dict:
     """One trainer run under the counting wrapper; returns step and byte statistics."""
     log = os.path.join(workdir, f"{tag}.jsonl")
@@ -235,18 +229,13 @@ def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: li
            "--stats-out", stats, "--", "--topology", topo_path] + flags + ["--log-json", log]
     t0 = time.time()
     run_ranks(cmd, world, topo_path, a.timeout, not a.no_emulate)
-    return {**step_stats(log, a.warmup), **rank_stats(stats, a.warmup),
+    return {**bench_common.step_stats(log, a.warmup), **rank_stats(stats, a.warmup),
             "wall_s": round(time.time() - t0, 1)}
 
 
 # ---- the ATP benchmark ---------------------------------------------------------------------------
 def model_flags(a) -> list[str]:
-    return ["--tensor-model-parallel-size", str(a.tp), "--num-layers", str(a.layers),
-            "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
-            "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch),
-            "--global-batch-size", str(a.micro_batch * a.micro_batches),
-            "--vocab-size", str(a.vocab), "--train-iters", str(a.iters),
-            "--no-tp-invariant-init", "--dist-timeout", "300"]
+    return bench_common.model_flags(a, a.tp)
 
 
 def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
@@ -315,19 +304,8 @@ COLS = ["topology", "variant", "chunks", "pred_t_comm_ms", "pred_rank", "step_ms
         "vs_stock", "wire_MB_per_rank", "peak_mem_mb_max_rank", "mark"]
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
-
-
-def print_table(rows: list[dict], cols: list[str]) -> None:
-    w = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
-    print(" | ".join(f"{c:>{w[c]}s}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{_fmt(r.get(c)):>{w[c]}s}" for c in cols))
+_fmt = bench_common.fmt
+print_table = bench_common.print_table
 
 
 def main(argv=None) -> int:
@@ -342,15 +320,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], choices=(1, 2, 4))
     p.add_argument("--min-gain", type=float, default=None,
                    help="search margin over (N,1) (default: the search's own, 0.10)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    bench_common.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_atp")

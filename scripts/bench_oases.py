@@ -29,9 +29,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench_common import add_model_args, fmt, model_flags, step_stats  # noqa: E402
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 VARIANTS = {
@@ -43,15 +47,6 @@ VARIANTS = {
                  "--no-oases-fine-grained-recompute"] + RECOMPUTE,
     "compute": ["--schedule", "oases", "--oases-skip-tp-collectives"] + RECOMPUTE,
 }
-
-
-def model_args(a, tp: int) -> list[str]:
-    return ["--tensor-model-parallel-size", str(tp), "--num-layers", str(a.layers),
-            "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
-            "--seq-length", str(a.seq), "--micro-batch-size", str(a.micro_batch),
-            "--global-batch-size", str(a.micro_batch * a.micro_batches),
-            "--vocab-size", str(a.vocab), "--train-iters", str(a.iters),
-            "--no-tp-invariant-init", "--dist-timeout", "300"]
 
 
 def topology_yaml(tp: int, link_GBps: float) -> str:
@@ -76,15 +71,6 @@ def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
         res = cluster.launch(cmd, timeout=a.timeout, cwd=ROOT)
     if not res.ok:
         raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
-
-
-def step_stats(log_path: str, warmup: int) -> dict:
-    recs = [json.loads(line) for line in open(log_path, encoding="utf-8")]
-    steps = [r["step_ms"] for r in recs[warmup:]] or [r["step_ms"] for r in recs]
-    last = recs[-1]
-    return {"step_ms": statistics.median(steps), "step_ms_min": min(steps),
-            "peak_mem_mb": last["peak_mem_mb"], "oases_saved_mb": last.get("oases_saved_mb"),
-            "loss": last["lm_loss"]}
 
 
 def comm_only_main(argv: list[str]) -> None:
@@ -121,7 +107,7 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
     rows = []
     for name in a.variants:
         log = os.path.join(workdir, f"tp{tp}-{name}.jsonl")
-        cmd = [sys.executable, "-m", "megatron_oases.train"] + model_args(a, tp) + \
+        cmd = [sys.executable, "-m", "megatron_oases.train"] + model_flags(a, tp) + \
             VARIANTS[name] + ["--log-json", log]
         t0 = time.time()
         run_ranks(cmd, tp, a, topo)
@@ -171,15 +157,7 @@ def main(argv=None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    add_model_args(p, hidden=1024, heads=16, seq=128, iters=5, warmup=2)
     p.add_argument("--link-GBps", type=float, default=0.25,
                    help="per-rank bandwidth in the emulated node, GB/s (the shared loopback is "
                         "limited to TP x this)")
@@ -200,7 +178,7 @@ def main(argv=None) -> int:
           f"{a.micro_batches}, link {a.link_GBps} GB/s{' (NOT emulated)' if a.no_emulate else ''}")
     print(" | ".join(f"{c:>15s}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{_fmt(r.get(c)):>15s}" for c in cols))
+        print(" | ".join(f"{fmt(r.get(c)):>15s}" for c in cols))
     with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "wall_s"], extrasaction="ignore")
         w.writeheader()
@@ -209,12 +187,6 @@ def main(argv=None) -> int:
         json.dump({"config": vars(a), "rows": rows}, f, indent=1)
     print(f"wrote {a.out}.csv and {a.out}.json")
     return 0
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":
