@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
 
-        args.device = "cuda" if cuda else "cpu"  # every spawned rank uses the parent's choice
+        from megatron_oases.runtime.device import detect_runtime
+
+        args.device = detect_runtime(args.device).device.type  # spawned ranks keep this choice
         try:
             run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,),
                          timeout_s=args.dist_timeout + 60)
