@@ -60,7 +60,12 @@ def _vp_size(args) -> int | None:
 
 def backend_groups(args: argparse.Namespace):
     """Process groups a backend needs beyond Megatron's; collective, so call once on all ranks
-    after ``initialize_model_parallel`` (ATP: the two mesh-axis groups of every TP group)."""
+    after ``initialize_model_parallel`` (ATP: the two mesh-axis groups of every TP group;
+    ``--oases-plan``: the TP sub-groups and reshard groups of its degrees)."""
+    if getattr(args, "oases_layer_degrees", None):
+        from megatron_oases.parallel.degree_groups import degree_groups_from_megatron
+
+        return degree_groups_from_megatron(set(args.oases_layer_degrees))
     if args.tp_backend == "atp":
         from megatron_oases.parallel.mesh import mesh_groups_from_megatron
 
@@ -75,7 +80,12 @@ def backend_groups(args: argparse.Namespace):
 def layer_spec(args: argparse.Namespace, groups=None):
     """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
     if args.tp_backend == "megatron":
-        return get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        if getattr(args, "oases_layer_degrees", None):
+            from megatron_oases.layers.planned_layer import planned_layer_spec
+
+            spec = planned_layer_spec(spec, args.oases_layer_degrees, groups)
+        return spec
     if args.tp_backend == "atp":
         from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
 
@@ -102,6 +112,10 @@ def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_
         position_embedding_type="learned_absolute",
         vp_stage=vp_stage,
     )
+    if getattr(args, "oases_layer_degrees", None):
+        from megatron_oases.layers.planned_layer import connect_planned_layers
+
+        connect_planned_layers(model.decoder)
     if getattr(args, "schedule", "default") == "oases":
         from megatron_oases.schedules.oases.block import enable_oases_schedule
         from megatron_oases.schedules.oases.options import oases_options_from_args

@@ -78,6 +78,11 @@ def setup(args: argparse.Namespace) -> Trainer:
     if args.tp_invariant_init:
         tp_invariant_init_(chunks, seed=args.seed, init_method_std=args.init_method_std,
                            num_layers=args.num_layers)
+    planned = bool(getattr(args, "oases_layer_degrees", None))
+    if planned:
+        from megatron_oases.layers.planned_layer import sync_replica_params
+
+        sync_replica_params(chunks)
     if args.bf16 or args.fp16:
         from megatron.core.transformer.module import Float16Module
 
@@ -99,6 +104,10 @@ def setup(args: argparse.Namespace) -> Trainer:
                         params_dtype=config.params_dtype),
         model, use_gloo_process_groups=not runtime.is_cuda)
     config.finalize_model_grads_func = finalize_model_grads
+    if planned:
+        from megatron_oases.layers.planned_layer import finalize_with_replica_grads
+
+        config.finalize_model_grads_func = finalize_with_replica_grads(finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
     if args.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]

@@ -51,6 +51,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="executor of the TP layers: default = Megatron's sequential one; oases = "
                         "two sub-batches per micro-batch whose TP collectives overlap the other's "
                         "compute (see the oases group)")
+    from megatron_oases.plan.plan_file import PLAN_HELP
+
+    g.add_argument("--oases-plan", default=None, metavar="FILE", help=PLAN_HELP)
     from megatron_oases.schedules.oases.options import add_oases_args
 
     add_oases_args(p)
@@ -150,6 +153,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     from megatron_oases.schedules.oases.options import validate_oases_args
 
     validate_oases_args(args, dims)
+    from megatron_oases.plan.plan_file import validate_plan_args
+
+    validate_plan_args(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:

@@ -140,7 +140,7 @@ def test_megatron_parse_args_takes_our_flags():
      "does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
-    (["--oases-plan", "plan.json"], "--oases-plan is not implemented yet"),
+    (["--oases-plan", "plan.json"], "--oases-plan plan.json: cannot be read"),
 ])
 def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
@@ -181,8 +181,23 @@ def _provider_rank(argv, world):
             "grads": all(p.grad is not None for p in model.parameters() if p.requires_grad)}
 
 
+def _plan_file() -> str:
+    import json
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="oases-plan-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": 2,
+                   "num_layers": 2, "degrees": [1, 1, 2, 2]}, f)
+    return path
+
+
+PLAN = _plan_file()
+
+
 @pytest.mark.parametrize("extra, layer, block", [
     ([], "TransformerLayer", "TransformerBlock"),  # stock: Megatron-LM's own gpt_builder
+    (["--oases-plan", PLAN], "PlannedTransformerLayer", "TransformerBlock"),
     (["--tp-backend", "atp", "--atp-mesh", "1,2", "--atp-chunks", "2"], "ATPTransformerLayer",
      "TransformerBlock"),
     (["--tp-backend", "atp", "--atp-mesh", "2,1"], "ATPTransformerLayer", "TransformerBlock"),

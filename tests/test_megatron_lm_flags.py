@@ -115,7 +115,7 @@ def test_oases_flags_parse(monkeypatch):
       "--hidden-size", "66", "--num-attention-heads", "4"], "--hidden-size 66 is not divisible"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--global-batch-size", "6"],
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
-    (["--oases-plan", "plan.json"], "--oases-plan is not implemented yet"),
+    (["--oases-plan", "plan.json"], "--oases-plan plan.json: cannot be read"),
     (["--topology", "/nonexistent/cluster.yaml"], "--topology"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, monkeypatch, capsys):

@@ -2,18 +2,18 @@
 
 ``extra_args_provider(parser)`` adds the ``megatron_oases`` group (``--tp-backend``, ``--atp-mesh``,
 ``--atp-chunks``, ``--topology``, ``--schedule``, ``--oases-plan``) and the ``oases`` group of
-``schedules.oases.options``. Every flag except ``--oases-plan`` reuses the reference trainer's
+``schedules.oases.options``. Every flag reuses the reference trainer's
 definition (``train_args.build_parser``), so help texts and defaults live in one place; none of
 Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is redefined.
 
 Validation runs when the parser has parsed (Megatron-LM's ``parse_args`` calls
 ``parser.parse_args()``; the provider makes that call also validate), so a bad launch stops
 before ``initialize_megatron`` with one line on rank 0 and exit status 2. The checks are ours
-(``ParallelDims``, the trainer's ATP check, ``validate_oases_args``) applied through
+(``ParallelDims``, the trainer's ATP check, ``validate_oases_args``, ``validate_plan_args``) applied through
 ``trainer_view``, which maps Megatron-LM's namespace onto the trainer's names.
 
-A stock run (``--tp-backend megatron --schedule default``) keeps Megatron-LM's own validation
-of sizes; only our flags are checked then (``--topology``, ``--oases-plan``, a stray
+A stock run (``--tp-backend megatron --schedule default``, no ``--oases-plan``) keeps
+Megatron-LM's own validation of sizes; only our flags are checked then (``--topology``, a stray
 ``--atp-mesh`` or Oases switch).
 """
 from __future__ import annotations
@@ -29,13 +29,14 @@ PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
 """``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
 yet (not in ``train_args.TP_BACKENDS``) is refused at validation with a clear message."""
 
-_FROM_TRAINER = ("--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule")
+_FROM_TRAINER = ("--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule",
+                 "--oases-plan")
 
 _HELP_EXTRA = {
     "--atp-mesh": "; or auto: pick the mesh with that search on --topology at start-up",
 }
 
-_METAVAR = {"--atp-mesh": "D1,D2|auto", "--topology": "FILE"}
+_METAVAR = {"--atp-mesh": "D1,D2|auto", "--topology": "FILE", "--oases-plan": "FILE"}
 
 # Megatron-LM features our layer specs do not build; refused unless the run is stock.
 _STOCK_ONLY = (
@@ -66,9 +67,6 @@ def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "megatron_oases", "tensor-parallel backends, schedules and planning (docs/megatron_lm.md)")
     for option in _FROM_TRAINER:
         _copy_store_flag(group, trainer[option], option)
-    group.add_argument("--oases-plan", default=None, metavar="FILE",
-                       help="run the per-layer TP plan written by the Oases planner "
-                            "(not implemented yet: refused at start-up)")
     add_oases_args(parser)
     return parser
 
@@ -134,7 +132,8 @@ def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def is_stock(args: argparse.Namespace) -> bool:
     """Stock Megatron-LM model and schedule: none of our backends or schedules selected."""
-    return args.tp_backend == "megatron" and getattr(args, "schedule", "default") == "default"
+    return (args.tp_backend == "megatron" and getattr(args, "schedule", "default") == "default"
+            and getattr(args, "oases_plan", None) is None)
 
 
 def _virtual_stages(args) -> int | None:
@@ -201,10 +200,6 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     """
     from megatron_oases.train_args import TP_BACKENDS as BUILT
 
-    if args.oases_plan is not None:
-        raise ConfigError("--oases-plan is not implemented yet (per-block TP degrees do not run "
-                          "in Megatron-LM yet); drop it and set --tensor-model-parallel-size "
-                          "directly")
     if args.topology is not None:
         _check_topology(args.topology)
     if args.tp_backend not in BUILT:
@@ -223,6 +218,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
         view.atp_mesh = resolve_auto_mesh(args, dims)
     _our_checks(view, dims)
     args.atp_mesh = view.atp_mesh
+    args.oases_layer_degrees = view.oases_layer_degrees
 
 
 def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
@@ -235,12 +231,16 @@ def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
         if fn is not None:
             fn(view, dims)
     validate_oases_args(view, dims)
+    from megatron_oases.plan.plan_file import validate_plan_args
+
+    validate_plan_args(view, dims)
 
 
 def _check_non_stock(args: argparse.Namespace) -> None:
     """Megatron-LM features our backends / schedules do not build."""
     what = (f"--tp-backend {args.tp_backend}" if args.tp_backend != "megatron"
-            else f"--schedule {args.schedule}")
+            else f"--schedule {args.schedule}" if args.schedule != "default"
+            else "--oases-plan")
     for name, flag in _STOCK_ONLY:
         if getattr(args, name, None):
             raise ConfigError(f"{what} builds its own layers and does not support {flag}; "

@@ -60,17 +60,42 @@ class ModelProvider:
                               vp_stage=vp_stage, config=config, pg_collection=pg_collection)
         if config is None:
             config = self._config_from_args(args)
-        return build_model(args, config, pre_process=pre_process, post_process=post_process,
-                           vp_stage=vp_stage, groups=self.backend_groups(args))
+        model = build_model(args, config, pre_process=pre_process, post_process=post_process,
+                            vp_stage=vp_stage, groups=self.backend_groups(args))
+        if getattr(args, "oases_layer_degrees", None):
+            _prepare_replicas(model, config)
+        return model
 
     def backend_groups(self, args: argparse.Namespace):
         """``specs.backend_groups(args)`` once per (backend, mesh); collective on first use."""
         from megatron_oases.specs import backend_groups
 
-        key = (args.tp_backend, args.atp_mesh)
+        key = (args.tp_backend, args.atp_mesh, getattr(args, "oases_layer_degrees", None))
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, backend_groups(args))
         return self._groups[1]
+
+
+def _prepare_replicas(model, config) -> None:
+    """``--oases-plan`` on Megatron-LM: replicas of a planned layer start equal (Megatron's GPU
+    init seeds each TP rank differently; its CPU init is already equal), and ``train()`` sums
+    their gradients through ``finalize_with_replica_grads`` around Megatron's
+    ``finalize_model_grads`` (rebound in ``megatron.training.training``, which reads it when
+    training starts)."""
+    import warnings
+
+    from megatron_oases.layers.planned_layer import finalize_with_replica_grads, sync_replica_params
+
+    if not config.use_cpu_initialization:
+        sync_replica_params([model])
+    try:
+        import megatron.training.training as training
+    except ImportError:  # our provider in someone else's loop: they must wrap it themselves
+        warnings.warn("--oases-plan: wrap your finalize_model_grads_func with "
+                      "megatron_oases.layers.planned_layer.finalize_with_replica_grads")
+        return
+    if not getattr(training.finalize_model_grads, "oases_replicas", False):
+        training.finalize_model_grads = finalize_with_replica_grads(training.finalize_model_grads)
 
 
 def ensure_validated(args: argparse.Namespace) -> None:

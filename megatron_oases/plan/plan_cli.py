@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="GPU model of the device model (default: the topology's device)")
     p.add_argument("--profile", default=None, help="ProfileDB JSON (megatron-oases-profile/*) of measured event times")
     p.add_argument("--strict-profile", action="store_true", help="fail when the profile lacks an event")
-    p.add_argument("--granularity", choices=("block", "layer"), default="block",
-                   help="block: attention and MLP choose separately; layer: one degree per layer (Table 6)")
+    p.add_argument("--granularity", choices=("block", "layer"), default="layer",
+                   help="layer: one degree per TransformerLayer, as in Table 6 and as --oases-plan "
+                        "runs (default); block: attention and MLP choose separately (what-if "
+                        "analysis only: the trainer refuses such a plan)")
     p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
     p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
                    help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
@@ -218,8 +220,10 @@ def plan_main(argv: list[str] | None = None) -> int:
     print(f"launch flags: {launch_flags(tp, a.out)}")
     if a.rewrite_cmd is not None:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, tp=tp, plan_path=a.out)}")
-    print("note: predicted times come from the cost model; the per-block-degree runtime that would "
-          "consume --oases-plan is not built yet, so nothing here is a measured throughput")
+    print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
+          "(megatron_oases.pretrain_gpt) run the plan with --oases-plan"
+          + ("" if data.get("granularity", "layer") == "layer" else
+             "; this per-block plan is for analysis only: the runtime needs --granularity layer"))
     return 0
 
 

@@ -7,6 +7,8 @@ it right after building ``GPTModel`` (the trainer does so in ``specs.build_gpt_m
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.tape import UnsupportedLayer, megatron_layer_tape
@@ -20,7 +22,7 @@ _UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_
 class OasesBlockMixin:
     """Training forward of a ``TransformerBlock`` through the Oases executor."""
 
-    oases_runner: OasesRunner
+    oases_segments: list
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         import torch
@@ -36,7 +38,7 @@ class OasesBlockMixin:
             hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         if len(self.layers):
-            hidden_states = OasesStage.apply(hidden_states, self.oases_runner, attention_mask)
+            hidden_states = _run_segments(self.oases_segments, hidden_states, attention_mask)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
@@ -68,9 +70,51 @@ def enable_oases_schedule(model, options: OasesOptions):
                                "Oases schedule; OasesOptions.recompute selects its recompute")
     offset = _layer_offset(block)
     tapes = [megatron_layer_tape(layer, offset + i) for i, layer in enumerate(block.layers)]
-    block.oases_runner = OasesRunner(tapes, options)
+    block.oases_segments = _segments(block.layers, tapes, options)
     block.__class__ = _oases_class(type(block))
     return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """Consecutive layers at one TP degree (all of a stage's layers without ``--oases-plan``):
+    one ``OasesStage``. Between segments the hidden states are resharded to the next degree,
+    a collective the two sub-batches do not overlap (the planner's Eq. 4 edge cost)."""
+
+    runner: OasesRunner
+    degree: int | None = None
+    groups: object = None
+
+
+def _segments(layers, tapes, options: OasesOptions) -> list[_Segment]:
+    out: list[tuple[int | None, object, list]] = []
+    for layer, tape in zip(layers, tapes):
+        degree = getattr(layer, "tp_degree", None)
+        if out and out[-1][0] == degree:
+            out[-1][2].append(tape)
+        else:
+            out.append((degree, getattr(layer, "degree_groups", None), [tape]))
+    # A degree-1 layer issues no collective: nothing to overlap, so its replica's slice is not
+    # split again (the planner prices it that way too).
+    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=1) if d == 1 else options),
+                     d, g) for d, g, t in out]
+
+
+def _run_segments(segments, hidden_states, attention_mask):
+    from megatron_oases.parallel.degree_groups import narrow_batch_mask, reshard_batch
+
+    batch, degree, groups = hidden_states.shape[1], None, None
+    for seg in segments:
+        mask = attention_mask
+        if seg.groups is not None:
+            groups = seg.groups
+            hidden_states = reshard_batch(hidden_states, groups, degree or groups.tp_size, seg.degree)
+            mask = narrow_batch_mask(attention_mask, groups, seg.degree, batch)
+        degree = seg.degree
+        hidden_states = OasesStage.apply(hidden_states, seg.runner, mask)
+    if groups is not None:
+        hidden_states = reshard_batch(hidden_states, groups, degree, groups.tp_size)
+    return hidden_states
 
 
 def _layer_offset(block) -> int:
@@ -81,6 +125,6 @@ def _layer_offset(block) -> int:
 def oases_saved_bytes(model_chunks) -> int | None:
     """Bytes the Oases blocks of ``model_chunks`` kept for backward in their last forward
     (one micro-batch per chunk); None when no chunk runs the Oases schedule."""
-    found = [m.oases_runner.saved_bytes() for chunk in model_chunks for m in chunk.modules()
-             if isinstance(m, OasesBlockMixin)]
+    found = [seg.runner.saved_bytes() for chunk in model_chunks for m in chunk.modules()
+             if isinstance(m, OasesBlockMixin) for seg in m.oases_segments]
     return sum(found) if found else None

@@ -1,0 +1,172 @@
+"""Per-layer TP degrees from a plan (``--oases-plan``) as a Megatron ``TransformerLayer`` spec.
+
+``PlannedTransformerLayer`` is Megatron's layer built on a TP sub-group of the degree the plan
+gives its global layer number, so it holds ``1 / degree`` of the layer's weights; each of the
+``T / degree`` replicas computes its slice of the micro-batch. Hidden states enter and leave the
+layer in the previous / next layer's layout (``parallel/degree_groups.reshard_batch``); the block
+edges are degree ``T``, so pipeline stages exchange Megatron's usual ``[s, b, h]`` tensors.
+
+Replicas see different samples, so their parameter gradients are partial sums: ``
+finalize_with_replica_grads`` wraps Megatron's ``finalize_model_grads`` and sums them over each
+replica group after Megatron's own DP reduction. For the grad-norm, only the first replica's
+shards count as tensor-parallel (Megatron counts TP-duplicated parameters on TP rank 0 only).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                         get_transformer_layer_offset)
+
+from megatron_oases.parallel.degree_groups import (DegreeGroups, narrow_batch_mask,
+                                                   reshard_batch)
+
+_BATCH_KWARGS = ("attention_mask", "padding_mask")
+
+
+def _with_tp(pg_collection, tp_group):
+    """A copy of a ``ProcessGroupCollection`` whose TP group is ``tp_group``."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    have = {f.name: getattr(pg_collection, f.name) for f in dataclasses.fields(pg_collection)
+            if hasattr(pg_collection, f.name)}
+    have["tp"] = tp_group
+    if "tp_cp" in have and getattr(pg_collection, "cp", None) is not None and pg_collection.cp.size() == 1:
+        have["tp_cp"] = tp_group
+    return ProcessGroupCollection(**have)
+
+
+class PlannedTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` at the TP degree the plan gives it (see the module docstring)."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None, *, layer_degrees: Sequence[int],
+                 degree_groups: DegreeGroups):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import get_pg_rank
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        number = layer_number + get_transformer_layer_offset(config, vp_stage,
+                                                             get_pg_rank(pg_collection.pp))
+        degree = int(layer_degrees[number - 1])
+        super().__init__(config, submodules, layer_number, hidden_dropout,
+                         _with_tp(pg_collection, degree_groups.sub[degree]), vp_stage)
+        self.tp_degree = degree
+        self.degree_groups = degree_groups
+        self.input_degree = degree_groups.tp_size
+        """Layout of the incoming hidden states (the previous layer's degree; T at block entry)."""
+        self.output_degree = degree_groups.tp_size
+        """Layout the output leaves in (T for the block's last layer, else this degree)."""
+        replica = degree_groups.replica_group(degree)
+        for p in self.parameters():
+            p.oases_replica_group = replica
+            if degree_groups.replica_index(degree) > 0 and getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = False  # another replica's copy: not in the grad norm
+
+    def forward(self, *args, **kwargs):
+        g = self.degree_groups
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        batch = hidden.shape[1]
+        for name in _BATCH_KWARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = narrow_batch_mask(kwargs[name], g, self.tp_degree, batch)
+        hidden = reshard_batch(hidden, g, self.input_degree, self.tp_degree)
+        output, context = super().forward(hidden, *args, **kwargs)
+        return reshard_batch(output, g, self.tp_degree, self.output_degree), context
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron's, with replicas other than the first marked as such (one main copy)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        r = self.degree_groups.replica_index(self.tp_degree)
+        if r:
+            for sh in out.values():
+                if hasattr(sh, "replica_id"):
+                    rid = sh.replica_id
+                    sh.replica_id = (r, *(rid if isinstance(rid, (tuple, list)) else (rid,)))
+        return out
+
+
+def planned_layer_spec(base_spec, layer_degrees: Sequence[int], degree_groups: DegreeGroups):
+    """``base_spec`` (a ``TransformerLayer`` ModuleSpec) with each layer at its planned degree."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if base_spec.module is not TransformerLayer:
+        raise ValueError(f"--oases-plan needs Megatron's TransformerLayer spec (got {base_spec.module})")
+    params = dict(base_spec.params or {})
+    params.update(layer_degrees=tuple(layer_degrees), degree_groups=degree_groups)
+    return ModuleSpec(module=PlannedTransformerLayer, submodules=base_spec.submodules, params=params)
+
+
+def connect_planned_layers(block) -> None:
+    """Set each planned layer's input/output layouts from its neighbours in ``block`` (a
+    ``TransformerBlock``): no reshard between equal degrees, degree T at the block's edges."""
+    layers = [l for l in block.layers if isinstance(l, PlannedTransformerLayer)]
+    if not layers:
+        return
+    tp = layers[0].degree_groups.tp_size
+    prev = tp
+    for i, layer in enumerate(layers):
+        layer.input_degree = prev
+        layer.output_degree = layer.tp_degree if i + 1 < len(layers) else tp
+        prev = layer.tp_degree
+
+
+def replica_grad_groups(model_chunks) -> list:
+    """(group, [params]) of every replicated planned layer, in a rank-independent order."""
+    found: dict = {}
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "oases_replica_group", None)
+            if g is not None and p.requires_grad:
+                found.setdefault(id(g), (g, []))[1].append(p)
+    return list(found.values())
+
+
+@torch.no_grad()
+def all_reduce_replica_grads(model_chunks) -> None:
+    """Sum the gradients of replicated layers over their replica groups (one flat call each)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from megatron_oases.parallel.collectives import all_reduce
+
+    for group, params in replica_grad_groups(model_chunks):
+        grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
+                 else p.grad for p in params]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            continue
+        flat = _flatten_dense_tensors(grads)
+        all_reduce(flat, group)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
+@torch.no_grad()
+def sync_replica_params(model_chunks) -> None:
+    """Make every replica of a planned layer start from the first replica's weights (Megatron's
+    GPU init seeds each TP rank differently)."""
+    import torch.distributed as dist
+
+    for group, params in replica_grad_groups(model_chunks):
+        src = dist.get_global_rank(group, 0)
+        for p in params:
+            dist.broadcast(p.data, src=src, group=group)
+
+
+def finalize_with_replica_grads(finalize_fn):
+    """Wrap Megatron's ``finalize_model_grads``: its DP / embedding reductions, then the replica
+    sums of planned layers (the sums commute with Megatron's averaging)."""
+
+    def finalize(model, *args, **kwargs):
+        out = finalize_fn(model, *args, **kwargs)
+        all_reduce_replica_grads(model)
+        return out
+
+    finalize.oases_replicas = True
+    return finalize
