@@ -92,7 +92,7 @@ def test_fine_grained_recompute_issues_no_collective():
     (["--micro-batch-size", "1", "--global-batch-size", "4"], "--micro-batch-size >= 2"),
     (["--recompute-granularity", "selective"], "selective"),
     (RECOMPUTE[:2] + ["--recompute-method", "block"], "uniform"),
-    (["--tp-backend", "atp", "--atp-mesh", "1,2"], "--tp-backend atp"),
+    (["--tp-backend", "atp", "--atp-mesh", "1,2", "--atp-chunks", "2"], "--atp-chunks"),
 ])
 def test_bad_combinations_fail_before_launch(argv, needle):
     from megatron_oases.train_args import build_parser, validate_args

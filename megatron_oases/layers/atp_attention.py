@@ -111,16 +111,20 @@ class ATPSelfAttention(torch.nn.Module):
         axis2 = self.mesh_groups.group(2)
         qkv = self.linear_qkv(hidden_states)                 # [s, b, 3h/d1], f1
         qkv = C.split_dim(qkv, -1, axis2)                    # [s, b, 3h/N]: own heads only
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
-        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
-        context = self.core_attention(query, key, value, attention_mask,
-                                      attn_mask_type=self.attn_mask_type,
-                                      attention_bias=attention_bias,
-                                      packed_seq_params=None)  # [s, b, h/N]
+        context = self.core(qkv, attention_mask, attention_bias)  # [s, b, h/N]
         context = C.gather_dim(context, -1, axis2)           # [s, b, h/d1]
         output = self.linear_proj(context)                   # [s, b, h/d2], f2
         return output, self.linear_proj.bias
+
+    def core(self, qkv, attention_mask=None, attention_bias=None):
+        """Local math between the head split and the head gather: own heads' ``[s, b, 3h/N]``
+        QKV -> context ``[s, b, h/N]`` (Megatron's core attention; no collective)."""
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
+        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
+        return self.core_attention(query, key, value, attention_mask,
+                                   attn_mask_type=self.attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets,

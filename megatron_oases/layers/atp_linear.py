@@ -152,19 +152,28 @@ class _MeshLinear(torch.nn.Module):
         param.mesh_layout = layout  # per tensor dim: the mesh axis that splits it (None: whole)
         return param
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mg = self.mesh_groups
-        local_in = self.input_size // mg.mesh.axis_size(self.in_axis)
+    def _check_input(self, x: torch.Tensor) -> None:
+        local_in = self.input_size // self.mesh_groups.mesh.axis_size(self.in_axis)
         if x.shape[-1] != local_in:
             raise ValueError(f"{type(self).__name__}: input hidden dim {x.shape[-1]} != "
                              f"{self.input_size} / mesh axis {self.in_axis} = {local_in}")
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The local GEMM: this rank's partial sum over the ``in`` axis, before any collective
+        and without the bias (the Oases executor runs the collectives around it itself)."""
+        self._check_input(x)
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mg = self.mesh_groups
+        self._check_input(x)
         fwd_group, bwd_group = mg.group(self.in_axis), mg.group(self.out_axis)
         bias = None if self.skip_bias_add else self.bias
         if self.chunks > 1:
             return _OverlappedMeshLinear.apply(x, self.weight, bias, fwd_group, bwd_group,
                                                self.chunks, self.chunk_dim)
         x = C.copy_to_group(x, bwd_group)  # backward: sum dX over the axis that splits ``out``
-        y = C.reduce_from_group(F.linear(x, self.weight), fwd_group)  # sum partials over ``in``
+        y = C.reduce_from_group(self.partial(x), fwd_group)  # sum partials over ``in``
         return y + bias if bias is not None else y
 
     def extra_repr(self) -> str:

@@ -66,24 +66,43 @@ class ATPNorm(torch.nn.Module):
         param.tensor_model_parallel = True
         return param
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mg = self.mesh_groups
-        local_h = self.hidden_size // mg.mesh.d2
+    def _check_input(self, x: torch.Tensor) -> None:
+        local_h = self.hidden_size // self.mesh_groups.mesh.d2
         if x.shape[-1] != local_h:
             raise ValueError(f"ATPNorm: input hidden dim {x.shape[-1]} != {self.hidden_size} / "
-                             f"mesh axis 2 ({mg.mesh.d2}) = {local_h}")
+                             f"mesh axis 2 ({self.mesh_groups.mesh.d2}) = {local_h}")
+
+    # The norm's local math, in the stages between its axis-2 sums, so a caller that runs the
+    # sums itself (the Oases executor) computes exactly what ``forward`` does.
+    def first_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the first statistic: sum of x (LayerNorm) or x^2 (RMSNorm)."""
+        self._check_input(x)
         xf = x.float()
-        if self.kind == "LayerNorm":
-            mean = sum_over_axis(xf.sum(-1, keepdim=True), mg.group(2)) / self.hidden_size
-            xc = xf - mean
-            var = sum_over_axis((xc * xc).sum(-1, keepdim=True), mg.group(2)) / self.hidden_size
-            y = xc * torch.rsqrt(var + self.eps)
-        else:
-            mean_sq = sum_over_axis((xf * xf).sum(-1, keepdim=True), mg.group(2)) / self.hidden_size
-            y = xf * torch.rsqrt(mean_sq + self.eps)
+        return (xf if self.kind == "LayerNorm" else xf * xf).sum(-1, keepdim=True)
+
+    def centre(self, x: torch.Tensor, total: torch.Tensor):
+        """LayerNorm: ``x`` minus the mean (``total`` = axis-2 sum of ``first_partial``), and
+        this rank's part of the centred sum of squares."""
+        xc = x.float() - total / self.hidden_size
+        return xc, (xc * xc).sum(-1, keepdim=True)
+
+    def normalize(self, x: torch.Tensor, base: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """``base`` (LayerNorm: centred x; RMSNorm: x in fp32) over the root of the statistic
+        whose axis-2 sum is ``total``, then the affine transform."""
+        y = base * torch.rsqrt(total / self.hidden_size + self.eps)
         w = self.weight + 1 if self.zero_centered else self.weight
         y = y.to(x.dtype) * w
         return y + self.bias if self.bias is not None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.mesh_groups.group(2)
+        total = sum_over_axis(self.first_partial(x), group)
+        if self.kind == "LayerNorm":
+            base, part = self.centre(x, total)
+            total = sum_over_axis(part, group)
+        else:
+            base = x.float()
+        return self.normalize(x, base, total)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         return mesh_sharded_state_dict(self, self.mesh_groups, prefix, sharded_offsets,

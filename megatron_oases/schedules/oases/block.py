@@ -11,7 +11,7 @@ import dataclasses
 
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import UnsupportedLayer, megatron_layer_tape
+from megatron_oases.schedules.oases.tape import UnsupportedLayer, layer_tape
 
 _UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos",
                        "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
@@ -69,7 +69,7 @@ def enable_oases_schedule(model, options: OasesOptions):
         raise UnsupportedLayer("leave TransformerConfig.recompute_granularity unset with the "
                                "Oases schedule; OasesOptions.recompute selects its recompute")
     offset = _layer_offset(block)
-    tapes = [megatron_layer_tape(layer, offset + i) for i, layer in enumerate(block.layers)]
+    tapes = [layer_tape(layer, offset + i) for i, layer in enumerate(block.layers)]
     block.oases_segments = _segments(block.layers, tapes, options)
     block.__class__ = _oases_class(type(block))
     return model

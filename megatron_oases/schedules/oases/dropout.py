@@ -44,12 +44,16 @@ class MicroBatchMasks:
         """site -> generator state before the forward draw (for the recompute redraw)."""
 
     def scaled_mask(self, site, x: torch.Tensor, batch_dim: int, p: float, sub: int,
-                    recompute: bool) -> torch.Tensor:
-        """``mask / (1 - p)`` for sub-batch ``sub``'s slice; ``x`` is that sub-batch's tensor."""
+                    recompute: bool, last_dim_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
+        """``mask / (1 - p)`` for sub-batch ``sub``'s slice; ``x`` is that sub-batch's tensor.
+        ``last_dim_shard = (n, j)``: ``x`` holds chunk ``j`` of ``n`` of the last dim (ATP's
+        hidden shard); the mask is drawn at full size and chunk ``j`` is kept, as stock ATP."""
+        n, j = last_dim_shard
         entry = self._drawn.get(site)
         if entry is None:
             shape = list(x.shape)
             shape[batch_dim] = sum(self.sizes)
+            shape[-1] *= n
             if recompute:
                 current = _rng_state(x.device)
                 _set_rng_state(self._states[site], x.device)
@@ -62,7 +66,8 @@ class MicroBatchMasks:
         entry[1] -= 1
         if entry[1] == 0:
             del self._drawn[site]
-        return entry[0].narrow(batch_dim, self.starts[sub], self.sizes[sub])
+        mask = entry[0].narrow(batch_dim, self.starts[sub], self.sizes[sub])
+        return mask if n == 1 else mask.narrow(-1, j * x.shape[-1], x.shape[-1])
 
 
 @dataclasses.dataclass
@@ -85,14 +90,18 @@ def active_sub_batch(masks: MicroBatchMasks, sub: int, recompute: bool):
         _ACTIVE.pop()
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, site, batch_dim: int) -> torch.Tensor:
-    """``F.dropout`` that, inside the Oases executor, applies the micro-batch's mask slice."""
+def dropout(x: torch.Tensor, p: float, training: bool, site, batch_dim: int,
+            last_dim_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
+    """``F.dropout`` that, inside the Oases executor, applies the micro-batch's mask slice
+    (``last_dim_shard``: see ``MicroBatchMasks.scaled_mask``; executor only)."""
     if not training or p == 0.0:
         return x
     if not _ACTIVE:
+        if last_dim_shard[0] != 1:
+            raise RuntimeError("a hidden-sharded dropout runs only inside the Oases executor")
         return F.dropout(x, p, True)
     a = _ACTIVE[-1]
-    return x * a.masks.scaled_mask(site, x, batch_dim, p, a.sub, a.recompute)
+    return x * a.masks.scaled_mask(site, x, batch_dim, p, a.sub, a.recompute, last_dim_shard)
 
 
 class SubBatchDropout(torch.nn.Module):

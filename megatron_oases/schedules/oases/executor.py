@@ -23,12 +23,15 @@ exactly once per micro-batch, as with stock layers.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from megatron_oases.parallel.collectives import all_gather_into as _all_gather_into
 from megatron_oases.parallel.collectives import all_reduce as _all_reduce
 from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import (BackwardAllReduce, ForwardAllReduce, LayerTape,
+from megatron_oases.schedules.oases.tape import (BackwardAllGather, BackwardAllReduce,
+                                                 ForwardAllGather, ForwardAllReduce, LayerTape,
                                                  Local)
 
 BARRIER = object()
@@ -80,6 +83,17 @@ def _bytes_of(saved) -> int:
 
 def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
     grads[name] = g if name not in grads else grads[name] + g
+
+
+def _own_chunk(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk of ``t`` along ``dim`` over ``group`` (local; no collective)."""
+    n = dist.get_world_size(group)
+    return t if n == 1 else t.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _gathered(out) -> torch.Tensor:
+    """An all-gather result once waited on (a gather along a non-leading dim is moved back)."""
+    return out if isinstance(out, torch.Tensor) else out.get()
 
 
 class _StepState:
@@ -134,10 +148,17 @@ class OasesRunner:
                     env.update(outs)
                 elif isinstance(step, ForwardAllReduce):
                     t = env[step.src]
-                    work = self._all_reduce(t, tape.group)
+                    work = self._all_reduce(t, tape.group_of(step))
                     if work is not None:
                         yield work
                     env[step.dst] = t
+                elif isinstance(step, ForwardAllGather):
+                    out, work = self._all_gather(env[step.src], step.dim, step.group)
+                    if work is not None:
+                        yield work
+                    env[step.dst] = _gathered(out)
+                elif isinstance(step, BackwardAllGather):
+                    env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
             for name in keep:
                 saved[name] = env[name]
             x = env[tape.output]
@@ -156,7 +177,7 @@ class OasesRunner:
         """Rebuild layer ``li``'s local graphs for sub-batch ``i`` from its saved boundaries."""
         tape, saved = self.tapes[li], state.saved[i][li]
         env, graphs = {tape.input: saved[tape.input]}, {}
-        for step in tape.steps:
+        for step in tape.recompute_steps:
             if isinstance(step, Local):
                 leaves = _leaves(env, step.inputs)
                 with torch.enable_grad():
@@ -169,10 +190,21 @@ class OasesRunner:
                 else:
                     t = env[step.src].clone()
                     with comm_tag("recompute"):
-                        work = self._all_reduce(t, tape.group)
+                        work = self._all_reduce(t, tape.group_of(step))
                     if work is not None:
                         yield work
                     env[step.dst] = t
+            elif isinstance(step, ForwardAllGather):
+                if step.dst in saved:
+                    env[step.dst] = saved[step.dst]
+                else:
+                    with comm_tag("recompute"):
+                        out, work = self._all_gather(env[step.src], step.dim, step.group)
+                    if work is not None:
+                        yield work
+                    env[step.dst] = _gathered(out)
+            elif isinstance(step, BackwardAllGather):
+                env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
         return graphs
 
     def _backward_program(self, i: int, grad: torch.Tensor, state: _StepState):
@@ -188,12 +220,26 @@ class OasesRunner:
             for step in reversed(tape.steps):
                 if isinstance(step, Local):
                     self._local_backward(li, step, graphs.pop(step.name), grads, tape.params)
-                elif isinstance(step, ForwardAllReduce):
+                elif isinstance(step, ForwardAllReduce) and not step.reduce_grad:
                     grads[step.src] = grads.pop(step.dst)  # Eq. 1
-                elif isinstance(step, BackwardAllReduce):
-                    work = self._all_reduce(grads[step.tensor], tape.group)
+                elif isinstance(step, ForwardAllReduce):  # a statistic shared by the group
+                    g = grads.pop(step.dst).contiguous().clone()
+                    work = self._all_reduce(g, tape.group_of(step))
                     if work is not None:
                         yield work
+                    _accumulate(grads, step.src, g)
+                elif isinstance(step, BackwardAllReduce):
+                    work = self._all_reduce(grads[step.tensor], tape.group_of(step))
+                    if work is not None:
+                        yield work
+                elif isinstance(step, ForwardAllGather):
+                    _accumulate(grads, step.src,
+                                _own_chunk(grads.pop(step.dst), step.dim, step.group))
+                elif isinstance(step, BackwardAllGather):
+                    out, work = self._all_gather(grads.pop(step.dst), step.dim, step.group)
+                    if work is not None:
+                        yield work
+                    _accumulate(grads, step.src, _gathered(out))
             state.saved[i][li] = None
             grad = grads.pop(tape.input)
             if not self.options.cross_pass:
@@ -230,6 +276,13 @@ class OasesRunner:
         if self.options.skip_collectives:
             return None
         return _all_reduce(t, group, async_op=True)
+
+    def _all_gather(self, t: torch.Tensor, dim: int, group):
+        """Launch an async all-gather along ``dim`` (counted): (result, work or None); read the
+        result with ``_gathered`` after the wait."""
+        if self.options.skip_collectives:
+            return torch.cat([t] * dist.get_world_size(group), dim=dim), None
+        return _all_gather_into(t, dim, group, async_op=True)
 
     def saved_bytes(self) -> int:
         """Bytes the last forward kept for backward, one micro-batch. With recompute that is all

@@ -64,9 +64,14 @@ def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         if getattr(args, "oases_skip_tp_collectives", False):
             raise ConfigError("--oases-skip-tp-collectives needs --schedule oases")
         return
-    if args.tp_backend != "megatron":
+    if args.tp_backend not in ("megatron", "atp"):
         raise ConfigError(f"--schedule oases does not support --tp-backend {args.tp_backend} "
-                          f"yet; use --tp-backend megatron with it")
+                          f"yet (its layers are not described as tapes); use --tp-backend "
+                          f"megatron or atp with it")
+    if args.tp_backend == "atp" and getattr(args, "atp_chunks", 1) > 1:
+        raise ConfigError(f"--atp-chunks {args.atp_chunks} cannot be combined with --schedule "
+                          f"oases: Oases overlaps the ATP collectives with the other sub-batch "
+                          f"instead; use --atp-chunks 1 with it")
     if args.micro_batch_size < 2:
         raise ConfigError(f"--schedule oases splits each micro-batch into two sub-batches and "
                           f"needs --micro-batch-size >= 2 (got {args.micro_batch_size})")
