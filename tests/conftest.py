@@ -22,6 +22,22 @@ def max_rel_diff(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def assert_same_training(got: dict, ref: dict, *, tol: float, what: str = "stock",
+                         iterations: int | None = None) -> None:
+    """Per iteration: losses, grad norms (when both runs have them) and every global gradient
+    (``{"losses": [...], "norms": [...], "grads": [{key: tensor}]}``) agree within ``tol``."""
+    if iterations is not None:
+        assert len(got["grads"]) == len(ref["grads"]) == iterations
+    for field in ("losses", "norms"):
+        for it, (a, b) in enumerate(zip(got.get(field) or [], ref.get(field) or []), 1):
+            assert abs(a - b) / abs(b) <= tol, f"iteration {it}: {field[:-1]} {a} vs {what} {b}"
+    for it, (a, b) in enumerate(zip(got["grads"], ref["grads"]), 1):
+        assert a.keys() == b.keys()
+        for key in a:
+            d = max_rel_diff(a[key], b[key])
+            assert d <= tol, f"iteration {it}: gradient of {key} differs from {what} by {d:.3g}"
+
+
 @pytest.fixture
 def on_ranks():
     """``on_ranks(fn, world_size, *args, timeout_s=...)`` -> list of per-rank results."""

@@ -25,6 +25,14 @@ def train_losses_and_grads(argv: list[str]):
             "params": params if rank == 0 else None}
 
 
+def run_training(n: int, argv: list[str], timeout_s: float = 240) -> dict:
+    """``train_losses_and_grads`` on ``n`` ranks: losses (last rank) and gradients (rank 0)."""
+    from megatron_oases.runtime.spawn import run_on_ranks
+
+    out = run_on_ranks(train_losses_and_grads, n, args=(argv,), timeout_s=timeout_s)
+    return {"losses": out[-1]["losses"], "grads": out[0]["grads"]}
+
+
 def count_recompute_collectives(argv: list[str]):
     """One training step under a CommCounter: collectives by tag ("" forward/backward,
     "recompute") on this rank."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.parallel.dims import ConfigError
-from tests.conftest import max_rel_diff
-from tests.rank_fns_oases import count_recompute_collectives, train_losses_and_grads
+from tests.conftest import assert_same_training
+from tests.rank_fns_oases import count_recompute_collectives, run_training
 
 TOL = 1e-5
 # SGD: Adam turns float noise in near-zero gradients into lr-sized steps (see test_parity_baseline),
@@ -20,11 +20,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 OASES = ["--schedule", "oases"]
 
 
-def _run(n, argv):
-    from megatron_oases.runtime.spawn import run_on_ranks
-
-    out = run_on_ranks(train_losses_and_grads, n, args=(argv,), timeout_s=240)
-    return {"losses": out[-1]["losses"], "grads": out[0]["grads"]}
+_run = run_training
 
 
 _REFS: dict = {}
@@ -38,14 +34,7 @@ def _reference(n, layout):
 
 
 def _assert_parity(got, ref):
-    for it, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
-        assert abs(a - b) / abs(b) <= TOL, f"iteration {it}: loss {a} vs stock {b}"
-    assert len(got["grads"]) == len(ref["grads"]) == 5
-    for it, (a, b) in enumerate(zip(got["grads"], ref["grads"]), 1):
-        assert a.keys() == b.keys()
-        for key in a:
-            d = max_rel_diff(a[key], b[key])
-            assert d <= TOL, f"iteration {it}: gradient of {key} differs by {d:.3g}"
+    assert_same_training(got, ref, tol=TOL, iterations=5)
 
 
 TP2 = ["--tensor-model-parallel-size", "2"]

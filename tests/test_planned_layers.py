@@ -6,14 +6,13 @@ the stock schedule. Gradients are compared too (SGD; dropout off: replicas draw 
 own samples, as stock TP sizes do)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from megatron_oases.parallel.degree_groups import reshard_group_ranks, sub_group_ranks
 from megatron_oases.parallel.dims import ConfigError
-from tests.conftest import max_rel_diff
+from tests.conftest import assert_same_training
 from tests.rank_fns_plan import train_with_plan
 
 TOL = 1e-5
@@ -50,15 +49,7 @@ def _runs(n, argv):
 
 
 def _assert_same(got, ref, what):
-    for it, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
-        assert abs(a - b) / abs(b) <= TOL, f"{what}: iteration {it}: loss {a} vs {b}"
-    for it, (a, b) in enumerate(zip(got["norms"], ref["norms"]), 1):
-        assert abs(a - b) / abs(b) <= TOL, f"{what}: iteration {it}: grad norm {a} vs {b}"
-    for it, (a, b) in enumerate(zip(got["grads"], ref["grads"]), 1):
-        assert a.keys() == b.keys()
-        for key in a:
-            d = max_rel_diff(a[key], b[key])
-            assert d <= TOL, f"{what}: iteration {it}: gradient of {key} differs by {d:.3g}"
+    assert_same_training(got, ref, tol=TOL, what=what)
 
 
 def _summary(outs):

@@ -22,6 +22,8 @@ exactly once per micro-batch, as with stock layers.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -153,10 +155,7 @@ class OasesRunner:
                         yield work
                     env[step.dst] = t
                 elif isinstance(step, ForwardAllGather):
-                    out, work = self._all_gather(env[step.src], step.dim, step.group)
-                    if work is not None:
-                        yield work
-                    env[step.dst] = _gathered(out)
+                    yield from self._gather_step(step, env)
                 elif isinstance(step, BackwardAllGather):
                     env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
             for name in keep:
@@ -198,11 +197,7 @@ class OasesRunner:
                 if step.dst in saved:
                     env[step.dst] = saved[step.dst]
                 else:
-                    with comm_tag("recompute"):
-                        out, work = self._all_gather(env[step.src], step.dim, step.group)
-                    if work is not None:
-                        yield work
-                    env[step.dst] = _gathered(out)
+                    yield from self._gather_step(step, env, tag="recompute")
             elif isinstance(step, BackwardAllGather):
                 env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
         return graphs
@@ -271,6 +266,14 @@ class OasesRunner:
                 torch.autograd.backward(list(entry[1]), list(entry[1].values()))
 
     # ----- helpers -------------------------------------------------------------------------
+    def _gather_step(self, step: ForwardAllGather, env: dict, tag: str | None = None):
+        """Launch a ForwardAllGather async (yield its handle), then store the gathered tensor."""
+        with comm_tag(tag) if tag else contextlib.nullcontext():
+            out, work = self._all_gather(env[step.src], step.dim, step.group)
+        if work is not None:
+            yield work
+        env[step.dst] = _gathered(out)
+
     def _all_reduce(self, t: torch.Tensor, group):
         """Launch an async in-place all-reduce (counted); None when there is nothing to wait for."""
         if self.options.skip_collectives:
@@ -291,8 +294,6 @@ class OasesRunner:
         return self._last_saved_bytes
 
     def _collectives_off(self):
-        import contextlib
-
         stack = contextlib.ExitStack()
         for tape in self.tapes:
             stack.enter_context(tape.collectives_off())
