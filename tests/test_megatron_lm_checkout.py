@@ -198,6 +198,8 @@ PLAN = _plan_file()
 @pytest.mark.parametrize("extra, layer, block", [
     ([], "TransformerLayer", "TransformerBlock"),  # stock: Megatron-LM's own gpt_builder
     (["--oases-plan", PLAN], "PlannedTransformerLayer", "TransformerBlock"),
+    (["--tp-backend", "atp", "--atp-mesh", "1,2", "--schedule", "oases"], "ATPTransformerLayer",
+     "OasesTransformerBlock"),
     (["--tp-backend", "atp", "--atp-mesh", "1,2", "--atp-chunks", "2"], "ATPTransformerLayer",
      "TransformerBlock"),
     (["--tp-backend", "atp", "--atp-mesh", "2,1"], "ATPTransformerLayer", "TransformerBlock"),
