@@ -77,11 +77,12 @@ def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
         assert (d1, d2) == (2, 4) and n1 == 2 * n2
 
 
-def test_plan_with_pipeline_and_degree_one(tmp_path):
+@pytest.mark.parametrize("schedule", [[], OASES], ids=["stock", "oases"])
+def test_plan_with_pipeline_and_degree_one(tmp_path, schedule):
     """PP=2 x TP=2 (1F1B, 4 micro-batches) with degrees [1, 2 | 2, 1] equals uniform PP=2 x TP=2."""
-    base = ["--num-layers", "4"] + MODEL + ["--global-batch-size", "16", "--train-iters", "3",
-                                            "--pipeline-model-parallel-size", "2",
-                                            "--tensor-model-parallel-size", "2"]
+    base = ["--num-layers", "4"] + MODEL + schedule + [
+        "--global-batch-size", "16", "--train-iters", "3", "--pipeline-model-parallel-size", "2",
+        "--tensor-model-parallel-size", "2"]
     ref = _summary(_runs(4, base))
     got = _summary(_runs(4, base + ["--oases-plan", _plan(tmp_path, 2, [1, 1, 2, 2, 2, 2, 1, 1])]))
     _assert_same(got, ref, "vs uniform PP=2 x TP=2")
