@@ -83,6 +83,9 @@ class ProfileDB:
     """Optional per-key provenance: ``measured``, ``extrapolated from 4 ranks``, ``scaled from N bytes``."""
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form: torch version, threads, warm-up / repetitions, topology, ranks at hand."""
+    contention: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
+    """Optional, compute events: ms with k ranks computing at once, ``{key: {k: ms}}`` (measured by
+    ``sim.emulated_profile``); ``events_ms`` holds the all-ranks-busy time. See ``sim.contention``."""
 
     def __post_init__(self) -> None:
         bad = [k for k, v in self.events_ms.items()
@@ -98,8 +101,14 @@ class ProfileDB:
                            "measure it again with `megatron-oases profile`")
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or not isinstance(data.get("events"), dict):
             raise SimError(f"{source}: expected {{'format': {PROFILE_FORMAT!r}, 'device': ..., 'events': {{key: ms}}}}")
+        try:
+            contention = {k: {int(n): float(ms) for n, ms in v.items()}
+                          for k, v in (data.get("contention") or {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise SimError(f"{source}: 'contention' must map event keys to {{busy ranks: ms}}") from None
         return cls(device=str(data.get("device", "")), events_ms=dict(data["events"]),
-                   sources=dict(data.get("sources") or {}), meta=dict(data.get("meta") or {}))
+                   sources=dict(data.get("sources") or {}), meta=dict(data.get("meta") or {}),
+                   contention=contention)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ProfileDB":
@@ -116,6 +125,9 @@ class ProfileDB:
             out["sources"] = dict(sorted(self.sources.items()))
         if self.meta:
             out["meta"] = dict(self.meta)
+        if self.contention:
+            out["contention"] = {k: {str(n): ms for n, ms in sorted(v.items())}
+                                 for k, v in sorted(self.contention.items())}
         return out
 
     def save(self, path: str | os.PathLike) -> None:
@@ -128,7 +140,8 @@ class ProfileDB:
         if self.device and other.device and self.device != other.device:
             raise SimError(f"cannot merge profiles of different devices ({self.device!r}, {other.device!r})")
         return ProfileDB(device=self.device or other.device, events_ms={**self.events_ms, **other.events_ms},
-                         sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta})
+                         sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta},
+                         contention={**self.contention, **other.contention})
 
     def missing(self, keys: list[str]) -> list[str]:
         return sorted(set(k for k in keys if k not in self.events_ms))

@@ -3,6 +3,7 @@
     megatron-oases profile --out p.json --nproc 2 <model> --tp 2 --pp 1 --dp 1 ...      one strategy
     megatron-oases profile --out p.json --nproc 4 --search --global-batch-size G <model>  a search's events
     megatron-oases profile --out p.json -- <megatron-oases train flags>                 a trainer run's events
+    megatron-oases profile --out p.json --emulate --topology T.yaml -- <train flags>    ... on its emulated cluster
 
 Compute events run on the local device; collectives and P2P on ``--nproc`` local ranks, taken as
 ranks 0..nproc-1 of ``--topology`` (default: one flat level named "local" of --nproc ranks, or
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads for compute events")
     p.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
+    p.add_argument("--emulate", action="store_true",
+                   help="with -- <train flags>: profile on the run's own emulated cluster (--topology or the "
+                        "trainer's; needs root): its ranks, links and CPU contention (sim.emulated_profile)")
+    p.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
     add_model_args(p)
     add_strategy_args(p)
     add_search_args(p)
@@ -53,6 +58,24 @@ def profile_main(argv: list[str] | None = None) -> int:
             from .predict import profile_train_args, sim_inputs_from_train_args
 
             targs = train_parser().parse_args(train_argv)
+            if a.emulate:
+                from .emulated_profile import profile_emulated
+                from .events import build_stage_events, unique_events
+
+                topo_name = a.topology or targs.topology
+                if not topo_name:
+                    raise SimError("--emulate needs --topology (or the trainer's --topology)")
+                topo = load_topology(topo_name)
+                model, strategy = sim_inputs_from_train_args(targs, topo.world_size)
+                events = unique_events(build_stage_events(model, strategy, topo))
+                if existing is not None:
+                    events = {k: e for k, e in events.items() if k not in existing.events_ms}
+                db = profile_emulated(events, topo, strategy, warmup=a.warmup, reps=a.reps, nice=a.nice)
+                db = existing.merged(db) if existing is not None else db
+                db.save(a.out)
+                print(f"{len(db.events_ms)} events measured on the emulated {topo.name} "
+                      f"({len(db.contention)} with contention levels {db.meta.get('busy_levels')}): {a.out}")
+                return 0
             world = sim_inputs_from_train_args(targs)[1].world_size
             settings = None
             if a.nproc or a.threads or a.device:

@@ -268,8 +268,27 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
     p2p = [[(price[ch.send_forward.key] if ch.send_forward else 0.0,
              price[ch.send_backward.key] if ch.send_backward else 0.0) for ch in st.chunks] for st in stages]
     orders = [schedule_order(s.schedule, i, s.pp, s.num_microbatches, s.virtual_stages) for i in range(s.pp)]
-    placements, last_end = place_pipeline(orders, [[(f.duration, b.duration) for f, b in tt] for tt in templates],
-                                          p2p, record=timeline)
+    contention = device.profile.contention if device.profile is not None else {}
+    if s.pp > 1 and any(k in contention for k in price):
+        # stages share compute (ranks > cores): durations by busy stages, fluid placement
+        from .contention import level_prices, place_pipeline_shared
+
+        levels = []
+        for j in range(1, s.pp + 1):
+            pj = level_prices(price, contention, j * s.tp * s.dp)
+            levels.append([[(run_template(ch.forward, st.chains, pj).duration,
+                             run_template(ch.backward, st.chains, pj).duration) for ch in st.chunks]
+                           for st in stages])
+        dur = [[([lv[i][c][0] for lv in levels], [lv[i][c][1] for lv in levels]) for c in range(len(st.chunks))]
+               for i, st in enumerate(stages)]
+        frac = [[tuple(min(1.0, x.compute_busy / x.duration) if x.duration > 0 else 0.0 for x in fb) for fb in tt]
+                for tt in templates]
+        placements, last_end = place_pipeline_shared(orders, dur, frac, p2p)
+        if not timeline:
+            placements = []
+    else:
+        placements, last_end = place_pipeline(orders, [[(f.duration, b.duration) for f, b in tt] for tt in templates],
+                                              p2p, record=timeline)
     tail = _tail(stages, price, last_end)
     iteration = max([*last_end, *(x.end for x in tail)])
     mem = tuple(stage_memory(model, s, st, orders[i]) for i, st in enumerate(stages))

@@ -20,10 +20,13 @@ def timeline_events(r: SimResult) -> list[dict[str, Any]]:
     last = r.strategy.pp * r.strategy.virtual_stages - 1
     for p in r.placements:
         tmpl = r.templates[p.stage][p.chunk][0 if p.phase == "F" else 1]
+        # a block stretched or shrunk by compute contention (sim.contention) scales its slots
+        k = (p.end - p.start) / tmpl.duration \
+            if tmpl.duration > 0 and abs(p.end - p.start - tmpl.duration) > 1e-9 else 1.0
         for sl in tmpl.slots:
             out.append({"stage": p.stage, "chunk": p.chunk, "stream": sl.stream, "name": sl.name, "key": sl.key,
                         "micro_batch": p.micro_batch, "phase": p.phase, "chain": sl.chain,
-                        "start": p.start + sl.start, "end": p.start + sl.start + sl.dur})
+                        "start": p.start + k * sl.start, "end": p.start + k * (sl.start + sl.dur)})
         send_f, send_b = r.p2p_ms[p.stage][p.chunk]
         g = p.chunk * r.strategy.pp + p.stage
         if p.phase == "F" and g < last:

@@ -1,0 +1,260 @@
+"""Profile a trainer run's events on the emulated interconnect, under the run's own CPU contention.
+
+``megatron-oases profile --emulate -- <train flags>`` (or :func:`profile_emulated`) launches one
+profiling process per rank of the run inside an ``EmulatedCluster`` of the run's topology, with
+the thread settings the trainer's ranks get there (``OMP_NUM_THREADS = cpus // ranks``), so
+
+* **collectives and P2P** cross the same rate-limited links, with every group that runs the same
+  collective at the same time in the trainer running it concurrently (the event's group shifted
+  along the TP and DP axes on which it is constant: the TP groups of all DP replicas of a stage,
+  the DP groups of all TP ranks, each (tp, dp) pair's P2P / tied-embedding pair) -- they share
+  links (a node's ``lo``, its NIC) as in the run. Time: the slowest rank's median; for P2P that
+  is the receiver's (gloo's ``send`` returns once the bytes are in the socket buffer).
+* **compute** events are timed with ``k`` ranks running the same event at once, for every ``k`` in
+  :func:`busy_levels` (the ranks of 1, 2, ..., PP stages: the numbers of ranks that compute at
+  once in the trainer). When ranks outnumber cores they time-share them; the time is the slowest
+  busy rank's median (TP peers and DP replicas proceed in lockstep). ``events_ms`` holds the
+  all-ranks-busy time; ``ProfileDB.contention[key] = {k: ms}`` holds every level, which the
+  simulator uses for pipelines whose stages are not always busy together (``sim.contention``).
+
+The profiling ranks are started with ``python -m megatron_oases.sim.emulated_profile PLAN OUTDIR``;
+each writes ``OUTDIR/rank<r>.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ..topology import Topology
+from .device_model import ProfileDB, SimError
+from .events import Event, Strategy
+
+
+# ---- planning (pure) --------------------------------------------------------------------------
+def coords(rank: int, s: Strategy) -> tuple[int, int, int]:
+    """(tp, dp, pp) of a rank in Megatron's order (TP fastest, then DP, then PP)."""
+    return rank % s.tp, (rank // s.tp) % s.dp, rank // (s.tp * s.dp)
+
+
+def sibling_groups(ranks: tuple[int, ...], s: Strategy) -> tuple[tuple[int, ...], ...]:
+    """The groups that run the same collective as ``ranks`` at the same time in the trainer: the
+    group shifted along the TP and DP axes on which its ranks agree (never along PP: other stages
+    run other events). ``ranks`` itself comes first."""
+    cs = [coords(r, s) for r in ranks]
+    tp_const = len({c[0] for c in cs}) == 1
+    dp_const = len({c[1] for c in cs}) == 1
+    out = [tuple(ranks)]
+    for dt in range(s.tp if tp_const else 1):
+        for dd in range(s.dp if dp_const else 1):
+            if dt == dd == 0:
+                continue
+            g = tuple(s.rank(tp=(c[0] + dt) % s.tp, dp=(c[1] + dd) % s.dp, pp=c[2]) for c in cs)
+            if g not in out:
+                out.append(g)
+    return tuple(out)
+
+
+def busy_levels(s: Strategy) -> list[int]:
+    """Numbers of ranks computing at once that a trainer run of ``s`` goes through: the ranks of
+    1..PP stages (TP peers and DP replicas compute together)."""
+    per_stage = s.tp * s.dp
+    return [per_stage * j for j in range(1, s.pp + 1)]
+
+
+def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
+               levels: list[int] | None = None) -> dict[str, Any]:
+    """JSON-able work for the profiling ranks: comm jobs (concurrent groups) and compute jobs."""
+    comm, compute, keys = [], [], {}
+    for k, e in events.items():
+        if e.kind == "compute":
+            compute.append({"key": k, "name": e.name, "dims": [[a, b] for a, b in e.dims]})
+            continue
+        kind = "p2p" if e.kind == "p2p" else e.op.kind
+        job = {"kind": kind, "groups": [list(g) for g in sibling_groups(tuple(e.ranks), s)],
+               "nbytes": max(4, int(e.nbytes))}
+        sig = json.dumps(job, sort_keys=True)
+        if sig not in keys:
+            keys[sig] = len(comm)
+            comm.append({**job, "keys": []})
+        comm[keys[sig]]["keys"].append(k)
+    return {"world": s.world_size, "levels": sorted(set(levels or busy_levels(s))), "warmup": warmup,
+            "reps": reps, "comm": comm, "compute": compute}
+
+
+def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
+                       ) -> tuple[dict[str, float], dict[str, dict[int, float]], dict[str, str]]:
+    """(events_ms, contention, sources) from every rank's medians: the slowest rank of a job."""
+    events, contention, sources = {}, {}, {}
+    for j, job in enumerate(plan["comm"]):
+        vals = [r["comm"][j] for r in per_rank if r["comm"][j] is not None]
+        if not vals:
+            raise SimError(f"no rank measured comm job {j} ({job['kind']} over {job['groups']})")
+        # the slowest rank; for p2p the receiver (both start after a barrier, and gloo's send
+        # returns once the bytes are in the socket buffer, long before they arrive)
+        ms = max(vals)
+        conc = f"; {len(job['groups'])} groups at once" if len(job["groups"]) > 1 else ""
+        for k in job["keys"]:
+            events[k] = ms
+            sources[k] = "measured on the emulated links" + conc
+    top = max(plan["levels"])
+    for i, job in enumerate(plan["compute"]):
+        by = {}
+        for lv_i, lv in enumerate(plan["levels"]):
+            vals = [r["compute"][i][lv_i] for r in per_rank if r["compute"][i][lv_i] is not None]
+            by[lv] = max(vals)
+        events[job["key"]] = by[top]
+        contention[job["key"]] = by
+        sources[job["key"]] = f"measured with {top} ranks computing at once"
+    return events, contention, sources
+
+
+# ---- the profiling rank -----------------------------------------------------------------------
+def _median_ms(fn, warmup: int, reps: int, before=None) -> float:
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    times = []
+    for _ in range(reps):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rank_main(plan_path: str, out_dir: str) -> None:
+    """One profiling rank (launched per rank by the emulator with the torchrun variables)."""
+    import torch
+    import torch.distributed as dist
+
+    from .workloads import compute_workload
+
+    plan = json.load(open(plan_path, encoding="utf-8"))
+    dist.init_process_group("gloo")
+    me, world = dist.get_rank(), dist.get_world_size()
+    if world != plan["world"]:
+        raise SimError(f"profiling plan is for {plan['world']} ranks, launched on {world}")
+    warmup, reps = plan["warmup"], plan["reps"]
+    groups: dict[tuple[int, ...], Any] = {}
+
+    def group(ranks) -> Any:
+        ranks = tuple(ranks)
+        if ranks not in groups:  # every rank creates every group in the same order
+            groups[ranks] = dist.new_group(list(ranks)) if len(ranks) < world else dist.group.WORLD
+        return groups[ranks]
+    for job in plan["comm"]:
+        for g in job["groups"]:
+            group(g)
+    for lv in plan["levels"]:
+        group(range(lv))
+    out: dict[str, Any] = {"rank": me, "threads": torch.get_num_threads(), "comm": [], "compute": []}
+    for job in plan["comm"]:
+        mine = next((tuple(g) for g in job["groups"] if me in g), None)
+        grp = group(mine) if mine else None
+        n = len(mine) if mine else 1
+        numel = max(1, job["nbytes"] // 4)
+        kind = job["kind"]
+        op = None
+        if mine and kind == "all_reduce":
+            x = torch.ones(numel)
+            op = lambda: dist.all_reduce(x, group=grp)  # noqa: E731
+        elif mine and kind == "all_gather":
+            x, big = torch.ones(max(1, numel // n)), torch.empty(max(1, numel // n) * n)
+            op = lambda: dist.all_gather_into_tensor(big, x, group=grp)  # noqa: E731
+        elif mine and kind == "reduce_scatter":
+            y = torch.empty(max(1, numel // n))
+            x = torch.ones(y.numel() * n)
+            op = lambda: dist.reduce_scatter_tensor(y, x, group=grp)  # noqa: E731
+        elif mine and kind == "p2p":
+            x = torch.ones(numel)
+            op = (lambda: dist.send(x, mine[1])) if me == mine[0] else (lambda: dist.recv(x, mine[0]))  # noqa: E731
+        ms = []
+        for i in range(warmup + reps):
+            dist.barrier()  # every group starts together, as in the trainer
+            if op is None:
+                continue
+            t0 = time.perf_counter()
+            op()
+            if i >= warmup:
+                ms.append((time.perf_counter() - t0) * 1e3)
+        out["comm"].append(statistics.median(ms) if ms else None)
+    dev = torch.device("cpu")
+    for job in plan["compute"]:
+        fn = compute_workload(job["name"], dict(job["dims"]), dev)
+        row = []
+        for lv in plan["levels"]:
+            dist.barrier()
+            if me < lv:
+                busy = group(range(lv))
+                row.append(_median_ms(fn, warmup, reps, before=lambda: dist.barrier(group=busy)))
+            else:
+                row.append(None)
+        out["compute"].append(row)
+        del fn
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{me}.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+# ---- the controller ---------------------------------------------------------------------------
+def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strategy, *, warmup: int = 2,
+                     reps: int = 5, timeout_s: float = 900.0, burst_ms: float | None = None,
+                     nice: int = 0) -> ProfileDB:
+    """Measure ``events`` with ``strategy.world_size`` ranks in an emulated cluster of ``topo``;
+    ``nice`` != 0 runs the ranks under ``nice -n`` (as the measured run should be)."""
+    import torch
+
+    from ..topology.emulate import EmulatedCluster, available_cpus, thread_env
+
+    if topo.world_size != strategy.world_size:
+        raise SimError(f"topology {topo.name!r} has {topo.world_size} ranks, the run {strategy.world_size}")
+    plan = build_plan(events, strategy, warmup=warmup, reps=reps)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory(prefix="oases_prof") as work:
+        plan_path = os.path.join(work, "plan.json")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(plan, f)
+        kw = {} if burst_ms is None else {"burst_ms": burst_ms}
+        env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        from ..topology.netns import EmulationError
+
+        pre = ["nice", "-n", str(nice)] if nice else []
+        try:
+            with EmulatedCluster(topo, **kw) as cluster:
+                res = cluster.launch(pre + [sys.executable, "-m", "megatron_oases.sim.emulated_profile", plan_path,
+                                            work], env=env, timeout=timeout_s, cwd=root)
+        except EmulationError as e:
+            raise SimError(f"cannot emulate {topo.name!r} for profiling: {e}") from None
+        if not res.ok:
+            tail = "\n".join(f"rank {r}: {o[-1500:]}" for r, o in enumerate(res.outputs) if o.strip())
+            raise SimError(f"emulated profiling failed (exit codes {res.returncodes}):\n{tail}")
+        per_rank = [json.load(open(os.path.join(work, f"rank{r}.json"), encoding="utf-8"))
+                    for r in range(strategy.world_size)]
+    ev, contention, sources = merge_rank_results(plan, per_rank)
+    threads = thread_env(dict(os.environ), strategy.world_size).get("OMP_NUM_THREADS",
+                                                                      os.environ.get("OMP_NUM_THREADS"))
+    meta = {"torch": torch.__version__, "topology": topo.name, "nproc": strategy.world_size, "emulated": True,
+            "warmup": warmup, "reps": reps, "threads": int(threads) if threads else per_rank[0]["threads"],
+            "host_cpus": available_cpus(), "busy_levels": plan["levels"], "nice": nice,
+            "loadavg": _loadavg(), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return ProfileDB(device="cpu:" + os.uname().machine, events_ms=ev, sources=sources, meta=meta,
+                     contention=contention)
+
+
+def _loadavg() -> str:
+    try:
+        return open("/proc/loadavg", encoding="utf-8").read().strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1], sys.argv[2])

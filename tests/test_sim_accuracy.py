@@ -1,0 +1,163 @@
+"""The pure logic behind the accuracy study (scripts/bench_sim_accuracy.py): compute contention
+(interpolation, fluid pipeline placement), the emulated profiler's plan (concurrent sibling
+groups, busy levels, merging ranks' results), the profile format's contention section, and the
+bench's error table. No timing asserts, no emulator."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+
+from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
+from megatron_oases.sim.device_model import ProfileDB, SimError, device_model
+from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.sim.profiler import local_topology
+from megatron_oases.sim.schedules import schedule_order
+from megatron_oases.sim.timeline import place_pipeline, simulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ModelConfig(num_layers=4, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
+
+
+def test_interpolate_and_block_duration():
+    lv = {2: 10.0, 4: 20.0}
+    assert interpolate(lv, 1) == 10.0 and interpolate(lv, 3) == 15.0 and interpolate(lv, 8) == 20.0
+    assert interpolate({4: 7.0}, 2) == 7.0
+    with pytest.raises(SimError):
+        interpolate({}, 1)
+    assert level_prices({"a": 1.0, "b": 5.0}, {"a": lv}, 3) == {"a": 15.0, "b": 5.0}
+    assert block_duration([1.0, 2.0], 1.0) == 1.0 and block_duration([1.0, 2.0], 1.5) == 1.5
+    assert block_duration([1.0, 2.0], 0.2) == 1.0 and block_duration([1.0, 2.0, 4.0], 9) == 4.0
+
+
+@pytest.mark.parametrize("pp,m,vp", [(2, 4, 1), (4, 8, 1), (2, 4, 2)])
+def test_shared_placement_without_contention_is_algorithm_1(pp, m, vp):
+    orders = [schedule_order("1f1b", s, pp, m, vp) for s in range(pp)]
+    fixed = [[(1.0 + 0.1 * s + c, 2.0 + 0.2 * s) for c in range(vp)] for s in range(pp)]
+    p2p = [[(0.3, 0.2) for _ in range(vp)] for _ in range(pp)]
+    ref, ref_end = place_pipeline(orders, fixed, p2p)
+    dur = [[([f] * pp, [b] * pp) for f, b in row] for row in fixed]
+    frac = [[(1.0, 1.0) for _ in range(vp)] for _ in range(pp)]
+    got, end = place_pipeline_shared(orders, dur, frac, p2p)
+    key = lambda p: (p.stage, p.chunk, p.phase, p.micro_batch)  # noqa: E731
+    assert len(got) == len(ref)
+    for a, b in zip(sorted(got, key=key), sorted(ref, key=key)):
+        assert key(a) == key(b) and a.start == pytest.approx(b.start) and a.end == pytest.approx(b.end)
+    assert end == pytest.approx(ref_end)
+
+
+def test_shared_placement_slows_overlapping_blocks():
+    # two stages, one micro-batch of F each way: stage 1's F waits for stage 0's, so they never
+    # overlap and run at the one-stage speed; a second micro-batch overlaps and slows down
+    orders = [schedule_order("gpipe", s, 2, 2, 1) for s in range(2)]
+    dur = [[([1.0, 2.0], [1.0, 2.0])] for _ in range(2)]
+    p2p = [[(0.0, 0.0)], [(0.0, 0.0)]]
+    full = [[(1.0, 1.0)], [(1.0, 1.0)]]
+    place, end = place_pipeline_shared(orders, dur, full, p2p)
+    f = {(p.stage, p.phase, p.micro_batch): p for p in place}
+    assert f[(0, "F", 0)].end == pytest.approx(1.0)  # alone
+    # stage 0's F1 and stage 1's F0 overlap from t=1: both at half speed (D = 2) -> end at 3
+    assert f[(0, "F", 1)].end == pytest.approx(3.0) and f[(1, "F", 0)].end == pytest.approx(3.0)
+    # a neighbour that computes half the time slows a block by half as much
+    half = [[(0.5, 0.5)], [(0.5, 0.5)]]
+    place, _ = place_pipeline_shared(orders, dur, half, p2p)
+    f = {(p.stage, p.phase, p.micro_batch): p for p in place}
+    assert f[(0, "F", 1)].end == pytest.approx(1.0 + 1.5)
+    assert max(end) > 0 and all(math.isfinite(x) for x in end)
+
+
+def test_sibling_groups_and_levels():
+    s = Strategy(tp=2, pp=2, dp=2)  # ranks: tp fastest, then dp, then pp
+    assert sibling_groups((0, 1), s) == ((0, 1), (2, 3))             # TP groups of both DP replicas
+    assert sibling_groups((0, 2), s) == ((0, 2), (1, 3))             # DP groups of both TP ranks
+    assert sibling_groups((4, 6), s) == ((4, 6), (5, 7))             # stage 1 stays on stage 1
+    assert set(sibling_groups((0, 4), s)) == {(0, 4), (1, 5), (2, 6), (3, 7)}  # p2p / tie pairs
+    assert sibling_groups((0, 1, 4, 5), s) == ((0, 1, 4, 5), (2, 3, 6, 7))     # grad-norm (TP x PP)
+    assert busy_levels(s) == [4, 8] and busy_levels(Strategy(tp=2)) == [2]
+
+
+def test_plan_and_merge():
+    s = Strategy(tp=2, pp=2, num_microbatches=2)
+    topo = local_topology(4)
+    events = unique_events(build_stage_events(TINY, s, topo))
+    plan = build_plan(events, s, warmup=1, reps=2)
+    assert plan["levels"] == [2, 4] and plan["world"] == 4
+    comm_keys = [k for j in plan["comm"] for k in j["keys"]]
+    assert sorted(comm_keys + [c["key"] for c in plan["compute"]]) == sorted(events)
+    # one job per distinct (kind, groups, bytes): same-size TP all-reduces share it
+    assert len(plan["comm"]) < len(comm_keys)
+    ranks = []
+    for r in range(4):
+        ranks.append({"comm": [1.0 + r if r in {x for g in j["groups"] for x in g} else None for j in plan["comm"]],
+                      "compute": [[1.0 + r if r < 2 else None, 2.0 + r] for _ in plan["compute"]]})
+    ev, cont, src = merge_rank_results(plan, ranks)
+    c0 = plan["compute"][0]["key"]
+    assert cont[c0] == {2: 2.0, 4: 5.0} and ev[c0] == 5.0  # slowest busy rank; all-busy in events_ms
+    p2p = next(j for j in plan["comm"] if j["kind"] == "p2p")
+    assert ev[p2p["keys"][0]] == 1.0 + max(x for g in p2p["groups"] for x in g)  # p2p: the receiver
+    assert set(ev) == set(events) and all(src.values())
+
+
+def test_profile_contention_roundtrip_and_simulation(tmp_path):
+    s = Strategy(tp=2, pp=2, num_microbatches=4)
+    topo = local_topology(4)
+    dm = device_model(topo, gpu="a100-80gb")
+    base = simulate(TINY, s, dm, memory_limit_GB=0)
+    from megatron_oases.sim.timeline import price_events
+
+    price = price_events(build_stage_events(TINY, s, topo), dm)
+    comp = [k for k in price if k.startswith("compute:")]
+    # equal levels: contention changes nothing
+    same = ProfileDB(device="x", events_ms=price, contention={k: {2: price[k], 4: price[k]} for k in comp})
+    p = tmp_path / "p.json"
+    same.save(p)
+    back = ProfileDB.load(p)
+    assert back.contention == same.contention
+    r = simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=back), memory_limit_GB=0)
+    assert r.iteration_ms == pytest.approx(base.iteration_ms)
+    # a stage computing alone is twice as fast: the step gets shorter, but not below the
+    # all-alone bound
+    fast = ProfileDB(device="x", events_ms=price, contention={k: {2: price[k] / 2, 4: price[k]} for k in comp})
+    r2 = simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=fast), memory_limit_GB=0)
+    assert r2.iteration_ms < base.iteration_ms
+    half = ProfileDB(device="x", events_ms={k: v / 2 if k in comp else v for k, v in price.items()})
+    assert r2.iteration_ms >= simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=half),
+                                       memory_limit_GB=0).iteration_ms - 1e-9
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_sim_accuracy", os.path.join(ROOT, "scripts",
+                                                                                    "bench_sim_accuracy.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_table_and_errors():
+    b = _bench()
+    rows = [{"config": "a", "strategy": "tp2", "ranks": 2, "predicted_ms": 105.0, "measured_ms": 100.0,
+             "error_pct": 5.0},
+            {"config": "b", "strategy": "pp2", "ranks": 2, "predicted_ms": 90.0, "measured_ms": 100.0,
+             "error_pct": -10.0},
+            {"config": "c", "strategy": "dp2", "ranks": 2, "predicted_ms": 101.0, "measured_ms": 100.0,
+             "error_pct": 1.0}]
+    assert b.error_summary(rows) == {"median_abs_error_pct": 5.0, "max_abs_error_pct": 10.0, "configs": 3}
+    t = b.format_table(rows)
+    assert "| b | pp2 | 2 | 90.0 | 100.0 | -10.0 |" in t and "median |error| 5.0%" in t
+    assert b.world_of(b.CONFIGS["tp2dp2"][0]) == 4 and len(b.DEFAULT_CONFIGS) >= 6
+    for world in (2, 4):
+        import argparse
+
+        from megatron_oases.topology import load_topology
+
+        a = argparse.Namespace(intra_GBps=0.1, inter_GBps=0.1)
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"acc_test_topo{os.getpid()}_{world}.yaml")
+        with open(path, "w") as f:
+            f.write(b.topology_yaml(world, a))
+        try:
+            assert load_topology(path).world_size == world
+        finally:
+            os.remove(path)
