@@ -6,6 +6,9 @@ import argparse
 import json
 import statistics
 
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+"""Megatron's full recompute of every layer, the baseline the Oases benchmarks compare with."""
+
 
 def add_model_args(p: argparse.ArgumentParser, *, hidden: int, heads: int, seq: int,
                    iters: int, warmup: int, layers: int = 2) -> None:

@@ -35,9 +35,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import add_model_args, fmt, model_flags, step_stats  # noqa: E402
+from bench_common import RECOMPUTE, add_model_args, fmt, model_flags, step_stats  # noqa: E402
 
-RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 VARIANTS = {
     "stock": ["--schedule", "default"] + RECOMPUTE,
     "oases": ["--schedule", "oases"] + RECOMPUTE,

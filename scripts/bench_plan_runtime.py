@@ -44,9 +44,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import add_model_args, fmt, model_flags, print_table, step_stats  # noqa: E402
+from bench_common import RECOMPUTE, add_model_args, fmt, model_flags, print_table, step_stats  # noqa: E402
 
-RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 SCHEDULES = {"stock": ["--schedule", "default"] + RECOMPUTE, "oases": ["--schedule", "oases"] + RECOMPUTE}
 LOCK = "/tmp/oases_bench.lock"
 

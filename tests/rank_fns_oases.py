@@ -33,6 +33,17 @@ def run_training(n: int, argv: list[str], timeout_s: float = 240) -> dict:
     return {"losses": out[-1]["losses"], "grads": out[0]["grads"]}
 
 
+_CACHE: dict = {}
+
+
+def cached_training(n: int, argv: list[str]) -> dict:
+    """``run_training`` once per (ranks, argv) in this test process (stock references)."""
+    key = (n, tuple(argv))
+    if key not in _CACHE:
+        _CACHE[key] = run_training(n, argv)
+    return _CACHE[key]
+
+
 def count_recompute_collectives(argv: list[str]):
     """One training step under a CommCounter: collectives by tag ("" forward/backward,
     "recompute") on this rank."""

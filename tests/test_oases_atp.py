@@ -8,7 +8,7 @@ import pytest
 
 from megatron_oases.parallel.dims import ConfigError
 from tests.conftest import assert_same_training
-from tests.rank_fns_oases import count_recompute_collectives, run_training
+from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
 
 TOL = 1e-5
 LAYERS = 3  # first (enters the mesh layout), middle, last (leaves it)
@@ -29,15 +29,9 @@ def _layout(tp: int, mesh: str, *extra: str) -> list[str]:
 _run = run_training
 
 
-_REFS: dict = {}
-
-
 def _reference(n, layout):
-    """Stock schedule, same ATP mesh, Megatron's full recompute (cached per layout)."""
-    key = (n, tuple(layout))
-    if key not in _REFS:
-        _REFS[key] = _run(n, MODEL + RECOMPUTE + layout)
-    return _REFS[key]
+    """Stock schedule, same layout, Megatron's full recompute (one run per layout)."""
+    return cached_training(n, MODEL + RECOMPUTE + layout)
 
 
 def _assert_parity(got, ref):

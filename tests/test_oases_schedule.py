@@ -7,7 +7,7 @@ import pytest
 
 from megatron_oases.parallel.dims import ConfigError
 from tests.conftest import assert_same_training
-from tests.rank_fns_oases import count_recompute_collectives, run_training
+from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
 
 TOL = 1e-5
 # SGD: Adam turns float noise in near-zero gradients into lr-sized steps (see test_parity_baseline),
@@ -23,14 +23,9 @@ OASES = ["--schedule", "oases"]
 _run = run_training
 
 
-_REFS: dict = {}
-
-
 def _reference(n, layout):
-    key = (n, tuple(layout))
-    if key not in _REFS:
-        _REFS[key] = _run(n, MODEL + RECOMPUTE + layout)
-    return _REFS[key]
+    """Stock schedule, same layout, Megatron's full recompute (one run per layout)."""
+    return cached_training(n, MODEL + RECOMPUTE + layout)
 
 
 def _assert_parity(got, ref):
