@@ -42,6 +42,20 @@ def test_group_ranks():
         reshard_group_ranks([0, 1, 2, 3], 4, 2)
 
 
+def test_batch_masks_follow_the_replica():
+    import torch
+
+    from megatron_oases.parallel.degree_groups import DegreeGroups, narrow_batch_mask
+
+    g = DegreeGroups(tp_size=4, tp_index=3, sub={}, reshard={})
+    mask = torch.arange(8).view(8, 1, 1, 1)
+    assert narrow_batch_mask(mask, g, 2, 8).flatten().tolist() == [4, 5, 6, 7]
+    assert narrow_batch_mask(mask, g, 1, 8).flatten().tolist() == [6, 7]
+    assert narrow_batch_mask(mask, g, 4, 8) is mask  # degree T: the whole batch
+    shared = torch.ones(1, 1, 4, 4)
+    assert narrow_batch_mask(shared, g, 2, 8) is shared and narrow_batch_mask(None, g, 2, 8) is None
+
+
 def _runs(n, argv):
     from megatron_oases.runtime.spawn import run_on_ranks
 

@@ -72,7 +72,7 @@ class PlannedTransformerLayer(TransformerLayer):
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
-        batch = hidden.shape[1]
+        batch = hidden.shape[1] * (g.tp_size // self.input_degree)  # the whole micro-batch
         for name in _BATCH_KWARGS:
             if kwargs.get(name) is not None:
                 kwargs[name] = narrow_batch_mask(kwargs[name], g, self.tp_degree, batch)
