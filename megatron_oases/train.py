@@ -147,19 +147,27 @@ def train_step(tr: Trainer, iteration: int) -> dict:
     for m in tr.model:
         m.zero_grad_buffer()
     tr.optimizer.zero_grad()
+    t0 = time.perf_counter()
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=data,
         model=tr.model if len(tr.model) > 1 else tr.model[0],
         num_microbatches=tr.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
+    tr.runtime.synchronize()
+    t1 = time.perf_counter()
     ok, grad_norm, _ = tr.optimizer.step()
+    tr.runtime.synchronize()
+    t2 = time.perf_counter()
     loss = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         value = torch.stack([d["lm loss"] for d in losses]).mean()
         torch.distributed.all_reduce(value, group=ps.get_data_parallel_group())
         loss = (value / tr.dp_size).item()
     return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-            "update_successful": bool(ok)}
+            "update_successful": bool(ok),
+            # Phases of the step, for comparing with the simulator (forward-backward includes
+            # finalize_model_grads: DP, tied-embedding and replica gradient reductions).
+            "forward_backward_ms": (t1 - t0) * 1e3, "optimizer_ms": (t2 - t1) * 1e3}
 
 
 def is_logging_rank() -> bool:
@@ -198,7 +206,9 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                    "step_ms": step_s * 1e3,
                    "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
                    "tflops_per_rank": flops / step_s / world / 1e12,
-                   "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20}
+                   "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20,
+                   "forward_backward_ms": out["forward_backward_ms"],
+                   "optimizer_ms": out["optimizer_ms"]}
             if args.schedule == "oases":
                 from megatron_oases.schedules.oases.block import oases_saved_bytes
 

@@ -48,75 +48,20 @@ import bench_common  # noqa: E402
 
 
 # ---- per-rank wrapper: count collective bytes and peak memory per training step -----------------
-# (positional index of the tensor whose size counts, how it is sized, wire factor kind)
-_COUNTED = {
-    "all_reduce": (0, "t", "ar"),
-    "all_gather_into_tensor": (0, "t", "ag"),
-    "_all_gather_base": (0, "t", "ag"),
-    "all_gather": (0, "list", "ag"),
-    "reduce_scatter_tensor": (1, "t", "ag"),
-    "_reduce_scatter_base": (1, "t", "ag"),
-    "reduce_scatter": (1, "list", "ag"),
-    "broadcast": (0, "t", "ag"),
-    "reduce": (0, "t", "ag"),
-    "all_to_all_single": (1, "t", "ag"),
-}
-
-
 def rank_main(argv: list[str]) -> int:
     """``--rank-main --stats-out PREFIX -- <trainer flags>``: run ``megatron_oases.train`` on this
     rank with every ``torch.distributed`` collective counted while a training step runs, and write
     ``PREFIX.rank<R>.json`` with per-step bytes and peak memory.
 
-    Wire bytes per rank follow ``CommCounter``: all-reduce 2 (n-1)/n x size, the others (n-1)/n x
-    the full (gathered / scattered) size. Groups of one rank are not counted. The patch is applied
-    before Megatron is imported (it binds ``all_gather_into_tensor`` at import time)."""
-    import inspect
-
-    import torch.distributed as dist
-
+    Wire bytes per rank as ``bench_common.count_dist_calls`` counts them (groups of one rank are
+    not counted); the patch is applied before Megatron is imported."""
     p = argparse.ArgumentParser()
     p.add_argument("--stats-out", required=True)
     a, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    state = {"on": False, "depth": 0, "wire": 0.0, "payload": 0.0, "calls": 0, "kinds": {}}
-
-    def wrap(name, orig, idx, how, fk):
-        sig = inspect.signature(orig)
-
-        def counted(*args, **kwargs):
-            if state["on"] and state["depth"] == 0:
-                try:
-                    bound = sig.bind_partial(*args, **kwargs).arguments
-                    group = bound.get("group")
-                    n = dist.get_world_size(group)
-                    t = args[idx] if len(args) > idx else list(bound.values())[idx]
-                    ts = t if how == "list" else [t]
-                    size = sum(x.numel() * x.element_size() for x in ts)
-                except Exception:  # noqa: BLE001 - counting must never break training
-                    n, size = 1, 0
-                if n > 1:
-                    wire = (2.0 * (n - 1) / n if fk == "ar" else (n - 1) / n) * size
-                    state["wire"] += wire
-                    state["payload"] += size
-                    state["calls"] += 1
-                    k = state["kinds"].setdefault(name, [0, 0.0])
-                    k[0] += 1
-                    k[1] += wire
-            state["depth"] += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                state["depth"] -= 1
-
-        counted.__name__ = name
-        return counted
-
-    for name, (idx, how, fk) in _COUNTED.items():
-        orig = getattr(dist, name, None)
-        if orig is not None:
-            setattr(dist, name, wrap(name, orig, idx, how, fk))
+    state: dict = {}
+    bench_common.count_dist_calls(state)
 
     import megatron_oases.train as T
 

@@ -1,10 +1,11 @@
 """Pieces the benchmark scripts share: model flags of the reference trainer, step statistics
-from its --log-json lines, and the printed table."""
+from its --log-json lines, the printed table, and a counter of torch.distributed calls."""
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 """Megatron's full recompute of every layer, the baseline the Oases benchmarks compare with."""
@@ -57,3 +58,91 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print(" | ".join(f"{c:>{w[c]}s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{fmt(r.get(c)):>{w[c]}s}" for c in cols))
+
+
+COUNTED_COLLECTIVES = {
+    # name: (index of the tensor argument, "t" tensor | "list" of tensors, ring factor kind)
+    "all_reduce": (0, "t", "ar"),
+    "all_gather_into_tensor": (0, "t", "ag"),
+    "_all_gather_base": (0, "t", "ag"),
+    "all_gather": (0, "list", "ag"),
+    "reduce_scatter_tensor": (1, "t", "ag"),
+    "_reduce_scatter_base": (1, "t", "ag"),
+    "reduce_scatter": (1, "list", "ag"),
+    "broadcast": (0, "t", "ag"),
+    "reduce": (0, "t", "ag"),
+    "all_to_all_single": (1, "t", "ag"),
+}
+
+
+class _TimedWork:
+    """An async handle whose ``wait()`` counts as time blocked in communication."""
+
+    def __init__(self, work, state: dict):
+        self._work, self._state = work, state
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            if self._state["on"]:
+                self._state["comm"] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def count_dist_calls(state: dict, *, timed: bool = False) -> None:
+    """Wrap ``torch.distributed``'s collectives (including Megatron's own calls) so that, while
+    ``state["on"]``, each outermost call on more than one rank adds to ``state``: ``wire`` bytes
+    per rank (all-reduce 2 (n-1)/n x size, the others (n-1)/n x the full size, as
+    ``CommCounter``), ``payload``, ``calls``, ``kinds[name] = [calls, wire]`` and, with ``timed``,
+    ``comm`` seconds blocked (the call, plus ``wait()`` on its async handle). Apply it before
+    Megatron is imported: it binds ``all_gather_into_tensor`` at import time."""
+    import inspect
+
+    import torch.distributed as dist
+
+    for key, value in (("on", False), ("depth", 0), ("wire", 0.0), ("payload", 0.0),
+                       ("calls", 0), ("comm", 0.0), ("kinds", {})):
+        state.setdefault(key, value)
+
+    def wrap(name, orig, idx, how, fk):
+        sig = inspect.signature(orig)
+
+        def counted(*args, **kwargs):
+            if not state["on"] or state["depth"]:
+                return orig(*args, **kwargs)
+            try:
+                bound = sig.bind_partial(*args, **kwargs).arguments
+                n = dist.get_world_size(bound.get("group"))
+                t = args[idx] if len(args) > idx else list(bound.values())[idx]
+                size = sum(x.numel() * x.element_size() for x in (t if how == "list" else [t]))
+            except Exception:  # noqa: BLE001 - counting must never break training
+                n, size = 1, 0
+            if n <= 1:
+                return orig(*args, **kwargs)
+            wire = (2.0 * (n - 1) / n if fk == "ar" else (n - 1) / n) * size
+            state["wire"] += wire
+            state["payload"] += size
+            state["calls"] += 1
+            k = state["kinds"].setdefault(name, [0, 0.0])
+            k[0] += 1
+            k[1] += wire
+            state["depth"] += 1
+            t0 = time.perf_counter()
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                state["comm"] += time.perf_counter() - t0
+                state["depth"] -= 1
+            return _TimedWork(out, state) if timed and out is not None and kwargs.get("async_op") else out
+
+        counted.__name__ = name
+        return counted
+
+    for name, (idx, how, fk) in COUNTED_COLLECTIVES.items():
+        orig = getattr(dist, name, None)
+        if orig is not None:
+            setattr(dist, name, wrap(name, orig, idx, how, fk))

@@ -158,73 +158,13 @@ def rank_main(argv: list[str]) -> int:
     every ``torch.distributed`` collective counted (bytes, as ``bench_atp.rank_main``) and timed
     (blocked wall time: the call, plus ``wait()`` on an async handle) while a step runs, and the
     step's process CPU time; writes ``PREFIX.rank<R>.json``."""
-    import inspect
-
-    import torch.distributed as dist
-
-    from bench_atp import _COUNTED
-
     p = argparse.ArgumentParser()
     p.add_argument("--stats-out", required=True)
     a, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    st = {"on": False, "depth": 0, "wire": 0.0, "calls": 0, "comm": 0.0, "kinds": {}}
-
-    class TimedWork:
-        """An async handle whose ``wait()`` counts as time blocked in communication."""
-
-        def __init__(self, work):
-            self._work = work
-
-        def wait(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return self._work.wait(*args, **kwargs)
-            finally:
-                if st["on"]:
-                    st["comm"] += time.perf_counter() - t0
-
-        def __getattr__(self, name):
-            return getattr(self._work, name)
-
-    def wrap(name, orig, idx, how, fk):
-        sig = inspect.signature(orig)
-
-        def counted(*args, **kwargs):
-            if not st["on"] or st["depth"]:
-                return orig(*args, **kwargs)
-            try:
-                bound = sig.bind_partial(*args, **kwargs).arguments
-                n = dist.get_world_size(bound.get("group"))
-                t = args[idx] if len(args) > idx else list(bound.values())[idx]
-                size = sum(x.numel() * x.element_size() for x in (t if how == "list" else [t]))
-            except Exception:  # noqa: BLE001 - counting must never break training
-                n, size = 1, 0
-            if n <= 1:
-                return orig(*args, **kwargs)
-            wire = (2.0 * (n - 1) / n if fk == "ar" else (n - 1) / n) * size
-            st["wire"] += wire
-            st["calls"] += 1
-            k = st["kinds"].setdefault(name, [0, 0.0])
-            k[0] += 1
-            k[1] += wire
-            st["depth"] += 1
-            t0 = time.perf_counter()
-            try:
-                out = orig(*args, **kwargs)
-            finally:
-                st["comm"] += time.perf_counter() - t0
-                st["depth"] -= 1
-            return TimedWork(out) if out is not None and kwargs.get("async_op") else out
-
-        counted.__name__ = name
-        return counted
-
-    for name, (idx, how, fk) in _COUNTED.items():
-        orig = getattr(dist, name, None)
-        if orig is not None:
-            setattr(dist, name, wrap(name, orig, idx, how, fk))
+    st: dict = {}
+    bench_common.count_dist_calls(st, timed=True)
 
     import megatron_oases.train as T
 
