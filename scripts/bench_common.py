@@ -1,11 +1,73 @@
 """Pieces the benchmark scripts share: model flags of the reference trainer, step statistics
-from its --log-json lines, the printed table, and a counter of torch.distributed calls."""
+from its --log-json lines, the printed table, a counter of torch.distributed calls, the
+machine-wide benchmark lock, and topology YAML for the emulated interconnect."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import statistics
 import time
+
+BENCH_LOCK = "/tmp/oases_bench.lock"
+"""Every timed run holds this lock, so benchmarks on the 2-core machine never overlap
+(shell: ``flock /tmp/oases_bench.lock <cmd>``)."""
+
+
+@contextlib.contextmanager
+def bench_lock(path: str = BENCH_LOCK):
+    """Hold the machine-wide benchmark lock; yields the seconds spent waiting for it."""
+    with open(path, "a") as f:
+        t0 = time.time()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield time.time() - t0
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages, recorded next to every timing."""
+    try:
+        return " ".join(open("/proc/loadavg", encoding="utf-8").read().split()[:3])
+    except OSError:
+        return ""
+
+
+def topology_yaml(name: str, description: str, levels, device: str | None = None) -> str:
+    """A topology YAML for the emulator; ``levels`` are (name, size, scope, GB/s per rank,
+    latency us) from the innermost out."""
+    out = [f"name: {name}", f"description: {description}"] + ([f"device: {device}"] if device else [])
+    out.append("levels:")
+    for lname, size, scope, gbps, lat in levels:
+        out.append(f"  - {{name: {lname}, size: {size}, scope: {scope}, p2p_bandwidth_GBps: {gbps}, "
+                   f"group_bandwidth_GBps: {gbps}, latency_us: {lat}}}")
+    return "\n".join(out) + "\n"
+
+
+def flat_topology_yaml(name: str, world: int, link_GBps: float) -> str:
+    """One emulated node of ``world`` ranks whose loopback is rate-limited to ``link_GBps`` per rank."""
+    return topology_yaml(name, f"one node, {world} ranks, rate-limited loopback",
+                         [("lo", world, "intra_node", link_GBps, 20)])
+
+
+def write_topology(workdir: str, name: str, text: str) -> str:
+    """Write ``text`` to ``workdir/name.yaml``; returns the path."""
+    import os
+
+    path = os.path.join(workdir, f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def two_level_topology_yaml(name: str, description: str, intra_GBps: float, inter_GBps: float,
+                            device: str | None = None) -> str:
+    """2 nodes x 2 ranks: ``lo`` inside a node, ``veth`` between nodes."""
+    return topology_yaml(name, description, [("lo", 2, "intra_node", intra_GBps, 20),
+                                             ("veth", 2, "inter_node", inter_GBps, 50)], device)
+
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 """Megatron's full recompute of every layer, the baseline the Oases benchmarks compare with."""

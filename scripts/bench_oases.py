@@ -35,7 +35,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import RECOMPUTE, add_model_args, fmt, model_flags, step_stats  # noqa: E402
+from bench_common import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
+                          model_flags, step_stats)
 
 VARIANTS = {
     "stock": ["--schedule", "default"] + RECOMPUTE,
@@ -46,13 +47,6 @@ VARIANTS = {
                  "--no-oases-fine-grained-recompute"] + RECOMPUTE,
     "compute": ["--schedule", "oases", "--oases-skip-tp-collectives"] + RECOMPUTE,
 }
-
-
-def topology_yaml(tp: int, link_GBps: float) -> str:
-    return (f"name: bench-flat{tp}\ndescription: one node, {tp} ranks, rate-limited loopback\n"
-            f"levels:\n  - name: lo\n    size: {tp}\n    scope: intra_node\n"
-            f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps}\n"
-            f"    latency_us: 20\n")
 
 
 def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
@@ -102,7 +96,7 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
     if not a.no_emulate:
         topo = os.path.join(workdir, f"bench-flat{tp}.yaml")
         with open(topo, "w", encoding="utf-8") as f:
-            f.write(topology_yaml(tp, a.link_GBps))
+            f.write(flat_topology_yaml(f"bench-flat{tp}", tp, a.link_GBps))
     rows = []
     for name in a.variants:
         log = os.path.join(workdir, f"tp{tp}-{name}.jsonl")

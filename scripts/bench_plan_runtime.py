@@ -26,10 +26,8 @@ local ranks: a smoke test, not a measurement). Timed runs hold ``/tmp/oases_benc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
-import fcntl
 import json
 import os
 import statistics
@@ -44,21 +42,10 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import RECOMPUTE, add_model_args, fmt, model_flags, print_table, step_stats  # noqa: E402
+from bench_common import (RECOMPUTE, add_model_args, bench_lock, fmt, loadavg, model_flags,  # noqa: E402
+                          print_table, step_stats, two_level_topology_yaml, write_topology)
 
 SCHEDULES = {"stock": ["--schedule", "default"] + RECOMPUTE, "oases": ["--schedule", "oases"] + RECOMPUTE}
-LOCK = "/tmp/oases_bench.lock"
-
-
-def topology_yaml(intra: float, inter: float) -> str:
-    return ("name: bench-plan-2x2\ndescription: 2 nodes x 2 ranks, fast intra / slow inter\n"
-            "device: rtx-3090\nlevels:\n"
-            f"  - name: lo\n    size: 2\n    scope: intra_node\n    p2p_bandwidth_GBps: {intra}\n"
-            f"    group_bandwidth_GBps: {intra}\n    latency_us: 20\n"
-            f"  - name: veth\n    size: 2\n    scope: inter_node\n    p2p_bandwidth_GBps: {inter}\n"
-            f"    group_bandwidth_GBps: {inter}\n    latency_us: 50\n")
-
-
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rho (average ranks for ties)."""
     def ranks(v):
@@ -80,16 +67,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     sx = sum((a - mx) ** 2 for a in rx) ** 0.5
     sy = sum((b - my) ** 2 for b in ry) ** 0.5
     return cov / (sx * sy) if sx and sy else float("nan")
-
-
-@contextlib.contextmanager
-def bench_lock():
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def plan_model(a):
@@ -172,7 +149,7 @@ def run_plan(a, layer_degrees, workdir: str, topo_path: str | None) -> dict:
     log = os.path.join(workdir, f"plan-{tag}.jsonl")
     flags = model_flags(a, a.tp) + SCHEDULES[a.schedule] + ["--oases-plan", plan, "--log-json", log]
     with bench_lock():
-        load = open("/proc/loadavg").read().split()[0]
+        load = loadavg().split()[0]
         if topo_path is None:
             out = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node",
                                   str(a.tp)] + flags, capture_output=True, text=True, cwd=ROOT)
@@ -227,9 +204,9 @@ def main(argv=None) -> int:
     from megatron_oases.topology import load_topology
 
     workdir = tempfile.mkdtemp(prefix="bench-plan-")
-    topo_path = os.path.join(workdir, "topology.yaml")
-    with open(topo_path, "w", encoding="utf-8") as f:
-        f.write(topology_yaml(a.intra_GBps, a.inter_GBps))
+    topo_path = write_topology(workdir, "topology", two_level_topology_yaml(
+        "bench-plan-2x2", "2 nodes x 2 ranks, fast intra / slow inter", a.intra_GBps,
+        a.inter_GBps, device="rtx-3090"))
     topo = load_topology(topo_path)
     m = plan_model(a)
     t0 = time.perf_counter()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import fcntl
 import json
 import os
 import statistics
@@ -40,9 +39,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import step_stats  # noqa: E402
-
-LOCK = "/tmp/oases_bench.lock"
+import bench_common  # noqa: E402
+from bench_common import loadavg, step_stats  # noqa: E402
 
 # name -> (trainer flags for the split / schedule, what it exercises)
 CONFIGS = {
@@ -61,13 +59,6 @@ CONFIGS = {
                "DP 2 x PP 2: P2P and DP across nodes"),
 }
 DEFAULT_CONFIGS = ["tp2", "tp2-oases", "pp2", "dp2", "tp2pp2", "tp2dp2", "tp2pp2-oases"]
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(open("/proc/loadavg", encoding="utf-8").read().split()[:3])
-    except OSError:
-        return ""
 
 
 def runnable_now(samples: int = 10, dt: float = 0.1) -> float:
@@ -95,34 +86,23 @@ def wait_quiet(max_runnable: float, max_wait_s: float) -> float:
 
 
 @contextlib.contextmanager
-def bench_lock(path: str = LOCK):
-    """Exclusive lock shared with every other benchmark on this machine (flock)."""
-    with open(path, "a+") as f:
-        t0 = time.time()
-        fcntl.flock(f, fcntl.LOCK_EX)
-        waited = time.time() - t0
+def bench_lock():
+    """``bench_common.bench_lock``, saying when it had to wait."""
+    with bench_common.bench_lock() as waited:
         if waited > 1:
-            print(f"    (waited {waited:.0f} s for {path})", flush=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            print(f"    (waited {waited:.0f} s for {bench_common.BENCH_LOCK})", flush=True)
+        yield
 
 
 def topology_yaml(world: int, a) -> str:
     """Two ranks: one emulated node. Four: 2 nodes x 2 ranks (TP inside a node, DP / PP across)."""
     if world == 2:
-        return (f"name: acc-flat2\ndescription: bench_sim_accuracy, 1 node x 2 ranks\nlevels:\n"
-                f"  - {{name: lo, size: 2, scope: intra_node, p2p_bandwidth_GBps: {a.intra_GBps},"
-                f" group_bandwidth_GBps: {a.intra_GBps}, latency_us: 20}}\n")
+        return bench_common.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
+                                          [("lo", 2, "intra_node", a.intra_GBps, 20)])
     if world == 4:
         # 4 ranks share 2 cores: compute is ~2x slower, so the links are too (comm ~ compute)
-        intra, inter = a.intra_GBps / 2, a.inter_GBps
-        return (f"name: acc-2x2\ndescription: bench_sim_accuracy, 2 nodes x 2 ranks\nlevels:\n"
-                f"  - {{name: lo, size: 2, scope: intra_node, p2p_bandwidth_GBps: {intra},"
-                f" group_bandwidth_GBps: {intra}, latency_us: 20}}\n"
-                f"  - {{name: veth, size: 2, scope: inter_node, p2p_bandwidth_GBps: {inter},"
-                f" group_bandwidth_GBps: {inter}, latency_us: 50}}\n")
+        return bench_common.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
+                                                    a.intra_GBps / 2, a.inter_GBps)
     raise SystemExit(f"no topology for {world} ranks")
 
 

@@ -34,16 +34,12 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import bench_atp  # noqa: E402  (shared launcher and byte-counting rank wrapper)
+import bench_common  # noqa: E402
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
-    path = os.path.join(workdir, f"bench-flat{world}.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"name: bench-flat{world}\ndescription: one node, {world} ranks, rate-limited lo\n"
-                f"levels:\n  - name: lo\n    size: {world}\n    scope: intra_node\n"
-                f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps}\n"
-                f"    latency_us: 20\n")
-    return path
+    name = f"bench-flat{world}"
+    return bench_common.write_topology(workdir, name, bench_common.flat_topology_yaml(name, world, link_GBps))
 
 
 def predicted_layer_bytes(a, variant: str, mesh: tuple[int, int] | None) -> float:

@@ -43,10 +43,8 @@ the box at all.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
-import fcntl
 import json
 import os
 import statistics
@@ -220,32 +218,11 @@ def rank_stats(paths: list[str], warmup: int) -> dict:
 
 # ---- launching ----------------------------------------------------------------------------------
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
-    path = os.path.join(workdir, f"scaling-flat{world}.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"name: scaling-flat{world}\ndescription: one node, {world} ranks, rate-limited lo\n"
-                f"levels:\n  - name: lo\n    size: {world}\n    scope: intra_node\n"
-                f"    p2p_bandwidth_GBps: {link_GBps}\n    group_bandwidth_GBps: {link_GBps}\n"
-                f"    latency_us: 20\n")
-    return path
+    name = f"scaling-flat{world}"
+    return bench_common.write_topology(workdir, name, bench_common.flat_topology_yaml(name, world, link_GBps))
 
 
-@contextlib.contextmanager
-def bench_lock(path: str):
-    """Exclusive lock shared with ``flock PATH <cmd>`` (other benchmarks on the box)."""
-    with open(path, "a") as f:
-        t0 = time.time()
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield time.time() - t0
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
-
-def loadavg() -> str:
-    try:
-        return " ".join(open("/proc/loadavg").read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def launch(cmd: list[str], world: int, topo_path: str, env: dict, timeout: float,
@@ -289,12 +266,12 @@ def run_point(a, pt: dict, rep: int, workdir: str) -> dict:
            "--topology", topo, *model_flags(a, P, pt["hidden"], pt["micro_batch"]), *pt["flags"],
            "--log-json", log]
     env = {"OMP_NUM_THREADS": "1"} if pt["variant"] == "serial 1thr" else {}
-    with bench_lock(a.lock) as waited:
-        load0 = loadavg()
+    with bench_common.bench_lock(a.lock) as waited:
+        load0 = bench_common.loadavg()
         t0 = time.time()
         launch(cmd, P, topo, env, a.timeout, not a.no_emulate)
         wall = time.time() - t0
-        load1 = loadavg()
+        load1 = bench_common.loadavg()
     recs = [json.loads(line) for line in open(log, encoding="utf-8")]
     timed = [r["step_ms"] for r in recs[a.warmup:]] or [r["step_ms"] for r in recs]
     return {"steps_ms": timed, "loss": recs[-1]["lm_loss"], "wall_s": round(wall, 1),
@@ -412,7 +389,7 @@ def main(argv=None) -> int:
     bench_common.add_model_args(p, hidden=512, heads=8, seq=64, iters=5, warmup=2)
     p.set_defaults(hidden=None, micro_batch=None)  # per study, below
     p.add_argument("--repeats", type=int, default=2, help="launches per point (interleaved)")
-    p.add_argument("--lock", default="/tmp/oases_bench.lock")
+    p.add_argument("--lock", default=bench_common.BENCH_LOCK)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None)
