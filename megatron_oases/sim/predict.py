@@ -34,6 +34,9 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
         dims = validate_args(args, world, cuda=getattr(args, "device", None) != "cpu")
     except ConfigError as e:
         raise SimError(str(e)) from None
+    if getattr(args, "oases_layer_degrees", None):
+        raise SimError("--oases-plan (per-layer TP degrees) is not modeled by the simulator yet; "
+                       "price the plan with `megatron-oases plan` (its cost model) instead")
     if getattr(args, "sequence_parallel", False):
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
     if args.recompute_granularity == "selective":
