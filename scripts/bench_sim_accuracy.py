@@ -146,7 +146,7 @@ def measure(flags: list[str], topo, a, log: str) -> dict:
 
 def run_config(name: str, a, work: str) -> dict:
     from megatron_oases.sim.emulated_profile import profile_emulated
-    from megatron_oases.sim.events import build_stage_events, unique_events
+    from megatron_oases.sim.events import build_stage_events, overlapped_keys, unique_events
     from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
     from megatron_oases.topology import load_topology
     from megatron_oases.train_args import build_parser
@@ -160,14 +160,16 @@ def run_config(name: str, a, work: str) -> dict:
     flags = train_flags(a, split, topo_path)
     args = build_parser().parse_args(flags)
     model, strategy = sim_inputs_from_train_args(args, world)
-    events = unique_events(build_stage_events(model, strategy, topo))
+    stages = build_stage_events(model, strategy, topo)
+    events = unique_events(stages)
     print(f"[{name}] {what}; {strategy.label}, {strategy.num_microbatches} micro-batches, "
           f"{len(events)} events", flush=True)
     t0 = time.time()
     with bench_lock():
         busy = wait_quiet(a.max_runnable, a.max_wait)
         prof_load = f"{loadavg()} (runnable {busy:.1f})"
-        db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice)
+        db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice,
+                              overlap=overlapped_keys(stages))
     db.save(os.path.join(a.out_dir, f"profile-{name}.json"))
     print(f"    profiled in {time.time() - t0:.0f} s (load {prof_load})", flush=True)
     runs = []

@@ -13,10 +13,10 @@ import pytest
 from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
 from megatron_oases.sim.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, overlapped_keys, unique_events
 from megatron_oases.sim.profiler import local_topology
 from megatron_oases.sim.schedules import schedule_order
-from megatron_oases.sim.timeline import place_pipeline, simulate
+from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ModelConfig(num_layers=4, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
@@ -93,7 +93,8 @@ def test_plan_and_merge():
     for r in range(4):
         ranks.append({"comm": [1.0 + r if r in {x for g in j["groups"] for x in g} else None for j in plan["comm"]],
                       "compute": [[1.0 + r if r < 2 else None, 2.0 + r] for _ in plan["compute"]]})
-    ev, cont, src = merge_rank_results(plan, ranks)
+    ev, cont, src, ovl = merge_rank_results(plan, ranks)
+    assert ovl == {}  # nothing was marked overlapped
     c0 = plan["compute"][0]["key"]
     assert cont[c0] == {2: 2.0, 4: 5.0} and ev[c0] == 5.0  # slowest busy rank; all-busy in events_ms
     p2p = next(j for j in plan["comm"] if j["kind"] == "p2p")
@@ -126,6 +127,62 @@ def test_profile_contention_roundtrip_and_simulation(tmp_path):
     half = ProfileDB(device="x", events_ms={k: v / 2 if k in comp else v for k, v in price.items()})
     assert r2.iteration_ms >= simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=half),
                                        memory_limit_GB=0).iteration_ms - 1e-9
+
+
+def test_overlap_plan_and_merge():
+    """Oases stages mark their forward / backward events overlapped; the plan measures those
+    collectives and compute events also under overlap, and the merge keeps the slowest rank."""
+    s = Strategy(tp=2, num_microbatches=2, overlap="oases")
+    topo = local_topology(2)
+    stages = build_stage_events(TINY, s, topo)
+    keys = overlapped_keys(stages)
+    assert keys and all(not k.startswith(("compute:optimizer", "compute:grad_norm")) for k in keys)
+    assert overlapped_keys(build_stage_events(TINY, Strategy(tp=2, num_microbatches=2), topo)) == set()
+    events = unique_events(stages)
+    plan = build_plan(events, s, warmup=1, reps=2, overlap=keys)
+    marked = [j for j in plan["comm"] if j.get("overlap")]
+    assert marked and all(j["kind"] != "p2p" for j in marked)
+    assert {c["key"] for c in plan["compute"] if c["overlap"]} == {k for k in keys if k.startswith("compute:")}
+    ranks = [{"comm": [None] * len(plan["comm"]), "compute": [[1.0] for _ in plan["compute"]],
+              "overlap_comm": [3.0 + r if j.get("overlap") else None for j in plan["comm"]],
+              "overlap_compute": [2.0 + r if c["overlap"] else None for c in plan["compute"]]} for r in range(2)]
+    for r in ranks:
+        r["comm"] = [1.0 for _ in plan["comm"]]
+    _, _, _, ovl = merge_rank_results(plan, ranks)
+    assert set(ovl) == {k for j in marked for k in j["keys"]} | {c["key"] for c in plan["compute"] if c["overlap"]}
+    assert all(v in (4.0, 3.0) for v in ovl.values())  # the slowest rank's
+
+
+def test_template_with_overlap_prices():
+    """Without overlap prices the fluid template equals the list schedule; when overlapped
+    collectives and compute slow each other down, the template gets longer but never longer
+    than running everything back to back at the overlapped prices."""
+    s = Strategy(tp=2, num_microbatches=2, overlap="oases")
+    topo = local_topology(2)
+    dm = device_model(topo, gpu="a100-80gb")
+    st = build_stage_events(TINY, s, topo)[0]
+    from megatron_oases.sim.timeline import price_events
+
+    price = price_events([st], dm)
+    for evs in (st.forward, st.backward):
+        plain = run_template(evs, 2, price)
+        same = run_template(evs, 2, price, {k: v for k, v in price.items()})
+        assert same.duration == pytest.approx(plain.duration)
+        assert [x.start for x in same.slots] == pytest.approx([x.start for x in plain.slots])
+        slow = {k: 2 * v for k, v in price.items()}
+        both = run_template(evs, 2, price, slow)
+        assert plain.duration < both.duration <= 2 * sum(price[e.key] for e in evs) * 2 + 1e-9
+        assert both.compute_busy >= plain.compute_busy
+    db = ProfileDB(device="x", events_ms=price, overlapped={k: 2 * v for k, v in price.items()})
+    p = ProfileDB.from_dict(db.to_dict())
+    assert p.overlapped == db.overlapped
+    full = build_stage_events(TINY, s, topo)
+    price = price_events(full, dm)
+    base = simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=ProfileDB(device="x", events_ms=price)),
+                    memory_limit_GB=0)
+    slowed = simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=ProfileDB(
+        device="x", events_ms=price, overlapped={k: 1.5 * v for k, v in price.items()})), memory_limit_GB=0)
+    assert slowed.iteration_ms > base.iteration_ms
 
 
 def _bench():

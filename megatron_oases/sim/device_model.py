@@ -86,6 +86,11 @@ class ProfileDB:
     contention: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     """Optional, compute events: ms with k ranks computing at once, ``{key: {k: ms}}`` (measured by
     ``sim.emulated_profile``); ``events_ms`` holds the all-ranks-busy time. See ``sim.contention``."""
+    overlapped: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Optional: ms of an event while the same rank's other stream is busy -- a collective while the
+    rank computes, a compute event while a collective is in flight (measured by
+    ``sim.emulated_profile`` for overlapping schedules; where cores are shared, the two slow each
+    other down). The simulator prices overlapped stretches of a template with it (``sim.timeline``)."""
 
     def __post_init__(self) -> None:
         bad = [k for k, v in self.events_ms.items()
@@ -106,9 +111,13 @@ class ProfileDB:
                           for k, v in (data.get("contention") or {}).items()}
         except (AttributeError, TypeError, ValueError):
             raise SimError(f"{source}: 'contention' must map event keys to {{busy ranks: ms}}") from None
+        try:
+            overlapped = {k: float(v) for k, v in (data.get("overlapped") or {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise SimError(f"{source}: 'overlapped' must map event keys to ms") from None
         return cls(device=str(data.get("device", "")), events_ms=dict(data["events"]),
                    sources=dict(data.get("sources") or {}), meta=dict(data.get("meta") or {}),
-                   contention=contention)
+                   contention=contention, overlapped=overlapped)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ProfileDB":
@@ -128,6 +137,8 @@ class ProfileDB:
         if self.contention:
             out["contention"] = {k: {str(n): ms for n, ms in sorted(v.items())}
                                  for k, v in sorted(self.contention.items())}
+        if self.overlapped:
+            out["overlapped"] = dict(sorted(self.overlapped.items()))
         return out
 
     def save(self, path: str | os.PathLike) -> None:
@@ -141,7 +152,8 @@ class ProfileDB:
             raise SimError(f"cannot merge profiles of different devices ({self.device!r}, {other.device!r})")
         return ProfileDB(device=self.device or other.device, events_ms={**self.events_ms, **other.events_ms},
                          sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta},
-                         contention={**self.contention, **other.contention})
+                         contention={**self.contention, **other.contention},
+                         overlapped={**self.overlapped, **other.overlapped})
 
     def missing(self, keys: list[str]) -> list[str]:
         return sorted(set(k for k in keys if k not in self.events_ms))

@@ -67,12 +67,13 @@ def busy_levels(s: Strategy) -> list[int]:
 
 
 def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
-               levels: list[int] | None = None) -> dict[str, Any]:
-    """JSON-able work for the profiling ranks: comm jobs (concurrent groups) and compute jobs."""
+               levels: list[int] | None = None, overlap: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """JSON-able work for the profiling ranks: comm jobs (concurrent groups) and compute jobs;
+    those whose keys are in ``overlap`` are also measured overlapped (``_measure_overlap``)."""
     comm, compute, keys = [], [], {}
     for k, e in events.items():
         if e.kind == "compute":
-            compute.append({"key": k, "name": e.name, "dims": [[a, b] for a, b in e.dims]})
+            compute.append({"key": k, "name": e.name, "dims": [[a, b] for a, b in e.dims], "overlap": k in overlap})
             continue
         kind = "p2p" if e.kind == "p2p" else e.op.kind
         job = {"kind": kind, "groups": [list(g) for g in sibling_groups(tuple(e.ranks), s)],
@@ -82,14 +83,16 @@ def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
             keys[sig] = len(comm)
             comm.append({**job, "keys": []})
         comm[keys[sig]]["keys"].append(k)
+        if k in overlap and kind != "p2p":
+            comm[keys[sig]]["overlap"] = True
     return {"world": s.world_size, "levels": sorted(set(levels or busy_levels(s))), "warmup": warmup,
             "reps": reps, "comm": comm, "compute": compute}
 
 
 def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
-                       ) -> tuple[dict[str, float], dict[str, dict[int, float]], dict[str, str]]:
-    """(events_ms, contention, sources) from every rank's medians: the slowest rank of a job."""
-    events, contention, sources = {}, {}, {}
+                       ) -> tuple[dict[str, float], dict[str, dict[int, float]], dict[str, str], dict[str, float]]:
+    """(events_ms, contention, sources, overlapped) from every rank's medians: the slowest rank of a job."""
+    events, contention, sources, overlapped = {}, {}, {}, {}
     for j, job in enumerate(plan["comm"]):
         vals = [r["comm"][j] for r in per_rank if r["comm"][j] is not None]
         if not vals:
@@ -110,10 +113,125 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
         events[job["key"]] = by[top]
         contention[job["key"]] = by
         sources[job["key"]] = f"measured with {top} ranks computing at once"
-    return events, contention, sources
+    for name, jobs in (("overlap_comm", plan["comm"]), ("overlap_compute", plan["compute"])):
+        for j, job in enumerate(jobs):
+            vals = [r[name][j] for r in per_rank if r.get(name) and r[name][j] is not None]
+            if vals:
+                for k in job.get("keys", [job.get("key")]):
+                    overlapped[k] = max(vals)
+    return events, contention, sources, overlapped
 
 
 # ---- the profiling rank -----------------------------------------------------------------------
+def _comm_op(job: dict[str, Any], me: int, mine: tuple[int, ...] | None, grp: Any, async_op: bool = False):
+    """The collective of ``job`` on this rank's group (None if the rank is in none of its groups);
+    with ``async_op`` the callable returns the work handle."""
+    import torch
+    import torch.distributed as dist
+
+    if not mine:
+        return None
+    n, numel, kind = len(mine), max(1, job["nbytes"] // 4), job["kind"]
+    if kind == "all_reduce":
+        x = torch.ones(numel)
+        return lambda: dist.all_reduce(x, group=grp, async_op=async_op)
+    if kind == "all_gather":
+        x, big = torch.ones(max(1, numel // n)), torch.empty(max(1, numel // n) * n)
+        return lambda: dist.all_gather_into_tensor(big, x, group=grp, async_op=async_op)
+    if kind == "reduce_scatter":
+        y = torch.empty(max(1, numel // n))
+        x = torch.ones(y.numel() * n)
+        return lambda: dist.reduce_scatter_tensor(y, x, group=grp, async_op=async_op)
+    if kind == "p2p" and not async_op:
+        x = torch.ones(numel)
+        return (lambda: dist.send(x, mine[1])) if me == mine[0] else (lambda: dist.recv(x, mine[0]))
+    return None
+
+
+def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, list]:
+    """Overlap as the Oases executor runs it, both directions:
+
+    * each overlapped collective launched async while the main thread cycles through the
+      overlapped compute events (the other sub-batch's work) until every group's collective has
+      finished: its time to completion;
+    * each overlapped compute event timed while a collective is always in flight (a thread
+      repeats the most common overlapped collective until the ranks agree to stop).
+
+    Returns this rank's median per comm job and per compute job (None where not measured)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from .workloads import compute_workload
+
+    comm_jobs = [j for j, job in enumerate(plan["comm"]) if job.get("overlap")]
+    comm_out: list = [None] * len(plan["comm"])
+    comp_out: list = [None] * len(plan["compute"])
+    if not comm_jobs:
+        return comm_out, comp_out
+    fns = [(i, compute_workload(job["name"], dict(job["dims"]), dev))
+           for i, job in enumerate(plan["compute"]) if job.get("overlap")]
+    if not fns:
+        raise SimError("overlapped collectives but no overlapped compute events to run beside them")
+    side = dist.new_group(list(range(plan["world"])))  # used only by the helper threads
+    reps, warmup = plan["reps"], plan["warmup"]
+
+    def mine_of(job):
+        return next((tuple(g) for g in job["groups"] if me in g), None)
+
+    nxt = 0
+    for j in comm_jobs:
+        job = plan["comm"][j]
+        mine = mine_of(job)
+        op = _comm_op(job, me, mine, group(mine) if mine else None, async_op=True)
+        ms = []
+        for rep in range(warmup + reps):
+            dist.barrier()
+            stop, end = threading.Event(), [None]
+            t0 = time.perf_counter()
+            work = op() if op is not None else None
+
+            def waiter(work=work, end=end, stop=stop):
+                if work is not None:
+                    work.wait()
+                    end[0] = time.perf_counter()
+                dist.barrier(group=side)  # every group's collective has finished
+                stop.set()
+            th = threading.Thread(target=waiter, daemon=True)
+            th.start()
+            while not stop.is_set():
+                fns[nxt % len(fns)][1]()
+                nxt += 1
+            th.join()
+            if rep >= warmup and end[0] is not None:
+                ms.append((end[0] - t0) * 1e3)
+        comm_out[j] = statistics.median(ms) if ms else None
+
+    busy_job = plan["comm"][max(comm_jobs, key=lambda j: len(plan["comm"][j]["keys"]))]
+    mine = mine_of(busy_job)
+    loop_op = _comm_op(busy_job, me, mine, group(mine) if mine else None)
+    for i, fn in fns:
+        dist.barrier()
+        done = threading.Event()
+
+        def background(done=done):
+            flag = torch.zeros(1)
+            while True:
+                flag.fill_(1.0 if done.is_set() else 0.0)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)  # stop together
+                if flag.item() > 0:
+                    return
+                if loop_op is not None:
+                    loop_op()
+        th = threading.Thread(target=background, daemon=True)
+        th.start()
+        comp_out[i] = _median_ms(fn, warmup, reps)
+        done.set()
+        th.join()
+    return comm_out, comp_out
+
+
 def _median_ms(fn, warmup: int, reps: int, before=None) -> float:
     for _ in range(warmup):
         if before:
@@ -157,24 +275,7 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     out: dict[str, Any] = {"rank": me, "threads": torch.get_num_threads(), "comm": [], "compute": []}
     for job in plan["comm"]:
         mine = next((tuple(g) for g in job["groups"] if me in g), None)
-        grp = group(mine) if mine else None
-        n = len(mine) if mine else 1
-        numel = max(1, job["nbytes"] // 4)
-        kind = job["kind"]
-        op = None
-        if mine and kind == "all_reduce":
-            x = torch.ones(numel)
-            op = lambda: dist.all_reduce(x, group=grp)  # noqa: E731
-        elif mine and kind == "all_gather":
-            x, big = torch.ones(max(1, numel // n)), torch.empty(max(1, numel // n) * n)
-            op = lambda: dist.all_gather_into_tensor(big, x, group=grp)  # noqa: E731
-        elif mine and kind == "reduce_scatter":
-            y = torch.empty(max(1, numel // n))
-            x = torch.ones(y.numel() * n)
-            op = lambda: dist.reduce_scatter_tensor(y, x, group=grp)  # noqa: E731
-        elif mine and kind == "p2p":
-            x = torch.ones(numel)
-            op = (lambda: dist.send(x, mine[1])) if me == mine[0] else (lambda: dist.recv(x, mine[0]))  # noqa: E731
+        op = _comm_op(job, me, mine, group(mine) if mine else None)
         ms = []
         for i in range(warmup + reps):
             dist.barrier()  # every group starts together, as in the trainer
@@ -198,6 +299,7 @@ def rank_main(plan_path: str, out_dir: str) -> None:
                 row.append(None)
         out["compute"].append(row)
         del fn
+    out["overlap_comm"], out["overlap_compute"] = _measure_overlap(plan, me, group, dev)
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{me}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
@@ -207,8 +309,9 @@ def rank_main(plan_path: str, out_dir: str) -> None:
 # ---- the controller ---------------------------------------------------------------------------
 def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strategy, *, warmup: int = 2,
                      reps: int = 5, timeout_s: float = 900.0, burst_ms: float | None = None,
-                     nice: int = 0) -> ProfileDB:
+                     nice: int = 0, overlap: set[str] | frozenset[str] = frozenset()) -> ProfileDB:
     """Measure ``events`` with ``strategy.world_size`` ranks in an emulated cluster of ``topo``;
+    the keys in ``overlap`` (``events.overlapped_keys``) also while the other stream is busy;
     ``nice`` != 0 runs the ranks under ``nice -n`` (as the measured run should be)."""
     import torch
 
@@ -216,7 +319,7 @@ def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strateg
 
     if topo.world_size != strategy.world_size:
         raise SimError(f"topology {topo.name!r} has {topo.world_size} ranks, the run {strategy.world_size}")
-    plan = build_plan(events, strategy, warmup=warmup, reps=reps)
+    plan = build_plan(events, strategy, warmup=warmup, reps=reps, overlap=set(overlap))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="oases_prof") as work:
         plan_path = os.path.join(work, "plan.json")
@@ -238,7 +341,7 @@ def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strateg
             raise SimError(f"emulated profiling failed (exit codes {res.returncodes}):\n{tail}")
         per_rank = [json.load(open(os.path.join(work, f"rank{r}.json"), encoding="utf-8"))
                     for r in range(strategy.world_size)]
-    ev, contention, sources = merge_rank_results(plan, per_rank)
+    ev, contention, sources, overlapped = merge_rank_results(plan, per_rank)
     threads = thread_env(dict(os.environ), strategy.world_size).get("OMP_NUM_THREADS",
                                                                       os.environ.get("OMP_NUM_THREADS"))
     meta = {"torch": torch.__version__, "topology": topo.name, "nproc": strategy.world_size, "emulated": True,
@@ -246,7 +349,7 @@ def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strateg
             "host_cpus": available_cpus(), "busy_levels": plan["levels"], "nice": nice,
             "loadavg": _loadavg(), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return ProfileDB(device="cpu:" + os.uname().machine, events_ms=ev, sources=sources, meta=meta,
-                     contention=contention)
+                     contention=contention, overlapped=overlapped)
 
 
 def _loadavg() -> str:

@@ -396,3 +396,10 @@ def unique_events(stages: list[StageEvents]) -> dict[str, Event]:
             if ev.key not in seen:
                 seen[ev.key] = ev
     return seen
+
+
+def overlapped_keys(stages: list[StageEvents]) -> set[str]:
+    """Keys of the events that run while the rank's other stream is busy: every forward / backward
+    event of a stage whose sub-batches (chains > 1) overlap one's collectives with the other's
+    compute. ``sim.emulated_profile`` measures these also under that overlap."""
+    return {ev.key for st in stages if st.chains > 1 for ch in st.chunks for ev in (*ch.forward, *ch.backward)}

@@ -60,21 +60,24 @@ def profile_main(argv: list[str] | None = None) -> int:
             targs = train_parser().parse_args(train_argv)
             if a.emulate:
                 from .emulated_profile import profile_emulated
-                from .events import build_stage_events, unique_events
+                from .events import build_stage_events, overlapped_keys, unique_events
 
                 topo_name = a.topology or targs.topology
                 if not topo_name:
                     raise SimError("--emulate needs --topology (or the trainer's --topology)")
                 topo = load_topology(topo_name)
                 model, strategy = sim_inputs_from_train_args(targs, topo.world_size)
-                events = unique_events(build_stage_events(model, strategy, topo))
+                stages = build_stage_events(model, strategy, topo)
+                events = unique_events(stages)
                 if existing is not None:
                     events = {k: e for k, e in events.items() if k not in existing.events_ms}
-                db = profile_emulated(events, topo, strategy, warmup=a.warmup, reps=a.reps, nice=a.nice)
+                db = profile_emulated(events, topo, strategy, warmup=a.warmup, reps=a.reps, nice=a.nice,
+                                      overlap=overlapped_keys(stages) & set(events))
                 db = existing.merged(db) if existing is not None else db
                 db.save(a.out)
                 print(f"{len(db.events_ms)} events measured on the emulated {topo.name} "
-                      f"({len(db.contention)} with contention levels {db.meta.get('busy_levels')}): {a.out}")
+                      f"({len(db.contention)} with contention levels {db.meta.get('busy_levels')}, "
+                      f"{len(db.overlapped)} also overlapped): {a.out}")
                 return 0
             world = sim_inputs_from_train_args(targs)[1].world_size
             settings = None

@@ -121,25 +121,75 @@ class SimResult:
                 f"activations {worst.activations / GiB:.1f})")
 
 
-def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]) -> Template:
+def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float],
+                 overlapped: dict[str, float] | None = None) -> Template:
     """Compute and comm streams, ``chains`` sub-batches; each op waits for its chain's previous op.
 
     chains=1 is the stock executor (compute waits on every collective). chains=2 is Oases: the
     compute stream alternates sub-batches, so one sub-batch's collective runs on the comm stream
-    while the other's next segment computes.
+    while the other's next segment computes. ``overlapped[key]`` (a profile's ``overlapped``
+    section) is the event's duration while the other stream is busy: an op progresses at
+    ``1 / overlapped`` while both streams run and at ``1 / price`` alone (where ranks share
+    cores, an in-flight collective and the compute slow each other down).
     """
+    ops = [("compute" if ev.kind == "compute" else "comm", ev, c) for ev in events for c in range(chains)]
+    if chains > 1 and overlapped:
+        return _run_template_shared(ops, chains, price, overlapped)
     free = {"compute": 0.0, "comm": 0.0}
     prev = [0.0] * chains
     slots, busy = [], {"compute": 0.0, "comm": 0.0}
-    for ev in events:
-        stream = "compute" if ev.kind == "compute" else "comm"
+    for stream, ev, c in ops:
         d = price[ev.key]
-        for c in range(chains):
-            start = max(free[stream], prev[c])
-            free[stream] = prev[c] = start + d
-            busy[stream] += d
-            slots.append(Slot(stream, ev.name, ev.key, c, start, d))
+        start = max(free[stream], prev[c])
+        free[stream] = prev[c] = start + d
+        busy[stream] += d
+        slots.append(Slot(stream, ev.name, ev.key, c, start, d))
     return Template(slots=tuple(slots), duration=max(prev, default=0.0),
+                    compute_busy=busy["compute"], comm_busy=busy["comm"])
+
+
+def _run_template_shared(ops: list[tuple[str, Event, int]], chains: int, price: dict[str, float],
+                         overlapped: dict[str, float]) -> Template:
+    """``run_template`` with rates that depend on whether the other stream is busy (fluid: the
+    rates change whenever an op starts or ends). Same op order and dependencies."""
+    last: dict[int, int] = {}
+    pred = []
+    for i, (_, _, c) in enumerate(ops):
+        pred.append(last.get(c))
+        last[c] = i
+    queue = {st: [i for i, op in enumerate(ops) if op[0] == st] for st in ("compute", "comm")}
+    head = {"compute": 0, "comm": 0}
+    done: dict[int, float] = {}
+    running: dict[str, list] = {}  # stream -> [op index, progress, start]
+    slots: list[Slot] = [None] * len(ops)  # type: ignore[list-item]
+    busy = {"compute": 0.0, "comm": 0.0}
+    t = 0.0
+    while len(done) < len(ops):
+        for st in ("compute", "comm"):
+            if st not in running and head[st] < len(queue[st]):
+                i = queue[st][head[st]]
+                if pred[i] is None or pred[i] in done:
+                    running[st] = [i, 0.0, t]
+                    head[st] += 1
+        if not running:
+            raise SimError("template deadlocks: no stream can start its next op")
+        rate = {}
+        for st, (i, _, _) in running.items():
+            key = ops[i][1].key
+            d = overlapped.get(key, price[key]) if len(running) == 2 else price[key]
+            rate[st] = 1.0 / d if d > 0 else float("inf")
+        dt = min((1.0 - r[1]) / rate[st] if rate[st] != float("inf") else 0.0 for st, r in running.items())
+        t += dt
+        for st in list(running):
+            r = running[st]
+            r[1] = 1.0 if rate[st] == float("inf") else r[1] + dt * rate[st]
+            if r[1] >= 1.0 - 1e-9:
+                i, _, start = running.pop(st)
+                done[i] = t
+                stream, ev, c = ops[i]
+                slots[i] = Slot(stream, ev.name, ev.key, c, start, t - start)
+                busy[stream] += t - start
+    return Template(slots=tuple(slots), duration=max(done.values(), default=0.0),
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
 
 
@@ -218,7 +268,6 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
 def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float]) -> list[TailSlot]:
     """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> grad norm -> its all-reduce
     over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather."""
-    pp = len(stages)
     out: list[TailSlot] = []
     t = list(last_end)
 
@@ -257,11 +306,12 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
     price = price_events(stages, device)
     s = strategy
     cache: dict[tuple, Template] = {}
+    overlapped = dict(device.profile.overlapped) if device.profile is not None else {}
 
     def template(events: tuple[Event, ...], chains: int) -> Template:
         k = (chains, *(e.key for e in events))  # middle stages share their event lists
         if k not in cache:
-            cache[k] = run_template(events, chains, price)
+            cache[k] = run_template(events, chains, price, overlapped)
         return cache[k]
     templates = tuple(tuple((template(ch.forward, st.chains), template(ch.backward, st.chains))
                             for ch in st.chunks) for st in stages)
@@ -276,8 +326,9 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
         levels = []
         for j in range(1, s.pp + 1):
             pj = level_prices(price, contention, j * s.tp * s.dp)
-            levels.append([[(run_template(ch.forward, st.chains, pj).duration,
-                             run_template(ch.backward, st.chains, pj).duration) for ch in st.chunks]
+            oj = {k: v * pj[k] / price[k] if price.get(k) else v for k, v in overlapped.items() if k in pj}
+            levels.append([[(run_template(ch.forward, st.chains, pj, oj).duration,
+                             run_template(ch.backward, st.chains, pj, oj).duration) for ch in st.chunks]
                            for st in stages])
         dur = [[([lv[i][c][0] for lv in levels], [lv[i][c][1] for lv in levels]) for c in range(len(st.chunks))]
                for i, st in enumerate(stages)]
