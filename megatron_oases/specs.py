@@ -65,7 +65,7 @@ def backend_groups(args: argparse.Namespace):
     if getattr(args, "oases_layer_degrees", None):
         from megatron_oases.parallel.degree_groups import degree_groups_from_megatron
 
-        return degree_groups_from_megatron(set(args.oases_layer_degrees))
+        return degree_groups_from_megatron({d for pair in args.oases_layer_degrees for d in pair})
     if args.tp_backend == "atp":
         from megatron_oases.parallel.mesh import mesh_groups_from_megatron
 

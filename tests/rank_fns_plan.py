@@ -26,5 +26,7 @@ def train_with_plan(argv: list[str]):
             if isinstance(m, PlannedTransformerLayer):
                 held[m.layer_number] = (m.tp_degree, sum(p.numel() for p in m.parameters()
                                                          if p.dim() == 2))
+                held[f"mlp{m.layer_number}"] = (m.mlp_degree, sum(p.numel() for p in m.mlp.parameters()
+                                                                  if p.dim() == 2))
     rank = int(os.environ["RANK"])
     return {"losses": losses, "norms": norms, "grads": grads if rank == 0 else None, "held": held}

@@ -1,4 +1,4 @@
-"""Per-layer TP degrees from a plan (``--oases-plan``): groups, reshard, memory, and parity.
+"""Per-layer and per-block TP degrees from a plan (``--oases-plan``): groups, reshard, memory, parity.
 
 Issue acceptance: a mixed plan [2, 2, 4, 4] on T = 4 trains 5 iterations with the same losses as
 uniform TP = 4 and as TP = 1 (fp32, relative difference <= 1e-5), with the Oases schedule and with
@@ -91,6 +91,20 @@ def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
         assert (d1, d2) == (2, 4) and n1 == 2 * n2
 
 
+def test_per_block_plan_matches_uniform_tp4_and_tp1(tmp_path, references):
+    """Attention and MLP at different degrees inside a layer ([2, 4 | 4, 1]: reshard inside
+    layer 0, between the layers, and inside layer 1), stock schedule."""
+    plan = _plan(tmp_path, 4, [2, 4, 4, 1])
+    outs = _runs(4, ["--num-layers", "2"] + MODEL + RECOMPUTE +
+                 ["--tensor-model-parallel-size", "4", "--oases-plan", plan])
+    got = _summary(outs)
+    _assert_same(got, references["tp4"], "vs uniform TP=4")
+    _assert_same(got, references["tp1"], "vs TP=1")
+    for out in outs:  # the MLP of layer 1 (degree 1) holds 4x the weights of layer 0's (degree 4)
+        assert out["held"]["mlp1"][0] == 4 and out["held"]["mlp2"][0] == 1
+        assert out["held"]["mlp2"][1] == 4 * out["held"]["mlp1"][1]
+
+
 @pytest.mark.parametrize("schedule", [[], OASES], ids=["stock", "oases"])
 def test_plan_with_pipeline_and_degree_one(tmp_path, schedule):
     """PP=2 x TP=2 (1F1B, 4 micro-batches) with degrees [1, 2 | 2, 1] equals uniform PP=2 x TP=2."""
@@ -121,13 +135,13 @@ def _validate(argv):
 @pytest.mark.parametrize("degrees,extra,match", [
     ([2, 2, 3, 3], [], "not a power of two dividing --tensor-model-parallel-size 4"),
     ([2, 2, 4, 4, 4, 4], [], "made for --num-layers 3 but the launch uses 2"),
-    ([2, 4, 4, 4], [], "layer 0 has degrees .*--granularity layer"),
+    ([2, 4, 4, 4], ["--schedule", "oases"], "layer 0 has degrees .*--schedule oases runs one TP degree"),
     ([1, 1, 4, 4], ["--micro-batch-size", "2", "--global-batch-size", "8"],
      "split each micro-batch over 4 replicas: --micro-batch-size must be a multiple of 4"),
     ([2, 2, 4, 4], ["--micro-batch-size", "2", "--global-batch-size", "8", "--schedule", "oases"],
      "2 replicas and then into 2 Oases sub-batches: --micro-batch-size must be a multiple of 4"),
     ([1, 1, 2, 2], ["--micro-batch-size", "2", "--global-batch-size", "8", "--schedule", "oases"],
-     "degree-1 layers split each micro-batch over 4 replicas: --micro-batch-size must be a multiple of 4"),
+     "degree-1 blocks split each micro-batch over 4 replicas: --micro-batch-size must be a multiple of 4"),
     ([2, 2, 4, 4], ["--tp-backend", "atp", "--atp-mesh", "2,2"], "cannot be combined with --tp-backend atp"),
 ])
 def test_bad_plans_are_one_line_errors(tmp_path, degrees, extra, match):
@@ -144,7 +158,12 @@ def test_good_plan_sets_layer_degrees(tmp_path):
                          "--micro-batch-size", "4", "--global-batch-size", "8",
                          "--tensor-model-parallel-size", "4", "--oases-plan",
                          _plan(tmp_path, 4, [2, 2, 4, 4])])
-    assert args.oases_layer_degrees == (2, 4)
+    assert args.oases_layer_degrees == ((2, 2), (4, 4))
+    _, args = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                         "--micro-batch-size", "4", "--global-batch-size", "8",
+                         "--tensor-model-parallel-size", "4", "--oases-plan",
+                         _plan(tmp_path, 4, [2, 4, 4, 1])])
+    assert args.oases_layer_degrees == ((2, 4), (4, 1))  # per block with the stock schedule
     _, args = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                          "--micro-batch-size", "4", "--global-batch-size", "8",
                          "--tensor-model-parallel-size", "4"])

@@ -1,10 +1,12 @@
-"""Per-layer TP degrees from a plan (``--oases-plan``) as a Megatron ``TransformerLayer`` spec.
+"""Per-block TP degrees from a plan (``--oases-plan``) as a Megatron ``TransformerLayer`` spec.
 
-``PlannedTransformerLayer`` is Megatron's layer built on a TP sub-group of the degree the plan
-gives its global layer number, so it holds ``1 / degree`` of the layer's weights; each of the
-``T / degree`` replicas computes its slice of the micro-batch. Hidden states enter and leave the
-layer in the previous / next layer's layout (``parallel/degree_groups.reshard_batch``); the block
-edges are degree ``T``, so pipeline stages exchange Megatron's usual ``[s, b, h]`` tensors.
+``PlannedTransformerLayer`` is Megatron's layer whose attention block runs on a TP sub-group of
+the degree the plan gives it and whose MLP block (pre-MLP norm + MLP) on the sub-group of its own
+degree, so each holds ``1 / degree`` of its weights; each of the ``T / degree`` replicas computes
+its slice of the micro-batch. Hidden states enter and leave the layer in the previous / next
+block's layout and move between the two blocks when their degrees differ
+(``parallel/degree_groups.reshard_batch``); the block edges are degree ``T``, so pipeline stages
+exchange Megatron's usual ``[s, b, h]`` tensors.
 
 Replicas see different samples, so their parameter gradients are partial sums: ``
 finalize_with_replica_grads`` wraps Megatron's ``finalize_model_grads`` and sums them over each
@@ -24,6 +26,16 @@ from megatron_oases.parallel.degree_groups import (DegreeGroups, narrow_batch_ma
                                                    reshard_batch)
 
 _BATCH_KWARGS = ("attention_mask", "padding_mask")
+_MLP_PREFIXES = ("mlp.", "pre_mlp_layernorm.")
+"""Parameters of the MLP block (its degree); everything else belongs to the attention block."""
+
+
+def block_degrees(entry) -> tuple[int, int]:
+    """(attention, mlp) degrees of one plan entry (an int means both)."""
+    if isinstance(entry, (tuple, list)):
+        a, m = entry
+        return int(a), int(m)
+    return int(entry), int(entry)
 
 
 def _with_tp(pg_collection, tp_group):
@@ -51,20 +63,46 @@ class PlannedTransformerLayer(TransformerLayer):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         number = layer_number + get_transformer_layer_offset(config, vp_stage,
                                                              get_pg_rank(pg_collection.pp))
-        degree = int(layer_degrees[number - 1])
+        degree, mlp_degree = block_degrees(layer_degrees[number - 1])
         super().__init__(config, submodules, layer_number, hidden_dropout,
                          _with_tp(pg_collection, degree_groups.sub[degree]), vp_stage)
+        if mlp_degree != degree:
+            self._rebuild_mlp(submodules, degree_groups.sub[mlp_degree])
         self.tp_degree = degree
+        """The attention block's degree (the layer's input side)."""
+        self.mlp_degree = mlp_degree
         self.degree_groups = degree_groups
         self.input_degree = degree_groups.tp_size
         """Layout of the incoming hidden states (the previous layer's degree; T at block entry)."""
         self.output_degree = degree_groups.tp_size
-        """Layout the output leaves in (T for the block's last layer, else this degree)."""
-        replica = degree_groups.replica_group(degree)
-        for p in self.parameters():
-            p.oases_replica_group = replica
-            if degree_groups.replica_index(degree) > 0 and getattr(p, "tensor_model_parallel", False):
+        """Layout the output leaves in (T for the block's last layer, else the MLP's degree)."""
+        for name, p in self.named_parameters():
+            d = self._degree_of(name)
+            p.oases_replica_group = degree_groups.replica_group(d)
+            if degree_groups.replica_index(d) > 0 and getattr(p, "tensor_model_parallel", False):
                 p.tensor_model_parallel = False  # another replica's copy: not in the grad norm
+
+    def _rebuild_mlp(self, submodules, tp_group) -> None:
+        """The MLP block on its own TP sub-group (Megatron's ``TransformerLayer`` builds it on the
+        layer's group)."""
+        from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+        if not (isinstance(submodules.mlp, ModuleSpec) and submodules.mlp.module is MLP):
+            raise ValueError(f"--oases-plan with different attention and MLP degrees needs Megatron's "
+                             f"dense MLP (got {submodules.mlp})")
+        self.mlp = build_module(submodules.mlp, config=self.config, tp_group=tp_group)
+        if hasattr(self.mlp, "set_layer_number"):
+            self.mlp.set_layer_number(self.layer_number)
+
+    def _degree_of(self, name: str) -> int:
+        """The degree of the block a parameter (or state-dict key, relative to the layer) is in."""
+        return self.mlp_degree if name.startswith(_MLP_PREFIXES) else self.tp_degree
+
+    def _forward_mlp(self, hidden_states, *args, **kwargs):
+        """Megatron's MLP block, on its own degree's layout when that differs from attention's."""
+        hidden_states = reshard_batch(hidden_states, self.degree_groups, self.tp_degree, self.mlp_degree)
+        return super()._forward_mlp(hidden_states, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         g = self.degree_groups
@@ -78,28 +116,28 @@ class PlannedTransformerLayer(TransformerLayer):
                 kwargs[name] = narrow_batch_mask(kwargs[name], g, self.tp_degree, batch)
         hidden = reshard_batch(hidden, g, self.input_degree, self.tp_degree)
         output, context = super().forward(hidden, *args, **kwargs)
-        return reshard_batch(output, g, self.tp_degree, self.output_degree), context
+        return reshard_batch(output, g, self.mlp_degree, self.output_degree), context
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's, with replicas other than the first marked as such (one main copy)."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        r = self.degree_groups.replica_index(self.tp_degree)
-        if r:
-            for sh in out.values():
-                if hasattr(sh, "replica_id"):
-                    rid = sh.replica_id
-                    sh.replica_id = (r, *(rid if isinstance(rid, (tuple, list)) else (rid,)))
+        for key, sh in out.items():
+            r = self.degree_groups.replica_index(self._degree_of(key[len(prefix):]))
+            if r and hasattr(sh, "replica_id"):
+                rid = sh.replica_id
+                sh.replica_id = (r, *(rid if isinstance(rid, (tuple, list)) else (rid,)))
         return out
 
 
-def planned_layer_spec(base_spec, layer_degrees: Sequence[int], degree_groups: DegreeGroups):
-    """``base_spec`` (a ``TransformerLayer`` ModuleSpec) with each layer at its planned degree."""
+def planned_layer_spec(base_spec, layer_degrees: Sequence, degree_groups: DegreeGroups):
+    """``base_spec`` (a ``TransformerLayer`` ModuleSpec) with each layer at its planned degrees
+    (``layer_degrees[i]``: one degree, or the (attention, mlp) pair of layer i)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if base_spec.module is not TransformerLayer:
         raise ValueError(f"--oases-plan needs Megatron's TransformerLayer spec (got {base_spec.module})")
     params = dict(base_spec.params or {})
-    params.update(layer_degrees=tuple(layer_degrees), degree_groups=degree_groups)
+    params.update(layer_degrees=tuple(block_degrees(d) for d in layer_degrees), degree_groups=degree_groups)
     return ModuleSpec(module=PlannedTransformerLayer, submodules=base_spec.submodules, params=params)
 
 
@@ -113,8 +151,8 @@ def connect_planned_layers(block) -> None:
     prev = tp
     for i, layer in enumerate(layers):
         layer.input_degree = prev
-        layer.output_degree = layer.tp_degree if i + 1 < len(layers) else tp
-        prev = layer.tp_degree
+        layer.output_degree = layer.mlp_degree if i + 1 < len(layers) else tp
+        prev = layer.mlp_degree
 
 
 def replica_grad_groups(model_chunks) -> list:

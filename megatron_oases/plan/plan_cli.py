@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="ProfileDB JSON (megatron-oases-profile/*) of measured event times")
     p.add_argument("--strict-profile", action="store_true", help="fail when the profile lacks an event")
     p.add_argument("--granularity", choices=("block", "layer"), default="layer",
-                   help="layer: one degree per TransformerLayer, as in Table 6 and as --oases-plan "
-                        "runs (default); block: attention and MLP choose separately (what-if "
-                        "analysis only: the trainer refuses such a plan)")
+                   help="layer: one degree per TransformerLayer, as in Table 6 (default; runs with "
+                        "both schedules); block: attention and MLP choose separately (runs with "
+                        "--schedule default; --schedule oases refuses it)")
     p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
     p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
                    help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
@@ -223,7 +223,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
           "(megatron_oases.pretrain_gpt) run the plan with --oases-plan"
           + ("" if data.get("granularity", "layer") == "layer" else
-             "; this per-block plan is for analysis only: the runtime needs --granularity layer"))
+             "; this per-block plan runs with --schedule default (--schedule oases needs "
+             "--granularity layer)"))
     return 0
 
 

@@ -129,25 +129,30 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
     return Plan(tp=tp, num_layers=num_layers, degrees=tuple(degrees), raw=data)
 
 
-PLAN_HELP = ("run the per-layer TP degrees of a plan written by `megatron-oases plan` (layers of "
-             "degree t < T run on TP sub-groups of t ranks, each replica on its slice of the "
-             "micro-batch); needs --tp-backend megatron")
+PLAN_HELP = ("run the per-block TP degrees of a plan written by `megatron-oases plan` (attention "
+             "and MLP blocks of degree t < T run on TP sub-groups of t ranks, each replica on its "
+             "slice of the micro-batch; with --schedule oases both blocks of a layer need one "
+             "degree); needs --tp-backend megatron")
 
 
-def validate_plan_args(args, dims) -> tuple[int, ...] | None:
+def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
     """Check ``--oases-plan`` against the launch before any process group exists; sets and
-    returns ``args.oases_layer_degrees`` (one TP degree per layer, or None without a plan)."""
+    returns ``args.oases_layer_degrees``: per layer, the (attention, mlp) TP degrees (None
+    without a plan)."""
     path = getattr(args, "oases_plan", None)
     args.oases_layer_degrees = None
     if path is None:
         return None
     plan = load_plan(path, num_layers=args.num_layers, tp=dims.tp)
-    layers = plan.per_layer
-    if layers is None:
-        k = len(plan.block_kinds)
-        i = next(i for i in range(plan.num_layers) if len(set(plan.degrees[i * k:(i + 1) * k])) > 1)
-        _fail(path, f"layer {i} has degrees {plan.layer_degrees(i)}; the runtime runs one TP degree "
-                    f"per TransformerLayer: plan with `megatron-oases plan --granularity layer`")
+    layers = tuple((plan.layer_degrees(i)["attention"], plan.layer_degrees(i)["mlp"])
+                   for i in range(plan.num_layers))
+    oases = getattr(args, "schedule", "default") == "oases"
+    if oases and plan.per_layer is None:
+        i = next(i for i, (a, m) in enumerate(layers) if a != m)
+        _fail(path, f"layer {i} has degrees {plan.layer_degrees(i)}; --schedule oases runs one TP "
+                    f"degree per TransformerLayer (an attention/MLP degree change inside a layer is "
+                    f"supported with --schedule default): plan with `megatron-oases plan "
+                    f"--granularity layer`")
     if getattr(args, "tp_backend", "megatron") != "megatron":
         raise ConfigError(f"{FLAG} runs Megatron 1-D TP sub-groups and cannot be combined with "
                           f"--tp-backend {args.tp_backend}; use --tp-backend megatron")
@@ -156,11 +161,11 @@ def validate_plan_args(args, dims) -> tuple[int, ...] | None:
                           f"--sequence-parallel; drop one of them")
     # Degree t: T/t replicas, each splitting its slice into 2 Oases sub-batches unless t = 1
     # (no collective to overlap). All powers of two, so the largest need covers the others.
-    oases = getattr(args, "schedule", "default") == "oases"
-    need, degree = max(((dims.tp // t) * (2 if oases and t > 1 else 1), -t) for t in set(layers))
+    degrees = {d for pair in layers for d in pair}
+    need, degree = max(((dims.tp // t) * (2 if oases and t > 1 else 1), -t) for t in degrees)
     degree = -degree
     if args.micro_batch_size % need:
-        _fail(path, f"its degree-{degree} layers split each micro-batch over {dims.tp // degree} "
+        _fail(path, f"its degree-{degree} blocks split each micro-batch over {dims.tp // degree} "
                     f"replicas" + (" and then into 2 Oases sub-batches" if need > dims.tp // degree else "")
                     + f": --micro-batch-size must be a multiple of {need} "
                       f"(got {args.micro_batch_size})")

@@ -90,6 +90,10 @@ def _segments(layers, tapes, options: OasesOptions) -> list[_Segment]:
     out: list[tuple[int | None, object, list]] = []
     for layer, tape in zip(layers, tapes):
         degree = getattr(layer, "tp_degree", None)
+        if getattr(layer, "mlp_degree", degree) != degree:
+            raise UnsupportedLayer(f"the Oases schedule runs one TP degree per layer; layer "
+                                   f"{layer.layer_number} has attention degree {degree} and MLP "
+                                   f"degree {layer.mlp_degree} (use --schedule default for such plans)")
         if out and out[-1][0] == degree:
             out[-1][2].append(tape)
         else:
