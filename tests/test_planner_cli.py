@@ -106,7 +106,7 @@ def test_plan_cli_end_to_end(tmp_path, capsys):
                                       "--global-batch-size", "16", "--tensor-model-parallel-size",
                                       "4", "--oases-plan", str(out)])
     validate_args(args, 8, cuda=False)
-    assert args.oases_layer_degrees == plan.per_layer
+    assert args.oases_layer_degrees == tuple((d, d) for d in plan.per_layer)
 
 
 def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
