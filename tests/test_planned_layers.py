@@ -77,14 +77,20 @@ def references():
             "tp4": _summary(_runs(4, two + RECOMPUTE + ["--tensor-model-parallel-size", "4"]))}
 
 
-@pytest.mark.parametrize("schedule", [RECOMPUTE, OASES], ids=["stock", "oases"])
-def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
-    plan = _plan(tmp_path, 4, [2, 2, 4, 4])
+def _plan_matches_references(tmp_path, references, degrees, schedule):
+    """Train 2 layers on T = 4 with ``degrees``; same as uniform TP 4 and TP 1. Returns each rank's output."""
+    plan = _plan(tmp_path, 4, degrees)
     outs = _runs(4, ["--num-layers", "2"] + MODEL + schedule +
                  ["--tensor-model-parallel-size", "4", "--oases-plan", plan])
     got = _summary(outs)
     _assert_same(got, references["tp4"], "vs uniform TP=4")
     _assert_same(got, references["tp1"], "vs TP=1")
+    return outs
+
+
+@pytest.mark.parametrize("schedule", [RECOMPUTE, OASES], ids=["stock", "oases"])
+def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
+    outs = _plan_matches_references(tmp_path, references, [2, 2, 4, 4], schedule)
     # Memory: the degree-2 layer holds 1/2 of its weight matrices per rank, the degree-4 one 1/4.
     for out in outs:
         (d1, n1), (d2, n2) = out["held"][1], out["held"][2]
@@ -94,12 +100,7 @@ def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
 def test_per_block_plan_matches_uniform_tp4_and_tp1(tmp_path, references):
     """Attention and MLP at different degrees inside a layer ([2, 4 | 4, 1]: reshard inside
     layer 0, between the layers, and inside layer 1), stock schedule."""
-    plan = _plan(tmp_path, 4, [2, 4, 4, 1])
-    outs = _runs(4, ["--num-layers", "2"] + MODEL + RECOMPUTE +
-                 ["--tensor-model-parallel-size", "4", "--oases-plan", plan])
-    got = _summary(outs)
-    _assert_same(got, references["tp4"], "vs uniform TP=4")
-    _assert_same(got, references["tp1"], "vs TP=1")
+    outs = _plan_matches_references(tmp_path, references, [2, 4, 4, 1], RECOMPUTE)
     for out in outs:  # the MLP of layer 1 (degree 1) holds 4x the weights of layer 0's (degree 4)
         assert out["held"]["mlp1"][0] == 4 and out["held"]["mlp2"][0] == 1
         assert out["held"]["mlp2"][1] == 4 * out["held"]["mlp1"][1]

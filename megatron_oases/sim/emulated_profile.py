@@ -123,6 +123,11 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
 
 
 # ---- the profiling rank -----------------------------------------------------------------------
+def _my_group(job: dict[str, Any], me: int) -> tuple[int, ...] | None:
+    """The group of ``job`` this rank belongs to (None if it is in none of them)."""
+    return next((tuple(g) for g in job["groups"] if me in g), None)
+
+
 def _comm_op(job: dict[str, Any], me: int, mine: tuple[int, ...] | None, grp: Any, async_op: bool = False):
     """The collective of ``job`` on this rank's group (None if the rank is in none of its groups);
     with ``async_op`` the callable returns the work handle."""
@@ -177,13 +182,10 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
     side = dist.new_group(list(range(plan["world"])))  # used only by the helper threads
     reps, warmup = plan["reps"], plan["warmup"]
 
-    def mine_of(job):
-        return next((tuple(g) for g in job["groups"] if me in g), None)
-
     nxt = 0
     for j in comm_jobs:
         job = plan["comm"][j]
-        mine = mine_of(job)
+        mine = _my_group(job, me)
         op = _comm_op(job, me, mine, group(mine) if mine else None, async_op=True)
         ms = []
         for rep in range(warmup + reps):
@@ -209,7 +211,7 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
         comm_out[j] = statistics.median(ms) if ms else None
 
     busy_job = plan["comm"][max(comm_jobs, key=lambda j: len(plan["comm"][j]["keys"]))]
-    mine = mine_of(busy_job)
+    mine = _my_group(busy_job, me)
     loop_op = _comm_op(busy_job, me, mine, group(mine) if mine else None)
     for i, fn in fns:
         dist.barrier()
@@ -274,7 +276,7 @@ def rank_main(plan_path: str, out_dir: str) -> None:
         group(range(lv))
     out: dict[str, Any] = {"rank": me, "threads": torch.get_num_threads(), "comm": [], "compute": []}
     for job in plan["comm"]:
-        mine = next((tuple(g) for g in job["groups"] if me in g), None)
+        mine = _my_group(job, me)
         op = _comm_op(job, me, mine, group(mine) if mine else None)
         ms = []
         for i in range(warmup + reps):
