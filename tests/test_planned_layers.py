@@ -97,10 +97,12 @@ def test_mixed_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
         assert (d1, d2) == (2, 4) and n1 == 2 * n2
 
 
-def test_per_block_plan_matches_uniform_tp4_and_tp1(tmp_path, references):
+@pytest.mark.parametrize("schedule", [RECOMPUTE, OASES], ids=["stock", "oases"])
+def test_per_block_plan_matches_uniform_tp4_and_tp1(tmp_path, references, schedule):
     """Attention and MLP at different degrees inside a layer ([2, 4 | 4, 1]: reshard inside
-    layer 0, between the layers, and inside layer 1), stock schedule."""
-    outs = _plan_matches_references(tmp_path, references, [2, 4, 4, 1], RECOMPUTE)
+    layer 0, between the layers, and inside layer 1). Under Oases each block is its own stage
+    segment, resharded between segments."""
+    outs = _plan_matches_references(tmp_path, references, [2, 4, 4, 1], schedule)
     for out in outs:  # the MLP of layer 1 (degree 1) holds 4x the weights of layer 0's (degree 4)
         assert out["held"]["mlp1"][0] == 4 and out["held"]["mlp2"][0] == 1
         assert out["held"]["mlp2"][1] == 4 * out["held"]["mlp1"][1]
@@ -136,7 +138,8 @@ def _validate(argv):
 @pytest.mark.parametrize("degrees,extra,match", [
     ([2, 2, 3, 3], [], "not a power of two dividing --tensor-model-parallel-size 4"),
     ([2, 2, 4, 4, 4, 4], [], "made for --num-layers 3 but the launch uses 2"),
-    ([2, 4, 4, 4], ["--schedule", "oases"], "layer 0 has degrees .*--schedule oases runs one TP degree"),
+    ([2, 4, 4, 4], ["--micro-batch-size", "2", "--global-batch-size", "8", "--schedule", "oases"],
+     "degree-2 blocks split each micro-batch over 2 replicas and then into 2 Oases sub-batches"),
     ([1, 1, 4, 4], ["--micro-batch-size", "2", "--global-batch-size", "8"],
      "split each micro-batch over 4 replicas: --micro-batch-size must be a multiple of 4"),
     ([2, 2, 4, 4], ["--micro-batch-size", "2", "--global-batch-size", "8", "--schedule", "oases"],

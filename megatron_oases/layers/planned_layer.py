@@ -26,7 +26,7 @@ from megatron_oases.parallel.degree_groups import (DegreeGroups, narrow_batch_ma
                                                    reshard_batch)
 
 _BATCH_KWARGS = ("attention_mask", "padding_mask")
-_MLP_PREFIXES = ("mlp.", "pre_mlp_layernorm.")
+MLP_BLOCK_PREFIXES = ("mlp.", "pre_mlp_layernorm.")
 """Parameters of the MLP block (its degree); everything else belongs to the attention block."""
 
 
@@ -97,7 +97,7 @@ class PlannedTransformerLayer(TransformerLayer):
 
     def _degree_of(self, name: str) -> int:
         """The degree of the block a parameter (or state-dict key, relative to the layer) is in."""
-        return self.mlp_degree if name.startswith(_MLP_PREFIXES) else self.tp_degree
+        return self.mlp_degree if name.startswith(MLP_BLOCK_PREFIXES) else self.tp_degree
 
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         """Megatron's MLP block, on its own degree's layout when that differs from attention's."""

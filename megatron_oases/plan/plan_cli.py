@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="ProfileDB JSON (megatron-oases-profile/*) of measured event times")
     p.add_argument("--strict-profile", action="store_true", help="fail when the profile lacks an event")
     p.add_argument("--granularity", choices=("block", "layer"), default="layer",
-                   help="layer: one degree per TransformerLayer, as in Table 6 (default; runs with "
-                        "both schedules); block: attention and MLP choose separately (runs with "
-                        "--schedule default; --schedule oases refuses it)")
+                   help="layer: one degree per TransformerLayer, as in Table 6 (default); block: "
+                        "attention and MLP choose separately (both run with --schedule default "
+                        "and oases)")
     p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
     p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
                    help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
@@ -221,10 +221,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     if a.rewrite_cmd is not None:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, tp=tp, plan_path=a.out)}")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
-          "(megatron_oases.pretrain_gpt) run the plan with --oases-plan"
-          + ("" if data.get("granularity", "layer") == "layer" else
-             "; this per-block plan runs with --schedule default (--schedule oases needs "
-             "--granularity layer)"))
+          "(megatron_oases.pretrain_gpt) run the plan with --oases-plan")
     return 0
 
 

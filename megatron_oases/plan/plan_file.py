@@ -131,8 +131,8 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
 
 PLAN_HELP = ("run the per-block TP degrees of a plan written by `megatron-oases plan` (attention "
              "and MLP blocks of degree t < T run on TP sub-groups of t ranks, each replica on its "
-             "slice of the micro-batch; with --schedule oases both blocks of a layer need one "
-             "degree); needs --tp-backend megatron")
+             "slice of the micro-batch; works with --schedule default and oases); needs "
+             "--tp-backend megatron")
 
 
 def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
@@ -147,12 +147,6 @@ def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
     layers = tuple((plan.layer_degrees(i)["attention"], plan.layer_degrees(i)["mlp"])
                    for i in range(plan.num_layers))
     oases = getattr(args, "schedule", "default") == "oases"
-    if oases and plan.per_layer is None:
-        i = next(i for i, (a, m) in enumerate(layers) if a != m)
-        _fail(path, f"layer {i} has degrees {plan.layer_degrees(i)}; --schedule oases runs one TP "
-                    f"degree per TransformerLayer (an attention/MLP degree change inside a layer is "
-                    f"supported with --schedule default): plan with `megatron-oases plan "
-                    f"--granularity layer`")
     if getattr(args, "tp_backend", "megatron") != "megatron":
         raise ConfigError(f"{FLAG} runs Megatron 1-D TP sub-groups and cannot be combined with "
                           f"--tp-backend {args.tp_backend}; use --tp-backend megatron")

@@ -11,7 +11,8 @@ import dataclasses
 
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import UnsupportedLayer, layer_tape
+from megatron_oases.schedules.oases.tape import (UnsupportedLayer, layer_tape,
+                                                 megatron_block_tapes)
 
 _UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos",
                        "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
@@ -69,16 +70,16 @@ def enable_oases_schedule(model, options: OasesOptions):
         raise UnsupportedLayer("leave TransformerConfig.recompute_granularity unset with the "
                                "Oases schedule; OasesOptions.recompute selects its recompute")
     offset = _layer_offset(block)
-    tapes = [layer_tape(layer, offset + i) for i, layer in enumerate(block.layers)]
-    block.oases_segments = _segments(block.layers, tapes, options)
+    units = [u for i, layer in enumerate(block.layers) for u in _units(layer, offset + i)]
+    block.oases_segments = _segments(units, options)
     block.__class__ = _oases_class(type(block))
     return model
 
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """Consecutive layers at one TP degree (all of a stage's layers without ``--oases-plan``):
-    one ``OasesStage``. Between segments the hidden states are resharded to the next degree,
+    """Consecutive layers (or attention / MLP blocks) at one TP degree (all of a stage's layers
+    without ``--oases-plan``): one ``OasesStage``. Between segments the hidden states are resharded to the next degree,
     a collective the two sub-batches do not overlap (the planner's Eq. 4 edge cost)."""
 
     runner: OasesRunner
@@ -86,20 +87,28 @@ class _Segment:
     groups: object = None
 
 
-def _segments(layers, tapes, options: OasesOptions) -> list[_Segment]:
+def _units(layer, index: int) -> list[tuple]:
+    """(degree, degree groups, tape) of each part of ``layer`` the executor runs at one degree:
+    the whole layer, or its attention and MLP blocks when a plan gives them different degrees
+    (the hidden states are resharded between the two, like between layers)."""
+    degree = getattr(layer, "tp_degree", None)
+    groups = getattr(layer, "degree_groups", None)
+    mlp_degree = getattr(layer, "mlp_degree", degree)
+    if mlp_degree == degree:
+        return [(degree, groups, layer_tape(layer, index))]
+    attention, mlp = megatron_block_tapes(layer, index)
+    return [(degree, groups, attention), (mlp_degree, groups, mlp)]
+
+
+def _segments(units, options: OasesOptions) -> list[_Segment]:
     out: list[tuple[int | None, object, list]] = []
-    for layer, tape in zip(layers, tapes):
-        degree = getattr(layer, "tp_degree", None)
-        if getattr(layer, "mlp_degree", degree) != degree:
-            raise UnsupportedLayer(f"the Oases schedule runs one TP degree per layer; layer "
-                                   f"{layer.layer_number} has attention degree {degree} and MLP "
-                                   f"degree {layer.mlp_degree} (use --schedule default for such plans)")
+    for degree, groups, tape in units:
         if out and out[-1][0] == degree:
             out[-1][2].append(tape)
         else:
-            out.append((degree, getattr(layer, "degree_groups", None), [tape]))
-    # A degree-1 layer issues no collective: nothing to overlap, so its replica's slice is not
-    # split again (the planner prices it that way too).
+            out.append((degree, groups, [tape]))
+    # A degree-1 block issues no collective: nothing to overlap, so its replica's slice is not
+    # split into sub-batches (the planner prices it that way too).
     return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=1) if d == 1 else options),
                      d, g) for d, g, t in out]
 

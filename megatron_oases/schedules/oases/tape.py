@@ -138,6 +138,55 @@ def _require(cond: bool, what: str) -> None:
 
 def megatron_layer_tape(layer, index: int) -> LayerTape:
     """The tape of a Megatron-Core ``TransformerLayer`` built from the local (or TE-free) spec."""
+    steps, linears = _megatron_steps(layer, index, split=False)
+    return LayerTape(steps=steps, group=linears[1].tp_group, params=_trainable(layer.parameters()),
+                     collectives_off=_explicit_comm(linears))
+
+
+def megatron_block_tapes(layer, index: int) -> tuple[LayerTape, LayerTape]:
+    """A Megatron layer as two tapes, attention block ``x -> h1`` and MLP block ``h1 -> y``
+    (pre-MLP norm + MLP), each on its own linears' TP group: for a planned layer whose blocks run
+    at different TP degrees, so the executor can reshard ``h1`` between them."""
+    from megatron_oases.layers.planned_layer import MLP_BLOCK_PREFIXES
+
+    steps, (qkv, proj, fc1, fc2) = _megatron_steps(layer, index, split=True)
+    cut = next(i for i, s in enumerate(steps) if s.name == "attention_bda") + 1
+    named = list(layer.named_parameters())
+    mlp_params = _trainable(p for n, p in named if n.startswith(MLP_BLOCK_PREFIXES))
+    attn_params = _trainable(p for n, p in named if not n.startswith(MLP_BLOCK_PREFIXES))
+    return (LayerTape(steps=steps[:cut], group=proj.tp_group, params=attn_params,
+                      collectives_off=_explicit_comm((qkv, proj)), input="x", output="h1"),
+            LayerTape(steps=steps[cut:], group=fc2.tp_group, params=mlp_params,
+                      collectives_off=_explicit_comm((fc1, fc2)), input="h1", output="y"))
+
+
+def _trainable(params) -> tuple[torch.nn.Parameter, ...]:
+    return tuple(p for p in params if p.requires_grad)
+
+
+def _explicit_comm(linears):
+    """Context in which ``linears`` issue no collective. ``explicit_expert_comm`` is Megatron's
+    own switch for "the caller communicates": the column linear then skips its dgrad all-reduce
+    and the row linear its output reduce."""
+
+    @contextlib.contextmanager
+    def collectives_off():
+        saved = [m.explicit_expert_comm for m in linears]
+        for m in linears:
+            m.explicit_expert_comm = True
+        try:
+            yield
+        finally:
+            for m, s in zip(linears, saved):
+                m.explicit_expert_comm = s
+
+    return collectives_off
+
+
+def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...], tuple]:
+    """The steps of a Megatron 1-D layer and its four linears (qkv, proj, fc1, fc2). ``split``:
+    the attention block's bias-dropout-add and the pre-MLP norm are separate steps
+    (``attention_bda``, ``ln2``), so the tape can be cut between them."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
@@ -174,8 +223,14 @@ def megatron_layer_tape(layer, index: int) -> LayerTape:
     def attention(t, mask):
         return {"attn_p": attn(t["ln1"], attention_mask=mask)[0]}
 
+    def attention_bda(t, mask):
+        return {"h1": bda(t["attn_sum"], proj_bias, t["x"], "attention_bda")}
+
+    def ln2(t, mask):
+        return {"ln2": layer.pre_mlp_layernorm(t["h1"])}
+
     def bda_ln2(t, mask):
-        h1 = bda(t["attn_sum"], proj_bias, t["x"], "attention_bda")
+        h1 = attention_bda(t, mask)["h1"]
         return {"h1": h1, "ln2": layer.pre_mlp_layernorm(h1)}
 
     def mlp_fn(t, mask):
@@ -184,34 +239,23 @@ def megatron_layer_tape(layer, index: int) -> LayerTape:
     def bda_out(t, mask):
         return {"y": bda(t["mlp_sum"], fc2_bias, t["h1"], "mlp_bda")}
 
+    if split:
+        middle = (Local("attention_bda", ("attn_sum", "x"), ("h1",), attention_bda),
+                  Local("ln2", ("h1",), ("ln2",), ln2))
+    else:
+        middle = (Local("bda_ln2", ("attn_sum", "x"), ("h1", "ln2"), bda_ln2),)
     steps = (
         Local("ln1", ("x",), ("ln1",), ln1),
         BackwardAllReduce("attention.f.bwd", "ln1"),
         Local("attention", ("ln1",), ("attn_p",), attention),
         ForwardAllReduce("attention.g", "attn_p", "attn_sum"),
-        Local("bda_ln2", ("attn_sum", "x"), ("h1", "ln2"), bda_ln2),
+        *middle,
         BackwardAllReduce("mlp.f.bwd", "ln2"),
         Local("mlp", ("ln2",), ("mlp_p",), mlp_fn),
         ForwardAllReduce("mlp.g", "mlp_p", "mlp_sum"),
         Local("bda", ("mlp_sum", "h1"), ("y",), bda_out),
     )
-
-    @contextlib.contextmanager
-    def collectives_off():
-        # explicit_expert_comm is Megatron's own switch for "the caller communicates": the
-        # column linear then skips its dgrad all-reduce and the row linear its output reduce.
-        saved = [m.explicit_expert_comm for m in linears]
-        for m in linears:
-            m.explicit_expert_comm = True
-        try:
-            yield
-        finally:
-            for m, s in zip(linears, saved):
-                m.explicit_expert_comm = s
-
-    params = tuple(prm for prm in layer.parameters() if prm.requires_grad)
-    return LayerTape(steps=steps, group=attn.linear_proj.tp_group, params=params,
-                     collectives_off=collectives_off)
+    return steps, linears
 
 
 def layer_tape(layer, index: int) -> LayerTape:
