@@ -304,3 +304,62 @@ def test_exposed_grad_sync_charges_the_replica_all_reduce_once_per_iteration():
     diff = on.problem.node - off.problem.node
     assert diff[:, k[2]] == pytest.approx([5.0 * 4] * 4) and diff[:, k[4]] == pytest.approx([5.0 * 2] * 4)
     assert (0, 2, 4, 6) in seen.values() and (0, 4) in seen.values()
+
+
+# ---- ATP meshes as a strategy family -----------------------------------------------------------
+
+def test_atp_family_splits_prices_and_counts_like_the_simulator():
+    """ATP's layer (many small segments) splits into the same two blocks; its parameters match
+    ``sim.backends``; its collectives run on the mesh-axis groups of TP rank 0."""
+    from megatron_oases.sim.backends import atp_2d_gpt_layer, layer_params
+
+    m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=8)
+    s = Strategy(degree=8, family="atp", mesh=(4, 2))
+    fam = family_of(s)
+    blocks = fam.split(fam.describe(s, m, 2))
+    desc = atp_2d_gpt_layer(micro_batch=2, seq=64, hidden=256, heads=8, ffn=1024, d1=4, d2=2, bytes_per_element=2)
+    assert [b.kind for b in blocks] == ["attention", "mlp"]
+    assert sum(len(b.fwd_compute) + len(b.fwd_comm) for b in blocks) == len(desc.forward)
+    assert sum(len(b.bwd_compute) + len(b.bwd_comm) for b in blocks) == len(desc.backward)
+    assert blocks[1].fwd_compute[0].name == "atp.ln2" and blocks[0].bwd_compute[0].name == "atp.proj.bwd"
+    assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("atp", 256, 1024, 8, (4, 2))
+    assert fam.group_ranks(s, "mesh2") == (0, 1) and fam.group_ranks(s, "mesh1") == (0, 2, 4, 6)
+    assert s.label == "atp4x2"
+    with pytest.raises(PlanError, match="--families"):
+        candidate_strategies(m, families=("megatron", "cube"))
+
+
+def test_atp_plans_are_whole_model_and_win_when_memory_binds():
+    """The runtime runs ATP as a backend, so a plan never mixes it with Megatron blocks (infinite
+    edges); on two 3090 nodes with TP 8, a budget too small for degree 4 picks ATP 4x2 over TP 8
+    (the axis-1 all-reduces stay inside a node)."""
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=8)
+    cm = build_cost_model(m, topology=topo, global_batch_size=16, memory_gb=5.3, families=("megatron", "atp"))
+    labels = [s.label for s in cm.strategies]
+    assert labels[:2] == ["tp4", "tp8"] and "atp4x2" in labels
+    k_tp8, k_atp = labels.index("tp8"), labels.index("atp4x2")
+    n = len(cm.blocks)
+    mixed = (k_atp,) * (n // 2) + (k_tp8,) * (n - n // 2)
+    assert evaluate(cm.problem, mixed)[0] == np.inf
+    uniform_atp, uniform_tp8 = evaluate(cm.problem, (k_atp,) * n)[0], evaluate(cm.problem, (k_tp8,) * n)[0]
+    assert uniform_atp < uniform_tp8
+    dp, ilp = solve(cm.problem, solver="dp"), solve(cm.problem, solver="cbc")
+    assert dp.assignment == ilp.assignment == (k_atp,) * n
+    assert dp.time_ms == pytest.approx(uniform_atp)
+
+
+def test_atp_event_keys_are_the_simulators():
+    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("atp",))
+    sim = unique_events(build_stage_events(
+        ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=4),  # one sub-batch
+        SimStrategy(tp=8, backend="atp", mesh=(4, 2), recompute=True), topo))
+    ours = {k for k in pricer.events if "m4x2" in k and "grad" not in k}
+    assert any("atp.leave" in k for k in ours) and any("compute:atp.qkv" in k for k in ours)
+    assert ours <= set(sim), sorted(ours - set(sim))
+    assert all(pricer.events[k].dims == sim[k].dims for k in ours)

@@ -125,3 +125,27 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
         assert match in err and len(err.splitlines()) == 1, err
     assert plan_main(["--topology", "pcie-3090-2node", "--global-batch-size", "8"]) == 2
     assert "missing num_layers" in capsys.readouterr().err
+
+
+def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
+    """With --families megatron,atp and a budget only ATP 4x2 meets well, the plan's launch flags
+    select the ATP backend (no --oases-plan); the trainer refuses the file as --oases-plan."""
+    out = tmp_path / "p.json"
+    rc = plan_main(["--topology", "pcie-3090-2node", "--num-layers", "8", "--hidden-size", "4096",
+                    "--num-attention-heads", "32", "--seq-length", "1024", "--micro-batch-size", "4",
+                    "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--memory-gb", "5.3",
+                    "--families", "megatron,atp", "--out", str(out), "--quiet",
+                    "--rewrite-cmd", "torchrun x.py --tensor-model-parallel-size 4 --oases-plan old.json --bf16"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    assert set(data["strategies"]) == {"atp4x2"} and "atp4x2" in data["inputs"]["candidate_strategies"]
+    assert "launch flags: --tensor-model-parallel-size 8 --tp-backend atp --atp-mesh 4,2\n" in text
+    assert "launch command: torchrun x.py --tensor-model-parallel-size 8 --bf16 --tp-backend atp --atp-mesh 4,2\n" in text
+    with pytest.raises(ConfigError, match="launch with --tp-backend atp --atp-mesh 4,2 instead of --oases-plan") as e:
+        load_plan(out, num_layers=8, tp=8)
+    assert "\n" not in str(e.value)
+    assert plan_main(["--topology", "pcie-3090-2node", "--num-layers", "4", "--hidden-size", "512",
+                      "--num-attention-heads", "8", "--seq-length", "64", "--micro-batch-size", "4", "--tensor-model-parallel-size", "8",
+                      "--global-batch-size", "16", "--families", "megatron,cube", "--out", str(out)]) == 2
+    assert "--families: unknown family 'cube'" in capsys.readouterr().err

@@ -122,10 +122,10 @@ class CostModel:
         return [s.degree for s in self.strategies]
 
     def uniform(self, degree: int) -> tuple[int, ...] | None:
-        """The assignment with every block at ``degree`` (None if that strategy is not a candidate)."""
-        if degree not in self.degrees:
-            return None
-        return (self.degrees.index(degree),) * len(self.blocks)
+        """The assignment with every block at Megatron 1-D ``degree`` (None if that strategy is not
+        a candidate)."""
+        ks = [k for k, s in enumerate(self.strategies) if s.family == "megatron" and s.degree == degree]
+        return (ks[0],) * len(self.blocks) if ks else None
 
     def breakdown(self, assignment) -> list[dict[str, Any]]:
         """Per block: degree, node / incoming-edge / grad-sync ms per iteration, memory bytes."""
@@ -150,8 +150,8 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
         sub, scale = share // m.sub_batches, 1.0
     else:  # degree 1 (no collective): price the replica's whole share, split evenly in time
         sub, scale = share, 1.0 / m.sub_batches
-    shape, dims = shape_tag(m, sub, s.degree), shape_dims(m, sub, s.degree)
-    ops = split_blocks(fam.describe(s, m, sub))
+    shape, dims = shape_tag(m, sub, s.degree, s.mesh), shape_dims(m, sub, s.degree, s.mesh)
+    ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
     grad_ranks = tuple(j * s.degree + m.tp * i for i in range(dp) for j in range(m.tp // s.degree))
     out = {}
 
@@ -164,7 +164,7 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
         c_b += c_f if m.recompute else 0.0
         params = fam.params(s, m, blk.kind)
         shard = len(grad_ranks) if m.distributed_optimizer else 1
-        saved, runtime = block_memory(m, blk.kind, share, s.degree)
+        saved, runtime = fam.memory(s, m, blk.kind, share)
         g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(grad_ranks),
                           payload_bytes=4 * params)
         out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b, m_bwd=comm(blk.bwd_comm),
@@ -177,10 +177,11 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
 
 def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple[float, float]:
     """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b."""
-    rs = family_of(a).reshard(a, b, m)
+    other = a if a.family != "megatron" else b  # the family that knows how to enter / leave it
+    rs = family_of(other).reshard(a, b, m)
     hi = max(a.degree, b.degree)
     samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
-    shape, dims = shape_tag(m, samples, hi), shape_dims(m, samples, hi)
+    shape, dims = shape_tag(m, samples, hi, other.mesh), shape_dims(m, samples, hi, other.mesh)
     f = pricer.collective_ms(rs.forward, shape=shape, ranks=rs.ranks_forward, dims=dims) if rs.forward else 0.0
     g = pricer.collective_ms(rs.backward, shape=shape, ranks=rs.ranks_backward, dims=dims) if rs.backward else 0.0
     return m.sub_batches * f, m.sub_batches * g
@@ -188,7 +189,8 @@ def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple
 
 def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int, pricer: Pricer | None = None,
                      memory_gb: float | None = None, grad_sync: bool = False, granularity: str = "block",
-                     degrees: tuple[int, ...] | None = None, gpu: str | None = None) -> CostModel:
+                     degrees: tuple[int, ...] | None = None, gpu: str | None = None,
+                     families: tuple[str, ...] = ("megatron",)) -> CostModel:
     """Price every block x strategy and assemble the ILP arrays (Eq. 3-6)."""
     if granularity not in GRANULARITIES:
         raise PlanError(f"--granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
@@ -200,7 +202,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
                         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size)
     n_micro = dims.check_batch(m.micro_batch_size, global_batch_size)
     pricer = pricer or DevicePricer(topology=topology, model=m, gpu=gpu)
-    strategies = candidate_strategies(m, degrees)
+    strategies = candidate_strategies(m, degrees, families)
     blocks = build_graph(m)
     costs = {}
     for k, s in enumerate(strategies):
@@ -211,7 +213,10 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     rf, rb = np.zeros((K, K)), np.zeros((K, K))
     for a in range(K):
         for b in range(K):
-            rf[a, b], rb[a, b] = _reshard_ms(m, strategies[a], strategies[b], pricer)
+            if a != b and not (family_of(strategies[a]).mixes and family_of(strategies[b]).mixes):
+                rf[a, b] = rb[a, b] = np.inf  # the runtime cannot put these blocks side by side
+            else:
+                rf[a, b], rb[a, b] = _reshard_ms(m, strategies[a], strategies[b], pricer)
     embed_b = np.array([_reshard_ms(m, full, s, pricer)[1] for s in strategies])
     head_f = np.array([_reshard_ms(m, s, full, pricer)[0] for s in strategies])
 

@@ -10,9 +10,12 @@ Strategies. The TP group has ``T`` ranks (``--tensor-model-parallel-size``). A b
 ``d`` consecutive ranks and on ``d / T`` of the micro-batch; so per rank its GEMM FLOPs equal the
 degree-``T`` block's, its all-reduce moves ``d / T`` of the bytes on a smaller (often faster)
 group, and it holds ``T / d`` times the weights. The cost model only sees ``Strategy`` objects:
-a family (``megatron`` 1-D today; an ATP mesh or the 3-D cube later) that describes the layer on
-its share of the batch, the group ranks of each collective axis, and how to reshard between two
-strategies. Nothing else in the planner looks at ``degree``.
+a family (``megatron`` 1-D; ``atp``, ATP's 2-D mesh ``d1 x d2 = T`` over the whole TP group)
+that describes the layer on its share of the batch, splits it into the two blocks, names the
+group ranks of each collective axis, reshards between two strategies and counts parameters and
+saved bytes. A family the runtime cannot place next to another (``mixes=False``: ATP layers run
+as a whole-model backend, ``--tp-backend atp``) gets infinite edges to every other strategy, so
+a plan either uses it for every block or not at all.
 """
 from __future__ import annotations
 
@@ -128,7 +131,7 @@ class Strategy:
     degree: int
     """Ranks that shard one replica of the block; ``T / degree`` replicas split the batch."""
     family: str = "megatron"
-    """megatron (1-D TP); future: atp (``mesh`` = (d1, d2)), 3d (``mesh`` = (q, q, q))."""
+    """megatron (1-D TP) | atp (``mesh`` = (d1, d2), d1 x d2 = degree)."""
     mesh: tuple[int, ...] | None = None
 
     @property
@@ -174,6 +177,13 @@ class Family:
     """(src, dst, model) -> the collectives of one sub-batch between a src and a dst block."""
     params: Callable[[Strategy, PlanModel, str], int]
     """(strategy, model, block kind) -> parameters of the block on one rank."""
+    memory: Callable[[Strategy, PlanModel, str, int], tuple[float, float]]
+    """(strategy, model, block kind, samples of the replica) -> (saved bytes per micro-batch,
+    backward working set)."""
+    split: Callable[[LayerDescription], list["BlockOps"]] = None  # type: ignore[assignment]
+    """The layer description -> its attention and MLP blocks (default ``split_blocks``)."""
+    mixes: bool = True
+    """Whether the runtime can put this family's blocks next to another strategy's."""
 
 
 def _megatron_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
@@ -213,9 +223,110 @@ def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
     return 2 * h * f // d + f // d + h + 2 * h
 
 
+def _megatron_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+    from .cost_model import block_memory
+
+    return block_memory(m, kind, samples, s.degree)
+
+
+# ---- ATP (paper 004): the 2-D mesh d1 x d2 over the whole TP group ------------------------------
+
+def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+    from megatron_oases.sim.backends import atp_2d_gpt_layer
+
+    d1, d2 = s.mesh
+    return atp_2d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
+                            heads=m.num_attention_heads, ffn=m.ffn_hidden_size, d1=d1, d2=d2,
+                            bytes_per_element=m.bytes_per_element)
+
+
+def _split_at(ops, name: str) -> tuple[tuple, tuple]:
+    """``ops`` before and from the compute segment ``name``."""
+    i = next(i for i, op in enumerate(ops) if isinstance(op, Compute) and op.name == name)
+    return tuple(ops[:i]), tuple(ops[i:])
+
+
+def _atp_split(desc: LayerDescription) -> list["BlockOps"]:
+    """ATP's layer has many small segments (norm statistics, head gathers); its attention block
+    is everything before the pre-MLP norm (forward) and from the proj backward on (backward)."""
+    def block(kind, ops_f, ops_b):
+        return BlockOps(kind=kind, fwd_compute=tuple(o for o in ops_f if isinstance(o, Compute)),
+                        fwd_comm=tuple(o for o in ops_f if isinstance(o, Collective)),
+                        bwd_compute=tuple(o for o in ops_b if isinstance(o, Compute)),
+                        bwd_comm=tuple(o for o in ops_b if isinstance(o, Collective)))
+
+    attn_f, mlp_f = _split_at(desc.forward, "atp.ln2")
+    mlp_b, attn_b = _split_at(desc.backward, "atp.proj.bwd")
+    return [block("attention", attn_f, attn_b), block("mlp", mlp_f, mlp_b)]
+
+
+def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+    """TP rank 0's group on a mesh axis (rank = i1 * d2 + i2, as ``parallel.mesh``)."""
+    d1, d2 = s.mesh
+    if axis == "mesh2":
+        return tuple(range(d2))
+    if axis == "mesh1":
+        return tuple(range(0, d1 * d2, d2))
+    raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}")
+
+
+def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+    """ATP keeps ``[s, b, h/d2]`` between its layers and converts at the edges of its run of
+    layers: entering splits (backward: all-gather over axis 2), leaving all-gathers over axis 2
+    (backward: keep own chunk). Only edges to the degree-T embedding / logits and between equal
+    meshes are used (``mixes=False``)."""
+    if src == dst:
+        return Reshard(forward=None, backward=None)
+    atp = src if src.family == "atp" else dst
+    d2 = atp.mesh[1]
+    if d2 == 1:
+        return Reshard(forward=None, backward=None)
+    payload = round(m.micro_batch_size / m.sub_batches * m.seq_length * m.hidden_size * m.bytes_per_element)
+    op = Collective(name="atp.leave" if src is atp else "atp.enter.bwd", kind="all_gather", axis="mesh2",
+                    group_size=d2, payload_bytes=payload)
+    if src is atp:
+        return Reshard(forward=op, backward=None, ranks_forward=tuple(range(d2)))
+    return Reshard(forward=None, backward=op, ranks_backward=tuple(range(d2)))
+
+
+def _atp_params(s: Strategy, m: PlanModel, kind: str) -> int:
+    """Weights split over the whole mesh; biases over the axis that splits their output; the
+    norms over axis 2 (``sim.backends.layer_params``, split into the two blocks)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    d1, d2 = s.mesh
+    n = d1 * d2
+    if kind == "attention":
+        return 4 * h * h // n + 3 * h // d1 + h // d2 + 2 * h // d2
+    return 2 * h * f // n + f // d1 + h // d2 + 2 * h // d2
+
+
+def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+    """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
+    outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
+    h/d2; MLP: fc1 sum f/d1, fc2 sum h/d2); without recompute the block's share of ATP's full
+    activations (``sim.backends.layer_activation_bytes``, split in proportion to Megatron's)."""
+    from megatron_oases.sim.backends import layer_activation_bytes
+
+    from .cost_model import block_activation_bytes
+
+    d1, d2 = s.mesh
+    e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
+    layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
+                                   t=s.degree, e=e, mesh=s.mesh)
+    mine, other = (block_activation_bytes(m, k, samples, s.degree) for k in (kind, "mlp" if kind == "attention" else "attention"))
+    full = layer * mine / (mine + other)
+    grads = 2 * e * tok * h / d2
+    if not m.recompute:
+        return full, grads
+    saved = e * tok * ((h / d2 + 3 * h / d1 + h / d1 + h / d2) if kind == "attention" else (f / d1 + h / d2))
+    return saved, full + grads
+
+
 FAMILIES: dict[str, Family] = {
     "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
-                       params=_megatron_params),
+                       params=_megatron_params, memory=_megatron_memory),
+    "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=_atp_params,
+                  memory=_atp_memory, split=_atp_split, mixes=False),
 }
 
 
@@ -253,6 +364,16 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 def feasible(s: Strategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can)."""
     d = s.degree
+    if s.family == "atp":
+        d1, d2 = s.mesh
+        h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
+        if d1 * d2 != m.tp or d != m.tp:
+            return f"mesh {d1}x{d2} must cover T={m.tp}"
+        if h % d or a % d or f % d1 or h % d2:
+            return f"hidden {h} and heads {a} must divide by {d}, ffn {f} by {d1}"
+        if m.micro_batch_size % m.sub_batches:
+            return f"micro-batch {m.micro_batch_size} does not split into {m.sub_batches} sub-batches"
+        return ""
     if d < 1 or m.tp % d:
         return f"degree {d} does not divide T={m.tp}"
     if m.hidden_size % d or m.num_attention_heads % d or m.ffn_hidden_size % d:
@@ -266,8 +387,29 @@ def feasible(s: Strategy, m: PlanModel) -> str:
     return ""
 
 
-def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None) -> list[Strategy]:
-    """Power-of-two degrees up to T that can run the model (ascending); ``degrees`` restricts them."""
+FAMILY_NAMES = ("megatron", "atp")
+
+
+def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
+                         families: tuple[str, ...] = ("megatron",)) -> list[Strategy]:
+    """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
+    ``degrees`` restricts them), then with ``"atp" in families`` every ATP mesh d1 x d2 = T
+    (d2 > 1; d2 = 1 is Megatron's layout) that can."""
+    bad = [f for f in families if f not in FAMILY_NAMES]
+    if bad:
+        raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(FAMILY_NAMES)})")
+    out = _megatron_candidates(m, degrees) if "megatron" in families else []
+    if "atp" in families:
+        meshes = [Strategy(degree=m.tp, family="atp", mesh=(m.tp // d2, d2))
+                  for d2 in (1 << i for i in range(1, m.tp.bit_length())) if m.tp % d2 == 0]
+        out += [s for s in meshes if not feasible(s, m)]
+    if not out:
+        raise PlanError(f"no block strategy of --families {','.join(families)} can run this model; "
+                        f"add megatron or raise --micro-batch-size")
+    return out
+
+
+def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[Strategy]:
     all_d = [1 << i for i in range(m.tp.bit_length()) if m.tp % (1 << i) == 0]
     if degrees:
         bad = [d for d in degrees if d not in all_d]

@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from .graph import PlanError, PlanModel, model_from_mapping
-from .plan_file import PLAN_FORMAT, compact_notation, launch_flags, rewrite_command, write_plan
+from .plan_file import (PLAN_FORMAT, atp_mesh_of, compact_notation, launch_flags, plan_launch_flags,
+                        rewrite_command, write_plan)
 
 PROG = "megatron-oases plan"
 MiB, GiB = float(1 << 20), float(1 << 30)
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention and MLP choose separately (both run with --schedule default "
                         "and oases)")
     p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
+    p.add_argument("--families", default="megatron",
+                   help="strategy families to consider, comma-separated: megatron (1-D TP at each "
+                        "degree, default) and atp (ATP's 2-D meshes d1 x d2 = T over the whole TP "
+                        "group; the runtime runs ATP as a whole-model backend, so a plan is either "
+                        "all ATP with one mesh, launched with --tp-backend atp --atp-mesh, or has none)")
     p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
                    help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
                         "exposed: also charge each block's fp32 gradient all-reduce over its "
@@ -123,7 +129,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         raise PlanError(f"--memory-gb must be > 0 (got {memory_gb:g})")
     cm = build_cost_model(m, topology=topo, global_batch_size=a.global_batch_size, pricer=pricer,
                           memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
-                          degrees=degrees)
+                          degrees=degrees, families=tuple(f.strip() for f in a.families.split(",") if f.strip()))
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
     degs = [cm.strategies[k].degree for k in sol.assignment]
     per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
@@ -136,6 +142,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         "num_layers": m.num_layers,
         "block_kinds": ["attention", "mlp"],
         "degrees": degs,
+        "strategies": [cm.strategies[k].label for k in sol.assignment],
         "compact": compact_notation(degs),
         "compact_layers": compact_notation(per_layer) if per_layer else None,
         "granularity": a.granularity,
@@ -145,6 +152,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
             "scope": "transformer blocks only (embedding, logits, optimizer step excluded); "
                      "analytical or profiled, not measured",
             "blocks": [{"block": r["block"], "layer": r["layer"], "kind": r["kind"], "degree": r["degree"],
+                        "strategy": r["strategy"],
                         "time_ms": r["time_ms"], "node_ms": r["node_ms"], "edge_in_ms": r["edge_in_ms"],
                         "grad_sync_ms": r["grad_sync_ms"],
                         "memory_bytes": r["state_bytes"] + r["saved_bytes"], "backward_peak_bytes": r["runtime_bytes"]}
@@ -153,7 +161,8 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         "inputs": {"model": m.to_dict(), "topology": topo.name, "topology_arg": a.topology,
                    "global_batch_size": a.global_batch_size, "data_parallel_size": cm.data_parallel,
                    "num_microbatches": cm.num_microbatches, "memory_gb": memory_gb, "grad_sync": a.grad_sync,
-                   "candidate_degrees": cm.degrees, "pricing": cm.pricing},
+                   "candidate_degrees": cm.degrees,
+                   "candidate_strategies": [s.label for s in cm.strategies], "pricing": cm.pricing},
         "solver": {"name": sol.solver, "status": sol.status, "build_ms": sol.build_s * 1e3,
                    "solve_ms": sol.solve_s * 1e3},
     }
@@ -168,8 +177,8 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
              f"{inp['num_microbatches']} micro-batches; TP group {data['tensor_model_parallel_size']} on "
              f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)"]
     if table:
-        cols = ("block", "layer", "kind", "degree", "time ms", "node ms", "edge ms", "grad ms", "memory MiB")
-        rows = [cols] + [(str(b["block"]), str(b["layer"]), b["kind"], str(b["degree"]), f"{b['time_ms']:.2f}",
+        cols = ("block", "layer", "kind", "strategy", "time ms", "node ms", "edge ms", "grad ms", "memory MiB")
+        rows = [cols] + [(str(b["block"]), str(b["layer"]), b["kind"], b["strategy"], f"{b['time_ms']:.2f}",
                           f"{b['node_ms']:.2f}", f"{b['edge_in_ms']:.2f}", f"{b['grad_sync_ms']:.2f}",
                           f"{b['memory_bytes'] / MiB:.0f}") for b in pred["blocks"]]
         w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
@@ -182,6 +191,9 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
                  f"({pred['uniform_tp_iteration_ms'] / pred['iteration_ms']:.3f}x), "
                  f"{pred['uniform_tp_memory_gib']:.2f} GiB")
     lines.append(line)
+    mesh = atp_mesh_of(data)
+    if mesh is not None:
+        lines.append(f"plan: every block on ATP mesh {mesh[0]}x{mesh[1]} (the whole TP group)")
     lines.append(f"plan (per block, attention/mlp alternating): {data['compact']}")
     if data.get("compact_layers"):
         lines.append(f"plan (per layer, as the paper's Table 6): {data['compact_layers']}")
@@ -216,12 +228,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(data, table=not a.quiet))
     print(f"wrote {a.out}")
-    tp = data["tensor_model_parallel_size"]
-    print(f"launch flags: {launch_flags(tp, a.out)}")
+    flags = plan_launch_flags(data, a.out)
+    print(f"launch flags: {launch_flags(flags)}")
     if a.rewrite_cmd is not None:
-        print(f"launch command: {rewrite_command(a.rewrite_cmd, tp=tp, plan_path=a.out)}")
+        print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
-          "(megatron_oases.pretrain_gpt) run the plan with --oases-plan")
+          "(megatron_oases.pretrain_gpt) run the plan with "
+          + ("--tp-backend atp --atp-mesh" if atp_mesh_of(data) else "--oases-plan"))
     return 0
 
 

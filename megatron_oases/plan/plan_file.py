@@ -105,6 +105,14 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
     if data.get("format") != PLAN_FORMAT:
         _fail(p, f"format is {data.get('format')!r}, expected {PLAN_FORMAT!r}; "
                  "regenerate it with `megatron-oases plan`")
+    try:
+        mesh = atp_mesh_of(data)
+    except ConfigError as e:
+        _fail(p, str(e))
+    if mesh is not None:
+        _fail(p, f"runs the whole model as ATP mesh {mesh[0]}x{mesh[1]}, which is a backend, not a "
+                 f"per-block plan: launch with --tp-backend atp --atp-mesh {mesh[0]},{mesh[1]} "
+                 f"instead of {FLAG}")
     ftp, flayers, kinds, degrees = (data.get("tensor_model_parallel_size"), data.get("num_layers"),
                                     data.get("block_kinds", list(BLOCK_KINDS)), data.get("degrees"))
     if ftp != tp:
@@ -187,11 +195,37 @@ def _tokens(cmd: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def rewrite_command(cmd: str, *, tp: int, plan_path: str) -> str:
-    """Set ``--tensor-model-parallel-size`` and ``--oases-plan`` in a launch command line:
-    replace their values where present (``--flag v`` or ``--flag=v``; repeats removed), append
-    them otherwise; every other character stays as it was."""
-    values = {TP_FLAG: str(tp), FLAG: shlex.quote(plan_path)}
+def atp_mesh_of(data: dict[str, Any]) -> tuple[int, int] | None:
+    """The ATP mesh of a plan that runs the whole model as ATP (``strategies`` all
+    ``atp<d1>x<d2>``, written by ``megatron-oases plan --families ...,atp``); None otherwise."""
+    labels = data.get("strategies") or []
+    meshes = {lab for lab in labels if isinstance(lab, str) and lab.startswith("atp")}
+    if not meshes:
+        return None
+    mt = re.fullmatch(r"atp(\d+)x(\d+)", next(iter(meshes)))
+    if len(meshes) != 1 or len(meshes) != len(set(labels)) or not mt:
+        raise ConfigError(f"plan strategies {sorted(set(labels))} mix an ATP mesh with other layouts, which "
+                          f"the runtime cannot run; plan again")
+    return int(mt.group(1)), int(mt.group(2))
+
+
+def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
+    """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
+    ``--oases-plan`` or, for a whole-model ATP plan, ``--tp-backend atp --atp-mesh d1,d2``."""
+    tp = str(data["tensor_model_parallel_size"])
+    mesh = atp_mesh_of(data)
+    if mesh is None:
+        return {TP_FLAG: tp, FLAG: shlex.quote(plan_path)}
+    return {TP_FLAG: tp, "--tp-backend": "atp", "--atp-mesh": f"{mesh[0]},{mesh[1]}", FLAG: None}
+
+
+def rewrite_command(cmd: str, *, tp: int | None = None, plan_path: str | None = None,
+                    flags: dict[str, str | None] | None = None) -> str:
+    """Set flags in a launch command line (default: ``--tensor-model-parallel-size tp`` and
+    ``--oases-plan plan_path``): replace their values where present (``--flag v`` or
+    ``--flag=v``; repeats removed), append them otherwise, remove those whose value is None;
+    every other character stays as it was."""
+    values = flags if flags is not None else {TP_FLAG: str(tp), FLAG: shlex.quote(plan_path)}
     toks = _tokens(cmd)
     edits: list[tuple[int, int, str]] = []
     seen: set[str] = set()
@@ -204,7 +238,8 @@ def rewrite_command(cmd: str, *, tp: int, plan_path: str) -> str:
             if "=" not in word and i + 1 < len(toks):
                 end = toks[i + 1][1]
                 i += 1
-            edits.append((s, end, "" if name in seen else f"{name} {values[name]}"))
+            drop = name in seen or values[name] is None
+            edits.append((s, end, "" if drop else f"{name} {values[name]}"))
             seen.add(name)
         i += 1
     out = cmd
@@ -213,12 +248,13 @@ def rewrite_command(cmd: str, *, tp: int, plan_path: str) -> str:
             while s > 0 and out[s - 1] in " \t":
                 s -= 1
         out = out[:s] + text + out[e:]
-    missing = [f"{n} {v}" for n, v in values.items() if n not in seen]
+    missing = [f"{n} {v}" for n, v in values.items() if n not in seen and v is not None]
     if missing:
         stripped = out.rstrip()
         out = stripped + " " + " ".join(missing) + out[len(stripped):]
     return out
 
 
-def launch_flags(tp: int, plan_path: str) -> str:
-    return f"{TP_FLAG} {tp} {FLAG} {shlex.quote(plan_path)}"
+def launch_flags(flags: dict[str, str | None]) -> str:
+    """``plan_launch_flags`` as a command-line fragment."""
+    return " ".join(f"{n} {v}" for n, v in flags.items() if v is not None)

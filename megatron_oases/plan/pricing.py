@@ -33,16 +33,19 @@ class Pricer(Protocol):
     def summary(self) -> dict: ...
 
 
-def shape_tag(m: PlanModel, samples: int, degree: int) -> str:
-    """The simulator's event shape: samples per (sub-)batch, model sizes, TP degree, dtype."""
+def shape_tag(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> str:
+    """The simulator's event shape: samples per (sub-)batch, model sizes, TP degree, the ATP
+    mesh (if any), dtype."""
+    tag = f"m{mesh[0]}x{mesh[1]}" if mesh else ""
     return (f"b{samples}s{m.seq_length}h{m.hidden_size}a{m.num_attention_heads}f{m.ffn_hidden_size}"
-            f"t{degree}_{m.dtype}")
+            f"t{degree}{tag}_{m.dtype}")
 
 
-def shape_dims(m: PlanModel, samples: int, degree: int) -> Dims:
+def shape_dims(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> Dims:
     """``dims`` of a layer event (as ``sim.events.build_stage_events`` gives them)."""
+    d1, d2 = mesh or (degree, 1)
     return (("b", samples), ("s", m.seq_length), ("h", m.hidden_size), ("a", m.num_attention_heads),
-            ("f", m.ffn_hidden_size), ("t", degree), ("d1", degree), ("d2", 1), ("v", m.vocab_size),
+            ("f", m.ffn_hidden_size), ("t", degree), ("d1", d1), ("d2", d2), ("v", m.vocab_size),
             ("dtype", m.dtype))
 
 
