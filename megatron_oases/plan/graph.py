@@ -261,13 +261,14 @@ def _atp_split(desc: LayerDescription) -> list["BlockOps"]:
 
 
 def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
-    """TP rank 0's group on a mesh axis (rank = i1 * d2 + i2, as ``parallel.mesh``)."""
-    d1, d2 = s.mesh
-    if axis == "mesh2":
-        return tuple(range(d2))
-    if axis == "mesh1":
-        return tuple(range(0, d1 * d2, d2))
-    raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}")
+    """TP rank 0's group on a mesh axis, as the simulator places it (``sim.backends.axis_ranks``)."""
+    from megatron_oases.sim.backends import axis_ranks
+    from megatron_oases.sim.device_model import SimError
+
+    try:
+        return axis_ranks(axis, tuple(range(s.degree)), s.mesh)
+    except SimError:
+        raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
 
 def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
@@ -313,8 +314,8 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
     e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
                                    t=s.degree, e=e, mesh=s.mesh)
-    mine, other = (block_activation_bytes(m, k, samples, s.degree) for k in (kind, "mlp" if kind == "attention" else "attention"))
-    full = layer * mine / (mine + other)
+    both = {k: block_activation_bytes(m, k, samples, s.degree) for k in ("attention", "mlp")}
+    full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / d2
     if not m.recompute:
         return full, grads

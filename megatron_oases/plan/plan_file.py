@@ -212,11 +212,15 @@ def atp_mesh_of(data: dict[str, Any]) -> tuple[int, int] | None:
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
     """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
     ``--oases-plan`` or, for a whole-model ATP plan, ``--tp-backend atp --atp-mesh d1,d2``."""
-    tp = str(data["tensor_model_parallel_size"])
+    tp = data["tensor_model_parallel_size"]
     mesh = atp_mesh_of(data)
     if mesh is None:
-        return {TP_FLAG: tp, FLAG: shlex.quote(plan_path)}
-    return {TP_FLAG: tp, "--tp-backend": "atp", "--atp-mesh": f"{mesh[0]},{mesh[1]}", FLAG: None}
+        return _per_block_flags(tp, plan_path)
+    return {TP_FLAG: str(tp), "--tp-backend": "atp", "--atp-mesh": f"{mesh[0]},{mesh[1]}", FLAG: None}
+
+
+def _per_block_flags(tp: int, plan_path: str) -> dict[str, str | None]:
+    return {TP_FLAG: str(tp), FLAG: shlex.quote(plan_path)}
 
 
 def rewrite_command(cmd: str, *, tp: int | None = None, plan_path: str | None = None,
@@ -225,7 +229,7 @@ def rewrite_command(cmd: str, *, tp: int | None = None, plan_path: str | None = 
     ``--oases-plan plan_path``): replace their values where present (``--flag v`` or
     ``--flag=v``; repeats removed), append them otherwise, remove those whose value is None;
     every other character stays as it was."""
-    values = flags if flags is not None else {TP_FLAG: str(tp), FLAG: shlex.quote(plan_path)}
+    values = flags if flags is not None else _per_block_flags(tp, plan_path)
     toks = _tokens(cmd)
     edits: list[tuple[int, int, str]] = []
     seen: set[str] = set()
