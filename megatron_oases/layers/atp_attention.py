@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
 from megatron_oases.parallel import collectives as C
@@ -101,13 +102,10 @@ class ATPSelfAttention(torch.nn.Module):
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """``hidden_states`` ``[s, b, h/d2]`` -> ``(output [s, b, h/d2], bias [h/d2] or None)``."""
-        unsupported = {"key_value_states": key_value_states, "inference_context": inference_context,
-                       "rotary_pos_emb": rotary_pos_emb, "rotary_pos_cos": rotary_pos_cos,
-                       "packed_seq_params": packed_seq_params, "inference_params": inference_params}
-        for name, value in unsupported.items():
-            if value is not None:
-                raise NotImplementedError(f"ATPSelfAttention: {name} is not supported yet "
-                                          "(use --position-embedding-type learned_absolute)")
+        refuse_unsupported("ATPSelfAttention", key_value_states=key_value_states,
+                           inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                           rotary_pos_cos=rotary_pos_cos, packed_seq_params=packed_seq_params,
+                           inference_params=inference_params)
         axis2 = self.mesh_groups.group(2)
         qkv = self.linear_qkv(hidden_states)                 # [s, b, 3h/d1], f1
         qkv = C.split_dim(qkv, -1, axis2)                    # [s, b, 3h/N]: own heads only

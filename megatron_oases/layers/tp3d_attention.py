@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
 from megatron_oases.parallel.cube import CubeGroups
 from megatron_oases.parallel.dims import ConfigError
@@ -122,14 +123,10 @@ class SelfAttention3D(torch.nn.Module):
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """``[s, b/p^2, h/p]`` (layout y) -> ``(output [s, b/p^2, h/p] (layout y), None)``."""
-        unsupported = {"key_value_states": key_value_states, "inference_context": inference_context,
-                       "rotary_pos_emb": rotary_pos_emb, "rotary_pos_cos": rotary_pos_cos,
-                       "attention_bias": attention_bias, "packed_seq_params": packed_seq_params,
-                       "inference_params": inference_params}
-        for name, value in unsupported.items():
-            if value is not None:
-                raise NotImplementedError(f"SelfAttention3D: {name} is not supported yet "
-                                          "(use --position-embedding-type learned_absolute)")
+        refuse_unsupported("SelfAttention3D", key_value_states=key_value_states,
+                           inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                           rotary_pos_cos=rotary_pos_cos, attention_bias=attention_bias,
+                           packed_seq_params=packed_seq_params, inference_params=inference_params)
         if attention_mask is not None and attention_mask.shape[0] > 1:  # [b, 1, s, s]
             attention_mask = local_samples(attention_mask, 0, self.groups, self.sample_rows)
         qkv = self.linear_qkv(hidden_states)                 # [s, b/p^2, 3h/p], heads block j
