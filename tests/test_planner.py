@@ -179,6 +179,7 @@ def test_planner_events_can_be_profiled():
     """Every compute event the planner prices maps to the profiler's torch workload."""
     import torch
 
+    from megatron_oases.sim.layer_workloads import single_rank_world
     from megatron_oases.sim.workloads import compute_workload
 
     topo = load_topology("pcie-3090-2node")
@@ -187,8 +188,9 @@ def test_planner_events_can_be_profiled():
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
     comp = [e for e in pricer.events.values() if e.kind == "compute"]
     assert len(comp) == 4 * 3  # attention, mlp, and their .bwd at degrees 1, 2, 4
-    for e in comp:
-        compute_workload(e.name, dict(e.dims), torch.device("cpu"))
+    with single_rank_world():  # Megatron layer workloads build a real layer
+        for e in comp:
+            compute_workload(e.name, dict(e.dims), torch.device("cpu"))
     kinds = {(e.op.kind, e.name) for e in pricer.events.values() if e.kind == "collective"}
     assert {("all_gather", "reshard.ag"), ("all_reduce", "grad.ar"), ("all_reduce", "mlp.f.bwd")} <= kinds
 

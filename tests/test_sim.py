@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.sim.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.sim.events import STOCK_ASYNC_DGRAD, ModelConfig, Strategy, build_stage_events, unique_events
 from megatron_oases.sim.timeline import run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
@@ -90,12 +90,19 @@ def test_timeline_invariants(strat: Strategy):
         for stream in ("compute", "comm"):
             on = sorted((e for e in evs if e["stage"] == st and e["stream"] == stream), key=lambda e: e["start"])
             assert all(a["end"] <= b["start"] + EPS for a, b in zip(on, on[1:])), f"{stream} overlap"
-    chain_end = {}  # inside a template each sub-batch's ops run in order (compute waits on its collectives)
+    # inside a template each sub-batch's ops run in order (compute waits on its collectives); stock
+    # Megatron's input-gradient all-reduce starts beside its compute's weight gradient instead
+    chain_end, chain_start = {}, {}
+    beside = strat.overlap == "none" and strat.backend == "megatron"
     for e in evs:
         if e["phase"] in ("F", "B") and e["stream"] != "p2p":
             k = (e["stage"], e["chunk"], e["phase"], e["micro_batch"], e["chain"])
+            if beside and e["name"] in STOCK_ASYNC_DGRAD:
+                assert e["start"] >= chain_start[k] - EPS
+                chain_end[k] = max(chain_end[k], e["end"])
+                continue
             assert e["start"] >= chain_end.get(k, 0.0) - EPS
-            chain_end[k] = e["end"]
+            chain_start[k], chain_end[k] = e["start"], e["end"]
     span = {}
     for e in evs:
         if e["phase"] in ("F", "B") and e["stream"] != "p2p":
@@ -145,6 +152,27 @@ def test_oases_meets_max_bound_for_one_layer_comm_equal_compute():
             assert tm.duration == pytest.approx(c + m)
         else:  # max(C, M) + the one sub-batch segment that cannot overlap (pipeline fill)
             assert tm.duration == pytest.approx(max(c, m) + unit)
+
+
+def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
+    """Stock Megatron's dgrad all-reduce starts when the weight-gradient GEMM does: hidden while
+    shorter than it, else only the rest is exposed; shared-core slow-downs stretch both."""
+    model = ModelConfig(num_layers=1, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+    st = build_stage_events(model, Strategy(tp=2), topo(nodes=1, per_node=2))[0]
+    ops = tuple(e for e in st.backward if e.name in ("attention.bwd", "attention.f.bwd"))
+    ar = ops[1]
+    assert ar.beside is not None and ar.beside.name == "attention.wgrad"
+    for comm, want in ((2.0, 10.0), (5.0, 12.0)):  # compute 10 ms of which the wgrad is the last 3
+        price = {ops[0].key: 10.0, ar.key: comm, ar.beside.key: 3.0}
+        tm = run_template(ops, 1, price)
+        assert tm.duration == pytest.approx(want)
+        assert tm.slots[1].start == pytest.approx(7.0)
+    price = {ops[0].key: 10.0, ar.key: 5.0, ar.beside.key: 3.0}
+    # both twice as slow together: the wgrad ends at 7 + 6, the all-reduce did 6/10 by then, 2 ms alone
+    tm = run_template(ops, 1, price, {ar.key: 10.0, ar.beside.key: 6.0})
+    assert tm.slots[0].dur == pytest.approx(13.0) and tm.duration == pytest.approx(15.0)
+    oases = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
+    assert all(e.beside is None for e in oases.backward)  # the executor launches its own collectives
 
 
 def test_chrome_trace(tmp_path: Path):

@@ -62,6 +62,11 @@ class PlanModel:
     """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor."""
     distributed_optimizer: bool = False
     """Optimizer states sharded over each block's data-parallel replicas."""
+    hidden_dropout: float = 0.0
+    """--hidden-dropout (default 0, as ``megatron-oases train``; Megatron-LM's is 0.1): part of
+    the layer events' profile keys."""
+    attention_dropout: float = 0.0
+    """--attention-dropout (default 0, as ``megatron-oases train``)."""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -76,6 +81,10 @@ class PlanModel:
                             "planner (block degrees are powers of two dividing it)")
         if self.dtype not in DTYPES:
             raise PlanError(f"model dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        for name in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+                raise PlanError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v!r})")
         if self.sub_batches not in (1, 2):
             raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
                    help="TP group size T; block degrees are powers of two dividing it")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
+    p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
+    p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="Oases fine-grained recompute (default on)")
     p.add_argument("--sub-batches", type=int, choices=(1, 2), default=None,
@@ -100,7 +102,8 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
     over = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "seq_length": a.seq_length, "ffn_hidden_size": a.ffn_hidden_size, "vocab_size": a.vocab_size,
             "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
-            "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer}
+            "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
+            "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout}
     return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
 
 

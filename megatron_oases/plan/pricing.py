@@ -33,12 +33,18 @@ class Pricer(Protocol):
     def summary(self) -> dict: ...
 
 
+def _event_tag(m: PlanModel, mesh: tuple[int, int] | None):
+    from megatron_oases.sim.events import layer_event_tag
+
+    return layer_event_tag(m.hidden_dropout, m.attention_dropout, m.sub_batches, "atp" if mesh else "megatron")
+
+
 def shape_tag(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> str:
     """The simulator's event shape: samples per (sub-)batch, model sizes, TP degree, the ATP
-    mesh (if any), dtype."""
+    mesh (if any), dtype, dropout and executor (``sim.events.layer_event_tag``)."""
     tag = f"m{mesh[0]}x{mesh[1]}" if mesh else ""
     return (f"b{samples}s{m.seq_length}h{m.hidden_size}a{m.num_attention_heads}f{m.ffn_hidden_size}"
-            f"t{degree}{tag}_{m.dtype}")
+            f"t{degree}{tag}_{m.dtype}{_event_tag(m, mesh)[0]}")
 
 
 def shape_dims(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> Dims:
@@ -46,7 +52,7 @@ def shape_dims(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | 
     d1, d2 = mesh or (degree, 1)
     return (("b", samples), ("s", m.seq_length), ("h", m.hidden_size), ("a", m.num_attention_heads),
             ("f", m.ffn_hidden_size), ("t", degree), ("d1", d1), ("d2", d2), ("v", m.vocab_size),
-            ("dtype", m.dtype))
+            ("dtype", m.dtype)) + _event_tag(m, mesh)[1]
 
 
 def _norm(name: str) -> str:

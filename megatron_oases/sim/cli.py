@@ -45,6 +45,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +88,8 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
                        seq=a.seq_length, vocab=a.vocab_size, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
                        bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
-                       tied_embeddings=not a.untie_embeddings_and_output_weights)
+                       tied_embeddings=not a.untie_embeddings_and_output_weights,
+                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
 
 
 def strategy_from_args(a: argparse.Namespace) -> Strategy:

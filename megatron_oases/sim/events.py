@@ -40,6 +40,10 @@ class ModelConfig:
     tied_embeddings: bool = True
     """Input and output embeddings share one weight (Megatron's default); with PP > 1 the first
     and last stage each hold a copy and all-reduce its gradient."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    """Megatron's ``--hidden-dropout`` / ``--attention-dropout`` (the trainer's default is 0.1):
+    part of the layer events' keys, since the profiler runs them with the dropout."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -49,6 +53,9 @@ class ModelConfig:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if not self.dtype:
             object.__setattr__(self, "dtype", "fp32" if self.bytes_per_element == 4 else "bf16")
+        for f in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, f) < 1.0:
+                raise SimError(f"model {f} must be in [0, 1) (got {getattr(self, f)!r})")
         if DTYPES.get(self.dtype) != self.bytes_per_element:
             raise SimError(f"model dtype {self.dtype!r} does not have {self.bytes_per_element}-byte elements "
                            f"(known: {', '.join(f'{k}={v}' for k, v in DTYPES.items())})")
@@ -140,8 +147,14 @@ class Event:
     ranks: tuple[int, ...] = ()
     """The collective's group, or (src, dst) for p2p; empty for compute."""
     nbytes: float = 0.0
-    dims: tuple[tuple[str, Union[int, str]], ...] = ()
-    """Sizes the work depends on (b s h a f t d1 d2 v p dtype), for the profiler's workloads."""
+    dims: tuple[tuple[str, Union[int, str, float]], ...] = ()
+    """Sizes the work depends on (b s h a f t d1 d2 v p dtype; hd ad exec for layer events), for
+    the profiler's workloads."""
+    beside: "Event | None" = None
+    """A collective that runs beside the tail of the compute before it: stock Megatron's
+    column-parallel linear launches its input-gradient all-reduce async and computes this event
+    (its weight gradient) meanwhile. Not placed itself; the timeline starts the collective that
+    much before the compute ends."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -239,6 +252,31 @@ def _compute(op: Compute, shape: str, dims) -> Event:
     return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
 
 
+STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgrad"}
+"""Stock Megatron's input-gradient all-reduces that run async beside a weight-gradient GEMM."""
+
+
+def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
+                    ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
+    """Key suffix and dims a Megatron 1-D layer event's work also depends on (the profiler runs
+    it on a real layer, ``sim.layer_workloads``): the dropout rates, and the executor (``oases``:
+    a sub-batch through the Oases executor; ``stock``: Megatron's forward / backward). Other
+    backends' events run synthetic ops that depend on neither: no tag. The planner tags its
+    events with this function too."""
+    if backend != "megatron":
+        return "", ()
+    drop = f"_hd{hidden_dropout:g}ad{attention_dropout:g}" if hidden_dropout or attention_dropout else ""
+    executor = "oases" if chains > 1 else "stock"
+    return (drop + ("_oases" if chains > 1 else ""),
+            (("hd", float(hidden_dropout)), ("ad", float(attention_dropout)), ("exec", executor)))
+
+
+def column_wgrad(event: str, *, b: int, s: int, h: int, heads: int, f: int, t: int, e: int) -> Compute:
+    """The weight gradient of a Megatron block's column-parallel linear (QKV or fc1) alone."""
+    out = 3 * (heads // t) * (h // heads) if event == "attention.wgrad" else f // t
+    return Compute(name=event, gemm_flops=2.0 * b * s * h * out, elementwise_bytes=e * (b * s * (h + out) + h * out))
+
+
 def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -> list[StageEvents]:
     """Per-stage event lists for stage representatives (tp rank 0, dp replica 0)."""
     check(model, strategy, topo.world_size)
@@ -248,11 +286,13 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                               heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e)
     mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
-    shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}"
+    tag, tag_dims = layer_event_tag(m.hidden_dropout, m.attention_dropout, chains, s.backend)
+    shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}{tag}"
     head_shape = f"b{b}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
-    dims = (("b", b), ("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
-            ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
-            ("dtype", m.dtype))
+    head_dims = (("b", b), ("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
+                 ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
+                 ("dtype", m.dtype))
+    dims = head_dims + tag_dims
     act = b * m.seq * m.hidden * e
     per_chunk = m.num_layers // (s.pp * vp)
     n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
@@ -263,12 +303,17 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
         def ev(op):
             if isinstance(op, Compute):
                 return _compute(op, shape, dims)
-            return _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks, s.mesh), dims)
+            coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks, s.mesh), dims)
+            if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
+                wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq, h=m.hidden, heads=m.heads,
+                                     f=m.ffn, t=t, e=e)
+                coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
+            return coll
 
         def head_ev(op):
             if isinstance(op, Compute):
-                return _compute(op, head_shape, dims)
-            return _collective(op, head_shape, topo, tp_ranks, dims)
+                return _compute(op, head_shape, head_dims)
+            return _collective(op, head_shape, topo, tp_ranks, head_dims)
 
         fwd_l = [ev(op) for op in layer.forward]
         bwd_l = [ev(op) for op in layer.backward]
@@ -382,6 +427,7 @@ def stage_event_list(st: StageEvents) -> list[Event]:
     out: list[Event] = []
     for ch in st.chunks:
         out += [*ch.forward, *ch.backward]
+        out += [ev.beside for ev in ch.backward if ev.beside is not None]
         out += [x for x in (ch.send_forward, ch.send_backward) if x is not None]
     out += [x for x in (st.grad_allreduce, st.tie_allreduce, st.grad_norm, st.norm_allreduce, st.optimizer,
                         st.param_allgather) if x is not None]
@@ -401,5 +447,8 @@ def unique_events(stages: list[StageEvents]) -> dict[str, Event]:
 def overlapped_keys(stages: list[StageEvents]) -> set[str]:
     """Keys of the events that run while the rank's other stream is busy: every forward / backward
     event of a stage whose sub-batches (chains > 1) overlap one's collectives with the other's
-    compute. ``sim.emulated_profile`` measures these also under that overlap."""
-    return {ev.key for st in stages if st.chains > 1 for ch in st.chunks for ev in (*ch.forward, *ch.backward)}
+    compute, and stock Megatron's async input-gradient all-reduces with the weight gradients beside
+    them. ``sim.emulated_profile`` measures these also under that overlap."""
+    keys = {ev.key for st in stages if st.chains > 1 for ch in st.chunks for ev in (*ch.forward, *ch.backward)}
+    return keys | {k for st in stages for ch in st.chunks for ev in ch.backward if ev.beside is not None
+                   for k in (ev.key, ev.beside.key)}

@@ -50,7 +50,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     model = ModelConfig(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
                         seq=args.seq_length, vocab=padded_vocab_size(args), micro_batch=args.micro_batch_size,
                         ffn=args.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
-                        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False))
+                        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
     full = args.recompute_granularity == "full"
     block = full and args.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,

@@ -102,6 +102,7 @@ def profile_compute(events: Iterable[Event], settings: ProfileSettings) -> dict[
     """Time each compute event's workload on the local device."""
     import torch
 
+    from .layer_workloads import single_rank_world
     from .workloads import compute_workload
 
     dev = _torch_device(settings.device)
@@ -110,10 +111,11 @@ def profile_compute(events: Iterable[Event], settings: ProfileSettings) -> dict[
         torch.set_num_threads(settings.threads)
     try:
         out = {}
-        for ev in events:
-            fn = compute_workload(ev.name, dict(ev.dims), dev)
-            out[ev.key] = time_ms(fn, warmup=settings.warmup, reps=settings.reps, device=dev)
-            del fn
+        with single_rank_world():  # Megatron layer workloads need a process group
+            for ev in events:
+                fn = compute_workload(ev.name, dict(ev.dims), dev)
+                out[ev.key] = time_ms(fn, warmup=settings.warmup, reps=settings.reps, device=dev)
+                del fn
         return out
     finally:
         torch.set_num_threads(old)

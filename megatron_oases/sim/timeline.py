@@ -125,7 +125,9 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
                  overlapped: dict[str, float] | None = None) -> Template:
     """Compute and comm streams, ``chains`` sub-batches; each op waits for its chain's previous op.
 
-    chains=1 is the stock executor (compute waits on every collective). chains=2 is Oases: the
+    chains=1 is the stock executor (compute waits on every collective, except that a collective
+    with ``beside`` starts that event's time before the compute before it ends: Megatron's async
+    input-gradient all-reduce beside the weight gradient). chains=2 is Oases: the
     compute stream alternates sub-batches, so one sub-batch's collective runs on the comm stream
     while the other's next segment computes. ``overlapped[key]`` (a profile's ``overlapped``
     section) is the event's duration while the other stream is busy: an op progresses at
@@ -141,11 +143,42 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
     for stream, ev, c in ops:
         d = price[ev.key]
         start = max(free[stream], prev[c])
-        free[stream] = prev[c] = start + d
+        end = start + d
+        if ev.beside is not None and slots and slots[-1].chain == c and slots[-1].stream == "compute":
+            # launched async before the compute's tail (its weight gradient); the next op waits for both
+            start, d, tail_end = _beside(slots[-1], prev[c], ev, free[stream], price, overlapped or {})
+            free["compute"] = tail_end
+            slots[-1] = slots[-1]._replace(dur=tail_end - slots[-1].start)
+            busy["compute"] += tail_end - prev[c]
+            end = max(tail_end, start + d)
+        free[stream] = start + d
+        prev[c] = end
         busy[stream] += d
         slots.append(Slot(stream, ev.name, ev.key, c, start, d))
     return Template(slots=tuple(slots), duration=max(prev, default=0.0),
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
+
+
+def _beside(compute: Slot, compute_end: float, ev: Event, comm_free: float, price: dict[str, float],
+            overlapped: dict[str, float]) -> tuple[float, float, float]:
+    """A collective launched async before the tail ``ev.beside`` of ``compute`` (which ends at
+    ``compute_end``): (its start, its duration, the compute's new end). While both run they
+    progress at their ``overlapped`` rates (shared cores), alone at their plain prices."""
+    w, c = price[ev.beside.key], price[ev.key]
+    w_ov, c_ov = overlapped.get(ev.beside.key, w), overlapped.get(ev.key, c)
+    tail = max(compute.start, compute_end - w)
+    start = max(comm_free, tail)
+    if start >= compute_end:  # the comm stream was busy until the compute had finished
+        return start, c, compute_end
+    done_w = (start - tail) / w  # the tail's progress before the collective starts
+    left_w = (1.0 - done_w) * w_ov  # the tail's remaining time at the shared rate
+    if left_w <= c_ov:  # the tail finishes first; the collective goes on alone
+        tail_end = start + left_w
+        comm_d = left_w + (1.0 - left_w / c_ov) * c if c_ov > 0 else 0.0
+    else:  # the collective finishes first; the tail goes on alone
+        comm_d = c_ov
+        tail_end = start + c_ov + (1.0 - done_w - c_ov / w_ov) * w
+    return start, comm_d, tail_end
 
 
 def _run_template_shared(ops: list[tuple[str, Event, int]], chains: int, price: dict[str, float],

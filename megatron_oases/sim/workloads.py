@@ -1,5 +1,8 @@
 """The torch ops behind each compute event, so the profiler can time them on the local device.
 
+Events of a Megatron 1-D layer (``attention``, ``mlp``, their ``.bwd`` and ``.wgrad``, tagged
+with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.layer_workloads``); the
+rest run the synthetic ops below.
 Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv``, ...) maps to
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
 Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm), LayerNorm, GeLU, the
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .device_model import SimError
+from .layer_workloads import LAYER_EVENTS, megatron_layer_workload
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 Forward = Callable[[], Any]
@@ -122,6 +126,8 @@ def _as_list(out: Any) -> list[torch.Tensor]:
 def compute_workload(name: str, dims: dict, device: torch.device) -> Forward:
     """A no-argument function running the event's work once (what the profiler times)."""
     dtype = TORCH_DTYPES[str(dims.get("dtype", "fp32"))]
+    if "exec" in dims and name in LAYER_EVENTS:  # a Megatron 1-D layer event: time the real layer
+        return megatron_layer_workload(name, dims, device, dtype)
     mk = _Maker(dtype, device)
     if name == "optimizer":
         p = int(dims["p"]) // int(dims.get("shard", 1))

@@ -1,0 +1,186 @@
+"""Compute events of a Megatron 1-D TP layer, timed on a real Megatron-Core layer.
+
+One rank of a TP-t layer computes what a TP-1 layer with a/t heads (kv_channels h/a) and an f/t
+FFN computes, minus the collectives. So the profiler builds that TP-1 layer (local spec, the
+trainer's fusion settings, the event's dropout rates and dtype) on a private one-rank process
+group and times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
+dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU a layer
+costs ~14% more than they do, and ~23% more through the Oases executor.
+
+Events (the segmentation ``layers/description.py`` uses: each block starts with the residual
+add it follows):
+
+* ``attention``: the previous block's bias-dropout-add, the input norm, self-attention
+  (QKV, core attention with its dropout, proj); ``mlp``: bias-dropout-add, the pre-MLP norm,
+  fc1, activation, fc2;
+* ``<block>.bwd``: their backward;
+* ``<block>.wgrad``: the weight gradient of the block's column-parallel linear (QKV / fc1) alone,
+  Megatron's ``grad_output.t() @ input``: stock Megatron computes it while the input-gradient
+  all-reduce is in flight (the simulator overlaps the two).
+
+``dims['exec']``: ``stock`` runs the pieces under plain autograd (``TransformerLayer.forward``);
+``oases`` runs each piece as the Oases executor runs a ``Local`` step: detached leaves, the
+sub-batch's slice of the micro-batch dropout masks, ``torch.autograd.grad`` into inputs and
+parameters, and the bytes of the executor's per-sub-batch parameter-gradient sum and delivery
+(two half-size adds per gradient: one add each, every second sub-batch).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from .device_model import SimError
+
+LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad")
+EXECUTORS = ("stock", "oases")
+_PIECES = {"attention": ("bda", "ln1", "attention"), "mlp": ("bda_ln2", "mlp")}
+"""Tape steps (``schedules.oases.tape``) behind each block event, in order."""
+
+
+@contextlib.contextmanager
+def single_rank_world():
+    """A one-rank gloo world while none exists: Megatron-Core's linears take their process group
+    only when ``torch.distributed`` is initialised (the profiling ranks already have a world)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
+    """The TP-1 TransformerLayer doing one TP-t rank's local work, on a private one-rank group."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ..runtime import init_runtime
+
+    if not dist.is_initialized():
+        raise SimError("layer workloads need torch.distributed initialised (wrap them in single_rank_world())")
+    init_runtime(device.type)
+    h, a, f, t = (int(d[k]) for k in ("h", "a", "f", "t"))
+    model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=a // t, kv_channels=h // a, ffn_hidden_size=f // t,
+        hidden_dropout=float(d.get("hd", 0.0)), attention_dropout=float(d.get("ad", 0.0)),
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False)
+    layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1,
+                         pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
+    return layer.to(device=device, dtype=dtype).train()
+
+
+def _with_memory_buffer(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with a Megatron global memory buffer of its own in place while it runs (Megatron's
+    attention core takes its score buffer from there; ``initialize_model_parallel`` later in the
+    process must still find none)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    mine = GlobalMemoryBuffer()
+
+    def run():
+        before = parallel_state._GLOBAL_MEMORY_BUFFER
+        parallel_state._GLOBAL_MEMORY_BUFFER = before or mine
+        try:
+            return fn()
+        finally:
+            parallel_state._GLOBAL_MEMORY_BUFFER = before
+    return run
+
+
+def _wgrad(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    """Megatron's weight gradient of the QKV / fc1 linear (``LinearWithGradAccumulationAndAsync
+    Communication.backward`` without gradient-accumulation fusion)."""
+    b, s, h, a, f, t = (int(d[k]) for k in ("b", "s", "h", "a", "f", "t"))
+    out = 3 * (a // t) * (h // a) if name == "attention.wgrad" else f // t
+    g = torch.Generator(device="cpu").manual_seed(0)
+    grad_output = torch.randn(s * b, out, generator=g).to(device=device, dtype=dtype)
+    total_input = torch.randn(s * b, h, generator=g).to(device=device, dtype=dtype)
+
+    def wgrad():
+        grad_output.t().matmul(total_input)
+        grad_output.sum(dim=0)  # the bias gradient
+    return wgrad
+
+
+def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    """A no-argument function running compute event ``name`` of a Megatron 1-D layer once."""
+    if name not in LAYER_EVENTS:
+        raise SimError(f"no Megatron layer workload for {name!r} (known: {', '.join(LAYER_EVENTS)})")
+    if name.endswith(".wgrad"):
+        return _wgrad(name, d, device, dtype)
+    from ..schedules.oases.dropout import MicroBatchMasks, active_sub_batch
+    from ..schedules.oases.tape import Local, megatron_layer_tape
+
+    executor = str(d.get("exec", "stock"))
+    if executor not in EXECUTORS:
+        raise SimError(f"layer workload executor must be one of {', '.join(EXECUTORS)} (got {executor!r})")
+    b, s, h = int(d["b"]), int(d["s"]), int(d["h"])
+    layer = _tp1_layer(d, device, dtype)
+    steps = {st.name: st for st in megatron_layer_tape(layer, 0).steps if isinstance(st, Local)}
+    block = name.split(".")[0]
+    pieces = [steps[p] for p in _PIECES[block]]
+    params = [p for p in layer.parameters() if p.requires_grad]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    env = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype)
+           for n in ("x", "h1", "mlp_sum", "attn_sum")}
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1)
+    oases = executor == "oases"
+
+    def dropout_scope():
+        # the executor's sub-batch 0 of a two-sub-batch micro-batch (masks drawn at full size)
+        return active_sub_batch(MicroBatchMasks([b, b]), 0, recompute=False) if oases else contextlib.nullcontext()
+
+    def forward() -> list[tuple[dict, dict]]:
+        """The block's pieces in order; per piece (input leaves, outputs) for the backward."""
+        local = {n: v.requires_grad_() for n, v in env.items()} if not oases else dict(env)
+        graphs = []
+        with dropout_scope(), torch.enable_grad():
+            for st in pieces:
+                ins = {n: local[n].detach().requires_grad_() if oases else local[n] for n in st.inputs}
+                got = st.fn(ins, mask)
+                graphs.append((ins, got))
+                local.update({k: v.detach() for k, v in got.items()} if oases else got)
+                if "y" in got:  # the previous layer's output is this layer's input
+                    local["x"] = local["y"]
+        return graphs
+
+    if not name.endswith(".bwd"):
+        return _with_memory_buffer(forward)
+    graphs = _with_memory_buffer(forward)()
+    seeds = [{k: torch.randn_like(v) for k, v in outs.items()} for _, outs in graphs]
+    if not oases:  # one autograd graph through the block (its residual outputs get gradients too)
+        roots = [v for _, outs in graphs for v in outs.values()]
+        grads = [v for sd in seeds for v in sd.values()]
+        return lambda: torch.autograd.backward(roots, grads, retain_graph=True)
+
+    halves = {id(p): torch.zeros(p.numel() // 2, device=device, dtype=dtype) for p in params}
+
+    def executor_backward():  # ``OasesRunner._local_backward`` per piece, last to first
+        for (ins, outs), sd in zip(reversed(graphs), reversed(seeds)):
+            got = torch.autograd.grad(list(outs.values()), list(ins.values()) + params, list(sd.values()),
+                                      retain_graph=True, allow_unused=True)
+            # ``_collect_param_grads``: the second sub-batch adds its parameter gradients to the
+            # first's, then they are delivered (one more add into the gradient buffer); per
+            # sub-batch on average that is half of both adds
+            for prm, gr in zip(params, got[len(ins):]):
+                if gr is not None:
+                    half = halves[id(prm)]
+                    half.add_(gr.reshape(-1)[:half.numel()])
+                    half.add_(gr.reshape(-1)[half.numel():2 * half.numel()])
+    return executor_backward
