@@ -42,8 +42,9 @@ class ModelConfig:
     and last stage each hold a copy and all-reduce its gradient."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    """Megatron's ``--hidden-dropout`` / ``--attention-dropout`` (the trainer's default is 0.1):
-    part of the layer events' keys, since the profiler runs them with the dropout."""
+    """``--hidden-dropout`` / ``--attention-dropout`` (0 by default, as ``megatron-oases train``;
+    Megatron-LM's pretrain_gpt.py uses 0.1): part of the layer events' keys, since the profiler
+    runs them with the dropout."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
