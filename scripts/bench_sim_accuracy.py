@@ -164,37 +164,61 @@ def run_config(name: str, a, work: str) -> dict:
     events = unique_events(stages)
     print(f"[{name}] {what}; {strategy.label}, {strategy.num_microbatches} micro-batches, "
           f"{len(events)} events", flush=True)
-    t0 = time.time()
-    with bench_lock():
-        busy = wait_quiet(a.max_runnable, a.max_wait)
-        prof_load = f"{loadavg()} (runnable {busy:.1f})"
-        db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice,
-                              overlap=overlapped_keys(stages))
-    db.save(os.path.join(a.out_dir, f"profile-{name}.json"))
-    print(f"    profiled in {time.time() - t0:.0f} s (load {prof_load})", flush=True)
+    profiles = []
+    for n in range(a.profiles):
+        t0 = time.time()
+        with bench_lock():
+            busy = wait_quiet(a.max_runnable, a.max_wait)
+            prof_load = f"{loadavg()} (runnable {busy:.1f})"
+            db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice,
+                                  overlap=overlapped_keys(stages))
+        db.save(os.path.join(a.out_dir, f"profile-{name}{'' if n == 0 else f'-{n}'}.json"))
+        pred = predict_train_step(args, db, world_size=world, topology=topo).iteration_ms
+        profiles.append((db, pred, prof_load))
+        print(f"    profile {n}: {time.time() - t0:.0f} s (load {prof_load}), predicts {pred:.1f} ms", flush=True)
+    spread = profile_spread([db for db, _, _ in profiles])
+    if len(profiles) > 1:
+        print(f"    profiles agree: predictions {', '.join(f'{p:.1f}' for _, p, _ in profiles)} ms; largest event "
+              f"spread {spread['max_pct']:.1f}% ({spread['max_key']}), median {spread['median_pct']:.1f}%", flush=True)
     runs = []
     for i in range(a.runs):
         r = measure(flags, topo, a, os.path.join(work, f"{name}-{i}.jsonl"))
         runs.append(r)
         print(f"    run {i}: median {r['step_ms']:.1f} ms, steps {r['steps_ms']} (load {r['loadavg']})",
               flush=True)
-    measured = statistics.median(s for r in runs for s in r["steps_ms"])
-    res = predict_train_step(args, db, world_size=world, topology=topo)
-    err = 100.0 * (res.iteration_ms - measured) / measured
+    preds = [p for _, p, _ in profiles]
+    predicted = statistics.median(preds)
+    measured = statistics.median(s for r in runs for s in r["steps_ms"]) if runs else None
+    res = predict_train_step(args, profiles[0][0], world_size=world, topology=topo)
+    err = 100.0 * (predicted - measured) / measured if runs else None
     row = {"config": name, "strategy": strategy.label, "ranks": world, "micro_batches": strategy.num_microbatches,
-           "predicted_ms": round(res.iteration_ms, 1), "measured_ms": round(measured, 1),
-           "error_pct": round(err, 1), "bubble_pct": round(100 * res.bubble_fraction, 1),
-           "exposed_comm_ms": round(res.exposed_comm_ms, 1), "profile_load": prof_load,
+           "predicted_ms": round(predicted, 1), "predictions_ms": [round(p, 1) for p in preds],
+           "measured_ms": round(measured, 1) if runs else None, "error_pct": round(err, 1) if runs else None,
+           "bubble_pct": round(100 * res.bubble_fraction, 1), "exposed_comm_ms": round(res.exposed_comm_ms, 1),
+           "profile_spread": spread, "profile_load": [ld for _, _, ld in profiles],
            "run_loads": [r["loadavg"] for r in runs], "steps_ms": [r["steps_ms"] for r in runs],
            "what": what}
+    if not runs:
+        return row
     print(f"    predicted {row['predicted_ms']} ms, measured {row['measured_ms']} ms, error {err:+.1f}%",
           flush=True)
     return row
 
 
+def profile_spread(dbs: list) -> dict:
+    """How much repeated profiles of one configuration disagree: per event (max / min - 1) in
+    percent over the profiles' all-busy times; the median and the largest, with its key."""
+    if len(dbs) < 2:
+        return {"median_pct": 0.0, "max_pct": 0.0, "max_key": None}
+    pct = {k: 100.0 * (max(db.events_ms[k] for db in dbs) / min(db.events_ms[k] for db in dbs) - 1.0)
+           for k in dbs[0].events_ms if all(db.events_ms.get(k, 0) > 0 for db in dbs)}
+    key = max(pct, key=pct.get)
+    return {"median_pct": round(statistics.median(pct.values()), 1), "max_pct": round(pct[key], 1), "max_key": key}
+
+
 def error_summary(rows: list[dict]) -> dict:
     """Median and max |error| over the rows (percent)."""
-    errs = [abs(r["error_pct"]) for r in rows]
+    errs = [abs(r["error_pct"]) for r in rows if r["error_pct"] is not None]
     return {"median_abs_error_pct": round(statistics.median(errs), 1) if errs else None,
             "max_abs_error_pct": round(max(errs), 1) if errs else None, "configs": len(errs)}
 
@@ -204,8 +228,9 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| config | strategy | ranks | predicted ms | measured ms | error % |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['strategy']} | {r['ranks']} | {r['predicted_ms']:.1f} | "
-                     f"{r['measured_ms']:.1f} | {r['error_pct']:+.1f} |")
+        meas = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}"
+        lines.append(f"| {r['config']} | {r['strategy']} | {r['ranks']} | {r['predicted_ms']:.1f} | {meas} | {err} |")
     s = error_summary(rows)
     lines.append(f"\nmedian |error| {s['median_abs_error_pct']}%, max |error| {s['max_abs_error_pct']}% "
                  f"over {s['configs']} configurations")
@@ -224,9 +249,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="iterations dropped from each run")
-    p.add_argument("--runs", type=int, default=2, help="trainer launches per configuration")
+    p.add_argument("--runs", type=int, default=2,
+                   help="trainer launches per configuration (0: profile and predict only)")
     p.add_argument("--prof-warmup", type=int, default=2)
     p.add_argument("--prof-reps", type=int, default=7)
+    p.add_argument("--profiles", type=int, default=1,
+                   help="profiles per configuration: the prediction is the median of theirs, and the "
+                        "per-event spread between them is printed (how far two profiles agree)")
     p.add_argument("--intra-GBps", type=float, default=0.1,
                    help="per-rank intra-node rate with 2 ranks (halved with 4 ranks on the cores)")
     p.add_argument("--inter-GBps", type=float, default=0.1, help="per-node NIC rate with 4 ranks")
@@ -252,7 +281,7 @@ def main(argv=None) -> int:
           f"{a.micro_batch} x {a.micro_batches}, fp32, CPU, {os.cpu_count()} cores; links: "
           f"{a.intra_GBps} GB/s per rank (2 ranks), {a.intra_GBps / 2} intra + {a.inter_GBps} inter (4 ranks)")
     print(format_table(rows))
-    cols = ["config", "strategy", "ranks", "micro_batches", "predicted_ms", "measured_ms", "error_pct",
+    cols = ["config", "strategy", "ranks", "micro_batches", "predicted_ms", "predictions_ms", "measured_ms", "error_pct",
             "bubble_pct", "exposed_comm_ms", "profile_load", "run_loads"]
     with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")

@@ -143,6 +143,24 @@ def test_resharding_edge_is_allgather_plus_lost_overlap():
     assert e[k[4], k[4]] == pytest.approx(max(C[4], M[4]))
 
 
+def test_stock_cost_hides_the_async_input_gradient_all_reduce_behind_the_wgrad():
+    """With one sub-batch (stock Megatron) the backward collectives of QKV / fc1 (``*.f.bwd``) run
+    beside their weight-gradient GEMMs: the block's M' leaves out min(all-reduce, wgrad); the Oases
+    executor (two sub-batches) and TP 1 do not get that credit."""
+    wgrad = {"attention.wgrad": 2.0, "mlp.wgrad": 5.0}
+    pricer = FakePricer(lambda name, t: wgrad.get(name, 1.0),
+                        lambda name, n: 3.0 if name.endswith(".f.bwd") else 1.0 if "bwd" in name else 0.0)
+    costs = {}
+    for sb in (1, 2):
+        cm = build_cost_model(small_model(sub_batches=sb, recompute=False), topology=flat(2), global_batch_size=4,
+                              pricer=pricer)
+        costs[sb] = {kind: cm.costs[(kind, i)] for (kind, i) in cm.costs if cm.strategies[i].degree == 2}
+    full = {kind: c.m_bwd for kind, c in costs[2].items()}
+    assert full["attention"] > 0 and full["mlp"] > 0
+    assert costs[1]["attention"].m_bwd == pytest.approx(full["attention"] - 2.0)  # wgrad shorter: 2 ms hidden
+    assert costs[1]["mlp"].m_bwd == pytest.approx(full["mlp"] - 3.0)  # all-reduce shorter: all of it hidden
+
+
 def test_memory_terms_agree_with_the_simulator():
     from megatron_oases.sim.backends import layer_activation_bytes, layer_params
 
@@ -173,6 +191,14 @@ def test_event_keys_are_the_simulators():
                 if f"t{d}_" in k and ("compute:" in k or "all_reduce:" in k) and "grad" not in k}
         assert ours and ours <= set(sim), sorted(ours - set(sim))
         assert all(pricer.events[k].dims == sim[k].dims and pricer.events[k].nbytes == sim[k].nbytes for k in ours)
+    # stock (one sub-batch): the weight-gradient events it prices are the simulator's stock ones
+    stock = dataclasses.replace(m, sub_batches=1)
+    pricer = DevicePricer(topology=topo, model=stock)
+    build_cost_model(stock, topology=topo, global_batch_size=8, pricer=pricer)
+    wgrads = {k for k in pricer.events if ".wgrad[" in k and "t4_" in k}
+    sim = unique_events(build_stage_events(ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200,
+                                                       micro_batch=4), SimStrategy(tp=4, dp=2, recompute=True), topo))
+    assert len(wgrads) == 2 and wgrads <= set(sim), sorted(wgrads - set(sim))
 
 
 def test_planner_events_can_be_profiled():

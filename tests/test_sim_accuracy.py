@@ -208,6 +208,10 @@ def test_bench_table_and_errors():
     t = b.format_table(rows)
     assert "| b | pp2 | 2 | 90.0 | 100.0 | -10.0 |" in t and "median |error| 5.0%" in t
     assert b.world_of(b.CONFIGS["tp2dp2"][0]) == 4 and len(b.DEFAULT_CONFIGS) >= 6
+    # profile-only rows (no trainer launch) are shown but not counted
+    assert b.error_summary(rows + [{**rows[0], "measured_ms": None, "error_pct": None}])["configs"] == 3
+    dbs = [ProfileDB(device="x", events_ms={"a": 10.0, "b": 4.0}), ProfileDB(device="x", events_ms={"a": 11.0, "b": 5.0})]
+    assert b.profile_spread(dbs) == {"median_pct": 17.5, "max_pct": 25.0, "max_key": "b"}
     for world in (2, 4):
         import argparse
 
@@ -221,3 +225,17 @@ def test_bench_table_and_errors():
             assert load_topology(path).world_size == world
         finally:
             os.remove(path)
+
+
+def test_lockstep_and_interleaved_timing():
+    """Per repetition the slowest rank, then the median; older rank files (one median per rank)
+    still merge; events run in turn within a repetition and skipped ones still get ``before``."""
+    from megatron_oases.sim.emulated_profile import interleaved_ms, lockstep_ms
+
+    assert lockstep_ms([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == 3.0  # max per rep: 3, 5, 2.5
+    assert lockstep_ms([2.0, 4.0]) == 4.0
+    calls = []
+    out = interleaved_ms([lambda: calls.append("a"), None, lambda: calls.append("b")], warmup=1, reps=2,
+                         before=lambda: calls.append("|"))
+    assert calls == ["|", "a", "|", "|", "b"] * 3
+    assert out[1] is None and len(out[0]) == len(out[2]) == 2 and all(t >= 0 for t in out[0] + out[2])

@@ -14,7 +14,9 @@ layout (Eq. 4), an exclusive all-gather reshards the activation (forward, when t
 has fewer replicas) or its gradient (backward, when the previous block has fewer), and the
 overlap across that edge is lost: the edge costs ``M_u + AG + C_v`` instead of ``max(C_v, M_u)``.
 The embedding and the logits run at degree T; blocks next to them pay that resharding too.
-With ``sub_batches=1`` (stock executor) nothing overlaps: node ``C + M``, edge ``AG``.
+With ``sub_batches=1`` (stock executor) node ``C + M``, edge ``AG``; the only overlap is stock
+Megatron's own: a column-parallel linear's input-gradient all-reduce runs async beside its
+weight-gradient GEMM, so ``M'`` excludes ``min(all-reduce, wgrad)`` (as the simulator models it).
 
 Per iteration: ``num_microbatches`` x (forward + backward). With ``grad_sync`` also, per block,
 the all-reduce of its fp32 weight gradient over its data-parallel replicas (T/d inside the TP
@@ -32,6 +34,7 @@ import numpy as np
 
 from megatron_oases.layers.description import Collective
 from megatron_oases.parallel.dims import ParallelDims
+from megatron_oases.sim.events import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.topology import Topology
 
 from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, build_graph, candidate_strategies,
@@ -158,6 +161,19 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
     def comm(cs) -> float:
         return sum(pricer.collective_ms(c, shape=shape, ranks=fam.group_ranks(s, c.axis), dims=dims) for c in cs)
 
+    def hidden_by_wgrad(cs) -> float:
+        """Stock Megatron (one sub-batch, 1-D TP) runs a column-parallel linear's input-gradient
+        all-reduce async beside its weight-gradient GEMM: that much of the collective is hidden."""
+        if m.sub_batches != 1 or s.family != "megatron" or s.degree == 1:
+            return 0.0
+        out = 0.0
+        for c in cs:
+            if c.name in STOCK_ASYNC_DGRAD:
+                w = column_wgrad(STOCK_ASYNC_DGRAD[c.name], b=sub, s=m.seq_length, h=m.hidden_size,
+                                 heads=m.num_attention_heads, f=m.ffn_hidden_size, t=s.degree, e=m.bytes_per_element)
+                out += min(comm([c]), scale * pricer.compute_ms(w, shape=shape, dims=dims))
+        return out
+
     for blk in ops:
         c_f = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.fwd_compute)
         c_b = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.bwd_compute)
@@ -167,7 +183,8 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
         saved, runtime = fam.memory(s, m, blk.kind, share)
         g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(grad_ranks),
                           payload_bytes=4 * params)
-        out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b, m_bwd=comm(blk.bwd_comm),
+        out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b,
+                                  m_bwd=comm(blk.bwd_comm) - hidden_by_wgrad(blk.bwd_comm),
                                   params=params, state_bytes=params * state_bytes_per_param(m, shard),
                                   saved_bytes=saved, runtime_bytes=runtime,
                                   grad_sync_ms=pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=grad_ranks,

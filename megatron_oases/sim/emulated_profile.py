@@ -8,12 +8,15 @@ the thread settings the trainer's ranks get there (``OMP_NUM_THREADS = cpus // r
   collective at the same time in the trainer running it concurrently (the event's group shifted
   along the TP and DP axes on which it is constant: the TP groups of all DP replicas of a stage,
   the DP groups of all TP ranks, each (tp, dp) pair's P2P / tied-embedding pair) -- they share
-  links (a node's ``lo``, its NIC) as in the run. Time: the slowest rank's median; for P2P that
-  is the receiver's (gloo's ``send`` returns once the bytes are in the socket buffer).
+  links (a node's ``lo``, its NIC) as in the run. Time: per repetition the slowest rank, then
+  the median (:func:`lockstep_ms`); for P2P that is the receiver's (gloo's ``send`` returns once
+  the bytes are in the socket buffer).
 * **compute** events are timed with ``k`` ranks running the same event at once, for every ``k`` in
   :func:`busy_levels` (the ranks of 1, 2, ..., PP stages: the numbers of ranks that compute at
-  once in the trainer). When ranks outnumber cores they time-share them; the time is the slowest
-  busy rank's median (TP peers and DP replicas proceed in lockstep). ``events_ms`` holds the
+  once in the trainer). When ranks outnumber cores they time-share them; the time is per
+  repetition the slowest busy rank, then the median (TP peers and DP replicas proceed in
+  lockstep). The events run in turn within each repetition (:func:`interleaved_ms`), so a burst of
+  outside load spreads over all of them instead of skewing one. ``events_ms`` holds the
   all-ranks-busy time; ``ProfileDB.contention[key] = {k: ms}`` holds every level, which the
   simulator uses for pipelines whose stages are not always busy together (``sim.contention``).
 
@@ -99,7 +102,7 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
             raise SimError(f"no rank measured comm job {j} ({job['kind']} over {job['groups']})")
         # the slowest rank; for p2p the receiver (both start after a barrier, and gloo's send
         # returns once the bytes are in the socket buffer, long before they arrive)
-        ms = max(vals)
+        ms = lockstep_ms(vals)
         conc = f"; {len(job['groups'])} groups at once" if len(job["groups"]) > 1 else ""
         for k in job["keys"]:
             events[k] = ms
@@ -108,8 +111,7 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
     for i, job in enumerate(plan["compute"]):
         by = {}
         for lv_i, lv in enumerate(plan["levels"]):
-            vals = [r["compute"][i][lv_i] for r in per_rank if r["compute"][i][lv_i] is not None]
-            by[lv] = max(vals)
+            by[lv] = lockstep_ms([r["compute"][i][lv_i] for r in per_rank if r["compute"][i][lv_i] is not None])
         events[job["key"]] = by[top]
         contention[job["key"]] = by
         sources[job["key"]] = f"measured with {top} ranks computing at once"
@@ -118,8 +120,20 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
             vals = [r[name][j] for r in per_rank if r.get(name) and r[name][j] is not None]
             if vals:
                 for k in job.get("keys", [job.get("key")]):
-                    overlapped[k] = max(vals)
+                    overlapped[k] = lockstep_ms(vals)
     return events, contention, sources, overlapped
+
+
+def lockstep_ms(per_rank: list) -> float:
+    """One event's time from the ranks that ran it together: per repetition the slowest rank
+    (they start each repetition at a barrier and, as TP peers in the trainer, wait for each
+    other at the next collective), then the median over repetitions. A rank's entry is its list
+    of repetitions, or one number (its median: older rank files), then the slowest rank's."""
+    if all(isinstance(v, list) for v in per_rank):
+        n = min(len(v) for v in per_rank)
+        if n:
+            return statistics.median(max(v[i] for v in per_rank) for i in range(n))
+    return max(statistics.median(v) if isinstance(v, list) else v for v in per_rank)
 
 
 # ---- the profiling rank -----------------------------------------------------------------------
@@ -158,11 +172,13 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
 
     * each overlapped collective launched async while the main thread cycles through the
       overlapped compute events (the other sub-batch's work) until every group's collective has
-      finished: its time to completion;
-    * each overlapped compute event timed while a collective is always in flight (a thread
-      repeats the most common overlapped collective until the ranks agree to stop).
+      finished: its time to completion; ranks outside its groups (other pipeline stages) run
+      their own stage's collective of the same kind and size meanwhile, as they do in the trainer;
+    * the overlapped compute events timed (interleaved, every call started at a barrier of all
+      ranks, as the all-busy plain times) while a collective is always in flight on every rank
+      (a thread repeats the rank's most common overlapped collective until the ranks agree to stop).
 
-    Returns this rank's median per comm job and per compute job (None where not measured)."""
+    Returns this rank's repetition times per comm job and per compute job (None where not measured)."""
     import threading
 
     import torch
@@ -180,13 +196,23 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
     if not fns:
         raise SimError("overlapped collectives but no overlapped compute events to run beside them")
     side = dist.new_group(list(range(plan["world"])))  # used only by the helper threads
+    # the main thread's start barriers while a helper's collective is in flight (a TP group of the
+    # whole world is WORLD itself: two threads must never share a group)
+    starts = dist.new_group(list(range(plan["world"])))
     reps, warmup = plan["reps"], plan["warmup"]
 
     nxt = 0
     for j in comm_jobs:
         job = plan["comm"][j]
         mine = _my_group(job, me)
-        op = _comm_op(job, me, mine, group(mine) if mine else None, async_op=True)
+        if mine is None:  # another stage: its own collective of the same kind and size runs meanwhile
+            twin = next((plan["comm"][q] for q in comm_jobs if _my_group(plan["comm"][q], me)
+                         and (plan["comm"][q]["kind"], plan["comm"][q]["nbytes"]) == (job["kind"], job["nbytes"])),
+                        None)
+            tmine = _my_group(twin, me) if twin else None
+            op = _comm_op(twin, me, tmine, group(tmine), async_op=True) if twin else None
+        else:
+            op = _comm_op(job, me, mine, group(mine), async_op=True)
         ms = []
         for rep in range(warmup + reps):
             dist.barrier()
@@ -206,47 +232,60 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
                 fns[nxt % len(fns)][1]()
                 nxt += 1
             th.join()
-            if rep >= warmup and end[0] is not None:
+            if rep >= warmup and end[0] is not None and mine is not None:
                 ms.append((end[0] - t0) * 1e3)
-        comm_out[j] = statistics.median(ms) if ms else None
+        comm_out[j] = ms or None
 
-    busy_job = plan["comm"][max(comm_jobs, key=lambda j: len(plan["comm"][j]["keys"]))]
-    mine = _my_group(busy_job, me)
-    loop_op = _comm_op(busy_job, me, mine, group(mine) if mine else None)
-    for i, fn in fns:
-        dist.barrier()
-        done = threading.Event()
+    # every rank keeps the most common overlapped collective of its own groups in flight (both
+    # stages' TP all-reduces with PP), while the compute events run interleaved and started
+    # together, exactly as for the all-busy plain times they are compared with
+    own = [j for j in comm_jobs if _my_group(plan["comm"][j], me)]
+    loop_op = None
+    if own:
+        busy_job = plan["comm"][max(own, key=lambda j: len(plan["comm"][j]["keys"]))]
+        mine = _my_group(busy_job, me)
+        loop_op = _comm_op(busy_job, me, mine, group(mine))
+    dist.barrier()
+    done = threading.Event()
 
-        def background(done=done):
-            flag = torch.zeros(1)
-            while True:
-                flag.fill_(1.0 if done.is_set() else 0.0)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)  # stop together
-                if flag.item() > 0:
-                    return
-                if loop_op is not None:
-                    loop_op()
-        th = threading.Thread(target=background, daemon=True)
-        th.start()
-        comp_out[i] = _median_ms(fn, warmup, reps)
-        done.set()
-        th.join()
+    def background():
+        flag = torch.zeros(1)
+        while True:
+            flag.fill_(1.0 if done.is_set() else 0.0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)  # stop together
+            if flag.item() > 0:
+                return
+            if loop_op is not None:
+                loop_op()
+    th = threading.Thread(target=background, daemon=True)
+    th.start()
+    times = interleaved_ms([fn for _, fn in fns], warmup, reps, before=lambda: dist.barrier(group=starts))
+    done.set()
+    th.join()
+    for (i, _), ms in zip(fns, times):
+        comp_out[i] = ms
     return comm_out, comp_out
 
 
-def _median_ms(fn, warmup: int, reps: int, before=None) -> float:
-    for _ in range(warmup):
-        if before:
-            before()
-        fn()
-    times = []
-    for _ in range(reps):
-        if before:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def interleaved_ms(fns: list, warmup: int, reps: int, before=None) -> list:
+    """Each callable's wall times (ms), the callables run in turn within every repetition, as a
+    training step runs its events, instead of one event's repetitions back to back: a burst of
+    outside load or a frequency change then spreads over all events instead of skewing one.
+    ``before`` runs before every call (a barrier: the ranks start each call together); ``None``
+    entries are skipped (this rank has no part in them) but still get their ``before``.
+    Returns one list per callable (``None`` for the skipped ones)."""
+    out: list = [None if fn is None else [] for fn in fns]
+    for rep in range(warmup + reps):
+        for i, fn in enumerate(fns):
+            if before:
+                before()
+            if fn is None:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            if rep >= warmup:
+                out[i].append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def rank_main(plan_path: str, out_dir: str) -> None:
@@ -274,33 +313,21 @@ def rank_main(plan_path: str, out_dir: str) -> None:
             group(g)
     for lv in plan["levels"]:
         group(range(lv))
-    out: dict[str, Any] = {"rank": me, "threads": torch.get_num_threads(), "comm": [], "compute": []}
-    for job in plan["comm"]:
-        mine = _my_group(job, me)
-        op = _comm_op(job, me, mine, group(mine) if mine else None)
-        ms = []
-        for i in range(warmup + reps):
-            dist.barrier()  # every group starts together, as in the trainer
-            if op is None:
-                continue
-            t0 = time.perf_counter()
-            op()
-            if i >= warmup:
-                ms.append((time.perf_counter() - t0) * 1e3)
-        out["comm"].append(statistics.median(ms) if ms else None)
+    out: dict[str, Any] = {"rank": me, "threads": torch.get_num_threads()}
+    # every group starts each collective together, as in the trainer
+    mine = [_my_group(job, me) for job in plan["comm"]]
+    out["comm"] = interleaved_ms([_comm_op(job, me, g, group(g) if g else None) for job, g in zip(plan["comm"], mine)],
+                                 warmup, reps, before=dist.barrier)
     dev = torch.device("cpu")
-    for job in plan["compute"]:
-        fn = compute_workload(job["name"], dict(job["dims"]), dev)
-        row = []
-        for lv in plan["levels"]:
-            dist.barrier()
-            if me < lv:
-                busy = group(range(lv))
-                row.append(_median_ms(fn, warmup, reps, before=lambda: dist.barrier(group=busy)))
-            else:
-                row.append(None)
-        out["compute"].append(row)
-        del fn
+    fns = [compute_workload(job["name"], dict(job["dims"]), dev) for job in plan["compute"]]
+    out["compute"] = [[None] * len(plan["levels"]) for _ in fns]
+    for lv_i, lv in enumerate(plan["levels"]):
+        dist.barrier()
+        if me < lv:  # the first lv ranks compute at once, each call started together
+            busy = group(range(lv))
+            for i, ms in enumerate(interleaved_ms(fns, warmup, reps, before=lambda: dist.barrier(group=busy))):
+                out["compute"][i][lv_i] = ms
+    del fns
     out["overlap_comm"], out["overlap_compute"] = _measure_overlap(plan, me, group, dev)
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{me}.json"), "w", encoding="utf-8") as f:
