@@ -177,6 +177,13 @@ def run_config(name: str, a, work: str) -> dict:
         profiles.append((db, pred, prof_load))
         print(f"    profile {n}: {time.time() - t0:.0f} s (load {prof_load}), predicts {pred:.1f} ms", flush=True)
     spread = profile_spread([db for db, _, _ in profiles])
+    if len(profiles) > 1:  # every time the median over the profiles (ProfileDB.median_of)
+        from megatron_oases.sim.device_model import ProfileDB
+
+        combined = ProfileDB.median_of([db for db, _, _ in profiles])
+        combined.save(os.path.join(a.out_dir, f"profile-{name}-median.json"))
+    else:
+        combined = profiles[0][0]
     if len(profiles) > 1:
         print(f"    profiles agree: predictions {', '.join(f'{p:.1f}' for _, p, _ in profiles)} ms; largest event "
               f"spread {spread['max_pct']:.1f}% ({spread['max_key']}), median {spread['median_pct']:.1f}%", flush=True)
@@ -187,9 +194,9 @@ def run_config(name: str, a, work: str) -> dict:
         print(f"    run {i}: median {r['step_ms']:.1f} ms, steps {r['steps_ms']} (load {r['loadavg']})",
               flush=True)
     preds = [p for _, p, _ in profiles]
-    predicted = statistics.median(preds)
+    res = predict_train_step(args, combined, world_size=world, topology=topo)
+    predicted = res.iteration_ms
     measured = statistics.median(s for r in runs for s in r["steps_ms"]) if runs else None
-    res = predict_train_step(args, profiles[0][0], world_size=world, topology=topo)
     err = 100.0 * (predicted - measured) / measured if runs else None
     row = {"config": name, "strategy": strategy.label, "ranks": world, "micro_batches": strategy.num_microbatches,
            "predicted_ms": round(predicted, 1), "predictions_ms": [round(p, 1) for p in preds],
@@ -254,8 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--prof-warmup", type=int, default=2)
     p.add_argument("--prof-reps", type=int, default=7)
     p.add_argument("--profiles", type=int, default=1,
-                   help="profiles per configuration: the prediction is the median of theirs, and the "
-                        "per-event spread between them is printed (how far two profiles agree)")
+                   help="profiles per configuration: the prediction uses every time's median over them "
+                        "(ProfileDB.median_of), and the per-event spread between them is printed")
     p.add_argument("--intra-GBps", type=float, default=0.1,
                    help="per-rank intra-node rate with 2 ranks (halved with 4 ranks on the cores)")
     p.add_argument("--inter-GBps", type=float, default=0.1, help="per-node NIC rate with 4 ranks")

@@ -239,3 +239,48 @@ def test_lockstep_and_interleaved_timing():
                          before=lambda: calls.append("|"))
     assert calls == ["|", "a", "|", "|", "b"] * 3
     assert out[1] is None and len(out[0]) == len(out[2]) == 2 and all(t >= 0 for t in out[0] + out[2])
+
+
+def test_stage_collectives_get_loaded_levels():
+    """With PP, a stage's collectives are also timed while other stages compute; the merge puts
+    those times in ``contention`` beside the plain one (one stage busy), and p2p / cross-stage
+    collectives get none."""
+    s = Strategy(tp=2, pp=2, num_microbatches=2)
+    events = unique_events(build_stage_events(TINY, s, local_topology(4)))
+    plan = build_plan(events, s, warmup=1, reps=2)
+    assert plan["stages"] == [[0, 1], [2, 3]]
+    staged = [j for j, job in enumerate(plan["comm"]) if job["stage"] is not None]
+    assert staged and all(plan["comm"][j]["kind"] != "p2p" for j in staged)
+    assert all(job["stage"] is None for job in plan["comm"] if job["kind"] == "p2p")
+    ranks = [{"comm": [[1.0, 1.0] if r in {x for g in job["groups"] for x in g} else None for job in plan["comm"]],
+              "compute": [[[1.0] if r < 2 else None, [2.0]] for _ in plan["compute"]],
+              "comm_loaded": [[None, [3.0 + r, 3.0 + r]] if j in staged and r in {x for g in plan["comm"][j]["groups"]
+                                                                               for x in g} else
+                              ([None, None] if j in staged else None) for j in range(len(plan["comm"]))]}
+             for r in range(4)]
+    ev, cont, _, _ = merge_rank_results(plan, ranks)
+    k = plan["comm"][staged[0]]["keys"][0]
+    top = 3.0 + max(x for g in plan["comm"][staged[0]]["groups"] for x in g)
+    assert ev[k] == 1.0 and cont[k] == {2: 1.0, 4: top}
+    p2p = next(j for j in plan["comm"] if j["kind"] == "p2p")
+    assert p2p["keys"][0] not in cont
+
+
+def test_loaded_collectives_lengthen_a_pipelined_stock_step():
+    """A stage's all-reduces priced slower while the other stage computes make the PP step longer;
+    levels equal to the plain time change nothing."""
+    s = Strategy(tp=2, pp=2, num_microbatches=4)
+    topo = local_topology(4)
+    dm = device_model(topo, gpu="a100-80gb")
+    from megatron_oases.sim.timeline import price_events
+
+    price = price_events(build_stage_events(TINY, s, topo), dm)
+    comp = {k: {2: price[k], 4: price[k]} for k in price if k.startswith("compute:")}
+    ars = [k for k in price if k.startswith("all_reduce:") and "@tp" in k]
+
+    def step(factor):
+        cont = {**comp, **{k: {2: price[k], 4: factor * price[k]} for k in ars}}
+        return simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=ProfileDB(
+            device="x", events_ms=price, contention=cont)), memory_limit_GB=0).iteration_ms
+    assert step(1.0) == pytest.approx(simulate(TINY, s, dm, memory_limit_GB=0).iteration_ms)
+    assert step(3.0) > step(1.0)

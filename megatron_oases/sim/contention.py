@@ -5,6 +5,10 @@ ranks compute at the same moment. ``sim.emulated_profile`` measures every comput
 k ranks busy at once, for k = the ranks of 1, 2, ..., PP stages (TP peers and DP replicas compute
 together); ``ProfileDB.contention[key] = {k: ms}``.
 
+* A stage's collectives slow down too when other stages compute beside them (gloo's worker
+  thread and the kernel's network work wait for a core): ``contention[key] = {k: ms}`` for a
+  collective holds its time with the ranks of k / (TP x DP) stages busy, its own included (the
+  plain time at one stage); ``events_ms`` keeps the plain time.
 * Without pipelining, or when all stages compute together, the all-busy price (``events_ms``) is
   exact by construction.
 * With a pipeline the number of busy stages changes over the step (fill, drain, stages waiting

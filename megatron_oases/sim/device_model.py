@@ -84,8 +84,11 @@ class ProfileDB:
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form: torch version, threads, warm-up / repetitions, topology, ranks at hand."""
     contention: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
-    """Optional, compute events: ms with k ranks computing at once, ``{key: {k: ms}}`` (measured by
-    ``sim.emulated_profile``); ``events_ms`` holds the all-ranks-busy time. See ``sim.contention``."""
+    """Optional: ms with k ranks busy at once, ``{key: {k: ms}}`` (measured by
+    ``sim.emulated_profile``). Compute events: k ranks computing, ``events_ms`` holds the
+    all-ranks-busy time. A pipeline stage's collectives: its own stage's ranks plus those of other
+    stages computing beside it, ``events_ms`` holds the plain time (no other stage busy). See
+    ``sim.contention``."""
     overlapped: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Optional: ms of an event while the same rank's other stream is busy -- a collective while the
     rank computes, a compute event while a collective is in flight (measured by
@@ -154,6 +157,28 @@ class ProfileDB:
                          sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta},
                          contention={**self.contention, **other.contention},
                          overlapped={**self.overlapped, **other.overlapped})
+
+    @classmethod
+    def median_of(cls, dbs: "list[ProfileDB]") -> "ProfileDB":
+        """One profile from repeated profiles of the same events: every time (plain, per busy
+        level, overlapped) is the median over the profiles that measured it, so one profile's
+        outlier (a burst of outside load during one event) does not reach the prediction."""
+        import statistics
+
+        if not dbs:
+            raise SimError("no profiles to combine")
+        if len({db.device for db in dbs}) > 1:
+            raise SimError(f"cannot combine profiles of different devices ({', '.join(sorted({db.device for db in dbs}))})")
+
+        def med(maps) -> dict:
+            keys = dict.fromkeys(k for mp in maps for k in mp)
+            return {k: statistics.median(mp[k] for mp in maps if k in mp) for k in keys}
+        cont_keys = dict.fromkeys(k for db in dbs for k in db.contention)
+        contention = {k: med([db.contention[k] for db in dbs if k in db.contention]) for k in cont_keys}
+        return cls(device=dbs[0].device, events_ms=med([db.events_ms for db in dbs]),
+                   sources={k: v for db in reversed(dbs) for k, v in db.sources.items()},
+                   meta={**dbs[0].meta, "profiles_combined": len(dbs)}, contention=contention,
+                   overlapped=med([db.overlapped for db in dbs]))
 
     def missing(self, keys: list[str]) -> list[str]:
         return sorted(set(k for k in keys if k not in self.events_ms))

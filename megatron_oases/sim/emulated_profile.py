@@ -74,13 +74,16 @@ def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
     """JSON-able work for the profiling ranks: comm jobs (concurrent groups) and compute jobs;
     those whose keys are in ``overlap`` are also measured overlapped (``_measure_overlap``)."""
     comm, compute, keys = [], [], {}
+    stages = [[r for r in range(s.world_size) if coords(r, s)[2] == p] for p in range(s.pp)]
     for k, e in events.items():
         if e.kind == "compute":
             compute.append({"key": k, "name": e.name, "dims": [[a, b] for a, b in e.dims], "overlap": k in overlap})
             continue
         kind = "p2p" if e.kind == "p2p" else e.op.kind
-        job = {"kind": kind, "groups": [list(g) for g in sibling_groups(tuple(e.ranks), s)],
-               "nbytes": max(4, int(e.nbytes))}
+        groups = sibling_groups(tuple(e.ranks), s)
+        on = {coords(r, s)[2] for g in groups for r in g}
+        job = {"kind": kind, "groups": [list(g) for g in groups], "nbytes": max(4, int(e.nbytes)),
+               "stage": on.pop() if len(on) == 1 and kind != "p2p" else None}
         sig = json.dumps(job, sort_keys=True)
         if sig not in keys:
             keys[sig] = len(comm)
@@ -89,7 +92,7 @@ def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
         if k in overlap and kind != "p2p":
             comm[keys[sig]]["overlap"] = True
     return {"world": s.world_size, "levels": sorted(set(levels or busy_levels(s))), "warmup": warmup,
-            "reps": reps, "comm": comm, "compute": compute}
+            "reps": reps, "comm": comm, "compute": compute, "stages": stages}
 
 
 def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
@@ -107,6 +110,17 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
         for k in job["keys"]:
             events[k] = ms
             sources[k] = "measured on the emulated links" + conc
+    for j, job in enumerate(plan["comm"]):  # a stage's collective while other stages compute
+        loaded = [r["comm_loaded"][j] for r in per_rank if r.get("comm_loaded") and r["comm_loaded"][j]]
+        if not loaded:
+            continue
+        by = {plan["levels"][0]: events[job["keys"][0]]}
+        for lv_i, lv in enumerate(plan["levels"][1:], start=1):
+            vals = [x[lv_i] for x in loaded if x[lv_i]]
+            if vals:
+                by[lv] = lockstep_ms(vals)
+        for k in job["keys"]:
+            contention[k] = dict(by)
     top = max(plan["levels"])
     for i, job in enumerate(plan["compute"]):
         by = {}
@@ -267,6 +281,61 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
     return comm_out, comp_out
 
 
+TAIL_EVENTS = ("optimizer", "grad_norm")
+"""Compute events of the step's tail: not what another stage runs beside a collective."""
+
+
+def _measure_comm_under_load(plan: dict[str, Any], me: int, group, work: list) -> list:
+    """With a pipeline, a stage's collectives (stock TP all-reduces included) run while other
+    stages compute on the same cores, and slow down (gloo's worker thread and the kernel's TCP /
+    tbf work wait for a core). For each collective of one stage and n = 1 .. PP-1, time it while
+    the ranks of n other stages cycle through ``work`` (the layer compute) until it is done.
+    Returns, per comm job, None or a list over ``plan["levels"]`` (index n: n + 1 stages busy,
+    index 0 None: the plain time) of this rank's repetition times."""
+    import threading
+
+    import torch.distributed as dist
+
+    stages = plan.get("stages") or []
+    out: list = [None] * len(plan["comm"])
+    jobs = [j for j, job in enumerate(plan["comm"]) if job.get("stage") is not None]
+    if len(stages) < 2 or not jobs or not work:
+        return out
+    side = dist.new_group(list(range(plan["world"])))  # "the collective is done", helper threads only
+    reps, warmup = plan["reps"], plan["warmup"]
+    nxt = 0
+    for j in jobs:
+        job = plan["comm"][j]
+        mine = _my_group(job, me)
+        op = _comm_op(job, me, mine, group(mine)) if mine else None
+        others = [p for p in range(len(stages)) if p != job["stage"]]
+        row: list = [None] * len(plan["levels"])
+        for n in range(1, len(stages)):
+            busy = {r for p in others[:n] for r in stages[p]}
+            ms = []
+            for rep in range(warmup + reps):
+                dist.barrier()
+                if op is not None:
+                    t0 = time.perf_counter()
+                    op()
+                    if rep >= warmup:
+                        ms.append((time.perf_counter() - t0) * 1e3)
+                    dist.barrier(group=side)
+                elif me in busy:
+                    stop = threading.Event()
+                    th = threading.Thread(target=lambda stop=stop: (dist.barrier(group=side), stop.set()), daemon=True)
+                    th.start()
+                    while not stop.is_set():
+                        work[nxt % len(work)]()
+                        nxt += 1
+                    th.join()
+                else:
+                    dist.barrier(group=side)
+            row[n] = ms or None
+        out[j] = row
+    return out
+
+
 def interleaved_ms(fns: list, warmup: int, reps: int, before=None) -> list:
     """Each callable's wall times (ms), the callables run in turn within every repetition, as a
     training step runs its events, instead of one event's repetitions back to back: a burst of
@@ -327,6 +396,8 @@ def rank_main(plan_path: str, out_dir: str) -> None:
             busy = group(range(lv))
             for i, ms in enumerate(interleaved_ms(fns, warmup, reps, before=lambda: dist.barrier(group=busy))):
                 out["compute"][i][lv_i] = ms
+    out["comm_loaded"] = _measure_comm_under_load(plan, me, group, [f for f, job in zip(fns, plan["compute"])
+                                                                   if job["name"] not in TAIL_EVENTS])
     del fns
     out["overlap_comm"], out["overlap_compute"] = _measure_overlap(plan, me, group, dev)
     dist.barrier()

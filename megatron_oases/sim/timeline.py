@@ -357,9 +357,12 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
         from .contention import level_prices, place_pipeline_shared
 
         levels = []
+        # overlapped times were measured with every rank busy: scale them by the event's level
+        # price over its all-busy price (compute: events_ms; a collective: its loaded top level)
+        top = level_prices(price, contention, s.world_size)
         for j in range(1, s.pp + 1):
             pj = level_prices(price, contention, j * s.tp * s.dp)
-            oj = {k: v * pj[k] / price[k] if price.get(k) else v for k, v in overlapped.items() if k in pj}
+            oj = {k: v * pj[k] / top[k] if top.get(k) else v for k, v in overlapped.items() if k in pj}
             levels.append([[(run_template(ch.forward, st.chains, pj, oj).duration,
                              run_template(ch.backward, st.chains, pj, oj).duration) for ch in st.chunks]
                            for st in stages])
