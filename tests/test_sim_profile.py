@@ -213,3 +213,22 @@ def test_emulated_profiling_ranks_finish_and_merge(tmp_path, tp, pp):
     assert set(ev) == set(events) and all(v > 0 for v in ev.values())
     assert set(ovl) == overlapped_keys(stages) & set(events)
     assert sorted(next(iter(cont.values()))) == [tp * j for j in range(1, pp + 1)]
+
+
+def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_path, capsys):
+    from megatron_oases.sim.profile_cli import profile_main
+
+    train = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--device", "cpu"]
+    out = tmp_path / "p.json"
+    assert profile_main(["--out", str(out), "--emulate", "--repeats", "0", "--topology", "local", "--", *train]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err and not out.exists()
+    a = ProfileDB(device="cpu", events_ms={"x": 1.0, "y": 5.0}, contention={"x": {2: 1.0, 4: 2.0}}, overlapped={"x": 3.0})
+    b = ProfileDB(device="cpu", events_ms={"x": 9.0, "y": 6.0}, contention={"x": {2: 3.0, 4: 2.0}}, overlapped={"x": 1.0})
+    c = ProfileDB(device="cpu", events_ms={"x": 2.0, "y": 7.0}, contention={"x": {2: 2.0, 4: 8.0}})
+    m = ProfileDB.median_of([a, b, c])
+    assert m.events_ms == {"x": 2.0, "y": 6.0} and m.contention == {"x": {2: 2.0, 4: 2.0}}
+    assert m.overlapped == {"x": 2.0} and m.meta["profiles_combined"] == 3
+    with pytest.raises(SimError, match="different devices"):
+        ProfileDB.median_of([a, ProfileDB(device="cuda", events_ms={})])

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with -- <train flags>: profile on the run's own emulated cluster (--topology or the "
                         "trainer's; needs root): its ranks, links and CPU contention (sim.emulated_profile)")
     p.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --emulate: profile this many times and keep every time's median over them "
+                        "(ProfileDB.median_of): one profile's outliers do not reach the prediction")
     add_model_args(p)
     add_strategy_args(p)
     add_search_args(p)
@@ -50,6 +53,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     try:
         from .profiler import ProfileSettings, needed_events, profile_events
 
+        if a.repeats < 1:
+            raise SimError(f"--repeats must be at least 1 (got {a.repeats})")
         existing = ProfileDB.load(a.out) if a.merge and os.path.exists(a.out) else None
         common = dict(device=a.device, warmup=a.warmup, reps=a.reps, threads=a.threads,
                       max_comm_bytes=int(a.max_comm_mb * (1 << 20)))
@@ -71,8 +76,9 @@ def profile_main(argv: list[str] | None = None) -> int:
                 events = unique_events(stages)
                 if existing is not None:
                     events = {k: e for k, e in events.items() if k not in existing.events_ms}
-                db = profile_emulated(events, topo, strategy, warmup=a.warmup, reps=a.reps, nice=a.nice,
-                                      overlap=overlapped_keys(stages) & set(events))
+                db = ProfileDB.median_of([profile_emulated(events, topo, strategy, warmup=a.warmup, reps=a.reps,
+                                                           nice=a.nice, overlap=overlapped_keys(stages) & set(events))
+                                          for _ in range(a.repeats)])
                 db = existing.merged(db) if existing is not None else db
                 db.save(a.out)
                 print(f"{len(db.events_ms)} events measured on the emulated {topo.name} "
