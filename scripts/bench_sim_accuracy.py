@@ -11,7 +11,9 @@ For each configuration (TP / PP / DP, stock and Oases schedule, a pipeline bubbl
               (``sim.emulated_profile``)
   2. measure  ``megatron-oases train`` on the same emulated cluster: median "elapsed time per
               iteration" after the warm-up iterations, over ``--runs`` launches
-  3. predict  ``sim.predict.predict_train_step`` from that profile alone
+  3. predict  ``sim.predict.predict_train_step`` from that profile alone (with ``--profiles N``,
+              N profiles combined by per-time median, ``ProfileDB.median_of``; the spread between
+              them is printed)
 
 Every profile and every trainer launch holds ``/tmp/oases_bench.lock`` (flock), so benchmarks of
 other sessions do not overlap them; the load average is recorded next to each number. Prints
@@ -20,6 +22,7 @@ the table (config, predicted, measured, error), the median and max |error|, and 
 
     python scripts/bench_sim_accuracy.py --out /tmp/sim_accuracy/acc
     python scripts/bench_sim_accuracy.py --configs tp2 pp2 --runs 1      # a subset
+    python scripts/bench_sim_accuracy.py --configs tp2 --runs 0          # profile agreement only
 """
 from __future__ import annotations
 
@@ -259,8 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=2,
                    help="trainer launches per configuration (0: profile and predict only)")
     p.add_argument("--prof-warmup", type=int, default=2)
-    p.add_argument("--prof-reps", type=int, default=7)
-    p.add_argument("--profiles", type=int, default=1,
+    p.add_argument("--prof-reps", type=int, default=25)
+    p.add_argument("--profiles", type=int, default=3,
                    help="profiles per configuration: the prediction uses every time's median over them "
                         "(ProfileDB.median_of), and the per-event spread between them is printed")
     p.add_argument("--intra-GBps", type=float, default=0.1,
