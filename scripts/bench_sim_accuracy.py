@@ -148,6 +148,7 @@ def measure(flags: list[str], topo, a, log: str) -> dict:
 
 
 def run_config(name: str, a, work: str) -> dict:
+    from megatron_oases.sim.device_model import ProfileDB
     from megatron_oases.sim.emulated_profile import profile_emulated
     from megatron_oases.sim.events import build_stage_events, overlapped_keys, unique_events
     from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
@@ -180,14 +181,9 @@ def run_config(name: str, a, work: str) -> dict:
         profiles.append((db, pred, prof_load))
         print(f"    profile {n}: {time.time() - t0:.0f} s (load {prof_load}), predicts {pred:.1f} ms", flush=True)
     spread = profile_spread([db for db, _, _ in profiles])
-    if len(profiles) > 1:  # every time the median over the profiles (ProfileDB.median_of)
-        from megatron_oases.sim.device_model import ProfileDB
-
-        combined = ProfileDB.median_of([db for db, _, _ in profiles])
-        combined.save(os.path.join(a.out_dir, f"profile-{name}-median.json"))
-    else:
-        combined = profiles[0][0]
+    combined = ProfileDB.median_of([db for db, _, _ in profiles])  # every time's median over the profiles
     if len(profiles) > 1:
+        combined.save(os.path.join(a.out_dir, f"profile-{name}-median.json"))
         print(f"    profiles agree: predictions {', '.join(f'{p:.1f}' for _, p, _ in profiles)} ms; largest event "
               f"spread {spread['max_pct']:.1f}% ({spread['max_key']}), median {spread['median_pct']:.1f}%", flush=True)
     runs = []
@@ -243,7 +239,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['strategy']} | {r['ranks']} | {r['predicted_ms']:.1f} | {meas} | {err} |")
     s = error_summary(rows)
     lines.append(f"\nmedian |error| {s['median_abs_error_pct']}%, max |error| {s['max_abs_error_pct']}% "
-                 f"over {s['configs']} configurations")
+                 f"over {s['configs']} configurations" if s["configs"] else "\nno configuration measured (--runs 0)")
     return "\n".join(lines)
 
 

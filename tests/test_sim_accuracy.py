@@ -210,6 +210,7 @@ def test_bench_table_and_errors():
     assert b.world_of(b.CONFIGS["tp2dp2"][0]) == 4 and len(b.DEFAULT_CONFIGS) >= 6
     # profile-only rows (no trainer launch) are shown but not counted
     assert b.error_summary(rows + [{**rows[0], "measured_ms": None, "error_pct": None}])["configs"] == 3
+    assert "no configuration measured" in b.format_table([{**rows[0], "measured_ms": None, "error_pct": None}])
     dbs = [ProfileDB(device="x", events_ms={"a": 10.0, "b": 4.0}), ProfileDB(device="x", events_ms={"a": 11.0, "b": 5.0})]
     assert b.profile_spread(dbs) == {"median_pct": 17.5, "max_pct": 25.0, "max_key": "b"}
     for world in (2, 4):
