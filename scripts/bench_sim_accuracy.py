@@ -10,7 +10,8 @@ For each configuration (TP / PP / DP, stock and Oases schedule, a pipeline bubbl
               and the simulator applies it by how many stages compute at each moment)
               (``sim.emulated_profile``)
   2. measure  ``megatron-oases train`` on the same emulated cluster: median "elapsed time per
-              iteration" after the warm-up iterations, over ``--runs`` launches
+              iteration" after the warm-up iterations, over ``--runs`` launches; profiles and
+              launches alternate (the box's speed drifts by several percent within an hour)
   3. predict  ``sim.predict.predict_train_step`` from that profile alone (with ``--profiles N``,
               N profiles combined by per-time median, ``ProfileDB.median_of``; the spread between
               them is printed)
@@ -168,30 +169,32 @@ def run_config(name: str, a, work: str) -> dict:
     events = unique_events(stages)
     print(f"[{name}] {what}; {strategy.label}, {strategy.num_microbatches} micro-batches, "
           f"{len(events)} events", flush=True)
-    profiles = []
-    for n in range(a.profiles):
-        t0 = time.time()
-        with bench_lock():
-            busy = wait_quiet(a.max_runnable, a.max_wait)
-            prof_load = f"{loadavg()} (runnable {busy:.1f})"
-            db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice,
-                                  overlap=overlapped_keys(stages))
-        db.save(os.path.join(a.out_dir, f"profile-{name}{'' if n == 0 else f'-{n}'}.json"))
-        pred = predict_train_step(args, db, world_size=world, topology=topo).iteration_ms
-        profiles.append((db, pred, prof_load))
-        print(f"    profile {n}: {time.time() - t0:.0f} s (load {prof_load}), predicts {pred:.1f} ms", flush=True)
+    profiles, runs = [], []
+    # profiles and trainer launches alternate: the box's speed drifts by several percent within an
+    # hour, and alternating puts both sides of the comparison under the same drift
+    for n in range(max(a.profiles, a.runs)):
+        if n < a.profiles:
+            t0 = time.time()
+            with bench_lock():
+                busy = wait_quiet(a.max_runnable, a.max_wait)
+                prof_load = f"{loadavg()} (runnable {busy:.1f})"
+                db = profile_emulated(events, topo, strategy, warmup=a.prof_warmup, reps=a.prof_reps, nice=a.nice,
+                                      overlap=overlapped_keys(stages))
+            db.save(os.path.join(a.out_dir, f"profile-{name}{'' if n == 0 else f'-{n}'}.json"))
+            pred = predict_train_step(args, db, world_size=world, topology=topo).iteration_ms
+            profiles.append((db, pred, prof_load))
+            print(f"    profile {n}: {time.time() - t0:.0f} s (load {prof_load}), predicts {pred:.1f} ms", flush=True)
+        if n < a.runs:
+            r = measure(flags, topo, a, os.path.join(work, f"{name}-{n}.jsonl"))
+            runs.append(r)
+            print(f"    run {n}: median {r['step_ms']:.1f} ms, steps {r['steps_ms']} (load {r['loadavg']})",
+                  flush=True)
     spread = profile_spread([db for db, _, _ in profiles])
     combined = ProfileDB.median_of([db for db, _, _ in profiles])  # every time's median over the profiles
     if len(profiles) > 1:
         combined.save(os.path.join(a.out_dir, f"profile-{name}-median.json"))
         print(f"    profiles agree: predictions {', '.join(f'{p:.1f}' for _, p, _ in profiles)} ms; largest event "
               f"spread {spread['max_pct']:.1f}% ({spread['max_key']}), median {spread['median_pct']:.1f}%", flush=True)
-    runs = []
-    for i in range(a.runs):
-        r = measure(flags, topo, a, os.path.join(work, f"{name}-{i}.jsonl"))
-        runs.append(r)
-        print(f"    run {i}: median {r['step_ms']:.1f} ms, steps {r['steps_ms']} (load {r['loadavg']})",
-              flush=True)
     preds = [p for _, p, _ in profiles]
     res = predict_train_step(args, combined, world_size=world, topology=topo)
     predicted = res.iteration_ms
@@ -255,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="iterations dropped from each run")
-    p.add_argument("--runs", type=int, default=2,
+    p.add_argument("--runs", type=int, default=3,
                    help="trainer launches per configuration (0: profile and predict only)")
     p.add_argument("--prof-warmup", type=int, default=2)
     p.add_argument("--prof-reps", type=int, default=25)

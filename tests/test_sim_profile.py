@@ -60,6 +60,26 @@ def test_every_compute_event_has_a_workload():
         compute_workload("nope", dict(next(iter(events.values())).dims), torch.device("cpu"))
 
 
+def test_optimizer_events_run_on_the_stage_s_own_parameter_tensors():
+    """Adam and the gradient norm loop over tensors: their events carry the stage's tensor sizes,
+    which match a real Megatron layer's parameters and sum to the stage's parameter count."""
+    import torch
+
+    from megatron_oases.sim.backends import layer_param_tensors
+    from megatron_oases.sim.layer_workloads import _tp1_layer, single_rank_world
+
+    h, a, f, t = 32, 4, 128, 2
+    with single_rank_world():
+        layer = _tp1_layer({"h": h, "a": a, "f": f, "t": t}, torch.device("cpu"), torch.float32)
+    assert sorted(p.numel() for p in layer.parameters()) == sorted(layer_param_tensors("megatron", h, f, t, None))
+    st = build_stage_events(TINY, Strategy(tp=2, pp=2), local_topology(4))
+    for s in st:
+        sizes = dict(s.optimizer.dims)["sizes"]
+        assert sum(sizes) == s.params_per_rank == dict(s.grad_norm.dims)["p"]
+        assert f"n{len(sizes)}" in s.optimizer.key and f"n{len(sizes)}" in s.grad_norm.key
+    assert len(dict(st[0].optimizer.dims)["sizes"]) == 12 * TINY.num_layers // 2 + 2  # + word, position embeddings
+
+
 def test_profile_search_on_gloo_ranks_then_simulate(tmp_path: Path, capsys):
     """`megatron-oases profile --search` on 2 local ranks, then `sim --search --profile`: every
     strategy priced from measurements (strict: a missing key would be an infeasible reason)."""

@@ -91,10 +91,18 @@ def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | Non
 
 def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> int:
     """Weights + biases + norms of one layer on one TP rank."""
+    return sum(layer_param_tensors(backend, h, f, t, mesh))
+
+
+def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> tuple[int, ...]:
+    """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
+    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias. The optimizer and the
+    gradient norm run tensor by tensor, so their cost depends on these sizes, not only on the sum."""
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh
-        return (4 * h * h + 2 * h * f) // t + 3 * h // d1 + f // d1 + 2 * h // d2 + 4 * h // d2
-    return (4 * h * h + 2 * h * f) // t + (3 * h + f) // t + 2 * h + 4 * h
+        return (3 * h * h // t, 3 * h // d1, h * h // t, h // d2, h * f // t, f // d1, h * f // t, h // d2,
+                *(h // d2,) * 4)
+    return (3 * h * h // t, 3 * h // t, h * h // t, h, h * f // t, f // t, h * f // t, h, *(h,) * 4)
 
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,

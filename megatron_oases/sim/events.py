@@ -13,7 +13,7 @@ from typing import Union
 
 from ..layers.description import Collective, Compute
 from ..topology import Topology
-from .backends import BACKENDS, axis_ranks, layer_description, layer_params
+from .backends import BACKENDS, axis_ranks, layer_description, layer_param_tensors
 from .device_model import SimError, link_level
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -365,24 +365,31 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     return out
 
 
-def stage_params(model: ModelConfig, strategy: Strategy, stage: int) -> int:
-    """Parameters one rank of ``stage`` holds (layers of all its chunks + embeddings)."""
+def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> tuple[int, ...]:
+    """Sizes of the parameter tensors one rank of ``stage`` holds (layers of all its chunks, then
+    the word and position embeddings on the first stage, the final norm and the output layer on
+    the last)."""
     m, s = model, strategy
-    per_stage = m.num_layers // s.pp
-    params = per_stage * layer_params(s.backend, m.hidden, m.ffn, s.tp, s.mesh)
+    out = layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh) * (m.num_layers // s.pp)
     emb = m.vocab * m.hidden // s.tp
     if stage == 0:
-        params += emb + m.seq * m.hidden  # word + learned position embeddings
+        out += (emb, m.seq * m.hidden)  # word + learned position embeddings
     if stage == s.pp - 1:
-        params += 2 * m.hidden  # final LayerNorm
+        out += (m.hidden, m.hidden)  # final LayerNorm
         if s.pp > 1 or not m.tied_embeddings:
-            params += emb  # the last stage's own copy (tied) or the untied output layer
-    return params
+            out += (emb,)  # the last stage's own copy (tied) or the untied output layer
+    return out
+
+
+def stage_params(model: ModelConfig, strategy: Strategy, stage: int) -> int:
+    """Parameters one rank of ``stage`` holds (layers of all its chunks + embeddings)."""
+    return sum(stage_param_tensors(model, strategy, stage))
 
 
 def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tuple[ChunkEvents, ...],
                 chains: int) -> StageEvents:
-    params = stage_params(m, s, st)
+    tensors = stage_param_tensors(m, s, st)
+    params = sum(tensors)
     pshape = f"p{params}_fp32"
     pdims = (("p", params), ("dtype", "fp32"))
     grad = tie = norm = norm_ar = opt = gather = None
@@ -402,15 +409,18 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
         op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2, payload_bytes=nb)
         tie = _collective(op, f"v{m.vocab}h{m.hidden}t{s.tp}_fp32", topo, pair, (("p", nb // 4), ("dtype", "fp32")))
     if s.optimizer_step:
-        norm = _compute(Compute(name="grad_norm", gemm_flops=0.0, elementwise_bytes=4 * params), pshape, pdims)
+        # both run tensor by tensor: the key names the tensor count, the dims carry the sizes
+        tdims = (("p", params), ("sizes", tensors))
+        norm = _compute(Compute(name="grad_norm", gemm_flops=0.0, elementwise_bytes=4 * params),
+                        f"p{params}n{len(tensors)}_fp32", tdims + (("dtype", "fp32"),))
         if s.tp * s.pp > 1:
             norm_ar = _norm_allreduce(topo, s.tp, s.pp, s.dp)
         shard = s.dp if s.distributed_optimizer else 1
         # zero grads (4), clip (8), Adam: read p g m v, write p m v (28), + bf16 copy (2 + 4)
         nbytes = params * (12 + (28 + (6 if m.bytes_per_element == 2 else 0)) / shard)
         op = Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=nbytes)
-        oshape = f"p{params}d{shard}_{m.dtype}"
-        opt = _compute(op, oshape, (("p", params), ("shard", shard), ("dtype", m.dtype)))
+        oshape = f"p{params}n{len(tensors)}d{shard}_{m.dtype}"
+        opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
                        norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
                        params_per_rank=params, chains=chains)

@@ -8,7 +8,8 @@ a forward function of the right shapes (from the event's ``dims``): GEMMs throug
 Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm), LayerNorm, GeLU, the
 residual adds. ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
 the forward's graph retained. ``optimizer`` is the step's tail (zero grads, clip, AdamW as
-Megatron falls back to ``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients.
+Megatron falls back to ``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients, both
+over the stage's own parameter tensors (``sizes``).
 """
 from __future__ import annotations
 
@@ -123,30 +124,49 @@ def _as_list(out: Any) -> list[torch.Tensor]:
     return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.requires_grad]
 
 
+def _param_sizes(dims: dict) -> list[int]:
+    """The stage's parameter tensor sizes (``sizes``), or one tensor of ``p`` (older events)."""
+    return [int(n) for n in dims.get("sizes") or (dims["p"],)]
+
+
+def _tail_workload(name: str, dims: dict, mk: _Maker, dtype: torch.dtype, device: torch.device) -> Forward:
+    """The step's tail as Megatron runs it on the stage's own parameter tensors (Adam and the norm
+    loop over tensors, so a few large tensors and many small ones of the same total cost
+    differently): ``grad_norm`` the per-tensor L2 norms and their norm; ``optimizer`` zeroing the
+    flat gradient buffer, the clip scale and ``torch.optim.AdamW`` (the distributed optimizer's
+    ``shard`` of every tensor), plus the cast copy for 16-bit models."""
+    sizes = _param_sizes(dims)
+    if name == "grad_norm":
+        grads = [torch.randn(n, generator=mk.gen).to(device) for n in sizes]
+        return lambda: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    shard = int(dims.get("shard", 1))
+    masters = []
+    for n in sizes:
+        p = torch.zeros(-(-n // shard), dtype=torch.float32, device=device, requires_grad=True)
+        p.grad = torch.randn(p.numel(), generator=mk.gen).to(device)
+        masters.append(p)
+    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    opt = torch.optim.AdamW(masters, lr=1e-4)
+    copies = [torch.empty(p.numel(), dtype=dtype, device=device) for p in masters] if dtype != torch.float32 else []
+
+    def step():
+        buffer.zero_()
+        for p in masters:
+            p.grad.mul_(0.5)  # clip-by-norm scale
+        opt.step()
+        for c, p in zip(copies, masters):
+            c.copy_(p.detach())
+    return step
+
+
 def compute_workload(name: str, dims: dict, device: torch.device) -> Forward:
     """A no-argument function running the event's work once (what the profiler times)."""
     dtype = TORCH_DTYPES[str(dims.get("dtype", "fp32"))]
     if "exec" in dims and name in LAYER_EVENTS:  # a Megatron 1-D layer event: time the real layer
         return megatron_layer_workload(name, dims, device, dtype)
     mk = _Maker(dtype, device)
-    if name == "optimizer":
-        p = int(dims["p"]) // int(dims.get("shard", 1))
-        master = torch.zeros(p, dtype=torch.float32, device=device, requires_grad=True)
-        master.grad = torch.randn(p, generator=mk.gen).to(device)
-        grads = torch.zeros(int(dims["p"]), dtype=torch.float32, device=device)
-        opt = torch.optim.AdamW([master], lr=1e-4)
-        copy = torch.empty(p, dtype=dtype, device=device) if dtype != torch.float32 else None
-
-        def step():
-            grads.zero_()
-            master.grad.mul_(0.5)  # clip-by-norm scale
-            opt.step()
-            if copy is not None:
-                copy.copy_(master.detach())
-        return step
-    if name == "grad_norm":
-        g = torch.randn(int(dims["p"]), generator=mk.gen).to(device)
-        return lambda: torch.linalg.vector_norm(g)
+    if name in ("optimizer", "grad_norm"):
+        return _tail_workload(name, dims, mk, dtype, device)
     if name.endswith(".bwd"):
         fwd = _forward(name[: -len(".bwd")], dims, mk)
         outs = _as_list(fwd())
