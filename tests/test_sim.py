@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.sim.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
-from megatron_oases.sim.events import STOCK_ASYNC_DGRAD, ModelConfig, Strategy, build_stage_events, unique_events
-from megatron_oases.sim.timeline import run_template, simulate
+from megatron_oases.sim.events import (STOCK_ASYNC_DGRAD, ModelConfig, Strategy, build_stage_events, overlapped_keys,
+                                       unique_events)
+from megatron_oases.sim.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
 
@@ -173,6 +174,31 @@ def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
     assert tm.slots[0].dur == pytest.approx(13.0) and tm.duration == pytest.approx(15.0)
     oases = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
     assert all(e.beside is None for e in oases.backward)  # the executor launches its own collectives
+
+
+def test_oases_splits_the_layers_only_the_head_runs_on_the_whole_micro_batch():
+    """Only the decoder layers go through the Oases executor: the embedding (and its all-reduce)
+    and the output layer / loss run before and after it on the whole micro-batch, one chain."""
+    model = ModelConfig(num_layers=2, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=4)
+    st = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
+    ch = st.chunks[0]
+    assert [c for _, c in ch.forward_segments] == [1, 2, 1] == [c for _, c in ch.backward_segments]
+    assert [e.name for e in ch.forward_segments[0][0]] == ["embedding", "embedding.ar"]
+    assert [e.name for e in ch.forward_segments[2][0]] == ["logits", "loss.ar"]
+    assert [e.name for e in ch.backward_segments[0][0]] == ["logits.bwd", "logits.f.bwd"]
+    head = [e for evs, c in (*ch.forward_segments, *ch.backward_segments) if c == 1 for e in evs]
+    layers = [e for evs, c in (*ch.forward_segments, *ch.backward_segments) if c == 2 for e in evs]
+    assert all("[b4s256" in e.key for e in head) and all("[b2s256" in e.key for e in layers)
+    ov = overlapped_keys([st])
+    assert {e.key for e in layers} <= ov and not ov & {e.key for e in head}
+    price = {k: 1.0 for k in unique_events([st])}
+    tm = run_segments(ch.forward_segments, price)
+    parts = [run_template(evs, c, price).duration for evs, c in ch.forward_segments]
+    assert parts[0] == parts[2] == 2.0 and tm.duration == pytest.approx(sum(parts))
+    n0 = len(ch.forward_segments[0][0])
+    assert max(sl.start + sl.dur for sl in tm.slots[:n0]) <= min(sl.start for sl in tm.slots[n0:])
+    stock = build_stage_events(model, Strategy(tp=2), topo(nodes=1, per_node=2))[0]
+    assert [c for _, c in stock.chunks[0].forward_segments] == [1]
 
 
 def test_chrome_trace(tmp_path: Path):

@@ -165,11 +165,22 @@ class ChunkEvents:
     stage: int
     chunk: int
     layers: int
-    forward: tuple[Event, ...]
-    backward: tuple[Event, ...]
+    forward_segments: tuple[tuple[tuple[Event, ...], int], ...]
+    """(events, chains) in order: under oases the layers run as 2 sub-batch chains while the
+    embedding and the output layer / loss run on the whole micro-batch (1 chain), as in the
+    trainer, where only the decoder layers go through the Oases executor."""
+    backward_segments: tuple[tuple[tuple[Event, ...], int], ...]
     """Includes the recomputed forward of each layer before its backward when recompute is on."""
     send_forward: Event | None
     send_backward: Event | None
+
+    @property
+    def forward(self) -> tuple[Event, ...]:
+        return tuple(ev for evs, _ in self.forward_segments for ev in evs)
+
+    @property
+    def backward(self) -> tuple[Event, ...]:
+        return tuple(ev for evs, _ in self.backward_segments for ev in evs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,7 +199,8 @@ class StageEvents:
     """Distributed optimizer: updated parameters all-gathered over DP after the step."""
     params_per_rank: int
     chains: int
-    """Sub-batches that run these events concurrently: 1, or 2 under oases."""
+    """Sub-batches that run the layers' events concurrently: 1, or 2 under oases (the chunks'
+    segments say which events run that way)."""
 
     # One-chunk conveniences (the non-interleaved schedules).
     @property
@@ -289,12 +301,16 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
     tag, tag_dims = layer_event_tag(m.hidden_dropout, m.attention_dropout, chains, s.backend)
     shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}{tag}"
-    head_shape = f"b{b}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
-    head_dims = (("b", b), ("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
-                 ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
-                 ("dtype", m.dtype))
-    dims = head_dims + tag_dims
+    # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
+    hb = m.micro_batch
+    head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
+    common = (("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
+              ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
+              ("dtype", m.dtype))
+    head_dims = (("b", hb),) + common
+    dims = (("b", b),) + common + tag_dims
     act = b * m.seq * m.hidden * e
+    head_act = hb * m.seq * m.hidden * e
     per_chunk = m.num_layers // (s.pp * vp)
     n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
     out = []
@@ -327,6 +343,7 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
             fwd = fwd_l * per_chunk
             # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
             bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
+            pre_f, post_f, pre_b, post_b = [], [], [], []  # the head, around the layers
             if s.backend == "atp" and s.mesh[1] > 1:  # enter: split (bwd all-gather); leave: all-gather
                 d2 = s.mesh[1]
                 gather = Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=d2, payload_bytes=act)
@@ -334,21 +351,24 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                                      payload_bytes=act)
                 fwd, bwd = fwd + [ev(gather)], bwd + [ev(enter_b)]
             if first:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
-                emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * act)
-                red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act)
-                emb_b = Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * act)
-                fwd = [head_ev(emb)] + ([head_ev(red)] if t > 1 else []) + fwd
-                bwd = bwd + [head_ev(emb_b)]
+                emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * head_act)
+                red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t,
+                                 payload_bytes=head_act)
+                emb_b = Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * head_act)
+                pre_f = [head_ev(emb)] + ([head_ev(red)] if t > 1 else [])
+                post_b = [head_ev(emb_b)]
             if last:  # final LN, vocab-parallel logits + cross-entropy; f all-reduces dX
-                logits_flops = 2 * b * m.seq * m.hidden * m.vocab / t
-                ce_bytes = 4 * b * m.seq * (m.vocab // t) * e
-                head = Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes)
+                logits_flops = 2 * hb * m.seq * m.hidden * m.vocab / t
+                ce_bytes = 4 * hb * m.seq * (m.vocab // t) * e
+                head = Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * head_act + ce_bytes)
                 ce = Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
-                                payload_bytes=3 * b * m.seq * 4)
-                head_b = Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes)
-                f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act)
-                fwd = fwd + [head_ev(head)] + ([head_ev(ce)] if t > 1 else [])
-                bwd = [head_ev(head_b)] + ([head_ev(f_b)] if t > 1 else []) + bwd
+                                payload_bytes=3 * hb * m.seq * 4)
+                head_b = Compute(name="logits.bwd", gemm_flops=2 * logits_flops,
+                                 elementwise_bytes=2 * head_act + ce_bytes)
+                f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
+                                 payload_bytes=head_act)
+                post_f = [head_ev(head)] + ([head_ev(ce)] if t > 1 else [])
+                pre_b = [head_ev(head_b)] + ([head_ev(f_b)] if t > 1 else [])
             me = s.rank(pp=st)
             send_f = send_b = None
             if not last:
@@ -359,10 +379,25 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 prv = s.rank(pp=(g - 1) % s.pp)
                 send_b = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, prv))}", name="send_backward",
                                kind="p2p", ranks=(me, prv), nbytes=act * chains, dims=dims)
-            chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk, forward=tuple(fwd), backward=tuple(bwd),
+            chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk,
+                                      forward_segments=_segments((pre_f, 1), (fwd, chains), (post_f, 1)),
+                                      backward_segments=_segments((pre_b, 1), (bwd, chains), (post_b, 1)),
                                       send_forward=send_f, send_backward=send_b))
         out.append(_stage_tail(m, s, topo, st, tuple(chunks), chains))
     return out
+
+
+def _segments(*parts: tuple[list[Event], int]) -> tuple[tuple[tuple[Event, ...], int], ...]:
+    """Non-empty (events, chains) parts in order, neighbours with the same chain count joined."""
+    out: list[tuple[tuple[Event, ...], int]] = []
+    for evs, chains in parts:
+        if not evs:
+            continue
+        if out and out[-1][1] == chains:
+            out[-1] = (out[-1][0] + tuple(evs), chains)
+        else:
+            out.append((tuple(evs), chains))
+    return tuple(out)
 
 
 def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> tuple[int, ...]:
@@ -457,9 +492,10 @@ def unique_events(stages: list[StageEvents]) -> dict[str, Event]:
 
 def overlapped_keys(stages: list[StageEvents]) -> set[str]:
     """Keys of the events that run while the rank's other stream is busy: every forward / backward
-    event of a stage whose sub-batches (chains > 1) overlap one's collectives with the other's
+    event of a segment whose sub-batches (chains > 1) overlap one's collectives with the other's
     compute, and stock Megatron's async input-gradient all-reduces with the weight gradients beside
     them. ``sim.emulated_profile`` measures these also under that overlap."""
-    keys = {ev.key for st in stages if st.chains > 1 for ch in st.chunks for ev in (*ch.forward, *ch.backward)}
+    keys = {ev.key for st in stages for ch in st.chunks for evs, chains in (*ch.forward_segments, *ch.backward_segments)
+            if chains > 1 for ev in evs}
     return keys | {k for st in stages for ch in st.chunks for ev in ch.backward if ev.beside is not None
                    for k in (ev.key, ev.beside.key)}

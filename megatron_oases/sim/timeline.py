@@ -159,6 +159,19 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
 
 
+def run_segments(segments: tuple[tuple[tuple[Event, ...], int], ...], price: dict[str, float],
+                 overlapped: dict[str, float] | None = None) -> Template:
+    """A chunk's forward or backward: its segments' templates one after the other (the Oases
+    executor's sub-batches join before the output layer and after the embedding)."""
+    slots: list[Slot] = []
+    t = compute = comm = 0.0
+    for events, chains in segments:
+        seg = run_template(events, chains, price, overlapped)
+        slots += [sl._replace(start=sl.start + t) for sl in seg.slots]
+        t, compute, comm = t + seg.duration, compute + seg.compute_busy, comm + seg.comm_busy
+    return Template(slots=tuple(slots), duration=t, compute_busy=compute, comm_busy=comm)
+
+
 def _beside(compute: Slot, compute_end: float, ev: Event, comm_free: float, price: dict[str, float],
             overlapped: dict[str, float]) -> tuple[float, float, float]:
     """A collective launched async before the tail ``ev.beside`` of ``compute`` (which ends at
@@ -341,12 +354,12 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
     cache: dict[tuple, Template] = {}
     overlapped = dict(device.profile.overlapped) if device.profile is not None else {}
 
-    def template(events: tuple[Event, ...], chains: int) -> Template:
-        k = (chains, *(e.key for e in events))  # middle stages share their event lists
+    def template(segments: tuple[tuple[tuple[Event, ...], int], ...]) -> Template:
+        k = tuple((chains, *(e.key for e in evs)) for evs, chains in segments)  # middle stages share theirs
         if k not in cache:
-            cache[k] = run_template(events, chains, price, overlapped)
+            cache[k] = run_segments(segments, price, overlapped)
         return cache[k]
-    templates = tuple(tuple((template(ch.forward, st.chains), template(ch.backward, st.chains))
+    templates = tuple(tuple((template(ch.forward_segments), template(ch.backward_segments))
                             for ch in st.chunks) for st in stages)
     p2p = [[(price[ch.send_forward.key] if ch.send_forward else 0.0,
              price[ch.send_backward.key] if ch.send_backward else 0.0) for ch in st.chunks] for st in stages]
@@ -363,8 +376,8 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
         for j in range(1, s.pp + 1):
             pj = level_prices(price, contention, j * s.tp * s.dp)
             oj = {k: v * pj[k] / top[k] if top.get(k) else v for k, v in overlapped.items() if k in pj}
-            levels.append([[(run_template(ch.forward, st.chains, pj, oj).duration,
-                             run_template(ch.backward, st.chains, pj, oj).duration) for ch in st.chunks]
+            levels.append([[(run_segments(ch.forward_segments, pj, oj).duration,
+                             run_segments(ch.backward_segments, pj, oj).duration) for ch in st.chunks]
                            for st in stages])
         dur = [[([lv[i][c][0] for lv in levels], [lv[i][c][1] for lv in levels]) for c in range(len(st.chunks))]
                for i, st in enumerate(stages)]
