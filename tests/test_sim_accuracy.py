@@ -242,6 +242,28 @@ def test_lockstep_and_interleaved_timing():
     assert out[1] is None and len(out[0]) == len(out[2]) == 2 and all(t >= 0 for t in out[0] + out[2])
 
 
+def test_overlapped_collective_time_from_the_executor_s_pattern():
+    """A collective launched beside one compute event, then waited for: the in-flight time the
+    fluid model needs is what reproduces that run (and a merge goes through it per repetition)."""
+    from megatron_oases.sim.emulated_profile import (MAX_OVERLAP_SLOWDOWN, beside_lockstep_ms,
+                                                     overlapped_from_beside)
+
+    assert overlapped_from_beside(total=6.0, compute=9.0, plain=10.0) == 6.0  # done during the compute
+    ov = overlapped_from_beside(total=15.0, compute=9.0, plain=10.0)  # 40% done in 9 ms, 6 ms alone
+    assert ov == pytest.approx(22.5)
+    evs = tuple(e for e in build_stage_events(TINY, Strategy(tp=2, overlap="oases"), local_topology(2))[0].forward
+                if e.name in ("attention", "attention.g"))[:2]
+    price = {evs[0].key: 9.0, evs[1].key: 10.0}
+    # sub-batch 0's all-reduce beside sub-batch 1's 9 ms compute ends 6 ms after it, as measured
+    tm = run_template(evs, 2, price, {evs[0].key: 9.0, evs[1].key: ov})
+    ar0 = next(sl for sl in tm.slots if sl.stream == "comm" and sl.chain == 0)
+    assert ar0.start + ar0.dur == pytest.approx(9.0 + 15.0)
+    assert overlapped_from_beside(total=30.0, compute=9.0, plain=10.0) == pytest.approx(MAX_OVERLAP_SLOWDOWN * 10.0)
+    # per repetition the rank whose collective ended last, then the median
+    assert beside_lockstep_ms([[[6.0, 9.0], [15.0, 9.0]], [[15.0, 9.0], [14.0, 9.0]]], 10.0) == pytest.approx(
+        (22.5 + overlapped_from_beside(15.0, 9.0, 10.0)) / 2)
+
+
 def test_stage_collectives_get_loaded_levels():
     """With PP, a stage's collectives are also timed while other stages compute; the merge puts
     those times in ``contention`` beside the plain one (one stage busy), and p2p / cross-stage
