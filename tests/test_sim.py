@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.sim.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
-from megatron_oases.sim.events import (STOCK_ASYNC_DGRAD, ModelConfig, Strategy, build_stage_events, overlapped_keys,
-                                       unique_events)
+from megatron_oases.sim.events import (OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, ModelConfig, Strategy,
+                                       build_stage_events, overlapped_keys, unique_events)
 from megatron_oases.sim.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
@@ -98,7 +98,7 @@ def test_timeline_invariants(strat: Strategy):
     for e in evs:
         if e["phase"] in ("F", "B") and e["stream"] != "p2p":
             k = (e["stage"], e["chunk"], e["phase"], e["micro_batch"], e["chain"])
-            if beside and e["name"] in STOCK_ASYNC_DGRAD:
+            if e["name"] in OUTPUT_ASYNC_DGRAD or (beside and e["name"] in STOCK_ASYNC_DGRAD):
                 assert e["start"] >= chain_start[k] - EPS
                 chain_end[k] = max(chain_end[k], e["end"])
                 continue
@@ -173,7 +173,9 @@ def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
     tm = run_template(ops, 1, price, {ar.key: 10.0, ar.beside.key: 6.0})
     assert tm.slots[0].dur == pytest.approx(13.0) and tm.duration == pytest.approx(15.0)
     oases = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
-    assert all(e.beside is None for e in oases.backward)  # the executor launches its own collectives
+    # the executor launches its own collectives; the output layer outside it is stock Megatron's
+    assert [e.name for e in oases.backward if e.beside is not None] == ["logits.f.bwd"]
+    assert oases.backward[1].beside.name == "logits.wgrad" and "[b2s256" in oases.backward[1].beside.key
 
 
 def test_oases_splits_the_layers_only_the_head_runs_on_the_whole_micro_batch():

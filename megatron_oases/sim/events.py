@@ -267,6 +267,16 @@ def _compute(op: Compute, shape: str, dims) -> Event:
 
 STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgrad"}
 """Stock Megatron's input-gradient all-reduces that run async beside a weight-gradient GEMM."""
+OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad"}
+"""The output layer (Megatron's column-parallel linear whatever the layers' backend or schedule)
+does the same: its input-gradient all-reduce runs beside its weight gradient."""
+
+
+def output_wgrad(*, b: int, s: int, h: int, v: int, t: int, e: int) -> Compute:
+    """The weight gradient of the output layer (``[v/t, h]``, no bias) alone."""
+    out = v // t
+    return Compute(name=OUTPUT_ASYNC_DGRAD["logits.f.bwd"], gemm_flops=2.0 * b * s * h * out,
+                   elementwise_bytes=e * (b * s * (h + out) + h * out))
 
 
 def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
@@ -367,8 +377,10 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                                  elementwise_bytes=2 * head_act + ce_bytes)
                 f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
                                  payload_bytes=head_act)
+                wgrad = output_wgrad(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e)
+                f_b_ev = dataclasses.replace(head_ev(f_b), beside=_compute(wgrad, head_shape, head_dims))
                 post_f = [head_ev(head)] + ([head_ev(ce)] if t > 1 else [])
-                pre_b = [head_ev(head_b)] + ([head_ev(f_b)] if t > 1 else [])
+                pre_b = [head_ev(head_b)] + ([f_b_ev] if t > 1 else [])
             me = s.rank(pp=st)
             send_f = send_b = None
             if not last:

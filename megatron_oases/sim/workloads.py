@@ -7,8 +7,9 @@ Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv`
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
 Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm), LayerNorm, GeLU, the
 residual adds. ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
-the forward's graph retained. ``optimizer`` is the step's tail (zero grads, clip, AdamW as
-Megatron falls back to ``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients, both
+the forward's graph retained; ``logits.wgrad`` is the output layer's weight gradient alone.
+``optimizer`` is the step's tail (zero grads, clip, AdamW as Megatron falls back to
+``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients, both
 over the stage's own parameter tensors (``sizes``).
 """
 from __future__ import annotations
@@ -167,6 +168,10 @@ def compute_workload(name: str, dims: dict, device: torch.device) -> Forward:
     mk = _Maker(dtype, device)
     if name in ("optimizer", "grad_norm"):
         return _tail_workload(name, dims, mk, dtype, device)
+    if name == "logits.wgrad":  # the output layer's weight gradient, grad_output.t() @ input
+        tokens, h, out = int(dims["b"]) * int(dims["s"]), int(dims["h"]), int(dims["v"]) // int(dims["t"])
+        grad_output, total_input = mk.t(tokens, out, grad=False), mk.t(tokens, h, grad=False)
+        return lambda: grad_output.t().matmul(total_input)
     if name.endswith(".bwd"):
         fwd = _forward(name[: -len(".bwd")], dims, mk)
         outs = _as_list(fwd())
