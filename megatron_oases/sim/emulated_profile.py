@@ -89,8 +89,9 @@ def build_plan(events: dict[str, Event], s: Strategy, *, warmup: int, reps: int,
             keys[sig] = len(comm)
             comm.append({**job, "keys": []})
         comm[keys[sig]]["keys"].append(k)
-        if k in overlap and kind != "p2p":
+        if k in overlap and kind != "p2p":  # measured overlapped once, for the keys that overlap
             comm[keys[sig]]["overlap"] = True
+            comm[keys[sig]].setdefault("overlap_keys", []).append(k)
     return {"world": s.world_size, "levels": sorted(set(levels or busy_levels(s))), "warmup": warmup,
             "reps": reps, "comm": comm, "compute": compute, "stages": stages}
 
@@ -134,9 +135,9 @@ def merge_rank_results(plan: dict[str, Any], per_rank: list[dict[str, Any]]
             vals = [r[name][j] for r in per_rank if r.get(name) and r[name][j] is not None]
             if not vals:
                 continue
-            keys = job.get("keys", [job.get("key")])
+            keys = job.get("overlap_keys") or job.get("keys", [job.get("key")])
             if name == "overlap_comm" and all(isinstance(v, list) and v and isinstance(v[0], list) for v in vals):
-                ms = beside_lockstep_ms(vals, events[keys[0]])
+                ms = beside_lockstep_ms(vals, events[job["keys"][0]])
             else:  # compute, or a rank file of the older format (one time per repetition)
                 ms = lockstep_ms(vals)
             for k in keys:
