@@ -226,7 +226,7 @@ def _measure_overlap(plan: dict[str, Any], me: int, group, dev) -> tuple[list, l
       collective of the same kind and size meanwhile, as they do in the trainer. (Keeping the
       compute running until the collective ends instead starves gloo's thread where ranks
       outnumber cores: a 512 KB all-reduce of 10.7 ms then took 160-250 ms, while beside one
-      segment it ends 2-6 ms after the segment);
+      segment it ends 1.5-6 ms after the segment);
     * the overlapped compute events timed (interleaved, every call started at a barrier of all
       ranks, as the all-busy plain times) while a collective is always in flight on every rank
       (a thread repeats the rank's most common overlapped collective until the ranks agree to stop).
