@@ -15,7 +15,8 @@ import sys
 import time
 
 from megatron_oases.parallel.dims import ConfigError
-from megatron_oases.train_args import build_parser, validate_args, world_size_of
+from megatron_oases.train_args import (build_parser, cuda_wanted, validate_args,
+                                       vocab_padding_note, world_size_of)
 
 
 @dataclasses.dataclass
@@ -53,7 +54,8 @@ def setup(args: argparse.Namespace) -> Trainer:
     dims = validate_args(args, torch.distributed.get_world_size(), runtime.is_cuda)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vp)
+        virtual_pipeline_model_parallel_size=dims.vp,
+        distributed_timeout_minutes=args.dist_timeout / 60.0)  # Megatron's groups: ours too
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config_from_args(args, cuda=runtime.is_cuda)
@@ -183,9 +185,11 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     import torch
 
     from megatron_oases.flops import gpt_flops_per_iteration
+    from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.train_args import padded_vocab_size
 
     tr = setup(args)
+    report_progress()
     flops = gpt_flops_per_iteration(
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -202,6 +206,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
             out = train_step(tr, it)
             tr.runtime.synchronize()
             step_s = time.perf_counter() - start
+            report_progress()
             rec = {"iteration": it, "lm_loss": out["loss"], "grad_norm": out["grad_norm"],
                    "step_ms": step_s * 1e3,
                    "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
@@ -243,12 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         quiet_known_warnings(cpu=not torch.cuda.is_available())
 
         world = world_size_of(args)
-        cuda = (args.device == "cuda") or (args.device is None and torch.cuda.is_available())
-        validate_args(args, world, cuda)
+        validate_args(args, world, cuda_wanted(args))
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    note = vocab_padding_note(args)
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"{parser.prog}: {note}", flush=True)
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
 
@@ -256,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.device = detect_runtime(args.device).device.type  # spawned ranks keep this choice
         try:
-            run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,),
-                         timeout_s=args.dist_timeout + 60)
+            # No bound on the run's length: a rank that makes no progress (an iteration) for
+            # --dist-timeout + 60 s ends it, named; a hung collective raises after --dist-timeout.
+            run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,), timeout_s=None,
+                         stall_timeout_s=args.dist_timeout + 60)
         except RankFailure as exc:
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1

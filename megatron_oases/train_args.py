@@ -6,6 +6,7 @@ the fix (``ConfigError``). Later issues add ``--tp-backend atp|3d`` and ``--sche
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
@@ -14,8 +15,17 @@ TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``prog: error: ...``, exit 2), without
+    the usage block argparse prints first: a bad choice should not bury its message under 45
+    lines of flags (``--help`` still prints them all)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog=prog,
         description="Reference GPT pretraining loop on Megatron-Core (GPTModel, Megatron DDP and "
                     "optimizer, get_forward_backward_func). The stock baseline every "
@@ -27,7 +37,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when available, else cpu (gloo)")
     g.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds before a hung collective (or spawned run) is aborted")
+                   help="seconds before a hung collective is aborted, on every process group "
+                        "(Megatron's TP/PP/DP groups too); with --nproc-per-node, a rank that "
+                        "makes no progress for this long (+60 s) ends the run, naming the rank")
     g.add_argument("--topology", default=None,
                    help="cluster topology YAML (file or shipped example name); validated at start")
     g = p.add_argument_group("parallelism")
@@ -67,7 +79,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="default: --seq-length")
     g.add_argument("--vocab-size", type=int, default=1024,
                    help="vocabulary of the synthetic data (padded as Megatron does)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this; with the TP-invariant init "
+                        "(default) the padding does not grow with TP (see padded_vocab_size)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
@@ -111,21 +125,89 @@ def world_size_of(args: argparse.Namespace) -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def cuda_wanted(args: argparse.Namespace) -> bool:
+    """Whether this run uses CUDA: ``--device`` when given (``cuda`` must then be visible),
+    else whether CUDA is available."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible (torch.cuda.is_available() "
+                          "is False); use --device cpu or drop --device")
+    return args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+
+
+# (flag, attribute, lowest allowed, lowest inclusive?, highest exclusive or None)
+_RANGES = (
+    ("--global-batch-size", "global_batch_size", 1, True, None),
+    ("--micro-batch-size", "micro_batch_size", 1, True, None),
+    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", 1, True, None),
+    ("--ffn-hidden-size", "ffn_hidden_size", 1, True, None),
+    ("--dist-timeout", "dist_timeout", 0.0, False, None),
+    ("--lr", "lr", 0.0, True, None),
+    ("--init-method-std", "init_method_std", 0.0, True, None),
+    ("--weight-decay", "weight_decay", 0.0, True, None),
+    ("--clip-grad", "clip_grad", 0.0, True, None),
+    ("--adam-beta1", "adam_beta1", 0.0, True, 1.0),
+    ("--adam-beta2", "adam_beta2", 0.0, True, 1.0),
+    ("--sgd-momentum", "sgd_momentum", 0.0, True, 1.0),
+    ("--hidden-dropout", "hidden_dropout", 0.0, True, 1.0),
+    ("--attention-dropout", "attention_dropout", 0.0, True, 1.0),
+    ("--train-iters", "train_iters", 1, True, None),
+    ("--seq-length", "seq_length", 1, True, None),
+    ("--vocab-size", "vocab_size", 1, True, None),
+    ("--log-interval", "log_interval", 1, True, None),
+)
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Each numeric flag within its range (the table above), one line naming the flag."""
+    for flag, name, low, inclusive, high in _RANGES:
+        value = getattr(args, name)
+        ok = (value >= low if inclusive else value > low) and (high is None or value < high)
+        if not ok:
+            where = (f"[{low}, {high})" if high is not None
+                     else f">= {low}" if inclusive else f"> {low}")
+            raise ConfigError(f"{flag} must be {where} (got {value})")
+
+
+def _check_log_json(path: str | None) -> None:
+    """``--log-json`` must land in an existing directory (checked before anything is written)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--log-json {path}: directory {folder} does not exist; create it or "
+                          f"pick another path")
+    if os.path.isdir(path):
+        raise ConfigError(f"--log-json {path} is a directory; give a file name")
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Virtual stages per rank from ``--num-layers-per-virtual-pipeline-stage`` (None: off)."""
+    per_vstage = args.num_layers_per_virtual_pipeline_stage
+    if per_vstage is None:
+        return None
+    per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
+    if per_vstage < 1 or per_stage % per_vstage != 0:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide "
+                          f"the {per_stage} layers of each pipeline stage")
+    if per_vstage == per_stage:
+        # One virtual stage is no interleaving, and Megatron's interleaved schedule then fails.
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers "
+                          f"of each pipeline stage (one virtual stage: no interleaving); use a "
+                          f"proper divisor of {per_stage} or drop the flag")
+    return per_stage // per_vstage
+
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
     """Check every flag and combination; returns the validated ``ParallelDims``."""
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    vp = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
-        if (args.num_layers_per_virtual_pipeline_stage < 1
-                or per_stage % args.num_layers_per_virtual_pipeline_stage != 0):
-            raise ConfigError(
-                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
-                f" must divide the {per_stage} layers of each pipeline stage")
-        vp = per_stage // args.num_layers_per_virtual_pipeline_stage
+    _check_ranges(args)
+    _check_log_json(args.log_json)
+    vp = _virtual_stages(args)
     dims = ParallelDims(
         world_size=world_size, tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size, vp=vp, num_layers=args.num_layers,
@@ -148,8 +230,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     if args.use_distributed_optimizer and not cuda:
         raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
-    _validate_atp(args, dims)
-    _validate_3d(args, dims)
+    validate_atp_args(args, dims)
+    validate_3d_args(args, dims)
     from megatron_oases.schedules.oases.options import validate_oases_args
 
     validate_oases_args(args, dims)
@@ -175,14 +257,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
         raise ConfigError("--recompute-method / --recompute-num-layers need "
                           "--recompute-granularity full")
-    for flag, value in (("--hidden-dropout", args.hidden_dropout),
-                        ("--attention-dropout", args.attention_dropout)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{flag} must be in [0, 1) (got {value})")
-    for flag, value in (("--train-iters", args.train_iters), ("--seq-length", args.seq_length),
-                        ("--vocab-size", args.vocab_size), ("--log-interval", args.log_interval)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1 (got {value})")
     if args.topology is not None:
         from megatron_oases.topology import TopologyError, load_topology
 
@@ -193,7 +267,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     return dims
 
 
-def _validate_atp(args: argparse.Namespace, dims: ParallelDims) -> None:
+def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
     """Parse --atp-mesh into (d1, d2) and check it against TP and the model.
 
     ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
@@ -243,14 +317,17 @@ def _validate_atp(args: argparse.Namespace, dims: ParallelDims) -> None:
             raise ConfigError(f"--atp-mesh must be D1,D2 (got {args.atp_mesh!r})") from None
         args.atp_mesh = (d1, d2)
     d1, d2 = args.atp_mesh
-    if d1 < 1 or d2 < 1 or d1 * d2 != dims.tp:
+    if d1 < 1 or d2 < 1:
+        raise ConfigError(f"--atp-mesh {d1},{d2}: both mesh axes must be >= 1 (D1 x D2 = "
+                          f"--tensor-model-parallel-size {dims.tp})")
+    if d1 * d2 != dims.tp:
         raise ConfigError(f"--atp-mesh {d1},{d2}: d1 x d2 = {d1 * d2} must equal "
                           f"--tensor-model-parallel-size {dims.tp}")
     if args.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
 
 
-def _validate_3d(args: argparse.Namespace, dims: ParallelDims) -> None:
+def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
     if args.tp_backend != "3d":
         return
@@ -283,6 +360,32 @@ def _validate_3d(args: argparse.Namespace, dims: ParallelDims) -> None:
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:
-    """Megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    """The vocabulary size the model is built with.
+
+    Megatron pads to a multiple of ``--make-vocab-size-divisible-by`` x TP, so the padded size
+    grows with TP (1000 -> 1024 at TP 1, 1152 at TP 3) and the extra logits change the softmax:
+    two layouts would train different models. With the TP-invariant init (the default) the
+    padding is a multiple of ``--make-vocab-size-divisible-by``, raised to a multiple of TP only
+    where it is not one already (their least common multiple), so every TP that divides the
+    padded size builds the same model. ``--no-tp-invariant-init`` keeps Megatron's rule.
+    """
+    tp, divisor = args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+    if args.tp_invariant_init:
+        multiple = math.lcm(divisor, tp)
+    else:
+        multiple = divisor * tp
     return ((args.vocab_size + multiple - 1) // multiple) * multiple
+
+
+def vocab_padding_note(args: argparse.Namespace) -> str | None:
+    """A one-line note when this layout's padded vocabulary differs from TP 1's (the layouts
+    then train different softmaxes, so their losses are not comparable); else None."""
+    if not args.tp_invariant_init or args.tensor_model_parallel_size == 1:
+        return None
+    here = padded_vocab_size(args)
+    at_tp1 = padded_vocab_size(argparse.Namespace(**{**vars(args), "tensor_model_parallel_size": 1}))
+    if here == at_tp1:
+        return None
+    return (f"note: --vocab-size {args.vocab_size} pads to {here} at --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} but to {at_tp1} at TP 1, so losses differ from "
+            f"layouts with other TP sizes; pass --vocab-size {here} to make them comparable")

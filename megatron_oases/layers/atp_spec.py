@@ -41,7 +41,12 @@ class ATPTransformerLayer(TransformerLayer):
         pp_rank = get_pg_rank(getattr(self.pg_collection, "pp", None))
         n_local = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         # ``layer_number`` as passed by TransformerBlock is 1-based within this block.
-        self.atp_enter, self.atp_leave = layer_number == 1, layer_number == n_local
+        # With d2 == 1 the layout is already Megatron's: no conversion. (A size-1 split or gather
+        # would hand back its input as a view, which Megatron's pipeline schedules refuse to
+        # free: "counter-productive to free a view of another tensor".)
+        converts = mesh_groups.mesh.d2 > 1
+        self.atp_enter = converts and layer_number == 1
+        self.atp_leave = converts and layer_number == n_local
 
     def forward(self, hidden_states, *args, **kwargs):
         axis2 = self.mesh_groups.group(2)

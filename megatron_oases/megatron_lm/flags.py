@@ -53,8 +53,6 @@ _STOCK_ONLY = (
     ("fp16_lm_cross_entropy", "--fp16-lm-cross-entropy"),
 )
 
-_BACKEND_CHECKS = ("_validate_atp", "_validate_3d")
-"""The reference trainer's backend validators (``train_args``), applied to ``trainer_view``."""
 
 
 def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -223,13 +221,11 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
 
 def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
     """The reference trainer's backend checks (where it has them) and the Oases checks."""
-    from megatron_oases import train_args
     from megatron_oases.schedules.oases.options import validate_oases_args
+    from megatron_oases.train_args import validate_3d_args, validate_atp_args
 
-    for check in _BACKEND_CHECKS:
-        fn = getattr(train_args, check, None)
-        if fn is not None:
-            fn(view, dims)
+    validate_atp_args(view, dims)
+    validate_3d_args(view, dims)
     validate_oases_args(view, dims)
     from megatron_oases.plan.plan_file import validate_plan_args
 

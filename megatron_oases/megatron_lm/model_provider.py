@@ -125,9 +125,9 @@ def build_model(args: argparse.Namespace, config, *, pre_process: bool, post_pro
     if getattr(args, "schedule", "default") == "oases" and config.recompute_granularity:
         config = dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
                                      recompute_num_layers=None)
-    # specs pads ``vocab_size`` to a multiple of make_vocab_size_divisible_by x TP; Megatron-LM
-    # has already padded it (from the tokenizer), so hand that over unchanged.
+    # specs pads ``vocab_size``; Megatron-LM has already padded it (from the tokenizer), so hand
+    # that over unchanged (Megatron-LM initialises with its own, TP-dependent, init).
     view = argparse.Namespace(**{**vars(args), "vocab_size": args.padded_vocab_size,
-                                 "make_vocab_size_divisible_by": 1})
+                                 "make_vocab_size_divisible_by": 1, "tp_invariant_init": False})
     return build_gpt_model(view, config, pre_process=pre_process, post_process=post_process,
                            vp_stage=vp_stage, groups=groups)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_oases.parallel import collectives
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.runtime.device import new_group
 
 DIRECTIONS = ("x", "y", "z")
 _AXIS = {"x": 0, "y": 1, "z": 2}
@@ -139,7 +140,7 @@ def build_cube_groups(tp_ranks: Sequence, p: int, *, order: str = "zxy") -> Cube
         for d in DIRECTIONS:
             for line in cube.lines(d):
                 members = [g[t] for t in line]
-                pg = dist.new_group(members)
+                pg = new_group(members)
                 if me in members:
                     mine[d] = pg
                     coord = cube.coord(g.index(me))

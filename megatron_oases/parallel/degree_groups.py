@@ -77,6 +77,8 @@ def build_degree_groups(tp_groups: Sequence[Sequence[int]], degrees: Iterable[in
     sub-group instead of creating a copy."""
     import torch.distributed as dist
 
+    from megatron_oases.runtime.device import new_group
+
     rank = dist.get_rank() if rank is None else rank
     tp = len(tp_groups[0])
     wanted = sorted(set(degrees) | {tp})
@@ -95,13 +97,13 @@ def build_degree_groups(tp_groups: Sequence[Sequence[int]], degrees: Iterable[in
                     sub[d] = tp_group
                 continue
             for members in sub_group_ranks(ranks, d):
-                g = dist.new_group(members)
+                g = new_group(members)
                 if rank in members:
                     sub[d] = g
         for i, small in enumerate(wanted):
             for large in wanted[i + 1:]:
                 for members in reshard_group_ranks(ranks, small, large):
-                    g = dist.new_group(members)
+                    g = new_group(members)
                     if rank in members:
                         reshard[(small, large)] = g
     if tp_index is None:

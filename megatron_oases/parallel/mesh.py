@@ -108,6 +108,8 @@ def build_mesh_groups(tp_groups: Sequence[Sequence[int]], d1: int, d2: int,
     """
     import torch.distributed as dist
 
+    from megatron_oases.runtime.device import new_group
+
     meshes = [DeviceMesh(d1, d2, tuple(ranks)) for ranks in tp_groups]  # validate before creating
     seen: set[int] = set()
     for mesh in meshes:
@@ -117,8 +119,8 @@ def build_mesh_groups(tp_groups: Sequence[Sequence[int]], d1: int, d2: int,
     rank = dist.get_rank() if rank is None else rank
     mine = None
     for mesh in meshes:
-        axis2 = [dist.new_group(mesh.axis2_ranks(i)) for i in range(d1)]
-        axis1 = [dist.new_group(mesh.axis1_ranks(j)) for j in range(d2)]
+        axis2 = [new_group(mesh.axis2_ranks(i)) for i in range(d1)]
+        axis1 = [new_group(mesh.axis1_ranks(j)) for j in range(d2)]
         if rank in mesh.ranks:
             i, j = mesh.coord(rank)
             mine = MeshGroups(axis1_group=axis1[j], axis2_group=axis2[i], coord=(i, j), mesh=mesh)

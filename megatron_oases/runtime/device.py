@@ -101,3 +101,18 @@ def init_distributed(runtime: Runtime, timeout_s: float = 600.0) -> None:
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def world_timeout() -> datetime.timedelta:
+    """The collective timeout of the default (world) group, i.e. ``--dist-timeout`` (or
+    Megatron-LM's ``--distributed-timeout-minutes``)."""
+    pg = dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cuda" if pg.bound_device_id is not None else "cpu"))
+    return backend.options._timeout
+
+
+def new_group(ranks) -> "dist.ProcessGroup":
+    """``torch.distributed.new_group`` with the world's timeout: a plain ``new_group`` would get
+    torch's 30-minute default, so a stopped peer would outlast ``--dist-timeout``. Collective over
+    the world, like ``new_group``."""
+    return dist.new_group(list(ranks), timeout=world_timeout())

@@ -2,8 +2,10 @@
 
 Used by the tests (multi-rank parity on a 2-core machine), by ``megatron-oases train
 --nproc-per-node`` and by benchmarks. Ranks start from a forkserver that has imported torch and
-Megatron once, so N ranks do not pay N imports. A deadline covers every rank: a hang fails in
-seconds with the ranks' tracebacks, and the first failing rank takes the others down with it.
+Megatron once, so N ranks do not pay N imports. The first failing rank takes the others down
+with it. Two kinds of deadline: ``timeout_s`` bounds the whole run (tests: a hang fails in
+seconds), ``stall_timeout_s`` bounds the time since a rank last called ``report_progress()``
+(training: a healthy run may last days, a rank that stops making progress is named).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -19,6 +22,10 @@ from typing import Any, Callable, Sequence
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
             "megatron.core.pipeline_parallel", "megatron.core.optimizer", "megatron.core.distributed"]
+
+
+_START_S = 120.0
+"""Grace for a rank to start (the forkserver's first start imports torch and Megatron)."""
 
 
 class RankFailure(RuntimeError):
@@ -41,7 +48,25 @@ class _RankEnv:
     extra_env: dict
 
 
-def _rank_main(fn, args, kwargs, env: _RankEnv, results):
+_PROGRESS = None
+"""In a spawned rank: (shared array of last-progress times, this rank); None elsewhere."""
+
+
+def report_progress() -> None:
+    """Tell the launcher this rank is making progress (e.g. once per iteration).
+
+    A no-op outside ``run_on_ranks`` (torchrun, srun): there, collectives time out after
+    ``--dist-timeout`` on every process group instead.
+    """
+    if _PROGRESS is not None:
+        times, rank = _PROGRESS
+        times[rank] = time.monotonic()
+
+
+def _rank_main(fn, args, kwargs, env: _RankEnv, results, progress):
+    global _PROGRESS
+    _PROGRESS = (progress, env.rank)
+    report_progress()  # the rank has started
     os.environ.update({
         "RANK": str(env.rank), "LOCAL_RANK": str(env.rank), "WORLD_SIZE": str(env.world_size),
         "LOCAL_WORLD_SIZE": str(env.world_size), "MASTER_ADDR": "127.0.0.1",
@@ -66,51 +91,67 @@ def _rank_main(fn, args, kwargs, env: _RankEnv, results):
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs=None,
-                 timeout_s: float = 120.0, env: dict | None = None) -> list[Any]:
+                 timeout_s: float | None = 120.0, env: dict | None = None,
+                 stall_timeout_s: float | None = None) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of per-rank results.
 
     Each rank sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and
     must itself call ``init_process_group`` (e.g. through ``megatron_oases.runtime.init_distributed``).
-    ``fn`` must be importable (module level). Raises ``RankFailure`` with every rank's traceback.
+    ``fn`` must be importable (module level). ``timeout_s`` (None: none) bounds the whole run;
+    ``stall_timeout_s`` (None: none) fails the run when a rank has not called
+    ``report_progress()`` for that long (its start counts as progress; starting may take
+    ``_START_S`` more). Raises ``RankFailure``
+    with every rank's traceback and the state of the ranks that had not finished.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
+    # Until a rank starts (forkserver start-up, imports) it gets _START_S on top of the stall.
+    progress = ctx.Array("d", [time.monotonic() + _START_S] * world_size, lock=False)
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = []
     for rank in range(world_size):
         renv = _RankEnv(rank, world_size, port, threads, dict(env or {}))
-        p = ctx.Process(target=_rank_main, args=(fn, tuple(args), dict(kwargs or {}), renv, results),
-                        daemon=True, name=f"rank{rank}")
+        p = ctx.Process(target=_rank_main, daemon=True, name=f"rank{rank}",
+                        args=(fn, tuple(args), dict(kwargs or {}), renv, results, progress))
         p.start()
         procs.append(p)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     got: dict[int, tuple[str, Any]] = {}
+
+    def fail(headline: str) -> RankFailure:
+        return RankFailure(_report(headline, got) + _states(procs, progress, got))
+
     try:
         while len(got) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = sorted(set(range(world_size)) - set(got))
-                raise RankFailure(_report(f"ranks {missing} did not finish within {timeout_s:.0f} s "
-                                          "(a hang: mismatched collectives?)", got))
+                raise fail(f"ranks {missing} did not finish within {timeout_s:.0f} s "
+                           "(a hang: mismatched collectives?)")
+            stalled = [r for r in range(world_size) if r not in got
+                       and stall_timeout_s is not None and now - progress[r] > stall_timeout_s]
+            if stalled:
+                raise fail(f"rank(s) {stalled} made no progress for {stall_timeout_s:.0f} s "
+                           "(stopped, or blocked in a collective a peer never joined)")
             try:
-                rank, status, payload = results.get(timeout=min(remaining, 0.5))
+                rank, status, payload = results.get(timeout=min(deadline - now, 0.5))
                 got[rank] = (status, payload)
                 if status == "error":
                     break
             except queue.Empty:
-                dead = [p.name for p in procs if p.exitcode not in (None, 0)
+                dead = [int(p.name[4:]) for p in procs if p.exitcode not in (None, 0)
                         and int(p.name[4:]) not in got]
                 if dead:
                     time.sleep(0.5)  # let a dying rank's traceback arrive
                     while not results.empty():
                         rank, status, payload = results.get_nowait()
                         got[rank] = (status, payload)
-                    raise RankFailure(_report(f"{dead} exited without a result", got))
+                    raise fail(f"rank(s) {dead} exited without a result")
         errors = {r: p for r, (s, p) in got.items() if s == "error"}
         if errors:
-            raise RankFailure(_report("rank(s) failed", got))
+            raise fail(f"rank(s) {sorted(errors)} failed")
         return [pickle.loads(got[r][1]) for r in range(world_size)]
     finally:
         for p in procs:
@@ -119,6 +160,35 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, T for stopped, ...), or "?"."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _states(procs, progress, got: dict) -> str:
+    """One line per rank that has not finished: alive / stopped / exit code, and how long ago it
+    last reported progress; a stopped (SIGSTOP) rank is named as such."""
+    now = time.monotonic()
+    lines = []
+    for p in procs:
+        rank = int(p.name[4:])
+        if rank in got:
+            continue
+        if p.exitcode is not None:
+            state = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                     else f"exited with code {p.exitcode}")
+        else:
+            state = "stopped (SIGSTOP)" if _process_state(p.pid) == "T" else "running"
+        age = now - progress[rank]
+        seen = f"last progress {age:.0f} s ago" if age >= 0 else "not started yet"
+        lines.append(f"rank {rank}: {state}, {seen}")
+    return ("\n" + "\n".join(lines)) if lines else ""
 
 
 def _report(headline: str, got: dict) -> str:

@@ -1,0 +1,108 @@
+"""Table of invalid launches: each exits 2 with one line naming the flag, before any process
+group exists, and leaves nothing behind (issue 20's list and more)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_oases.train import main
+
+BASE = ["--nproc-per-node", "1", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4"]
+TP2 = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"]
+TP4 = ["--nproc-per-node", "4", "--tensor-model-parallel-size", "4"]
+ATP4 = TP4 + ["--tp-backend", "atp"]
+PP2 = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"]
+
+CASES = [
+    # (id, extra argv, text the one line must contain)
+    ("gbs-0", ["--global-batch-size", "0"], "--global-batch-size must be >= 1 (got 0)"),
+    ("gbs-neg", ["--global-batch-size", "-8"], "--global-batch-size must be >= 1"),
+    ("mbs-0", ["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    ("vocab-div-0", ["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be >= 1"),
+    ("vocab-div-neg", ["--make-vocab-size-divisible-by", "-1"], "--make-vocab-size-divisible-by must be >= 1"),
+    ("ffn-0", ["--ffn-hidden-size", "0"], "--ffn-hidden-size must be >= 1 (got 0)"),
+    ("timeout-0", ["--dist-timeout", "0"], "--dist-timeout must be > 0.0"),
+    ("timeout-neg", ["--dist-timeout", "-5"], "--dist-timeout must be > 0.0"),
+    ("lr-neg", ["--lr", "-1"], "--lr must be >= 0.0 (got -1.0)"),
+    ("init-std-neg", ["--init-method-std", "-0.1"], "--init-method-std must be >= 0.0"),
+    ("beta1-2", ["--adam-beta1", "2"], "--adam-beta1 must be [0.0, 1.0) (got 2.0)"),
+    ("beta2-1", ["--adam-beta2", "1"], "--adam-beta2 must be [0.0, 1.0)"),
+    ("wd-neg", ["--weight-decay", "-1"], "--weight-decay must be >= 0.0"),
+    ("clip-neg", ["--clip-grad", "-1"], "--clip-grad must be >= 0.0"),
+    ("momentum-1", ["--optimizer", "sgd", "--sgd-momentum", "1.5"], "--sgd-momentum must be [0.0, 1.0)"),
+    ("hidden-dropout-1", ["--hidden-dropout", "1.0"], "--hidden-dropout must be [0.0, 1.0)"),
+    ("attn-dropout-neg", ["--attention-dropout", "-0.1"], "--attention-dropout must be [0.0, 1.0)"),
+    ("iters-0", ["--train-iters", "0"], "--train-iters must be >= 1"),
+    ("seq-0", ["--seq-length", "0"], "--seq-length must be >= 1"),
+    ("vocab-0", ["--vocab-size", "0"], "--vocab-size must be >= 1"),
+    ("log-interval-0", ["--log-interval", "0"], "--log-interval must be >= 1"),
+    ("log-json-missing-dir", ["--log-json", "/nonexistent/dir/log.jsonl"], "--log-json /nonexistent/dir/log.jsonl: directory"),
+    ("log-json-is-dir", ["--log-json", "/tmp"], "--log-json /tmp is a directory"),
+    ("nproc-0", ["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    ("tp-0", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
+    ("layers-0", ["--num-layers", "0"], "--num-layers must be >= 1"),
+    ("world-not-divisible", ["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3 is not divisible"),
+    ("heads-tp", TP4 + ["--num-attention-heads", "6", "--hidden-size", "48"], "--num-attention-heads 6 is not divisible"),
+    ("hidden-heads", ["--hidden-size", "30", "--num-attention-heads", "4"], "--hidden-size 30 is not divisible by --num-attention-heads 4"),
+    ("ffn-tp", TP2 + ["--ffn-hidden-size", "33"], "--ffn-hidden-size 33 is not divisible"),
+    ("layers-pp", PP2 + ["--num-layers", "3"], "--num-layers 3 is not divisible"),
+    ("vp-not-divisor", PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3 must divide"),
+    ("vp-equals-stage", PP2 + ["--num-layers-per-virtual-pipeline-stage", "2"], "--num-layers-per-virtual-pipeline-stage 2 equals the layers"),
+    ("vp-without-pp", ["--num-layers-per-virtual-pipeline-stage", "2"], "needs --pipeline-model-parallel-size >= 2"),
+    ("gbs-split", ["--nproc-per-node", "2", "--global-batch-size", "6"], "--global-batch-size 6 is not divisible"),
+    ("interleaved-microbatches", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], "multiple of --pipeline-model-parallel-size 2"),
+    ("max-pos", ["--max-position-embeddings", "8", "--seq-length", "16"], "--max-position-embeddings 8 is smaller"),
+    ("bf16-fp16", ["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    ("recompute-method", ["--recompute-granularity", "full"], "--recompute-method"),
+    ("recompute-method-alone", ["--recompute-method", "uniform"], "need --recompute-granularity full"),
+    ("recompute-layers-0", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"], "--recompute-num-layers must be >= 1"),
+    ("topology-missing", ["--topology", "/nonexistent/cluster.yaml"], "--topology"),
+    ("atp-no-mesh", ATP4, "--tp-backend atp needs --atp-mesh"),
+    ("atp-mesh-product", ATP4 + ["--atp-mesh", "2,3"], "--atp-mesh 2,3: d1 x d2 = 6 must equal"),
+    ("atp-mesh-negative", ATP4 + ["--atp-mesh=-1,-2"], "--atp-mesh -1,-2: both mesh axes must be >= 1"),
+    ("atp-mesh-garbage", ATP4 + ["--atp-mesh", "two"], "--atp-mesh must be D1,D2"),
+    ("atp-mesh-stray", ["--atp-mesh", "1,1"], "--atp-mesh needs --tp-backend atp"),
+    ("atp-auto-no-topology", ATP4 + ["--atp-mesh", "auto"], "--atp-mesh auto needs --topology"),
+    ("3d-not-cube", TP4 + ["--tp-backend", "3d"], "--tp-backend 3d"),
+    ("oases-mbs-1", TP2 + ["--schedule", "oases", "--micro-batch-size", "1", "--global-batch-size", "2"], "--micro-batch-size >= 2"),
+    ("oases-selective", TP2 + ["--schedule", "oases", "--recompute-granularity", "selective"], "--recompute-granularity selective cannot be combined"),
+    ("oases-skip-without-oases", ["--oases-skip-tp-collectives"], "--oases-skip-tp-collectives needs --schedule oases"),
+    ("plan-missing", TP2 + ["--oases-plan", "/nonexistent/plan.json"], "--oases-plan"),
+    ("sp-tp1", ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    # argparse's own errors: one line too, without the usage block.
+    ("backend-unknown", ["--tp-backend", "bogus"], "argument --tp-backend: invalid choice: 'bogus'"),
+    ("schedule-unknown", ["--schedule", "fast"], "argument --schedule: invalid choice"),
+    ("int-not-int", ["--num-layers", "four"], "argument --num-layers: invalid int value"),
+    ("flag-unknown", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+if not torch.cuda.is_available():
+    CASES.append(("device-cuda-absent", ["--device", "cuda"], "--device cuda: no CUDA device is visible"))
+
+
+def _run(argv):
+    """main(argv) -> exit code, argparse's SystemExit included."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("extra, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_launch_one_line_exit_2_no_process_group(extra, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _run(BASE + extra) == 2
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.err
+    assert needle in lines[0], lines[0]
+    assert lines[0].startswith("megatron-oases train: error: ")
+    assert not dist.is_initialized()
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_table_has_at_least_40_launches():
+    assert len(CASES) >= 40
