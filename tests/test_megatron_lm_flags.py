@@ -27,6 +27,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
                           ("--pipeline-model-parallel-size", 1), ("--context-parallel-size", 1)):
         p.add_argument(name, type=int, default=default)
     for name in ("--sequence-parallel", "--bf16", "--fp16", "--swiglu", "--tp-comm-overlap",
+                 "--overlap-param-gather",
                  "--use-legacy-models", "--untie-embeddings-and-output-weights"):
         p.add_argument(name, action="store_true")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -103,6 +104,8 @@ def test_oases_flags_parse(monkeypatch):
       "--recompute-method", "block"], "use --recompute-method uniform"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--tp-comm-overlap"],
      "drop --tp-comm-overlap"),
+    (["--tensor-model-parallel-size", "4", "--schedule", "oases", "--tp-backend", "atp",
+      "--atp-mesh", "2,2", "--overlap-param-gather"], "drop --overlap-param-gather"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
       "--num-experts", "8"], "--tp-backend atp builds its own layers and does not support --num-experts"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--position-embedding-type",

@@ -172,3 +172,15 @@ def test_good_plan_sets_layer_degrees(tmp_path):
                          "--micro-batch-size", "4", "--global-batch-size", "8",
                          "--tensor-model-parallel-size", "4"])
     assert args.oases_layer_degrees is None
+
+
+@pytest.mark.parametrize("schedule", [RECOMPUTE, OASES], ids=["stock", "oases"])
+def test_replicas_draw_the_whole_batch_hidden_dropout_mask(tmp_path, schedule):
+    """Hidden dropout on: each replica of a planned block keeps its slice of the mask of the whole
+    micro-batch, so the plan trains like uniform TP = 4 (before, replicas drew one mask for their
+    different samples)."""
+    base = ["--num-layers", "2"] + MODEL + schedule + [
+        "--hidden-dropout", "0.1", "--train-iters", "3", "--tensor-model-parallel-size", "4"]
+    ref = _summary(_runs(4, base))
+    got = _summary(_runs(4, base + ["--oases-plan", _plan(tmp_path, 4, [2, 4, 4, 1])]))
+    _assert_same(got, ref, "vs uniform TP=4 with hidden dropout")

@@ -86,3 +86,26 @@ def test_upstream_signatures_the_cpu_layer_replaces_are_unchanged():
     assert params(random._set_cuda_rng_state) == ["new_state", "device", "graph_safe"]
     assert params(optimizer.clip_grad_by_total_norm_fp32) == [
         "parameters", "max_norm", "total_norm", "use_decoupled_grad"]
+
+
+@pytest.mark.parametrize("env, visible, want", [
+    ({"LOCAL_RANK": "3", "SLURM_LOCALID": "1"}, 4, (3, "LOCAL_RANK=3")),  # torchrun
+    ({"SLURM_LOCALID": "5"}, 8, (5, "SLURM_LOCALID=5")),  # plain srun, all GPUs visible
+    ({"SLURM_LOCALID": "5"}, 1, (0, "SLURM_LOCALID=5 mod 1")),  # srun --gpus-per-task=1
+    ({}, 8, (0, "neither")),
+])
+def test_cuda_device_from_launcher_environment(env, visible, want, monkeypatch):
+    """srun sets no LOCAL_RANK: every rank landed on cuda:0 (or an invalid index)."""
+    import torch
+
+    from megatron_oases.runtime.device import detect_runtime
+
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    rt = detect_runtime("cuda")
+    assert (rt.device.index, rt.backend) == (want[0], "nccl")
+    assert want[1] in rt.chosen_by

@@ -10,11 +10,8 @@ slice). In between, hidden states, residuals and the bias-dropout-add stay in th
 ``[s, b, h]`` all-gather over ``d2`` ranks in forward and one in backward (nothing when
 ``d2 == 1``), against the per-layer f1..f4 all-reduces it leaves untouched.
 
-Hidden dropout: Megatron's bias-dropout-add would draw a mask for the local ``h/d2`` slice from
-the default RNG (equal on all TP ranks), so every axis-2 slice of a token would get the *same*
-pattern. ``atp_bias_dropout_add`` draws the mask of the whole ``[s, b, h]`` (as the replicated
-stock path does) and keeps this rank's slice: statistically right, and on CPU bit-equal to the
-stock TP mask; it costs ``d2`` times the random numbers of the slice.
+Hidden dropout: the mask of the whole ``[s, b, h]`` is drawn and this rank's axis-2 slice kept
+(``layers/sharded_dropout.py``), so slices do not share one pattern.
 """
 from __future__ import annotations
 
@@ -60,27 +57,9 @@ class ATPTransformerLayer(TransformerLayer):
 
 def atp_bias_dropout_add_builder(mesh_groups: MeshGroups):
     """A ``get_bias_dropout_add`` replacement for hidden states in ``[Replicate, Shard(h)]``."""
-    import torch
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron_oases.layers.sharded_dropout import sharded_bias_dropout_add_builder
 
-    d2, j = mesh_groups.mesh.d2, mesh_groups.index(2)
-
-    def get_atp_bias_dropout_add(training: bool, fused: bool):
-        stock = get_bias_dropout_add(training, fused)
-
-        def bias_dropout_add(x_with_bias, residual, prob: float):
-            if not training or prob == 0.0 or d2 == 1:
-                return stock(x_with_bias, residual, prob)
-            x, bias = x_with_bias
-            x = x + bias if bias is not None else x
-            h_local = x.shape[-1]
-            full = torch.empty((*x.shape[:-1], h_local * d2), dtype=x.dtype, device=x.device)
-            keep = full.bernoulli_(1.0 - prob)[..., j * h_local:(j + 1) * h_local]
-            return residual + x * (keep / (1.0 - prob))  # torch's CPU dropout order
-
-        return bias_dropout_add
-
-    return get_atp_bias_dropout_add
+    return sharded_bias_dropout_add_builder(-1, mesh_groups.mesh.d2, mesh_groups.index(2))
 
 
 def get_gpt_layer_atp_spec(d1: int, d2: int, chunks: int = 1, *,

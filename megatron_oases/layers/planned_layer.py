@@ -22,6 +22,7 @@ import torch
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
+from megatron_oases.layers.sharded_dropout import sharded_bias_dropout_add_builder
 from megatron_oases.parallel.degree_groups import (DegreeGroups, narrow_batch_mask,
                                                    reshard_batch)
 
@@ -76,6 +77,10 @@ class PlannedTransformerLayer(TransformerLayer):
         """Layout of the incoming hidden states (the previous layer's degree; T at block entry)."""
         self.output_degree = degree_groups.tp_size
         """Layout the output leaves in (T for the block's last layer, else the MLP's degree)."""
+        # Replicas of a block see different samples: each keeps its slice of the whole batch's
+        # hidden-dropout mask (as at degree T) instead of drawing the same mask for its slice.
+        self.self_attn_bda = sharded_bias_dropout_add_builder(1, *replica_batch_shard(self, "attention"))
+        self.mlp_bda = sharded_bias_dropout_add_builder(1, *replica_batch_shard(self, "mlp"))
         for name, p in self.named_parameters():
             d = self._degree_of(name)
             p.oases_replica_group = degree_groups.replica_group(d)
@@ -91,7 +96,17 @@ class PlannedTransformerLayer(TransformerLayer):
         if not (isinstance(submodules.mlp, ModuleSpec) and submodules.mlp.module is MLP):
             raise ValueError(f"--oases-plan with different attention and MLP degrees needs Megatron's "
                              f"dense MLP (got {submodules.mlp})")
-        self.mlp = build_module(submodules.mlp, config=self.config, tp_group=tp_group)
+        # Building it again draws its initial weights a second time; keep the generators where
+        # the layer's own build left them, so later draws (dropout masks) stay in stock order.
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        from megatron_oases.runtime import current_runtime
+
+        device = current_runtime().device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            tracker_states = get_cuda_rng_tracker().get_states()
+            self.mlp = build_module(submodules.mlp, config=self.config, tp_group=tp_group)
+            get_cuda_rng_tracker().set_states(tracker_states)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(self.layer_number)
 
@@ -127,6 +142,16 @@ class PlannedTransformerLayer(TransformerLayer):
                 rid = sh.replica_id
                 sh.replica_id = (r, *(rid if isinstance(rid, (tuple, list)) else (rid,)))
         return out
+
+
+def replica_batch_shard(layer, block: str) -> tuple[int, int]:
+    """(replicas, this replica) of ``layer``'s ``block`` ("attention" or "mlp"): (1, 0) for a
+    layer without a plan or a block at the full TP degree."""
+    groups = getattr(layer, "degree_groups", None)
+    if groups is None:
+        return 1, 0
+    degree = layer.tp_degree if block == "attention" else layer.mlp_degree
+    return groups.tp_size // degree, groups.replica_index(degree)
 
 
 def planned_layer_spec(base_spec, layer_degrees: Sequence, degree_groups: DegreeGroups):

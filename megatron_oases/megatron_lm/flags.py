@@ -248,6 +248,13 @@ def _check_non_stock(args: argparse.Namespace) -> None:
                           f"{pos}")
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ConfigError(f"{what} does not support --context-parallel-size > 1 yet")
+    if (args.schedule == "oases" and args.tp_backend == "atp"
+            and getattr(args, "overlap_param_gather", False)):
+        # The ATP tape calls the modules' parts, not the modules, so the DDP forward pre-hooks
+        # that wait for each parameter's all-gather never fire: stale weights, silently.
+        raise ConfigError("--schedule oases with --tp-backend atp does not run Megatron DDP's "
+                          "forward pre-hooks, which --overlap-param-gather needs; drop "
+                          "--overlap-param-gather")
     if args.schedule == "oases" and getattr(args, "tp_comm_overlap", False):
         raise ConfigError("--schedule oases overlaps the TP collectives itself; drop "
                           "--tp-comm-overlap (Transformer Engine's userbuffer overlap)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
 
 import torch
@@ -25,6 +26,8 @@ class Runtime:
     """``cuda:<local_rank>`` or ``cpu``."""
     backend: str
     """torch.distributed backend: ``nccl`` with CUDA, ``gloo`` on CPU."""
+    chosen_by: str = ""
+    """Why this device (e.g. ``SLURM_LOCALID=3 mod 4 visible GPUs``), for the log."""
 
     @property
     def is_cuda(self) -> bool:
@@ -63,11 +66,22 @@ def detect_runtime(device: str | None = None) -> Runtime:
     if want == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch.cuda.is_available() is False")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return Runtime(device=torch.device("cuda", local_rank), backend="nccl")
+        index, why = local_cuda_index(os.environ, torch.cuda.device_count())
+        return Runtime(device=torch.device("cuda", index), backend="nccl", chosen_by=why)
     if want != "cpu":
         raise ValueError(f"--device must be 'cuda' or 'cpu' (got {want!r})")
     return Runtime(device=torch.device("cpu"), backend="gloo")
+
+
+def local_cuda_index(env, visible: int) -> tuple[int, str]:
+    """This rank's CUDA device index and why: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID``
+    (a plain ``srun`` launch), modulo the visible devices (one GPU visible per task gives 0);
+    device 0 when neither is set."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if env.get(var) not in (None, ""):
+            local = int(env[var])
+            return local % max(visible, 1), f"{var}={local} mod {visible} visible GPUs"
+    return 0, "neither LOCAL_RANK nor SLURM_LOCALID is set: device 0"
 
 
 def current_runtime() -> Runtime:
@@ -84,6 +98,7 @@ def init_runtime(device: str | None = None) -> Runtime:
     _RUNTIME = detect_runtime(device)
     if _RUNTIME.is_cuda:
         torch.cuda.set_device(_RUNTIME.device)
+        logging.getLogger(__name__).info("using %s (%s)", _RUNTIME.device, _RUNTIME.chosen_by)
     else:
         install_cpu_compat(force=True)
     return _RUNTIME

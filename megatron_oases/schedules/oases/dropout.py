@@ -11,6 +11,12 @@ mask without disturbing the generator (as Megatron's CheckpointFunction restores
 Sites are visited in the same order by both sub-batches, and the first arrival draws, so the
 draws per generator happen in stock order. Attention dropout runs inside Megatron's RNG-tracker
 fork, so its draws come from the tracker's stream, as in stock.
+
+Masks are kept as ``bool`` (a quarter of a bf16 mask's bytes, an eighth of fp32) and applied as
+``x * keep * 1/(1-p)`` with the scale in fp32, as CUDA's fused dropout scales: a bf16 mask of
+``1/(1-p)`` would round the scale itself (1.109375 instead of 1.1111 at p = 0.1). The draw still
+runs ``F.dropout`` on a tensor of the input's dtype and shape, so the generator is consumed
+exactly as stock's dropout consumes it.
 """
 from __future__ import annotations
 
@@ -43,30 +49,35 @@ class MicroBatchMasks:
         self._states: dict = {}
         """site -> generator state before the forward draw (for the recompute redraw)."""
 
-    def scaled_mask(self, site, x: torch.Tensor, batch_dim: int, p: float, sub: int,
-                    recompute: bool, last_dim_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
-        """``mask / (1 - p)`` for sub-batch ``sub``'s slice; ``x`` is that sub-batch's tensor.
+    def keep_mask(self, site, x: torch.Tensor, batch_dim: int, p: float, sub: int,
+                  recompute: bool, last_dim_shard: tuple[int, int] = (1, 0),
+                  batch_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
+        """The ``bool`` keep-mask of sub-batch ``sub``'s slice; ``x`` is that sub-batch's tensor.
         ``last_dim_shard = (n, j)``: ``x`` holds chunk ``j`` of ``n`` of the last dim (ATP's
-        hidden shard); the mask is drawn at full size and chunk ``j`` is kept, as stock ATP."""
+        hidden shard); ``batch_shard = (r, k)``: the micro-batch is slice ``k`` of ``r`` of a
+        larger batch (a planned block's replica). The mask is drawn at full size and the slices
+        are kept, so it equals the mask the whole layer would draw."""
         n, j = last_dim_shard
+        r, k = batch_shard
         entry = self._drawn.get(site)
         if entry is None:
             shape = list(x.shape)
-            shape[batch_dim] = sum(self.sizes)
+            shape[batch_dim] = sum(self.sizes) * r
             shape[-1] *= n
             if recompute:
                 current = _rng_state(x.device)
                 _set_rng_state(self._states[site], x.device)
-                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
                 _set_rng_state(current, x.device)
             else:
                 self._states[site] = _rng_state(x.device)
-                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+                full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
             entry = self._drawn[site] = [full, len(self.sizes)]
         entry[1] -= 1
         if entry[1] == 0:
             del self._drawn[site]
-        mask = entry[0].narrow(batch_dim, self.starts[sub], self.sizes[sub])
+        start = k * sum(self.sizes) + self.starts[sub]
+        mask = entry[0].narrow(batch_dim, start, self.sizes[sub])
         return mask if n == 1 else mask.narrow(-1, j * x.shape[-1], x.shape[-1])
 
 
@@ -90,18 +101,28 @@ def active_sub_batch(masks: MicroBatchMasks, sub: int, recompute: bool):
         _ACTIVE.pop()
 
 
+def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """``x * keep / (1 - p)`` with the scale in fp32 (fp32 inputs: bit-equal to ``F.dropout``)."""
+    scale = torch.ones((), dtype=torch.float32, device=x.device).div_(1.0 - p)
+    if x.dtype == torch.float32:
+        return x * keep * scale
+    return (x.float() * keep * scale).to(x.dtype)
+
+
 def dropout(x: torch.Tensor, p: float, training: bool, site, batch_dim: int,
-            last_dim_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
+            last_dim_shard: tuple[int, int] = (1, 0),
+            batch_shard: tuple[int, int] = (1, 0)) -> torch.Tensor:
     """``F.dropout`` that, inside the Oases executor, applies the micro-batch's mask slice
-    (``last_dim_shard``: see ``MicroBatchMasks.scaled_mask``; executor only)."""
+    (``last_dim_shard``, ``batch_shard``: see ``MicroBatchMasks.keep_mask``; executor only)."""
     if not training or p == 0.0:
         return x
     if not _ACTIVE:
-        if last_dim_shard[0] != 1:
-            raise RuntimeError("a hidden-sharded dropout runs only inside the Oases executor")
+        if last_dim_shard[0] != 1 or batch_shard[0] != 1:
+            raise RuntimeError("a sharded dropout runs only inside the Oases executor")
         return F.dropout(x, p, True)
     a = _ACTIVE[-1]
-    return x * a.masks.scaled_mask(site, x, batch_dim, p, a.sub, a.recompute, last_dim_shard)
+    keep = a.masks.keep_mask(site, x, batch_dim, p, a.sub, a.recompute, last_dim_shard, batch_shard)
+    return apply_keep_mask(x, keep, p)
 
 
 class SubBatchDropout(torch.nn.Module):

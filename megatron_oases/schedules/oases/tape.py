@@ -210,12 +210,18 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
 
     p = layer.hidden_dropout
     proj_bias, fc2_bias = attn.linear_proj.bias, mlp.linear_fc2.bias
+    from megatron_oases.layers.planned_layer import replica_batch_shard
+
+    shards = {"attention_bda": replica_batch_shard(layer, "attention"),
+              "mlp_bda": replica_batch_shard(layer, "mlp")}
 
     def bda(x, bias, residual, site):
-        """Megatron's unfused bias-dropout-add with the micro-batch's dropout mask."""
+        """Megatron's unfused bias-dropout-add with the micro-batch's dropout mask (a planned
+        block's replica keeps its slice of the whole batch's mask)."""
         if bias is not None:
             x = x + bias
-        return residual + dropout(x, p, layer.training, (index, site), batch_dim=1)
+        return residual + dropout(x, p, layer.training, (index, site), batch_dim=1,
+                                  batch_shard=shards[site])
 
     def ln1(t, mask):
         return {"ln1": layer.input_layernorm(t["x"])}
