@@ -47,7 +47,7 @@ def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> Tra
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
     )
 

@@ -106,6 +106,12 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 params (Float16Module); CUDA only")
     g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling; CUDA only")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="Megatron's fused weight-gradient accumulation into main_grad (needs "
+                        "Apex's fused_weight_gradient_mlp_cuda; Megatron-LM's default on GPU). "
+                        "Applies to Megatron's linears: all of --tp-backend megatron's, and the "
+                        "output layer of atp / 3d, whose own linears accumulate unfused")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -227,6 +233,13 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         flag = "--bf16" if args.bf16 else "--fp16"
         raise ConfigError(f"{flag} needs CUDA: Megatron's mixed-precision optimizer accepts only "
                           f"torch.cuda tensors; drop {flag} on CPU (fp32 runs there)")
+    if args.gradient_accumulation_fusion:
+        from megatron.core.tensor_parallel import layers
+
+        if not layers._grad_accum_fusion_available:
+            raise ConfigError("--gradient-accumulation-fusion needs Apex's "
+                              "fused_weight_gradient_mlp_cuda extension (CUDA); install Apex or "
+                              "drop the flag")
     if args.use_distributed_optimizer and not cuda:
         raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
                           "optimizer accepts only torch.cuda tensors; drop it on CPU")
