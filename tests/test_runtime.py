@@ -109,3 +109,31 @@ def test_cuda_device_from_launcher_environment(env, visible, want, monkeypatch):
     rt = detect_runtime("cuda")
     assert (rt.device.index, rt.backend) == (want[0], "nccl")
     assert want[1] in rt.chosen_by
+
+
+_PRELOAD_PROBE = """
+import importlib, torch
+calls = []
+torch.cuda._lazy_init = torch.cuda.init = lambda: calls.append(1)
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 8
+torch.cuda.is_initialized = lambda: False
+from megatron_oases.runtime.spawn import _PRELOAD
+for name in _PRELOAD + ["megatron_oases.train", "megatron_oases.specs",
+                        "megatron_oases.schedules.oases.executor"]:
+    importlib.import_module(name)
+print("cuda initialisations:", len(calls))
+"""
+
+
+def test_forkserver_preloads_do_not_initialise_cuda():
+    """The launcher's forkserver imports _PRELOAD once and forks every rank from it: a CUDA
+    context made there would be inherited by the forks ("Cannot re-initialize CUDA in forked
+    subprocess"). With CUDA reported present, importing them must not initialise it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PRELOAD_PROBE], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cuda initialisations: 0" in out.stdout

@@ -102,8 +102,8 @@ class PlannedTransformerLayer(TransformerLayer):
 
         from megatron_oases.runtime import current_runtime
 
-        device = current_runtime().device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        runtime = current_runtime()
+        with torch.random.fork_rng(devices=[runtime.device] if runtime.is_cuda else []):
             tracker_states = get_cuda_rng_tracker().get_states()
             self.mlp = build_module(submodules.mlp, config=self.config, tp_group=tp_group)
             get_cuda_rng_tracker().set_states(tracker_states)

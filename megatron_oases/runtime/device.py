@@ -57,6 +57,19 @@ class Runtime:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state of ``device`` (CUDA's per device, else the CPU one)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    """Restore what ``get_rng_state(device)`` returned."""
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 _RUNTIME: Runtime | None = None
 
 

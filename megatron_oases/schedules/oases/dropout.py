@@ -26,16 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+from megatron_oases.runtime.device import get_rng_state, set_rng_state
 
 
 class MicroBatchMasks:
@@ -65,12 +56,12 @@ class MicroBatchMasks:
             shape[batch_dim] = sum(self.sizes) * r
             shape[-1] *= n
             if recompute:
-                current = _rng_state(x.device)
-                _set_rng_state(self._states[site], x.device)
+                current = get_rng_state(x.device)
+                set_rng_state(self._states[site], x.device)
                 full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
-                _set_rng_state(current, x.device)
+                set_rng_state(current, x.device)
             else:
-                self._states[site] = _rng_state(x.device)
+                self._states[site] = get_rng_state(x.device)
                 full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
             entry = self._drawn[site] = [full, len(self.sizes)]
         entry[1] -= 1
