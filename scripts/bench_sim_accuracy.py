@@ -149,7 +149,7 @@ def measure(flags: list[str], topo, a, log: str) -> dict:
 
 
 def run_config(name: str, a, work: str) -> dict:
-    from megatron_oases.sim.device_model import ProfileDB
+    from megatron_oases.pricing.device_model import ProfileDB
     from megatron_oases.sim.emulated_profile import profile_emulated
     from megatron_oases.sim.events import build_stage_events, overlapped_keys, unique_events
     from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args

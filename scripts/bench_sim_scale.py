@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from megatron_oases.sim.device_model import SimError, device_model
+from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.sim.events import ModelConfig, Strategy
 from megatron_oases.sim.timeline import SimResult, simulate, summary_table
 from megatron_oases.topology import Level, Topology

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.flops import gpt_flops_per_iteration
-from megatron_oases.layers.description import megatron_1d_gpt_layer
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from tests import rank_fns
 
 

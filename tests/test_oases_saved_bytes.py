@@ -1,5 +1,5 @@
 """Saved-bytes budget of the Oases schedule under recompute, against the memory model's numbers
-(``sim.backends.layer_input_bytes``; ``sim.memory``: fine-grained recompute keeps each layer's
+(``describe.registry.layer_input_bytes``; ``sim.memory``: fine-grained recompute keeps each layer's
 input and its two forward all-reduce outputs, Megatron-style full recompute the input only;
 dropout masks are redrawn, not kept)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.runtime.spawn import run_on_ranks
-from megatron_oases.sim.backends import layer_input_bytes
+from megatron_oases.describe.registry import layer_input_bytes
 from tests.rank_fns_saved import oases_saved_bytes_after_one_step
 
 LAYERS, B, S, H = 2, 4, 8, 32

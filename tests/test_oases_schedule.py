@@ -87,8 +87,8 @@ def test_bad_combinations_fail_before_launch(argv, needle):
 
 
 def test_tape_collectives_match_the_layer_description():
-    """The executor's tape and layers/description.py name the same collectives per pass."""
-    from megatron_oases.layers.description import megatron_1d_gpt_layer
+    """The executor's tape and describe/megatron_1d.py name the same collectives per pass."""
+    from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
     from megatron_oases.runtime.spawn import run_on_ranks
     from tests.rank_fns_oases import megatron_tape_steps
 

@@ -8,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from megatron_oases.layers.description import megatron_1d_gpt_layer
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.plan.chain_dp import solve_chain
-from megatron_oases.plan.cost_model import (block_activation_bytes, build_cost_model, state_bytes_per_param)
+from megatron_oases.plan.cost_model import build_cost_model
+from megatron_oases.plan.memory import block_activation_bytes, state_bytes_per_param
 from megatron_oases.plan.graph import (PlanError, PlanModel, Strategy, build_graph, candidate_strategies, family_of,
                                        split_blocks)
 from megatron_oases.plan.ilp import (MemoryInfeasible, PlanProblem, brute_force, evaluate, min_memory, solve,
@@ -96,7 +97,7 @@ def _forward_only(C: dict, M: dict, **kw):
 
 
 def _two_stream(C: dict, M: dict, layers: int) -> float:
-    from megatron_oases.sim.events import Event
+    from megatron_oases.pricing.event import Event
     from megatron_oases.sim.timeline import run_template
 
     evs, price = [], {}
@@ -162,7 +163,7 @@ def test_stock_cost_hides_the_async_input_gradient_all_reduce_behind_the_wgrad()
 
 
 def test_memory_terms_agree_with_the_simulator():
-    from megatron_oases.sim.backends import layer_activation_bytes, layer_params
+    from megatron_oases.describe.registry import layer_activation_bytes, layer_params
 
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=4)
     fam = family_of(Strategy(degree=2))
@@ -338,8 +339,9 @@ def test_exposed_grad_sync_charges_the_replica_all_reduce_once_per_iteration():
 
 def test_atp_family_splits_prices_and_counts_like_the_simulator():
     """ATP's layer (many small segments) splits into the same two blocks; its parameters match
-    ``sim.backends``; its collectives run on the mesh-axis groups of TP rank 0."""
-    from megatron_oases.sim.backends import atp_2d_gpt_layer, layer_params
+    ``describe.atp_2d``; its collectives run on the mesh-axis groups of TP rank 0."""
+    from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+    from megatron_oases.describe.registry import layer_params
 
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=8)
     s = Strategy(degree=8, family="atp", mesh=(4, 2))

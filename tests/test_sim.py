@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oases.sim.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
-from megatron_oases.sim.events import (OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, ModelConfig, Strategy,
-                                       build_stage_events, overlapped_keys, unique_events)
+from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
+from megatron_oases.describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD
+from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, overlapped_keys, unique_events
 from megatron_oases.sim.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
@@ -276,9 +276,9 @@ def test_sim_main(tmp_path: Path, capsys):
 
 
 def test_atp_description_matches_megatron_flops_and_eq2_forward_volume():
-    from megatron_oases.layers.description import megatron_1d_gpt_layer
+    from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
     from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES
-    from megatron_oases.sim.backends import atp_2d_gpt_layer
+    from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
 
     b, s, h, a, e = 2, 128, 512, 8, 2
     for d1, d2 in ((4, 2), (2, 4), (1, 8)):

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
-from megatron_oases.sim.device_model import ProfileDB, SimError, device_model
+from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
 from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, overlapped_keys, unique_events
 from megatron_oases.sim.profiler import local_topology

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_oases.sim.backends import layer_activation_bytes, layer_input_bytes
-from megatron_oases.sim.device_model import device_model
+from megatron_oases.describe.registry import layer_activation_bytes, layer_input_bytes
+from megatron_oases.pricing.device_model import device_model
 from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events
 from megatron_oases.sim.memory import GiB, model_state_bytes
 from megatron_oases.sim.timeline import simulate

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oases.sim.device_model import ProfileDB, SimError, device_model
+from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
 from megatron_oases.sim.profiler import local_topology, needed_events, plan_comm
 from megatron_oases.sim.timeline import simulate
@@ -65,7 +65,7 @@ def test_optimizer_events_run_on_the_stage_s_own_parameter_tensors():
     which match a real Megatron layer's parameters and sum to the stage's parameter count."""
     import torch
 
-    from megatron_oases.sim.backends import layer_param_tensors
+    from megatron_oases.describe.registry import layer_param_tensors
     from megatron_oases.sim.layer_workloads import _tp1_layer, single_rank_world
 
     h, a, f, t = 32, 4, 128, 2

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from megatron_oases.sim.device_model import device_model
+from megatron_oases.pricing.device_model import device_model
 from megatron_oases.sim.events import ModelConfig, Strategy
 from megatron_oases.sim.schedules import schedule_order
 from megatron_oases.sim.timeline import simulate
@@ -82,7 +82,7 @@ def test_interleaving_shrinks_the_bubble():
     (dict(pp=2, dp=2, virtual_stages=2, schedule="gpipe"), "need the 1f1b schedule"),
 ])
 def test_interleaved_bad_input(kw, msg):
-    from megatron_oases.sim.device_model import SimError
+    from megatron_oases.pricing.device_model import SimError
 
     model = ModelConfig(num_layers=16, hidden=256, heads=4, seq=64, vocab=512, micro_batch=2)
     with pytest.raises(SimError, match=msg):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oases.sim.device_model import SimError, device_model
+from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.sim.events import ModelConfig
 from megatron_oases.sim.search import COLUMNS, SearchSpace, candidates, search, search_table, write_csv
 from megatron_oases.sim.timeline import simulate

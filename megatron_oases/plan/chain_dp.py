@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from .graph import PlanError
-from .ilp import PlanProblem, evaluate, min_memory
+from .problem import PlanProblem, evaluate, min_memory
 
 _EPS = 1e-9
 MAX_LABELS = 2_000_000

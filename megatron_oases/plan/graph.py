@@ -1,7 +1,7 @@
 """The Oases planner's model graph (paper §4.1): blocks, and the strategies a block can take.
 
 A block is one computation sequence plus the communication op that ends it. Megatron's 1-D TP
-layer (``layers/description.py``) is ``[LN, QKV, core, proj] g [LN, fc1, act, fc2] g``, so one
+layer (``describe/megatron_1d.py``) is ``[LN, QKV, core, proj] g [LN, fc1, act, fc2] g``, so one
 TransformerLayer is **two blocks**: attention and MLP. (Table 6 of the paper lists one degree per
 layer; ``granularity="layer"`` ties a layer's two blocks to one strategy to reproduce that.)
 
@@ -20,116 +20,15 @@ a plan either uses it for every block or not at all.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable
 
-from megatron_oases.layers.description import Collective, Compute, LayerDescription, megatron_1d_gpt_layer
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
+from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
+from megatron_oases.describe.registry import axis_ranks, layer_activation_bytes
 
-DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-BLOCK_KINDS = ("attention", "mlp")
-
-
-class PlanError(ConfigError):
-    """Bad planner input or an unsatisfiable request; one line naming the flag and the fix."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanModel:
-    """The GPT and the training setup a plan is made for (Megatron-LM flag names in comments)."""
-
-    num_layers: int
-    """--num-layers"""
-    hidden_size: int
-    """--hidden-size"""
-    num_attention_heads: int
-    """--num-attention-heads"""
-    seq_length: int
-    """--seq-length"""
-    micro_batch_size: int
-    """--micro-batch-size: samples of one micro-batch on one TP group."""
-    tp: int
-    """--tensor-model-parallel-size T: the TP group every block's degree divides."""
-    ffn_hidden_size: int = 0
-    """--ffn-hidden-size; 0 means 4 x hidden."""
-    vocab_size: int = 51200
-    """Padded vocabulary (embedding / logits memory only)."""
-    dtype: str = "bf16"
-    """bf16 | fp16 | fp32 (activation and weight element size; Adam states are fp32)."""
-    recompute: bool = True
-    """Oases fine-grained recompute: each block saves its input and forward all-reduce output and
-    recomputes its compute (no collective) before its backward."""
-    sub_batches: int = 2
-    """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor."""
-    distributed_optimizer: bool = False
-    """Optimizer states sharded over each block's data-parallel replicas."""
-    hidden_dropout: float = 0.0
-    """--hidden-dropout (default 0, as ``megatron-oases train``; Megatron-LM's is 0.1): part of
-    the layer events' profile keys."""
-    attention_dropout: float = 0.0
-    """--attention-dropout (default 0, as ``megatron-oases train``)."""
-
-    def __post_init__(self) -> None:
-        if not self.ffn_hidden_size:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                     "micro_batch_size", "tp", "ffn_hidden_size", "vocab_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise PlanError(f"model {name} must be a positive integer (got {v!r})")
-        if self.tp & (self.tp - 1):
-            raise PlanError(f"--tensor-model-parallel-size {self.tp} must be a power of two for the "
-                            "planner (block degrees are powers of two dividing it)")
-        if self.dtype not in DTYPES:
-            raise PlanError(f"model dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        for name in ("hidden_dropout", "attention_dropout"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
-                raise PlanError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v!r})")
-        if self.sub_batches not in (1, 2):
-            raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
-        ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                     num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size)
-
-    @property
-    def bytes_per_element(self) -> int:
-        return DTYPES[self.dtype]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers * len(BLOCK_KINDS)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-_ALIASES = {"vocab": "vocab_size", "tensor_model_parallel_size": "tp", "micro_batch": "micro_batch_size",
-            "layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-            "seq": "seq_length", "ffn": "ffn_hidden_size", "padded_vocab_size": "vocab_size"}
-
-
-def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> PlanModel:
-    """A PlanModel from a parsed YAML/JSON mapping (Megatron flag names with ``_``; aliases such
-    as ``vocab`` and ``tensor_model_parallel_size`` accepted) plus non-None ``overrides``."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise PlanError(f"{source}: must be a mapping of model fields (got {type(data).__name__})")
-    allowed = [f.name for f in dataclasses.fields(PlanModel)]
-    d: dict[str, Any] = {}
-    for k, v in data.items():
-        key = _ALIASES.get(str(k).replace("-", "_"), str(k).replace("-", "_"))
-        if key not in allowed:
-            raise PlanError(f"{source}: unknown field {k!r}; allowed: {', '.join(allowed)}")
-        d[key] = v
-    d.update({k: v for k, v in overrides.items() if v is not None})
-    missing = [f.name for f in dataclasses.fields(PlanModel)
-               if f.default is dataclasses.MISSING and f.name not in d]
-    if missing:
-        flags = ", ".join("--tensor-model-parallel-size" if m == "tp" else "--" + m.replace("_", "-")
-                          for m in missing)
-        raise PlanError(f"{source}: missing {', '.join(missing)} (set them in the file or pass {flags})")
-    return PlanModel(**d)
-
+from .memory import block_activation_bytes, block_memory
+from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
 
 # ---- strategies --------------------------------------------------------------------------------
 
@@ -233,16 +132,12 @@ def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
 
 
 def _megatron_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
-    from .cost_model import block_memory
-
     return block_memory(m, kind, samples, s.degree)
 
 
 # ---- ATP (paper 004): the 2-D mesh d1 x d2 over the whole TP group ------------------------------
 
 def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
-    from megatron_oases.sim.backends import atp_2d_gpt_layer
-
     d1, d2 = s.mesh
     return atp_2d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                             heads=m.num_attention_heads, ffn=m.ffn_hidden_size, d1=d1, d2=d2,
@@ -270,13 +165,10 @@ def _atp_split(desc: LayerDescription) -> list["BlockOps"]:
 
 
 def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
-    """TP rank 0's group on a mesh axis, as the simulator places it (``sim.backends.axis_ranks``)."""
-    from megatron_oases.sim.backends import axis_ranks
-    from megatron_oases.sim.device_model import SimError
-
+    """TP rank 0's group on a mesh axis, as the simulator places it (``describe.registry.axis_ranks``)."""
     try:
         return axis_ranks(axis, tuple(range(s.degree)), s.mesh)
-    except SimError:
+    except ModelingError:
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
 
@@ -301,7 +193,7 @@ def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
 
 def _atp_params(s: Strategy, m: PlanModel, kind: str) -> int:
     """Weights split over the whole mesh; biases over the axis that splits their output; the
-    norms over axis 2 (``sim.backends.layer_params``, split into the two blocks)."""
+    norms over axis 2 (``describe.registry.layer_params``, split into the two blocks)."""
     h, f = m.hidden_size, m.ffn_hidden_size
     d1, d2 = s.mesh
     n = d1 * d2
@@ -314,11 +206,7 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
     """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
     h/d2; MLP: fc1 sum f/d1, fc2 sum h/d2); without recompute the block's share of ATP's full
-    activations (``sim.backends.layer_activation_bytes``, split in proportion to Megatron's)."""
-    from megatron_oases.sim.backends import layer_activation_bytes
-
-    from .cost_model import block_activation_bytes
-
+    activations (``describe.registry.layer_activation_bytes``, split in proportion to Megatron's)."""
     d1, d2 = s.mesh
     e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,

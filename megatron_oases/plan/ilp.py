@@ -14,7 +14,6 @@ Nothing here knows what a block or a strategy is: the arrays come from ``cost_mo
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -22,116 +21,9 @@ import warnings
 
 import numpy as np
 
+from .chain_dp import solve_chain
 from .graph import PlanError
-
-GiB = float(1 << 30)
-
-
-class MemoryInfeasible(PlanError):
-    """No plan fits the memory budget; ``min_bytes`` is the least memory any plan needs."""
-
-    def __init__(self, message: str, *, min_bytes: float, budget: float):
-        super().__init__(message)
-        self.min_bytes, self.budget = min_bytes, budget
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanProblem:
-    node: np.ndarray
-    """(N, K) cost of block v under strategy k (ms per iteration); inf = not allowed."""
-    edge: np.ndarray
-    """(N-1, K, K) cost between block v (strategy a) and block v+1 (strategy b), ms."""
-    mem: np.ndarray
-    """(N, K) resident bytes of block v (states + saved tensors of the micro-batches in flight)."""
-    peak: np.ndarray
-    """(N, K) transient bytes while block v runs its backward."""
-    mem_const: float = 0.0
-    """Bytes no strategy changes (embeddings, logits)."""
-    budget: float | None = None
-    """Device memory in bytes; None: no constraint."""
-    ties: tuple[tuple[int, ...], ...] = ()
-    """Groups of consecutive blocks that take the same strategy index."""
-
-    def __post_init__(self) -> None:
-        n, k = self.node.shape
-        if self.edge.shape != (max(n - 1, 0), k, k) or self.mem.shape != (n, k) or self.peak.shape != (n, k):
-            raise ValueError(f"inconsistent shapes: node {self.node.shape}, edge {self.edge.shape}, "
-                             f"mem {self.mem.shape}, peak {self.peak.shape}")
-
-    @property
-    def groups(self) -> list[list[int]]:
-        """Partition of the blocks into strategy groups (singletons where untied), in order."""
-        rep = list(range(self.node.shape[0]))
-        for g in self.ties:
-            for v in g:
-                rep[v] = g[0]
-        out: dict[int, list[int]] = {}
-        for v, r in enumerate(rep):
-            out.setdefault(r, []).append(v)
-        groups = list(out.values())
-        for g in groups:
-            if g != list(range(g[0], g[-1] + 1)):
-                raise ValueError(f"tied blocks {g} are not consecutive")
-        return sorted(groups)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Solution:
-    assignment: tuple[int, ...]
-    """Strategy index per block."""
-    time_ms: float
-    memory_bytes: float
-    solver: str
-    status: str
-    build_s: float = 0.0
-    solve_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.build_s + self.solve_s
-
-
-def evaluate(p: PlanProblem, assignment) -> tuple[float, float]:
-    """(objective ms, memory bytes) of one assignment: the same sums the ILP encodes."""
-    a = np.asarray(assignment, dtype=int)
-    for g in p.ties:
-        if len({int(a[v]) for v in g}) != 1:
-            raise ValueError(f"assignment breaks the tie of blocks {g}")
-    n = len(a)
-    t = float(p.node[np.arange(n), a].sum())
-    if n > 1:
-        t += float(p.edge[np.arange(n - 1), a[:-1], a[1:]].sum())
-    m = p.mem_const + float(p.mem[np.arange(n), a].sum()) + float(p.peak[np.arange(n), a].max())
-    return t, m
-
-
-def min_memory(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
-    """The least memory any allowed assignment needs, and one such assignment (exact: for each
-    candidate largest working set z, every group takes its smallest resident strategy with
-    working set <= z)."""
-    groups = p.groups
-    allowed = np.isfinite(p.node)
-    res = np.stack([p.mem[g].sum(axis=0) for g in groups])
-    pk = np.stack([p.peak[g].max(axis=0) for g in groups])
-    ok = np.stack([allowed[g].all(axis=0) for g in groups])
-    best, best_a = math.inf, None
-    for z in np.unique(pk[ok]):
-        fits = ok & (pk <= z)
-        if not fits.any(axis=1).all():
-            continue
-        r = np.where(fits, res, np.inf)
-        pick = r.argmin(axis=1)
-        total = p.mem_const + float(r[np.arange(len(groups)), pick].sum()) + float(z)
-        if total < best:
-            best, best_a = total, pick
-    if best_a is None:
-        raise PlanError("no block has an allowed strategy")
-    assign = [0] * p.node.shape[0]
-    for g, k in zip(groups, best_a):
-        for v in g:
-            assign[v] = int(k)
-    return best, tuple(assign)
-
+from .problem import GiB, MemoryInfeasible, PlanProblem, Solution, evaluate, min_memory  # noqa: F401
 
 def brute_force(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
     """Optimal (objective, assignment) by enumerating every assignment (small problems only)."""
@@ -202,7 +94,6 @@ def solve(p: PlanProblem, *, solver: str = "auto", time_limit: float | None = No
     t0 = time.perf_counter()
     check_memory(p)
     if solver in ("auto", "dp"):
-        from .chain_dp import solve_chain
 
         t1 = time.perf_counter()
         t, assign, _ = solve_chain(p)

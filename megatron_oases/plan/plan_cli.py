@@ -126,7 +126,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     pricer = DevicePricer(topology=topo, model=m, gpu=a.gpu, profile_path=a.profile, strict=a.strict_profile)
     memory_gb = a.memory_gb
     if memory_gb is None:
-        from megatron_oases.sim.device_model import gpu_spec
+        from megatron_oases.pricing.device_model import gpu_spec
         memory_gb = gpu_spec(resolve_gpu(a.gpu or topo.device or "")).memory_GB
     if memory_gb <= 0:
         raise PlanError(f"--memory-gb must be > 0 (got {memory_gb:g})")

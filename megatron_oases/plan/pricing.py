@@ -4,7 +4,7 @@ The cost model asks a Pricer for milliseconds of a ``Compute`` segment or a ``Co
 rank group; it never reads a profile or a device model itself. ``DevicePricer`` is the one we
 ship: it names every event exactly as the simulator does (``sim.events``: ``compute:<name>[<shape>]``
 and ``<kind>:<name>[<shape>]@<axis>x<group class>``), takes the time from a ``ProfileDB``
-(``sim.device_model``, format ``megatron-oases-profile/*``) when the key is there, and otherwise
+(``pricing.device_model``, format ``megatron-oases-profile/*``) when the key is there, and otherwise
 from the analytical ``DeviceModel`` on the topology. One profile thus serves simulator and planner.
 """
 from __future__ import annotations
@@ -13,7 +13,10 @@ import dataclasses
 import re
 from typing import Any, Protocol
 
-from megatron_oases.layers.description import Collective, Compute
+from megatron_oases.describe.event_key import layer_event_tag
+from megatron_oases.describe.ops import Collective, Compute
+from megatron_oases.pricing.device_model import GPUS, DeviceModel, ProfileDB, SimError, gpu_spec
+from megatron_oases.pricing.event import Event, group_tag
 from megatron_oases.topology import Topology
 
 from .graph import PlanError, PlanModel
@@ -34,8 +37,6 @@ class Pricer(Protocol):
 
 
 def _event_tag(m: PlanModel, mesh: tuple[int, int] | None):
-    from megatron_oases.sim.events import layer_event_tag
-
     return layer_event_tag(m.hidden_dropout, m.attention_dropout, m.sub_batches, "atp" if mesh else "megatron")
 
 
@@ -62,8 +63,6 @@ def _norm(name: str) -> str:
 def resolve_gpu(name: str) -> str:
     """A GPU name of the device model's table; accepts spellings such as ``rtx3090-24gb`` for
     ``rtx-3090`` (the topology examples' ``device`` fields and the table do not agree yet)."""
-    from megatron_oases.sim.device_model import GPUS
-
     if name in GPUS:
         return name
     n = _norm(name)
@@ -76,7 +75,7 @@ def resolve_gpu(name: str) -> str:
 
 @dataclasses.dataclass
 class DevicePricer:
-    """Profile first, analytical device model (``sim.device_model.DeviceModel``) otherwise."""
+    """Profile first, analytical device model (``pricing.device_model.DeviceModel``) otherwise."""
 
     topology: Topology
     model: PlanModel
@@ -86,8 +85,6 @@ class DevicePricer:
     """With a profile: every event must be in it (a missing key is an error naming it)."""
 
     def __post_init__(self) -> None:
-        from megatron_oases.sim.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
-
         name = self.gpu or self.topology.device
         if not name:
             raise PlanError(f"topology {self.topology.name!r} names no device; pass --gpu")
@@ -109,7 +106,6 @@ class DevicePricer:
     def _price(self, key: str, op, *, kind: str, ranks: tuple[int, ...] = (), dims: Dims = ()) -> float:
         if key in self._cache:
             return self._cache[key]
-        from megatron_oases.sim.events import Event
         self.events[key] = Event(key=key, name=op.name, kind=kind, op=op, ranks=tuple(ranks),
                                  nbytes=getattr(op, "payload_bytes", 0), dims=tuple(dims))
         prof = self._dm.profile
@@ -122,7 +118,6 @@ class DevicePricer:
                                     "`megatron-oases profile` or drop --strict-profile")
                 self.missing.append(key)
             self.analytical += 1
-        from megatron_oases.sim.device_model import SimError
         try:
             t = float(self._dm.price(key, op, kind=kind, nbytes=getattr(op, "payload_bytes", 0), ranks=ranks))
         except SimError as e:
@@ -136,8 +131,6 @@ class DevicePricer:
     def collective_ms(self, op: Collective, *, shape: str, ranks: tuple[int, ...], dims: Dims = ()) -> float:
         if len(ranks) <= 1:
             return 0.0
-        from megatron_oases.sim.events import group_tag
-
         bad = [r for r in ranks if r >= self.topology.world_size]
         if bad:
             raise PlanError(f"topology {self.topology.name!r} has {self.topology.world_size} ranks; the plan "

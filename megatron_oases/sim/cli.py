@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..topology import TopologyError, load_topology
-from .device_model import ProfileDB, SimError, device_model
+from ..topology import TopologyError
+from ..pricing.device_model import ProfileDB, SimError, device_model
 from .events import ModelConfig, Strategy
+from .profiler import resolve_topology
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
 
@@ -24,16 +25,6 @@ def _ints(text: str, flag: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise SimError(f"{flag} must list positive integers (got {text!r})")
     return vals
-
-
-def resolve_topology(name: str | None, world: int):
-    """A shipped example / YAML path, or ``local`` (what ``profile`` measures by default): one flat
-    level of ``world`` ranks."""
-    if name in (None, "local"):
-        from .profiler import local_topology
-
-        return local_topology(world)
-    return load_topology(name)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from .device_model import SimError
+from ..pricing.device_model import SimError
+from .placement import Placement
 
 
 def interpolate(levels: Mapping[int, float], k: float) -> float:
@@ -70,7 +71,6 @@ def place_pipeline_shared(orders: list[list[tuple[str, int, int]]],
     send, B of g after B of g+1 plus its send, B of the last after its own F, and a stage's next
     op after its own send.
     """
-    from .timeline import Placement
 
     pp = len(orders)
     vp = len(dur[0])

@@ -34,8 +34,9 @@ import time
 from typing import Any
 
 from ..topology import Topology
-from .device_model import ProfileDB, SimError
-from .events import Event, Strategy
+from ..pricing.device_model import ProfileDB, SimError
+from ..pricing.event import Event
+from .events import Strategy
 
 
 # ---- planning (pure) --------------------------------------------------------------------------

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Union
 
-from ..layers.description import Collective, Compute
+from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
+from ..describe.event_key import layer_event_tag
+from ..describe.ops import Collective, Compute
+from ..describe.registry import BACKENDS, axis_ranks, layer_description, layer_param_tensors
+from ..pricing.device_model import SimError
+from ..pricing.event import Event, group_tag
 from ..topology import Topology
-from .backends import BACKENDS, axis_ranks, layer_description, layer_param_tensors
-from .device_model import SimError, link_level
 
 SCHEDULES = ("gpipe", "1f1b")
 OVERLAPS = ("none", "oases")
@@ -137,28 +139,6 @@ class Strategy:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Event:
-    """One thing a device does; ``key`` names it for dedup and for the profile."""
-
-    key: str
-    name: str
-    kind: str
-    """compute | collective | p2p"""
-    op: Union[Compute, Collective, None] = None
-    ranks: tuple[int, ...] = ()
-    """The collective's group, or (src, dst) for p2p; empty for compute."""
-    nbytes: float = 0.0
-    dims: tuple[tuple[str, Union[int, str, float]], ...] = ()
-    """Sizes the work depends on (b s h a f t d1 d2 v p dtype; hd ad exec for layer events), for
-    the profiler's workloads."""
-    beside: "Event | None" = None
-    """A collective that runs beside the tail of the compute before it: stock Megatron's
-    column-parallel linear launches its input-gradient all-reduce async and computes this event
-    (its weight gradient) meanwhile. Not placed itself; the timeline starts the collective that
-    much before the compute ends."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkEvents:
     """One micro-batch (or sub-batch, under oases) through one model chunk of one stage."""
 
@@ -246,14 +226,6 @@ def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def group_tag(topo: Topology, ranks: tuple[int, ...]) -> str:
-    """Group class: size + the link levels its ring crosses (same class -> same price)."""
-    n = len(ranks)
-    levels = sorted({topo.levels[link_level(topo, ranks[i], ranks[(i + 1) % n])].name
-                     for i in range(n) if ranks[i] != ranks[(i + 1) % n]})
-    return f"{n}:{'+'.join(levels) or 'self'}"
-
-
 def _collective(op: Collective, shape: str, topo: Topology, ranks: tuple[int, ...], dims) -> Event:
     axis = op.axis
     key = f"{op.kind}:{op.name}[{shape}]@{axis}x{group_tag(topo, ranks)}"
@@ -263,41 +235,6 @@ def _collective(op: Collective, shape: str, topo: Topology, ranks: tuple[int, ..
 
 def _compute(op: Compute, shape: str, dims) -> Event:
     return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
-
-
-STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgrad"}
-"""Stock Megatron's input-gradient all-reduces that run async beside a weight-gradient GEMM."""
-OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad"}
-"""The output layer (Megatron's column-parallel linear whatever the layers' backend or schedule)
-does the same: its input-gradient all-reduce runs beside its weight gradient."""
-
-
-def output_wgrad(*, b: int, s: int, h: int, v: int, t: int, e: int) -> Compute:
-    """The weight gradient of the output layer (``[v/t, h]``, no bias) alone."""
-    out = v // t
-    return Compute(name=OUTPUT_ASYNC_DGRAD["logits.f.bwd"], gemm_flops=2.0 * b * s * h * out,
-                   elementwise_bytes=e * (b * s * (h + out) + h * out))
-
-
-def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
-                    ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
-    """Key suffix and dims a Megatron 1-D layer event's work also depends on (the profiler runs
-    it on a real layer, ``sim.layer_workloads``): the dropout rates, and the executor (``oases``:
-    a sub-batch through the Oases executor; ``stock``: Megatron's forward / backward). Other
-    backends' events run synthetic ops that depend on neither: no tag. The planner tags its
-    events with this function too."""
-    if backend != "megatron":
-        return "", ()
-    drop = f"_hd{hidden_dropout:g}ad{attention_dropout:g}" if hidden_dropout or attention_dropout else ""
-    executor = "oases" if chains > 1 else "stock"
-    return (drop + ("_oases" if chains > 1 else ""),
-            (("hd", float(hidden_dropout)), ("ad", float(attention_dropout)), ("exec", executor)))
-
-
-def column_wgrad(event: str, *, b: int, s: int, h: int, heads: int, f: int, t: int, e: int) -> Compute:
-    """The weight gradient of a Megatron block's column-parallel linear (QKV or fc1) alone."""
-    out = 3 * (heads // t) * (h // heads) if event == "attention.wgrad" else f // t
-    return Compute(name=event, gemm_flops=2.0 * b * s * h * out, elementwise_bytes=e * (b * s * (h + out) + h * out))
 
 
 def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -> list[StageEvents]:

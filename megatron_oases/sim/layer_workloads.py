@@ -8,7 +8,7 @@ dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on 
 thread, b 4, TP-2 shapes) a real layer cost 14% more than they do at dropout 0.1 and 5% at
 dropout 0; through the Oases executor 23% and 15%.
 
-Events (the segmentation ``layers/description.py`` uses: each block starts with the residual
+Events (the segmentation ``describe/megatron_1d.py`` uses: each block starts with the residual
 add it follows):
 
 * ``attention``: the previous block's bias-dropout-add, the input norm, self-attention
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device_model import SimError
+from ..pricing.device_model import SimError
 
 LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad")
 EXECUTORS = ("stock", "oases")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .backends import layer_activation_bytes, layer_input_bytes
+from ..describe.registry import layer_activation_bytes, layer_input_bytes
 from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
 
 GiB = float(1 << 30)

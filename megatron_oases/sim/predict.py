@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 
 from ..topology import Topology
-from .device_model import DeviceModel, ProfileDB, SimError, gpu_spec
+from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
 from .events import ModelConfig, Strategy, build_stage_events, unique_events
-from .profiler import ProfileSettings, profile_events
+from .profiler import ProfileSettings, profile_events, resolve_topology
 from .timeline import SimResult, simulate
 
 
@@ -68,7 +68,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
 def _topology(topology: Topology | str | None, world: int) -> Topology:
     """The given topology, else the trainer's ``--topology``, else one flat level of ``world`` ranks."""
     if topology is None or isinstance(topology, str):
-        from .cli import resolve_topology
 
         return resolve_topology(topology, world)
     return topology

@@ -17,8 +17,9 @@ import sys
 
 from ..topology import TopologyError, load_topology
 from .cli import _split, add_model_args, add_search_args, add_strategy_args, model_from_args, \
-    resolve_topology, search_space_from_args, strategy_from_args
-from .device_model import ProfileDB, SimError
+    search_space_from_args, strategy_from_args
+from .profiler import resolve_topology
+from ..pricing.device_model import ProfileDB, SimError
 
 
 def build_parser() -> argparse.ArgumentParser:

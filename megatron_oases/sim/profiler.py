@@ -24,8 +24,9 @@ import time
 from typing import Any, Iterable
 
 from ..topology import Topology
-from .device_model import ProfileDB, SimError
-from .events import Event, ModelConfig, Strategy, build_stage_events, group_tag, unique_events
+from ..pricing.device_model import ProfileDB, SimError
+from ..pricing.event import Event, group_tag
+from .events import ModelConfig, Strategy, build_stage_events, unique_events
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -296,3 +297,13 @@ def local_topology(nproc: int, name: str = "local") -> Topology:
     return Topology(name=name, device=None, levels=(Level(name=name, size=nproc, scope="intra_node",
                                                           p2p_bandwidth_GBps=10.0, group_bandwidth_GBps=10.0,
                                                           latency_us=10.0),))
+
+
+def resolve_topology(name: str | None, world: int):
+    """A shipped example / YAML path, or ``local`` (what ``profile`` measures by default): one flat
+    level of ``world`` ranks."""
+    if name in (None, "local"):
+        return local_topology(world)
+    from ..topology import load_topology
+
+    return load_topology(name)

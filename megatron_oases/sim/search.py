@@ -11,7 +11,7 @@ import io
 import os
 from typing import Iterable, Sequence
 
-from .device_model import DeviceModel, SimError
+from ..pricing.device_model import DeviceModel, SimError
 from .events import ModelConfig, Strategy, check
 from .timeline import SimResult, simulate
 

@@ -13,9 +13,12 @@ import dataclasses
 from typing import NamedTuple
 
 from ..flops import gpt_flops_per_iteration
-from .device_model import DeviceModel, SimError
-from .events import Event, ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
+from ..pricing.device_model import DeviceModel, SimError
+from ..pricing.event import Event
+from .events import ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
+from .contention import level_prices, place_pipeline_shared
 from .memory import GiB, StageMemory, stage_memory
+from .placement import Placement
 from .schedules import schedule_order
 
 
@@ -39,17 +42,6 @@ class Template:
     duration: float
     compute_busy: float
     comm_busy: float
-
-
-class Placement(NamedTuple):
-    """A template placed on the pipeline: stage, 'F' or 'B', micro-batch, absolute ms, chunk."""
-
-    stage: int
-    phase: str
-    micro_batch: int
-    start: float
-    end: float
-    chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -367,8 +359,6 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
     contention = device.profile.contention if device.profile is not None else {}
     if s.pp > 1 and any(k in contention for k in price):
         # stages share compute (ranks > cores): durations by busy stages, fluid placement
-        from .contention import level_prices, place_pipeline_shared
-
         levels = []
         # overlapped times were measured with every rank busy: scale them by the event's level
         # price over its all-busy price (compute: events_ms; a collective: its loaded top level)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .device_model import SimError
+from ..pricing.device_model import SimError
 from .layer_workloads import LAYER_EVENTS, megatron_layer_workload
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

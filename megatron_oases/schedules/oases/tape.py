@@ -1,6 +1,6 @@
 """A TP layer as the executor runs it: local steps on named tensors, separated by collectives.
 
-This is the runtime face of ``layers/description.py``: the same segments and collectives (a test
+This is the runtime face of ``describe/megatron_1d.py``: the same segments and collectives (a test
 checks that the names and passes agree), but as callables on a real Megatron-Core layer. Each
 ``Local`` is pure local compute (its TP collectives switched off); the executor launches every
 collective itself, async, so it can switch to the other sub-batch meanwhile.

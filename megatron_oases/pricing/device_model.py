@@ -13,14 +13,15 @@ import math
 import os
 from typing import Any, Mapping
 
-from ..layers.description import Collective, Compute
+from ..describe.ops import Collective, Compute, ModelingError
 from ..topology import Topology
 
 PROFILE_FORMAT = "megatron-oases-profile/2"
 
 
-class SimError(ValueError):
-    """Bad simulator input; the message is one line that names the offending values."""
+SimError = ModelingError
+"""Bad simulator or planner input; the message is one line that names the offending values
+(the same class the descriptions raise)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,81 @@
+"""What a TP layer computes and communicates: compute segments separated by collectives.
+
+Per ../shared/design.md, the executors (which launch the collectives), the planner's cost model
+(which prices them) and the simulator (which places them on streams) all read these descriptions;
+if they disagree about what a layer does, the bug is in ``megatron_oases.describe``. Pure Python
+(no torch), so the planner and the simulator run anywhere.
+
+Quantities are per rank and per (sub-)batch; FLOPs count a multiply-add as 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Compute:
+    """A run of local work between two collectives."""
+
+    name: str
+    gemm_flops: float
+    """Matrix-multiply FLOPs on this rank (forward)."""
+    attention_flops: float = 0.0
+    """The s^2 part (QK^T and AV) on this rank, priced apart: its efficiency differs from GEMMs."""
+    elementwise_bytes: float = 0.0
+    """Bytes read + written by element-wise work (norms, activations, softmax, residual)."""
+
+    @property
+    def flops(self) -> float:
+        return self.gemm_flops + self.attention_flops
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collective:
+    """A collective on one group (``axis``) between segments."""
+
+    name: str
+    kind: str
+    """all_reduce | all_gather | reduce_scatter."""
+    axis: str
+    """The group it runs on: "tp" for Megatron 1-D; mesh axes / cube directions for other backends."""
+    group_size: int
+    payload_bytes: int
+    """Bytes of the full logical tensor (all-reduce input, all-gather output, reduce-scatter input)."""
+
+    @property
+    def wire_bytes_per_rank(self) -> float:
+        """Ring-algorithm bytes each rank sends (as ``CommCounter`` records them)."""
+        n = self.group_size
+        factor = 2.0 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
+        return factor * self.payload_bytes
+
+
+Op = Union[Compute, Collective]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerDescription:
+    backend: str
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+    """In execution order; backward GEMM FLOPs are 2x forward (dgrad + wgrad)."""
+
+    def collectives(self, pass_: str = "forward") -> list[Collective]:
+        return [op for op in getattr(self, pass_) if isinstance(op, Collective)]
+
+    def computes(self, pass_: str = "forward") -> list[Compute]:
+        return [op for op in getattr(self, pass_) if isinstance(op, Compute)]
+
+    def flops(self, pass_: str = "forward") -> float:
+        return sum(c.flops for c in self.computes(pass_))
+
+
+class ModelingError(ValueError):
+    """A description, price or simulation that cannot be made; one line naming the cause."""
+
+
+def backward_of(c: Compute) -> Compute:
+    """A segment's backward: dgrad + wgrad GEMMs (2x), and twice the element-wise traffic."""
+    return Compute(name=f"{c.name}.bwd", gemm_flops=2 * c.gemm_flops,
+                   attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes)

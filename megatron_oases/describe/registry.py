@@ -1,0 +1,75 @@
+"""The backends by name: layer description, collective groups, parameters, activation bytes."""
+from __future__ import annotations
+
+from .atp_2d import atp_2d_gpt_layer
+from .megatron_1d import megatron_1d_gpt_layer
+from .ops import LayerDescription, ModelingError
+
+BACKENDS = ("megatron", "atp")
+
+
+def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
+                      hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int) -> LayerDescription:
+    if backend == "megatron":
+        return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
+                                     tp=tp, bytes_per_element=bytes_per_element)
+    if backend == "atp":
+        assert mesh is not None
+        return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
+                                d1=mesh[0], d2=mesh[1], bytes_per_element=bytes_per_element)
+    raise ModelingError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+
+
+def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | None) -> tuple[int, ...]:
+    """The group of the representative (TP position 0) on ``axis``: tp, mesh1 (stride d2), mesh2."""
+    if axis == "tp":
+        return tp_ranks
+    d1, d2 = mesh or (len(tp_ranks), 1)
+    if axis == "mesh2":
+        return tp_ranks[:d2]
+    if axis == "mesh1":
+        return tp_ranks[::d2]
+    raise ModelingError(f"unknown collective axis {axis!r}")
+
+
+def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> int:
+    """Weights + biases + norms of one layer on one TP rank."""
+    return sum(layer_param_tensors(backend, h, f, t, mesh))
+
+
+def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> tuple[int, ...]:
+    """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
+    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias. The optimizer and the
+    gradient norm run tensor by tensor, so their cost depends on these sizes, not only on the sum."""
+    if backend == "atp" and mesh is not None:
+        d1, d2 = mesh
+        return (3 * h * h // t, 3 * h // d1, h * h // t, h // d2, h * f // t, f // d1, h * f // t, h // d2,
+                *(h // d2,) * 4)
+    return (3 * h * h // t, 3 * h // t, h * h // t, h, h * f // t, f // t, h * f // t, h, *(h,) * 4)
+
+
+def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
+                           mesh: tuple[int, int] | None) -> float:
+    """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention).
+
+    Megatron 1-D (Korthikanti et al. 2022, Table 2, generalised to e-byte elements and any FFN):
+    replicated LN1/LN2/QKV/fc1 inputs (4 sbh elements) and two dropout masks (2 sbh bytes);
+    TP-sharded Q, K, V, proj input (4 sbh/t), GeLU and fc2 inputs (2 sbf/t); attention scores,
+    softmax/dropout outputs (2 a s^2 b/t elements) and mask (a s^2 b/t bytes). With e = 2 and
+    f = 4h this is sbh(10 + 24/t) + 5 a s^2 b / t.
+    ATP: norms and residual-side tensors are sharded by d2, the proj input by d1, the FFN by d1,
+    heads by d1 * d2.
+    """
+    tok = b * s
+    if backend == "atp" and mesh is not None:
+        d1, d2 = mesh
+        n = d1 * d2
+        return (tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + 2 * f / d1) + 2 * h / d2)
+                + a * s * s * b / n * (2 * e + 1))
+    return tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f) / t) + a * s * s * b / t * (2 * e + 1)
+
+
+def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None) -> float:
+    """One [s, b, h] hidden state as a rank holds it (sharded by d2 under ATP)."""
+    d2 = mesh[1] if backend == "atp" and mesh is not None else 1
+    return b * s * h * e / d2

@@ -1,0 +1,108 @@
+"""The package's layering, checked on its import graph (every import statement, including those
+inside functions): no import cycles among our modules, the planner never imports the simulator,
+and the layer descriptions and pricing stay below both (../shared/design.md)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "megatron_oases"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (a name resolves to its longest known prefix)."""
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = mod.split(".")
+                if node.level:
+                    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and not mod.startswith(t + ".") and t != PKG.name:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _edges_from(graph, src_pkg: str, dst_pkg: str) -> list[tuple[str, str]]:
+    return sorted((m, t) for m, ts in graph.items() if m.startswith(src_pkg + ".")
+                  for t in ts if t == dst_pkg or t.startswith(dst_pkg + "."))
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_planner_does_not_import_the_simulator():
+    assert _edges_from(import_graph(), "megatron_oases.plan", "megatron_oases.sim") == []
+
+
+def test_descriptions_and_pricing_sit_below_planner_and_simulator():
+    g = import_graph()
+    for low in ("megatron_oases.describe", "megatron_oases.pricing"):
+        for high in ("megatron_oases.plan", "megatron_oases.sim", "megatron_oases.runtime",
+                     "megatron_oases.layers", "megatron_oases.schedules"):
+            assert _edges_from(g, low, high) == [], (low, high)
+    assert _edges_from(g, "megatron_oases.describe", "megatron_oases.pricing") == []
+
+
+def test_descriptions_import_no_torch():
+    for path in (PKG / "describe").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(n == "torch" or n.startswith("torch.") for n in names), path
+
+
+def test_the_checker_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
