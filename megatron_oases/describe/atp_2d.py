@@ -6,7 +6,7 @@ from .ops import Collective, Compute, LayerDescription, ModelingError, backward_
 
 
 def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, d1: int,
-                     d2: int, bytes_per_element: int = 2) -> LayerDescription:
+                     d2: int, bytes_per_element: int = 2, chunks: int = 1) -> LayerDescription:
     """ATP's layer on DeviceMesh(d1, d2): hidden states ``[s, b, h/d2]`` between layers.
 
     Forward: LN partial sums -> 2 tiny all-reduces (mean, variance) on axis 2 -> QKV (column-first,
@@ -14,6 +14,8 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     f2: AR axis 1) -> residual + LN -> fc1 (f3: AR axis 2) -> GeLU + fc2 (f4: AR axis 1).
     Backward runs the conjugate collectives (column-first dX on axis 1, row-first dX on axis 2,
     the head split's all-gather, the LN statistics' all-reduces).
+    ``chunks`` (``--atp-chunks``, §4.1): the four linears' forward all-reduces run as that many
+    all-reduces of one chunk each, launched while the next chunk's GEMM runs.
     """
     n = d1 * d2
     if hidden % n or heads % n or ffn % d1 or hidden % d2:
@@ -35,10 +37,20 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     proj = Compute(name="atp.proj", gemm_flops=2 * tok * (h / d1) * (h / d2))
     fc1 = Compute(name="atp.fc1", gemm_flops=2 * tok * (h / d2) * (f / d1), elementwise_bytes=e * 3 * tok * h / d2)
     fc2 = Compute(name="atp.fc2", gemm_flops=2 * tok * (f / d1) * (h / d2), elementwise_bytes=e * 2 * tok * f / d1)
+    if chunks < 1 or micro_batch % chunks:
+        raise ModelingError(f"--atp-chunks {chunks} must divide the micro-batch {micro_batch}")
+
+    def chunked(name: str, axis: int, nbytes: float) -> tuple[Collective, ...]:
+        if chunks == 1:
+            return (ar(name, axis, nbytes),)
+        return tuple(ar(f"{name}.c{i}", axis, nbytes / chunks) for i in range(chunks))
+
     fwd = (ln("atp.ln1"), ar("ln1.mean", 2, stats), ar("ln1.var", 2, stats), qkv,
-           ar("qkv.f1", 2, e * tok * 3 * h / d1), core, ar("core.gather", 2, e * tok * h / d1, "all_gather"),
-           proj, ar("proj.f2", 1, e * tok * h / d2), ln("atp.ln2"), ar("ln2.mean", 2, stats),
-           ar("ln2.var", 2, stats), fc1, ar("fc1.f3", 2, e * tok * f / d1), fc2, ar("fc2.f4", 1, e * tok * h / d2))
+           *chunked("qkv.f1", 2, e * tok * 3 * h / d1), core,
+           ar("core.gather", 2, e * tok * h / d1, "all_gather"), proj,
+           *chunked("proj.f2", 1, e * tok * h / d2), ln("atp.ln2"), ar("ln2.mean", 2, stats),
+           ar("ln2.var", 2, stats), fc1, *chunked("fc1.f3", 2, e * tok * f / d1), fc2,
+           *chunked("fc2.f4", 1, e * tok * h / d2))
     fwd = tuple(op for op in fwd if not (isinstance(op, Collective) and op.group_size == 1))
     bw = {c.name: backward_of(c) for c in (ln("atp.ln1"), qkv, core, proj, ln("atp.ln2"), fc1, fc2)}
     bwd = (bw["atp.fc2"], ar("fc2.bwd", 2, e * tok * f / d1), bw["atp.fc1"], ar("fc1.bwd", 1, e * tok * h / d2),

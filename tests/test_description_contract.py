@@ -1,0 +1,47 @@
+"""Contract tests: what a backend's runtime layer really issues equals its description in
+``megatron_oases.describe`` (collectives per pass: kind, group size, bytes, count, recorded by
+the ``CommCounter``; parameters per rank). The planner and the simulator price the description,
+so a runtime change that is not described fails here."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.registry import layer_params
+from megatron_oases.runtime.spawn import run_on_ranks
+from tests.rank_fns_contract import layer_contract
+
+B, S, H, A = 4, 8, 32, 4
+MODEL = ["--num-layers", "1", "--hidden-size", str(H), "--num-attention-heads", str(A),
+         "--seq-length", str(S), "--vocab-size", "128", "--micro-batch-size", str(B),
+         "--global-batch-size", str(B), "--device", "cpu"]
+
+
+def _issued(rows):
+    """Collectives on groups of one rank issue nothing (the counter still records them)."""
+    return sorted(r for r in rows if r[1] > 1)
+
+
+@pytest.mark.parametrize("d1, d2, chunks", [(2, 2, 1), (2, 2, 2), (1, 2, 1), (4, 1, 1)])
+def test_atp_layer_issues_what_its_description_says(d1, d2, chunks):
+    n = d1 * d2
+    argv = MODEL + ["--tp-backend", "atp", "--tensor-model-parallel-size", str(n),
+                    "--atp-mesh", f"{d1},{d2}", "--atp-chunks", str(chunks)]
+    outs = run_on_ranks(layer_contract, n, args=(argv, B, S, H), timeout_s=120)
+    desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, d1=d1, d2=d2,
+                            bytes_per_element=4, chunks=chunks)
+    # A one-layer block enters and leaves ATP's [s, b, h/d2] layout: an axis-2 all-gather of the
+    # whole [s, b, h] on leaving (forward) and on entering (backward); nothing when d2 = 1.
+    edge = [("all_gather", d2, B * S * H * 4)] if d2 > 1 else []
+    for pass_ in ("forward", "backward"):
+        want = sorted([(c.kind, c.group_size, c.payload_bytes) for c in desc.collectives(pass_)] + edge)
+        for out in outs:
+            assert _issued(out[pass_]) == want, (out["rank"], pass_)
+    per_rank = layer_params("atp", H, 4 * H, n, (d1, d2))
+    assert {out["params"] for out in outs} == {per_rank}
+
+
+def test_megatron_1d_layer_parameters_per_rank():
+    outs = run_on_ranks(layer_contract, 2, args=(MODEL + ["--tensor-model-parallel-size", "2"], B, S, H),
+                        timeout_s=120)
+    assert {out["params"] for out in outs} == {layer_params("megatron", H, 4 * H, 2, None)}
