@@ -102,6 +102,7 @@ def setup(args: argparse.Namespace) -> Trainer:
                         weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         params_dtype=config.params_dtype),
         model, use_gloo_process_groups=not runtime.is_cuda)
@@ -220,8 +221,10 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                 rec["oases_saved_mb"] = oases_saved_bytes(tr.model) / 2**20
             records.append(rec)
             if log and it % args.log_interval == 0:
+                # fp16: a step the loss scaler skips (inf/nan gradients) has no grad norm.
+                norm = "skipped" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
                 print(f" iteration {it:8d}/{args.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "
-                      f"grad norm: {rec['grad_norm']:.3f} | elapsed time per iteration (ms): "
+                      f"grad norm: {norm} | elapsed time per iteration (ms): "
                       f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
                       f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
             if json_file:

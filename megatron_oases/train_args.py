@@ -104,8 +104,13 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="bf16 params (Float16Module); CUDA only")
-    g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling; CUDA only")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 params (Float16Module), fp32 main params and gradient reduction")
+    g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: constant loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="--fp16: initial dynamic loss scale (Megatron's default 2^32)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="Megatron's fused weight-gradient accumulation into main_grad (needs "
@@ -229,10 +234,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
                           f"than --seq-length {args.seq_length}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    if (args.bf16 or args.fp16) and not cuda:
-        flag = "--bf16" if args.bf16 else "--fp16"
-        raise ConfigError(f"{flag} needs CUDA: Megatron's mixed-precision optimizer accepts only "
-                          f"torch.cuda tensors; drop {flag} on CPU (fp32 runs there)")
     if args.gradient_accumulation_fusion:
         from megatron.core.tensor_parallel import layers
 
@@ -240,9 +241,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
             raise ConfigError("--gradient-accumulation-fusion needs Apex's "
                               "fused_weight_gradient_mlp_cuda extension (CUDA); install Apex or "
                               "drop the flag")
-    if args.use_distributed_optimizer and not cuda:
-        raise ConfigError("--use-distributed-optimizer needs CUDA: Megatron's distributed "
-                          "optimizer accepts only torch.cuda tensors; drop it on CPU")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ConfigError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's "
+                          f"distributed optimizer does not support {args.optimizer})")
     validate_atp_args(args, dims)
     validate_3d_args(args, dims)
     from megatron_oases.schedules.oases.options import validate_oases_args

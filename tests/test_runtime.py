@@ -137,3 +137,55 @@ def test_forkserver_preloads_do_not_initialise_cuda():
                          timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cuda initialisations: 0" in out.stdout
+
+
+def test_upstream_optimizer_type_checks_the_cpu_layer_answers_are_unchanged():
+    """``cuda_type_names`` answers ``param.type()`` inside two Megatron optimizer constructors
+    (Megatron-Core 0.16). Fail loudly if upstream changes where the parameters come from or how
+    it checks them (then the shim must follow, or can go)."""
+    import inspect
+
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    from megatron_oases.runtime.cpu_compat import CUDA_TYPE_CHECKING_INITS
+
+    assert CUDA_TYPE_CHECKING_INITS == (
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"))
+    fp16 = inspect.unwrap(optimizer.Float16OptimizerWithFloat16Params.__init__)
+    dist = inspect.unwrap(distrib_optimizer.DistributedOptimizer.__init__)
+    assert list(inspect.signature(fp16).parameters) == [
+        "self", "optimizer", "config", "grad_scaler", "init_state_fn"]
+    assert list(inspect.signature(dist).parameters)[:2] == ["self", "optimizer"]
+    assert "model_chunks" in inspect.signature(dist).parameters
+    checks = "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"
+    assert checks in inspect.getsource(fp16) and checks in inspect.getsource(dist)
+    assert "param.type() == 'torch.cuda.FloatTensor'" in inspect.getsource(fp16)
+    # The distributed optimizer's other check sits in a helper that only its __init__ calls.
+    build = distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups
+    assert "model_param.type() == 'torch.cuda.FloatTensor'" in inspect.getsource(build)
+    source = inspect.getsource(distrib_optimizer)
+    assert source.count("_build_model_and_main_param_groups(") == 2  # its def and one call
+    assert "self._build_model_and_main_param_groups(" in inspect.getsource(dist)
+
+
+def test_cuda_type_names_is_scoped_to_the_given_tensors():
+    import torch
+
+    from megatron_oases.runtime.cpu_compat import cuda_type_names
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    q, other = torch.zeros(3), torch.zeros(3, dtype=torch.float16)
+    with cuda_type_names([p, q]):
+        assert (p.type(), q.type()) == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor")
+        assert other.type() == "torch.HalfTensor"  # not in the list: untouched
+        assert p.type(torch.float32).dtype == torch.float32  # a conversion is the real one
+        assert p.type("torch.DoubleTensor").dtype == torch.float64
+    assert (p.type(), q.type()) == ("torch.BFloat16Tensor", "torch.FloatTensor")
+    assert "type" not in p.__dict__ and "type" not in q.__dict__
+    try:
+        with cuda_type_names([p]):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert p.type() == "torch.BFloat16Tensor" and "type" not in p.__dict__

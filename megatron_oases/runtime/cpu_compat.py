@@ -9,13 +9,25 @@ generator and streams/events to no-ops; everything else is the real ``torch``. T
 tracker (dropout, recompute) works on the CPU generator exactly as it does on the CUDA one.
 
 Active only when CUDA is absent (``install_cpu_compat`` is a no-op otherwise) and idempotent.
-``Tensor.cuda()`` becomes the identity (it could only raise on a CPU-only build). Known limits: ``param.type() == 'torch.cuda.FloatTensor'`` checks in Megatron's mixed-precision and
-distributed optimizers cannot be mapped, so those optimizers need CUDA (the trainer says so).
+``Tensor.cuda()`` becomes the identity (it could only raise on a CPU-only build).
+
+Mixed precision and the distributed optimizer: Megatron's Float16OptimizerWithFloat16Params
+(``--bf16``/``--fp16``) and DistributedOptimizer sort parameters by
+``param.type() == 'torch.cuda.FloatTensor'`` and friends in their constructors. A method call on
+a tensor cannot be reached through a module's ``torch``, so those two constructors are wrapped
+(``cuda_type_names``): for the duration of the call only the parameters they sort answer
+``type()`` with the CUDA name of their dtype. Everything else they use is covered by the proxy
+(``device='cuda'`` scalars of the loss scaler, ``torch.cuda.empty_cache``) or already runs on
+CPU (Megatron's local multi-tensor fallbacks when Apex/TE are absent, the gloo process groups
+the trainer asks for with ``use_gloo_process_groups``). Gloo (torch 2.13) all-reduces,
+all-gathers and reduce-scatters bf16 and fp16 tensors itself, so no collective needs a shim.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 import sys
 import types
@@ -204,6 +216,75 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _type_with_cuda_name(tensor):
+    """``tensor.type()`` as a CUDA tensor of the same dtype would answer (``torch.cuda.X``); any
+    other use of ``.type(...)`` (a conversion) goes to the real method."""
+    real = torch.Tensor.type
+
+    def type_(dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and tensor.device.type == "cpu":
+            return "torch.cuda." + real(tensor)[len("torch."):]
+        return real(tensor, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
+@contextlib.contextmanager
+def cuda_type_names(tensors):
+    """Within the block, ``t.type()`` of each CPU tensor in ``tensors`` reports the CUDA name.
+
+    Megatron's mixed-precision and distributed optimizers sort parameters by
+    ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` /
+    ``== 'torch.cuda.FloatTensor'`` and raise otherwise. The method is looked up on the tensor, so
+    no module-scoped proxy can reach it; instead each parameter gets an instance attribute
+    ``type`` (which shadows the class method) for the duration of the optimizer's constructor,
+    and loses it afterwards. Nothing global changes, and no other tensor is affected.
+    """
+    marked = []
+    try:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and "type" not in t.__dict__:
+                t.type = _type_with_cuda_name(t)
+                marked.append(t)
+        yield
+    finally:
+        for t in marked:
+            del t.type
+
+
+def _optimizer_params(bound: inspect.BoundArguments) -> list:
+    """The parameters a Megatron optimizer constructor sorts by type: those of its wrapped torch
+    optimizer and (distributed optimizer) of its model chunks."""
+    params = []
+    opt = bound.arguments.get("optimizer")
+    if opt is not None:
+        params += [p for group in opt.param_groups for p in group["params"]]
+    for chunk in bound.arguments.get("model_chunks") or ():
+        params += list(chunk.parameters())
+    return params
+
+
+def _with_cuda_type_names(init):
+    """Wrap a Megatron optimizer ``__init__`` so its parameters' ``type()`` names are CUDA's."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        with cuda_type_names(_optimizer_params(bound)):
+            return init(*args, **kwargs)
+
+    wrapped.__cpu_compat_wrapped__ = init
+    return wrapped
+
+
+# Megatron constructors that check ``param.type()`` against torch.cuda names (see cuda_type_names).
+CUDA_TYPE_CHECKING_INITS = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+)
+
+
 def cuda_available() -> bool:
     """True when this process can use CUDA (then no compatibility layer is needed)."""
     return torch.cuda.is_available()
@@ -232,6 +313,9 @@ def install_cpu_compat(force: bool = False) -> bool:
     torch.Tensor.cuda = _tensor_stays_on_cpu
     optim = importlib.import_module("megatron.core.optimizer.optimizer")
     optim.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    for modname, clsname in CUDA_TYPE_CHECKING_INITS:
+        cls = getattr(importlib.import_module(modname), clsname)
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
     rng = importlib.import_module("megatron.core.tensor_parallel.random")
     rng._get_cuda_rng_state = _cpu_get_rng_state
     rng._set_cuda_rng_state = _cpu_set_rng_state

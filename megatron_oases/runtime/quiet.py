@@ -10,7 +10,9 @@ import os
 import warnings
 
 _ALWAYS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
-           "full scope is deprecated")
+           "full scope is deprecated",
+           # Megatron's distributed optimizer zeroes .grad of its shard views (on any device).
+           "The .grad attribute of a Tensor that is not a leaf Tensor")
 _CPU_ONLY = ("When using async grad allreduce it is recommended",)
 
 

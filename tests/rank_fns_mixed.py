@@ -1,0 +1,51 @@
+"""Rank functions for tests/test_mixed_precision.py: several trainer runs in one spawned group.
+
+Spawning ranks costs more than training these tiny models, so one spawn trains a list of named
+variants one after another in the same process group (Megatron's model-parallel state is torn
+down and rebuilt between them; every run seeds itself, so order does not matter).
+"""
+from __future__ import annotations
+
+import os
+
+
+def _param_dtypes(model) -> list[str]:
+    """dtypes of the parameters the model computes with (inside Float16Module/DDP)."""
+    return sorted({str(p.dtype).replace("torch.", "") for m in model for p in m.parameters()})
+
+
+def train_variants(variants: list[tuple[str, list[str]]], gather_params: tuple[str, ...] = ()):
+    """Train each ``(name, argv)`` in turn. Returns ``{name: record}`` with per-iteration losses
+    (last rank), grad norms and update flags, the parameter dtypes, the optimizer classes, and for
+    the names in ``gather_params`` the global parameters after the first and the last iteration
+    (rank 0; fp32 copies)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    rank = int(os.environ["RANK"])
+    out = {}
+    for name, argv in variants:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        args = build_parser().parse_args(argv)
+        tr = setup(args)
+        rec = {"losses": [], "norms": [], "ok": [], "dtypes": _param_dtypes(tr.model),
+               "optimizers": sorted({type(o).__name__ for o in
+                                     getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])})}
+        for it in range(1, args.train_iters + 1):
+            step = train_step(tr, it)
+            rec["losses"].append(step["loss"])
+            rec["norms"].append(step["grad_norm"])
+            rec["ok"].append(step["update_successful"])
+            if name in gather_params and it in (1, args.train_iters):
+                params = gather_global(tr.model, what="param")
+                rec["params" if it == args.train_iters else "params_first"] = (
+                    params if rank == 0 else None)
+        out[name] = rec
+        dist.barrier()
+    ps.destroy_model_parallel()
+    return out
