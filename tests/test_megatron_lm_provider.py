@@ -33,7 +33,8 @@ def megatron_args(**over) -> argparse.Namespace:
         recompute_num_layers=None, bf16=False, fp16=False, normalization="LayerNorm",
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
-        vocab_size=None, make_vocab_size_divisible_by=128, padded_vocab_size=256)
+        vocab_size=None, make_vocab_size_divisible_by=128, padded_vocab_size=256,
+        gradient_accumulation_fusion=False)  # as --no-gradient-accumulation-fusion
     ours = add_flags(argparse.ArgumentParser()).parse_args([])  # our flags' defaults
     for k, v in {**vars(ours), **over}.items():
         setattr(ns, k, v)
