@@ -30,7 +30,8 @@ table name the cause of every missing speedup and warn when runs of one case dif
 ``transformer_impl``, precision or model flags, as far as the logs show them: Megatron-LM prints its
 arguments block; for the reference trainer, a sidecar ``<variant>.args.json`` next to the log
 (a mapping of argument names to values, or the command line as a list of strings) is read;
-without either nothing is compared.
+without either nothing is compared. A ``<variant>.out`` next to a ``<variant>.jsonl`` is read as
+that run's stdout/stderr: for a crash and N, not for iterations.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ from pathlib import Path
 PROG = "compare.py"
 LOG_SUFFIXES = (".log", ".jsonl")
 """What a directory argument picks up (any file can be named explicitly)."""
+STDOUT_SUFFIX = ".out"
+"""``<variant>.out`` next to ``<variant>.jsonl``: the run's stdout/stderr, read for a crash and N."""
 SIDECAR_SUFFIX = ".args.json"
 """``<variant>.args.json`` next to ``<variant>.log`` / ``.jsonl``: the run's arguments."""
 
@@ -274,6 +277,12 @@ def collect(specs: list[str]) -> list[Run]:
 
 def _read(path: Path, *, case: str, variant: str) -> Run:
     log = parse_log(path.read_text(encoding="utf-8", errors="replace"))
+    stdout = path.with_suffix(STDOUT_SUFFIX)
+    if path.suffix == ".jsonl" and stdout.is_file():
+        # The run's stdout/stderr next to its --log-json file: its crash and N, not its iterations.
+        side = parse_log(stdout.read_text(encoding="utf-8", errors="replace"))
+        log.crash = log.crash or side.crash
+        log.total = log.total or side.total
     sidecar = read_sidecar(path)
     if sidecar:
         # A run's arguments without --bf16 / --fp16 ran in fp32 (both trainers' default).

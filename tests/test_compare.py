@@ -219,6 +219,19 @@ def test_settings_mismatch_warnings_and_sidecar(tmp_path, capsys):
     assert "incomplete (3 of 4 iterations)" in out  # N from the sidecar's --train-iters
 
 
+def test_json_log_with_its_stdout_beside_it(tmp_path, capsys):
+    """The trainer's --log-json file says nothing of a crash; its stdout (<variant>.out) does."""
+    res = tmp_path / "res"
+    _write(res, "t", "stock.jsonl", json_log([10.0] * 5))
+    _write(res, "t", "oases.jsonl", json_log([5.0] * 3))
+    trainer = "".join(f" iteration {i:8d}/{5:8d} | lm loss: 5.5E+00 | elapsed time per iteration (ms): 5.0\n"
+                      for i in (1, 2, 3))
+    _write(res, "t", "oases.out", trainer + "megatron-oases train: rank(s) [1] failed\n" + TRACEBACK)
+    assert compare.main([str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "t/oases crashed at iteration 3 of 5: torch.OutOfMemoryError" in out
+
+
 def test_status_file_exit_code_marks_a_crash(tmp_path, capsys):
     res = tmp_path / "res"
     _write(res, "h1", "stock.log", megatron_log([10.0] * 4))
