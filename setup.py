@@ -17,6 +17,7 @@ setup(
         "pyyaml>=6",
         "numpy",
         "psutil",  # Megatron's torch_dist checkpoint writer
+        "matplotlib>=3.5",  # scripts/compare.py's chart (Agg backend), sim --png timelines
     ],
     extras_require={
         "test": ["pytest>=7"],

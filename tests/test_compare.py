@@ -18,56 +18,228 @@ compare = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = compare  # dataclasses look their module up
 spec.loader.exec_module(compare)
 
-MEGATRON_LINE = (" [2025-11-22 01:02:03.456789] iteration {it:8d}/      10 | consumed samples:"
+MEGATRON_LINE = (" [2025-11-22 01:02:03.456789] iteration {it:8d}/{n:8d} | consumed samples:"
                  "          {s:3d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "
                  "(TFLOP/s/GPU): {tf:.1f} | learning rate: 1.000000E-04 | global batch size:     8 |"
                  " lm loss: 1.043210E+01 | loss scale: 1.0 | grad norm: 2.345 |")
+ARGS_BLOCK = """------------------------ arguments ------------------------
+  bf16 ............................................ {bf16}
+  exit_on_missing_checkpoint ...................... False
+  fp16 ............................................ False
+  hidden_size ..................................... {hidden}
+  num_layers ...................................... 8
+  train_iters ..................................... {n}
+  transformer_impl ................................ {impl}
+-------------------- end of arguments ---------------------
+"""
 
 
-def megatron_log(step_ms, tflops=100.0) -> str:
-    lines = ["> building GPT model ...", "[before the start of training step] datetime: ..."]
-    lines += [MEGATRON_LINE.format(it=i + 1, s=8 * (i + 1), ms=ms, tf=tflops) for i, ms in enumerate(step_ms)]
-    return "\n".join(lines + ["[after training is done] datetime: ..."]) + "\n"
+def megatron_log(step_ms, tflops=100.0, *, total=None, iters=None, tail="", args=None) -> str:
+    """Megatron-LM stdout logging ``step_ms`` at iterations ``iters`` (default 1, 2, ...) of
+    ``total`` (default: as many as logged), then ``tail``; ``args`` fills the arguments block."""
+    iters = iters or list(range(1, len(step_ms) + 1))
+    n = total or (iters[-1] if iters else 10)
+    lines = ["> building GPT model ..."]
+    if args is not None:
+        lines.append(ARGS_BLOCK.format(n=n, **{"bf16": True, "hidden": 1024, "impl": "local", **args}))
+    lines.append("[before the start of training step] datetime: ...")
+    lines += [MEGATRON_LINE.format(it=it, n=n, s=8 * it, ms=ms, tf=tflops) for it, ms in zip(iters, step_ms)]
+    if tail:
+        lines.append(tail)
+    elif iters and iters[-1] == n:
+        lines.append("[after training is done] datetime: ...")
+    return "\n".join(lines) + "\n"
 
 
-def json_log(step_ms) -> str:
-    return "".join(json.dumps({"iteration": i + 1, "lm_loss": 5.0, "step_ms": ms,
+def json_log(step_ms, start=1) -> str:
+    return "".join(json.dumps({"iteration": start + i, "lm_loss": 5.0, "step_ms": ms,
                                "tokens_per_s": 1000.0 / ms, "tflops_per_rank": 0.5}) + "\n"
                    for i, ms in enumerate(step_ms))
 
 
+TRACEBACK = """Traceback (most recent call last):
+  File "pretrain_gpt.py", line 300, in <module>
+    pretrain(...)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"""
+
+
 def test_parse_both_formats():
-    steps, tflops, tokens = compare.parse_log(megatron_log([500.0, 100.0, 110.0]))
-    assert steps == [500.0, 100.0, 110.0] and tflops == [100.0] * 3 and tokens == []
-    steps, tflops, tokens = compare.parse_log(json_log([20.0, 10.0]) + "not json {\n")
-    assert steps == [20.0, 10.0] and tflops == [0.5, 0.5] and len(tokens) == 2
+    log = compare.parse_log(megatron_log([500.0, 100.0, 110.0]))
+    assert log.step_ms == [500.0, 100.0, 110.0] and log.total == 3 and log.crash is None
+    assert [v["tflops"] for v in log.iterations.values()] == [100.0] * 3
+    log = compare.parse_log(json_log([20.0, 10.0]) + "not json {\n")
+    assert log.step_ms == [20.0, 10.0] and sorted(log.iterations) == [1, 2] and log.total is None
+    assert log.iterations[2] == {"step_ms": 10.0, "tflops": 0.5, "tokens_per_s": 100.0}
     trainer = (" iteration        2/       3 | lm loss: 5.5E+00 | grad norm: 1.569 | elapsed time per "
                "iteration (ms): 46.2 | tokens/s: 1385.3 | TFLOP/s per rank: 0.0001")
-    assert compare.parse_log(trainer) == ([46.2], [0.0001], [1385.3])
+    log = compare.parse_log(trainer)
+    assert log.iterations == {2: {"step_ms": 46.2, "tflops": 0.0001, "tokens_per_s": 1385.3}}
+    assert log.total == 3
+    # the same iteration as a JSON record and a text line counts once
+    assert compare.parse_log(json_log([46.2], start=2) + trainer).step_ms == [46.2]
+    # Megatron-LM's arguments block; the rank prefix of torchrun --tee is dropped
+    log = compare.parse_log("\n".join("[rank0]: " + x for x in
+                                      megatron_log([9.0], args={"impl": "transformer_engine"}).splitlines()))
+    assert log.settings["transformer_impl"] == "transformer_engine" and log.settings["bf16"] == "True"
+    assert compare.precision(log.settings) == "bf16" and log.step_ms == [9.0]
 
 
-def test_results_directory_table_csv_png(tmp_path, capsys):
+@pytest.mark.parametrize("tail", [
+    TRACEBACK,
+    "pretrain_gpt.py: error: --atp-mesh 4,2: d1 x d2 = 8 must equal --tensor-model-parallel-size 4",
+    "srun: error: node12: task 3: Exited with exit code 1",
+    "[rank3]: RuntimeError: NCCL communicator was aborted",
+    "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) local_rank: 0",
+    "megatron-oases train: rank(s) [1] failed",
+])
+def test_crash_lines(tail):
+    log = compare.parse_log(megatron_log([10.0] * 6, total=20, tail=tail))
+    assert log.crash and len(log.iterations) == 6
+
+
+def test_no_crash_from_warnings_and_arguments():
+    text = megatron_log([10.0] * 4, args={}, tail="/x/y.py:12: UserWarning: TypedStorage is deprecated\n"
+                        "WARNING: Logging before flag parsing goes to stderr.\nexit code 0")
+    log = compare.parse_log(text)
+    assert log.crash is None and log.settings["exit_on_missing_checkpoint"] == "False"
+
+
+def _write(root, case, variant, text):
+    (root / case).mkdir(parents=True, exist_ok=True)
+    path = root / case / variant
+    path.write_text(text)
+    return path
+
+
+def test_crashed_and_truncated_runs_are_marked_in_table_csv_and_chart(tmp_path, capsys):
+    """One crashed and one truncated variant next to complete ones, a crashed baseline, a case
+    without a baseline: statuses in the table, the CSV and the chart's data; speedups only
+    between complete runs; the footer names each cause."""
     res = tmp_path / "results"
-    for case, runs in {"h1024": {"stock": [900, 200, 200], "oases": [900, 100, 100]},
-                       "h2048": {"stock": [900, 300, 300], "oases": [], "atp-2x2-c2": [1, 150, 150]}}.items():
-        (res / case).mkdir(parents=True)
-        for variant, steps in runs.items():
-            (res / case / f"{variant}.log").write_text(megatron_log(steps) if steps else "Traceback\n")
-    (res / "env.txt").write_text("not a log")
+    ten = [900.0] + [200.0] * 9
+    _write(res, "h1024", "stock.log", megatron_log(ten))
+    _write(res, "h1024", "oases.log", megatron_log([900.0] + [100.0] * 9))
+    _write(res, "h1024", "atp-2x2-c2.log", megatron_log([900.0] + [50.0] * 5, total=10, tail=TRACEBACK))
+    _write(res, "h1024", "oases-no-cross-pass.log", megatron_log([900.0] + [80.0] * 5, total=10))
+    _write(res, "h2048", "stock.log", megatron_log([900.0] + [300.0] * 5, total=20, tail=TRACEBACK))
+    _write(res, "h2048", "oases.log", megatron_log([900.0] + [150.0] * 19))
+    _write(res, "h4096", "oases.log", megatron_log([900.0] + [150.0] * 19))
     out_csv, out_png = tmp_path / "s.csv", tmp_path / "s.png"
     assert compare.main([str(res), "--csv", str(out_csv), "--png", str(out_png)]) == 0
-    table = capsys.readouterr().out
-    assert "no data" in table and "2.000x" in table
+    out = capsys.readouterr().out
+    table = {tuple(line.split()[:2]): line for line in out.splitlines()[2:9]}
+    assert "complete" in table["h1024", "oases"] and table["h1024", "oases"].endswith("2.000x")
+    assert "crashed at iteration 6 of 10" in table["h1024", "atp-2x2-c2"]
+    assert table["h1024", "atp-2x2-c2"].endswith("crashed")
+    assert "incomplete (6 of 10 iterations)" in table["h1024", "oases-no-cross-pass"]
+    assert table["h1024", "oases-no-cross-pass"].endswith("incomplete")
+    assert table["h2048", "oases"].endswith("baseline crashed")
+    assert table["h4096", "oases"].endswith("no baseline")
+    assert "baseline stock crashed at iteration 6 of 20 in case h2048: torch.OutOfMemoryError" in out
+    no_base = [line for line in out.splitlines() if "no 'stock' run" in line]
+    assert len(no_base) == 1 and no_base[0].startswith("no 'stock' run in case h4096")  # not h2048
+    assert "h1024/atp-2x2-c2 crashed at iteration 6 of 10: torch.OutOfMemoryError" in out
+
     rows = {(r["case"], r["variant"]): r for r in csv.DictReader(open(out_csv))}
-    assert set(rows) == {("h1024", "stock"), ("h1024", "oases"), ("h2048", "stock"),
-                         ("h2048", "oases"), ("h2048", "atp-2x2-c2")}
+    assert len(rows) == 7 and list(rows)[0] == ("h1024", "stock")  # the baseline leads its case
+    assert [rows["h1024", v]["status"] for v in ("stock", "oases", "atp-2x2-c2", "oases-no-cross-pass")] \
+        == ["complete", "complete", "crashed", "incomplete"]
+    assert rows["h1024", "oases-no-cross-pass"]["status_detail"] == "incomplete (6 of 10 iterations)"
+    assert rows["h1024", "oases-no-cross-pass"]["speedup"] == ""
+    assert rows["h1024", "oases-no-cross-pass"]["speedup_note"] == "incomplete"
+    assert rows["h1024", "atp-2x2-c2"]["speedup"] == "" and rows["h1024", "atp-2x2-c2"]["iterations"] == "6"
+    assert rows["h1024", "atp-2x2-c2"]["crash_line"].startswith("torch.OutOfMemoryError")
     assert float(rows["h1024", "oases"]["speedup"]) == pytest.approx(2.0)
-    assert float(rows["h2048", "atp-2x2-c2"]["speedup"]) == pytest.approx(2.0)
+    assert rows["h1024", "oases"]["compared_iterations"] == "9"
     assert float(rows["h1024", "stock"]["step_ms_mean"]) == pytest.approx(200.0)  # warm-up skipped
-    assert rows["h2048", "oases"]["iterations"] == "0" and rows["h2048", "oases"]["speedup"] == ""
-    assert list(rows)[0] == ("h1024", "stock")  # the baseline leads its case
-    if importlib.util.find_spec("matplotlib"):
-        assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert rows["h2048", "stock"]["status"] == "crashed" and rows["h2048", "oases"]["speedup"] == ""
+    assert rows["h2048", "oases"]["speedup_note"] == "baseline crashed"
+    assert rows["h4096", "oases"]["speedup_note"] == "no baseline"
+
+    rows_ = compare.summarise(compare.collect([str(res)]), baseline="stock", skip_first=1)
+    chart = compare.chart_data(rows_)
+    bars = {(b["case"], b["variant"]): b for b in chart["bars"]}
+    assert len(bars) == 7 and chart["cases"] == ["h1024", "h2048", "h4096"]
+    assert bars["h1024", "oases"]["height"] == pytest.approx(2.0) and not bars["h1024", "oases"]["hatched"]
+    assert bars["h1024", "oases"]["label"] == "2.00x"
+    for key, status, label in [(("h1024", "atp-2x2-c2"), "crashed", "crashed at iteration 6 of 10"),
+                               (("h1024", "oases-no-cross-pass"), "incomplete",
+                                "incomplete (6 of 10 iterations)"),
+                               (("h2048", "stock"), "crashed", "crashed at iteration 6 of 20"),
+                               (("h2048", "oases"), "complete", "baseline crashed"),
+                               (("h4096", "oases"), "complete", "no baseline")]:
+        b = bars[key]
+        assert (b["status"], b["label"], b["hatched"], b["speedup"]) == (status, label, True, None), key
+        assert b["height"] > 2.0  # spans the axis: never a bar of height 0
+    xs = [bars["h1024", v]["x"] for v in ("stock", "oases", "atp-2x2-c2", "oases-no-cross-pass")]
+    assert len(set(xs)) == 4 and all(-0.5 < x < 0.5 for x in xs)  # side by side over h1024
+    assert out_png.read_bytes()[:4] == b"\x89PNG"  # matplotlib is an install dependency
+
+
+def test_speedup_over_common_iterations_and_unknown_length(tmp_path, capsys):
+    res = tmp_path / "res"
+    # baseline logs every iteration, the variant every second one (--log-interval 2)
+    base = [900.0, 100.0, 300.0, 100.0, 300.0, 100.0, 300.0, 100.0, 300.0, 100.0]
+    _write(res, "c", "stock.log", megatron_log(base))
+    _write(res, "c", "oases.log", megatron_log([400.0, 50.0, 50.0, 50.0, 50.0], iters=[2, 4, 6, 8, 10], total=10))
+    # JSON logs do not say how long the run was meant to be: the longest run of the case decides
+    _write(res, "j", "stock.jsonl", json_log([900.0] + [100.0] * 7))
+    _write(res, "j", "oases.jsonl", json_log([900.0] + [50.0] * 4))
+    assert compare.main([str(res), "--skip-first", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {(r["case"], r["variant"]): r
+            for r in compare.summarise(compare.collect([str(res)]), baseline="stock", skip_first=1)}
+    # common iterations 2,4,...,10 minus the first: 4,6,8,10 -> baseline 100 ms there, not 200 ms
+    assert rows["c", "oases"]["status"] == "complete" and rows["c", "oases"]["compared_iterations"] == 4
+    assert rows["c", "oases"]["speedup"] == pytest.approx(2.0)
+    assert rows["j", "oases"]["status_detail"] == "incomplete (5 of 8 iterations)"
+    assert rows["j", "stock"]["status"] == "complete"
+    assert "judged against the longest run of case j" in out
+
+
+def test_settings_mismatch_warnings_and_sidecar(tmp_path, capsys):
+    res = tmp_path / "res"
+    _write(res, "m", "stock.log", megatron_log([10.0] * 4, args={"impl": "transformer_engine"}))
+    _write(res, "m", "oases.log", megatron_log([10.0] * 4, args={"hidden": 2048}))
+    _write(res, "m", "same.log", megatron_log([10.0] * 4, args={"impl": "transformer_engine"}))
+    # reference trainer: JSON log + sidecar arguments (mapping, or the command line)
+    _write(res, "t", "stock.jsonl", json_log([10.0] * 4))
+    _write(res, "t", "stock.args.json", json.dumps({"train_iters": 4, "transformer_impl": "local"}))
+    _write(res, "t", "oases.jsonl", json_log([10.0] * 3))
+    _write(res, "t", "oases.args.json", json.dumps(["--train-iters", "4", "--bf16", "--schedule", "oases"]))
+    _write(res, "u", "stock.jsonl", json_log([10.0] * 4))  # no sidecar: nothing compared
+    _write(res, "u", "oases.jsonl", json_log([10.0] * 4))
+    assert compare.main([str(res)]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warnings[0] == ("warning: m/oases differs from stock: transformer_impl local vs "
+                           "transformer_engine, hidden_size 2048 vs 1024 (its speedup compares different work)")
+    assert warnings[1].startswith("warning: t/oases differs from stock: precision bf16 vs fp32")
+    assert len(warnings) == 2  # m/same matches; case u has no arguments to compare
+    assert "incomplete (3 of 4 iterations)" in out  # N from the sidecar's --train-iters
+
+
+def test_json_log_with_its_stdout_beside_it(tmp_path, capsys):
+    """The trainer's --log-json file says nothing of a crash; its stdout (<variant>.out) does."""
+    res = tmp_path / "res"
+    _write(res, "t", "stock.jsonl", json_log([10.0] * 5))
+    _write(res, "t", "oases.jsonl", json_log([5.0] * 3))
+    trainer = "".join(f" iteration {i:8d}/{5:8d} | lm loss: 5.5E+00 | elapsed time per iteration (ms): 5.0\n"
+                      for i in (1, 2, 3))
+    _write(res, "t", "oases.out", trainer + "megatron-oases train: rank(s) [1] failed\n" + TRACEBACK)
+    assert compare.main([str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "t/oases crashed at iteration 3 of 5: torch.OutOfMemoryError" in out
+
+
+def test_status_file_exit_code_marks_a_crash(tmp_path, capsys):
+    res = tmp_path / "res"
+    _write(res, "h1", "stock.log", megatron_log([10.0] * 4))
+    _write(res, "h1", "oases.log", megatron_log([5.0] * 4))
+    (res / "status.txt").write_text("h1 stock exit=0\nh1 oases exit=137\n")
+    assert compare.main([str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "h1/oases crashed at iteration 4 of 4: exit=137 in" in out
 
 
 def test_labels_baseline_choice_and_missing_baseline(tmp_path, capsys):
@@ -77,9 +249,11 @@ def test_labels_baseline_choice_and_missing_baseline(tmp_path, capsys):
     assert compare.main([f"mine={a}", f"theirs={b}", "--baseline", "theirs", "--skip-first", "0"]) == 0
     out = capsys.readouterr().out
     assert "theirs" in out.splitlines()[2]  # baseline row first
+    assert "mine" in out.splitlines()[3] and out.splitlines()[3].endswith("0.923x")  # 40/43.3
     rows = compare.summarise(compare.collect([f"mine={a}", f"theirs={b}"]), baseline="x", skip_first=1)
     assert all(r["speedup"] != r["speedup"] for r in rows)  # NaN: no baseline "x"
-    assert "no 'x' run" in compare.format_table(rows, "x")
+    assert all(r["speedup_note"] == "no baseline" for r in rows)
+    assert "no 'x' run in case -" in compare.format_table(rows, "x")
 
 
 def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch, capsys):
@@ -95,6 +269,10 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(SystemExit, match="neither a log file nor a directory"):
         compare.main([str(tmp_path / "missing.log")])
     with pytest.raises(SystemExit, match="no \\*.log"):
+        compare.main([str(tmp_path)])
+    (tmp_path / "stock.log").write_text(megatron_log([1.0]))
+    (tmp_path / "stock.args.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="stock.args.json: cannot be read as JSON"):
         compare.main([str(tmp_path)])
 
 
@@ -127,5 +305,6 @@ def test_smoke_reference_trainer_into_compare(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(open(out_csv)))
     assert [r["variant"] for r in rows] == ["stock", "atp-1x2-c2", "oases"]
-    assert all(r["iterations"] == "2" and float(r["speedup"]) > 0 for r in rows)
+    assert all(r["status"] == "complete" and r["iterations"] == "3" and r["compared_iterations"] == "2"
+               and float(r["speedup"]) > 0 for r in rows)
     assert float(rows[0]["speedup"]) == 1.0
