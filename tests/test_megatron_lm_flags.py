@@ -33,6 +33,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     p.add_argument("--position-embedding-type", default="learned_absolute")
+    p.add_argument("--transformer-impl", default="transformer_engine")  # Megatron-LM's default
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--fp8-format", dest="fp8", default=None)
     return p
@@ -40,7 +41,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8"]
+        "--global-batch-size", "8", "--transformer-impl", "local"]
 
 
 def parse(argv, world=4, monkeypatch=None, provider=extra_args_provider):
@@ -104,6 +105,8 @@ def test_oases_flags_parse(monkeypatch):
       "--recompute-method", "block"], "use --recompute-method uniform"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--tp-comm-overlap"],
      "drop --tp-comm-overlap"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--transformer-impl",
+      "transformer_engine"], "pass --transformer-impl local"),
     (["--tensor-model-parallel-size", "4", "--schedule", "oases", "--tp-backend", "atp",
       "--atp-mesh", "2,2", "--overlap-param-gather"], "drop --overlap-param-gather"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
@@ -218,5 +221,5 @@ def test_missing_model_sizes(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert p.parse_args([]).tp_backend == "megatron"  # stock: Megatron-LM asks for them itself
     with pytest.raises(SystemExit):
-        p.parse_args(["--schedule", "oases"])
+        p.parse_args(["--schedule", "oases", "--transformer-impl", "local"])
     assert "--num-layers is required" in capsys.readouterr().err

@@ -241,6 +241,10 @@ def _check_non_stock(args: argparse.Namespace) -> None:
         if getattr(args, name, None):
             raise ConfigError(f"{what} builds its own layers and does not support {flag}; "
                               f"drop one of them")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise ConfigError(f"{what} builds torch layers, not Transformer Engine ones: pass "
+                          f"--transformer-impl local (and run the stock baseline with "
+                          f"--transformer-impl local too, for a comparison of TP schemes only)")
     pos = getattr(args, "position_embedding_type", "learned_absolute")
     if pos != "learned_absolute":
         raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which uses "
