@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
-from megatron_oases.describe.registry import layer_params
+from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests.rank_fns_contract import layer_contract
 
@@ -30,11 +30,11 @@ def test_atp_layer_issues_what_its_description_says(d1, d2, chunks):
     outs = run_on_ranks(layer_contract, n, args=(argv, B, S, H), timeout_s=120)
     desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, d1=d1, d2=d2,
                             bytes_per_element=4, chunks=chunks)
-    # A one-layer block enters and leaves ATP's [s, b, h/d2] layout: an axis-2 all-gather of the
-    # whole [s, b, h] on leaving (forward) and on entering (backward); nothing when d2 = 1.
-    edge = [("all_gather", d2, B * S * H * 4)] if d2 > 1 else []
+    # A one-layer block both enters and leaves ATP's [s, b, h/d2] layout (nothing when d2 = 1).
+    edges = dict(zip(("forward", "backward"), block_edges(
+        backend="atp", mesh=(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
     for pass_ in ("forward", "backward"):
-        want = sorted([(c.kind, c.group_size, c.payload_bytes) for c in desc.collectives(pass_)] + edge)
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edges[pass_]))
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
     per_rank = layer_params("atp", H, 4 * H, n, (d1, d2))

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from .atp_2d import atp_2d_gpt_layer
+from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
 from .megatron_1d import megatron_1d_gpt_layer
-from .ops import LayerDescription, ModelingError
+from .ops import Collective, LayerDescription, ModelingError
 
-BACKENDS = ("megatron", "atp")
+BACKENDS = ("megatron", "atp", "3d")
 
 
 def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
@@ -17,13 +18,40 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
                                 d1=mesh[0], d2=mesh[1], bytes_per_element=bytes_per_element)
+    if backend == "3d":
+        return cube_3d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
+                                 tp=tp, bytes_per_element=bytes_per_element)
     raise ModelingError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
 
 
+def block_edges(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int, hidden: int,
+                tp: int, bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """(forward, backward) collectives where a run of a backend's layers meets Megatron's
+    replicated ``[s, b, h]`` (embedding, pipeline sends, output layer): leaving all-gathers,
+    entering splits (its backward all-gathers). None for Megatron 1-D or ATP with d2 = 1."""
+    full = micro_batch * seq * hidden * bytes_per_element
+    if backend == "atp" and mesh is not None and mesh[1] > 1:
+        return ((Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=mesh[1],
+                            payload_bytes=full),),
+                (Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=mesh[1],
+                            payload_bytes=full),))
+    if backend == "3d":
+        return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
+                                bytes_per_element=bytes_per_element)
+    return (), ()
+
+
 def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | None) -> tuple[int, ...]:
-    """The group of the representative (TP position 0) on ``axis``: tp, mesh1 (stride d2), mesh2."""
+    """The group of the representative (TP position 0) on ``axis``: tp, mesh1 (stride d2), mesh2;
+    cube_z (consecutive), cube_x (stride p), cube_y (stride p^2) in the cube's default order."""
     if axis == "tp":
         return tp_ranks
+    if axis.startswith("cube_"):
+        p = cube_side(len(tp_ranks))
+        stride = {"cube_z": 1, "cube_x": p, "cube_y": p * p}.get(axis)
+        if stride is None:
+            raise ModelingError(f"unknown collective axis {axis!r}")
+        return tp_ranks[::stride][:p]
     d1, d2 = mesh or (len(tp_ranks), 1)
     if axis == "mesh2":
         return tp_ranks[:d2]
@@ -45,6 +73,10 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
         d1, d2 = mesh
         return (3 * h * h // t, 3 * h // d1, h * h // t, h // d2, h * f // t, f // d1, h * f // t, h // d2,
                 *(h // d2,) * 4)
+    if backend == "3d":  # TP position 0 holds a diagonal block of every vector (N / p^2)
+        q = cube_side(t) ** 2
+        return (3 * h * h // t, 3 * h // q, h * h // t, h // q, h * f // t, f // q, h * f // t, h // q,
+                *(h // q,) * 4)
     return (3 * h * h // t, 3 * h // t, h * h // t, h, h * f // t, f // t, h * f // t, h, *(h,) * 4)
 
 
@@ -58,9 +90,11 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     softmax/dropout outputs (2 a s^2 b/t elements) and mask (a s^2 b/t bytes). With e = 2 and
     f = 4h this is sbh(10 + 24/t) + 5 a s^2 b / t.
     ATP: norms and residual-side tensors are sharded by d2, the proj input by d1, the FFN by d1,
-    heads by d1 * d2.
+    heads by d1 * d2. 3-D: every saved tensor is a rank's own block, 1/t of the TP-1 layer's.
     """
     tok = b * s
+    if backend == "3d":
+        return (tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f)) + a * s * s * b * (2 * e + 1)) / t
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh
         n = d1 * d2
@@ -69,7 +103,10 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     return tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f) / t) + a * s * s * b / t * (2 * e + 1)
 
 
-def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None) -> float:
-    """One [s, b, h] hidden state as a rank holds it (sharded by d2 under ATP)."""
+def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None,
+                      t: int = 1) -> float:
+    """One [s, b, h] hidden state as a rank holds it (sharded by d2 under ATP, by t under 3-D)."""
+    if backend == "3d":
+        return b * s * h * e / t
     d2 = mesh[1] if backend == "atp" and mesh is not None else 1
     return b * s * h * e / d2

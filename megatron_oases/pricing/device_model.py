@@ -255,7 +255,8 @@ class DeviceModel:
         return bw
 
     def collective_ms(self, kind: str, payload_bytes: float, ranks: tuple[int, ...]) -> float:
-        """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter (n-1)/n S/B + (n-1) lat."""
+        """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter (n-1)/n S/B + (n-1) lat;
+        broadcast / reduce (3-D vectors) S/B + (n-1) lat."""
         n = len(ranks)
         if n <= 1:
             return 0.0
@@ -264,6 +265,8 @@ class DeviceModel:
             factor, steps = 2.0 * (n - 1) / n, 2 * (n - 1)
         elif kind in ("all_gather", "reduce_scatter"):
             factor, steps = (n - 1) / n, n - 1
+        elif kind in ("broadcast", "reduce"):  # pipelined along the ring: the root's S, n - 1 hops
+            factor, steps = 1.0, n - 1
         else:
             raise SimError(f"unknown collective kind {kind!r}")
         return factor * payload_bytes / (bw * 1e6) + steps * lat_us / 1e3

@@ -11,6 +11,7 @@ import sys
 
 from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
+from ..describe.registry import BACKENDS
 from .events import ModelConfig, Strategy
 from .profiler import resolve_topology
 
@@ -54,7 +55,8 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-layers", type=int, default=0, help="recompute only the first k layers per chunk")
     g.add_argument("--no-fine-grained-recompute", dest="fine_grained_recompute", action="store_false",
                    help="oases: recompute from each layer's input (repeats the forward all-reduces)")
-    g.add_argument("--tp-backend", default="megatron", choices=("megatron", "atp"))
+    g.add_argument("--tp-backend", default="megatron", choices=BACKENDS,
+                   help="TP layer: megatron (1-D), atp (2-D mesh, --atp-mesh), 3d (cube, TP = p^3)")
     g.add_argument("--atp-mesh", default=None, metavar="D1,D2")
     g.add_argument("--distributed-optimizer", action="store_true")
 
@@ -66,7 +68,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--tp-sizes", default=None, help="e.g. 1,2,4,8 (default: powers of two up to heads)")
     g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
-    g.add_argument("--backends", default="megatron,atp", help="TP backends to try: megatron,atp")
+    g.add_argument("--backends", default="megatron,atp",
+                   help="TP backends to try: megatron,atp (add 3d: cube TP degrees p^3 only)")
     g.add_argument("--overlaps", default="none,oases")
     g.add_argument("--recompute-options", default="off,on")
 

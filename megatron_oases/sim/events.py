@@ -13,7 +13,7 @@ import functools
 from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
 from ..describe.event_key import layer_event_tag
 from ..describe.ops import Collective, Compute
-from ..describe.registry import BACKENDS, axis_ranks, layer_description, layer_param_tensors
+from ..describe.registry import BACKENDS, axis_ranks, block_edges, layer_description, layer_param_tensors
 from ..pricing.device_model import SimError
 from ..pricing.event import Event, group_tag
 from ..topology import Topology
@@ -86,7 +86,7 @@ class Strategy:
     fine_grained_recompute: bool = True
     """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
     backend: str = "megatron"
-    """TP layer: megatron (1-D) | atp (2-D mesh, needs ``mesh``)."""
+    """TP layer: megatron (1-D) | atp (2-D mesh, needs ``mesh``) | 3d (cube, tp = p^3)."""
     mesh: tuple[int, int] | None = None
     """ATP DeviceMesh(d1, d2) with d1 * d2 = tp."""
     distributed_optimizer: bool = False
@@ -123,6 +123,8 @@ class Strategy:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         if self.backend == "atp":
             parts.append(f"atp{self.mesh[0]}x{self.mesh[1]}")
+        elif self.backend == "3d":
+            parts.append("3d")
         if self.virtual_stages > 1:
             parts.append(f"vp{self.virtual_stages}")
         if self.schedule == "gpipe":
@@ -218,8 +220,9 @@ def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
                            f"of PP {s.pp}")
     if s.overlap == "oases" and m.micro_batch % 2:
         raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {m.micro_batch} is odd")
-    if s.overlap == "oases" and s.backend != "megatron":
-        raise SimError(f"oases overlap supports the megatron TP backend only (got {s.backend})")
+    if s.overlap == "oases" and s.backend == "3d":
+        raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
+                       "tape for 3d); use overlap none with backend 3d")
     if m.hidden % s.tp or m.heads % s.tp or m.ffn % s.tp or m.vocab % s.tp:
         raise SimError(f"hidden {m.hidden}, heads {m.heads}, ffn {m.ffn}, vocab {m.vocab} "
                        f"must be divisible by TP {s.tp}")
@@ -245,7 +248,10 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     b, e, t, vp = m.micro_batch // chains, m.bytes_per_element, s.tp, s.virtual_stages
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                               heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e)
-    mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
+    # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
+    leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
+                                 tp=t, bytes_per_element=e)
+    mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else "cube" if s.backend == "3d" else ""
     tag, tag_dims = layer_event_tag(m.hidden_dropout, m.attention_dropout, chains, s.backend)
     shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}{tag}"
     # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
@@ -291,12 +297,7 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
             # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
             bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
             pre_f, post_f, pre_b, post_b = [], [], [], []  # the head, around the layers
-            if s.backend == "atp" and s.mesh[1] > 1:  # enter: split (bwd all-gather); leave: all-gather
-                d2 = s.mesh[1]
-                gather = Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=d2, payload_bytes=act)
-                enter_b = Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=d2,
-                                     payload_bytes=act)
-                fwd, bwd = fwd + [ev(gather)], bwd + [ev(enter_b)]
+            fwd, bwd = fwd + [ev(op) for op in leave], bwd + [ev(op) for op in enter_b]
             if first:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
                 emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * head_act)
                 red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t,

@@ -51,7 +51,7 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     m, s = model, strategy
     kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, e=m.bytes_per_element, mesh=s.mesh)
     full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, **kw)
-    inp = layer_input_bytes(s.backend, **kw)
+    inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     saved = 3 * inp if (s.overlap == "oases" and s.fine_grained_recompute) else inp

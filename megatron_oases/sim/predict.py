@@ -42,8 +42,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     if args.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = getattr(args, "tp_backend", "megatron")
-    if backend not in ("megatron", "atp"):
-        raise SimError(f"--tp-backend {backend} is not modeled by the simulator yet")
     if backend == "atp" and getattr(args, "atp_chunks", 1) > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

@@ -12,6 +12,7 @@ import os
 from typing import Iterable, Sequence
 
 from ..pricing.device_model import DeviceModel, SimError
+from ..describe.cube_3d import cube_side
 from .events import ModelConfig, Strategy, check
 from .timeline import SimResult, simulate
 
@@ -84,6 +85,14 @@ def _pow2_divisors(n: int, cap: int) -> list[int]:
     return out
 
 
+def _is_cube(tp: int) -> bool:
+    try:
+        cube_side(tp)
+    except SimError:
+        return False
+    return True
+
+
 def _meshes(tp: int) -> list[tuple[int, int]]:
     """ATP meshes with a real second axis (d2 > 1); (tp, 1) is Megatron's own layer."""
     return [(tp // d2, d2) for d2 in range(2, tp + 1) if tp % d2 == 0]
@@ -115,11 +124,13 @@ def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
                 out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
                 continue
             for backend in space.backends:
-                meshes = [None] if backend == "megatron" else _meshes(tp)
+                if backend == "3d" and not _is_cube(tp):
+                    continue  # the cube needs TP = p^3, p >= 2
+                meshes = _meshes(tp) if backend == "atp" else [None]
                 for mesh in meshes:
                     for overlap in space.overlaps:
-                        if overlap == "oases" and backend != "megatron":
-                            continue  # Oases overlaps Megatron's 1-D layer only
+                        if overlap == "oases" and backend == "3d":
+                            continue  # the runtime has no Oases tape for the cube
                         for rc in space.recompute:
                             for vp in space.virtual_stages:
                                 if vp > 1 and pp == 1:

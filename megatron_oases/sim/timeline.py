@@ -421,7 +421,8 @@ def summary_table(r: SimResult) -> str:
     """Plain-text per-stage breakdown plus the headline numbers."""
     s = r.strategy
     vp = f" x {s.virtual_stages} virtual" if s.virtual_stages > 1 else ""
-    be = f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else ""
+    be = (f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp"
+          else ", 3-D cube" if s.backend == "3d" else "")
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
              f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}",
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "

@@ -1,0 +1,116 @@
+"""The 3-D TP layer (Bian et al. 2021) on a p x p x p cube of ranks, from ``layers/linear3d.py``,
+``tp3d_attention.py``, ``tp3d_mlp.py`` and ``tp3d_spec.py``.
+
+Between layers a rank holds ``[s, b/p^2, h/p]`` (samples split by x and y, hidden by z). Every
+GEMM (form C = A B^T, directions (a, x, c)) all-gathers its activation block in ``a`` and its
+weight block in x, computes, and reduce-scatters the result in ``c`` (a <-> c swap y and z: the
+§3.2 exchange; QKV and fc1 go y -> z, proj and fc2 z -> y). Its backward runs two other forms
+(dA: gathers dC in c and W in x, reduce-scatters in a; dW: gathers dC in c and A in a,
+reduce-scatters in x). Norm statistics are all-reduced in z (the hidden split). Vectors (biases,
+norm weights) live on the cube diagonal: each use broadcasts a ``N/p^2`` chunk along the other
+activation direction and all-gathers the ``N/p`` block in x; backward reduce-scatters in x and
+reduces along that direction. Collective axes are ``cube_x``, ``cube_y``, ``cube_z``.
+
+Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as 2.
+"""
+from __future__ import annotations
+
+from .ops import Collective, Compute, LayerDescription, ModelingError, backward_of
+
+_OTHER = {"y": "z", "z": "y"}
+
+
+def cube_side(tp: int) -> int:
+    """p for a TP group of p^3 ranks (p >= 2)."""
+    p = round(tp ** (1.0 / 3.0))
+    if p < 2 or p ** 3 != tp:
+        raise ModelingError(f"3-D TP needs TP = p^3 with p >= 2 (8, 27, 64, ...); got {tp}")
+    return p
+
+
+def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, tp: int,
+                      bytes_per_element: int = 2) -> LayerDescription:
+    """A GPT layer (LayerNorm, biased linears, GeLU MLP) on the cube of ``tp = p^3`` ranks."""
+    p = cube_side(tp)
+    q = p * p
+    b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
+    if b % q or h % q or f % q or a % p:
+        raise ModelingError(f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
+                            f"divisible by p^2 = {q}, heads {a} by p")
+    tok = b * s  # tokens of the (sub-)batch; a rank's activation block is tok/p^2 x h/p
+
+    def coll(name: str, direction: str, nbytes: float, kind: str) -> Collective:
+        return Collective(name=name, kind=kind, axis=f"cube_{direction}", group_size=p,
+                          payload_bytes=int(nbytes))
+
+    def vector(name: str, n: int, col_dir: str, backward: bool = False) -> tuple[Collective, ...]:
+        """A diagonal vector of size n applied to columns split by ``col_dir`` (Algorithm 7)."""
+        d = _OTHER[col_dir]
+        if backward:
+            return (coll(f"{name}.rs", "x", e * n / p, "reduce_scatter"),
+                    coll(f"{name}.reduce", d, e * n / q, "reduce"))
+        return (coll(f"{name}.bcast", d, e * n / q, "broadcast"),
+                coll(f"{name}.ag", "x", e * n / p, "all_gather"))
+
+    def gemm(name: str, n_in: int, n_out: int, a_dir: str, backward: bool = False) -> tuple[Collective, ...]:
+        """Collectives of Linear3D (C = A W^T) around its local GEMM; forward: (before, after)."""
+        c_dir = _OTHER[a_dir]
+        act_in, act_out, weight = e * tok * n_in / q, e * tok * n_out / q, e * n_out * n_in / q
+        if backward:  # dA = dC W (c, x, a); dW = dC^T A (c, a, x)
+            return (coll(f"{name}.dA.ag_dc", c_dir, act_out, "all_gather"),
+                    coll(f"{name}.dA.ag_w", "x", weight, "all_gather"),
+                    coll(f"{name}.dA.rs", a_dir, act_in, "reduce_scatter"),
+                    coll(f"{name}.dW.ag_dc", c_dir, act_out, "all_gather"),
+                    coll(f"{name}.dW.ag_a", a_dir, act_in, "all_gather"),
+                    coll(f"{name}.dW.rs", "x", weight, "reduce_scatter"))
+        return (coll(f"{name}.ag_a", a_dir, act_in, "all_gather"),
+                coll(f"{name}.ag_w", "x", weight, "all_gather"),
+                coll(f"{name}.rs", c_dir, act_out, "reduce_scatter"))
+
+    def norm(name: str, backward: bool = False) -> tuple[Collective, ...]:
+        stats = (coll(f"{name}.mean", "z", e * tok / q, "all_reduce"),
+                 coll(f"{name}.var", "z", e * tok / q, "all_reduce"))
+        return stats + vector(f"{name}.gamma", h, "z", backward) + vector(f"{name}.beta", h, "z", backward)
+
+    per = tok * h / p ** 3  # elements of one activation block
+    ln = lambda nm: Compute(name=nm, gemm_flops=0.0, elementwise_bytes=e * 4 * per)  # noqa: E731
+    qkv = Compute(name="3d.qkv", gemm_flops=2 * tok * h * 3 * h / p ** 3, elementwise_bytes=e * 3 * per)
+    core = Compute(name="3d.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / p ** 3,
+                   elementwise_bytes=e * 3 * (b // q) * (a // p) * s * s)
+    proj = Compute(name="3d.proj", gemm_flops=2 * tok * h * h / p ** 3, elementwise_bytes=e * 3 * per)
+    fc1 = Compute(name="3d.fc1", gemm_flops=2 * tok * h * f / p ** 3, elementwise_bytes=e * 3 * per)
+    fc2 = Compute(name="3d.fc2", gemm_flops=2 * tok * f * h / p ** 3,
+                  elementwise_bytes=e * (2 * tok * f / p ** 3 + 3 * per))
+    ln1, ln2 = ln("3d.ln1"), ln("3d.ln2")
+
+    def block(name, n_in, n_out, a_dir, compute):
+        before_a, before_w, after = gemm(name, n_in, n_out, a_dir)
+        return (before_a, before_w, compute, after, *vector(f"{name}.bias", n_out, a_dir))
+
+    fwd = (ln1, *norm("ln1"), *block("qkv", h, 3 * h, "y", qkv), core,
+           *block("proj", h, h, "z", proj), ln2, *norm("ln2"),
+           *block("fc1", h, f, "y", fc1), *block("fc2", f, h, "z", fc2))
+
+    def back(name, n_in, n_out, a_dir, compute):
+        return (*vector(f"{name}.bias", n_out, a_dir, backward=True), backward_of(compute),
+                *gemm(name, n_in, n_out, a_dir, backward=True))
+
+    bwd = (*back("fc2", f, h, "z", fc2), *back("fc1", h, f, "y", fc1), backward_of(ln2),
+           *norm("ln2", backward=True), *back("proj", h, h, "z", proj), backward_of(core),
+           *back("qkv", h, 3 * h, "y", qkv), backward_of(ln1), *norm("ln1", backward=True))
+    return LayerDescription(backend="3d", forward=fwd, backward=bwd)
+
+
+def cube_block_edges(*, micro_batch: int, seq: int, hidden: int, tp: int,
+                     bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """(forward, backward) collectives at a block's edges: leaving the cube all-gathers the hidden
+    states in z, then y and x (samples); entering splits, whose backward gathers the same way."""
+    p = cube_side(tp)
+    full = micro_batch * seq * hidden * bytes_per_element
+
+    def gathers(prefix: str) -> tuple[Collective, ...]:
+        return tuple(Collective(name=f"{prefix}.{d}", kind="all_gather", axis=f"cube_{d}", group_size=p,
+                                payload_bytes=int(full / p ** k))
+                     for d, k in (("z", 2), ("y", 1), ("x", 0)))
+
+    return gathers("3d.leave"), gathers("3d.enter.bwd")

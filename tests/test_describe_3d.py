@@ -1,0 +1,67 @@
+"""The 3-D cube's layer description against the collectives the runtime issues (contract), and
+the simulator and predictor on the backends the runtime runs (3-D, Oases over ATP)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_oases.describe.cube_3d import cube_3d_gpt_layer
+from megatron_oases.describe.registry import block_edges, layer_params
+from megatron_oases.pricing.device_model import SimError, device_model
+from megatron_oases.runtime.spawn import run_on_ranks
+from megatron_oases.sim.events import ModelConfig, Strategy
+from megatron_oases.sim.timeline import simulate
+from megatron_oases.topology import load_topology
+from tests.rank_fns_contract import layer_contract
+
+B, S, H, A = 4, 8, 32, 8
+MODEL = ["--num-layers", "1", "--hidden-size", str(H), "--num-attention-heads", str(A),
+         "--seq-length", str(S), "--vocab-size", "128", "--micro-batch-size", str(B),
+         "--global-batch-size", str(B), "--device", "cpu"]
+
+
+def test_3d_layer_issues_what_its_description_says():
+    outs = run_on_ranks(layer_contract, 8, args=(MODEL + ["--tp-backend", "3d",
+                                                          "--tensor-model-parallel-size", "8"], B, S, H),
+                        timeout_s=180)
+    desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, tp=8, bytes_per_element=4)
+    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=B, seq=S, hidden=H, tp=8,
+                                 bytes_per_element=4)
+    for pass_, edge in (("forward", leave), ("backward", enter_b)):
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edge))
+        for out in outs:
+            assert sorted(r for r in out[pass_] if r[1] > 1) == want, (out["rank"], pass_)
+    # TP position 0 sits on the cube diagonal and holds a block of every vector
+    assert outs[0]["params"] == layer_params("3d", H, 4 * H, 8, None)
+
+
+def test_3d_description_divides_the_dense_layer_flops_by_the_cube():
+    from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
+
+    dense = megatron_1d_gpt_layer(micro_batch=8, seq=64, hidden=256, heads=8, ffn=1024, tp=1)
+    cube = cube_3d_gpt_layer(micro_batch=8, seq=64, hidden=256, heads=8, ffn=1024, tp=8)
+    for pass_ in ("forward", "backward"):
+        assert cube.flops(pass_) * 8 == pytest.approx(dense.flops(pass_))
+
+
+def test_3d_description_refuses_what_the_cube_cannot_split():
+    with pytest.raises(SimError, match="p\\^3"):
+        cube_3d_gpt_layer(micro_batch=4, seq=8, hidden=32, heads=8, ffn=128, tp=4)
+    with pytest.raises(SimError, match="micro-batch 2"):
+        cube_3d_gpt_layer(micro_batch=2, seq=8, hidden=32, heads=8, ffn=128, tp=8)
+
+
+@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
+def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
+    topo = load_topology("dgx-a100")
+    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=4096)
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
+                  recompute=overlap == "oases")
+    res = simulate(model, st, device_model(topo))
+    assert res.iteration_ms > 0
+
+
+def test_simulator_refuses_oases_over_the_cube():
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend="3d", overlap="oases")
+    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=4096)
+    with pytest.raises(SimError, match="no Oases tape for 3d"):
+        simulate(model, st, device_model(load_topology("dgx-a100")))
