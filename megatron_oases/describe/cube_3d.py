@@ -92,7 +92,9 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
            *block("fc1", h, f, "y", fc1), *block("fc2", f, h, "z", fc2))
 
     def back(name, n_in, n_out, a_dir, compute):
-        return (*vector(f"{name}.bias", n_out, a_dir, backward=True), backward_of(compute),
+        # the segment's backward first, then its collectives (bias and GEMM backward), so the
+        # planner cuts the layer into blocks at a segment (``3d.proj.bwd``)
+        return (backward_of(compute), *vector(f"{name}.bias", n_out, a_dir, backward=True),
                 *gemm(name, n_in, n_out, a_dir, backward=True))
 
     bwd = (*back("fc2", f, h, "z", fc2), *back("fc1", h, f, "y", fc1), backward_of(ln2),

@@ -165,8 +165,12 @@ def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple
     hi = max(a.degree, b.degree)
     samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
     shape, dims = shape_tag(m, samples, hi, other.mesh), shape_dims(m, samples, hi, other.mesh)
-    f = pricer.collective_ms(rs.forward, shape=shape, ranks=rs.ranks_forward, dims=dims) if rs.forward else 0.0
-    g = pricer.collective_ms(rs.backward, shape=shape, ranks=rs.ranks_backward, dims=dims) if rs.backward else 0.0
+    def total(first, first_ranks, more) -> float:
+        steps = ((first, first_ranks),) + tuple(more) if first else tuple(more)
+        return sum(pricer.collective_ms(op, shape=shape, ranks=ranks, dims=dims) for op, ranks in steps)
+
+    f = total(rs.forward, rs.ranks_forward, rs.more_forward)
+    g = total(rs.backward, rs.ranks_backward, rs.more_backward)
     return m.sub_batches * f, m.sub_batches * g
 
 

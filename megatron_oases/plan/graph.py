@@ -23,9 +23,10 @@ import dataclasses
 from typing import Callable
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
-from megatron_oases.describe.registry import axis_ranks, layer_activation_bytes
+from megatron_oases.describe.registry import axis_ranks, block_edges, layer_activation_bytes, layer_param_tensors
 
 from .memory import block_activation_bytes, block_memory
 from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
@@ -71,6 +72,9 @@ class Reshard:
     backward: Collective | None
     ranks_forward: tuple[int, ...] = ()
     ranks_backward: tuple[int, ...] = ()
+    more_forward: tuple[tuple[Collective, tuple[int, ...]], ...] = ()
+    """Further (collective, ranks) steps after ``forward`` (3-D leaves the cube in three)."""
+    more_backward: tuple[tuple[Collective, tuple[int, ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,18 +154,25 @@ def _split_at(ops, name: str) -> tuple[tuple, tuple]:
     return tuple(ops[:i]), tuple(ops[i:])
 
 
-def _atp_split(desc: LayerDescription) -> list["BlockOps"]:
-    """ATP's layer has many small segments (norm statistics, head gathers); its attention block
-    is everything before the pre-MLP norm (forward) and from the proj backward on (backward)."""
+def _split_named(mlp_first: str, attention_first_bwd: str) -> Callable[[LayerDescription], list["BlockOps"]]:
+    """A split for layers with many small segments (ATP, 3-D: norm statistics, gathers): the
+    attention block is everything before ``mlp_first`` (the pre-MLP norm, forward) and from
+    ``attention_first_bwd`` (the proj backward) on."""
     def block(kind, ops_f, ops_b):
         return BlockOps(kind=kind, fwd_compute=tuple(o for o in ops_f if isinstance(o, Compute)),
                         fwd_comm=tuple(o for o in ops_f if isinstance(o, Collective)),
                         bwd_compute=tuple(o for o in ops_b if isinstance(o, Compute)),
                         bwd_comm=tuple(o for o in ops_b if isinstance(o, Collective)))
 
-    attn_f, mlp_f = _split_at(desc.forward, "atp.ln2")
-    mlp_b, attn_b = _split_at(desc.backward, "atp.proj.bwd")
-    return [block("attention", attn_f, attn_b), block("mlp", mlp_f, mlp_b)]
+    def split(desc: LayerDescription) -> list[BlockOps]:
+        attn_f, mlp_f = _split_at(desc.forward, mlp_first)
+        mlp_b, attn_b = _split_at(desc.backward, attention_first_bwd)
+        return [block("attention", attn_f, attn_b), block("mlp", mlp_f, mlp_b)]
+
+    return split
+
+
+_atp_split = _split_named("atp.ln2", "atp.proj.bwd")
 
 
 def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
@@ -220,11 +231,69 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
     return saved, full + grads
 
 
+# ---- 3-D TP (paper 002): the cube p x p x p = T over the whole TP group ---------------------------
+
+def _cube_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+    return cube_3d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
+                             heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
+                             bytes_per_element=m.bytes_per_element)
+
+
+def _cube_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+    """TP rank 0's line of the cube in a direction (``describe.registry.axis_ranks``)."""
+    try:
+        return axis_ranks(axis, tuple(range(s.degree)), None)
+    except ModelingError:
+        raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
+
+
+def _cube_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+    """The cube's block edges (``describe.registry.block_edges``): leaving all-gathers in z, y
+    and x (forward); entering splits, whose backward gathers the same way."""
+    if src == dst:
+        return Reshard(forward=None, backward=None)
+    cube = src if src.family == "3d" else dst
+    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=m.micro_batch_size // m.sub_batches,
+                                 seq=m.seq_length, hidden=m.hidden_size, tp=cube.degree,
+                                 bytes_per_element=m.bytes_per_element)
+    steps = tuple((op, _cube_ranks(cube, op.axis)) for op in (leave if src is cube else enter_b))
+    (first, first_ranks), rest = steps[0], steps[1:]
+    if src is cube:
+        return Reshard(forward=first, backward=None, ranks_forward=first_ranks, more_forward=rest)
+    return Reshard(forward=None, backward=first, ranks_backward=first_ranks, more_backward=rest)
+
+
+def _cube_params(s: Strategy, m: PlanModel, kind: str) -> int:
+    """TP rank 0's weights (1/T of each) and its diagonal blocks of the vectors (N / p^2), split
+    into the two blocks (``describe.registry.layer_param_tensors``)."""
+    tensors = layer_param_tensors("3d", m.hidden_size, m.ffn_hidden_size, s.degree, None)
+    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, *norms = tensors
+    if kind == "attention":
+        return qkv_w + qkv_b + proj_w + proj_b + norms[0] + norms[1]
+    return fc1_w + fc1_b + fc2_w + fc2_b + norms[2] + norms[3]
+
+
+def _cube_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+    """Every saved tensor is a rank's own block (1/T of the dense layer's); with recompute a block
+    keeps its input block only (the cube runs the stock executor's full recompute)."""
+    e, h, tok = m.bytes_per_element, m.hidden_size, samples * m.seq_length
+    layer = layer_activation_bytes("3d", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads,
+                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None)
+    both = {k: block_activation_bytes(m, k, samples, 1) for k in ("attention", "mlp")}
+    full = layer * both[kind] / sum(both.values())
+    grads = 2 * e * tok * h / s.degree
+    if not m.recompute:
+        return full, grads
+    return e * tok * h / s.degree, full + grads
+
+
 FAMILIES: dict[str, Family] = {
     "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
                        params=_megatron_params, memory=_megatron_memory),
     "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=_atp_params,
                   memory=_atp_memory, split=_atp_split, mixes=False),
+    "3d": Family(describe=_cube_describe, group_ranks=_cube_ranks, reshard=_cube_reshard, params=_cube_params,
+                 memory=_cube_memory, split=_split_named("3d.ln2", "3d.proj.bwd"), mixes=False),
 }
 
 
@@ -262,6 +331,19 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 def feasible(s: Strategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can)."""
     d = s.degree
+    if s.family == "3d":
+        try:
+            p = cube_side(d)
+        except ModelingError as e:
+            return str(e)
+        h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
+        if d != m.tp:
+            return f"the cube {p}^3 must cover T={m.tp}"
+        if m.sub_batches != 1:
+            return "3-D TP runs the stock executor (no Oases tape): plan with --sub-batches 1"
+        if m.micro_batch_size % (p * p) or h % (p * p) or f % (p * p) or a % p:
+            return f"micro-batch {m.micro_batch_size}, hidden {h}, ffn {f} must divide by p^2 = {p * p}, heads {a} by p"
+        return ""
     if s.family == "atp":
         d1, d2 = s.mesh
         h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
@@ -285,7 +367,7 @@ def feasible(s: Strategy, m: PlanModel) -> str:
     return ""
 
 
-FAMILY_NAMES = ("megatron", "atp")
+FAMILY_NAMES = ("megatron", "atp", "3d")
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
@@ -301,6 +383,8 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
         meshes = [Strategy(degree=m.tp, family="atp", mesh=(m.tp // d2, d2))
                   for d2 in (1 << i for i in range(1, m.tp.bit_length())) if m.tp % d2 == 0]
         out += [s for s in meshes if not feasible(s, m)]
+    if "3d" in families and not feasible(cube := Strategy(degree=m.tp, family="3d"), m):
+        out.append(cube)
     if not out:
         raise PlanError(f"no block strategy of --families {','.join(families)} can run this model; "
                         f"add megatron or raise --micro-batch-size")

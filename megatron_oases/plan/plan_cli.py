@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from .graph import PlanError, PlanModel, model_from_mapping
-from .plan_file import (PLAN_FORMAT, atp_mesh_of, compact_notation, launch_flags, plan_launch_flags,
+from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
 
 PROG = "megatron-oases plan"
@@ -61,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--degrees", default=None, help="restrict the candidate degrees, e.g. 2,4")
     p.add_argument("--families", default="megatron",
                    help="strategy families to consider, comma-separated: megatron (1-D TP at each "
-                        "degree, default) and atp (ATP's 2-D meshes d1 x d2 = T over the whole TP "
-                        "group; the runtime runs ATP as a whole-model backend, so a plan is either "
-                        "all ATP with one mesh, launched with --tp-backend atp --atp-mesh, or has none)")
+                        "degree, default), atp (ATP's 2-D meshes d1 x d2 = T over the whole TP "
+                        "group) and 3d (the cube p^3 = T; stock executor, --sub-batches 1). The "
+                        "runtime runs ATP and 3-D as whole-model backends, so a plan is either all "
+                        "one of them, launched with --tp-backend atp --atp-mesh / --tp-backend 3d, "
+                        "or has none")
     p.add_argument("--grad-sync", choices=("none", "exposed"), default="none",
                    help="none: the paper's Eq. 5, gradient all-reduce hidden behind backward (default); "
                         "exposed: also charge each block's fp32 gradient all-reduce over its "
@@ -194,9 +196,12 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
                  f"({pred['uniform_tp_iteration_ms'] / pred['iteration_ms']:.3f}x), "
                  f"{pred['uniform_tp_memory_gib']:.2f} GiB")
     lines.append(line)
-    mesh = atp_mesh_of(data)
-    if mesh is not None:
-        lines.append(f"plan: every block on ATP mesh {mesh[0]}x{mesh[1]} (the whole TP group)")
+    backend = whole_model_backend(data)
+    if backend is not None and "--atp-mesh" in backend:
+        lines.append(f"plan: every block on ATP mesh {backend['--atp-mesh'].replace(',', 'x')} "
+                     "(the whole TP group)")
+    elif backend is not None:
+        lines.append("plan: every block on the 3-D cube (the whole TP group)")
     lines.append(f"plan (per block, attention/mlp alternating): {data['compact']}")
     if data.get("compact_layers"):
         lines.append(f"plan (per layer, as the paper's Table 6): {data['compact_layers']}")
@@ -237,7 +242,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
           "(megatron_oases.pretrain_gpt) run the plan with "
-          + ("--tp-backend atp --atp-mesh" if atp_mesh_of(data) else "--oases-plan"))
+          + (launch_flags(whole_model_backend(data)) if whole_model_backend(data) else "--oases-plan"))
     return 0
 
 

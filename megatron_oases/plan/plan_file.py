@@ -106,13 +106,13 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
         _fail(p, f"format is {data.get('format')!r}, expected {PLAN_FORMAT!r}; "
                  "regenerate it with `megatron-oases plan`")
     try:
-        mesh = atp_mesh_of(data)
+        backend = whole_model_backend(data)
     except ConfigError as e:
         _fail(p, str(e))
-    if mesh is not None:
-        _fail(p, f"runs the whole model as ATP mesh {mesh[0]}x{mesh[1]}, which is a backend, not a "
-                 f"per-block plan: launch with --tp-backend atp --atp-mesh {mesh[0]},{mesh[1]} "
-                 f"instead of {FLAG}")
+    if backend is not None:
+        how = " ".join(f"{k} {v}" for k, v in backend.items())
+        _fail(p, f"runs the whole model as --tp-backend {backend['--tp-backend']}, which is a backend, "
+                 f"not a per-block plan: launch with {how} instead of {FLAG}")
     ftp, flayers, kinds, degrees = (data.get("tensor_model_parallel_size"), data.get("num_layers"),
                                     data.get("block_kinds", list(BLOCK_KINDS)), data.get("degrees"))
     if ftp != tp:
@@ -195,28 +195,42 @@ def _tokens(cmd: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def atp_mesh_of(data: dict[str, Any]) -> tuple[int, int] | None:
-    """The ATP mesh of a plan that runs the whole model as ATP (``strategies`` all
-    ``atp<d1>x<d2>``, written by ``megatron-oases plan --families ...,atp``); None otherwise."""
+def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
+    """The backend flags of a plan that runs the whole model as one backend (``strategies`` all
+    ``atp<d1>x<d2>`` or all ``3d<T>``, written by ``megatron-oases plan --families ...,atp,3d``):
+    ``{"--tp-backend": ..., ["--atp-mesh": "d1,d2"]}``; None for a per-block (Megatron) plan."""
     labels = data.get("strategies") or []
-    meshes = {lab for lab in labels if isinstance(lab, str) and lab.startswith("atp")}
-    if not meshes:
+    whole = {lab for lab in labels if isinstance(lab, str) and lab.startswith(("atp", "3d"))}
+    if not whole:
         return None
-    mt = re.fullmatch(r"atp(\d+)x(\d+)", next(iter(meshes)))
-    if len(meshes) != 1 or len(meshes) != len(set(labels)) or not mt:
-        raise ConfigError(f"plan strategies {sorted(set(labels))} mix an ATP mesh with other layouts, which "
-                          f"the runtime cannot run; plan again")
-    return int(mt.group(1)), int(mt.group(2))
+    label = next(iter(whole))
+    atp, cube = re.fullmatch(r"atp(\d+)x(\d+)", label), re.fullmatch(r"3d\d+", label)
+    if len(whole) != 1 or len(whole) != len(set(labels)) or not (atp or cube):
+        raise ConfigError(f"plan strategies {sorted(set(labels))} mix a whole-model backend (ATP mesh or "
+                          f"3-D cube) with other layouts, which the runtime cannot run; plan again")
+    if cube:
+        return {"--tp-backend": "3d"}
+    return {"--tp-backend": "atp", "--atp-mesh": f"{atp.group(1)},{atp.group(2)}"}
+
+
+def atp_mesh_of(data: dict[str, Any]) -> tuple[int, int] | None:
+    """The ATP mesh of a plan that runs the whole model as ATP; None otherwise."""
+    flags = whole_model_backend(data)
+    if not flags or "--atp-mesh" not in flags:
+        return None
+    d1, d2 = flags["--atp-mesh"].split(",")
+    return int(d1), int(d2)
 
 
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
     """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
-    ``--oases-plan`` or, for a whole-model ATP plan, ``--tp-backend atp --atp-mesh d1,d2``."""
+    ``--oases-plan`` or, for a whole-model plan, ``--tp-backend atp --atp-mesh d1,d2`` or
+    ``--tp-backend 3d``."""
     tp = data["tensor_model_parallel_size"]
-    mesh = atp_mesh_of(data)
-    if mesh is None:
+    backend = whole_model_backend(data)
+    if backend is None:
         return _per_block_flags(tp, plan_path)
-    return {TP_FLAG: str(tp), "--tp-backend": "atp", "--atp-mesh": f"{mesh[0]},{mesh[1]}", FLAG: None}
+    return {TP_FLAG: str(tp), **backend, FLAG: None}
 
 
 def _per_block_flags(tp: int, plan_path: str) -> dict[str, str | None]:
