@@ -1,0 +1,482 @@
+"""Megatron-LM checkpoints for the reference trainer: ``--save/--save-interval/--load``.
+
+Layout as Megatron-LM: ``DIR/iter_0000003/`` written by Megatron's ``dist_checkpointing``
+(torch_dist backend) and ``DIR/latest_checkpointed_iteration.txt``. The state is Megatron's
+``sharded_state_dict`` of every model chunk and of the optimizer, so any TP/PP layout, backend
+(stock, ATP mesh, 3-D cube, per-block plan) or schedule can load any other's checkpoint of the
+same model. The common part also holds the iteration, the run's flags and, per rank, the RNG
+states (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker) in Megatron-LM's
+``rng_state`` ShardedObject.
+
+A save is atomic: every rank writes into ``DIR/iter_N.tmp-TOKEN``; only after a barrier (all
+shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and then replace the
+latest file (tmp file + ``os.replace``). A crash before that leaves the previous checkpoint as
+the one that loads; ``*.tmp-*`` directories are never read. ``--load`` checks the latest file,
+the directory, ``metadata.json``, ``common.pt``, ``.metadata`` and every shard file it names
+before any process group exists, and refuses a damaged checkpoint in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import time
+import warnings
+
+from megatron_oases.parallel.dims import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+CRASH_ENV = "MEGATRON_OASES_TEST_CRASH_IN_SAVE"
+"""Test-only: ``"RANK:ITERATION"`` makes that rank ``os._exit`` inside that save, after its shards
+and the metadata were written and before the rename (the crash the atomic save must survive)."""
+# Flags that shape the parameters: a checkpoint loads only into the same model.
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights")
+# Flags of the layout: RNG states are per (PP, TP, DP) rank and reload only into the same one.
+LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
+                "oases_layer_degrees")
+_TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor instead",
+                       "`torch.distributed.all_gather_into_tensor` is deprecated")
+
+
+class CheckpointError(ConfigError):
+    """A damaged, partial or mismatching checkpoint: one line naming the file or flag."""
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing (Megatron-LM's flags; docs/checkpoints.md)")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="write checkpoints to DIR/iter_NNNNNNN (and at the end of training)")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="also save every N iterations")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from the checkpoint DIR/latest_checkpointed_iteration.txt names")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the model only; the optimizer starts fresh")
+    g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
+    g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist (the only format)")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
+    """Checkpoint flags, and the checkpoint ``--load`` names, before any process group."""
+    if args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format}: only torch_dist (Megatron "
+                          "dist_checkpointing, reshardable) is supported; drop the flag")
+    if args.save_interval is not None:
+        if args.save is None:
+            raise ConfigError("--save-interval needs --save DIR")
+        if args.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    if args.save is not None:
+        if os.path.exists(args.save) and not os.path.isdir(args.save):
+            raise ConfigError(f"--save {args.save} is a file; pass a directory")
+        parent = os.path.abspath(args.save)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--save {args.save}: {parent} is not writable")
+    if args.load is not None:
+        found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+        if found is not None:
+            check_same_model(read_saved_args(found[1]), args, found[1])
+
+
+def _auto_resume(args) -> bool:
+    """``--save DIR --load DIR`` with nothing in DIR yet is Megatron-LM's resume-if-present."""
+    return args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+
+
+def find_checkpoint(root: str, *, missing_ok: bool = False) -> tuple[int, str] | None:
+    """``(iteration, directory)`` of the checkpoint ``root``'s latest file names, checked for
+    completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        done = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                      if d.startswith("iter_") and ".tmp-" not in d)
+        if missing_ok and not done:
+            return None
+        what = f"no {tracker}" + (f" (but {done[-1]} is there; write its iteration into that "
+                                  "file to load it)" if done else "")
+        raise CheckpointError(f"--load {root}: {what}")
+    try:
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        iteration = int(text)
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"--load: {tracker} is unreadable or not an iteration number") from None
+    path = iteration_dir(root, iteration)
+    check_checkpoint_files(path, tracker)
+    return iteration, path
+
+
+def check_checkpoint_files(path: str, tracker: str = "") -> None:
+    """Every file a torch_dist checkpoint needs is there and long enough (no process group)."""
+    import json
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--load: {path} is missing ({tracker} points at it)")
+    config = os.path.join(path, "metadata.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        raise CheckpointError(f"--load: {config} is missing or corrupt") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"--load: {config} says format {backend!r}; only torch_dist loads")
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        raise CheckpointError(f"--load: {common} is missing")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dot_metadata = os.path.join(path, ".metadata")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        extents = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    except Exception:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"--load: {dot_metadata} is missing or corrupt") from None
+    for name, end in sorted(extents.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"--load: shard file {shard} is missing")
+        if os.path.getsize(shard) < end:
+            raise CheckpointError(f"--load: shard file {shard} is truncated "
+                                  f"({os.path.getsize(shard)} of {end} bytes)")
+
+
+def read_saved_args(path: str) -> dict:
+    """The flags the checkpoint was saved with (``args`` of its common state)."""
+    import torch
+
+    common = os.path.join(path, "common.pt")
+    try:
+        state = torch.load(common, map_location="cpu", weights_only=True)
+        return dict(state["args"])
+    except Exception:  # noqa: BLE001 - unpickling errors have many types
+        raise CheckpointError(f"--load: {common} is corrupt or was not written by "
+                              "megatron-oases train") from None
+
+
+def check_same_model(saved: dict, args, path: str) -> None:
+    from megatron_oases.train_args import padded_vocab_size
+
+    for name in MODEL_FLAGS:
+        if saved.get(name) != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(f"--load: {path} was saved with {flag} {saved.get(name)}, this "
+                                  f"run has {getattr(args, name)}; use the checkpoint's model flags")
+    ours = padded_vocab_size(args)
+    theirs = padded_vocab_size(argparse.Namespace(**saved))
+    if ours != theirs:
+        raise CheckpointError(
+            f"--load: {path} has a vocabulary padded to {theirs}, this run pads to {ours} "
+            "(--vocab-size rounded up to --make-vocab-size-divisible-by x TP); set "
+            "--vocab-size / --make-vocab-size-divisible-by so both pad alike")
+
+
+def should_save(args, iteration: int) -> bool:
+    return args.save is not None and (
+        iteration == args.train_iters
+        or (args.save_interval is not None and iteration % args.save_interval == 0))
+
+
+def _plain_args(args) -> dict:
+    """The run's flags as plain values (``common.pt`` is read with ``weights_only``)."""
+    import torch.distributed as dist
+
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
+    out = {k: plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_")}
+    out["world_size"] = dist.get_world_size()
+    return out
+
+
+def _layout(flags: dict) -> tuple:
+    return tuple((k, flags.get(k)) for k in LAYOUT_FLAGS)
+
+
+def _rank0() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
+def _rng_state(dp_group):
+    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": _np_state(np.random.get_state()),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    states = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(states, state, group=dp_group)
+    return ShardedObject("rng_state", states,
+                         (ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(),
+                          ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _np_state(s):
+    """NumPy's state with its key array as a list, so a ``weights_only`` load can read it."""
+    return (s[0], [int(x) for x in s[1]], *s[2:]) if not isinstance(s[1], list) else s
+
+
+def _set_rng_state(states: list, dp_rank: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    state = states[dp_rank] if len(states) > dp_rank else states[0]
+    random.setstate(_as_tuples(state["random_rng_state"]))
+    s = state["np_rng_state"]
+    np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), *s[2:]))
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+
+
+def _as_tuples(x):
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool) -> dict:
+    """Megatron-LM's checkpoint dict: ``model`` (or ``model0``, ``model1``.. per virtual stage),
+    ``optimizer``, ``rng_state``, ``iteration``, ``args``, ``checkpoint_version``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.parallel.layout import _unwrap
+
+    # Per-layer keys (Megatron's ``non_homogeneous_layers``): a per-block plan gives layers
+    # different TP degrees, so their shards cannot stack on one key with a layer axis; every
+    # layout uses the same keys, so checkpoints stay interchangeable. No ChainedOptimizer prefix:
+    # the optimizer keys then depend on the parameters only, not on the optimizer grouping.
+    metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
+    state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+             "args": _plain_args(tr.args)}
+    for i, chunk in enumerate(tr.model):
+        key = "model" if len(tr.model) == 1 else f"model{i}"
+        state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
+    if optimizer:
+        _keep_empty_params_local(state)
+        state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                             metadata=metadata)
+    if rng:
+        state["rng_state"] = _rng_state(ps.get_data_parallel_group(with_context_parallel=True))
+    return state
+
+
+def _dist_checkpointing():
+    """Megatron's ``dist_checkpointing``, on CPU with the CPU layer's ``torch`` proxy.
+
+    ``runtime.cpu_compat`` gives the proxy (CUDA devices -> CPU, no-op synchronize) to the
+    Megatron modules loaded when it is installed; the checkpoint strategies load later, so their
+    modules get it here (the torch_dist saver allocates on ``torch.cuda.current_device()``).
+    """
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import (  # noqa: F401 - loaded for the proxy
+        async_utils, filesystem_async, state_dict_saver, torch as torch_strategy)
+
+    from megatron_oases.runtime.cpu_compat import cpu_compat_installed
+
+    if cpu_compat_installed():
+        proxy = sys.modules["megatron.core.utils"].torch
+        for name, module in list(sys.modules.items()):
+            if name.startswith("megatron.core.dist_checkpointing") and \
+                    getattr(module, "torch", None) is torch:
+                module.torch = proxy
+    return dist_checkpointing
+
+
+def _keep_empty_params_local(model_state: dict) -> None:
+    """Empty parameters (a 3-D rank off the cube diagonal holds no part of a vector) are
+    ``LocalNonpersistentObject``s in the model's sharded state dict: nothing to save. The
+    optimizer tracks them too, and Megatron maps each optimizer state to the parameter's
+    ShardedTensor or factory; a factory that builds the same local object keeps their (empty)
+    Adam state out of the checkpoint as well."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject,
+                                                          ShardedTensorFactory)
+
+    def swap(x):
+        if isinstance(x, LocalNonpersistentObject) and isinstance(x.obj, torch.nn.Parameter) \
+                and x.obj.numel() == 0:
+            return ShardedTensorFactory("local_empty_param", x.obj, _build_local, _merge_local)
+        return x
+
+    dict_list_map_inplace(swap, model_state)
+
+
+def _build_local(key, data, replica_id, flattened_range):
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    return LocalNonpersistentObject(data)
+
+
+def _merge_local(loaded):
+    return loaded
+
+
+@contextlib.contextmanager
+def _writer_in_this_rank():
+    """Let Megatron's torch_dist writer run in a rank started by ``runtime.spawn``.
+
+    The writer forks one helper per file bucket (joined before ``save`` returns), which
+    multiprocessing forbids in daemonic processes such as spawned ranks, and collects results
+    through a ``spawn`` Manager queue, a server process that would outlive a killed rank. A
+    synchronous save runs the collector in this process, so a plain queue does the same job.
+    """
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+
+
+def save_checkpoint(tr, iteration: int) -> str:
+    """Save into ``--save``/iter_N atomically (see module docstring); returns that directory."""
+    import torch.distributed as dist
+
+    dist_checkpointing = _dist_checkpointing()
+    root = os.path.abspath(tr.args.save)
+    final = iteration_dir(root, iteration)
+    token = [f"{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(token, src=0)
+    tmp = f"{final}.tmp-{token[0]}"
+    if _rank0():
+        print(f" saving checkpoint at iteration {iteration} to {root}", flush=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False)
+    with _writer_in_this_rank():
+        dist_checkpointing.save(state, tmp)
+    _maybe_crash(iteration)
+    dist.barrier()  # every rank's shards, common.pt and the metadata are written
+    if _rank0():
+        _publish(tmp, final, root, iteration, token[0])
+    dist.barrier()
+    return final
+
+
+def _maybe_crash(iteration: int) -> None:
+    spec = os.environ.get(CRASH_ENV)
+    if spec and spec == f"{os.environ.get('RANK', '0')}:{iteration}":
+        print(f"{CRASH_ENV}: rank exits during the save of iteration {iteration}",
+              file=sys.stderr, flush=True)
+        os._exit(17)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str, root: str, iteration: int, token: str) -> None:
+    """Rank 0, after every rank finished: rename into place, then replace the latest file."""
+    for base, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(os.path.join(base, name))
+    _fsync(tmp)
+    old = None
+    if os.path.exists(final):  # saving an iteration again (e.g. after resuming)
+        old = f"{final}.old-{token}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(root)
+    tracker_tmp = os.path.join(root, f"{TRACKER}.tmp-{token}")
+    with open(tracker_tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync(root)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(tr) -> int:
+    """Load ``--load`` into the trainer; returns the iteration to continue after (0: none)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.parallel.layout import _unwrap
+
+    dist_checkpointing = _dist_checkpointing()
+    args = tr.args
+    found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+    if found is None:
+        if _rank0():
+            print(f" no checkpoint in {args.load} yet; starting from iteration 0", flush=True)
+        return 0
+    iteration, path = found
+    saved = read_saved_args(path)
+    check_same_model(saved, args, path)
+    same_layout = _layout(saved) == _layout(_plain_args(args))
+    load_optim = not args.no_load_optim
+    load_rng = not args.no_load_rng and same_layout
+    if _rank0() and not args.no_load_rng and not same_layout:
+        print(f" {path} was saved with another layout ({_describe(saved)}); its RNG states are "
+              "per rank and are not loaded", flush=True)
+    state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True)
+    with warnings.catch_warnings():  # torch's deprecation notes on Megatron's reader calls
+        for message in _TORCH_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        loaded = dist_checkpointing.load(state, path)
+    for i, chunk in enumerate(tr.model):
+        _unwrap(chunk).load_state_dict(loaded["model" if len(tr.model) == 1 else f"model{i}"])
+    if load_optim:
+        tr.optimizer.load_state_dict(loaded["optimizer"])
+    elif args.bf16 or args.fp16:
+        tr.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+    if load_rng:
+        _set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
+    dist.barrier()
+    if _rank0():
+        print(f" loaded checkpoint from {os.path.abspath(args.load)} at iteration {iteration}"
+              + ("" if load_optim else " (model only: --no-load-optim)"), flush=True)
+    return iteration
+
+
+def _describe(flags: dict) -> str:
+    return ", ".join(f"{k}={flags.get(k)}" for k in LAYOUT_FLAGS if flags.get(k) is not None)
