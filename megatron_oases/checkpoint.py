@@ -1,12 +1,10 @@
 """Megatron-LM checkpoints for the reference trainer: ``--save/--save-interval/--load``.
 
 Layout as Megatron-LM: ``DIR/iter_0000003/`` written by Megatron's ``dist_checkpointing``
-(torch_dist backend) and ``DIR/latest_checkpointed_iteration.txt``. The state is Megatron's
-``sharded_state_dict`` of every model chunk and of the optimizer, so any TP/PP layout, backend
-(stock, ATP mesh, 3-D cube, per-block plan) or schedule can load any other's checkpoint of the
-same model. The common part also holds the iteration, the run's flags and, per rank, the RNG
-states (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker) in Megatron-LM's
-``rng_state`` ShardedObject.
+(torch_dist) and ``DIR/latest_checkpointed_iteration.txt``. The state is Megatron's
+``sharded_state_dict`` of the model chunks and the optimizer, so any layout, backend or schedule
+can load any other's checkpoint of the same model; plus the iteration, the run's flags and the
+per-rank RNG states (Megatron-LM's ``rng_state`` ShardedObject).
 
 A save is atomic: every rank writes into ``DIR/iter_N.tmp-TOKEN``; only after a barrier (all
 shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and then replace the
@@ -18,7 +16,6 @@ before any process group exists, and refuses a damaged checkpoint in one line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
@@ -65,7 +62,7 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
     """Checkpoint flags, and the checkpoint ``--load`` names, before any process group."""
     if args.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {args.ckpt_format}: only torch_dist (Megatron "
@@ -76,13 +73,11 @@ def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
         if args.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.save is not None:
-        if os.path.exists(args.save) and not os.path.isdir(args.save):
-            raise ConfigError(f"--save {args.save} is a file; pass a directory")
         parent = os.path.abspath(args.save)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"--save {args.save}: {parent} is not writable")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--save {args.save}: {parent} is not a writable directory")
     if args.load is not None:
         found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
         if found is not None:
@@ -99,17 +94,15 @@ def find_checkpoint(root: str, *, missing_ok: bool = False) -> tuple[int, str] |
     completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
-        done = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                      if d.startswith("iter_") and ".tmp-" not in d)
+        done = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                if d.startswith("iter_") and ".tmp-" not in d]
         if missing_ok and not done:
-            return None
-        what = f"no {tracker}" + (f" (but {done[-1]} is there; write its iteration into that "
-                                  "file to load it)" if done else "")
-        raise CheckpointError(f"--load {root}: {what}")
+            return None  # nothing saved yet (temporary directories of killed saves do not count)
+        raise CheckpointError(f"--load {root}: no {tracker}" + (
+            f" (but {max(done)} is there: write its iteration into it)" if done else ""))
     try:
         with open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
-        iteration = int(text)
+            iteration = int(f.read().strip())
     except (OSError, UnicodeDecodeError, ValueError):
         raise CheckpointError(f"--load: {tracker} is unreadable or not an iteration number") from None
     path = iteration_dir(root, iteration)
@@ -209,40 +202,33 @@ def _layout(flags: dict) -> tuple:
 
 
 def _rank0() -> bool:
-    import torch.distributed as dist
-
-    return dist.get_rank() == 0
+    return __import__("torch.distributed").distributed.get_rank() == 0
 
 
 def _rng_state(dp_group):
-    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank."""
+    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank
+    (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker)."""
     import random
 
     import numpy as np
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state = {"random_rng_state": random.getstate(), "np_rng_state": _np_state(np.random.get_state()),
-             "torch_rng_state": torch.get_rng_state(),
+    np_state = np.random.get_state()  # its key array as a tensor: common.pt loads weights_only
+    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
+             "np_rng_state": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                              *np_state[2:]),
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    states = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(states, state, group=dp_group)
-    return ShardedObject("rng_state", states,
-                         (ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_tensor_model_parallel_world_size()),
-                         (ps.get_pipeline_model_parallel_rank(),
-                          ps.get_tensor_model_parallel_rank()),
+    states = [None] * torch.distributed.get_world_size(dp_group)
+    torch.distributed.all_gather_object(states, state, group=dp_group)
+    return ShardedObject("rng_state", states, (ps.get_pipeline_model_parallel_world_size(),
+                                               ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-
-
-def _np_state(s):
-    """NumPy's state with its key array as a list, so a ``weights_only`` load can read it."""
-    return (s[0], [int(x) for x in s[1]], *s[2:]) if not isinstance(s[1], list) else s
 
 
 def _set_rng_state(states: list, dp_rank: int) -> None:
@@ -253,17 +239,14 @@ def _set_rng_state(states: list, dp_rank: int) -> None:
     from megatron.core import tensor_parallel
 
     state = states[dp_rank] if len(states) > dp_rank else states[0]
-    random.setstate(_as_tuples(state["random_rng_state"]))
-    s = state["np_rng_state"]
-    np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), *s[2:]))
+    version, internal, gauss = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["np_rng_state"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-
-
-def _as_tuples(x):
-    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool) -> dict:
@@ -284,7 +267,9 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
         key = "model" if len(tr.model) == 1 else f"model{i}"
         state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
     if optimizer:
-        _keep_empty_params_local(state)
+        from megatron_oases.runtime.dist_ckpt import keep_empty_params_local
+
+        keep_empty_params_local(state)
         state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                              metadata=metadata)
     if rng:
@@ -292,90 +277,12 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
     return state
 
 
-def _dist_checkpointing():
-    """Megatron's ``dist_checkpointing``, on CPU with the CPU layer's ``torch`` proxy.
-
-    ``runtime.cpu_compat`` gives the proxy (CUDA devices -> CPU, no-op synchronize) to the
-    Megatron modules loaded when it is installed; the checkpoint strategies load later, so their
-    modules get it here (the torch_dist saver allocates on ``torch.cuda.current_device()``).
-    """
-    import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import (  # noqa: F401 - loaded for the proxy
-        async_utils, filesystem_async, state_dict_saver, torch as torch_strategy)
-
-    from megatron_oases.runtime.cpu_compat import cpu_compat_installed
-
-    if cpu_compat_installed():
-        proxy = sys.modules["megatron.core.utils"].torch
-        for name, module in list(sys.modules.items()):
-            if name.startswith("megatron.core.dist_checkpointing") and \
-                    getattr(module, "torch", None) is torch:
-                module.torch = proxy
-    return dist_checkpointing
-
-
-def _keep_empty_params_local(model_state: dict) -> None:
-    """Empty parameters (a 3-D rank off the cube diagonal holds no part of a vector) are
-    ``LocalNonpersistentObject``s in the model's sharded state dict: nothing to save. The
-    optimizer tracks them too, and Megatron maps each optimizer state to the parameter's
-    ShardedTensor or factory; a factory that builds the same local object keeps their (empty)
-    Adam state out of the checkpoint as well."""
-    import torch
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject,
-                                                          ShardedTensorFactory)
-
-    def swap(x):
-        if isinstance(x, LocalNonpersistentObject) and isinstance(x.obj, torch.nn.Parameter) \
-                and x.obj.numel() == 0:
-            return ShardedTensorFactory("local_empty_param", x.obj, _build_local, _merge_local)
-        return x
-
-    dict_list_map_inplace(swap, model_state)
-
-
-def _build_local(key, data, replica_id, flattened_range):
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-
-    return LocalNonpersistentObject(data)
-
-
-def _merge_local(loaded):
-    return loaded
-
-
-@contextlib.contextmanager
-def _writer_in_this_rank():
-    """Let Megatron's torch_dist writer run in a rank started by ``runtime.spawn``.
-
-    The writer forks one helper per file bucket (joined before ``save`` returns), which
-    multiprocessing forbids in daemonic processes such as spawned ranks, and collects results
-    through a ``spawn`` Manager queue, a server process that would outlive a killed rank. A
-    synchronous save runs the collector in this process, so a plain queue does the same job.
-    """
-    import multiprocessing
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    config = multiprocessing.current_process()._config
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        if daemon is not None:
-            config["daemon"] = daemon
-
-
 def save_checkpoint(tr, iteration: int) -> str:
     """Save into ``--save``/iter_N atomically (see module docstring); returns that directory."""
     import torch.distributed as dist
 
-    dist_checkpointing = _dist_checkpointing()
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing, writer_in_this_rank
+
     root = os.path.abspath(tr.args.save)
     final = iteration_dir(root, iteration)
     token = [f"{os.getpid()}-{time.time_ns()}"]
@@ -386,8 +293,8 @@ def save_checkpoint(tr, iteration: int) -> str:
         os.makedirs(tmp)
     dist.barrier()
     state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False)
-    with _writer_in_this_rank():
-        dist_checkpointing.save(state, tmp)
+    with writer_in_this_rank():
+        dist_checkpointing().save(state, tmp)
     _maybe_crash(iteration)
     dist.barrier()  # every rank's shards, common.pt and the metadata are written
     if _rank0():
@@ -397,8 +304,9 @@ def save_checkpoint(tr, iteration: int) -> str:
 
 
 def _maybe_crash(iteration: int) -> None:
-    spec = os.environ.get(CRASH_ENV)
-    if spec and spec == f"{os.environ.get('RANK', '0')}:{iteration}":
+    import torch.distributed as dist
+
+    if os.environ.get(CRASH_ENV) == f"{dist.get_rank()}:{iteration}":
         print(f"{CRASH_ENV}: rank exits during the save of iteration {iteration}",
               file=sys.stderr, flush=True)
         os._exit(17)
@@ -406,10 +314,8 @@ def _maybe_crash(iteration: int) -> None:
 
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def _publish(tmp: str, final: str, root: str, iteration: int, token: str) -> None:
@@ -418,9 +324,8 @@ def _publish(tmp: str, final: str, root: str, iteration: int, token: str) -> Non
         for name in files:
             _fsync(os.path.join(base, name))
     _fsync(tmp)
-    old = None
-    if os.path.exists(final):  # saving an iteration again (e.g. after resuming)
-        old = f"{final}.old-{token}"
+    old = f"{final}.old-{token}" if os.path.exists(final) else None
+    if old:  # saving an iteration again (e.g. after resuming)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync(root)
@@ -441,8 +346,8 @@ def load_checkpoint(tr) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_oases.parallel.layout import _unwrap
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
 
-    dist_checkpointing = _dist_checkpointing()
     args = tr.args
     found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
     if found is None:
@@ -456,13 +361,14 @@ def load_checkpoint(tr) -> int:
     load_optim = not args.no_load_optim
     load_rng = not args.no_load_rng and same_layout
     if _rank0() and not args.no_load_rng and not same_layout:
-        print(f" {path} was saved with another layout ({_describe(saved)}); its RNG states are "
-              "per rank and are not loaded", flush=True)
+        other = ", ".join(f"{k}={v}" for k, v in _layout(saved) if v is not None)
+        print(f" {path} was saved with another layout ({other}); its RNG states are per rank "
+              "and are not loaded", flush=True)
     state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True)
     with warnings.catch_warnings():  # torch's deprecation notes on Megatron's reader calls
         for message in _TORCH_DEPRECATIONS:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
-        loaded = dist_checkpointing.load(state, path)
+        loaded = dist_checkpointing().load(state, path)
     for i, chunk in enumerate(tr.model):
         _unwrap(chunk).load_state_dict(loaded["model" if len(tr.model) == 1 else f"model{i}"])
     if load_optim:
@@ -477,6 +383,3 @@ def load_checkpoint(tr) -> int:
               + ("" if load_optim else " (model only: --no-load-optim)"), flush=True)
     return iteration
 
-
-def _describe(flags: dict) -> str:
-    return ", ".join(f"{k}={flags.get(k)}" for k in LAYOUT_FLAGS if flags.get(k) is not None)

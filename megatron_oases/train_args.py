@@ -195,7 +195,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
             raise ConfigError(f"--topology: {exc}") from None
     from megatron_oases.checkpoint import validate_checkpoint_args
 
-    validate_checkpoint_args(args, world_size)
+    validate_checkpoint_args(args)
     return dims
 
 
