@@ -40,22 +40,27 @@ _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor in
                        "`torch.distributed.all_gather_into_tensor` is deprecated")
 
 
+_DEFAULTS = {"save": None, "save_interval": None, "load": None, "no_load_optim": False,
+             "no_load_rng": False, "ckpt_format": "torch_dist"}
+
+
 class CheckpointError(ConfigError):
     """A damaged, partial or mismatching checkpoint: one line naming the file or flag."""
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpointing (Megatron-LM's flags; docs/checkpoints.md)")
-    g.add_argument("--save", default=None, metavar="DIR",
+    g.add_argument("--save", metavar="DIR",
                    help="write checkpoints to DIR/iter_NNNNNNN (and at the end of training)")
-    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+    g.add_argument("--save-interval", type=int, metavar="N",
                    help="also save every N iterations")
-    g.add_argument("--load", default=None, metavar="DIR",
+    g.add_argument("--load", metavar="DIR",
                    help="resume from the checkpoint DIR/latest_checkpointed_iteration.txt names")
     g.add_argument("--no-load-optim", action="store_true",
                    help="load the model only; the optimizer starts fresh")
     g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
-    g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist (the only format)")
+    g.add_argument("--ckpt-format", default="torch_dist", metavar="FORMAT",
+                   help="torch_dist (the only format)")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -64,6 +69,9 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
     """Checkpoint flags, and the checkpoint ``--load`` names, before any process group."""
+    for name, default in _DEFAULTS.items():  # Namespaces built by hand (sim, tests) lack them
+        if not hasattr(args, name):
+            setattr(args, name, default)
     if args.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {args.ckpt_format}: only torch_dist (Megatron "
                           "dist_checkpointing, reshardable) is supported; drop the flag")
