@@ -190,6 +190,9 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     from megatron_oases.train_args import padded_vocab_size
 
     tr = setup(args)
+    from megatron_oases import checkpoint
+
+    first = checkpoint.load_checkpoint(tr) + 1 if args.load else 1
     report_progress()
     flops = gpt_flops_per_iteration(
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     json_file = open(args.log_json, "w", encoding="utf-8") if (log and args.log_json) else None
     records = []
     try:
-        for it in range(1, args.train_iters + 1):
+        for it in range(first, args.train_iters + 1):
             torch.distributed.barrier()
             start = time.perf_counter()
             out = train_step(tr, it)
@@ -230,6 +233,8 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
             if json_file:
                 json_file.write(json.dumps(rec) + "\n")
                 json_file.flush()
+            if checkpoint.should_save(args, it):
+                checkpoint.save_checkpoint(tr, it)
     finally:
         if json_file:
             json_file.close()

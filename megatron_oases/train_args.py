@@ -124,6 +124,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-json", default=None,
                    help="also write one JSON object per iteration to this file")
+    from megatron_oases.checkpoint import add_checkpoint_args
+
+    add_checkpoint_args(p)
     return p
 
 
@@ -278,6 +281,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
             load_topology(args.topology)
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
+    from megatron_oases.checkpoint import validate_checkpoint_args
+
+    validate_checkpoint_args(args)
     return dims
 
 

@@ -134,10 +134,17 @@ class PlannedTransformerLayer(TransformerLayer):
         return reshard_batch(output, g, self.mlp_degree, self.output_degree), context
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Megatron's, with replicas other than the first marked as such (one main copy)."""
+        """Megatron's, with replicas other than the first marked as such (one main copy).
+
+        The TP part of Megatron's replica id is the rank in the sub-group the module was built
+        on: the layer's (attention) degree, or the MLP's for a rebuilt ``mlp``. The replica index
+        is taken at that degree, so (replica, rank in sub-group) names one TP rank even for the
+        pre-MLP norm, which belongs to the MLP block but is built on the attention's sub-group.
+        """
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for key, sh in out.items():
-            r = self.degree_groups.replica_index(self._degree_of(key[len(prefix):]))
+            built_on = self.mlp_degree if key[len(prefix):].startswith("mlp.") else self.tp_degree
+            r = self.degree_groups.replica_index(built_on)
             if r and hasattr(sh, "replica_id"):
                 rid = sh.replica_id
                 sh.replica_id = (r, *(rid if isinstance(rid, (tuple, list)) else (rid,)))

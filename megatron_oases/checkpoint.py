@@ -1,0 +1,393 @@
+"""Megatron-LM checkpoints for the reference trainer: ``--save/--save-interval/--load``.
+
+Layout as Megatron-LM: ``DIR/iter_0000003/`` written by Megatron's ``dist_checkpointing``
+(torch_dist) and ``DIR/latest_checkpointed_iteration.txt``. The state is Megatron's
+``sharded_state_dict`` of the model chunks and the optimizer, so any layout, backend or schedule
+can load any other's checkpoint of the same model; plus the iteration, the run's flags and the
+per-rank RNG states (Megatron-LM's ``rng_state`` ShardedObject).
+
+A save is atomic: every rank writes into ``DIR/iter_N.tmp-TOKEN``; only after a barrier (all
+shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and then replace the
+latest file (tmp file + ``os.replace``). A crash before that leaves the previous checkpoint as
+the one that loads; ``*.tmp-*`` directories are never read. ``--load`` checks the latest file,
+the directory, ``metadata.json``, ``common.pt``, ``.metadata`` and every shard file it names
+before any process group exists, and refuses a damaged checkpoint in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import warnings
+
+from megatron_oases.parallel.dims import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+CRASH_ENV = "MEGATRON_OASES_TEST_CRASH_IN_SAVE"
+"""Test-only: ``"RANK:ITERATION"`` makes that rank ``os._exit`` inside that save, after its shards
+and the metadata were written and before the rename (the crash the atomic save must survive)."""
+# Flags that shape the parameters: a checkpoint loads only into the same model.
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights")
+# Flags of the layout: RNG states are per (PP, TP, DP) rank and reload only into the same one.
+LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
+                "oases_layer_degrees")
+_TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor instead",
+                       "`torch.distributed.all_gather_into_tensor` is deprecated")
+
+
+_DEFAULTS = {"save": None, "save_interval": None, "load": None, "no_load_optim": False,
+             "no_load_rng": False, "ckpt_format": "torch_dist"}
+
+
+class CheckpointError(ConfigError):
+    """A damaged, partial or mismatching checkpoint: one line naming the file or flag."""
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing (Megatron-LM's flags; docs/checkpoints.md)")
+    g.add_argument("--save", metavar="DIR",
+                   help="write checkpoints to DIR/iter_NNNNNNN (and at the end of training)")
+    g.add_argument("--save-interval", type=int, metavar="N",
+                   help="also save every N iterations")
+    g.add_argument("--load", metavar="DIR",
+                   help="resume from the checkpoint DIR/latest_checkpointed_iteration.txt names")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the model only; the optimizer starts fresh")
+    g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
+    g.add_argument("--ckpt-format", default="torch_dist", metavar="FORMAT",
+                   help="torch_dist (the only format)")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    """Checkpoint flags, and the checkpoint ``--load`` names, before any process group."""
+    for name, default in _DEFAULTS.items():  # Namespaces built by hand (sim, tests) lack them
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    if args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format}: only torch_dist (Megatron "
+                          "dist_checkpointing, reshardable) is supported; drop the flag")
+    if args.save_interval is not None:
+        if args.save is None:
+            raise ConfigError("--save-interval needs --save DIR")
+        if args.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    if args.save is not None:
+        parent = os.path.abspath(args.save)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--save {args.save}: {parent} is not a writable directory")
+    if args.load is not None:
+        found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+        if found is not None:
+            check_same_model(read_saved_args(found[1]), args, found[1])
+
+
+def _auto_resume(args) -> bool:
+    """``--save DIR --load DIR`` with nothing in DIR yet is Megatron-LM's resume-if-present."""
+    return args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+
+
+def find_checkpoint(root: str, *, missing_ok: bool = False) -> tuple[int, str] | None:
+    """``(iteration, directory)`` of the checkpoint ``root``'s latest file names, checked for
+    completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        done = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                if d.startswith("iter_") and ".tmp-" not in d]
+        if missing_ok and not done:
+            return None  # nothing saved yet (temporary directories of killed saves do not count)
+        raise CheckpointError(f"--load {root}: no {tracker}" + (
+            f" (but {max(done)} is there: write its iteration into it)" if done else ""))
+    try:
+        with open(tracker, encoding="utf-8") as f:
+            iteration = int(f.read().strip())
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"--load: {tracker} is unreadable or not an iteration number") from None
+    path = iteration_dir(root, iteration)
+    check_checkpoint_files(path, tracker)
+    return iteration, path
+
+
+def check_checkpoint_files(path: str, tracker: str = "") -> None:
+    """Every file a torch_dist checkpoint needs is there and long enough (no process group)."""
+    import json
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--load: {path} is missing ({tracker} points at it)")
+    config = os.path.join(path, "metadata.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        raise CheckpointError(f"--load: {config} is missing or corrupt") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"--load: {config} says format {backend!r}; only torch_dist loads")
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        raise CheckpointError(f"--load: {common} is missing")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dot_metadata = os.path.join(path, ".metadata")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        extents = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    except Exception:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"--load: {dot_metadata} is missing or corrupt") from None
+    for name, end in sorted(extents.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"--load: shard file {shard} is missing")
+        if os.path.getsize(shard) < end:
+            raise CheckpointError(f"--load: shard file {shard} is truncated "
+                                  f"({os.path.getsize(shard)} of {end} bytes)")
+
+
+def read_saved_args(path: str) -> dict:
+    """The flags the checkpoint was saved with (``args`` of its common state)."""
+    import torch
+
+    common = os.path.join(path, "common.pt")
+    try:
+        state = torch.load(common, map_location="cpu", weights_only=True)
+        return dict(state["args"])
+    except Exception:  # noqa: BLE001 - unpickling errors have many types
+        raise CheckpointError(f"--load: {common} is corrupt or was not written by "
+                              "megatron-oases train") from None
+
+
+def check_same_model(saved: dict, args, path: str) -> None:
+    from megatron_oases.train_args import padded_vocab_size
+
+    for name in MODEL_FLAGS:
+        if saved.get(name) != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(f"--load: {path} was saved with {flag} {saved.get(name)}, this "
+                                  f"run has {getattr(args, name)}; use the checkpoint's model flags")
+    ours = padded_vocab_size(args)
+    theirs = padded_vocab_size(argparse.Namespace(**saved))
+    if ours != theirs:
+        raise CheckpointError(
+            f"--load: {path} has a vocabulary padded to {theirs}, this run pads to {ours} "
+            "(--vocab-size rounded up to --make-vocab-size-divisible-by x TP); set "
+            "--vocab-size / --make-vocab-size-divisible-by so both pad alike")
+
+
+def should_save(args, iteration: int) -> bool:
+    return args.save is not None and (
+        iteration == args.train_iters
+        or (args.save_interval is not None and iteration % args.save_interval == 0))
+
+
+def _plain_args(args) -> dict:
+    """The run's flags as plain values (``common.pt`` is read with ``weights_only``)."""
+    import torch.distributed as dist
+
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
+    out = {k: plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_")}
+    out["world_size"] = dist.get_world_size()
+    return out
+
+
+def _layout(flags: dict) -> tuple:
+    return tuple((k, flags.get(k)) for k in LAYOUT_FLAGS)
+
+
+def _rank0() -> bool:
+    return __import__("torch.distributed").distributed.get_rank() == 0
+
+
+def _rng_state(dp_group):
+    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank
+    (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    np_state = np.random.get_state()  # its key array as a tensor: common.pt loads weights_only
+    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
+             "np_rng_state": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                              *np_state[2:]),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    states = [None] * torch.distributed.get_world_size(dp_group)
+    torch.distributed.all_gather_object(states, state, group=dp_group)
+    return ShardedObject("rng_state", states, (ps.get_pipeline_model_parallel_world_size(),
+                                               ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _set_rng_state(states: list, dp_rank: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    state = states[dp_rank] if len(states) > dp_rank else states[0]
+    version, internal, gauss = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["np_rng_state"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+
+
+def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool) -> dict:
+    """Megatron-LM's checkpoint dict: ``model`` (or ``model0``, ``model1``.. per virtual stage),
+    ``optimizer``, ``rng_state``, ``iteration``, ``args``, ``checkpoint_version``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.parallel.layout import _unwrap
+
+    # Per-layer keys (Megatron's ``non_homogeneous_layers``): a per-block plan gives layers
+    # different TP degrees, so their shards cannot stack on one key with a layer axis; every
+    # layout uses the same keys, so checkpoints stay interchangeable. No ChainedOptimizer prefix:
+    # the optimizer keys then depend on the parameters only, not on the optimizer grouping.
+    metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
+    state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+             "args": _plain_args(tr.args)}
+    for i, chunk in enumerate(tr.model):
+        key = "model" if len(tr.model) == 1 else f"model{i}"
+        state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
+    if optimizer:
+        from megatron_oases.runtime.dist_ckpt import keep_empty_params_local
+
+        keep_empty_params_local(state)
+        state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                             metadata=metadata)
+    if rng:
+        state["rng_state"] = _rng_state(ps.get_data_parallel_group(with_context_parallel=True))
+    return state
+
+
+def save_checkpoint(tr, iteration: int) -> str:
+    """Save into ``--save``/iter_N atomically (see module docstring); returns that directory."""
+    import torch.distributed as dist
+
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing, writer_in_this_rank
+
+    root = os.path.abspath(tr.args.save)
+    final = iteration_dir(root, iteration)
+    token = [f"{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(token, src=0)
+    tmp = f"{final}.tmp-{token[0]}"
+    if _rank0():
+        print(f" saving checkpoint at iteration {iteration} to {root}", flush=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False)
+    with writer_in_this_rank():
+        dist_checkpointing().save(state, tmp)
+    _maybe_crash(iteration)
+    dist.barrier()  # every rank's shards, common.pt and the metadata are written
+    if _rank0():
+        _publish(tmp, final, root, iteration, token[0])
+    dist.barrier()
+    return final
+
+
+def _maybe_crash(iteration: int) -> None:
+    import torch.distributed as dist
+
+    if os.environ.get(CRASH_ENV) == f"{dist.get_rank()}:{iteration}":
+        print(f"{CRASH_ENV}: rank exits during the save of iteration {iteration}",
+              file=sys.stderr, flush=True)
+        os._exit(17)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _publish(tmp: str, final: str, root: str, iteration: int, token: str) -> None:
+    """Rank 0, after every rank finished: rename into place, then replace the latest file."""
+    for base, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(os.path.join(base, name))
+    _fsync(tmp)
+    old = f"{final}.old-{token}" if os.path.exists(final) else None
+    if old:  # saving an iteration again (e.g. after resuming)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(root)
+    tracker_tmp = os.path.join(root, f"{TRACKER}.tmp-{token}")
+    with open(tracker_tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync(root)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(tr) -> int:
+    """Load ``--load`` into the trainer; returns the iteration to continue after (0: none)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.parallel.layout import _unwrap
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
+
+    args = tr.args
+    found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+    if found is None:
+        if _rank0():
+            print(f" no checkpoint in {args.load} yet; starting from iteration 0", flush=True)
+        return 0
+    iteration, path = found
+    saved = read_saved_args(path)
+    check_same_model(saved, args, path)
+    same_layout = _layout(saved) == _layout(_plain_args(args))
+    load_optim = not args.no_load_optim
+    load_rng = not args.no_load_rng and same_layout
+    if _rank0() and not args.no_load_rng and not same_layout:
+        other = ", ".join(f"{k}={v}" for k, v in _layout(saved) if v is not None)
+        print(f" {path} was saved with another layout ({other}); its RNG states are per rank "
+              "and are not loaded", flush=True)
+    state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True)
+    with warnings.catch_warnings():  # torch's deprecation notes on Megatron's reader calls
+        for message in _TORCH_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        loaded = dist_checkpointing().load(state, path)
+    for i, chunk in enumerate(tr.model):
+        _unwrap(chunk).load_state_dict(loaded["model" if len(tr.model) == 1 else f"model{i}"])
+    if load_optim:
+        tr.optimizer.load_state_dict(loaded["optimizer"])
+    elif args.bf16 or args.fp16:
+        tr.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+    if load_rng:
+        _set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
+    dist.barrier()
+    if _rank0():
+        print(f" loaded checkpoint from {os.path.abspath(args.load)} at iteration {iteration}"
+              + ("" if load_optim else " (model only: --no-load-optim)"), flush=True)
+    return iteration
+

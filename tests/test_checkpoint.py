@@ -1,0 +1,269 @@
+"""Trainer checkpoints (``--save/--save-interval/--load``, torch_dist; megatron_oases/checkpoint.py).
+
+Per layout (stock TP2 x PP2 with dropout, Oases TP2 x DP2, ATP mesh (2, 2), 3-D TP8, per-block
+plan): train 6 iterations saving every 3, with one rank killed inside the save of iteration 6
+(after its shards, before the rename). The iteration-3 checkpoint must stay the one that loads;
+resuming from it must reproduce iterations 4-6 of the killed run (rel <= 1e-6). Then: loading
+into another layout, --no-load-rng, and damaged checkpoints refused in one line before any
+process group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from megatron_oases.checkpoint import CRASH_ENV, TRACKER
+from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
+from tests.rank_fns_ckpt import LAYOUTS, MODEL, train
+
+pytest.importorskip("psutil", reason="Megatron's torch_dist checkpoint writer needs psutil")
+
+RESUME_TOL = 1e-6  # same layout: the resumed run must be the uninterrupted one
+CROSS_TOL = 1e-5  # another layout: same model, other reduction order
+TIMEOUT = 150
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _flags(layout: str, tmp_path) -> tuple[int, list[str]]:
+    n, flags = LAYOUTS[layout]
+    if layout.startswith("plan"):
+        plan = tmp_path / "plan.json"  # per-block degrees: attention != MLP in both layers
+        plan.write_text(json.dumps({"format": "megatron-oases-plan/1",
+                                    "tensor_model_parallel_size": 4, "num_layers": 2,
+                                    "degrees": [2, 4, 4, 2]}))
+        flags = flags + ["--oases-plan", str(plan)]
+    return n, MODEL + flags
+
+
+def _json_losses(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, f)}
+
+
+_RUNS: dict = {}
+
+
+def _killed_then_resumed(layout: str, tmp_path_factory) -> dict:
+    """Run A: 6 iterations, --save-interval 3, last rank killed in the save of 6 (losses from
+    --log-json). Run B: --load, --train-iters 6. Cached per layout for the tests below."""
+    if layout in _RUNS:
+        return _RUNS[layout]
+    tmp = tmp_path_factory.mktemp(layout)
+    n, argv = _flags(layout, tmp)
+    ckpt, log = str(tmp / "ckpt"), str(tmp / "a.jsonl")
+    # The harness sees the killed rank exit, or a peer sees its connection close, first.
+    with pytest.raises(RankFailure, match="exited without a result|Connection (closed|reset) by peer"):
+        run_on_ranks(train, n, args=(argv + ["--train-iters", "6", "--save", ckpt,
+                                             "--save-interval", "3", "--log-json", log],),
+                     timeout_s=TIMEOUT, env={CRASH_ENV: f"{n - 1}:6"})
+    a = _json_losses(log)
+    entries = sorted(os.listdir(ckpt))
+    assert a.keys() == {1, 2, 3, 4, 5, 6}, a
+    with open(os.path.join(ckpt, TRACKER), encoding="utf-8") as f:
+        tracker_after_crash = f.read()
+    b = run_on_ranks(train, n, args=(argv + ["--train-iters", "6", "--load", ckpt, "--save", ckpt,
+                                             "--save-interval", "3"],),
+                     timeout_s=TIMEOUT)[-1]["losses"]
+    _RUNS[layout] = {"n": n, "argv": argv, "ckpt": ckpt, "a": a, "b": b, "entries": entries,
+                     "tracker_after_crash": tracker_after_crash}
+    return _RUNS[layout]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_killed_save_keeps_previous_and_resume_matches(layout, tmp_path_factory):
+    r = _killed_then_resumed(layout, tmp_path_factory)
+    # The killed save left only its temporary directory; the latest file still names 3.
+    assert r["tracker_after_crash"] == "3"
+    assert "iter_0000003" in r["entries"] and "iter_0000006" not in r["entries"], r["entries"]
+    assert any(e.startswith("iter_0000006.tmp-") for e in r["entries"]), r["entries"]
+    # Resumed at iteration 4 (numbering continues) and reproduces the run that was killed.
+    assert sorted(r["b"]) == [4, 5, 6], r["b"]
+    diffs = {it: _rel(r["b"][it], r["a"][it]) for it in (4, 5, 6)}
+    print(f"{layout}: resume max rel diff {max(diffs.values()):.3g} {diffs}")
+    assert max(diffs.values()) <= RESUME_TOL, (layout, diffs, r["a"], r["b"])
+    # The resumed run saved iteration 6 again, completely this time.
+    with open(os.path.join(r["ckpt"], TRACKER), encoding="utf-8") as f:
+        assert f.read() == "6"
+    assert os.path.isdir(os.path.join(r["ckpt"], "iter_0000006"))
+
+
+def _copy_at(src_ckpt: str, iteration: int, dst) -> str:
+    """A checkpoint directory holding only ``src_ckpt``'s iteration (latest file names it)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(src_ckpt, name), dst / name)
+    (dst / TRACKER).write_text(str(iteration))
+    return str(dst)
+
+
+def test_rng_state_is_restored(tmp_path_factory, tmp_path):
+    """With dropout, --no-load-rng changes iteration 4: the match above needed the RNG states."""
+    r = _killed_then_resumed("stock_tp2_pp2", tmp_path_factory)
+    ckpt = _copy_at(r["ckpt"], 3, tmp_path)
+    got = run_on_ranks(train, r["n"], args=(r["argv"] + ["--train-iters", "4", "--load", ckpt,
+                                                         "--no-load-rng"],),
+                       timeout_s=TIMEOUT)[-1]["losses"]
+    assert _rel(got[4], r["a"][4]) > 1e-4, (got, r["a"])
+
+
+@pytest.mark.parametrize("src, dst", [
+    # other TP size, PP and layer type (per-block degrees -> stock)
+    ("plan_tp4", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    # other backend, mesh and TP size (3-D cube TP8 -> ATP DeviceMesh(2, 2) TP4)
+    ("3d_tp8", ["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2"]),
+], ids=["plan_tp4->stock_tp2_pp2", "3d_tp8->atp_2x2"])
+def test_checkpoint_loads_into_another_layout(src, dst, tmp_path_factory, tmp_path):
+    """Model and Adam state reshard: iterations 4-6 after loading match the saving run."""
+    r = _killed_then_resumed(src, tmp_path_factory)
+    ckpt = _copy_at(r["ckpt"], 3, tmp_path)
+    got = run_on_ranks(train, 4, args=(MODEL + dst + ["--train-iters", "6", "--load", ckpt],),
+                       timeout_s=TIMEOUT)[-1]["losses"]
+    diffs = [_rel(got[it], r["a"][it]) for it in (4, 5, 6)]
+    print(f"{src} -> {' '.join(dst)}: max rel diff {max(diffs):.3g}")
+    assert max(diffs) <= CROSS_TOL, (got, r["a"])
+
+
+def test_no_load_optim_loads_the_model_only(tmp_path_factory, tmp_path):
+    """Into one rank, model only: iteration 4 matches, 5 does not (Adam restarted), so the
+    matches above really needed the optimizer state."""
+    r = _killed_then_resumed("plan_tp4", tmp_path_factory)
+    ckpt = _copy_at(r["ckpt"], 3, tmp_path)
+    fresh = run_on_ranks(train, 1, args=(MODEL + ["--train-iters", "5", "--load", ckpt,
+                                                  "--no-load-optim"],),
+                         timeout_s=TIMEOUT)[-1]["losses"]
+    assert _rel(fresh[4], r["a"][4]) <= CROSS_TOL, (fresh, r["a"])
+    assert _rel(fresh[5], r["a"][5]) > 1e-3, (fresh, r["a"])
+
+
+def _main_error(argv, capsys) -> str:
+    from megatron_oases.train import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture
+def good_ckpt(tmp_path_factory, tmp_path):
+    r = _killed_then_resumed("stock_tp2_pp2", tmp_path_factory)
+    return _copy_at(r["ckpt"], 3, tmp_path / "ckpt"), r["argv"]
+
+
+@pytest.mark.parametrize("damage, names", [
+    ("drop .metadata", ".metadata"), ("garble .metadata", ".metadata"),
+    ("drop shard", "__1_0.distcp"), ("truncate shard", "__0_1.distcp"),
+    ("drop metadata.json", "metadata.json"), ("drop common.pt", "common.pt"),
+    ("latest names missing dir", "iter_0000009"), ("garble latest", TRACKER),
+])
+def test_damaged_checkpoint_is_refused_in_one_line(good_ckpt, damage, names, capsys):
+    ckpt, argv = good_ckpt
+    it = os.path.join(ckpt, "iter_0000003")
+    if damage.startswith("drop"):
+        os.remove(os.path.join(it, names))
+    elif damage == "garble .metadata":
+        with open(os.path.join(it, names), "wb") as f:
+            f.write(b"not a pickle")
+    elif damage == "truncate shard":
+        os.truncate(os.path.join(it, names), 100)
+    elif damage == "latest names missing dir":
+        with open(os.path.join(ckpt, TRACKER), "w") as f:
+            f.write("9")
+    else:
+        with open(os.path.join(ckpt, TRACKER), "w") as f:
+            f.write("three")
+    err = _main_error(argv + ["--nproc-per-node", "4", "--load", ckpt], capsys)
+    assert names in err and "--load" in err, err
+
+
+def test_intact_copy_passes_validation(good_ckpt):
+    from megatron_oases.train_args import build_parser, validate_args
+
+    ckpt, argv = good_ckpt
+    validate_args(build_parser().parse_args(argv + ["--load", ckpt]), 4, False)
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--hidden-size", "128", "--ffn-hidden-size", "256"], "--hidden-size"),
+    (["--make-vocab-size-divisible-by", "512"], "--make-vocab-size-divisible-by"),
+])
+def test_other_model_is_refused(good_ckpt, extra, names, capsys):
+    ckpt, argv = good_ckpt
+    err = _main_error(argv + extra + ["--nproc-per-node", "4", "--load", ckpt], capsys)
+    assert names in err, err
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--save", "X", "--ckpt-format", "torch"], "--ckpt-format"),
+    (["--save-interval", "3"], "--save-interval needs --save"),
+    (["--save", "X", "--save-interval", "0"], "--save-interval"),
+    (["--load", "NOPE"], "latest_checkpointed_iteration.txt"),
+])
+def test_bad_checkpoint_flags(argv, names, tmp_path, capsys):
+    argv = [a.replace("X", str(tmp_path / "s")).replace("NOPE", str(tmp_path / "none"))
+            for a in argv]
+    err = _main_error(MODEL + ["--nproc-per-node", "1"] + argv, capsys)
+    assert names in err, err
+
+
+def test_save_and_load_same_empty_dir_starts_fresh(tmp_path):
+    """Megatron-LM's auto-resume: ``--save D --load D`` before D holds a checkpoint is fine."""
+    from megatron_oases.train_args import build_parser, validate_args
+
+    d = str(tmp_path / "d")
+    validate_args(build_parser().parse_args(MODEL + ["--save", d, "--load", d]), 1, False)
+
+
+def test_cli_resumes_in_the_same_directory_and_prints_megatron_lines(tmp_path):
+    """``--save D --load D`` (Megatron-LM's auto-resume): the first run starts fresh and saves
+    every iteration and at the end; the second continues at iteration 3."""
+    import subprocess
+    import sys
+
+    from megatron_oases.runtime.spawn import free_port
+
+    d = str(tmp_path / "ck")
+    base = [sys.executable, "-m", "megatron_oases.train", *MODEL, "--save", d, "--load", d]
+
+    def launch(*extra):  # one rank, as torchrun starts it (no spawn: half the imports)
+        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        return subprocess.run(base + list(extra), capture_output=True, text=True,
+                              timeout=TIMEOUT, env=env)
+
+    one = launch("--train-iters", "2", "--save-interval", "1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert f" no checkpoint in {d} yet; starting from iteration 0" in one.stdout, one.stdout
+    for it in (1, 2):
+        assert f" saving checkpoint at iteration {it} to {d}\n" in one.stdout, one.stdout
+    two = launch("--train-iters", "3")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert f" loaded checkpoint from {d} at iteration 2\n" in two.stdout, two.stdout
+    assert " iteration        3/       3 |" in two.stdout and " iteration        2/" not in two.stdout
+    assert f" saving checkpoint at iteration 3 to {d}\n" in two.stdout  # at the end of training
+    assert open(os.path.join(d, TRACKER)).read() == "3"
+
+
+def test_publish_replaces_an_existing_iteration(tmp_path):
+    """Re-saving an iteration (after a resume): the new directory replaces the old one, then
+    the latest file; a stale temporary directory alone is no checkpoint."""
+    from megatron_oases.checkpoint import _publish, find_checkpoint
+
+    root = tmp_path
+    (root / "iter_0000002.tmp-old").mkdir()
+    assert find_checkpoint(str(root), missing_ok=True) is None
+    final = root / "iter_0000002"
+    final.mkdir()
+    (final / "marker").write_text("old")
+    tmp = root / "iter_0000002.tmp-new"
+    tmp.mkdir()
+    (tmp / "marker").write_text("new")
+    _publish(str(tmp), str(final), str(root), 2, "new")
+    assert (final / "marker").read_text() == "new"
+    assert (root / TRACKER).read_text() == "2"
+    assert sorted(os.listdir(root)) == sorted([TRACKER, "iter_0000002", "iter_0000002.tmp-old"])
