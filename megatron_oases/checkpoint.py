@@ -169,7 +169,7 @@ def read_saved_args(path: str) -> dict:
 
 
 def check_same_model(saved: dict, args, path: str) -> None:
-    from megatron_oases.train_args import padded_vocab_size
+    from megatron_oases.vocab import padded_vocab_size
 
     for name in MODEL_FLAGS:
         if saved.get(name) != getattr(args, name):
@@ -181,7 +181,7 @@ def check_same_model(saved: dict, args, path: str) -> None:
     if ours != theirs:
         raise CheckpointError(
             f"--load: {path} has a vocabulary padded to {theirs}, this run pads to {ours} "
-            "(--vocab-size rounded up to --make-vocab-size-divisible-by x TP); set "
+            "(--vocab-size rounded up as megatron_oases.vocab.padded_vocab_size does); set "
             "--vocab-size / --make-vocab-size-divisible-by so both pad alike")
 
 

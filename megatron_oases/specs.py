@@ -12,7 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from megatron_oases.train_args import padded_vocab_size
+from megatron_oases.vocab import padded_vocab_size
 
 
 def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> TransformerConfig:

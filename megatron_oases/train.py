@@ -15,8 +15,8 @@ import sys
 import time
 
 from megatron_oases.parallel.dims import ConfigError
-from megatron_oases.train_args import (build_parser, cuda_wanted, validate_args,
-                                       vocab_padding_note, world_size_of)
+from megatron_oases.train_args import build_parser, cuda_wanted, validate_args, world_size_of
+from megatron_oases.vocab import vocab_padding_note
 
 
 @dataclasses.dataclass
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
 
     from megatron_oases.flops import gpt_flops_per_iteration
     from megatron_oases.runtime.spawn import report_progress
-    from megatron_oases.train_args import padded_vocab_size
+    from megatron_oases.vocab import padded_vocab_size
 
     tr = setup(args)
     from megatron_oases import checkpoint

@@ -71,7 +71,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def plan_model(a):
     from megatron_oases.plan.graph import PlanModel
-    from megatron_oases.train_args import build_parser, padded_vocab_size
+    from megatron_oases.train_args import build_parser
+    from megatron_oases.vocab import padded_vocab_size
 
     targs = build_parser().parse_args(model_flags(a, a.tp))
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from megatron_oases.runtime.spawn import run_on_ranks
-from megatron_oases.train_args import padded_vocab_size, vocab_padding_note
+from megatron_oases.vocab import padded_vocab_size, vocab_padding_note
 from tests.rank_fns import train_and_gather
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",

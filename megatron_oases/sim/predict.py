@@ -26,7 +26,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                ) -> tuple[ModelConfig, Strategy]:
     """Validate the trainer flags as the trainer does and map them to (ModelConfig, Strategy)."""
     from ..parallel.dims import ConfigError
-    from ..train_args import padded_vocab_size, validate_args, world_size_of
+    from ..train_args import validate_args, world_size_of
+    from ..vocab import padded_vocab_size
 
     args = argparse.Namespace(**vars(args))  # validate_args fills defaults in place
     try:
