@@ -66,7 +66,8 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: --seq-length")
     g.add_argument("--vocab-size", type=int, default=1024,
-                   help="vocabulary of the synthetic data (padded as Megatron does)")
+                   help="token ids 0..V-1 of the data, synthetic or --data-path/--mock-data "
+                        "(padded as Megatron does)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
@@ -95,6 +96,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    from megatron_oases.datasets import add_data_args
+
+    add_data_args(p)
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-json", default=None,
@@ -190,6 +194,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
             load_topology(args.topology)
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
+    from megatron_oases.datasets import validate_data_args
+
+    validate_data_args(args)
     return dims
 
 
