@@ -105,7 +105,13 @@ def parse_split(split: str) -> list[float]:
 
 
 def validate_data_args(args: argparse.Namespace) -> None:
-    """Data and validation flags; runs before any process group (one-line ConfigError)."""
+    """Data and validation flags; runs before any process group (one-line ConfigError).
+    A namespace built without ``add_data_args`` gets the flags' defaults (synthetic data)."""
+    for name, default in (("mock_data", False), ("data_path", None), ("split", None),
+                          ("data_cache_path", None), ("eod_token_id", None),
+                          ("eval_interval", None), ("eval_iters", None)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive: mock data replaces the "
                           "files; drop one")

@@ -32,12 +32,3 @@ def train_records(argv: list[str]):
     args = build_parser().parse_args(argv)
     _, records = run(args)
     return records if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1 else None
-
-
-def first_train_batch(argv: list[str]):
-    """This rank's micro-batches of iteration 1 (setup only, no step): what a layout feeds."""
-    from megatron_oases.train import setup
-    from megatron_oases.train_args import build_parser
-
-    tr = setup(build_parser().parse_args(argv))
-    return {"dp_rank": tr.dp_rank, "batches": tr.data.train_batches(1)}
