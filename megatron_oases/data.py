@@ -22,14 +22,24 @@ def synthetic_sample(seed: int, iteration: int, index: int, seq_length: int, voc
     return torch.tensor(seq, dtype=torch.long)
 
 
+def micro_batch_indices(*, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                        dp_size: int) -> list[range]:
+    """Sample indices (within the global batch) of each micro-batch of this data-parallel rank:
+    rank r takes the r-th contiguous block of ``global_batch_size / dp_size`` samples. Shared by
+    the synthetic data and ``datasets.py`` so both split a global batch the same way."""
+    per_rank = global_batch_size // dp_size
+    first = dp_rank * per_rank
+    return [range(first + m * micro_batch_size, first + (m + 1) * micro_batch_size)
+            for m in range(per_rank // micro_batch_size)]
+
+
 def micro_batches(*, seed: int, iteration: int, global_batch_size: int, micro_batch_size: int,
                   dp_rank: int, dp_size: int, seq_length: int, vocab_size: int, device):
     """The micro-batches this data-parallel rank processes in ``iteration`` (a list of dicts)."""
-    per_rank = global_batch_size // dp_size
-    first = dp_rank * per_rank
     out = []
-    for m in range(per_rank // micro_batch_size):
-        idx = range(first + m * micro_batch_size, first + (m + 1) * micro_batch_size)
+    for idx in micro_batch_indices(global_batch_size=global_batch_size,
+                                   micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                                   dp_size=dp_size):
         seqs = torch.stack([synthetic_sample(seed, iteration, i, seq_length, vocab_size) for i in idx])
         tokens, labels = seqs[:, :-1], seqs[:, 1:]
         out.append({

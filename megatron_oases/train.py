@@ -31,6 +31,7 @@ class Trainer:
     num_microbatches: int
     dp_rank: int
     dp_size: int
+    data: object = None  # datasets.SyntheticData or MegatronData: train and validation batches
 
 
 def setup(args: argparse.Namespace) -> Trainer:
@@ -115,9 +116,12 @@ def setup(args: argparse.Namespace) -> Trainer:
     if args.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    from megatron_oases.datasets import build_data
+
     return Trainer(args=args, runtime=runtime, config=config, model=model, optimizer=optimizer,
                    num_microbatches=dims.check_batch(args.micro_batch_size, args.global_batch_size),
-                   dp_rank=ps.get_data_parallel_rank(), dp_size=dims.dp)
+                   dp_rank=ps.get_data_parallel_rank(), dp_size=dims.dp,
+                   data=build_data(args, ps.get_data_parallel_rank(), dims.dp, runtime.device))
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -138,14 +142,8 @@ def train_step(tr: Trainer, iteration: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_oases.data import micro_batches
-
     args = tr.args
-    batches = micro_batches(seed=args.seed, iteration=iteration,
-                            global_batch_size=args.global_batch_size,
-                            micro_batch_size=args.micro_batch_size, dp_rank=tr.dp_rank,
-                            dp_size=tr.dp_size, seq_length=args.seq_length,
-                            vocab_size=args.vocab_size, device=tr.runtime.device)
+    batches = tr.data.train_batches(iteration)
     data = [iter(batches) for _ in tr.model] if len(tr.model) > 1 else iter(batches)
     for m in tr.model:
         m.zero_grad_buffer()
@@ -185,6 +183,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     per-iteration records (``lm_loss`` is set on the last pipeline stage only)."""
     import torch
 
+    from megatron_oases.evaluate import Validator
     from megatron_oases.flops import gpt_flops_per_iteration
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
@@ -203,6 +202,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     log = is_logging_rank()
     json_file = open(args.log_json, "w", encoding="utf-8") if (log and args.log_json) else None
     records = []
+    validator = Validator(tr, log)
     try:
         for it in range(first, args.train_iters + 1):
             torch.distributed.barrier()
@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                       f"grad norm: {norm} | elapsed time per iteration (ms): "
                       f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
                       f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
+            rec.update(validator.after_iteration(it))  # --eval-interval: validation loss fields
             if json_file:
                 json_file.write(json.dumps(rec) + "\n")
                 json_file.flush()

@@ -77,7 +77,8 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: --seq-length")
     g.add_argument("--vocab-size", type=int, default=1024,
-                   help="vocabulary of the synthetic data (padded as Megatron does)")
+                   help="token ids 0..V-1 of the data, synthetic or --data-path/--mock-data "
+                        "(padded as megatron_oases.vocab.padded_vocab_size says)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this; with the TP-invariant init "
                         "(default) the padding does not grow with TP (see padded_vocab_size)")
@@ -119,6 +120,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    from megatron_oases.datasets import add_data_args
+
+    add_data_args(p)
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-json", default=None,
@@ -283,6 +287,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     from megatron_oases.checkpoint import validate_checkpoint_args
 
     validate_checkpoint_args(args)
+
+    from megatron_oases.datasets import validate_data_args
+
+    validate_data_args(args)
     return dims
 
 

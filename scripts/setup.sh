@@ -13,4 +13,7 @@ PY="${PYTHON:-python3}"
 # torch first and pinned: an unpinned torch would pull the newest CUDA build (several GB).
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q -e ".[test]"
+# --data-path / --mock-data need Megatron-Core's compiled dataset helpers; its wheels ship them.
+"$VENV/bin/python" -c "import megatron.core.datasets.helpers_cpp" 2>/dev/null \
+  || echo "warning: megatron.core.datasets.helpers_cpp does not import; --data-path and --mock-data will refuse to start (docs/data.md)" >&2
 echo "megatron_oases installed in $VENV"

@@ -1,0 +1,360 @@
+"""Megatron-LM's data flags for the reference trainer, on Megatron-Core's own dataset code.
+
+``--mock-data`` builds Megatron-Core's ``MockGPTDataset`` and ``--data-path`` its ``GPTDataset``
+over ``IndexedDataset`` .bin/.idx files, both through ``BlendedMegatronDatasetBuilder`` with a
+``GPTDatasetConfig``, as Megatron-LM's ``pretrain_gpt.py`` does. Nothing of that code is copied
+here; this module only turns flags into a config and datasets into micro-batches.
+
+Why not Megatron's DataLoader and samplers: every parallel layout (TP/PP/DP, backend, schedule)
+must see the same global batch so that runs can be compared loss for loss. Sample ``i`` of
+iteration ``t`` is therefore always dataset index ``(t - 1) * global_batch + i``, and a global
+batch is split over data-parallel ranks exactly as the synthetic data splits it
+(``data.micro_batch_indices``). Megatron's pretraining sampler visits the same indices in the same
+order; only the assignment of samples to micro-batches differs.
+
+Tokenizer-free: ``GPTDatasetConfig`` needs a tokenizer only for its end-of-document id (mock data
+ends each document with it, and the pad-token check compares against it). ``TokenIdTokenizer`` is
+Megatron-Core's ``NullTokenizer`` (what Megatron-LM's ``--tokenizer-type NullTokenizer`` builds),
+sized so that ``--vocab-size V`` stays the model's vocabulary before padding: ids ``0..V-1`` with
+the end-of-document id ``V - 1`` by default (``--eod-token-id`` overrides it). Megatron-LM's
+``NullTokenizer --vocab-size N`` has ``N + 1`` ids with eod ``N``: the same data runs here with
+``--vocab-size N+1``.
+
+With the synthetic default data, validation draws from a disjoint synthetic stream: validation
+batch ``b`` (counted over the whole run) uses the synthetic generator at iteration ``-(b + 1)``,
+which training (iterations ``1..T``) never visits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_oases.parallel.dims import ConfigError
+
+DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default when --data-path is given and --split is not
+DEFAULT_EVAL_ITERS = 10  # Megatron-LM's default is 100; 10 keeps CPU runs short
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """The ``data`` and ``validation`` flag groups (Megatron-LM's names and meanings)."""
+    g = parser.add_argument_group(
+        "data", "default: synthetic data (megatron_oases.data); these flags switch to "
+                 "Megatron-Core's GPT datasets (see docs/data.md)")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Megatron-Core's MockGPTDataset (as Megatron-LM's --mock-data)")
+    g.add_argument("--data-path", nargs="+", default=None, metavar="PREFIX",
+                   help="indexed GPT dataset(s): PREFIX.bin/PREFIX.idx from Megatron's "
+                        "preprocess_data.py or IndexedDatasetBuilder; several prefixes, or "
+                        "'W1 P1 W2 P2 ...' for a weighted blend")
+    g.add_argument("--split", default=None,
+                   help=f"train,valid,test weights over the documents of --data-path "
+                        f"(default {DEFAULT_SPLIT}, as Megatron-LM)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where Megatron writes its dataset index cache (default: next to the "
+                        "data, PREFIX/cache/GPTDataset_indices)")
+    g.add_argument("--eod-token-id", type=int, default=None,
+                   help="end-of-document token id of the data (default --vocab-size - 1, i.e. "
+                        "Megatron's NullTokenizer with --vocab-size - 1 ids)")
+    g = parser.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="every N iterations (and after the last) run --eval-iters forward-only "
+                        "batches of the validation split and print Megatron's validation line")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help=f"global batches per validation (default {DEFAULT_EVAL_ITERS} with "
+                        "--eval-interval; 0 disables validation, as in Megatron-LM)")
+
+
+def uses_megatron_data(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "mock_data", False) or getattr(args, "data_path", None))
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """``--data-path`` as Megatron's (prefixes, weights or None), parsed by Megatron-Core's
+    ``get_blend_from_list``. A list that is neither all prefixes nor all weight-prefix pairs is
+    refused here: Megatron-Core would read it as prefixes named like numbers."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+        except ValueError:
+            return False
+        return True
+
+    numbers = sum(is_number(v) for v in data_path[0::2]) if len(data_path) % 2 == 0 else 0
+    if 0 < numbers < len(data_path) // 2:
+        raise ConfigError(f"--data-path must be PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... "
+                          f"(got {' '.join(data_path)})")
+    prefixes, weights = get_blend_from_list(list(data_path))
+    if weights is not None and any(w <= 0 for w in weights):
+        raise ConfigError(f"--data-path weights must be > 0 (got {' '.join(data_path)})")
+    return prefixes, weights
+
+
+def parse_split(split: str) -> list[float]:
+    """``--split`` as three non-negative weights (fewer are padded with 0, as Megatron does)."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(f"--split must be up to three non-negative train,valid,test weights "
+                          f"with a positive sum, e.g. {DEFAULT_SPLIT} (got {split!r})")
+    return values + [0.0] * (3 - len(values))
+
+
+def validate_data_args(args: argparse.Namespace) -> None:
+    """Data and validation flags; runs before any process group (one-line ConfigError).
+    A namespace built without ``add_data_args`` gets the flags' defaults (synthetic data)."""
+    for name, default in (("mock_data", False), ("data_path", None), ("split", None),
+                          ("data_cache_path", None), ("eod_token_id", None),
+                          ("eval_interval", None), ("eval_iters", None)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path are exclusive: mock data replaces the "
+                          "files; drop one")
+    megatron_data = uses_megatron_data(args)
+    for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path),
+                        ("--eod-token-id", args.eod_token_id)):
+        if value is not None and not megatron_data:
+            raise ConfigError(f"{flag} needs --data-path (or --mock-data); the default synthetic "
+                              "data has no files, splits or end-of-document token")
+    if args.split is not None and args.mock_data:
+        raise ConfigError("--split needs --data-path: --mock-data draws its own even 1,1,1 split "
+                          "(as in Megatron-Core); drop --split")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        raise ConfigError(f"--eval-interval must be >= 1 (got {args.eval_interval})")
+    if args.eval_iters is not None and args.eval_iters < 0:
+        raise ConfigError(f"--eval-iters must be >= 0 (got {args.eval_iters}); 0 disables "
+                          "validation")
+    if args.eval_iters and args.eval_interval is None:
+        raise ConfigError(f"--eval-iters {args.eval_iters} needs --eval-interval N (how often to "
+                          "validate)")
+    if args.eval_interval is not None and args.eval_iters is None:
+        args.eval_iters = DEFAULT_EVAL_ITERS
+    if args.eod_token_id is not None and not 0 <= args.eod_token_id < args.vocab_size:
+        raise ConfigError(f"--eod-token-id {args.eod_token_id} must be a token id in "
+                          f"[0, --vocab-size {args.vocab_size})")
+    if not megatron_data:
+        return
+    _check_helpers()
+    if args.data_path:
+        prefixes, _ = parse_blend(args.data_path)
+        for prefix in prefixes:
+            _check_prefix(prefix)
+        split = parse_split(args.split if args.split is not None else DEFAULT_SPLIT)
+        if split[0] == 0:
+            raise ConfigError(f"--split {args.split} gives the training split no documents; "
+                              "give its first weight > 0")
+        if eval_enabled(args) and split[1] == 0:
+            raise ConfigError(f"--eval-interval needs a validation split but --split "
+                              f"{args.split} gives it weight 0; e.g. --split {DEFAULT_SPLIT}")
+        for prefix in prefixes:
+            _check_split_documents(prefix, split, args.split or DEFAULT_SPLIT, eval_enabled(args))
+
+
+def _check_helpers() -> None:
+    """GPTDataset builds its sample index with Megatron-Core's compiled helpers (pybind11).
+
+    The megatron-core wheels ship them prebuilt (``helpers_cpp*.so``); an install built from
+    source without a compiler has none, and GPTDataset would fail only after every rank started.
+    """
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--data-path/--mock-data need Megatron-Core's compiled dataset helpers "
+                          f"(megatron.core.datasets.helpers_cpp: {exc}); reinstall megatron-core "
+                          "from a binary wheel, or from source with g++ and pybind11 present") \
+            from None
+
+
+def _check_prefix(prefix: str) -> None:
+    """Both files exist and the .idx is a Megatron index (its 9-byte header)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    if missing:
+        raise ConfigError(f"--data-path {prefix}: {' and '.join(missing)} not found; pass the "
+                          "prefix of a .bin/.idx pair (without the extension)")
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(len(_INDEX_HEADER))
+    if header != _INDEX_HEADER:
+        raise ConfigError(f"--data-path {prefix}: {prefix}.idx is not a Megatron index file "
+                          "(bad header); rebuild it with preprocess_data.py or IndexedDatasetBuilder")
+
+
+def _check_split_documents(prefix: str, split: list[float], split_flag: str,
+                           need_valid: bool) -> None:
+    """Every split that is sampled has documents. Megatron-Core rounds ``weight x documents`` per
+    split, and a split left with none but asked for samples never finishes counting its epochs
+    (GPTDataset._get_num_epochs loops forever on 0 tokens), so a small file would hang the run."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    total = sum(split)
+    matrix = convert_split_vector_to_split_matrix([w / total for w in split])
+    n = IndexedDataset(prefix, multimodal=False, mmap=True).sequence_lengths.shape[0]
+    for i, name in enumerate(("train", "validation")):
+        if name == "validation" and not need_valid:
+            continue
+        docs = 0 if matrix[i] is None else (int(round(matrix[i][1] * n))
+                                            - int(round(matrix[i][0] * n)))
+        if docs == 0:
+            raise ConfigError(f"--split {split_flag} leaves the {name} split of --data-path "
+                              f"{prefix} no documents (it has {n}); give that split more weight "
+                              "or use more documents")
+
+
+def eval_enabled(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "eval_interval", None) and getattr(args, "eval_iters", None))
+
+
+def num_evaluations(args: argparse.Namespace) -> int:
+    """Validations in a run: one per ``--eval-interval`` and one after the last iteration."""
+    return (args.train_iters // args.eval_interval + 1) if eval_enabled(args) else 0
+
+
+def token_id_tokenizer(vocab_size: int, eod: int | None = None):
+    """Megatron-Core's NullTokenizer with ``vocab_size`` ids and end-of-document ``eod``
+    (default ``vocab_size - 1``, NullTokenizer's own choice for that size)."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    class TokenIdTokenizer(NullTokenizer):
+        """NullTokenizer whose eod may be any id; its identifiers name vocabulary and eod, since
+        Megatron hashes them into the dataset cache key."""
+
+        def __init__(self, vocab_size: int, eod: int):
+            super().__init__(vocab_size - 1)  # NullTokenizer(n): n ids plus eod n
+            self._eod_id = eod
+
+        @property
+        def unique_identifiers(self):
+            ids = super().unique_identifiers
+            ids.update(vocab_size=self.vocab_size, eod=self.eod)
+            return ids
+
+    return TokenIdTokenizer(vocab_size, vocab_size - 1 if eod is None else eod)
+
+
+def dataset_config(args: argparse.Namespace):
+    """The GPTDatasetConfig Megatron-LM's pretrain_gpt builds for these flags (no reset of
+    position ids / attention mask, no EOD loss masking: Megatron-LM's defaults). Attention masks
+    are not built: the model applies its causal mask itself, as with
+    ``--no-create-attention-mask-in-dataloader``."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    blend = parse_blend(args.data_path) if args.data_path else None
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        split=(args.split or DEFAULT_SPLIT) if blend else None,
+        path_to_cache=args.data_cache_path,
+        tokenizer=token_id_tokenizer(args.vocab_size, args.eod_token_id),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, mid_level_dataset_surplus=0.005)
+
+
+def build_datasets(args: argparse.Namespace, global_batch_size: int):
+    """(train, valid, test) datasets with Megatron-LM's sample counts: train_iters x global batch
+    for training, (train_iters // eval_interval + 1) x eval_iters x global batch for validation,
+    eval_iters x global batch for test. Collective when a process group exists (rank 0 builds and
+    caches the indices first, the others then read them): call on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    eval_iters = args.eval_iters if eval_enabled(args) else 0
+    sizes = [args.train_iters * global_batch_size,
+             num_evaluations(args) * eval_iters * global_batch_size,
+             eval_iters * global_batch_size]
+    config = dataset_config(args)
+    # Splits this trainer never reads (test; validation without --eval-interval) are not built:
+    # their entry of the split matrix becomes None, the others keep Megatron's document
+    # boundaries. Megatron-LM would build them, and a split that rounds to no documents (the
+    # 0.1% test share of a small file) would stall it (see _check_split_documents).
+    used = (True, eval_enabled(args), False)
+    config.split_matrix = [m if u else None for m, u in zip(config.split_matrix, used)]
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+class SyntheticData:
+    """The default data (``megatron_oases.data``) behind the same interface as MegatronData."""
+
+    def __init__(self, args: argparse.Namespace, dp_rank: int, dp_size: int, device):
+        self.args, self.dp_rank, self.dp_size, self.device = args, dp_rank, dp_size, device
+
+    def _batches(self, iteration: int) -> list[dict]:
+        from megatron_oases.data import micro_batches
+
+        a = self.args
+        return micro_batches(seed=a.seed, iteration=iteration, global_batch_size=a.global_batch_size,
+                             micro_batch_size=a.micro_batch_size, dp_rank=self.dp_rank,
+                             dp_size=self.dp_size, seq_length=a.seq_length,
+                             vocab_size=a.vocab_size, device=self.device)
+
+    def train_batches(self, iteration: int) -> list[dict]:
+        """This rank's micro-batches of training iteration ``iteration`` (1-based)."""
+        return self._batches(iteration)
+
+    def valid_batches(self, number: int) -> list[dict]:
+        """This rank's micro-batches of validation batch ``number`` (0-based, over the run)."""
+        return self._batches(-(number + 1))
+
+
+class MegatronData:
+    """Micro-batches drawn from Megatron-Core datasets by global sample number."""
+
+    def __init__(self, args: argparse.Namespace, dp_rank: int, dp_size: int, device):
+        self.args, self.dp_rank, self.dp_size, self.device = args, dp_rank, dp_size, device
+        self.train, self.valid, _ = build_datasets(args, args.global_batch_size)
+        need = [("train", self.train, args.train_iters * args.global_batch_size)]
+        if eval_enabled(args):
+            need.append(("validation", self.valid,
+                         num_evaluations(args) * args.eval_iters * args.global_batch_size))
+        for name, dataset, samples in need:
+            # An unweighted multi-prefix blend is one epoch of its datasets (Megatron-Core's
+            # rule), which may hold fewer samples than the run reads.
+            if dataset is None or len(dataset) < samples:
+                raise ValueError(
+                    f"--data-path: the {name} split holds {0 if dataset is None else len(dataset)}"
+                    f" samples of --seq-length {args.seq_length} but the run reads {samples}; "
+                    "give weights (W1 P1 W2 P2 ...) to sample several epochs, or more data")
+
+    def _batches(self, dataset, first: int, what: str) -> list[dict]:
+        import torch
+
+        from megatron_oases.data import micro_batch_indices
+
+        a = self.args
+        out = []
+        for idx in micro_batch_indices(global_batch_size=a.global_batch_size,
+                                       micro_batch_size=a.micro_batch_size,
+                                       dp_rank=self.dp_rank, dp_size=self.dp_size):
+            samples = [dataset[first + i] for i in idx]
+            batch = {key: torch.stack([s[key] for s in samples]).to(self.device)
+                     for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            top = int(max(batch["tokens"].max(), batch["labels"].max()))
+            if top >= a.vocab_size:
+                raise ValueError(f"{what} sample holds token id {top} >= --vocab-size "
+                                 f"{a.vocab_size}; pass the vocabulary size of the data's "
+                                 "tokenizer")
+            out.append(batch)
+        return out
+
+    def train_batches(self, iteration: int) -> list[dict]:
+        """Samples ``(iteration - 1) * global_batch + i`` of the train split, this rank's share."""
+        return self._batches(self.train, (iteration - 1) * self.args.global_batch_size, "train")
+
+    def valid_batches(self, number: int) -> list[dict]:
+        """Samples ``number * global_batch + i`` of the validation split, this rank's share."""
+        return self._batches(self.valid, number * self.args.global_batch_size, "validation")
+
+
+def build_data(args: argparse.Namespace, dp_rank: int, dp_size: int, device):
+    """The run's data source: Megatron-Core datasets with --mock-data/--data-path, else synthetic.
+    Call on every rank after the process groups exist."""
+    cls = MegatronData if uses_megatron_data(args) else SyntheticData
+    return cls(args, dp_rank, dp_size, device)
