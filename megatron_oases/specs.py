@@ -12,13 +12,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_oases.schedules.oases.options import oases_runs
 from megatron_oases.vocab import padded_vocab_size
 
 
 def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> TransformerConfig:
     """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    oases = getattr(args, "schedule", "default") == "oases"
+    oases = oases_runs(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -116,7 +117,7 @@ def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_
         from megatron_oases.layers.planned_layer import connect_planned_layers
 
         connect_planned_layers(model.decoder)
-    if getattr(args, "schedule", "default") == "oases":
+    if oases_runs(args):
         from megatron_oases.schedules.oases.block import enable_oases_schedule
         from megatron_oases.schedules.oases.options import oases_options_from_args
 

@@ -79,3 +79,14 @@ def megatron_tape_steps():
                                use_cpu_initialization=True)
     layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
     return [(type(s).__name__, s.name) for s in megatron_layer_tape(layer, 0).steps]
+
+
+def oases_state_at(argv: list[str]):
+    """(Oases blocks in the model?, Megatron recompute granularity) after ``train.setup``."""
+    from megatron_oases.schedules.oases.block import OasesBlockMixin
+    from megatron_oases.train import setup
+    from megatron_oases.train_args import build_parser
+
+    tr = setup(build_parser().parse_args(argv))
+    blocks = any(isinstance(m, OasesBlockMixin) for chunk in tr.model for m in chunk.modules())
+    return blocks, tr.config.recompute_granularity

@@ -98,3 +98,17 @@ def test_tape_collectives_match_the_layer_description():
     bwd = [name for kind, name in reversed(steps) if kind == "BackwardAllReduce"]
     assert fwd == [c.name for c in desc.collectives("forward")]
     assert bwd == [c.name for c in desc.collectives("backward")]
+
+
+def test_tp1_runs_stock_layers_and_megatron_recompute():
+    """At TP 1 there is no collective to overlap: --schedule oases builds stock layers (Megatron's
+    own full recompute included) instead of paying the executor's overhead."""
+    from megatron_oases.runtime.spawn import run_on_ranks
+    from tests.rank_fns_oases import oases_state_at
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--device", "cpu",
+            "--recompute-granularity", "full", "--recompute-method", "uniform"] + OASES
+    assert run_on_ranks(oases_state_at, 1, args=(argv,), timeout_s=60) == [(False, "full")]
+    tp2 = run_on_ranks(oases_state_at, 2, args=(argv + ["--tensor-model-parallel-size", "2"],), timeout_s=60)
+    assert tp2 == [(True, None)] * 2

@@ -122,7 +122,9 @@ def build_model(args: argparse.Namespace, config, *, pre_process: bool, post_pro
 
     from megatron_oases.specs import build_gpt_model
 
-    if getattr(args, "schedule", "default") == "oases" and config.recompute_granularity:
+    from megatron_oases.schedules.oases.options import oases_runs
+
+    if oases_runs(args) and config.recompute_granularity:
         config = dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
                                      recompute_num_layers=None)
     # specs pads ``vocab_size``; Megatron-LM has already padded it (from the tokenizer), so hand

@@ -26,6 +26,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                ) -> tuple[ModelConfig, Strategy]:
     """Validate the trainer flags as the trainer does and map them to (ModelConfig, Strategy)."""
     from ..parallel.dims import ConfigError
+    from ..schedules.oases.options import oases_runs
     from ..train_args import validate_args, world_size_of
     from ..vocab import padded_vocab_size
 
@@ -57,7 +58,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         num_microbatches=args.global_batch_size // (args.micro_batch_size * dims.dp),
                         schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
                         recompute_layers=args.recompute_num_layers if block else 0,
-                        overlap="oases" if getattr(args, "schedule", "default") == "oases" else "none",
+                        overlap="oases" if oases_runs(args) else "none",
                         fine_grained_recompute=getattr(args, "oases_fine_grained_recompute", True),
                         backend=backend, mesh=tuple(args.atp_mesh) if backend == "atp" else None,
                         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))

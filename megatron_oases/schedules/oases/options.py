@@ -86,6 +86,13 @@ def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
                           "uniform (block recomputes only some layers)")
 
 
+def oases_runs(args: argparse.Namespace) -> bool:
+    """Whether the Oases executor runs the layers: ``--schedule oases`` with TP > 1. At TP 1 there
+    is no collective to overlap, so the layers run as stock ones (Megatron's own recompute
+    included): the executor's half-size GEMMs and per-step autograd calls would only cost time."""
+    return args.schedule == "oases" and args.tensor_model_parallel_size > 1
+
+
 def oases_options_from_args(args: argparse.Namespace) -> OasesOptions:
     return OasesOptions(recompute=args.recompute_granularity == "full",
                         fine_grained_recompute=args.oases_fine_grained_recompute,
