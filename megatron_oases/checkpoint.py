@@ -269,15 +269,19 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
     # layout uses the same keys, so checkpoints stay interchangeable. No ChainedOptimizer prefix:
     # the optimizer keys then depend on the parameters only, not on the optimizer grouping.
     metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
+    if tr.args.use_distributed_optimizer:  # Megatron-LM's default format for its optimizer state
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
              "args": _plain_args(tr.args)}
     for i, chunk in enumerate(tr.model):
         key = "model" if len(tr.model) == 1 else f"model{i}"
         state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
     if optimizer:
-        from megatron_oases.runtime.dist_ckpt import keep_empty_params_local
+        from megatron_oases.runtime.dist_ckpt import init_torch_adam_state, keep_empty_params_local
 
         keep_empty_params_local(state)
+        if is_loading:
+            init_torch_adam_state(tr.optimizer)
         state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                              metadata=metadata)
     if rng:
@@ -380,7 +384,13 @@ def load_checkpoint(tr) -> int:
     for i, chunk in enumerate(tr.model):
         _unwrap(chunk).load_state_dict(loaded["model" if len(tr.model) == 1 else f"model{i}"])
     if load_optim:
-        tr.optimizer.load_state_dict(loaded["optimizer"])
+        import torch
+
+        from megatron_oases.runtime.dist_ckpt import restore_adam_steps
+
+        with torch.no_grad():  # the distributed optimizer copies into its (grad-requiring) main params
+            tr.optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_steps(tr.optimizer, loaded["optimizer"])
     elif args.bf16 or args.fp16:
         tr.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     if load_rng:

@@ -15,6 +15,8 @@ LAYOUTS = {
     "stock_tp2_pp2": (4, ["--tensor-model-parallel-size", "2",
                           "--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.1"]),
     "oases_tp2_dp2": (4, ["--tensor-model-parallel-size", "2", "--schedule", "oases"]),
+    "distopt_oases_tp2_dp2": (4, ["--tensor-model-parallel-size", "2", "--schedule", "oases",
+                                  "--use-distributed-optimizer"]),
     "atp_2x2": (4, ["--tensor-model-parallel-size", "4", "--tp-backend", "atp",
                     "--atp-mesh", "2,2"]),
     "3d_tp8": (8, ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"]),

@@ -84,3 +84,56 @@ def _build_local(key, data, replica_id, flattened_range):
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
     return LocalNonpersistentObject(data)
+
+
+def init_torch_adam_state(optimizer) -> None:
+    """Give every parameter of the distributed optimizer's inner ``torch.optim.Adam`` a zero state
+    (``step``, moments) before a checkpoint load builds its sharded state dict.
+
+    Without Apex or Transformer Engine, Megatron's ``DistributedOptimizer.state_dict`` reads
+    ``step`` from each parameter's Adam state and asserts they agree
+    (``distrib_optimizer.py``: ``assert len(steps) == 1``); before the first step the state is
+    empty and the load stops there. The load then overwrites these values. GPU runs with Apex /
+    TE take another branch and never get here.
+    """
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def restore_adam_steps(optimizer, loaded: dict) -> None:
+    """After a distributed-optimizer load, give each parameter its own ``step`` tensor holding
+    the checkpoint's step.
+
+    Without Apex or TE, Megatron's distributed optimizer keeps ``torch.optim.Adam``, whose state
+    holds a ``step`` per parameter; the load assigns one shared tensor (Adam increments steps in
+    place, so it would advance once per parameter per iteration) and it came back as 0 here
+    (the resume-parity test caught both: iteration 5 after a resume from 3 differed). The
+    checkpoint's common state carries the step in its ``param_groups``.
+    """
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                 if isinstance(o, DistributedOptimizer)]
+    if HAVE_APEX_OR_TE or not dist_opts:
+        return
+    steps = {g["step"] for g in loaded.get("optimizer", {}).get("param_groups", []) if "step" in g}
+    if len(steps) != 1:
+        return
+    (step,) = steps
+    for opt in dist_opts:
+        for state in opt.optimizer.state.values():
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
