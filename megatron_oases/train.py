@@ -15,6 +15,7 @@ import sys
 import time
 
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.schedules.oases.options import oases_runs
 from megatron_oases.train_args import build_parser, cuda_wanted, validate_args, world_size_of
 from megatron_oases.vocab import vocab_padding_note
 
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                    "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20,
                    "forward_backward_ms": out["forward_backward_ms"],
                    "optimizer_ms": out["optimizer_ms"]}
-            if args.schedule == "oases":
+            if oases_runs(args):
                 from megatron_oases.schedules.oases.block import oases_saved_bytes
 
                 rec["oases_saved_mb"] = oases_saved_bytes(tr.model) / 2**20

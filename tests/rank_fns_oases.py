@@ -84,9 +84,9 @@ def megatron_tape_steps():
 def oases_state_at(argv: list[str]):
     """(Oases blocks in the model?, Megatron recompute granularity) after ``train.setup``."""
     from megatron_oases.schedules.oases.block import OasesBlockMixin
-    from megatron_oases.train import setup
+    from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr, records = run(build_parser().parse_args(argv + ["--train-iters", "1"]))
     blocks = any(isinstance(m, OasesBlockMixin) for chunk in tr.model for m in chunk.modules())
     return blocks, tr.config.recompute_granularity
