@@ -43,14 +43,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.training.arguments import parse_args
 
-    parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
+    args = parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
     import torch
 
     if not torch.cuda.is_available():
-        print(f"{PROG}: error: megatron.training.pretrain needs CUDA (initialize_megatron "
-              f"asserts it); the flags are valid. On a CPU machine use `megatron-oases train`",
-              file=sys.stderr)
-        return 1
+        from megatron_oases.runtime.cpu_training_compat import (
+            check_cpu_training_args,
+            install_cpu_training_compat,
+        )
+
+        problem = check_cpu_training_args(args)
+        if problem:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
+            return 2
+        install_cpu_training_compat()
+    from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers
+
+    use_prebuilt_dataset_helpers()
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
 
