@@ -141,6 +141,10 @@ def install_cpu_training_compat(force: bool = False) -> bool:
         return True
     if not cpu_compat.install_cpu_compat(force=force):
         return False
+    # The torch_dist checkpoint strategies load lazily; give them the Megatron-Core proxy now.
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
+
+    dist_checkpointing()
     proxy = _TrainingTorchOnCpu()
     for modname in PATCHED_MODULES:
         importlib.import_module(modname)
