@@ -6,6 +6,8 @@ supplies the forward step, the dataset provider, ``get_embedding_ranks`` and the
 provider; we add our ``extra_args_provider`` and wrap the model provider
 (``megatron_lm.hooks.wrap_entry``), then call ``megatron.training.pretrain`` as that script does.
 Arguments are parsed once up front, so ``--help`` and bad flags answer before any GPU work.
+Without CUDA, ``runtime.cpu_training_compat`` lets ``pretrain`` run on CPU + gloo ranks (flags
+that need CUDA-only machinery are refused first, in one line).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 _PROGRAM_START_TIME = time.time()
 
 import functools  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from megatron_oases.parallel.dims import ConfigError  # noqa: E402
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
         problem = check_cpu_training_args(args)
         if problem:
-            print(f"{PROG}: error: {problem}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
             return 2
         install_cpu_training_compat()
     from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers

@@ -19,6 +19,8 @@ is absent, nothing global faked, only
 * ``get_device_arch_version`` inside ``megatron.training.arguments`` answers 0 (no CUDA
   architecture) instead of querying the GPU's properties; ``validate_args`` then wants
   CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1, set here when unset (only CUDA reads it).
+* Megatron-Core's torch_dist checkpoint strategies (loaded lazily) get the Megatron-Core proxy
+  (``runtime.dist_ckpt.dist_checkpointing``), so ``--save`` / ``--load`` work.
 
 Flags that need the CUDA caching allocator (``--log-memory-to-tensorboard``,
 ``--record-memory-history``) or CUDA-only machinery (``--cuda-graph-impl``, ``--inprocess-restart``,
@@ -166,4 +168,5 @@ def install_cpu_training_compat(force: bool = False) -> bool:
 
 
 def cpu_training_compat_installed() -> bool:
+    """Whether the ``megatron.training`` shims are active in this process."""
     return _installed
