@@ -5,6 +5,10 @@
 * our model provider builds a GPTModel for every backend / schedule from those args on CPU
   (2 gloo ranks; process groups set up here: ``initialize_megatron`` asserts CUDA);
 * ``python -m megatron_oases.pretrain_gpt`` answers --help and bad flags before needing CUDA;
+* without CUDA, Megatron-LM's own ``pretrain`` trains through our entry on gloo ranks
+  (torchrun): stock, ``--schedule oases``, ATP and ``--oases-plan`` give the stock losses,
+  ``--save``/``--load`` resumes with them, 3-D trains on 8 ranks; the upstream functions
+  ``runtime.cpu_training_compat`` wraps are pinned;
 * ``scripts/apply_patches.sh`` applies idempotently, refuses other files / releases, and the
   patched ``pretrain_gpt.py`` hands our providers to ``pretrain``.
 
@@ -233,9 +237,15 @@ def test_entry_help_bad_flags_and_cpu():
                           "--atp-mesh", "2,2"])
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(errors) == 1 and "--atp-mesh 2,2" in errors[0], proc.stderr
-    proc = _entry(TINY + ["--tensor-model-parallel-size", "2", "--schedule", "oases"])
-    if not __import__("torch").cuda.is_available():
-        assert proc.returncode == 1 and "needs CUDA" in proc.stderr and "flags are valid" in proc.stderr
+    if not __import__("torch").cuda.is_available():  # CUDA-only flags: one line, before any rank work
+        proc = _entry(TINY + ["--distributed-backend", "gloo", "--record-memory-history"])
+        errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert "--record-memory-history" in errors[0] and "needs CUDA" in errors[0]
+        proc = _entry(TINY)  # Megatron-LM's default backend is nccl
+        errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert "--distributed-backend gloo" in errors[0]
 
 
 # ---- patch set -------------------------------------------------------------------------------
@@ -344,3 +354,186 @@ def test_model_provider_builds_3d_from_megatron_args(on_ranks):
     out = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
     assert out[0]["model"] == "GPTModel" and math.isfinite(out[0]["loss"]) and out[0]["grads"]
     assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)
+
+
+# ---- megatron.training.pretrain on CPU (runtime.cpu_training_compat) --------------------------
+CPU_TRAIN = TINY + ["--distributed-backend", "gloo", "--distributed-timeout-minutes", "2",
+                    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+                    "--hidden-dropout", "0", "--attention-dropout", "0"]
+needs_cpu = pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                               reason="the CPU training layer is only installed without CUDA")
+
+
+def _torchrun(nproc, argv, timeout_s=300):
+    """``torchrun --standalone --nproc-per-node nproc -m megatron_oases.pretrain_gpt argv``;
+    the whole process group is killed at the deadline. Returns (returncode, stdout+stderr)."""
+    import signal
+
+    env = {**os.environ, "MEGATRON_LM_PATH": CHECKOUT, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "megatron_oases.pretrain_gpt", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"pretrain on {nproc} ranks passed its {timeout_s}s deadline:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def _losses(log):
+    """{iteration: reported lm loss} from Megatron-LM's log lines."""
+    import re
+
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|", log)}
+
+
+def _train(nproc, extra, iters, timeout_s=300):
+    rc, log = _torchrun(nproc, CPU_TRAIN + ["--train-iters", str(iters)] + extra, timeout_s)
+    assert rc == 0, log[-4000:]
+    losses = _losses(log)
+    assert losses and max(losses) == iters, log[-3000:]
+    assert all(math.isfinite(v) for v in losses.values())
+    return losses, log
+
+
+def test_cpu_training_layer_pins_the_upstream_code_it_wraps(stock):
+    """``cpu_training_compat`` relies on these lines of core_v0.16.1; fail loudly if they move."""
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+    from megatron.core.datasets import utils as dutils
+    from megatron.legacy import fused_kernels
+
+    from megatron_oases.runtime import cpu_training_compat as ctc
+
+    init = initialize.initialize_megatron
+    assert "allow_no_cuda" in inspect.signature(init).parameters
+    assert 'assert torch.cuda.is_available(), "Megatron requires CUDA."' in inspect.getsource(init)
+    assert "initialize_megatron(" in inspect.getsource(training.pretrain)
+    dist = inspect.getsource(initialize._initialize_distributed)
+    assert "device_count = torch.cuda.device_count()" in dist and "if device_count > 0:" in dist
+    assert "mpu.initialize_model_parallel(" in dist
+    assert "if torch.cuda.device_count() > 0:" in inspect.getsource(initialize._set_random_seed)
+    deps = inspect.getsource(initialize._compile_dependencies)
+    assert "fused_kernels.load(args)" in deps and "compile_helpers()" in deps
+    load = inspect.getsource(fused_kernels.load)
+    assert "_get_cuda_bare_metal_version(" in load
+    assert load.count("_cpp_extention_load_helper(") == 1  # defined, never called: builds nothing
+    assert "get_device_arch_version() < 10" in inspect.getsource(arguments.validate_args)
+    compile_helpers = getattr(dutils.compile_helpers, "__wrapped_original__",
+                              dutils.compile_helpers)
+    assert 'command = ["make", "-C", os.path.abspath(os.path.dirname(__file__))]' in \
+        inspect.getsource(compile_helpers)
+    for modname in ctc.PATCHED_MODULES:
+        __import__(modname)
+
+
+@needs_cpu
+def test_cpu_training_layer_is_scoped(stock):
+    import torch
+
+    from megatron_oases.runtime.cpu_training_compat import install_cpu_training_compat
+
+    import_stock_pretrain_gpt_cached()
+    assert install_cpu_training_compat()
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    assert not torch.cuda.is_available() and torch.cuda.device_count() == 0  # global torch: real
+    assert initialize.torch is not torch and initialize.torch.cuda.device_count() == 1
+    assert initialize.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert training.torch.cuda.memory_reserved() == 0
+    assert arguments.get_device_arch_version() == 0
+    assert training.initialize_megatron.__cpu_compat_wrapped__ is initialize.initialize_megatron
+    from megatron.legacy import fused_kernels
+
+    assert initialize.fused_kernels.load(None) is None  # no nvcc probe on CPU
+    assert initialize.fused_kernels is not fused_kernels  # only initialize's name is replaced
+    assert initialize.fused_kernels._get_cuda_bare_metal_version is \
+        fused_kernels._get_cuda_bare_metal_version
+    with pytest.raises(TypeError):  # the real probe, without a CUDA toolkit
+        fused_kernels.load(None)
+    assert install_cpu_training_compat()  # idempotent
+
+
+def test_prebuilt_dataset_helpers_skip_make(stock):
+    """megatron-core's wheel ships helpers_cpp but no Makefile: ``compile_helpers`` must not run
+    make then (rank 0 would exit "Failed to compile the C++ dataset helper functions")."""
+    import subprocess as sp
+    from unittest import mock
+
+    from megatron.core.datasets import utils as dutils
+
+    from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers
+
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        assert not use_prebuilt_dataset_helpers()
+        return
+    assert use_prebuilt_dataset_helpers() and use_prebuilt_dataset_helpers()
+    with mock.patch.object(sp, "run", side_effect=AssertionError("make ran")):
+        dutils.compile_helpers()
+    assert dutils.compile_helpers.__wrapped_original__.__module__ == dutils.__name__
+
+
+@needs_cpu
+def test_pretrain_one_rank_cpu():
+    losses, log = _train(1, [], 10)
+    assert "lm loss" in log and len(losses) == 10
+    assert "after training is done" in log
+
+
+@pytest.fixture(scope="module")
+def stock_tp2_losses():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the CPU training layer is only installed without CUDA")
+    return _train(2, ["--tensor-model-parallel-size", "2"], 6)[0]
+
+
+@needs_cpu
+@pytest.mark.parametrize("extra", [
+    ["--schedule", "oases"],
+    ["--tp-backend", "atp", "--atp-mesh", "1,2"],
+    ["--oases-plan", PLAN],
+], ids=["oases", "atp-1x2", "plan"])
+def test_pretrain_tp2_matches_stock_cpu(stock_tp2_losses, extra):
+    losses, _ = _train(2, ["--tensor-model-parallel-size", "2"] + extra, 6)
+    assert losses.keys() == stock_tp2_losses.keys()
+    for k, v in losses.items():
+        assert v == pytest.approx(stock_tp2_losses[k], rel=1e-5), (k, losses, stock_tp2_losses)
+
+
+@needs_cpu
+def test_pretrain_save_then_load_resumes_cpu(stock_tp2_losses, tmp_path):
+    """ATP through Megatron-LM's checkpointing: save at 3, resume from 3 -> the stock losses.
+
+    Megatron-LM logs a run's first iteration without resetting its loss sum, so the second line
+    after a (re)start reports the mean of both iterations (upstream behaviour, also at 2 here).
+    """
+    ckpt = str(tmp_path / "ckpt")
+    atp = ["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2"]
+    saved, log = _train(2, atp + ["--save", ckpt, "--save-interval", "3"], 6)
+    assert "successfully saved checkpoint from iteration       3" in log
+    resumed, log = _train(2, atp + ["--load", ckpt, "--ckpt-step", "3"], 6)
+    assert "successfully loaded checkpoint" in log and sorted(resumed) == [4, 5, 6]
+    ref = stock_tp2_losses
+    assert resumed[4] == pytest.approx(ref[4], rel=1e-5)
+    assert resumed[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=1e-5)  # see docstring
+    assert resumed[6] == pytest.approx(ref[6], rel=1e-5)
+
+
+@needs_cpu
+def test_pretrain_3d_eight_ranks_cpu():
+    losses, _ = _train(8, ["--tensor-model-parallel-size", "8", "--tp-backend", "3d",
+                           "--num-attention-heads", "8", "--micro-batch-size", "4",
+                           "--global-batch-size", "4"], 2, timeout_s=540)
+    assert len(losses) == 2

@@ -85,6 +85,12 @@ class ATPSelfAttention(torch.nn.Module):
         bias = config.add_bias_linear or config.add_qkv_bias
         common = dict(chunks=chunks, chunk_dim=1, params_dtype=config.params_dtype,
                       device=param_device(config))
+        # Megatron's Attention builds linear_proj before SelfAttention builds linear_qkv, so with
+        # --use-cpu-initialization it draws the projection's full weight first: same order here,
+        # so ATP starts from Megatron's weights (registration order stays qkv, proj).
+        linear_proj = RowFirstLinear(proj, config.hidden_size, mesh_groups,
+                                     bias=config.add_bias_linear, skip_bias_add=True,
+                                     init_method=config.output_layer_init_method, **common)
         self.linear_qkv = ColumnFirstLinear(config.hidden_size, 3 * proj, mesh_groups, bias=bias,
                                             init_method=config.init_method, **common)
         if pg_collection is None:
@@ -92,9 +98,7 @@ class ATPSelfAttention(torch.nn.Module):
         self.core_attention = DotProductAttention(
             config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
             attention_type="self", pg_collection=pg_collection)
-        self.linear_proj = RowFirstLinear(proj, config.hidden_size, mesh_groups,
-                                          bias=config.add_bias_linear, skip_bias_add=True,
-                                          init_method=config.output_layer_init_method, **common)
+        self.linear_proj = linear_proj
         count_once_in_grad_norm_(self, mesh_groups)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,

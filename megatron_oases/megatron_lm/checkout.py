@@ -81,3 +81,37 @@ def import_stock_pretrain_gpt(path: str | os.PathLike | None = None) -> ModuleTy
         del sys.modules[STOCK_MODULE]
         raise
     return module
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Let ``initialize_megatron`` use the installed megatron-core's prebuilt dataset helpers.
+
+    ``megatron.training.initialize._compile_dependencies`` runs
+    ``megatron.core.datasets.utils.compile_helpers`` on rank 0, which runs ``make`` in the folder
+    of the *imported* ``megatron.core.datasets``. With megatron-core installed from its wheel
+    (our setup), that folder holds the compiled ``helpers_cpp`` extension but no Makefile, so
+    ``make`` fails and rank 0 exits ("Failed to compile the C++ dataset helper functions").
+    When the extension imports, building it again is not needed: ``compile_helpers`` is wrapped
+    to return without running ``make``. Otherwise (a source tree) it runs as upstream.
+    Returns whether the prebuilt extension is used.
+    """
+    import functools
+
+    from megatron.core.datasets import utils
+
+    if getattr(utils.compile_helpers, "__prebuilt__", False):
+        return True
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    original = utils.compile_helpers
+
+    @functools.wraps(original)
+    def compile_helpers():
+        return None  # helpers_cpp is already built and importable
+
+    compile_helpers.__prebuilt__ = True
+    compile_helpers.__wrapped_original__ = original
+    utils.compile_helpers = compile_helpers
+    return True

@@ -6,6 +6,8 @@ supplies the forward step, the dataset provider, ``get_embedding_ranks`` and the
 provider; we add our ``extra_args_provider`` and wrap the model provider
 (``megatron_lm.hooks.wrap_entry``), then call ``megatron.training.pretrain`` as that script does.
 Arguments are parsed once up front, so ``--help`` and bad flags answer before any GPU work.
+Without CUDA, ``runtime.cpu_training_compat`` lets ``pretrain`` run on CPU + gloo ranks (flags
+that need CUDA-only machinery are refused first, in one line).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 _PROGRAM_START_TIME = time.time()
 
 import functools  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from megatron_oases.parallel.dims import ConfigError  # noqa: E402
@@ -43,14 +46,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.training.arguments import parse_args
 
-    parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
+    args = parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
     import torch
 
     if not torch.cuda.is_available():
-        print(f"{PROG}: error: megatron.training.pretrain needs CUDA (initialize_megatron "
-              f"asserts it); the flags are valid. On a CPU machine use `megatron-oases train`",
-              file=sys.stderr)
-        return 1
+        from megatron_oases.runtime.cpu_training_compat import (
+            check_cpu_training_args,
+            install_cpu_training_compat,
+        )
+
+        problem = check_cpu_training_args(args)
+        if problem:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+            return 2
+        install_cpu_training_compat()
+    from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers
+
+    use_prebuilt_dataset_helpers()
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
 

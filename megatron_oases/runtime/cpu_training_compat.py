@@ -1,0 +1,172 @@
+"""Let Megatron-LM's training loop (``megatron.training.pretrain``) run on CPU + gloo ranks.
+
+An extension of :mod:`megatron_oases.runtime.cpu_compat` (Megatron-Core) to the modules of the
+Megatron-LM checkout's ``megatron.training`` package, built the same way: active only when CUDA
+is absent, nothing global faked, only
+
+* the ``torch`` name *inside* the ``megatron.training`` modules listed in ``PATCHED_MODULES``
+  (and any other loaded one that hard-codes CUDA) becomes a proxy: CUDA tensor factories
+  (``device='cuda'``, ``torch.cuda.current_device()``) land on the CPU, RNG state is the CPU
+  generator's, streams and events are no-ops, memory counters read 0 (a CPU rank has no device
+  allocator to report), and ``torch.cuda.device_count()`` is 1: each rank drives one device,
+  its CPU. That last one is what ``initialize._initialize_distributed`` and
+  ``initialize._set_random_seed`` branch on to build the model-parallel groups and seed the
+  model-parallel RNG tracker; with 0 they would skip both.
+* ``training.initialize_megatron`` (the name ``pretrain`` calls) is wrapped to pass Megatron's
+  own ``allow_no_cuda=True``, which skips its "Megatron requires CUDA." assertion.
+* ``fused_kernels`` inside ``megatron.training.initialize`` loads nothing (``_NoFusedKernels``):
+  upstream's ``load`` only runs ``nvcc -V``, which a CPU machine does not have.
+* ``get_device_arch_version`` inside ``megatron.training.arguments`` answers 0 (no CUDA
+  architecture) instead of querying the GPU's properties; ``validate_args`` then wants
+  CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1, set here when unset (only CUDA reads it).
+* Megatron-Core's torch_dist checkpoint strategies (loaded lazily) get the Megatron-Core proxy
+  (``runtime.dist_ckpt.dist_checkpointing``), so ``--save`` / ``--load`` work.
+
+Flags that need the CUDA caching allocator (``--log-memory-to-tensorboard``,
+``--record-memory-history``) or CUDA-only machinery (``--cuda-graph-impl``, ``--inprocess-restart``,
+``--profile``) are refused up front by ``check_cpu_training_args``, one line naming the flag.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+
+import torch
+
+from megatron_oases.runtime import cpu_compat
+
+# megatron.training modules (Megatron-LM core_v0.16.1) that hard-code CUDA on the paths
+# ``pretrain`` takes: initialize (device count, seeds), training (startup times, loss dicts,
+# exit checks, data-iterator flags), utils (memory report, batch broadcast, reductions),
+# checkpointing (iteration agreement, RNG state), inprocess_restart.
+PATCHED_MODULES = (
+    "megatron.training.initialize",
+    "megatron.training.training",
+    "megatron.training.utils",
+    "megatron.training.checkpointing",
+    "megatron.training.inprocess_restart",
+    "megatron.training.global_vars",
+)
+
+# Megatron-LM flags that need CUDA-only machinery, with why; refused on CPU.
+CUDA_ONLY_FLAGS = (
+    ("log_memory_to_tensorboard", "--log-memory-to-tensorboard", "reads the CUDA allocator"),
+    ("record_memory_history", "--record-memory-history", "records the CUDA allocator"),
+    ("profile", "--profile", "drives the CUDA profiler"),
+    ("inprocess_restart", "--inprocess-restart", "restarts NCCL in process"),
+)
+
+_installed = False
+
+
+def _training_cuda_namespace():
+    ns = cpu_compat._make_cuda_namespace()
+    ns.device_count = lambda: 1  # one device per rank: its CPU (see module docstring)
+    ns.set_device = lambda device: None
+    ns.memory_reserved = lambda device=None: 0
+    ns.max_memory_reserved = lambda device=None: 0
+    ns.device_memory_used = lambda device=None: 0
+    return ns
+
+
+class _TrainingTorchOnCpu(cpu_compat._TorchOnCpu):
+    """``torch`` as the patched ``megatron.training`` modules see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cuda = _training_cuda_namespace()
+
+
+def _allow_no_cuda(initialize_megatron):
+    @functools.wraps(initialize_megatron)
+    def wrapped(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    wrapped.__cpu_compat_wrapped__ = initialize_megatron
+    return wrapped
+
+
+class _NoFusedKernels:
+    """``megatron.legacy.fused_kernels`` as ``initialize._compile_dependencies`` sees it on CPU.
+
+    Its ``load(args)`` (core_v0.16.1) builds no kernel any more: it reads the CUDA toolkit's
+    version (``$CUDA_HOME/bin/nvcc -V``, a TypeError when there is no toolkit) and creates a build
+    folder. Nothing of it is used on CPU, so ``load`` does nothing here; every other name is the
+    real module's."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def load(self, args):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _no_device_arch(get_device_arch_version):
+    """``get_device_arch_version`` as ``validate_args`` sees it on CPU: 0, no CUDA architecture
+    (upstream reads ``torch.cuda.get_device_properties``). ``validate_args`` then treats the run
+    as it treats any GPU before Blackwell: with TP > 1 it asks for CUDA_DEVICE_MAX_CONNECTIONS=1,
+    which ``install_cpu_training_compat`` sets when unset (only CUDA reads it)."""
+
+    @functools.wraps(get_device_arch_version)
+    def wrapped():
+        return 0
+
+    wrapped.__cpu_compat_wrapped__ = get_device_arch_version
+    return wrapped
+
+
+def check_cpu_training_args(args) -> str | None:
+    """The one-line reason ``args`` cannot train on CPU, or None."""
+    for name, flag, why in CUDA_ONLY_FLAGS:
+        if getattr(args, name, False):
+            return f"{flag} {why}; it needs CUDA (this run is on CPU): drop it"
+    impl = getattr(args, "cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        return f"--cuda-graph-impl {impl} captures CUDA graphs; it needs CUDA (this run is on CPU)"
+    if getattr(args, "distributed_backend", "gloo") != "gloo":
+        return (f"--distributed-backend {args.distributed_backend} needs CUDA; on CPU use "
+                f"--distributed-backend gloo")
+    return None
+
+
+def install_cpu_training_compat(force: bool = False) -> bool:
+    """Install the Megatron-Core CPU layer plus the ``megatron.training`` one if CUDA is absent
+    (or ``force``); returns whether active. Needs the Megatron-LM checkout importable."""
+    global _installed
+    if _installed:
+        return True
+    if not cpu_compat.install_cpu_compat(force=force):
+        return False
+    # The torch_dist checkpoint strategies load lazily; give them the Megatron-Core proxy now.
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
+
+    dist_checkpointing()
+    proxy = _TrainingTorchOnCpu()
+    for modname in PATCHED_MODULES:
+        importlib.import_module(modname)
+    for modname, module in list(sys.modules.items()):
+        if modname.startswith("megatron.training") and getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    initialize = importlib.import_module("megatron.training.initialize")
+    if not isinstance(initialize.fused_kernels, _NoFusedKernels):
+        initialize.fused_kernels = _NoFusedKernels(initialize.fused_kernels)
+    arguments = importlib.import_module("megatron.training.arguments")
+    if not hasattr(arguments.get_device_arch_version, "__cpu_compat_wrapped__"):
+        arguments.get_device_arch_version = _no_device_arch(arguments.get_device_arch_version)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    training = importlib.import_module("megatron.training.training")
+    if not hasattr(training.initialize_megatron, "__cpu_compat_wrapped__"):
+        training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
+    _installed = True
+    return True
+
+
+def cpu_training_compat_installed() -> bool:
+    """Whether the ``megatron.training`` shims are active in this process."""
+    return _installed
