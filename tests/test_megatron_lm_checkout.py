@@ -43,6 +43,15 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16
         "--no-gradient-accumulation-fusion --no-rope-fusion").split()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _checkout_off_sys_path_afterwards():
+    """The checkout goes first on sys.path, and it has a ``tests`` package of its own: ranks
+    spawned by later test modules would import it instead of ours. Restore sys.path after."""
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
+
+
 @pytest.fixture(scope="module")
 def stock():
     from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
