@@ -300,3 +300,11 @@ def test_atp_description_matches_megatron_flops_and_eq2_forward_volume():
         if d1 > 1:
             assert bwd["qkv.bwd"].axis == "mesh1" and bwd["qkv.bwd"].payload_bytes == b * s * h // d2 * e
         assert bwd["fc2.bwd"].axis == "mesh2" and bwd["fc2.bwd"].payload_bytes == b * s * 4 * h // d1 * e
+
+
+def test_shipped_topology_device_spellings_resolve():
+    """pcie-3090x4 names its device rtx3090-24gb; the simulator refused it (unknown GPU)."""
+    topo = load_topology("pcie-3090x4")
+    assert device_model(topo).gpu.name == GPUS["rtx-3090"].name
+    with pytest.raises(SimError, match="unknown GPU 'tpu-v5'"):
+        device_model(topo, gpu="tpu-v5")

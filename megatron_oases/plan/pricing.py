@@ -10,12 +10,12 @@ from the analytical ``DeviceModel`` on the topology. One profile thus serves sim
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Protocol
 
 from megatron_oases.describe.event_key import layer_event_tag
 from megatron_oases.describe.ops import Collective, Compute
-from megatron_oases.pricing.device_model import GPUS, DeviceModel, ProfileDB, SimError, gpu_spec
+from megatron_oases.pricing.device_model import (GPUS, DeviceModel, ProfileDB, SimError, gpu_spec,
+                                                 resolve_gpu_name)
 from megatron_oases.pricing.event import Event, group_tag
 from megatron_oases.topology import Topology
 
@@ -56,21 +56,13 @@ def shape_dims(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | 
             ("dtype", m.dtype)) + _event_tag(m, mesh)[1]
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def resolve_gpu(name: str) -> str:
-    """A GPU name of the device model's table; accepts spellings such as ``rtx3090-24gb`` for
-    ``rtx-3090`` (the topology examples' ``device`` fields and the table do not agree yet)."""
-    if name in GPUS:
-        return name
-    n = _norm(name)
-    hits = [g for g in GPUS if _norm(g) == n] or [g for g in GPUS if n.startswith(_norm(g))] \
-        or [g for g in GPUS if _norm(g).startswith(n)]
-    if len(hits) == 1:
-        return hits[0]
-    raise PlanError(f"unknown GPU {name!r} (pass --gpu one of {', '.join(GPUS)})")
+    """A GPU name of the device model's table (``pricing.device_model.resolve_gpu_name``), with
+    the planner's error."""
+    try:
+        return resolve_gpu_name(name)
+    except SimError:
+        raise PlanError(f"unknown GPU {name!r} (pass --gpu one of {', '.join(GPUS)})") from None
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 from typing import Any, Mapping
 
 from ..describe.ops import Collective, Compute, ModelingError
@@ -54,11 +55,25 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 )}
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def resolve_gpu_name(name: str) -> str:
+    """A GPU name of ``GPUS``; accepts spellings such as ``rtx3090-24gb`` (the shipped
+    ``pcie-3090x4`` topology's ``device``) for ``rtx-3090``, as long as one entry matches."""
+    if name in GPUS:
+        return name
+    n = _norm(name)
+    hits = [g for g in GPUS if _norm(g) == n] or [g for g in GPUS if n.startswith(_norm(g))] \
+        or [g for g in GPUS if _norm(g).startswith(n)]
+    if len(hits) == 1:
+        return hits[0]
+    raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+
+
 def gpu_spec(name: str) -> GpuSpec:
-    try:
-        return GPUS[name]
-    except KeyError:
-        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+    return GPUS[resolve_gpu_name(name)]
 
 
 def gemm_efficiency(ideal_ms: float, *, max_efficiency: float, half_ms: float) -> float:
