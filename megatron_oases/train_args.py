@@ -199,21 +199,29 @@ def _check_log_json(path: str | None) -> None:
         raise ConfigError(f"--log-json {path} is a directory; give a file name")
 
 
+def virtual_stages_of(per_vstage: int, num_layers: int, pp: int) -> int:
+    """Virtual stages per rank for ``--num-layers-per-virtual-pipeline-stage per_vstage``; one
+    line naming the flag when it does not divide a pipeline stage's layers."""
+    per_stage = num_layers // max(pp, 1)
+    if per_vstage < 1 or per_stage % per_vstage != 0:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide "
+                          f"the {per_stage} layers of each pipeline stage")
+    return per_stage // per_vstage
+
+
 def _virtual_stages(args: argparse.Namespace) -> int | None:
     """Virtual stages per rank from ``--num-layers-per-virtual-pipeline-stage`` (None: off)."""
     per_vstage = args.num_layers_per_virtual_pipeline_stage
     if per_vstage is None:
         return None
-    per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
-    if per_vstage < 1 or per_stage % per_vstage != 0:
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide "
-                          f"the {per_stage} layers of each pipeline stage")
-    if per_vstage == per_stage:
+    vp = virtual_stages_of(per_vstage, args.num_layers, args.pipeline_model_parallel_size)
+    per_stage = per_vstage * vp
+    if vp == 1:
         # One virtual stage is no interleaving, and Megatron's interleaved schedule then fails.
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers "
                           f"of each pipeline stage (one virtual stage: no interleaving); use a "
                           f"proper divisor of {per_stage} or drop the flag")
-    return per_stage // per_vstage
+    return vp
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:

@@ -138,11 +138,9 @@ def _virtual_stages(args) -> int | None:
     vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     per = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if vp is None and per is not None and args.pipeline_model_parallel_size > 0:
-        per_stage = args.num_layers // args.pipeline_model_parallel_size
-        if per < 1 or per_stage % per:
-            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per} must divide the "
-                              f"{per_stage} layers of each pipeline stage")
-        vp = per_stage // per
+        from megatron_oases.train_args import virtual_stages_of
+
+        vp = virtual_stages_of(per, args.num_layers, args.pipeline_model_parallel_size)
     return vp if vp and vp > 1 else None
 
 

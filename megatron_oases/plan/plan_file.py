@@ -213,15 +213,6 @@ def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
     return {"--tp-backend": "atp", "--atp-mesh": f"{atp.group(1)},{atp.group(2)}"}
 
 
-def atp_mesh_of(data: dict[str, Any]) -> tuple[int, int] | None:
-    """The ATP mesh of a plan that runs the whole model as ATP; None otherwise."""
-    flags = whole_model_backend(data)
-    if not flags or "--atp-mesh" not in flags:
-        return None
-    d1, d2 = flags["--atp-mesh"].split(",")
-    return int(d1), int(d2)
-
-
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
     """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
     ``--oases-plan`` or, for a whole-model plan, ``--tp-backend atp --atp-mesh d1,d2`` or
