@@ -19,9 +19,13 @@ def _topo(n: int = 8) -> Topology:
 
 
 def test_korthikanti_formula():
+    """Korthikanti et al.'s bf16 count plus what Megatron's local layer also keeps (measured:
+    tests/test_saved_bytes_budget.py): fp32 norm statistics (16 bytes a token on CUDA), the
+    causal mask built per call (s^2 bools) and the softmax output in fp32 (+2 a s^2 b / t)."""
     b, s, h, a, t = 4, 2048, 4096, 32, 8
     got = layer_activation_bytes("megatron", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=None)
-    assert got == pytest.approx(s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t)
+    korthikanti = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
+    assert got == pytest.approx(korthikanti + 16 * s * b + s * s + 2 * a * s * s * b / t)
     assert layer_input_bytes("megatron", b=b, s=s, h=h, e=2, mesh=None) == 2 * s * b * h
     atp = layer_activation_bytes("atp", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=(4, 2))
     assert atp < got  # ATP also shards the LayerNorm / residual side (by d2)
@@ -55,7 +59,8 @@ def test_in_flight_micro_batches_per_schedule():
 def test_recompute_and_oases_fine_grained():
     b, s, h, e = MODEL.micro_batch, MODEL.seq, MODEL.hidden, 2
     inp = b * s * h * e
-    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.heads, f=MODEL.ffn, t=2, e=e, mesh=None)
+    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.heads, f=MODEL.ffn, t=2, e=e, mesh=None,
+                                  hidden_dropout=False, attention_dropout=False)  # MODEL's dropout is 0
     none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
     oases = _mem(recompute=True, overlap="oases").memory[1]
     coarse = _mem(recompute=True, overlap="oases", fine_grained_recompute=False).memory[1]
@@ -92,3 +97,13 @@ def test_params_count_embeddings_once_per_copy():
     assert st[3].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + 2 * MODEL.hidden
     assert st[0].tie_allreduce is not None and st[3].tie_allreduce is not None and st[1].tie_allreduce is None
     assert GiB == 2 ** 30
+
+
+def test_oases_without_recompute_prices_its_step_boundaries():
+    """The Oases executor without recompute keeps two hidden states per layer beyond stock's
+    inventory, and a causal mask for its second sub-batch (measured in
+    tests/test_saved_bytes_budget.py)."""
+    b, s, h, e = MODEL.micro_batch, MODEL.seq, MODEL.hidden, 2
+    stock, oases = _mem().memory[1], _mem(overlap="oases").memory[1]
+    layers, alive = 2, 3
+    assert oases.activations - stock.activations == pytest.approx(alive * layers * (2 * b * s * h * e + s * s))

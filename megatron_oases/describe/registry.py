@@ -5,6 +5,7 @@ from .atp_2d import atp_2d_gpt_layer
 from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
 from .megatron_1d import megatron_1d_gpt_layer
 from .ops import Collective, LayerDescription, ModelingError
+from .saved import layer_saved_bytes
 
 BACKENDS = ("megatron", "atp", "3d")
 
@@ -81,18 +82,22 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
 
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
-                           mesh: tuple[int, int] | None) -> float:
-    """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention).
+                           mesh: tuple[int, int] | None, hidden_dropout: bool = True,
+                           attention_dropout: bool = True) -> float:
+    """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention,
+    stock schedule; CUDA kernels).
 
-    Megatron 1-D (Korthikanti et al. 2022, Table 2, generalised to e-byte elements and any FFN):
-    replicated LN1/LN2/QKV/fc1 inputs (4 sbh elements) and two dropout masks (2 sbh bytes);
-    TP-sharded Q, K, V, proj input (4 sbh/t), GeLU and fc2 inputs (2 sbf/t); attention scores,
-    softmax/dropout outputs (2 a s^2 b/t elements) and mask (a s^2 b/t bytes). With e = 2 and
-    f = 4h this is sbh(10 + 24/t) + 5 a s^2 b / t.
-    ATP: norms and residual-side tensors are sharded by d2, the proj input by d1, the FFN by d1,
-    heads by d1 * d2. 3-D: every saved tensor is a rank's own block, 1/t of the TP-1 layer's.
+    Megatron 1-D: the measured inventory of Megatron's local layer (``describe.saved``; with
+    dropout, e = 2, f = 4h: Korthikanti et al. 2022's sbh(10 + 24/t) + 5 a s^2 b / t plus norm
+    statistics, the causal mask and the fp32 softmax output).
+    ATP and 3-D (Korthikanti's terms, not measured): ATP shards norms and residual-side tensors
+    by d2, the proj input by d1, the FFN by d1, heads by d1 * d2; under 3-D every saved tensor is
+    a rank's own block, 1/t of the TP-1 layer's.
     """
     tok = b * s
+    if backend == "megatron" or mesh is None and backend == "atp":
+        return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
+                                 attention_dropout=attention_dropout)
     if backend == "3d":
         return (tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f)) + a * s * s * b * (2 * e + 1)) / t
     if backend == "atp" and mesh is not None:
@@ -100,7 +105,7 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
         n = d1 * d2
         return (tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + 2 * f / d1) + 2 * h / d2)
                 + a * s * s * b / n * (2 * e + 1))
-    return tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f) / t) + a * s * s * b / t * (2 * e + 1)
+    raise ModelingError(f"no activation model for backend {backend!r}")
 
 
 def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None,

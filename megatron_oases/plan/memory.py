@@ -3,6 +3,7 @@ its backward working set (``PlanModel`` in, numbers out; read by the families an
 model)."""
 from __future__ import annotations
 
+from megatron_oases.describe.saved import block_saved_bytes, oases_kept_beyond_stock
 from .model import PlanModel
 
 
@@ -14,16 +15,14 @@ def state_bytes_per_param(m: PlanModel, shard: int) -> float:
 
 
 def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -> float:
-    """Bytes a block keeps for backward without recompute (Korthikanti et al. 2022, Table 2,
-    split at the all-reduce; e-byte elements): attention keeps LN1 and QKV inputs (2 e h), a
-    dropout mask (h), Q, K, V, proj input (4 e h / d) per token plus scores, softmax and their
-    mask (a s^2 b (2e + 1) / d); MLP keeps LN2 and fc1 inputs (2 e h), a mask (h), GeLU and fc2
-    inputs (2 e f / d)."""
-    e, h, f, s, a = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, m.seq_length, m.num_attention_heads
-    tok = samples * s
-    if kind == "attention":
-        return tok * (2 * e * h + h + 4 * e * h / degree) + a * s * s * samples / degree * (2 * e + 1)
-    return tok * (2 * e * h + h + 2 * e * f / degree)
+    """Bytes a block keeps for backward without recompute under the stock executor: Megatron's
+    local layer split at its all-reduces (``describe.saved.block_saved_bytes``: attention keeps
+    LN1 and QKV inputs, Q, K, V, the proj input, softmax output, causal mask and, with dropout,
+    its masks; MLP keeps LN2 and fc1 inputs, GeLU and fc2 inputs and its dropout mask)."""
+    return block_saved_bytes(kind, b=samples, s=m.seq_length, h=m.hidden_size,
+                             a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
+                             e=m.bytes_per_element, hidden_dropout=m.hidden_dropout > 0,
+                             attention_dropout=m.attention_dropout > 0)
 
 
 def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[float, float]:
@@ -32,10 +31,13 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     Recompute (Oases fine-grained): attention saves its input and its all-reduce output, MLP its
     all-reduce output (3 [s, b, h] tensors per layer, as ``sim.memory``); while a block runs
     backward its recomputed activations exist, plus the output and input gradients (2 e s b h).
-    Without recompute the full activations are saved and the working set is the two gradients.
+    Without recompute the full activations are saved (under the Oases executor also its step
+    boundary, ``describe.saved.oases_kept_beyond_stock``) and the working set is the two gradients.
     """
     one = samples * m.seq_length * m.hidden_size * m.bytes_per_element
     full = block_activation_bytes(m, kind, samples, degree)
     if m.recompute:
         return (2 if kind == "attention" else 1) * one, full + 2 * one
+    if m.sub_batches == 2 and degree > 1:  # the Oases executor's step boundary, one per block
+        full += oases_kept_beyond_stock(one, s=m.seq_length) / 2
     return full, 2 * one

@@ -4,9 +4,11 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
 * Model states per parameter: weights (e bytes), fp32 gradient buffer (4), Adam in fp32 (m, v: 8)
   plus fp32 master weights when the weights are 2-byte (4): 18 bytes with bf16, 16 with fp32.
   The distributed optimizer shards master weights and moments over DP.
-* Activations per micro-batch and layer (``backends.layer_activation_bytes``); with recompute a
-  recomputed layer keeps only its input, or under Oases fine-grained recompute its input plus the
-  two forward all-reduce outputs (3 [s, b, h] tensors instead of 1); while a recomputed layer runs
+* Activations per micro-batch and layer (``describe.registry.layer_activation_bytes``; dropout
+  masks only where dropout is on); the Oases schedule without recompute keeps its two step
+  boundaries on top (``describe.saved.oases_kept_beyond_stock``); with recompute a recomputed
+  layer keeps only its input, or under Oases fine-grained recompute its input plus the two
+  forward all-reduce outputs (3 [s, b, h] tensors instead of 1); while a recomputed layer runs
   its backward, one layer's full activations exist on top (the working set).
 * The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
 * How many micro-batches are alive comes from the stage's op order (GPipe: all of them; 1F1B:
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
+from ..describe.saved import oases_kept_beyond_stock
 from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
 
 GiB = float(1 << 30)
@@ -50,14 +53,18 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
     kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, e=m.bytes_per_element, mesh=s.mesh)
-    full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, **kw)
+    full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
+                                  attention_dropout=m.attention_dropout > 0, **kw)
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
-    saved = 3 * inp if (s.overlap == "oases" and s.fine_grained_recompute) else inp
-    per_mb = n_rc * saved + (n - n_rc) * full
+    oases = s.overlap == "oases"
+    saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
+    # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
+    kept = full + (oases_kept_beyond_stock(inp, s=m.seq) if oases else 0.0)
+    per_mb = n_rc * saved + (n - n_rc) * kept
     g = chunk.chunk * s.pp + chunk.stage
-    if g == 0:
+    if g == 0 and m.hidden_dropout > 0:
         per_mb += m.micro_batch * m.seq * m.hidden  # embedding dropout mask
     if g == s.pp * s.virtual_stages - 1:
         per_mb += m.micro_batch * m.seq * (m.vocab // s.tp) * (m.bytes_per_element + 4)

@@ -32,8 +32,11 @@ from megatron_oases.runtime.device import get_rng_state, set_rng_state
 class MicroBatchMasks:
     """The dropout masks of one micro-batch split into sub-batches along the batch dimension."""
 
-    def __init__(self, sub_batch_sizes: list[int]):
+    def __init__(self, sub_batch_sizes: list[int], redraw: bool = True):
         self.sizes = list(sub_batch_sizes)
+        self.redraw = redraw
+        """Keep each site's generator state for a recompute redraw (only the recompute needs it:
+        a CPU generator state is 5 KB per site)."""
         self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self._drawn: dict = {}
         """site -> [scaled full mask, sub-batches still to use it]; freed after the last one."""
@@ -61,7 +64,8 @@ class MicroBatchMasks:
                 full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
                 set_rng_state(current, x.device)
             else:
-                self._states[site] = get_rng_state(x.device)
+                if self.redraw:
+                    self._states[site] = get_rng_state(x.device)
                 full = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True) != 0
             entry = self._drawn[site] = [full, len(self.sizes)]
         entry[1] -= 1
@@ -92,9 +96,21 @@ def active_sub_batch(masks: MicroBatchMasks, sub: int, recompute: bool):
         _ACTIVE.pop()
 
 
+_SCALES: dict = {}
+
+
+def _keep_scale(p: float, device) -> torch.Tensor:
+    """``1 / (1 - p)`` as an fp32 scalar tensor, one per (p, device): every site's product saves
+    the same small tensor instead of a new one."""
+    key = (p, str(device))
+    if key not in _SCALES:
+        _SCALES[key] = torch.ones((), dtype=torch.float32, device=device).div_(1.0 - p)
+    return _SCALES[key]
+
+
 def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """``x * keep / (1 - p)`` with the scale in fp32 (fp32 inputs: bit-equal to ``F.dropout``)."""
-    scale = torch.ones((), dtype=torch.float32, device=x.device).div_(1.0 - p)
+    scale = _keep_scale(p, x.device)
     if x.dtype == torch.float32:
         return x * keep * scale
     return (x.float() * keep * scale).to(x.dtype)

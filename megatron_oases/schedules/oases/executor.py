@@ -121,7 +121,7 @@ class OasesRunner:
     # ----- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask) -> tuple[torch.Tensor, _StepState]:
         subs = [s.contiguous() for s in torch.tensor_split(hidden_states, self.options.sub_batches, dim=1)]
-        masks = MicroBatchMasks([s.shape[1] for s in subs])
+        masks = MicroBatchMasks([s.shape[1] for s in subs], redraw=self.options.recompute)
         state = _StepState(len(subs), len(self.tapes), masks, self._split_mask(attention_mask, subs))
         programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
         with self._collectives_off():

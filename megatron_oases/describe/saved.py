@@ -1,0 +1,107 @@
+"""What one Megatron 1-D layer keeps for backward, per micro-batch, per schedule and recompute
+mode: the inventory of tensors Megatron-Core's local layer (the spec every megatron_oases run
+uses: torch norms, unfused softmax, no flash attention) saves, counted by storage.
+
+Per token, a layer keeps: each norm's input (e h) and statistics (LayerNorm mean and rstd,
+RMSNorm rstd), the QKV and fc1 inputs (e h each), Q, K, V and the proj input (4 e h / t), the
+GeLU and fc2 inputs (2 e f / t); per sample the softmax output (e a s^2 / t) and a causal mask
+built per call (s^2 bools, per micro-batch). Dropout, where on, adds its mask: a hidden one per
+block (h per token) and the attention one (a s^2 / t per sample), plus the dropped-out
+probabilities the attention-over-V GEMM then saves instead of the softmax output (e a s^2 / t).
+Megatron runs the softmax in fp32 by default (``attention_softmax_in_fp32``): with 2-byte
+elements its output is 4 bytes, and the GEMM keeps a 2-byte copy.
+With e = 2, CUDA kernels and f = 4h this is Korthikanti et al. 2022's sbh(10 + 24/t) + 5as^2b/t
+plus the small terms they leave out (norm statistics, the causal mask).
+
+Three sizes depend on the device's kernels (``Kernels``): CUDA's fused dropout keeps a 1-byte
+mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise and CPU norms their
+statistics in the input's dtype. The Oases schedule draws its own ``bool`` masks on every device.
+
+The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
+forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask per
+further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
+all-reduce outputs) plus, per dropout site, the generator state for the redraw.
+``tests/test_saved_bytes_budget.py`` checks every number here against saved-tensor hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernels:
+    """Bytes of the saved tensors whose size depends on the device's kernels; ``None`` means
+    the element size ``e``."""
+
+    dropout_mask: int | None
+    norm_stat: int | None
+    rng_state: int
+    """One generator state (the Oases recompute redraws each dropout mask from it)."""
+
+
+CUDA_KERNELS = Kernels(dropout_mask=1, norm_stat=4, rng_state=16)
+CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056)
+
+_NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
+BLOCKS = ("attention", "mlp")
+SCHEDULES = ("stock", "oases")
+
+
+def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
+                      hidden_dropout: bool = True, attention_dropout: bool = True,
+                      normalization: str = "LayerNorm", softmax_in_fp32: bool = True,
+                      kernels: Kernels = CUDA_KERNELS) -> float:
+    """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
+    ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
+    backward without recompute (stock schedule)."""
+    if block not in BLOCKS:
+        raise ValueError(f"block {block!r} is not one of {BLOCKS}")
+    tok = b * s
+    stat = e if kernels.norm_stat is None else kernels.norm_stat
+    mask = e if kernels.dropout_mask is None else kernels.dropout_mask
+    norm = tok * (e * h + _NORM_STATS[normalization] * stat)
+    hidden_mask = tok * h * mask if hidden_dropout else 0
+    if block == "mlp":
+        return norm + tok * e * h + tok * e * 2 * f / t + hidden_mask
+    probs = b * a * s * s / t
+    # Softmax keeps its output (fp32 by Megatron's default attention_softmax_in_fp32); the
+    # attention-over-V GEMM keeps its input in e bytes: the dropped-out probabilities, or the
+    # softmax output itself (or its cast to e bytes) without attention dropout.
+    soft = 4 if softmax_in_fp32 else e
+    gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
+    attention = soft * probs + gemm_input * probs + s * s
+    return norm + tok * e * h + tok * e * 4 * h / t + attention + hidden_mask
+
+
+def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
+                      fine_grained: bool = True, sub_batches: int = 2, b: int, s: int, h: int,
+                      a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
+                      attention_dropout: bool = True, normalization: str = "LayerNorm",
+                      kernels: Kernels = CUDA_KERNELS) -> float:
+    """Bytes one layer keeps between its forward and its backward, per micro-batch.
+
+    ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
+    (``fine_grained``: also keep the forward all-reduce outputs so recompute issues no
+    collective)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+    hidden = b * s * h * e
+    oases = schedule == "oases" and t > 1  # at TP 1 the Oases schedule runs stock layers
+    if recompute:
+        kept = hidden * (3 if oases and fine_grained else 1)
+        if oases:  # one generator state per dropout site, for the redraw
+            kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout)
+        return kept
+    # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
+    k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
+    kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
+              attention_dropout=attention_dropout, normalization=normalization, kernels=k)
+    kept = sum(block_saved_bytes(blk, **kw) for blk in BLOCKS)
+    return kept + (oases_kept_beyond_stock(hidden, s=s, sub_batches=sub_batches) if oases else 0)
+
+
+def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, sub_batches: int = 2) -> float:
+    """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
+    the outputs of its two forward all-reduces (each sub-batch's step boundary, one hidden state
+    per layer in all, as the rank holds it) and a causal mask per further sub-batch."""
+    return 2 * hidden_state_bytes + (sub_batches - 1) * s * s
