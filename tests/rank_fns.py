@@ -193,3 +193,28 @@ def megatron_layer_collectives(tp: int, sequence_parallel: bool):
         for n, fn in originals.items():
             setattr(dist, n, fn)
     return seen
+
+
+def watched_torch_distributed():
+    """``watch_torch_distributed``: direct torch.distributed calls (as Megatron makes them) are
+    recorded once, ours not twice; timed handles still wait."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_oases.parallel import collectives as C
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    C.watch_torch_distributed(timed=True)
+    init_distributed(init_runtime("cpu"), timeout_s=60)
+    n = dist.get_world_size()
+    x = torch.ones(8)
+    with C.CommCounter() as c:
+        dist.all_reduce(x)                          # Megatron-style: recorded by the watcher
+        C.all_reduce(x, dist.group.WORLD)           # ours: recorded once, by this module
+        outs = [torch.empty(8) for _ in range(n)]
+        dist.all_gather(outs, x)                    # list form: one record, full output size
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+    return {"records": [(r.kind, r.group_size, r.payload_bytes, r.wire_bytes_per_rank)
+                        for r in c.records],
+            "by_kind": c.by_kind(), "blocked": c.blocked_s, "x": x.tolist()}

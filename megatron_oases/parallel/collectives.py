@@ -43,6 +43,9 @@ class CommCounter:
 
     def __init__(self):
         self.records: list[CommRecord] = []
+        self.blocked_s = 0.0
+        """Seconds spent inside collective calls and in ``wait()`` on their handles, counted
+        only for calls ``watch_torch_distributed(timed=True)`` sees."""
 
     def __enter__(self):
         CommCounter._active.append(self)
@@ -56,6 +59,15 @@ class CommCounter:
 
     def count(self, kind: str | None = None) -> int:
         return sum(1 for r in self.records if kind is None or r.kind == kind)
+
+    def by_kind(self) -> dict[str, dict]:
+        """``{kind: {"calls": n, "wire_bytes": bytes}}`` over the records."""
+        out: dict[str, dict] = {}
+        for r in self.records:
+            k = out.setdefault(r.kind, {"calls": 0, "wire_bytes": 0.0})
+            k["calls"] += 1
+            k["wire_bytes"] += r.wire_bytes_per_rank
+        return out
 
 
 _TAG: list[str] = []
@@ -75,12 +87,110 @@ def record_collective(kind: str, payload: torch.Tensor, group) -> None:
     """Count a collective issued outside this module (e.g. a broadcast) in the active counters."""
     if not CommCounter._active:
         return
-    n = dist.get_world_size(group)
-    size = payload.numel() * payload.element_size()
+    _record(kind, dist.get_world_size(group), payload.numel() * payload.element_size())
+
+
+def _record(kind: str, n: int, size: int) -> None:
     factor = 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     rec = CommRecord(kind, n, size, factor * size, _TAG[-1] if _TAG else "")
     for counter in CommCounter._active:
         counter.records.append(rec)
+    if n > 1:
+        _RECORDED_NEXT[0] = True  # the torch.distributed call that follows is this record's
+
+
+# ---- Megatron's own collectives: torch.distributed calls not issued through this module --------
+_RECORDED_NEXT = [False]
+_WATCHED = {
+    # torch.distributed function: (kind, index of the tensor argument, tensor or list of them)
+    "all_reduce": ("all_reduce", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, False),
+    "_all_gather_base": ("all_gather", 0, False),
+    "all_gather": ("all_gather", 0, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, False),
+    "_reduce_scatter_base": ("reduce_scatter", 1, False),
+    "reduce_scatter": ("reduce_scatter", 1, True),
+    "broadcast": ("broadcast", 0, False),
+    "reduce": ("reduce", 0, False),
+    "all_to_all_single": ("all_to_all", 1, False),
+}
+_WATCH = {"installed": False, "timed": False, "depth": 0}
+
+
+class _TimedWork:
+    """An async handle whose ``wait()`` counts as time blocked in communication."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self, *args, **kwargs):
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            for counter in CommCounter._active:
+                counter.blocked_s += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def watch_torch_distributed(*, timed: bool = False) -> None:
+    """Make the active ``CommCounter``s also record collectives issued straight through
+    ``torch.distributed`` (Megatron's TP all-reduces, DDP's gradient reductions, its
+    embedding-group sums), so a benchmark counts a stock run's traffic the same way as ours.
+    Calls on one-rank groups are not recorded; calls this module records are not recorded twice.
+    With ``timed``, the time spent in each call and in ``wait()`` on its handle adds to the
+    counters' ``blocked_s``. Install it once per process, before Megatron is imported (Megatron
+    binds some collectives at import time); later calls only switch timing on."""
+    import inspect
+    import time
+
+    _WATCH["timed"] = _WATCH["timed"] or timed
+    if _WATCH["installed"]:
+        return
+    _WATCH["installed"] = True
+
+    def wrap(name, orig, kind, idx, many):
+        sig = inspect.signature(orig)
+
+        def watched(*args, **kwargs):
+            ours, _RECORDED_NEXT[0] = _RECORDED_NEXT[0], False
+            if not CommCounter._active or _WATCH["depth"]:
+                return orig(*args, **kwargs)
+            if not ours:
+                try:
+                    bound = sig.bind_partial(*args, **kwargs).arguments
+                    group = bound.get("group")
+                    t = bound[list(sig.parameters)[idx]]
+                    n = dist.get_world_size(group)
+                    if n > 1:
+                        _record(kind, n, sum(x.numel() * x.element_size() for x in (t if many else [t])))
+                        _RECORDED_NEXT[0] = False
+                except Exception:  # noqa: BLE001 - counting must never break training
+                    pass
+            _WATCH["depth"] += 1  # a collective calling another is one call
+            t0 = time.perf_counter()
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                _WATCH["depth"] -= 1
+                if _WATCH["timed"]:
+                    for counter in CommCounter._active:
+                        counter.blocked_s += time.perf_counter() - t0
+            timed_handle = _WATCH["timed"] and out is not None and kwargs.get("async_op")
+            return _TimedWork(out) if timed_handle else out
+
+        watched.__name__ = name
+        watched.__wrapped__ = orig
+        return watched
+
+    for name, (kind, idx, many) in _WATCHED.items():
+        orig = getattr(dist, name, None)
+        if orig is not None:
+            setattr(dist, name, wrap(name, orig, kind, idx, many))
 
 
 def all_reduce(x: torch.Tensor, group, async_op: bool = False):
