@@ -9,8 +9,9 @@ and the flat ``emu-flat4``), runs the reference trainer with TP = 4 inside an Em
 and prints the median step time after warm-up next to ``search_mesh``'s predicted T_comm and
 ranking for the same topology and model (what ``megatron-oases mesh`` prints), marks the search's
 pick and the measured-fastest mesh, and gives the best ATP mesh over stock. Also recorded per
-variant: bytes each rank sends per step (counted at the ``torch.distributed`` call level, groups
-of one excluded) and the peak RSS per rank.
+variant: bytes each rank sends per step (the counting trainer of ``megatron_oases.bench``: every
+collective, Megatron's own included, through ``CommCounter``; groups of one excluded) and the
+peak RSS per rank.
 
 ``--bw-scale F`` multiplies every bandwidth of the topology (written to a temporary YAML), so that
 communication is comparable to compute on a slow box; the level structure and the intra/inter
@@ -22,7 +23,6 @@ across them.
     python scripts/bench_atp.py --out results/bench_atp
     python scripts/bench_atp.py --topologies emu-2x2 --chunks 1 2 --bw-scale 0.5
 
-This file is also the per-rank wrapper that counts bytes (``--rank-main``; used by bench_tp3d).
 Needs root (network namespaces); ``--no-emulate`` runs plain local ranks (smoke test only).
 """
 from __future__ import annotations
@@ -32,8 +32,6 @@ import csv
 import glob
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,71 +42,7 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import bench_common  # noqa: E402
-
-
-# ---- per-rank wrapper: count collective bytes and peak memory per training step -----------------
-def rank_main(argv: list[str]) -> int:
-    """``--rank-main --stats-out PREFIX -- <trainer flags>``: run ``megatron_oases.train`` on this
-    rank with every ``torch.distributed`` collective counted while a training step runs, and write
-    ``PREFIX.rank<R>.json`` with per-step bytes and peak memory.
-
-    Wire bytes per rank as ``bench_common.count_dist_calls`` counts them (groups of one rank are
-    not counted); the patch is applied before Megatron is imported."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--stats-out", required=True)
-    a, rest = p.parse_known_args(argv)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    state: dict = {}
-    bench_common.count_dist_calls(state)
-
-    import megatron_oases.train as T
-
-    steps = []
-    orig_step = T.train_step
-
-    def step(tr, it):
-        state.update(wire=0.0, payload=0.0, calls=0, kinds={}, on=True)
-        try:
-            out = orig_step(tr, it)
-        finally:
-            state["on"] = False
-        steps.append({"iteration": it, "wire_bytes": state["wire"],
-                      "payload_bytes": state["payload"], "calls": state["calls"],
-                      "kinds": {k: {"calls": v[0], "wire_bytes": v[1]}
-                                for k, v in state["kinds"].items()},
-                      "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20})
-        return out
-
-    T.train_step = step
-    rc = T.main(rest)
-    rank = os.environ.get("RANK", "0")
-    with open(f"{a.stats_out}.rank{rank}.json", "w", encoding="utf-8") as f:
-        json.dump({"rank": int(rank), "steps": steps}, f)
-    return rc
-
-
-def rank_stats(prefix: str, warmup: int) -> dict:
-    """Bytes per rank per step (mean and max over ranks, median over steps after warm-up) and peak
-    memory per rank (max over ranks) from the files ``rank_main`` wrote."""
-    per_rank = []
-    for path in sorted(glob.glob(prefix + ".rank*.json")):
-        steps = json.load(open(path, encoding="utf-8"))["steps"]
-        use = steps[warmup:] or steps
-        per_rank.append({"wire": statistics.median(s["wire_bytes"] for s in use),
-                         "calls": statistics.median(s["calls"] for s in use),
-                         "mem": max(s["peak_mem_mb"] for s in steps),
-                         "kinds": use[-1]["kinds"]})
-    if not per_rank:
-        return {}
-    wires = [r["wire"] for r in per_rank]
-    mems = [r["mem"] for r in per_rank]
-    return {"wire_MB_per_rank": statistics.mean(wires) / 1e6,
-            "wire_MB_max_rank": max(wires) / 1e6,
-            "collectives_per_rank": statistics.mean(r["calls"] for r in per_rank),
-            "peak_mem_mb_max_rank": max(mems), "peak_mem_mb_min_rank": min(mems),
-            "kinds_rank0": per_rank[0]["kinds"]}
+from megatron_oases import bench  # noqa: E402
 
 
 # ---- launching -----------------------------------------------------------------------------------
@@ -138,49 +72,21 @@ def scaled_topology(name_or_path: str, scale: float, workdir: str) -> str:
     return out
 
 
-def run_ranks(cmd: list[str], world: int, topo_path: str, timeout: float, emulate: bool) -> None:
-    """Run ``cmd`` once per rank inside an EmulatedCluster of ``topo_path`` (or as local ranks)."""
-    if not emulate:
-        from megatron_oases.topology.emulate import thread_env
-
-        base = dict(os.environ)
-        procs = []
-        for r in range(world):
-            env = {**base, **thread_env(base, world), "RANK": str(r), "LOCAL_RANK": str(r),
-                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(29500 + os.getpid() % 1000)}
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError("\n".join(o[-3000:] for o in outs))
-        return
-    from megatron_oases.topology import load_topology
-    from megatron_oases.topology.emulate import EmulatedCluster
-
-    topo = load_topology(topo_path)
-    topo.check_world_size(world, flag="world size")
-    with EmulatedCluster(topo) as cluster:
-        res = cluster.launch(cmd, timeout=timeout, cwd=ROOT)
-    if not res.ok:
-        raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
-
-
 def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: list[str]) -> dict:
     """One trainer run under the counting wrapper; returns step and byte statistics."""
     log = os.path.join(workdir, f"{tag}.jsonl")
     stats = os.path.join(workdir, f"{tag}.stats")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_atp.py"), "--rank-main",
-           "--stats-out", stats, "--", "--topology", topo_path] + flags + ["--log-json", log]
+    cmd = bench.counting_trainer(stats) + ["--", "--topology", topo_path] + flags + ["--log-json", log]
     t0 = time.time()
-    run_ranks(cmd, world, topo_path, a.timeout, not a.no_emulate)
-    return {**bench_common.step_stats(log, a.warmup), **rank_stats(stats, a.warmup),
+    bench.launch_ranks(cmd, world, topology=None if a.no_emulate else topo_path, timeout=a.timeout)
+    paths = sorted(glob.glob(stats + ".rank*.json"))
+    return {**bench.step_stats(log, a.warmup), **bench.rank_stats(paths, a.warmup),
             "wall_s": round(time.time() - t0, 1)}
 
 
 # ---- the ATP benchmark ---------------------------------------------------------------------------
 def model_flags(a) -> list[str]:
-    return bench_common.model_flags(a, a.tp)
+    return bench.model_flags(a, a.tp)
 
 
 def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
@@ -249,13 +155,11 @@ COLS = ["topology", "variant", "chunks", "pred_t_comm_ms", "pred_rank", "step_ms
         "vs_stock", "wire_MB_per_rank", "peak_mem_mb_max_rank", "mark"]
 
 
-_fmt = bench_common.fmt
-print_table = bench_common.print_table
+_fmt = bench.fmt
+print_table = bench.print_table
 
 
 def main(argv=None) -> int:
-    if argv is None and sys.argv[1:2] == ["--rank-main"]:
-        return rank_main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--topologies", nargs="+", default=["emu-2x2", "emu-flat4"],
                    help="shipped example names or YAML paths")
@@ -265,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], choices=(1, 2, 4))
     p.add_argument("--min-gain", type=float, default=None,
                    help="search margin over (N,1) (default: the search's own, 0.10)")
-    bench_common.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
+    bench.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_atp")

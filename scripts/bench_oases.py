@@ -24,7 +24,6 @@ import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +34,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
-                          model_flags, step_stats)
+from megatron_oases.bench import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
+                                  launch_ranks, model_flags, step_stats)
 
 VARIANTS = {
     "stock": ["--schedule", "default"] + RECOMPUTE,
@@ -50,20 +49,8 @@ VARIANTS = {
 
 
 def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
-    """Run ``cmd`` on ``tp`` ranks, emulated or local; raise with the output tail on failure."""
-    if topo_path is None:
-        out = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node",
-                              str(tp)] + cmd[3:], capture_output=True, text=True, cwd=ROOT)
-        if out.returncode:
-            raise RuntimeError(out.stdout[-3000:] + out.stderr[-3000:])
-        return
-    from megatron_oases.topology import load_topology
-    from megatron_oases.topology.emulate import EmulatedCluster
-
-    with EmulatedCluster(load_topology(topo_path)) as cluster:
-        res = cluster.launch(cmd, timeout=a.timeout, cwd=ROOT)
-    if not res.ok:
-        raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
+    """Run ``cmd`` on ``tp`` ranks, emulated (``topo_path``) or local; raise with the output tail."""
+    launch_ranks(cmd, tp, topology=topo_path, timeout=a.timeout)
 
 
 def comm_only_main(argv: list[str]) -> None:

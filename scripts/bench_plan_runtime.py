@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,8 +41,9 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_common import (RECOMPUTE, add_model_args, bench_lock, fmt, loadavg, model_flags,  # noqa: E402
-                          print_table, step_stats, two_level_topology_yaml, write_topology)
+from megatron_oases.bench import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402
+                                  launch_ranks, loadavg, model_flags, print_table, step_stats,
+                                  two_level_topology_yaml, write_topology)
 
 SCHEDULES = {"stock": ["--schedule", "default"] + RECOMPUTE, "oases": ["--schedule", "oases"] + RECOMPUTE}
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -151,20 +151,7 @@ def run_plan(a, layer_degrees, workdir: str, topo_path: str | None) -> dict:
     flags = model_flags(a, a.tp) + SCHEDULES[a.schedule] + ["--oases-plan", plan, "--log-json", log]
     with bench_lock():
         load = loadavg().split()[0]
-        if topo_path is None:
-            out = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node",
-                                  str(a.tp)] + flags, capture_output=True, text=True, cwd=ROOT)
-            if out.returncode:
-                raise RuntimeError(out.stdout[-3000:] + out.stderr[-3000:])
-        else:
-            from megatron_oases.topology import load_topology
-            from megatron_oases.topology.emulate import EmulatedCluster
-
-            with EmulatedCluster(load_topology(topo_path)) as cluster:
-                res = cluster.launch([sys.executable, "-m", "megatron_oases.train"] + flags,
-                                     timeout=a.timeout, cwd=ROOT)
-            if not res.ok:
-                raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
+        launch_ranks(TRAINER + flags, a.tp, topology=topo_path, timeout=a.timeout)
     return {**step_stats(log, a.warmup), "loadavg_before": float(load)}
 
 

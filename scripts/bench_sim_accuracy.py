@@ -43,8 +43,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import bench_common  # noqa: E402
-from bench_common import loadavg, step_stats  # noqa: E402
+from megatron_oases import bench  # noqa: E402
+from megatron_oases.bench import loadavg, step_stats  # noqa: E402
 
 # name -> (trainer flags for the split / schedule, what it exercises)
 CONFIGS = {
@@ -91,21 +91,21 @@ def wait_quiet(max_runnable: float, max_wait_s: float) -> float:
 
 @contextlib.contextmanager
 def bench_lock():
-    """``bench_common.bench_lock``, saying when it had to wait."""
-    with bench_common.bench_lock() as waited:
+    """``bench.bench_lock``, saying when it had to wait."""
+    with bench.bench_lock() as waited:
         if waited > 1:
-            print(f"    (waited {waited:.0f} s for {bench_common.BENCH_LOCK})", flush=True)
+            print(f"    (waited {waited:.0f} s for {bench.BENCH_LOCK})", flush=True)
         yield
 
 
 def topology_yaml(world: int, a) -> str:
     """Two ranks: one emulated node. Four: 2 nodes x 2 ranks (TP inside a node, DP / PP across)."""
     if world == 2:
-        return bench_common.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
+        return bench.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
                                           [("lo", 2, "intra_node", a.intra_GBps, 20)])
     if world == 4:
         # 4 ranks share 2 cores: compute is ~2x slower, so the links are too (comm ~ compute)
-        return bench_common.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
+        return bench.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
                                                     a.intra_GBps / 2, a.inter_GBps)
     raise SystemExit(f"no topology for {world} ranks")
 

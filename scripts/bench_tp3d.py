@@ -9,7 +9,7 @@ Runs the reference trainer with TP = 8 inside an EmulatedCluster for
 
 and reports per variant: median step time after warm-up, bytes each rank sends per step
 (*measured*: every ``torch.distributed`` collective of a training step counted on every rank,
-see ``bench_atp.rank_main``; groups of one excluded), the bytes the docs' formulas *predict* for
+the counting trainer of ``megatron_oases.bench``; groups of one excluded), the bytes the docs' formulas *predict* for
 the transformer layers alone (docs/tp3d.md, docs/atp_mesh.md Eq. 2), and peak RSS per rank.
 
 Default topology: one emulated node of 8 ranks (flat), ``--link-GBps`` per rank (the node's lo
@@ -33,13 +33,14 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import bench_atp  # noqa: E402  (shared launcher and byte-counting rank wrapper)
-import bench_common  # noqa: E402
+import bench_atp  # noqa: E402  (its run_variant: one counted trainer launch)
+
+from megatron_oases import bench  # noqa: E402
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
     name = f"bench-flat{world}"
-    return bench_common.write_topology(workdir, name, bench_common.flat_topology_yaml(name, world, link_GBps))
+    return bench.write_topology(workdir, name, bench.flat_topology_yaml(name, world, link_GBps))
 
 
 def predicted_layer_bytes(a, variant: str, mesh: tuple[int, int] | None) -> float:
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-argmin", action="store_true",
                    help="do not also run Eq. 2's raw argmin mesh when min_gain overrules it")
     p.add_argument("--min-gain", type=float, default=None, help="ATP search margin (default 0.10)")
-    bench_atp.bench_common.add_model_args(p, hidden=256, heads=8, seq=64, iters=4, warmup=1)
+    bench.add_model_args(p, hidden=256, heads=8, seq=64, iters=4, warmup=1)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_tp3d")

@@ -23,10 +23,10 @@ weak    the problem grows with P as in the paper's Table 1 ("we mainly adjust th
 
 Every run is one trainer launch of P ranks in one emulated node (flat topology, ``--link-GBps``
 per rank: the node's lo is limited to P x that, so every rank has the same link at every P; a
-1-rank run has no collective and runs without namespaces). Per run the wrapper (``--rank-main``)
-records, per rank and step: wire bytes of every ``torch.distributed`` collective (ring factors as
-``bench_atp``), the time the rank spent blocked in collectives (the call, or ``wait()`` of an
-async handle), the process CPU time (all threads) and the parameter bytes it holds. Each timed
+1-rank run has no collective and runs without namespaces). Per run the counting trainer
+(``python -m megatron_oases.bench --timed``) records, per rank and step: wire bytes of every
+collective (``CommCounter``, Megatron's own calls included), the time the rank spent blocked in
+collectives (the call, or ``wait()`` of an async handle), the process CPU time (all threads) and the parameter bytes it holds. Each timed
 run holds an exclusive ``flock`` on ``--lock`` (other benchmarks on the box wait, and this one
 waits for them) and records ``/proc/loadavg``; ``--repeats`` launches each point that many times
 (points interleaved). A launch's step time is the median of its timed steps; a point's is the
@@ -48,7 +48,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +58,7 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import bench_common  # noqa: E402
+from megatron_oases import bench  # noqa: E402
 
 RANKS = (1, 2, 4, 8)
 
@@ -146,113 +145,19 @@ def markdown_table(rows: list[dict], cols: list[str], headers: dict[str, str] | 
     out = ["| " + " | ".join(headers.get(c, c) for c in cols) + " |",
            "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        out.append("| " + " | ".join(bench_common.fmt(r.get(c)) for c in cols) + " |")
+        out.append("| " + " | ".join(bench.fmt(r.get(c)) for c in cols) + " |")
     return "\n".join(out)
-
-
-# ---- per-rank wrapper ---------------------------------------------------------------------------
-def rank_main(argv: list[str]) -> int:
-    """``--rank-main --stats-out PREFIX -- <trainer flags>``: run ``megatron_oases.train`` with
-    every ``torch.distributed`` collective counted (bytes, as ``bench_atp.rank_main``) and timed
-    (blocked wall time: the call, plus ``wait()`` on an async handle) while a step runs, and the
-    step's process CPU time; writes ``PREFIX.rank<R>.json``."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--stats-out", required=True)
-    a, rest = p.parse_known_args(argv)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    st: dict = {}
-    bench_common.count_dist_calls(st, timed=True)
-
-    import megatron_oases.train as T
-
-    steps = []
-    orig_step = T.train_step
-
-    def step(tr, it):
-        st.update(wire=0.0, calls=0, comm=0.0, kinds={}, on=True)
-        c0, w0 = time.process_time(), time.perf_counter()
-        try:
-            out = orig_step(tr, it)
-        finally:
-            st["on"] = False
-        c1, w1 = time.process_time(), time.perf_counter()
-        params = sum(p.numel() * p.element_size() for m in tr.model for p in m.parameters())
-        steps.append({"iteration": it, "wire_bytes": st["wire"], "calls": st["calls"],
-                      "comm_s": st["comm"], "cpu_s": c1 - c0, "wall_s": w1 - w0,
-                      "param_bytes": params,
-                      "kinds": {k: {"calls": v[0], "wire_bytes": v[1]} for k, v in st["kinds"].items()},
-                      "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20})
-        return out
-
-    T.train_step = step
-    rc = T.main(rest)
-    with open(f"{a.stats_out}.rank{os.environ.get('RANK', '0')}.json", "w", encoding="utf-8") as f:
-        json.dump({"rank": int(os.environ.get("RANK", "0")), "steps": steps}, f)
-    return rc
-
-
-def rank_stats(paths: list[str], warmup: int) -> dict:
-    """Per-rank medians over the timed steps, then mean / max / sum over ranks."""
-    per = []
-    for path in paths:
-        steps = json.load(open(path, encoding="utf-8"))["steps"]
-        use = steps[warmup:] or steps
-        med = lambda k: statistics.median(s[k] for s in use)  # noqa: E731
-        per.append({"wire": med("wire_bytes"), "calls": med("calls"), "comm": med("comm_s"),
-                    "cpu": med("cpu_s"), "params": steps[-1]["param_bytes"],
-                    "mem": max(s["peak_mem_mb"] for s in steps), "kinds": use[-1]["kinds"]})
-    if not per:
-        return {}
-    mean = lambda k: statistics.mean(r[k] for r in per)  # noqa: E731
-    return {"wire_MB_per_rank": mean("wire") / 1e6, "wire_MB_max_rank": max(r["wire"] for r in per) / 1e6,
-            "collectives_per_rank": mean("calls"), "comm_ms": mean("comm") * 1e3,
-            "comm_ms_max_rank": max(r["comm"] for r in per) * 1e3,
-            "cpu_ms_rank": mean("cpu") * 1e3, "cpu_ms_max_rank": max(r["cpu"] for r in per) * 1e3,
-            "cpu_ms_sum": sum(r["cpu"] for r in per) * 1e3,
-            "param_MB_max_rank": max(r["params"] for r in per) / 1e6,
-            "param_MB_sum": sum(r["params"] for r in per) / 1e6,
-            "peak_mem_mb_max_rank": max(r["mem"] for r in per),
-            "peak_mem_mb_min_rank": min(r["mem"] for r in per), "kinds_rank0": per[0]["kinds"]}
 
 
 # ---- launching ----------------------------------------------------------------------------------
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
     name = f"scaling-flat{world}"
-    return bench_common.write_topology(workdir, name, bench_common.flat_topology_yaml(name, world, link_GBps))
-
-
-
-
-
-def launch(cmd: list[str], world: int, topo_path: str, env: dict, timeout: float,
-           emulate: bool) -> None:
-    if not emulate or world == 1:
-        from megatron_oases.topology.emulate import thread_env
-
-        base = {**os.environ, **env}
-        port = str(20000 + (os.getpid() * 7 + int(time.time())) % 20000)
-        procs = [subprocess.Popen(cmd, env={**base, **thread_env(base, world), "RANK": str(r),
-                                            "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world)]
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError("\n".join(o[-3000:] for o in outs))
-        return
-    from megatron_oases.topology import load_topology
-    from megatron_oases.topology.emulate import EmulatedCluster
-
-    with EmulatedCluster(load_topology(topo_path)) as cluster:
-        res = cluster.launch(cmd, env, timeout=timeout, cwd=ROOT)
-    if not res.ok:
-        raise RuntimeError("\n".join(o[-3000:] for o in res.outputs))
+    return bench.write_topology(workdir, name, bench.flat_topology_yaml(name, world, link_GBps))
 
 
 def model_flags(a, P: int, hidden: int, micro_batch: int) -> list[str]:
     ns = argparse.Namespace(**{**vars(a), "hidden": hidden, "micro_batch": micro_batch})
-    return bench_common.model_flags(ns, P)
+    return bench.model_flags(ns, P)
 
 
 def run_point(a, pt: dict, rep: int, workdir: str) -> dict:
@@ -262,21 +167,20 @@ def run_point(a, pt: dict, rep: int, workdir: str) -> dict:
     tag = f"{a.study}-P{P}-{pt['variant'].replace(' ', '_').replace('(', '').replace(')', '').replace(',', 'x').replace('=', '')}-r{rep}"
     log = os.path.join(workdir, tag + ".jsonl")
     stats = os.path.join(workdir, tag + ".stats")
-    cmd = [sys.executable, os.path.abspath(__file__), "--rank-main", "--stats-out", stats, "--",
-           "--topology", topo, *model_flags(a, P, pt["hidden"], pt["micro_batch"]), *pt["flags"],
+    cmd = [*bench.counting_trainer(stats, timed=True), "--", "--topology", topo, *model_flags(a, P, pt["hidden"], pt["micro_batch"]), *pt["flags"],
            "--log-json", log]
     env = {"OMP_NUM_THREADS": "1"} if pt["variant"] == "serial 1thr" else {}
-    with bench_common.bench_lock(a.lock) as waited:
-        load0 = bench_common.loadavg()
+    with bench.bench_lock(a.lock) as waited:
+        load0 = bench.loadavg()
         t0 = time.time()
-        launch(cmd, P, topo, env, a.timeout, not a.no_emulate)
+        bench.launch_ranks(cmd, P, topology=None if a.no_emulate else topo, env=env, timeout=a.timeout)
         wall = time.time() - t0
-        load1 = bench_common.loadavg()
+        load1 = bench.loadavg()
     recs = [json.loads(line) for line in open(log, encoding="utf-8")]
     timed = [r["step_ms"] for r in recs[a.warmup:]] or [r["step_ms"] for r in recs]
     return {"steps_ms": timed, "loss": recs[-1]["lm_loss"], "wall_s": round(wall, 1),
             "lock_wait_s": round(waited, 1), "loadavg_before": load0, "loadavg_after": load1,
-            **rank_stats([f"{stats}.rank{r}.json" for r in range(P)], a.warmup)}
+            **bench.rank_stats([f"{stats}.rank{r}.json" for r in range(P)], a.warmup)}
 
 
 def points(a) -> list[dict]:
@@ -357,7 +261,7 @@ def write_outputs(out: str, cfg: dict, cores: int, rows: list[dict], runs: dict,
     loads = [float(r["loadavg_before"].split()[0]) for rs in runs.values() for r in rs]
     desc = describe(cfg, cores, started, done, loads)
     print("\n" + desc)
-    bench_common.print_table(rows, COLS)
+    bench.print_table(rows, COLS)
     with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=COLS + ["micro_batch", "step_ms_pooled", "run_medians_ms",
                                                  "loadavg", "loadavg_best", "comm_ms_max_rank",
@@ -375,8 +279,6 @@ def write_outputs(out: str, cfg: dict, cores: int, rows: list[dict], runs: dict,
 
 
 def main(argv=None) -> int:
-    if argv is None and sys.argv[1:2] == ["--rank-main"]:
-        return rank_main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--study", choices=["strong", "weak"])
     p.add_argument("--from-json", metavar="FILE",
@@ -386,10 +288,10 @@ def main(argv=None) -> int:
                    help="ATP meshes to run (default 2,2 4,2 8,1)")
     p.add_argument("--no-3d", action="store_true")
     p.add_argument("--link-GBps", type=float, default=0.05, help="per-rank rate of the flat node")
-    bench_common.add_model_args(p, hidden=512, heads=8, seq=64, iters=5, warmup=2)
+    bench.add_model_args(p, hidden=512, heads=8, seq=64, iters=5, warmup=2)
     p.set_defaults(hidden=None, micro_batch=None)  # per study, below
     p.add_argument("--repeats", type=int, default=2, help="launches per point (interleaved)")
-    p.add_argument("--lock", default=bench_common.BENCH_LOCK)
+    p.add_argument("--lock", default=bench.BENCH_LOCK)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None)

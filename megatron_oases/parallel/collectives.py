@@ -60,10 +60,11 @@ class CommCounter:
     def count(self, kind: str | None = None) -> int:
         return sum(1 for r in self.records if kind is None or r.kind == kind)
 
-    def by_kind(self) -> dict[str, dict]:
-        """``{kind: {"calls": n, "wire_bytes": bytes}}`` over the records."""
+    def by_kind(self, min_group_size: int = 1) -> dict[str, dict]:
+        """``{kind: {"calls": n, "wire_bytes": bytes}}`` over the records on groups of at least
+        ``min_group_size`` ranks."""
         out: dict[str, dict] = {}
-        for r in self.records:
+        for r in (r for r in self.records if r.group_size >= min_group_size):
             k = out.setdefault(r.kind, {"calls": 0, "wire_bytes": 0.0})
             k["calls"] += 1
             k["wire_bytes"] += r.wire_bytes_per_rank
