@@ -1,8 +1,13 @@
 """``megatron-oases sim``: simulate one iteration, search strategies, or predict a trainer step.
 
-    megatron-oases sim --topology T <model> --tp 8 --pp 4 --dp 2 ...          one strategy: summary, trace
-    megatron-oases sim --search --topology T --gpus N --memory-gb M <model> --global-batch-size G
+    megatron-oases sim --topology T [--nodes N] <model> --tensor-model-parallel-size 8 \
+        --pipeline-model-parallel-size 4 --global-batch-size G ...           one strategy: summary, trace
+    megatron-oases sim --search --topology T --nodes N --memory-gb M <model> --global-batch-size G
     megatron-oases sim --predict --profile P.json -- <megatron-oases train flags>
+
+Degrees take Megatron's names (``--tp/--pp/--dp`` are short aliases); the data-parallel size
+defaults to what the topology leaves (GPUs / (TP x PP)), ``--global-batch-size`` sets the
+micro-batches per data-parallel replica, and ``--vocab-size`` is padded as Megatron pads it.
 """
 from __future__ import annotations
 
@@ -32,7 +37,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron flag names)")
     for name in MODEL_FLAGS:
         g.add_argument(f"--{name}", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=51200, help="padded vocabulary")
+    g.add_argument("--vocab-size", type=int, default=51200,
+                   help="vocabulary; padded as Megatron pads it (a multiple of "
+                        "--make-vocab-size-divisible-by x TP)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--ffn-hidden-size", type=int, default=0, help="default 4 x hidden")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
@@ -42,11 +50,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("strategy")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--num-microbatches", type=int, default=1)
+    g = p.add_argument_group("strategy (Megatron flag names; --tp/--pp/--dp are aliases)")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
+                   help="default: the GPUs the topology leaves, GPUs / (TP x PP)")
+    g.add_argument("--num-microbatches", type=int, default=None,
+                   help="per data-parallel replica; default: --global-batch-size / (micro-batch x DP), else 1")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B, as Megatron (sets --virtual-stages to layers / PP / this)")
     g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     g.add_argument("--virtual-stages", default="1",
                    help="model chunks per device (interleaved 1F1B when > 1); with --search a list, e.g. 1,2")
@@ -65,7 +77,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search (--search)")
     g.add_argument("--search", action="store_true", help="rank every TP x PP x DP strategy (+ backends, oases, recompute)")
     g.add_argument("--gpus", type=int, default=None, help="default: the topology's world size")
-    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration; without --search it sets the micro-batches per replica")
     g.add_argument("--tp-sizes", default=None, help="e.g. 1,2,4,8 (default: powers of two up to heads)")
     g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
     g.add_argument("--backends", default="megatron,atp",
@@ -74,30 +87,63 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-options", default="off,on")
 
 
-def model_from_args(a: argparse.Namespace) -> ModelConfig:
+def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
+    """The model, its vocabulary padded as Megatron pads it at TP ``tp``."""
     missing = [f"--{n}" for n in MODEL_FLAGS if getattr(a, n.replace("-", "_")) is None]
     if missing:
         raise SimError(f"the model needs {', '.join(missing)}")
+    for flag in ("vocab_size", "make_vocab_size_divisible_by"):
+        if getattr(a, flag) < 1:
+            raise SimError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(a, flag)})")
     dtype = "fp32" if a.fp32 else a.dtype
+    multiple = a.make_vocab_size_divisible_by * tp
     return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
-                       seq=a.seq_length, vocab=a.vocab_size, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
+                       seq=a.seq_length, vocab=-(-a.vocab_size // multiple) * multiple, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
                        bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
                        tied_embeddings=not a.untie_embeddings_and_output_weights,
                        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
 
 
-def strategy_from_args(a: argparse.Namespace) -> Strategy:
-    vps = _ints(a.virtual_stages, "--virtual-stages")
+def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strategy:
+    """The one strategy of the flags; ``world``: the topology's GPUs, which the data-parallel size
+    fills by default."""
+    vps = _virtual_stages(a)
     if len(vps) != 1:
         raise SimError("--virtual-stages takes one value unless --search is given")
+    dp = a.dp
+    if dp is None:
+        dp = world // (a.tp * a.pp) if world and world % (a.tp * a.pp) == 0 else 1
+    micro = a.num_microbatches
+    if a.global_batch_size is not None:
+        per = a.micro_batch_size * dp if a.micro_batch_size else 0
+        if not per or a.global_batch_size % per:
+            raise SimError(f"--global-batch-size {a.global_batch_size} is not a multiple of "
+                           f"--micro-batch-size {a.micro_batch_size} x DP {dp}")
+        if micro is not None and micro != a.global_batch_size // per:
+            raise SimError(f"--num-microbatches {micro} disagrees with --global-batch-size "
+                           f"{a.global_batch_size} / (micro-batch {a.micro_batch_size} x DP {dp}); give one")
+        micro = a.global_batch_size // per
     mesh = tuple(_ints(a.atp_mesh, "--atp-mesh")) if a.atp_mesh else None
     if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
         raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
-    return Strategy(tp=a.tp, pp=a.pp, dp=a.dp, num_microbatches=a.num_microbatches, schedule=a.schedule,
+    return Strategy(tp=a.tp, pp=a.pp, dp=dp, num_microbatches=micro or 1, schedule=a.schedule,
                     virtual_stages=vps[0], recompute=a.recompute or a.recompute_layers > 0,
                     recompute_layers=a.recompute_layers, overlap=a.overlap,
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer)
+
+
+def _virtual_stages(a: argparse.Namespace) -> list[int]:
+    """``--virtual-stages``, or Megatron's ``--num-layers-per-virtual-pipeline-stage``."""
+    n = a.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        return _ints(a.virtual_stages, "--virtual-stages")
+    if a.virtual_stages != "1":
+        raise SimError("give --virtual-stages or --num-layers-per-virtual-pipeline-stage, not both")
+    if n < 1 or not a.num_layers or a.num_layers % (a.pp * n):
+        raise SimError(f"--num-layers-per-virtual-pipeline-stage {n} must divide --num-layers "
+                       f"{a.num_layers} / --pipeline-model-parallel-size {a.pp}")
+    return [a.num_layers // (a.pp * n)]
 
 
 def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int):
@@ -114,7 +160,7 @@ def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int)
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
                        backends=tuple(v.strip() for v in a.backends.split(",")),
                        overlaps=tuple(v.strip() for v in a.overlaps.split(",")), recompute=tuple(rc),
-                       virtual_stages=tuple(_ints(a.virtual_stages, "--virtual-stages")), schedule=a.schedule,
+                       virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
                        distributed_optimizer=a.distributed_optimizer)
 
 
@@ -124,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--topology", default=None,
                    help="YAML path, shipped example name, or local (one flat level, as `profile` uses by default)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="replicate the topology's node to this many nodes (its inter-node level)")
     p.add_argument("--gpu", default=None, help="GPU model; default: the topology's device")
     p.add_argument("--profile", default=None, help="ProfileDB JSON of measured event times (ms)")
     p.add_argument("--memory-gb", type=float, default=None, help="device memory (GiB); default: the GPU's")
@@ -159,12 +207,13 @@ def sim_main(argv: list[str] | None = None) -> int:
             raise SimError(f"arguments after `--` are trainer flags for --predict (got {' '.join(rest)})")
         if a.topology is None:
             raise SimError("--topology is required (a YAML path, a shipped example name, or local)")
-        model = model_from_args(a)
-        strategy = None if a.search else strategy_from_args(a)
+        topo = _topology(a)
+        strategy = None if a.search else strategy_from_args(a, topo.world_size if topo else None)
+        model = model_from_args(a, strategy.tp if strategy else _largest_tp(a, topo))
         world = a.gpus if a.search else strategy.world_size
-        if a.topology == "local" and not world:
+        if topo is None and not world:
             raise SimError("--topology local with --search needs --gpus")
-        dm = device_model(resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
+        dm = device_model(topo or resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
                           bytes_per_element=model.bytes_per_element)
         if a.search:
             return _search(a, model, dm)
@@ -184,6 +233,29 @@ def sim_main(argv: list[str] | None = None) -> int:
         plot_timeline(r, a.png)
         print(f"timeline: {a.png}")
     return 0
+
+
+def _topology(a: argparse.Namespace):
+    """The named topology, replicated to ``--nodes``; None for ``local`` (sized by the strategy)."""
+    if a.topology == "local":
+        if a.nodes is not None:
+            raise SimError("--nodes needs a topology with an inter-node level (not local)")
+        return None
+    topo = resolve_topology(a.topology, 0)
+    return topo if a.nodes is None else topo.with_nodes(a.nodes)
+
+
+def _largest_tp(a: argparse.Namespace, topo) -> int:
+    """The largest TP a search tries (Megatron pads the vocabulary per TP; a search prices one
+    vocabulary, padded for its largest TP)."""
+    if a.tp_sizes:
+        return max(_ints(a.tp_sizes, "--tp-sizes"))
+    gpus = a.gpus or (topo.world_size if topo else 1)
+    heads = a.num_attention_heads or 1
+    tp = 1
+    while gpus % (tp * 2) == 0 and heads % (tp * 2) == 0:
+        tp *= 2
+    return tp
 
 
 def _search(a: argparse.Namespace, model: ModelConfig, dm) -> int:
@@ -207,7 +279,12 @@ def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[
         raise SimError("--predict needs --profile (measure one with `megatron-oases profile -- <train flags>`)")
     if not train_argv:
         raise SimError("--predict needs the trainer's flags after `--`")
-    r = predict_train_step(train_parser().parse_args(train_argv), profile, topology=a.topology)
+    targs = train_parser().parse_args(train_argv)
+    # The world size: the trainer's --nproc-per-node, else the topology's (sim's or the trainer's).
+    name = a.topology or targs.topology
+    topo = _topology(argparse.Namespace(topology=name, nodes=a.nodes)) if name else None
+    world = targs.nproc_per_node or (topo.world_size if topo else None)
+    r = predict_train_step(targs, profile, world_size=world, topology=topo or a.topology)
     print(summary_table(r))
     print(f"predicted step time: {r.iteration_ms:.1f} ms")
     return 0

@@ -16,8 +16,8 @@ import os
 import sys
 
 from ..topology import TopologyError, load_topology
-from .cli import _split, add_model_args, add_search_args, add_strategy_args, model_from_args, \
-    search_space_from_args, strategy_from_args
+from .cli import _largest_tp, _split, add_model_args, add_search_args, add_strategy_args, \
+    model_from_args, search_space_from_args, strategy_from_args
 from .profiler import resolve_topology
 from ..pricing.device_model import ProfileDB, SimError
 
@@ -93,17 +93,19 @@ def profile_main(argv: list[str] | None = None) -> int:
                                                                       max(1, (os.cpu_count() or 1) // world)})
             db = profile_train_args(targs, settings=settings, topology=a.topology, existing=existing)
         else:
-            model = model_from_args(a)
             nproc = a.nproc or 2
+            named = load_topology(a.topology) if a.topology not in (None, "local") else None
             if a.search:
-                gpus = a.gpus or (load_topology(a.topology).world_size if a.topology not in (None, "local") else nproc)
+                gpus = a.gpus or (named.world_size if named else nproc)
                 topo = resolve_topology(a.topology, gpus)
+                model = model_from_args(a, _largest_tp(a, topo))  # as `sim --search` pads it
                 from .search import candidates
 
                 strategies = [c.strategy for c in candidates(model, search_space_from_args(a, model, gpus))
                               if c.strategy is not None]
             else:
-                strategy = strategy_from_args(a)
+                strategy = strategy_from_args(a, named.world_size if named else None)
+                model = model_from_args(a, strategy.tp)
                 topo = resolve_topology(a.topology, strategy.world_size)
                 strategies = [strategy]
             events = {}

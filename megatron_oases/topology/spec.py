@@ -7,6 +7,8 @@ loaded ones. Units: bandwidths in GB/s (1e9 bytes/s), latencies in microseconds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -216,6 +218,28 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
+
+    def with_nodes(self, nodes: int) -> "Topology":
+        """This cluster with ``nodes`` nodes: its one inter-node level resized (the node itself,
+        its links and the inter-node link kind stay as described). Calibrations name ranks of the
+        described cluster, so a topology with calibrations is not resized."""
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise TopologyError(f"--nodes must be a positive integer (got {nodes!r})")
+        inter = [i for i, lv in enumerate(self.levels) if lv.scope == "inter_node"]
+        if nodes == self.num_nodes:
+            return self
+        if len(inter) != 1:
+            raise TopologyError(f"--nodes needs a topology with exactly one inter_node level; "
+                                f"{self.name!r} has {len(inter)}")
+        if self.calibration is not None:
+            raise TopologyError(f"--nodes cannot resize {self.name!r}: its calibration names ranks "
+                                f"of the described {self.num_nodes}-node cluster")
+        levels = list(self.levels)
+        if levels[inter[0]].p2p_matrix_GBps is not None:
+            raise TopologyError(f"--nodes cannot resize {self.name!r}: its inter-node level has a "
+                                f"per-pair bandwidth matrix")
+        levels[inter[0]] = dataclasses.replace(levels[inter[0]], size=nodes)
+        return dataclasses.replace(self, name=f"{self.name}x{nodes}", levels=tuple(levels))
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:

@@ -1,0 +1,87 @@
+"""``megatron-oases sim`` with Megatron's flag names, ``--nodes``, ``--global-batch-size`` and the
+vocabulary padded as Megatron pads it (issue 23's CLI items)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_oases.sim.cli import build_parser, model_from_args, sim_main, strategy_from_args
+from megatron_oases.topology import TopologyError, load_topology
+
+MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+         "--seq-length", "512", "--micro-batch-size", "2"]
+
+
+def _strategy(*flags, world=None):
+    return strategy_from_args(build_parser().parse_args([*MODEL, *flags]), world)
+
+
+def test_megatron_names_equal_the_short_ones():
+    long = _strategy("--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                     "--data-parallel-size", "2")
+    assert long == _strategy("--tp", "4", "--pp", "2", "--dp", "2")
+    assert (long.tp, long.pp, long.dp) == (4, 2, 2)
+
+
+def test_data_parallel_fills_the_topology_and_global_batch_sets_micro_batches():
+    s = _strategy("--tensor-model-parallel-size", "4", "--global-batch-size", "32", world=16)
+    assert (s.dp, s.num_microbatches) == (4, 4)  # 16 / 4 ranks; 32 / (2 x 4)
+    assert _strategy("--tp", "4", world=16).num_microbatches == 1
+    with pytest.raises(Exception, match="not a multiple"):
+        _strategy("--tp", "4", "--global-batch-size", "12", world=16)
+    with pytest.raises(Exception, match="disagrees"):
+        _strategy("--tp", "4", "--global-batch-size", "32", "--num-microbatches", "2", world=16)
+
+
+def test_virtual_pipeline_stage_flag():
+    s = _strategy("--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2", "--num-microbatches", "4")
+    assert s.virtual_stages == 2  # 8 layers / PP 2 / 2 per chunk
+    with pytest.raises(Exception, match="must divide"):
+        _strategy("--pp", "2", "--num-layers-per-virtual-pipeline-stage", "3")
+
+
+def test_vocabulary_padded_as_megatron_pads():
+    a = build_parser().parse_args([*MODEL, "--vocab-size", "50257"])
+    assert model_from_args(a, tp=8).vocab == 51200  # a multiple of 128 x 8
+    assert model_from_args(a, tp=1).vocab == 50304  # a multiple of 128
+
+
+def test_nodes_replicate_the_node():
+    topo = load_topology("2node-ib").with_nodes(384)
+    assert topo.world_size == 3072 and topo.ranks_per_node == 8 and topo.num_nodes == 384
+    with pytest.raises(TopologyError, match="inter_node"):
+        load_topology("dgx-a100").with_nodes(2)
+
+
+def test_cli_runs_at_3072_gpus_with_megatron_flags(capsys):
+    rc = sim_main(["--topology", "2node-ib", "--nodes", "384", "--num-layers", "96", "--hidden-size",
+                   "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+                   "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                   "--pipeline-model-parallel-size", "16", "--global-batch-size", "1536",
+                   "--vocab-size", "50257"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "TP 8 x PP 16 x DP 24 = 3072 GPUs" in out and "64 micro-batches" in out
+
+
+def test_bad_nodes_is_one_line(capsys):
+    assert sim_main(["--topology", "dgx-a100", "--nodes", "2", *MODEL, "--tp", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--nodes" in err[0]
+
+
+def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
+    """No --nproc-per-node among the trainer flags: the topology's 4 ranks give TP 2 x DP 2."""
+    from megatron_oases.pricing.device_model import ProfileDB
+    from megatron_oases.sim.events import build_stage_events, unique_events
+    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser as train_parser
+
+    train = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--device", "cpu"]
+    topo = load_topology("emu-flat4")
+    model, s = sim_inputs_from_train_args(train_parser().parse_args(train), topo.world_size)
+    assert (s.tp, s.dp, s.num_microbatches) == (2, 2, 2)
+    db = tmp_path / "p.json"
+    ProfileDB(device="cpu", events_ms={k: 1.0 for k in unique_events(build_stage_events(model, s, topo))}).save(str(db))
+    assert sim_main(["--predict", "--topology", "emu-flat4", "--profile", str(db), "--", *train]) == 0
+    assert "TP 2 x PP 1 x DP 2 = 4 GPUs" in capsys.readouterr().out
