@@ -362,11 +362,13 @@ def test_atp_family_splits_prices_and_counts_like_the_simulator():
 
 def test_atp_plans_are_whole_model_and_win_when_memory_binds():
     """The runtime runs ATP as a backend, so a plan never mixes it with Megatron blocks (infinite
-    edges); on two 3090 nodes with TP 8, a budget too small for degree 4 picks ATP 4x2 over TP 8
-    (the axis-1 all-reduces stay inside a node)."""
-    topo = load_topology("pcie-3090-2node")
+    edges); on ATP's IC2 (8 x 3090, NVLink-bridged pairs on PCIe) with TP 8, a budget too small
+    for degree 4 picks ATP 4x2 over TP 8 (axis 2 inside the NVLink pairs). On two 3090 nodes it
+    does not: ATP's two concurrent axis-1 rings would share each node's one InfiniBand card."""
+    topo = load_topology("nvlink-pairs")
     m = PlanModel(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=8)
-    cm = build_cost_model(m, topology=topo, global_batch_size=16, memory_gb=5.3, families=("megatron", "atp"))
+    cm = build_cost_model(m, topology=topo, global_batch_size=16, memory_gb=5.3, families=("megatron", "atp"),
+                          gpu="rtx-3090")
     labels = [s.label for s in cm.strategies]
     assert labels[:2] == ["tp4", "tp8"] and "atp4x2" in labels
     k_tp8, k_atp = labels.index("tp8"), labels.index("atp4x2")

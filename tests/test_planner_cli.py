@@ -131,7 +131,7 @@ def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
     """With --families megatron,atp and a budget only ATP 4x2 meets well, the plan's launch flags
     select the ATP backend (no --oases-plan); the trainer refuses the file as --oases-plan."""
     out = tmp_path / "p.json"
-    rc = plan_main(["--topology", "pcie-3090-2node", "--num-layers", "8", "--hidden-size", "4096",
+    rc = plan_main(["--topology", "nvlink-pairs", "--gpu", "rtx-3090", "--num-layers", "8", "--hidden-size", "4096",
                     "--num-attention-heads", "32", "--seq-length", "1024", "--micro-batch-size", "4",
                     "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--memory-gb", "5.3",
                     "--families", "megatron,atp", "--out", str(out), "--quiet",

@@ -39,11 +39,25 @@ def test_ring_collectives_use_bottleneck_link():
     s, n = 64e6, 4
     intra = dm.collective_ms("all_reduce", s, (0, 1, 2, 3))
     assert intra == pytest.approx(2 * (n - 1) / n * s / 300e6 + 2 * (n - 1) * 2e-3)
-    cross = dm.collective_ms("all_reduce", s, (0, 1, 8, 9))  # ring crosses IB: 25 GB/s bottleneck
-    assert cross == pytest.approx(2 * (n - 1) / n * s / 25e6 + 2 * (n - 1) * 4e-3)
+    # The ring crosses IB with 2 of a node's 8 GPUs: 4 such rings share the node's 25 GB/s.
+    cross = dm.collective_ms("all_reduce", s, (0, 1, 8, 9))
+    assert cross == pytest.approx(2 * (n - 1) / n * s / (25e6 * 2 / 8) + 2 * (n - 1) * 4e-3)
     ag = dm.collective_ms("all_gather", s, (0, 1, 2, 3))
     assert ag == pytest.approx((n - 1) / n * s / 300e6 + (n - 1) * 2e-3)
     assert dm.collective_ms("all_reduce", s, (5,)) == 0.0
+
+
+def test_concurrent_rings_share_a_nodes_network_cards():
+    """One TP 16 ring through both nodes' GPUs gets each node's aggregate inter-node bandwidth
+    (NCCL spreads it over all cards); each of TP 8's eight DP rings (one GPU per node, all
+    running together) gets an eighth of it."""
+    dm, s = device_model(topo()), 64e6
+    tp16 = tuple(range(16))
+    assert dm.ring_link(tp16)[0] == 25  # min(NVLink 300, the node's 25)
+    dp_rings = [(g, 8 + g) for g in range(8)]
+    assert {dm.ring_link(r)[0] for r in dp_rings} == {25 / 8}
+    assert dm.collective_ms("all_reduce", s, dp_rings[0]) == pytest.approx(s / (25e6 / 8) + 2 * 4e-3)
+    assert dm.ring_link((0, 1, 2, 3))[0] == 300  # intra-node links are per GPU: no sharing
 
 
 def test_events_dedup_and_layer_description_shared():

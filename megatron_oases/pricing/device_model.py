@@ -257,7 +257,26 @@ class DeviceModel:
         lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
         if cal is not None:
             return cal, lat
-        return min((self.link_bandwidth(a, b) for a, b in pairs), default=math.inf), lat
+        return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) for a, b in pairs),
+                   default=math.inf), lat
+
+    def nic_share(self, ranks: tuple[int, ...], a: int, b: int) -> float:
+        """The part of an inter-node link's bandwidth one ring over ``ranks`` gets.
+
+        An inter_node level's bandwidth is a unit's (a node's) aggregate over its network cards.
+        Every group of a hybrid-parallel run runs its collectives together with the other groups
+        of its kind, so the unit's ranks/m concurrent rings share it, m being the group's ranks in
+        one unit: a ring through all of a node's GPUs (TP 16 over 2 nodes) gets the whole node
+        (NCCL spreads it over every card), each of the eight one-GPU-per-node DP rings of TP 8 an
+        eighth. Intra-node links are per GPU already."""
+        level = link_level(self.topology, a, b)
+        if level < 0 or self.topology.levels[level].scope != "inter_node":
+            return 1.0
+        unit = math.prod(self.topology.sizes[:level])
+        per_unit: dict[int, int] = {}
+        for r in ranks:
+            per_unit[r // unit] = per_unit.get(r // unit, 0) + 1
+        return max(per_unit.values()) / unit
 
     def link_bandwidth(self, a: int, b: int) -> float:
         """GB/s between two ranks; a missing link (0 in the level's p2p matrix) is an error."""
