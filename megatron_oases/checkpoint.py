@@ -31,7 +31,14 @@ CRASH_ENV = "MEGATRON_OASES_TEST_CRASH_IN_SAVE"
 and the metadata were written and before the rename (the crash the atomic save must survive)."""
 # Flags that shape the parameters: a checkpoint loads only into the same model.
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-               "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights")
+               "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights",
+               "position_embedding_type", "swiglu", "group_query_attention", "num_query_groups",
+               "add_bias_linear", "qk_layernorm")
+_LATER_MODEL_FLAGS = {"position_embedding_type": "learned_absolute", "swiglu": False,
+                      "group_query_attention": False, "num_query_groups": None,
+                      "add_bias_linear": True, "qk_layernorm": False}
+"""Model flags added after checkpoint_version 3.0 files were first written: a checkpoint without
+them was saved with these values."""
 # Flags of the layout: RNG states are per (PP, TP, DP) rank and reload only into the same one.
 LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
@@ -172,9 +179,11 @@ def check_same_model(saved: dict, args, path: str) -> None:
     from megatron_oases.vocab import padded_vocab_size
 
     for name in MODEL_FLAGS:
-        if saved.get(name) != getattr(args, name):
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(f"--load: {path} was saved with {flag} {saved.get(name)}, this "
+        theirs = saved.get(name, _LATER_MODEL_FLAGS.get(name))
+        if theirs != getattr(args, name):
+            flag = "--disable-bias-linear (add_bias_linear)" if name == "add_bias_linear" \
+                else "--" + name.replace("_", "-")
+            raise CheckpointError(f"--load: {path} was saved with {flag} {theirs}, this "
                                   f"run has {getattr(args, name)}; use the checkpoint's model flags")
     ours = padded_vocab_size(args)
     theirs = padded_vocab_size(argparse.Namespace(**saved))

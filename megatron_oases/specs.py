@@ -13,6 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from megatron_oases.schedules.oases.options import oases_runs
+from megatron_oases.train_args import query_groups
 from megatron_oases.vocab import padded_vocab_size
 
 
@@ -34,6 +35,12 @@ def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> Tra
         bf16=args.bf16,
         fp16=args.fp16,
         normalization=args.normalization,
+        # Llama-family features, set as Megatron-LM's core_transformer_config_from_args sets them
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        num_query_groups=query_groups(args) if args.group_query_attention else None,
+        add_bias_linear=args.add_bias_linear,
+        qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -81,7 +88,8 @@ def backend_groups(args: argparse.Namespace):
 def layer_spec(args: argparse.Namespace, groups=None):
     """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
     if args.tp_backend == "megatron":
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
+                                        normalization=args.normalization)
         if getattr(args, "oases_layer_degrees", None):
             from megatron_oases.layers.planned_layer import planned_layer_spec
 
@@ -110,7 +118,9 @@ def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
     if getattr(args, "oases_layer_degrees", None):

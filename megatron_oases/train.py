@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
 
     from megatron_oases.evaluate import Validator
     from megatron_oases.flops import gpt_flops_per_iteration
+    from megatron_oases.train_args import query_groups
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
 
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        padded_vocab_size=padded_vocab_size(args))
+        padded_vocab_size=padded_vocab_size(args), num_query_groups=query_groups(args),
+        gated_mlp=args.swiglu)
     world = torch.distributed.get_world_size()
     log = is_logging_rank()
     json_file = open(args.log_json, "w", encoding="utf-8") if (log and args.log_json) else None

@@ -83,6 +83,23 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="pad the vocabulary to a multiple of this; with the TP-invariant init "
                         "(default) the padding does not grow with TP (see padded_vocab_size)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute", help="as Megatron-LM: learned absolute positions, "
+                   "rotary embeddings (RoPE) or none")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (rope only)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="part of each head's dimension that RoPE rotates, in (0, 1] (rope only)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated linear unit with SiLU (SwiGLU) MLP; --ffn-hidden-size then defaults "
+                        "to Megatron-LM's int(4h x 2/3 / 64) x 64")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value groups")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value groups under --group-query-attention (Megatron-LM's default 1)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="linears without bias (Llama-style)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head (--normalization's kind)")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -187,6 +204,35 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be {where} (got {value})")
 
 
+def query_groups(args: argparse.Namespace) -> int:
+    """Key/value groups of the attention: --num-query-groups under --group-query-attention
+    (Megatron-LM's default 1), else one per head."""
+    if not args.group_query_attention:
+        return args.num_attention_heads
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
+def _check_model_features(args: argparse.Namespace) -> None:
+    """Llama-family flags: meaningful values and combinations (one line naming the flag)."""
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention (without it every "
+                          "head has its own keys and values); add it or drop --num-query-groups")
+    groups = query_groups(args)
+    if groups < 1 or args.num_attention_heads % groups:
+        raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads "
+                          f"{args.num_attention_heads}")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ConfigError(f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
+    if args.rotary_base < 1:
+        raise ConfigError(f"--rotary-base must be >= 1 (got {args.rotary_base})")
+    if args.position_embedding_type != "rope":
+        for flag, name, default in (("--rotary-base", "rotary_base", 10000),
+                                    ("--rotary-percent", "rotary_percent", 1.0)):
+            if getattr(args, name) != default:
+                raise ConfigError(f"{flag} applies to --position-embedding-type rope only (got "
+                                  f"{args.position_embedding_type}); drop it or use rope")
+
+
 def _check_log_json(path: str | None) -> None:
     """``--log-json`` must land in an existing directory (checked before anything is written)."""
     if path is None:
@@ -226,11 +272,13 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
     """Check every flag and combination; returns the validated ``ParallelDims``."""
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.ffn_hidden_size is None:  # Megatron-LM's defaults
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _check_ranges(args)
+    _check_model_features(args)
     _check_log_json(args.log_json)
     vp = _virtual_stages(args)
     dims = ParallelDims(
@@ -266,6 +314,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     from megatron_oases.plan.plan_file import validate_plan_args
 
     validate_plan_args(args, dims)
+    _check_query_groups_split(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:
@@ -300,6 +349,36 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
 
     validate_data_args(args)
     return dims
+
+
+def _check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """Megatron 1-D attention gives each rank whole key/value groups: the groups must divide by
+    the attention's TP degree (each attention block's degree under --oases-plan)."""
+    if args.tp_backend != "megatron":
+        return
+    groups = query_groups(args)
+    plan = getattr(args, "oases_layer_degrees", None)
+    for degree in sorted({a for a, _ in plan}) if plan else [dims.tp]:
+        if groups % degree:
+            where = (f"attention degree {degree} of --oases-plan" if plan
+                     else f"--tensor-model-parallel-size {degree}")
+            raise ConfigError(f"--num-query-groups {groups} must be divisible by the {where} "
+                              f"(each rank holds whole key/value groups)")
+
+
+def llama_features(args: argparse.Namespace) -> list[str]:
+    """The Llama-family layer features this run turns on, as flags (for refusals)."""
+    on = [("--position-embedding-type rope", args.position_embedding_type == "rope"),
+          ("--swiglu", args.swiglu), ("--group-query-attention", args.group_query_attention),
+          ("--qk-layernorm", args.qk_layernorm)]
+    return [flag for flag, active in on if active]
+
+
+def _refuse_features(args: argparse.Namespace, backend_flag: str) -> None:
+    used = llama_features(args)
+    if used:
+        raise ConfigError(f"{backend_flag} does not support {', '.join(used)} yet; use "
+                          f"--tp-backend megatron (stock or --schedule oases) for this model")
 
 
 def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
@@ -360,12 +439,14 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
                           f"--tensor-model-parallel-size {dims.tp}")
     if args.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
+    _refuse_features(args, "--tp-backend atp")
 
 
 def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
     if args.tp_backend != "3d":
         return
+    _refuse_features(args, "--tp-backend 3d")
     from megatron_oases.parallel.cube import Cube
 
     try:

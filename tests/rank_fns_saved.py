@@ -16,7 +16,6 @@ def oases_saved_bytes_after_one_step(argv: list[str]):
 def saved_bytes_of_one_forward(argv: list[str]) -> int:
     """Bytes one micro-batch's forward keeps for its backward on this rank (single stage):
     autograd's live saved storages plus the Oases executor's step state, parameters excluded."""
-    import torch
 
     from megatron_oases.runtime.saved_tensors import SavedTensorLedger
     from megatron_oases.train import setup

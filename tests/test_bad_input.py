@@ -73,6 +73,18 @@ CASES = [
     ("oases-skip-without-oases", ["--oases-skip-tp-collectives"], "--oases-skip-tp-collectives needs --schedule oases"),
     ("plan-missing", TP2 + ["--oases-plan", "/nonexistent/plan.json"], "--oases-plan"),
     ("sp-tp1", ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    # Llama-family flags (issue 19)
+    ("gqa-groups-without-gqa", ["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    ("gqa-groups-not-dividing-heads", ["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
+    ("gqa-groups-tp", TP4 + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2 must be divisible by the --tensor-model-parallel-size 4"),
+    ("rotary-percent-0", ["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
+    ("rotary-percent-big", ["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1]"),
+    ("rotary-without-rope", ["--rotary-base", "500"], "--rotary-base applies to --position-embedding-type rope only"),
+    ("atp-swiglu", ATP4 + ["--atp-mesh", "2,2", "--swiglu"], "--tp-backend atp does not support --swiglu"),
+    ("3d-rope", ["--nproc-per-node", "8", "--tensor-model-parallel-size", "8", "--tp-backend", "3d",
+                 "--num-attention-heads", "8", "--micro-batch-size", "4", "--global-batch-size", "4",
+                 "--position-embedding-type", "rope"],
+     "--tp-backend 3d does not support --position-embedding-type rope"),
     # argparse's own errors: one line too, without the usage block.
     ("backend-unknown", ["--tp-backend", "bogus"], "argument --tp-backend: invalid choice: 'bogus'"),
     ("schedule-unknown", ["--schedule", "fast"], "argument --schedule: invalid choice"),

@@ -29,6 +29,13 @@ class ParamShard:
     """Slices of the global tensor this rank holds."""
     is_main_replica: bool
     """True on exactly one rank per region (``replica_id`` all zero)."""
+    local_index: tuple[slice, ...] = ()
+    """Slices of ``param`` that hold that region (all of it unless Megatron shards the parameter
+    in pieces: a SwiGLU fc1 weight is its gate rows and its up rows, each its own region)."""
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the parameter, or a tensor shaped like it) restricted to this region."""
+        return tensor[self.local_index] if self.local_index else tensor
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -41,31 +48,46 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def param_shards(model_chunks: Iterable[torch.nn.Module]) -> Iterator[ParamShard]:
-    """Yield a ``ParamShard`` for every parameter of the (possibly wrapped) model chunks."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    """Yield a ``ParamShard`` for every region of every parameter of the (possibly wrapped)
+    model chunks: one per parameter, or one per piece where Megatron's ``sharded_state_dict``
+    builds the parameter's shards with a ``ShardedTensorFactory`` (SwiGLU's fc1)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for chunk in model_chunks:
         module = _unwrap(chunk)
         by_ptr = {p.data_ptr(): p for p in module.parameters()}
         seen = set()
         for sh in module.sharded_state_dict().values():
-            if not isinstance(sh, ShardedTensor) or sh.data is None:
+            pieces = [sh]
+            if isinstance(sh, ShardedTensorFactory):
+                param = by_ptr.get(sh.data.data_ptr())
+                if param is None or id(param) in seen:
+                    continue
+                pieces = sh.build()
+            if not all(isinstance(x, ShardedTensor) and x.data is not None for x in pieces):
                 continue
-            param = by_ptr.get(sh.data.data_ptr())
+            param = by_ptr.get(pieces[0].data.data_ptr())
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            n_pre = sh.prepend_axis_num
-            local_shape = tuple(sh.data.shape)
-            index = tuple(slice(o, o + s) for o, s in
-                          zip(sh.global_offset[n_pre:], local_shape))
-            yield ParamShard(
-                key=_global_key(sh.key, sh.global_offset[:n_pre]),
-                param=param,
-                global_shape=tuple(sh.global_shape[n_pre:]),
-                index=index,
-                is_main_replica=all(r == 0 for r in _as_tuple(sh.replica_id)),
-            )
+            for x in pieces:
+                yield _shard(x, param)
+
+
+def _shard(sh, param: torch.nn.Parameter) -> ParamShard:
+    """The region one ShardedTensor (the parameter, or a view of part of it) describes."""
+    n_pre = sh.prepend_axis_num
+    local_shape = tuple(sh.data.shape)
+    index = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n_pre:], local_shape))
+    local_index = ()
+    if local_shape != tuple(param.shape):  # a contiguous row block of the parameter
+        start = (sh.data.data_ptr() - param.data_ptr()) // param.element_size() // max(
+            1, math.prod(param.shape[1:]))
+        local_index = (slice(start, start + local_shape[0]),)
+    return ParamShard(key=_global_key(sh.key, sh.global_offset[:n_pre]), param=param,
+                      global_shape=tuple(sh.global_shape[n_pre:]), index=index,
+                      is_main_replica=all(r == 0 for r in _as_tuple(sh.replica_id)),
+                      local_index=local_index)
 
 
 def _global_key(key: str, prepended_offsets) -> str:
@@ -94,7 +116,7 @@ def tp_invariant_init_(model_chunks, *, seed: int, init_method_std: float, num_l
     sliced, so every TP/PP layout of the same model starts from identical weights.
     """
     for shard in param_shards(model_chunks):
-        p = shard.param
+        p = shard.local(shard.param)
         if p.numel() <= 1 or bool((p == p.reshape(-1)[0]).all()):
             continue  # constants (ones, zeros) are layout-invariant already
         std = init_method_std
@@ -125,7 +147,8 @@ def gather_global(model_chunks, *, what: str = "param", group=None) -> dict[str,
             t = p.grad
         if t is None:
             continue
-        local.append((shard.key, shard.global_shape, shard.index, t.detach().float().cpu().clone()))
+        local.append((shard.key, shard.global_shape, shard.index,
+                      shard.local(t.detach()).float().cpu().clone()))
     everything = [None] * dist.get_world_size(group)
     dist.all_gather_object(everything, local, group=group)
     out: dict[str, torch.Tensor] = {}

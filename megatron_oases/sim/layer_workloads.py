@@ -126,7 +126,7 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
     if name.endswith(".wgrad"):
         return _wgrad(name, d, device, dtype)
     from ..schedules.oases.dropout import MicroBatchMasks, active_sub_batch
-    from ..schedules.oases.tape import Local, megatron_layer_tape
+    from ..schedules.oases.tape import BlockInputs, Local, megatron_layer_tape
 
     executor = str(d.get("exec", "stock"))
     if executor not in EXECUTORS:
@@ -154,7 +154,7 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
         with dropout_scope(), torch.enable_grad():
             for st in pieces:
                 ins = {n: local[n].detach().requires_grad_() if oases else local[n] for n in st.inputs}
-                got = st.fn(ins, mask)
+                got = st.fn(ins, BlockInputs(attention_mask=mask))
                 graphs.append((ins, got))
                 local.update({k: v.detach() for k, v in got.items()} if oases else got)
                 if "y" in got:  # the previous layer's output is this layer's input

@@ -11,10 +11,10 @@ import dataclasses
 
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import (UnsupportedLayer, layer_tape,
+from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer, layer_tape,
                                                  megatron_block_tapes)
 
-_UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos",
+_UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_cos",
                        "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
                        "inference_context", "packed_seq_params", "sequence_len_offset",
                        "padding_mask", "inference_params")
@@ -34,12 +34,13 @@ class OasesBlockMixin:
         used = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
         if args or used:
             raise UnsupportedLayer(f"the Oases schedule does not support {used or 'positional'} "
-                                   f"block arguments (e.g. rotary position embeddings) yet")
+                                   f"block arguments (e.g. cross-attention context) yet")
         if not self.pre_process:
             hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         if len(self.layers):
-            hidden_states = _run_segments(self.oases_segments, hidden_states, attention_mask)
+            hidden_states = _run_segments(self.oases_segments, hidden_states, BlockInputs(
+                attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb")))
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
@@ -113,18 +114,19 @@ def _segments(units, options: OasesOptions) -> list[_Segment]:
                      d, g) for d, g, t in out]
 
 
-def _run_segments(segments, hidden_states, attention_mask):
+def _run_segments(segments, hidden_states, inputs: BlockInputs):
     from megatron_oases.parallel.degree_groups import narrow_batch_mask, reshard_batch
 
     batch, degree, groups = hidden_states.shape[1], None, None
     for seg in segments:
-        mask = attention_mask
+        seg_inputs = inputs
         if seg.groups is not None:
             groups = seg.groups
             hidden_states = reshard_batch(hidden_states, groups, degree or groups.tp_size, seg.degree)
-            mask = narrow_batch_mask(attention_mask, groups, seg.degree, batch)
+            seg_inputs = dataclasses.replace(inputs, attention_mask=narrow_batch_mask(
+                inputs.attention_mask, groups, seg.degree, batch))
         degree = seg.degree
-        hidden_states = OasesStage.apply(hidden_states, seg.runner, mask)
+        hidden_states = OasesStage.apply(hidden_states, seg.runner, seg_inputs)
     if groups is not None:
         hidden_states = reshard_batch(hidden_states, groups, degree, groups.tp_size)
     return hidden_states

@@ -23,6 +23,7 @@ exactly once per micro-batch, as with stock layers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,8 @@ from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.tape import (BackwardAllGather, BackwardAllReduce,
-                                                 ForwardAllGather, ForwardAllReduce, LayerTape,
-                                                 Local)
+                                                 BlockInputs, ForwardAllGather, ForwardAllReduce,
+                                                 LayerTape, Local)
 
 BARRIER = object()
 """Yielded by a program to wait until every other program reached its barrier too."""
@@ -101,9 +102,10 @@ def _gathered(out) -> torch.Tensor:
 class _StepState:
     """What the forward leaves for the backward of one micro-batch."""
 
-    def __init__(self, n_sub: int, n_layers: int, masks: MicroBatchMasks, attention_masks):
+    def __init__(self, n_sub: int, n_layers: int, masks: MicroBatchMasks, inputs):
         self.masks = masks
-        self.attention_masks = attention_masks
+        self.inputs = inputs
+        """Each sub-batch's ``BlockInputs`` (its attention mask, the block's rotary embeddings)."""
         self.saved = [[{} for _ in range(n_layers)] for _ in range(n_sub)]
         self.outputs = [None] * n_sub
         self.grad_inputs = [None] * n_sub
@@ -119,10 +121,12 @@ class OasesRunner:
         self._last_saved_bytes = 0
 
     # ----- forward -------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, attention_mask) -> tuple[torch.Tensor, _StepState]:
+    def forward(self, hidden_states: torch.Tensor, inputs: BlockInputs) -> tuple[torch.Tensor, _StepState]:
         subs = [s.contiguous() for s in torch.tensor_split(hidden_states, self.options.sub_batches, dim=1)]
         masks = MicroBatchMasks([s.shape[1] for s in subs], redraw=self.options.recompute)
-        state = _StepState(len(subs), len(self.tapes), masks, self._split_mask(attention_mask, subs))
+        state = _StepState(len(subs), len(self.tapes), masks,
+                           [dataclasses.replace(inputs, attention_mask=m)
+                            for m in self._split_mask(inputs.attention_mask, subs)])
         programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(masks, i, recompute=False))
@@ -142,11 +146,11 @@ class OasesRunner:
                     if keep_graph:
                         leaves = _leaves(env, step.inputs)
                         with torch.enable_grad():
-                            outs = step.fn(leaves, state.attention_masks[i])
+                            outs = step.fn(leaves, state.inputs[i])
                         saved[step.name] = (leaves, outs)
                         outs = {k: v.detach() for k, v in outs.items()}
                     else:
-                        outs = step.fn({n: env[n] for n in step.inputs}, state.attention_masks[i])
+                        outs = step.fn({n: env[n] for n in step.inputs}, state.inputs[i])
                     env.update(outs)
                 elif isinstance(step, ForwardAllReduce):
                     t = env[step.src]
@@ -180,7 +184,7 @@ class OasesRunner:
             if isinstance(step, Local):
                 leaves = _leaves(env, step.inputs)
                 with torch.enable_grad():
-                    outs = step.fn(leaves, state.attention_masks[i])
+                    outs = step.fn(leaves, state.inputs[i])
                 graphs[step.name] = (leaves, outs)
                 env.update({k: v.detach() for k, v in outs.items()})
             elif isinstance(step, ForwardAllReduce):
@@ -311,8 +315,8 @@ class OasesStage(torch.autograd.Function):
     """The stage's layers as one autograd node whose backward runs the Oases backward."""
 
     @staticmethod
-    def forward(ctx, hidden_states, runner: OasesRunner, attention_mask):
-        out, state = runner.forward(hidden_states, attention_mask)
+    def forward(ctx, hidden_states, runner: OasesRunner, inputs: BlockInputs):
+        out, state = runner.forward(hidden_states, inputs)
         ctx.runner, ctx.state = runner, state
         return out
 

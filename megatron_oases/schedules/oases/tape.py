@@ -34,8 +34,18 @@ from megatron_oases.schedules.oases.dropout import SubBatchDropout, dropout
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockInputs:
+    """What a step reads besides its named tensors: its sub-batch's attention mask and the
+    block's batch-independent arguments (rotary embeddings ``[s, 1, 1, d]``, the same for every
+    sub-batch and for recompute)."""
+
+    attention_mask: object = None
+    rotary_pos_emb: object = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Local:
-    """Local compute: ``fn(tensors, attention_mask) -> {name: tensor}``."""
+    """Local compute: ``fn(tensors, inputs: BlockInputs) -> {name: tensor}``."""
 
     name: str
     inputs: tuple[str, ...]
@@ -223,26 +233,28 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
         return residual + dropout(x, p, layer.training, (index, site), batch_dim=1,
                                   batch_shard=shards[site])
 
-    def ln1(t, mask):
+    def ln1(t, inp):
         return {"ln1": layer.input_layernorm(t["x"])}
 
-    def attention(t, mask):
-        return {"attn_p": attn(t["ln1"], attention_mask=mask)[0]}
+    def attention(t, inp):
+        # Megatron's own attention: GQA, QK-norm and RoPE (the block's rotary embeddings).
+        return {"attn_p": attn(t["ln1"], attention_mask=inp.attention_mask,
+                               rotary_pos_emb=inp.rotary_pos_emb)[0]}
 
-    def attention_bda(t, mask):
+    def attention_bda(t, inp):
         return {"h1": bda(t["attn_sum"], proj_bias, t["x"], "attention_bda")}
 
-    def ln2(t, mask):
+    def ln2(t, inp):
         return {"ln2": layer.pre_mlp_layernorm(t["h1"])}
 
-    def bda_ln2(t, mask):
-        h1 = attention_bda(t, mask)["h1"]
+    def bda_ln2(t, inp):
+        h1 = attention_bda(t, inp)["h1"]
         return {"h1": h1, "ln2": layer.pre_mlp_layernorm(h1)}
 
-    def mlp_fn(t, mask):
+    def mlp_fn(t, inp):  # Megatron's MLP: GeLU or SwiGLU, with or without bias
         return {"mlp_p": mlp(t["ln2"])[0]}
 
-    def bda_out(t, mask):
+    def bda_out(t, inp):
         return {"y": bda(t["mlp_sum"], fc2_bias, t["h1"], "mlp_bda")}
 
     if split:
@@ -370,7 +382,8 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
                            lambda t, m: {"qkv": t["qkv_sum"] + qkv.bias}))
     steps += [
         BackwardAllGather("heads.split", "qkv", "qkv_own", -1, axis2),
-        Local("core", ("qkv_own",), ("ctx_own",), lambda t, m: {"ctx_own": attn.core(t["qkv_own"], m)}),
+        Local("core", ("qkv_own",), ("ctx_own",),
+              lambda t, m: {"ctx_own": attn.core(t["qkv_own"], m.attention_mask)}),
         ForwardAllGather("heads.gather", "ctx_own", "ctx", -1, axis2),
         bwd_reduce(proj, "ctx"), gemm(proj, "ctx", "proj_p"), fwd_reduce(proj, "proj_p", "proj_sum"),
         Local("attention_bda", ("proj_sum", x), ("h1",),
