@@ -314,7 +314,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     from megatron_oases.plan.plan_file import validate_plan_args
 
     validate_plan_args(args, dims)
-    _check_query_groups_split(args, dims)
+    check_query_groups_split(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:
@@ -351,7 +351,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     return dims
 
 
-def _check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> None:
+def check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> None:
     """Megatron 1-D attention gives each rank whole key/value groups: the groups must divide by
     the attention's TP degree (each attention block's degree under --oases-plan)."""
     if args.tp_backend != "megatron":

@@ -54,3 +54,30 @@ def test_oases_interleaved_tp2_pp2_matches_one_rank():
                     "--num-layers-per-virtual-pipeline-stage", "1"]
     got = run_training(4, MODEL + ["--qk-layernorm"] + layout + ["--schedule", "oases"] + RECOMPUTE)
     assert_same_training(got, _one_rank("qk-norm"), tol=TOL, what="one rank", iterations=3)
+
+
+def _plan(tmp_path, tp, degrees):
+    import json
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": tp,
+                                "num_layers": len(degrees) // 2, "degrees": list(degrees)}))
+    return str(path)
+
+
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"] + RECOMPUTE], ids=["stock", "oases"])
+def test_planned_blocks_match_one_rank(tmp_path, schedule):
+    """Per-block degrees [1, 2 | 2, 2 | 2, 1 | 2, 2] on T = 2 (replicas, reshards inside layers)."""
+    plan = _plan(tmp_path, 2, [1, 2, 2, 2, 2, 1, 2, 2])
+    got = run_training(2, MODEL + ["--qk-layernorm"] + TP2 + ["--oases-plan", plan] + schedule)
+    assert_same_training(got, _one_rank("qk-norm"), tol=TOL, what="one rank", iterations=3)
+
+
+def test_plan_degree_must_split_the_key_value_groups(tmp_path, capsys):
+    from megatron_oases.train import main
+
+    plan = _plan(tmp_path, 4, [4, 2, 2, 2, 2, 2, 2, 2])
+    argv = ["--nproc-per-node", "4", "--tensor-model-parallel-size", "4", *MODEL, "--oases-plan", plan]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-query-groups 2 must be divisible by the attention degree 4" in err[0]

@@ -521,6 +521,23 @@ def test_pretrain_tp2_matches_stock_cpu(stock_tp2_losses, extra):
         assert v == pytest.approx(stock_tp2_losses[k], rel=1e-5), (k, losses, stock_tp2_losses)
 
 
+LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--normalization", "RMSNorm", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--qk-layernorm", "--no-bias-swiglu-fusion"]
+
+
+@needs_cpu
+def test_pretrain_llama_tp2_oases_and_plan_match_stock_cpu():
+    """A Llama-style model (RoPE, SwiGLU, GQA, RMSNorm, no bias, untied, QK-norm) through
+    Megatron-LM's own loop: stock TP 2, --schedule oases and --oases-plan log the same losses."""
+    tp2 = ["--tensor-model-parallel-size", "2"] + LLAMA
+    stock, _ = _train(2, tp2, 4)
+    for extra in (["--schedule", "oases"], ["--oases-plan", PLAN]):
+        losses, _ = _train(2, tp2 + extra, 4)
+        for k, v in losses.items():
+            assert v == pytest.approx(stock[k], rel=1e-5), (extra, k, losses, stock)
+
+
 @needs_cpu
 def test_pretrain_save_then_load_resumes_cpu(stock_tp2_losses, tmp_path):
     """ATP through Megatron-LM's checkpointing: save at 3, resume from 3 -> the stock losses.

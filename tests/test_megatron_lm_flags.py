@@ -27,12 +27,13 @@ def megatron_like_parser() -> argparse.ArgumentParser:
                           ("--pipeline-model-parallel-size", 1), ("--context-parallel-size", 1)):
         p.add_argument(name, type=int, default=default)
     for name in ("--sequence-parallel", "--bf16", "--fp16", "--swiglu", "--tp-comm-overlap",
-                 "--overlap-param-gather",
+                 "--overlap-param-gather", "--group-query-attention", "--qk-layernorm",
                  "--use-legacy-models", "--untie-embeddings-and-output-weights"):
         p.add_argument(name, action="store_true")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     p.add_argument("--position-embedding-type", default="learned_absolute")
+    p.add_argument("--num-query-groups", type=int, default=1)  # Megatron-LM's default
     p.add_argument("--transformer-impl", default="transformer_engine")  # Megatron-LM's default
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--fp8-format", dest="fp8", default=None)
@@ -112,7 +113,12 @@ def test_oases_flags_parse(monkeypatch):
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
       "--num-experts", "8"], "--tp-backend atp builds its own layers and does not support --num-experts"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--position-embedding-type",
-      "rope"], "drop --position-embedding-type rope"),
+      "mrope"], "drop --position-embedding-type mrope"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+      "--swiglu"], "--tp-backend atp does not support --swiglu yet"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+      "--group-query-attention", "--num-query-groups", "2"],
+     "--tp-backend atp does not support --group-query-attention yet"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--context-parallel-size", "2"],
      "--context-parallel-size > 1"),
     (["--tensor-model-parallel-size", "3", "--schedule", "oases", "--num-attention-heads", "3",

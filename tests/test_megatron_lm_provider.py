@@ -34,7 +34,9 @@ def megatron_args(**over) -> argparse.Namespace:
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
         vocab_size=None, make_vocab_size_divisible_by=128, padded_vocab_size=256,
-        gradient_accumulation_fusion=False)  # as --no-gradient-accumulation-fusion
+        gradient_accumulation_fusion=False,  # as --no-gradient-accumulation-fusion
+        swiglu=False, group_query_attention=False, num_query_groups=1, add_bias_linear=True,
+        qk_layernorm=False, rotary_percent=1.0, rotary_base=10000)  # Megatron-LM's defaults
     ours = add_flags(argparse.ArgumentParser()).parse_args([])  # our flags' defaults
     for k, v in {**vars(ours), **over}.items():
         setattr(ns, k, v)

@@ -85,3 +85,14 @@ def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
     ProfileDB(device="cpu", events_ms={k: 1.0 for k in unique_events(build_stage_events(model, s, topo))}).save(str(db))
     assert sim_main(["--predict", "--topology", "emu-flat4", "--profile", str(db), "--", *train]) == 0
     assert "TP 2 x PP 1 x DP 2 = 4 GPUs" in capsys.readouterr().out
+
+
+def test_predict_refuses_llama_layers_it_cannot_price():
+    from megatron_oases.pricing.device_model import SimError
+    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser as train_parser
+
+    args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--group-query-attention",
+                                      "--num-query-groups", "2", "--device", "cpu"])
+    with pytest.raises(SimError, match="--swiglu, --group-query-attention: Llama-family layers"):
+        sim_inputs_from_train_args(args)

@@ -82,6 +82,10 @@ class PlannedTransformerLayer(TransformerLayer):
         self.self_attn_bda = sharded_bias_dropout_add_builder(1, *replica_batch_shard(self, "attention"))
         self.mlp_bda = sharded_bias_dropout_add_builder(1, *replica_batch_shard(self, "mlp"))
         for name, p in self.named_parameters():
+            if self.config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
+                # Megatron's finalize_model_grads already sums these over the whole TP group,
+                # which is this block's sub-group times its replicas: a replica sum would add twice.
+                continue
             d = self._degree_of(name)
             p.oases_replica_group = degree_groups.replica_group(d)
             if degree_groups.replica_index(d) > 0 and getattr(p, "tensor_model_parallel", False):

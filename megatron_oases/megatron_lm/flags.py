@@ -51,6 +51,12 @@ _STOCK_ONLY = (
     ("fp4", "--fp4-format"),
     ("yaml_cfg", "--yaml-cfg"),
     ("fp16_lm_cross_entropy", "--fp16-lm-cross-entropy"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+    ("rotary_interleaved", "--rotary-interleaved"),
+    ("qk_l2_norm", "--qk-l2-norm"),
+    ("squared_relu", "--squared-relu"),
+    ("quick_geglu", "--quick-geglu"),
 )
 
 
@@ -226,8 +232,10 @@ def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
     validate_3d_args(view, dims)
     validate_oases_args(view, dims)
     from megatron_oases.plan.plan_file import validate_plan_args
+    from megatron_oases.train_args import check_query_groups_split
 
     validate_plan_args(view, dims)
+    check_query_groups_split(view, dims)
 
 
 def _check_non_stock(args: argparse.Namespace) -> None:
@@ -244,10 +252,10 @@ def _check_non_stock(args: argparse.Namespace) -> None:
                           f"--transformer-impl local (and run the stock baseline with "
                           f"--transformer-impl local too, for a comparison of TP schemes only)")
     pos = getattr(args, "position_embedding_type", "learned_absolute")
-    if pos != "learned_absolute":
-        raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which uses "
-                          f"learned absolute position embeddings; drop --position-embedding-type "
-                          f"{pos}")
+    if pos not in ("learned_absolute", "rope", "none"):
+        raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which supports "
+                          f"--position-embedding-type learned_absolute, rope or none; drop "
+                          f"--position-embedding-type {pos}")
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         raise ConfigError(f"{what} does not support --context-parallel-size > 1 yet")
     if (args.schedule == "oases" and args.tp_backend == "atp"

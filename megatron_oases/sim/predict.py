@@ -41,6 +41,12 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                        "price the plan with `megatron-oases plan` (its cost model) instead")
     if getattr(args, "sequence_parallel", False):
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
+    from ..train_args import llama_features
+
+    llama = llama_features(args) + ([] if args.add_bias_linear else ["--disable-bias-linear"])
+    if llama:
+        raise SimError(f"{', '.join(llama)}: Llama-family layers are not in the layer description "
+                       f"yet, so the simulator cannot price them")
     if args.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = getattr(args, "tp_backend", "megatron")
