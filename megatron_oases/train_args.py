@@ -374,8 +374,9 @@ def llama_features(args: argparse.Namespace) -> list[str]:
     return [flag for flag, active in on if active]
 
 
-def _refuse_features(args: argparse.Namespace, backend_flag: str) -> None:
-    used = llama_features(args)
+def _refuse_features(args: argparse.Namespace, backend_flag: str,
+                     supported: tuple[str, ...] = ()) -> None:
+    used = [flag for flag in llama_features(args) if flag not in supported]
     if used:
         raise ConfigError(f"{backend_flag} does not support {', '.join(used)} yet; use "
                           f"--tp-backend megatron (stock or --schedule oases) for this model")
@@ -439,7 +440,13 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
                           f"--tensor-model-parallel-size {dims.tp}")
     if args.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
-    _refuse_features(args, "--tp-backend atp")
+    _refuse_features(args, "--tp-backend atp", supported=(
+        "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
+    groups = query_groups(args)
+    if groups % dims.tp or args.num_attention_heads % dims.tp:
+        raise ConfigError(f"--tp-backend atp gives each of its {dims.tp} ranks whole key/value "
+                          f"groups: --num-query-groups {groups} must be divisible by "
+                          f"--tensor-model-parallel-size {dims.tp}")
 
 
 def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:

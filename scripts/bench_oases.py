@@ -12,6 +12,9 @@ TP communication takes about as long as compute, and measures the median step ti
   comm         the step's TP all-reduces alone, back to back, same sizes (communication-only)
 
 The perfect-overlap bound is max(compute, comm). Prints a table, writes CSV and JSON.
+``--llama`` trains a Llama-style model instead of GPT-2's layers: RoPE, SwiGLU (Megatron-LM's
+FFN size), grouped-query attention (``--num-query-groups``, default heads / 4), RMSNorm, no
+bias, untied embeddings, QK-norm.
 Needs root (network namespaces); ``--no-emulate`` runs the same on plain local ranks (no
 bandwidth limit: a smoke test, not a measurement).
 
@@ -46,6 +49,16 @@ VARIANTS = {
                  "--no-oases-fine-grained-recompute"] + RECOMPUTE,
     "compute": ["--schedule", "oases", "--oases-skip-tp-collectives"] + RECOMPUTE,
 }
+
+
+def llama_flags(a) -> list[str]:
+    """The trainer flags of ``--llama`` (none without it)."""
+    if not a.llama:
+        return []
+    groups = a.num_query_groups or max(a.heads // 4, 1)
+    return ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+            "--num-query-groups", str(groups), "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--qk-layernorm"]
 
 
 def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
@@ -87,7 +100,7 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
     rows = []
     for name in a.variants:
         log = os.path.join(workdir, f"tp{tp}-{name}.jsonl")
-        cmd = [sys.executable, "-m", "megatron_oases.train"] + model_flags(a, tp) + \
+        cmd = [sys.executable, "-m", "megatron_oases.train"] + model_flags(a, tp) + llama_flags(a) + \
             VARIANTS[name] + ["--log-json", log]
         t0 = time.time()
         run_ranks(cmd, tp, a, topo)
@@ -142,6 +155,9 @@ def main(argv=None) -> int:
                    help="per-rank bandwidth in the emulated node, GB/s (the shared loopback is "
                         "limited to TP x this)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--llama", action="store_true",
+                   help="a Llama-style model (RoPE, SwiGLU, GQA, RMSNorm, no bias, QK-norm)")
+    p.add_argument("--num-query-groups", type=int, default=None, help="--llama: default heads / 4")
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/bench_oases")
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
     rows = summarize(rows)
     cols = ["tp", "variant", "step_ms", "speedup_vs_stock", "over_bound", "peak_mem_mb",
             "oases_saved_mb", "loss"]
-    print(f"\nhidden {a.hidden}, layers {a.layers}, seq {a.seq}, micro-batch {a.micro_batch} x "
+    print(f"\n{'Llama-style, ' if a.llama else ''}hidden {a.hidden}, layers {a.layers}, seq {a.seq}, micro-batch {a.micro_batch} x "
           f"{a.micro_batches}, link {a.link_GBps} GB/s{' (NOT emulated)' if a.no_emulate else ''}")
     print(" | ".join(f"{c:>15s}" for c in cols))
     for r in rows:

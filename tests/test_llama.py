@@ -81,3 +81,47 @@ def test_plan_degree_must_split_the_key_value_groups(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-query-groups 2 must be divisible by the attention degree 4" in err[0]
+
+
+ATP_MODEL = [*MODEL, "--num-attention-heads", "8", "--num-query-groups", "4", "--qk-layernorm"]
+"""8 query heads in 4 key/value groups: every ATP mesh of up to 4 ranks holds whole groups."""
+
+
+@pytest.mark.parametrize("n,layout", [
+    (4, ["--tensor-model-parallel-size", "4", "--atp-mesh", "2,2"]),
+    (4, TP2 + ["--atp-mesh", "1,2", "--pipeline-model-parallel-size", "2"]),
+    (4, TP2 + ["--atp-mesh", "2,1", "--pipeline-model-parallel-size", "2"]),
+    (2, TP2 + ["--atp-mesh", "1,2", "--schedule", "oases"] + RECOMPUTE),
+], ids=["atp-2x2", "atp-1x2-pp2", "atp-2x1-pp2", "oases-atp-1x2"])
+def test_atp_matches_one_rank(n, layout):
+    got = run_training(n, ATP_MODEL + ["--tp-backend", "atp"] + layout)
+    assert_same_training(got, cached_training(1, ATP_MODEL), tol=TOL, what="one rank", iterations=3)
+
+
+def _train_log(tmp_path, name, n, argv):
+    import json
+    import subprocess
+    import sys
+
+    log = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node", str(n),
+                           "--device", "cpu", *argv, "--log-json", str(log)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+def test_atp_llama_checkpoint_loads_into_stock_tp(tmp_path):
+    """ATP (2, 2)'s gated fc1 rows ([gate_i; up_i] per mesh part) and replicated QK-norms save
+    in Megatron's layout: stock TP 2 resumes from the checkpoint with ATP's own losses."""
+    model = [a for a in ATP_MODEL if a not in ("--train-iters", "3")] + ["--train-iters", "4",
+                                                                          "--optimizer", "adam"]
+    ckpt = str(tmp_path / "ckpt")
+    atp_flags = ["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2"]
+    atp = _train_log(tmp_path, "atp", 4, model + atp_flags)  # 4 iterations, the reference
+    _train_log(tmp_path, "atp-save", 4, model + atp_flags + ["--train-iters", "2", "--save", ckpt,
+                                                             "--save-interval", "2"])
+    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--load", ckpt])
+    assert sorted(stock) == [3, 4]
+    for it in (3, 4):
+        assert stock[it] == pytest.approx(atp[it], rel=TOL), (it, stock, atp)

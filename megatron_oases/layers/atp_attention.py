@@ -70,18 +70,16 @@ class ATPSelfAttention(torch.nn.Module):
         check_megatron_config(config, mesh_groups, "ATPSelfAttention")
         m = mesh_groups.mesh
         nh, ng = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-        if ng != nh:
-            raise ConfigError("ATPSelfAttention: --group-query-attention is not supported with "
-                              "--tp-backend atp yet")
-        if nh % m.size != 0:
-            raise ConfigError(f"ATPSelfAttention: --num-attention-heads {nh} is not divisible by "
-                              f"--atp-mesh {m.d1}x{m.d2} ({m.size} ranks)")
-        if getattr(config, "qk_layernorm", False):
-            raise ConfigError("ATPSelfAttention: --qk-layernorm is not supported with --tp-backend atp")
+        if nh % m.size != 0 or ng % m.size != 0:
+            raise ConfigError(f"ATPSelfAttention: --num-attention-heads {nh} and the key/value "
+                              f"groups {ng} must be divisible by --atp-mesh {m.d1}x{m.d2} "
+                              f"({m.size} ranks: each holds whole groups)")
         self.config, self.layer_number, self.mesh_groups = config, layer_number, mesh_groups
         self.attn_mask_type = attn_mask_type if attn_mask_type is not None else AttnMaskType.causal
         self.head_dim = config.kv_channels
+        self.heads_per_group = nh // ng
         proj = self.head_dim * nh
+        qkv_out = self.head_dim * (nh + 2 * ng)  # Megatron's rows: per group [q..., k, v]
         bias = config.add_bias_linear or config.add_qkv_bias
         common = dict(chunks=chunks, chunk_dim=1, params_dtype=config.params_dtype,
                       device=param_device(config))
@@ -91,8 +89,19 @@ class ATPSelfAttention(torch.nn.Module):
         linear_proj = RowFirstLinear(proj, config.hidden_size, mesh_groups,
                                      bias=config.add_bias_linear, skip_bias_add=True,
                                      init_method=config.output_layer_init_method, **common)
-        self.linear_qkv = ColumnFirstLinear(config.hidden_size, 3 * proj, mesh_groups, bias=bias,
+        self.linear_qkv = ColumnFirstLinear(config.hidden_size, qkv_out, mesh_groups, bias=bias,
                                             init_method=config.init_method, **common)
+        # QK-norm: Megatron's per-head-dim norms, replicated on every rank (no mesh layout);
+        # each rank's heads give a partial gradient, which Megatron's finalize_model_grads sums
+        # over the TP group for parameters named q_layernorm / k_layernorm.
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            self.q_layernorm = WrappedTorchNorm(config=config, hidden_size=self.head_dim,
+                                                eps=config.layernorm_epsilon)
+            self.k_layernorm = WrappedTorchNorm(config=config, hidden_size=self.head_dim,
+                                                eps=config.layernorm_epsilon)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.core_attention = DotProductAttention(
@@ -107,23 +116,36 @@ class ATPSelfAttention(torch.nn.Module):
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """``hidden_states`` ``[s, b, h/d2]`` -> ``(output [s, b, h/d2], bias [h/d2] or None)``."""
         refuse_unsupported("ATPSelfAttention", key_value_states=key_value_states,
-                           inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                           inference_context=inference_context,
                            rotary_pos_cos=rotary_pos_cos, packed_seq_params=packed_seq_params,
                            inference_params=inference_params)
         axis2 = self.mesh_groups.group(2)
         qkv = self.linear_qkv(hidden_states)                 # [s, b, 3h/d1], f1
         qkv = C.split_dim(qkv, -1, axis2)                    # [s, b, 3h/N]: own heads only
-        context = self.core(qkv, attention_mask, attention_bias)  # [s, b, h/N]
+        context = self.core(qkv, attention_mask, attention_bias, rotary_pos_emb)  # [s, b, h/N]
         context = C.gather_dim(context, -1, axis2)           # [s, b, h/d1]
         output = self.linear_proj(context)                   # [s, b, h/d2], f2
         return output, self.linear_proj.bias
 
-    def core(self, qkv, attention_mask=None, attention_bias=None):
-        """Local math between the head split and the head gather: own heads' ``[s, b, 3h/N]``
-        QKV -> context ``[s, b, h/N]`` (Megatron's core attention; no collective)."""
+    def core(self, qkv, attention_mask=None, attention_bias=None, rotary_pos_emb=None):
+        """Local math between the head split and the head gather: own groups' QKV rows
+        ``[s, b, (heads + 2 groups) hd / N]`` -> context ``[s, b, h/N]`` (QK-norm, rotary
+        embeddings, Megatron's core attention; no collective)."""
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
-        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
+        hd, per = self.head_dim, self.heads_per_group
+        qkv = qkv.view(s, b, -1, (per + 2) * hd)             # [s, b, own groups, q.. k v]
+        query, key, value = torch.split(qkv, [per * hd, hd, hd], dim=-1)
+        query = query.reshape(s, b, -1, hd)                   # [s, b, own heads, hd]
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                apply_rotary_pos_emb)
+
+            q_emb, k_emb = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                            else (rotary_pos_emb, rotary_pos_emb))
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
         return self.core_attention(query, key, value, attention_mask,
                                    attn_mask_type=self.attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=None)

@@ -87,13 +87,15 @@ class _MeshLinear(torch.nn.Module):
                  init_bias: torch.Tensor | None = None,
                  init_method: Callable[[torch.Tensor], object] | None = None,
                  chunks: int = 1, chunk_dim: int = 0, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, gated: bool = False):
         """``init_weight`` is the full ``[output_size, input_size]`` weight (same on every rank);
         without it a full weight is drawn with ``init_method`` (default N(0, 0.02)) from the
         current RNG state, which must then be equal on all TP ranks. ``chunks`` > 1 turns on the
         chunk-based overlap along ``chunk_dim`` (use 1 for Megatron's ``[s, b, h]``).
         ``skip_bias_add`` leaves the bias out of ``forward`` so Megatron's bias-dropout-add can
-        fuse it (the caller reads ``self.bias``)."""
+        fuse it (the caller reads ``self.bias``). ``gated``: the output rows are a gated unit's
+        ``[gate; up]`` (Megatron's layout of the full weight); each part along the ``out`` axis
+        keeps its own gate and up rows (``gated_rows_order``), checkpointed as Megatron's."""
         super().__init__()
         mesh = mesh_groups.mesh
         name = type(self).__name__
@@ -117,15 +119,19 @@ class _MeshLinear(torch.nn.Module):
         elif tuple(init_weight.shape) != (output_size, input_size):
             raise ConfigError(f"{name}: init_weight has shape {tuple(init_weight.shape)}, expected "
                               f"[out, in] = ({output_size}, {input_size}) (transpose an [in, out] weight)")
+        if gated and (self.out_axis != 1 or output_size % (2 * mesh.axis_size(1))):
+            raise ConfigError(f"{name}: a gated unit needs a column-first linear whose output "
+                              f"{output_size} splits into gate and up halves over axis 1")
         self.weight = self._param(init_weight, self.weight_layout, params_dtype, device,
-                                  partition_dim=self._weight_partition_dim)
+                                  partition_dim=self._weight_partition_dim, gated=gated)
         if bias:
             if init_bias is None:
                 init_bias = torch.zeros(output_size)
             elif tuple(init_bias.shape) != (output_size,):
                 raise ConfigError(f"{name}: init_bias has shape {tuple(init_bias.shape)}, "
                                   f"expected ({output_size},)")
-            self.bias = self._param(init_bias, self.bias_layout, params_dtype, device, partition_dim=0)
+            self.bias = self._param(init_bias, self.bias_layout, params_dtype, device, partition_dim=0,
+                                    gated=gated)
         else:
             self.register_parameter("bias", None)
         # Megatron's Column/RowParallelLinear carry an empty ``_extra_state`` (TE compatibility)
@@ -142,14 +148,17 @@ class _MeshLinear(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         """Ignored, as in Megatron's parallel linears."""
 
-    def _param(self, full, layout, dtype, device, partition_dim):
+    def _param(self, full, layout, dtype, device, partition_dim, gated: bool = False):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         mg = self.mesh_groups
+        if gated:  # [gate; up] -> each out-axis part holds its own gate and up rows
+            full = full[gated_rows_order(full.shape[0], mg.mesh.axis_size(layout[0]))]
         local = full.detach()[shard_index(full.shape, layout, mg.coord, mg.mesh)]
         param = torch.nn.Parameter(local.to(dtype=dtype, device=device).clone())
         set_tensor_model_parallel_attributes(param, True, partition_dim, 1)
         param.mesh_layout = layout  # per tensor dim: the mesh axis that splits it (None: whole)
+        param.gated_rows = gated
         return param
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -253,8 +262,43 @@ def mesh_sharded_state_dict(module: torch.nn.Module, mesh_groups: MeshGroups, pr
         layout = getattr(value, "mesh_layout", (None,) * value.dim())  # no layout: replicated
         split = [(dim + n_pre, mesh_groups.index(axis), mesh.axis_size(axis))
                  for dim, axis in enumerate(layout) if axis is not None]
+        replica_id = (0, mesh_replica_index(layout, mesh_groups), dp_rank)
+        if getattr(value, "gated_rows", False):
+            out[key] = _gated_rows_factory(key, value, sharded_offsets, split, replica_id)
+            continue
         out[key] = ShardedTensor.from_rank_offsets(
-            key, value, *sharded_offsets, *split,
-            replica_id=(0, mesh_replica_index(layout, mesh_groups), dp_rank),
-            prepend_axis_num=n_pre)
+            key, value, *sharded_offsets, *split, replica_id=replica_id, prepend_axis_num=n_pre)
     return out
+
+
+def gated_rows_order(rows: int, parts: int) -> torch.Tensor:
+    """Row order that puts a gated fc1's ``[gate; up]`` (``rows`` = 2f, Megatron's global
+    layout) in mesh order: part i of ``parts`` holds ``[gate_i; up_i]`` (its own gate and up
+    rows for the same features, so the activation needs no collective)."""
+    f, per = rows // 2, rows // 2 // parts
+    return torch.cat([torch.cat([torch.arange(i * per, (i + 1) * per),
+                                 torch.arange(f + i * per, f + (i + 1) * per)])
+                      for i in range(parts)])
+
+
+def _gated_rows_factory(key, value, sharded_offsets, split, replica_id):
+    """A gated fc1 tensor whose local rows are ``[gate_i; up_i]``: two shards of Megatron's
+    ``[gate; up]`` global tensor (as Megatron's ``apply_swiglu_sharded_factory``, also keeping the
+    split of the other dim), merged back by concatenation on load."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    n_pre = len(sharded_offsets)
+    (row_dim, i, parts), others = split[0], split[1:]
+    assert row_dim == n_pre, "a gated tensor is split on its rows"
+
+    def build(k, t, rid, flattened_range):
+        gate, up = torch.chunk(t, 2, dim=0)
+        return [ShardedTensor.from_rank_offsets(k, half, *sharded_offsets, (row_dim, i + j * parts, 2 * parts),
+                                                *others, replica_id=rid, prepend_axis_num=n_pre)
+                for j, half in enumerate((gate, up))]
+
+    def merge(halves):
+        with torch.no_grad():
+            return torch.cat(halves)
+
+    return ShardedTensorFactory(key, value, build, merge, replica_id)

@@ -383,7 +383,8 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
     steps += [
         BackwardAllGather("heads.split", "qkv", "qkv_own", -1, axis2),
         Local("core", ("qkv_own",), ("ctx_own",),
-              lambda t, m: {"ctx_own": attn.core(t["qkv_own"], m.attention_mask)}),
+              lambda t, m: {"ctx_own": attn.core(t["qkv_own"], m.attention_mask, None,
+                                                 m.rotary_pos_emb)}),
         ForwardAllGather("heads.gather", "ctx_own", "ctx", -1, axis2),
         bwd_reduce(proj, "ctx"), gemm(proj, "ctx", "proj_p"), fwd_reduce(proj, "proj_p", "proj_sum"),
         Local("attention_bda", ("proj_sum", x), ("h1",),
@@ -393,7 +394,7 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
 
     def act(t, m):
         h = t["fc1_sum"]
-        return {"act": mlp.activation_func(h + fc1.bias if fc1.bias is not None else h)}
+        return {"act": mlp.activate(h + fc1.bias if fc1.bias is not None else h)}
 
     steps += [
         bwd_reduce(fc1, "ln2"), gemm(fc1, "ln2", "fc1_p"), fwd_reduce(fc1, "fc1_p", "fc1_sum"),
