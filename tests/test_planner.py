@@ -396,3 +396,20 @@ def test_atp_event_keys_are_the_simulators():
     assert any("atp.leave" in k for k in ours) and any("compute:atp.qkv" in k for k in ours)
     assert ours <= set(sim), sorted(ours - set(sim))
     assert all(pricer.events[k].dims == sim[k].dims for k in ours)
+
+
+def test_cube_event_keys_are_the_simulators():
+    """The 3-D family's events carry the simulator's spelling (``cube``, no executor tag)."""
+    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,
+                  tp=8, sub_batches=1)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("3d",))
+    sim = unique_events(build_stage_events(
+        ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=8),
+        SimStrategy(tp=8, backend="3d", recompute=True), topo))
+    ours = {k for k in pricer.events if "cube" in k and "grad" not in k}
+    assert ours and ours <= set(sim), sorted(ours - set(sim))
+    assert all(pricer.events[k].dims == sim[k].dims for k in ours)

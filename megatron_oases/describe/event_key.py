@@ -17,3 +17,17 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
     executor = "oases" if chains > 1 else "stock"
     return (drop + ("_oases" if chains > 1 else ""),
             (("hd", float(hidden_dropout)), ("ad", float(attention_dropout)), ("exec", executor)))
+
+
+def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
+                mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
+                chains: int) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
+    """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
+    the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
+    dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data."""
+    mesh_tag = f"m{mesh[0]}x{mesh[1]}" if backend == "atp" else "cube" if backend == "3d" else ""
+    tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
+    d1, d2 = mesh if backend == "atp" and mesh else (t, 1)
+    dims = (("b", b), ("s", s), ("h", h), ("a", a), ("f", f), ("t", t), ("d1", d1), ("d2", d2),
+            ("v", v), ("dtype", dtype)) + tag_dims
+    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{tag}", dims

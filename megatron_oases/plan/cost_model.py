@@ -41,7 +41,7 @@ from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, build_gr
                     family_of, split_blocks)
 from .memory import state_bytes_per_param
 from .problem import PlanProblem
-from .pricing import DevicePricer, Pricer, shape_dims, shape_tag
+from .pricing import DevicePricer, Pricer, event_shape
 
 GRANULARITIES = ("block", "layer")
 
@@ -119,7 +119,7 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
         sub, scale = share // m.sub_batches, 1.0
     else:  # degree 1 (no collective): price the replica's whole share, split evenly in time
         sub, scale = share, 1.0 / m.sub_batches
-    shape, dims = shape_tag(m, sub, s.degree, s.mesh), shape_dims(m, sub, s.degree, s.mesh)
+    shape, dims = event_shape(m, sub, s)
     ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
     grad_ranks = tuple(j * s.degree + m.tp * i for i in range(dp) for j in range(m.tp // s.degree))
     out = {}
@@ -164,7 +164,7 @@ def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple
     rs = family_of(other).reshard(a, b, m)
     hi = max(a.degree, b.degree)
     samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
-    shape, dims = shape_tag(m, samples, hi, other.mesh), shape_dims(m, samples, hi, other.mesh)
+    shape, dims = event_shape(m, samples, dataclasses.replace(other, degree=hi))
     def total(first, first_ranks, more) -> float:
         steps = ((first, first_ranks),) + tuple(more) if first else tuple(more)
         return sum(pricer.collective_ms(op, shape=shape, ranks=ranks, dims=dims) for op, ranks in steps)

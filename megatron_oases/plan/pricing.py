@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-from megatron_oases.describe.event_key import layer_event_tag
+from megatron_oases.describe.event_key import layer_shape
 from megatron_oases.describe.ops import Collective, Compute
 from megatron_oases.pricing.device_model import (GPUS, DeviceModel, ProfileDB, SimError, gpu_spec,
                                                  resolve_gpu_name)
@@ -36,24 +36,14 @@ class Pricer(Protocol):
     def summary(self) -> dict: ...
 
 
-def _event_tag(m: PlanModel, mesh: tuple[int, int] | None):
-    return layer_event_tag(m.hidden_dropout, m.attention_dropout, m.sub_batches, "atp" if mesh else "megatron")
-
-
-def shape_tag(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> str:
-    """The simulator's event shape: samples per (sub-)batch, model sizes, TP degree, the ATP
-    mesh (if any), dtype, dropout and executor (``sim.events.layer_event_tag``)."""
-    tag = f"m{mesh[0]}x{mesh[1]}" if mesh else ""
-    return (f"b{samples}s{m.seq_length}h{m.hidden_size}a{m.num_attention_heads}f{m.ffn_hidden_size}"
-            f"t{degree}{tag}_{m.dtype}{_event_tag(m, mesh)[0]}")
-
-
-def shape_dims(m: PlanModel, samples: int, degree: int, mesh: tuple[int, int] | None = None) -> Dims:
-    """``dims`` of a layer event (as ``sim.events.build_stage_events`` gives them)."""
-    d1, d2 = mesh or (degree, 1)
-    return (("b", samples), ("s", m.seq_length), ("h", m.hidden_size), ("a", m.num_attention_heads),
-            ("f", m.ffn_hidden_size), ("t", degree), ("d1", d1), ("d2", d2), ("v", m.vocab_size),
-            ("dtype", m.dtype)) + _event_tag(m, mesh)[1]
+def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
+    """(shape, dims) of a block's events under ``strategy``, spelt as the simulator spells them
+    (``describe.event_key.layer_shape``): samples per (sub-)batch, model sizes, degree, mesh or
+    cube, dtype, dropout and executor."""
+    return layer_shape(b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                       f=m.ffn_hidden_size, t=strategy.degree, v=m.vocab_size, dtype=m.dtype,
+                       backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
+                       attention_dropout=m.attention_dropout, chains=m.sub_batches)
 
 
 def resolve_gpu(name: str) -> str:

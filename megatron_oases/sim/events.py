@@ -11,7 +11,7 @@ import dataclasses
 import functools
 
 from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
-from ..describe.event_key import layer_event_tag
+from ..describe.event_key import layer_shape
 from ..describe.ops import Collective, Compute
 from ..describe.registry import BACKENDS, axis_ranks, block_edges, layer_description, layer_param_tensors
 from ..pricing.device_model import SimError
@@ -251,17 +251,13 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                                  tp=t, bytes_per_element=e)
-    mesh = f"m{s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp" else "cube" if s.backend == "3d" else ""
-    tag, tag_dims = layer_event_tag(m.hidden_dropout, m.attention_dropout, chains, s.backend)
-    shape = f"b{b}s{m.seq}h{m.hidden}a{m.heads}f{m.ffn}t{t}{mesh}_{m.dtype}{tag}"
+    shape, dims = layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=t, v=m.vocab, dtype=m.dtype,
+                              backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
+                              attention_dropout=m.attention_dropout, chains=chains)
     # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
     hb = m.micro_batch
     head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
-    common = (("s", m.seq), ("h", m.hidden), ("a", m.heads), ("f", m.ffn), ("t", t),
-              ("d1", s.mesh[0] if s.mesh else t), ("d2", s.mesh[1] if s.mesh else 1), ("v", m.vocab),
-              ("dtype", m.dtype))
-    head_dims = (("b", hb),) + common
-    dims = (("b", b),) + common + tag_dims
+    head_dims = (("b", hb),) + dims[1:10]  # the layer's sizes, without dropout and executor
     act = b * m.seq * m.hidden * e
     head_act = hb * m.seq * m.hidden * e
     per_chunk = m.num_layers // (s.pp * vp)
