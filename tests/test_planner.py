@@ -413,3 +413,26 @@ def test_cube_event_keys_are_the_simulators():
     ours = {k for k in pricer.events if "cube" in k and "grad" not in k}
     assert ours and ours <= set(sim), sorted(ours - set(sim))
     assert all(pricer.events[k].dims == sim[k].dims for k in ours)
+
+
+def test_gqa_blocks_never_split_a_key_value_group():
+    """2 key/value groups on T = 8: attention blocks run at degree 1 or 2 only (MLP blocks are
+    free); the optimum is still brute force's, and a SwiGLU/GQA model costs what its description
+    says (its QKV is smaller, its MLP has a third matrix)."""
+    topo = load_topology("pcie-3090-2node")
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
+    m = PlanModel(**base, num_query_groups=2, swiglu=True, ffn_hidden_size=512, normalization="RMSNorm",
+                  add_bias_linear=False)
+    cm = build_cost_model(m, topology=topo, global_batch_size=16)
+    degrees = [s.degree for s in cm.strategies]
+    for v, blk in enumerate(cm.blocks):
+        allowed = [d for d, c in zip(degrees, cm.problem.node[v]) if np.isfinite(c)]
+        assert allowed == ([d for d in degrees if 2 % d == 0] if blk.kind == "attention" else degrees)
+    sol = solve(cm.problem, solver="dp")
+    assert sol.time_ms == pytest.approx(brute_force(cm.problem)[0])
+    assert all(cm.strategies[k].degree <= 2 for k, blk in zip(sol.assignment, cm.blocks) if blk.kind == "attention")
+    gpt = PlanModel(**base, ffn_hidden_size=512)
+    assert family_of(Strategy(degree=2)).params(Strategy(degree=2), m, "attention") < \
+        family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "attention")
+    assert family_of(Strategy(degree=2)).params(Strategy(degree=2), m, "mlp") > \
+        family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "mlp")

@@ -149,3 +149,19 @@ def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
                       "--num-attention-heads", "8", "--seq-length", "64", "--micro-batch-size", "4", "--tensor-model-parallel-size", "8",
                       "--global-batch-size", "16", "--families", "megatron,cube", "--out", str(out)]) == 2
     assert "--families: unknown family 'cube'" in capsys.readouterr().err
+
+
+def test_llama_model_flags(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--seq-length", "64", "--micro-batch-size", "8",
+            "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--swiglu",
+            "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--out", str(out), "--quiet"]
+    assert plan_main(argv) == 0, capsys.readouterr()
+    degrees = json.loads(out.read_text())["degrees"]
+    assert all(d <= 2 for d in degrees[0::2])  # attention blocks keep whole key/value groups
+    capsys.readouterr()
+    bad = [a for a in argv if a != "--group-query-attention"]
+    assert plan_main(bad) == 2
+    assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err

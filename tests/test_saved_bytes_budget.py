@@ -69,3 +69,21 @@ def test_oases_without_recompute_keeps_more_than_stock_as_priced():
               attention_dropout=False)
     extra = layer_saved_bytes(schedule="oases", **kw) - layer_saved_bytes(schedule="stock", **kw)
     assert extra == 2 * 4 * 16 * 32 * 4 + 16 * 16
+
+
+LLAMA_FLAGS = ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size",
+               "96", "--normalization", "RMSNorm", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("case", ["stock", "oases", "oases-fine-grained-recompute"])
+def test_saved_bytes_of_llama_layers(case):
+    """GQA (2 groups of 2 heads), SwiGLU (f 96), RMSNorm, no bias: the description's variant."""
+    from megatron_oases.describe.ops import LayerVariant
+
+    flags, schedule, recompute, fine = CASES[case]
+    got = _measured_per_layer(tp=2, b=4, s=16, h=32, a=4, dropout=0.1, bf16=False,
+                              extra=flags + LLAMA_FLAGS)
+    variant = LayerVariant(query_groups=2, gated=True, normalization="RMSNorm", bias=False)
+    want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine, b=4, s=16,
+                             h=32, a=4, f=96, t=2, e=4, kernels=CPU_KERNELS, variant=variant)
+    assert got == want

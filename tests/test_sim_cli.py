@@ -92,7 +92,22 @@ def test_predict_refuses_llama_layers_it_cannot_price():
     from megatron_oases.sim.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
-    args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--group-query-attention",
-                                      "--num-query-groups", "2", "--device", "cpu"])
-    with pytest.raises(SimError, match="--swiglu, --group-query-attention: Llama-family layers"):
+    args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--qk-layernorm",
+                                      "--device", "cpu"])
+    with pytest.raises(SimError, match="--qk-layernorm: not in the layer description yet"):
         sim_inputs_from_train_args(args)
+
+
+def test_sim_prices_llama_variants_from_flags(capsys):
+    """GQA shrinks QKV (fewer FLOPs), SwiGLU adds a third MLP matrix (more)."""
+    base = ["--topology", "dgx-a100", *MODEL, "--tp", "8", "--num-attention-heads", "32",
+            "--hidden-size", "4096", "--ffn-hidden-size", "11008"]
+    times = {}
+    for name, extra in (("gpt", []), ("gqa", ["--group-query-attention", "--num-query-groups", "8"]),
+                        ("swiglu", ["--swiglu"])):
+        assert sim_main(base + extra) == 0
+        out = capsys.readouterr().out
+        times[name] = float(out.split("iteration ")[1].split(" ms")[0])
+    assert times["gqa"] < times["gpt"] < times["swiglu"]
+    assert sim_main(base + ["--num-query-groups", "8"]) == 2
+    assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err

@@ -252,3 +252,27 @@ def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_pat
     assert m.overlapped == {"x": 2.0} and m.meta["profiles_combined"] == 3
     with pytest.raises(SimError, match="different devices"):
         ProfileDB.median_of([a, ProfileDB(device="cuda", events_ms={})])
+
+
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"]], ids=["stock", "oases"])
+def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
+    """GQA, SwiGLU, RMSNorm, no bias: the events carry the variant in their keys and dims, the
+    profiler builds that Megatron layer, and the prediction prices it."""
+    from megatron_oases.sim.predict import predict_train_step, profile_train_args, sim_inputs_from_train_args
+    from megatron_oases.sim.profiler import ProfileSettings
+    from megatron_oases.train_args import build_parser
+
+    argv = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--num-layers", "2",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "64", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--device", "cpu", *schedule]
+    args = build_parser().parse_args(argv)
+    model, _ = sim_inputs_from_train_args(args)
+    assert model.variant.query_groups == 2 and model.variant.gated and not model.variant.bias
+    db = profile_train_args(args, settings=ProfileSettings(nproc=2, warmup=0, reps=1, threads=1))
+    assert any("_g2_swiglu_rms_nobias" in k for k in db.events_ms)
+    assert predict_train_step(args, db).iteration_ms > 0
+    rope = build_parser().parse_args(argv + ["--position-embedding-type", "rope"])
+    with pytest.raises(SimError, match="rope: not in the layer description"):
+        sim_inputs_from_train_args(rope)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Union
 
+from .ops import GPT2, LayerVariant
+
 
 def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
                     ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
@@ -21,7 +23,8 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
 
 def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
                 mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
-                chains: int) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
+                chains: int, variant: LayerVariant = GPT2
+                ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
     the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
     dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data."""
@@ -30,4 +33,7 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
     d1, d2 = mesh if backend == "atp" and mesh else (t, 1)
     dims = (("b", b), ("s", s), ("h", h), ("a", a), ("f", f), ("t", t), ("d1", d1), ("d2", d2),
             ("v", v), ("dtype", dtype)) + tag_dims
-    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{tag}", dims
+    if not variant.is_default:  # GPT-2's layer keeps its keys and dims
+        dims += (("groups", variant.query_groups or a), ("gated", int(variant.gated)),
+                 ("norm", variant.normalization), ("bias", int(variant.bias)))
+    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}", dims

@@ -79,3 +79,42 @@ def backward_of(c: Compute) -> Compute:
     """A segment's backward: dgrad + wgrad GEMMs (2x), and twice the element-wise traffic."""
     return Compute(name=f"{c.name}.bwd", gemm_flops=2 * c.gemm_flops,
                    attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerVariant:
+    """Which GPT layer: GPT-2's by default; Llama-family options change its shapes.
+
+    ``query_groups``: key/value groups (None: one per head, no GQA); ``gated``: SwiGLU MLP (fc1
+    computes gate and up, 2 x ffn rows); ``normalization``: LayerNorm or RMSNorm. Rotary
+    embeddings and QK-norm are not described yet (their FLOPs are small; the simulator refuses
+    them rather than price them as absent)."""
+
+    query_groups: int | None = None
+    gated: bool = False
+    normalization: str = "LayerNorm"
+    bias: bool = True
+    """Linears with bias (``--disable-bias-linear`` turns them off)."""
+
+    @property
+    def is_default(self) -> bool:
+        return self == GPT2
+
+    def qkv_rows(self, hidden: int, heads: int) -> int:
+        """Output features of QKV: queries of every head plus a key and a value per group."""
+        groups = self.query_groups or heads
+        return hidden // heads * (heads + 2 * groups)
+
+    def fc1_rows(self, ffn: int) -> int:
+        """Output features of fc1 (gate and up under SwiGLU)."""
+        return 2 * ffn if self.gated else ffn
+
+    def key(self) -> str:
+        """Suffix of the event keys (empty for GPT-2's layer, so its profiles keep their keys)."""
+        return ((f"_g{self.query_groups}" if self.query_groups else "")
+                + ("_swiglu" if self.gated else "")
+                + ("_rms" if self.normalization == "RMSNorm" else "")
+                + ("" if self.bias else "_nobias"))
+
+
+GPT2 = LayerVariant()

@@ -4,17 +4,19 @@ from __future__ import annotations
 from .atp_2d import atp_2d_gpt_layer
 from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
 from .megatron_1d import megatron_1d_gpt_layer
-from .ops import Collective, LayerDescription, ModelingError
+from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
 from .saved import layer_saved_bytes
 
 BACKENDS = ("megatron", "atp", "3d")
 
 
 def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
-                      hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int) -> LayerDescription:
+                      hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
+                      variant: LayerVariant = GPT2) -> LayerDescription:
     if backend == "megatron":
         return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                     tp=tp, bytes_per_element=bytes_per_element)
+                                     tp=tp, bytes_per_element=bytes_per_element, variant=variant)
+    gpt2_only(backend, variant)
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
@@ -61,15 +63,32 @@ def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | Non
     raise ModelingError(f"unknown collective axis {axis!r}")
 
 
-def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> int:
+def gpt2_only(backend: str, variant: LayerVariant) -> None:
+    """The ATP and 3-D descriptions know GPT-2's layer only (yet)."""
+    if not variant.is_default:
+        raise ModelingError(f"the {backend} description has no Llama-family layers yet "
+                            f"(GQA, SwiGLU, RMSNorm, no bias); describe them with --tp-backend megatron")
+
+
+def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *, heads: int = 1,
+                 variant: LayerVariant = GPT2) -> int:
     """Weights + biases + norms of one layer on one TP rank."""
-    return sum(layer_param_tensors(backend, h, f, t, mesh))
+    return sum(layer_param_tensors(backend, h, f, t, mesh, heads=heads, variant=variant))
 
 
-def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None) -> tuple[int, ...]:
+def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *,
+                        heads: int = 1, variant: LayerVariant = GPT2) -> tuple[int, ...]:
     """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
-    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias. The optimizer and the
-    gradient norm run tensor by tensor, so their cost depends on these sizes, not only on the sum."""
+    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor). The
+    optimizer and the gradient norm run tensor by tensor, so their cost depends on these sizes,
+    not only on the sum. ``heads`` matters only with the variant's GQA."""
+    if backend == "megatron" and not variant.is_default:
+        qkv, fc1 = variant.qkv_rows(h, heads), variant.fc1_rows(f)
+        b = 1 if variant.bias else 0
+        nb = 1 if variant.normalization == "LayerNorm" else 0
+        return (qkv * h // t, b * qkv // t, h * h // t, b * h, h * fc1 // t, b * fc1 // t, h * f // t, b * h,
+                h, nb * h, h, nb * h)
+    gpt2_only(backend, variant)
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh
         return (3 * h * h // t, 3 * h // d1, h * h // t, h // d2, h * f // t, f // d1, h * f // t, h // d2,
@@ -83,7 +102,7 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                            mesh: tuple[int, int] | None, hidden_dropout: bool = True,
-                           attention_dropout: bool = True) -> float:
+                           attention_dropout: bool = True, variant: LayerVariant = GPT2) -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention,
     stock schedule; CUDA kernels).
 
@@ -97,7 +116,8 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     tok = b * s
     if backend == "megatron" or mesh is None and backend == "atp":
         return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
-                                 attention_dropout=attention_dropout)
+                                 attention_dropout=attention_dropout, variant=variant)
+    gpt2_only(backend, variant)
     if backend == "3d":
         return (tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f)) + a * s * s * b * (2 * e + 1)) / t
     if backend == "atp" and mesh is not None:

@@ -3,7 +3,7 @@ mode: the inventory of tensors Megatron-Core's local layer (the spec every megat
 uses: torch norms, unfused softmax, no flash attention) saves, counted by storage.
 
 Per token, a layer keeps: each norm's input (e h) and statistics (LayerNorm mean and rstd,
-RMSNorm rstd), the QKV and fc1 inputs (e h each), Q, K, V and the proj input (4 e h / t), the
+RMSNorm rstd; on CPU RMSNorm also its normalised input), the QKV and fc1 inputs (e h each), Q, K, V and the proj input (4 e h / t), the
 GeLU and fc2 inputs (2 e f / t); per sample the softmax output (e a s^2 / t) and a causal mask
 built per call (s^2 bools, per micro-batch). Dropout, where on, adds its mask: a hidden one per
 block (h per token) and the attention one (a s^2 / t per sample), plus the dropped-out
@@ -21,11 +21,17 @@ The Oases schedule without recompute keeps stock's inventory plus the two hidden
 forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask per
 further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
 all-reduce outputs) plus, per dropout site, the generator state for the redraw.
-``tests/test_saved_bytes_budget.py`` checks every number here against saved-tensor hooks.
+Grouped-query attention keeps the same 3 h / t of Q, K, V (the query copy and the keys and
+values repeated to their heads replace QKV's smaller output); SwiGLU keeps 5 f / t instead of
+GeLU's 2 f / t; linears without bias keep the same. Rotary embeddings and QK-norm are not
+described yet. ``tests/test_saved_bytes_budget.py`` checks every number here against saved-tensor
+hooks.
 """
 from __future__ import annotations
 
 import dataclasses
+
+from .ops import GPT2, LayerVariant
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,10 +43,13 @@ class Kernels:
     norm_stat: int | None
     rng_state: int
     """One generator state (the Oases recompute redraws each dropout mask from it)."""
+    rms_norm_keeps_normalized: bool = False
+    """torch's RMSNorm on CPU is composite and also keeps the normalised input (e h a token);
+    CUDA's fused kernel keeps the input and the statistic only (assumed: not measured here)."""
 
 
 CUDA_KERNELS = Kernels(dropout_mask=1, norm_stat=4, rng_state=16)
-CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056)
+CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056, rms_norm_keeps_normalized=True)
 
 _NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
 BLOCKS = ("attention", "mlp")
@@ -49,8 +58,8 @@ SCHEDULES = ("stock", "oases")
 
 def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                       hidden_dropout: bool = True, attention_dropout: bool = True,
-                      normalization: str = "LayerNorm", softmax_in_fp32: bool = True,
-                      kernels: Kernels = CUDA_KERNELS) -> float:
+                      softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
+                      variant: LayerVariant = GPT2) -> float:
     """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
     ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
     backward without recompute (stock schedule)."""
@@ -59,10 +68,14 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     tok = b * s
     stat = e if kernels.norm_stat is None else kernels.norm_stat
     mask = e if kernels.dropout_mask is None else kernels.dropout_mask
-    norm = tok * (e * h + _NORM_STATS[normalization] * stat)
+    norm = tok * (e * h + _NORM_STATS[variant.normalization] * stat)
+    if variant.normalization == "RMSNorm" and kernels.rms_norm_keeps_normalized:
+        norm += tok * e * h
     hidden_mask = tok * h * mask if hidden_dropout else 0
     if block == "mlp":
-        return norm + tok * e * h + tok * e * 2 * f / t + hidden_mask
+        # GeLU keeps its input and output; SwiGLU fc1's [gate; up] (2f), silu(gate) and the
+        # product: 5 f per token (measured)
+        return norm + tok * e * h + tok * e * (5 if variant.gated else 2) * f / t + hidden_mask
     probs = b * a * s * s / t
     # Softmax keeps its output (fp32 by Megatron's default attention_softmax_in_fp32); the
     # attention-over-V GEMM keeps its input in e bytes: the dropped-out probabilities, or the
@@ -76,8 +89,8 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
 def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       fine_grained: bool = True, sub_batches: int = 2, b: int, s: int, h: int,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
-                      attention_dropout: bool = True, normalization: str = "LayerNorm",
-                      kernels: Kernels = CUDA_KERNELS) -> float:
+                      attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
+                      variant: LayerVariant = GPT2) -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
@@ -95,7 +108,7 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
     k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
-              attention_dropout=attention_dropout, normalization=normalization, kernels=k)
+              attention_dropout=attention_dropout, kernels=k, variant=variant)
     kept = sum(block_saved_bytes(blk, **kw) for blk in BLOCKS)
     return kept + (oases_kept_beyond_stock(hidden, s=s, sub_batches=sub_batches) if oases else 0)
 

@@ -37,7 +37,7 @@ from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.topology import Topology
 
-from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, build_graph, candidate_strategies,
+from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, attention_fits, build_graph, candidate_strategies,
                     family_of, split_blocks)
 from .memory import state_bytes_per_param
 from .problem import PlanProblem
@@ -136,7 +136,8 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
         for c in cs:
             if c.name in STOCK_ASYNC_DGRAD:
                 w = column_wgrad(STOCK_ASYNC_DGRAD[c.name], b=sub, s=m.seq_length, h=m.hidden_size,
-                                 heads=m.num_attention_heads, f=m.ffn_hidden_size, t=s.degree, e=m.bytes_per_element)
+                                 heads=m.num_attention_heads, f=m.ffn_hidden_size, t=s.degree, e=m.bytes_per_element,
+                                 variant=m.variant)
                 out += min(comm([c]), scale * pricer.compute_ms(w, shape=shape, dims=dims))
         return out
 
@@ -224,6 +225,8 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
             f, g = C[kd] + M[kd], Cb[kd] + Mb[kd]
         edge_terms = (embed_b if v == 0 else 0) + (head_f if v == N - 1 else 0)
         node[v] = n_micro * (f + g + edge_terms) + (arr(kd, "grad_sync_ms") if grad_sync else 0)
+        if kd == "attention":  # GQA: a degree that splits a key/value group is not allowed
+            node[v] = np.where([attention_fits(s, m) for s in strategies], node[v], np.inf)
     edge = np.zeros((max(N - 1, 0), K, K))
     for v in range(N - 1):
         u_k, v_k = kinds[v], kinds[v + 1]

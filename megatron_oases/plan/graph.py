@@ -101,7 +101,7 @@ class Family:
 def _megatron_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
     return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                                  heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
-                                 bytes_per_element=m.bytes_per_element)
+                                 bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
 def _megatron_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
@@ -128,11 +128,14 @@ def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
 
 
 def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
-    """Weights + biases + LayerNorm of one block on one rank (Megatron's layer, split in two)."""
-    h, f, d = m.hidden_size, m.ffn_hidden_size, s.degree
+    """Weights + biases + norm of one block on one rank (``describe.registry.layer_param_tensors``
+    of Megatron's layer, split in two)."""
+    tensors = layer_param_tensors("megatron", m.hidden_size, m.ffn_hidden_size, s.degree, None,
+                                  heads=m.num_attention_heads, variant=m.variant)
+    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b = tensors
     if kind == "attention":
-        return 4 * h * h // d + 3 * h // d + h + 2 * h
-    return 2 * h * f // d + f // d + h + 2 * h
+        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b
+    return fc1_w + fc1_b + fc2_w + fc2_b + ln2_w + ln2_b
 
 
 def _megatron_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
@@ -331,6 +334,8 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 def feasible(s: Strategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can)."""
     d = s.degree
+    if s.family != "megatron" and not m.variant.is_default:
+        return f"the {s.family} description has no Llama-family layers yet"
     if s.family == "3d":
         try:
             p = cube_side(d)
@@ -368,6 +373,12 @@ def feasible(s: Strategy, m: PlanModel) -> str:
 
 
 FAMILY_NAMES = ("megatron", "atp", "3d")
+
+
+def attention_fits(s: Strategy, m: PlanModel) -> bool:
+    """Whether ``s`` can run an attention block: Megatron's attention gives each rank whole
+    key/value groups, so a block's degree must divide them (GQA)."""
+    return s.family != "megatron" or (m.num_query_groups or m.num_attention_heads) % s.degree == 0
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,

@@ -22,7 +22,7 @@ def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -
     return block_saved_bytes(kind, b=samples, s=m.seq_length, h=m.hidden_size,
                              a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
                              e=m.bytes_per_element, hidden_dropout=m.hidden_dropout > 0,
-                             attention_dropout=m.attention_dropout > 0)
+                             attention_dropout=m.attention_dropout > 0, variant=m.variant)
 
 
 def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[float, float]:

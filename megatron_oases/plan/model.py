@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -48,6 +49,15 @@ class PlanModel:
     the layer events' profile keys."""
     attention_dropout: float = 0.0
     """--attention-dropout (default 0, as ``megatron-oases train``)."""
+    num_query_groups: int = 0
+    """--group-query-attention --num-query-groups G (0: one per head). A block's degree must
+    divide G: each rank holds whole key/value groups."""
+    swiglu: bool = False
+    """--swiglu: gated MLP (fc1 computes gate and up)."""
+    normalization: str = "LayerNorm"
+    """--normalization LayerNorm | RMSNorm"""
+    add_bias_linear: bool = True
+    """False with --disable-bias-linear."""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -66,10 +76,21 @@ class PlanModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
                 raise PlanError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v!r})")
+        if self.num_query_groups < 0 or (self.num_query_groups and self.num_attention_heads % self.num_query_groups):
+            raise PlanError(f"--num-query-groups {self.num_query_groups} must divide --num-attention-heads "
+                            f"{self.num_attention_heads}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise PlanError(f"--normalization must be LayerNorm or RMSNorm (got {self.normalization!r})")
         if self.sub_batches not in (1, 2):
             raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
                      num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size)
+
+    @property
+    def variant(self) -> LayerVariant:
+        """The layer variant the descriptions price (GPT-2's, or Llama-family options)."""
+        return LayerVariant(query_groups=self.num_query_groups or None, gated=self.swiglu,
+                            normalization=self.normalization, bias=self.add_bias_linear)
 
     @property
     def bytes_per_element(self) -> int:

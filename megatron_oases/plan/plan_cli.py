@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
                    help="TP group size T; block degrees are powers of two dividing it")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
+    p.add_argument("--group-query-attention", action="store_true", default=None)
+    p.add_argument("--num-query-groups", type=int, default=None,
+                   help="with --group-query-attention (default 1): a block's degree must divide it")
+    p.add_argument("--swiglu", action="store_true", default=None)
+    p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
+    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
     p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
@@ -100,12 +106,21 @@ def _load_config(path: str | None) -> dict[str, Any]:
         raise PlanError(f"--model {path}: cannot be parsed ({str(e).splitlines()[0]})") from None
 
 
+def _query_groups(a: argparse.Namespace) -> int | None:
+    """``--num-query-groups`` under ``--group-query-attention`` (Megatron-LM's default 1)."""
+    if a.num_query_groups is not None and not a.group_query_attention:
+        raise PlanError("--num-query-groups needs --group-query-attention")
+    return (a.num_query_groups or 1) if a.group_query_attention else None
+
+
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     over = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "seq_length": a.seq_length, "ffn_hidden_size": a.ffn_hidden_size, "vocab_size": a.vocab_size,
             "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
             "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
-            "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout}
+            "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
+            "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
+            "num_query_groups": _query_groups(a)}
     return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
 
 

@@ -16,6 +16,7 @@ import sys
 
 from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
+from ..describe.ops import LayerVariant
 from ..describe.registry import BACKENDS
 from .events import ModelConfig, Strategy
 from .profiler import resolve_topology
@@ -45,6 +46,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention (default 1)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (--ffn-hidden-size is the gate's size)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
 
@@ -101,7 +107,19 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
                        seq=a.seq_length, vocab=-(-a.vocab_size // multiple) * multiple, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
                        bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
                        tied_embeddings=not a.untie_embeddings_and_output_weights,
-                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
+                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+                       variant=_variant(a))
+
+
+def _variant(a: argparse.Namespace) -> LayerVariant:
+    """The layer variant of the model flags (Megatron-LM's names)."""
+    if a.num_query_groups is not None and not a.group_query_attention:
+        raise SimError("--num-query-groups needs --group-query-attention")
+    groups = (a.num_query_groups or 1) if a.group_query_attention else None
+    if groups is not None and (groups < 1 or (a.num_attention_heads or 0) % groups):
+        raise SimError(f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
+    return LayerVariant(query_groups=groups, gated=a.swiglu, normalization=a.normalization,
+                        bias=a.add_bias_linear)
 
 
 def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strategy:

@@ -12,7 +12,7 @@ import functools
 
 from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
 from ..describe.event_key import layer_shape
-from ..describe.ops import Collective, Compute
+from ..describe.ops import GPT2, Collective, Compute, LayerVariant
 from ..describe.registry import BACKENDS, axis_ranks, block_edges, layer_description, layer_param_tensors
 from ..pricing.device_model import SimError
 from ..pricing.event import Event, group_tag
@@ -47,6 +47,8 @@ class ModelConfig:
     """``--hidden-dropout`` / ``--attention-dropout`` (0 by default, as ``megatron-oases train``;
     Megatron-LM's pretrain_gpt.py uses 0.1): part of the layer events' keys, since the profiler
     runs them with the dropout."""
+    variant: LayerVariant = GPT2
+    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -247,13 +249,13 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     chains = 2 if s.overlap == "oases" else 1
     b, e, t, vp = m.micro_batch // chains, m.bytes_per_element, s.tp, s.virtual_stages
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
-                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e)
+                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e, variant=m.variant)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                                  tp=t, bytes_per_element=e)
     shape, dims = layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=t, v=m.vocab, dtype=m.dtype,
                               backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
-                              attention_dropout=m.attention_dropout, chains=chains)
+                              attention_dropout=m.attention_dropout, chains=chains, variant=m.variant)
     # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
     hb = m.micro_batch
     head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
@@ -272,7 +274,7 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
             coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks, s.mesh), dims)
             if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
                 wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq, h=m.hidden, heads=m.heads,
-                                     f=m.ffn, t=t, e=e)
+                                     f=m.ffn, t=t, e=e, variant=m.variant)
                 coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
             return coll
 
@@ -351,7 +353,8 @@ def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> t
     the word and position embeddings on the first stage, the final norm and the output layer on
     the last)."""
     m, s = model, strategy
-    out = layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh) * (m.num_layers // s.pp)
+    out = layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh, heads=m.heads,
+                              variant=m.variant) * (m.num_layers // s.pp)
     emb = m.vocab * m.hidden // s.tp
     if stage == 0:
         out += (emb, m.seq * m.hidden)  # word + learned position embeddings

@@ -71,16 +71,21 @@ def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
         raise SimError("layer workloads need torch.distributed initialised (wrap them in single_rank_world())")
     init_runtime(device.type)
     h, a, f, t = (int(d[k]) for k in ("h", "a", "f", "t"))
+    variant = variant_of(d)
     model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     config = TransformerConfig(
         num_layers=1, hidden_size=h, num_attention_heads=a // t, kv_channels=h // a, ffn_hidden_size=f // t,
+        num_query_groups=variant.query_groups // t if variant.query_groups else None,
+        gated_linear_unit=variant.gated, add_bias_linear=variant.bias,
+        activation_func=torch.nn.functional.silu if variant.gated else torch.nn.functional.gelu,
+        normalization=variant.normalization,
         hidden_dropout=float(d.get("hd", 0.0)), attention_dropout=float(d.get("ad", 0.0)),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
-    layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1,
+    layer = build_module(get_gpt_layer_local_spec(normalization=variant.normalization), config=config, layer_number=1,
                          pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
     return layer.to(device=device, dtype=dtype).train()
 
@@ -104,11 +109,23 @@ def _with_memory_buffer(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def variant_of(d: dict):
+    """The layer variant an event's dims name (``describe.event_key.layer_shape`` adds them)."""
+    from ..describe.ops import GPT2, LayerVariant
+
+    if "groups" not in d:
+        return GPT2
+    groups = int(d["groups"])
+    return LayerVariant(query_groups=groups if groups != int(d["a"]) else None, gated=bool(int(d["gated"])),
+                        normalization=str(d["norm"]), bias=bool(int(d["bias"])))
+
+
 def _wgrad(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
     """Megatron's weight gradient of the QKV / fc1 linear (``LinearWithGradAccumulationAndAsync
     Communication.backward`` without gradient-accumulation fusion)."""
     b, s, h, a, f, t = (int(d[k]) for k in ("b", "s", "h", "a", "f", "t"))
-    out = 3 * (a // t) * (h // a) if name == "attention.wgrad" else f // t
+    variant = variant_of(d)
+    out = (variant.qkv_rows(h, a) if name == "attention.wgrad" else variant.fc1_rows(f)) // t
     g = torch.Generator(device="cpu").manual_seed(0)
     grad_output = torch.randn(s * b, out, generator=g).to(device=device, dtype=dtype)
     total_input = torch.randn(s * b, h, generator=g).to(device=device, dtype=dtype)

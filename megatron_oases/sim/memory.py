@@ -54,7 +54,7 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     m, s = model, strategy
     kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, e=m.bytes_per_element, mesh=s.mesh)
     full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
-                                  attention_dropout=m.attention_dropout > 0, **kw)
+                                  attention_dropout=m.attention_dropout > 0, variant=m.variant, **kw)
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..describe.ops import LayerVariant
 from ..topology import Topology
 from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
 from .events import ModelConfig, Strategy, build_stage_events, unique_events
@@ -41,12 +42,15 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                        "price the plan with `megatron-oases plan` (its cost model) instead")
     if getattr(args, "sequence_parallel", False):
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
-    from ..train_args import llama_features
+    from ..train_args import query_groups
 
-    llama = llama_features(args) + ([] if args.add_bias_linear else ["--disable-bias-linear"])
-    if llama:
-        raise SimError(f"{', '.join(llama)}: Llama-family layers are not in the layer description "
-                       f"yet, so the simulator cannot price them")
+    undescribed = [flag for flag, on in (("--position-embedding-type rope", args.position_embedding_type == "rope"),
+                                         ("--qk-layernorm", args.qk_layernorm)) if on]
+    if undescribed:
+        raise SimError(f"{', '.join(undescribed)}: not in the layer description yet, so the simulator "
+                       f"cannot price it (GQA, SwiGLU, RMSNorm and --disable-bias-linear it can)")
+    variant = LayerVariant(query_groups=query_groups(args) if args.group_query_attention else None,
+                           gated=args.swiglu, normalization=args.normalization, bias=args.add_bias_linear)
     if args.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = getattr(args, "tp_backend", "megatron")
@@ -57,7 +61,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         seq=args.seq_length, vocab=padded_vocab_size(args), micro_batch=args.micro_batch_size,
                         ffn=args.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
                         tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
+                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                        variant=variant)
     full = args.recompute_granularity == "full"
     block = full and args.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
