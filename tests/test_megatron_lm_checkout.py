@@ -563,3 +563,40 @@ def test_pretrain_3d_eight_ranks_cpu():
                            "--num-attention-heads", "8", "--micro-batch-size", "4",
                            "--global-batch-size", "4"], 2, timeout_s=540)
     assert len(losses) == 2
+
+
+def _doc_block(path: str, heading: str) -> str:
+    """The first ```bash block after ``heading`` in a Markdown file."""
+    text = open(path, encoding="utf-8").read()
+    after = text[text.index(heading):]
+    start = after.index("```bash\n") + len("```bash\n")
+    return after[start:after.index("```", start)]
+
+
+@needs_cpu
+def test_docs_cpu_commands_run_as_written(tmp_path):
+    """docs/megatron_lm.md's CPU commands, copied as a user would (only MEGATRON_LM_PATH is
+    this machine's): every torchrun trains, and the resume logs iterations after 5."""
+    import signal
+
+    block = _doc_block(os.path.join(ROOT, "docs", "megatron_lm.md"), "## On a CPU machine (gloo)")
+    assert block.startswith("export MEGATRON_LM_PATH=") and block.count("torchrun") == 4
+    script = "set -euo pipefail\n" + block.replace(block.splitlines()[0], "", 1)
+    bin_dir = os.path.dirname(sys.executable)  # torchrun of this environment first on PATH
+    env = {**os.environ, "MEGATRON_LM_PATH": CHECKOUT, "OMP_NUM_THREADS": "1",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the documented commands passed 540 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert "successfully saved checkpoint from iteration       5" in out
+    assert "successfully loaded checkpoint" in out
+    assert max(_losses(out)) == 10
