@@ -226,9 +226,9 @@ def _check_model_features(args: argparse.Namespace) -> None:
     if args.rotary_base < 1:
         raise ConfigError(f"--rotary-base must be >= 1 (got {args.rotary_base})")
     if args.position_embedding_type != "rope":
-        for flag, name, default in (("--rotary-base", "rotary_base", 10000),
-                                    ("--rotary-percent", "rotary_percent", 1.0)):
-            if getattr(args, name) != default:
+        for flag, value, default in (("--rotary-base", args.rotary_base, 10000),
+                                     ("--rotary-percent", args.rotary_percent, 1.0)):
+            if value != default:
                 raise ConfigError(f"{flag} applies to --position-embedding-type rope only (got "
                                   f"{args.position_embedding_type}); drop it or use rope")
 
@@ -357,7 +357,7 @@ def check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> No
     if args.tp_backend != "megatron":
         return
     groups = query_groups(args)
-    plan = getattr(args, "oases_layer_degrees", None)
+    plan = args.oases_layer_degrees  # set by validate_plan_args
     for degree in sorted({a for a, _ in plan}) if plan else [dims.tp]:
         if groups % degree:
             where = (f"attention degree {degree} of --oases-plan" if plan

@@ -98,9 +98,10 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
     missing = [f"--{n}" for n in MODEL_FLAGS if getattr(a, n.replace("-", "_")) is None]
     if missing:
         raise SimError(f"the model needs {', '.join(missing)}")
-    for flag in ("vocab_size", "make_vocab_size_divisible_by"):
-        if getattr(a, flag) < 1:
-            raise SimError(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(a, flag)})")
+    for flag, value in (("--vocab-size", a.vocab_size),
+                        ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)):
+        if value < 1:
+            raise SimError(f"{flag} must be at least 1 (got {value})")
     dtype = "fp32" if a.fp32 else a.dtype
     multiple = a.make_vocab_size_divisible_by * tp
     return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
