@@ -3,19 +3,20 @@ mode: the inventory of tensors Megatron-Core's local layer (the spec every megat
 uses: torch norms, unfused softmax, no flash attention) saves, counted by storage.
 
 Per token, a layer keeps: each norm's input (e h) and statistics (LayerNorm mean and rstd,
-RMSNorm rstd; on CPU RMSNorm also its normalised input), the QKV and fc1 inputs (e h each), Q, K, V and the proj input (4 e h / t), the
-GeLU and fc2 inputs (2 e f / t); per sample the softmax output (e a s^2 / t) and a causal mask
-built per call (s^2 bools, per micro-batch). Dropout, where on, adds its mask: a hidden one per
-block (h per token) and the attention one (a s^2 / t per sample), plus the dropped-out
-probabilities the attention-over-V GEMM then saves instead of the softmax output (e a s^2 / t).
-Megatron runs the softmax in fp32 by default (``attention_softmax_in_fp32``): with 2-byte
-elements its output is 4 bytes, and the GEMM keeps a 2-byte copy.
-With e = 2, CUDA kernels and f = 4h this is Korthikanti et al. 2022's sbh(10 + 24/t) + 5as^2b/t
-plus the small terms they leave out (norm statistics, the causal mask).
+RMSNorm rstd; on CPU RMSNorm also its normalised input), the QKV and fc1 inputs (e h each), Q,
+K, V and the proj input (4 e h / t), the GeLU and fc2 inputs (2 e f / t); per sample the softmax
+output (e a s^2 / t) and a causal mask built per call (s^2 bools, per micro-batch). Dropout,
+where on, adds its mask: a hidden one per block (h per token) and the attention one (a s^2 / t
+per sample), plus the dropped-out probabilities the attention-over-V GEMM then saves instead of
+the softmax output (e a s^2 / t). Megatron runs the softmax in fp32 by default
+(``attention_softmax_in_fp32``): with 2-byte elements its output is 4 bytes, and the GEMM keeps
+a 2-byte copy. With e = 2, CUDA kernels, dropout on and f = 4h this is Korthikanti et al.
+2022's sbh(10 + 24/t) + 5as^2b/t plus what they leave out (norm statistics, the causal mask, the
+fp32 softmax output).
 
-Three sizes depend on the device's kernels (``Kernels``): CUDA's fused dropout keeps a 1-byte
-mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise and CPU norms their
-statistics in the input's dtype. The Oases schedule draws its own ``bool`` masks on every device.
+What depends on the device's kernels is in ``Kernels``: CUDA's fused dropout keeps a 1-byte
+mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise, CPU norms their
+statistics in the input's dtype, and CPU RMSNorm also its normalised input. The Oases schedule draws its own ``bool`` masks on every device.
 
 The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
 forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask per

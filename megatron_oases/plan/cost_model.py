@@ -37,8 +37,8 @@ from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.topology import Topology
 
-from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, attention_fits, build_graph, candidate_strategies,
-                    family_of, split_blocks)
+from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, attention_fits, build_graph,
+                    candidate_strategies, family_of, split_blocks)
 from .memory import state_bytes_per_param
 from .problem import PlanProblem
 from .pricing import DevicePricer, Pricer, event_shape

@@ -105,7 +105,8 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
     dtype = "fp32" if a.fp32 else a.dtype
     multiple = a.make_vocab_size_divisible_by * tp
     return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
-                       seq=a.seq_length, vocab=-(-a.vocab_size // multiple) * multiple, micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
+                       seq=a.seq_length, vocab=-(-a.vocab_size // multiple) * multiple,
+                       micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
                        bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
                        tied_embeddings=not a.untie_embeddings_and_output_weights,
                        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
