@@ -453,7 +453,11 @@ def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:
     """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
     if args.tp_backend != "3d":
         return
-    _refuse_features(args, "--tp-backend 3d")
+    _refuse_features(args, "--tp-backend 3d", supported=(
+        "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
+    if args.swiglu and args.add_bias_linear:
+        raise ConfigError("--tp-backend 3d runs --swiglu without linear biases only; add "
+                          "--disable-bias-linear")
     from megatron_oases.parallel.cube import Cube
 
     try:
@@ -470,9 +474,10 @@ def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:
             raise ConfigError(f"--tp-backend 3d splits {flag} over p^2 = {q} ranks of the cube "
                               f"(--tensor-model-parallel-size {dims.tp}); {value} is not a multiple "
                               f"of {q}")
-    if args.num_attention_heads % p:
+    if args.num_attention_heads % p or query_groups(args) % p:
         raise ConfigError(f"--tp-backend 3d splits heads over p = {p}: --num-attention-heads "
-                          f"{args.num_attention_heads} is not a multiple of {p}")
+                          f"{args.num_attention_heads} and --num-query-groups {query_groups(args)} "
+                          f"must be multiples of {p}")
     if args.micro_batch_size % q:
         raise ConfigError(f"--tp-backend 3d splits each micro-batch into p^2 = {q} blocks of whole "
                           f"sequences: --micro-batch-size {args.micro_batch_size} is not a multiple "

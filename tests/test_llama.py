@@ -125,3 +125,27 @@ def test_atp_llama_checkpoint_loads_into_stock_tp(tmp_path):
     assert sorted(stock) == [3, 4]
     for it in (3, 4):
         assert stock[it] == pytest.approx(atp[it], rel=TOL), (it, stock, atp)
+
+
+def test_3d_matches_one_rank():
+    """The cube (TP 8, p = 2): RoPE, SwiGLU (gate and up rows per y-part), GQA (2 groups of 8
+    heads: whole groups per head block), RMSNorm, no bias, QK-norm (replicated)."""
+    model = [*ATP_MODEL, "--num-query-groups", "2", "--global-batch-size", "4"]
+    got = run_training(8, model + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"],
+                       timeout_s=400)
+    assert_same_training(got, cached_training(1, model), tol=TOL, what="one rank", iterations=3)
+
+
+def test_3d_llama_checkpoint_loads_into_stock_tp(tmp_path):
+    """The cube's gated fc1 (a two-dim factory) and replicated QK-norms save in Megatron's layout."""
+    model = [a for a in ATP_MODEL if a not in ("--train-iters", "3")] + [
+        "--num-query-groups", "2", "--global-batch-size", "4", "--train-iters", "4", "--optimizer", "adam"]
+    cube = ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"]
+    ref = _train_log(tmp_path, "cube", 8, model + cube)
+    ckpt = str(tmp_path / "ckpt")
+    _train_log(tmp_path, "cube-save", 8, model + cube + ["--train-iters", "2", "--save", ckpt,
+                                                        "--save-interval", "2"])
+    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--load", ckpt])
+    assert sorted(stock) == [3, 4]
+    for it in (3, 4):
+        assert stock[it] == pytest.approx(ref[it], rel=TOL), (it, stock, ref)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from megatron_oases.layers import refuse_unsupported
+from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
 from megatron_oases.parallel import collectives as C
@@ -91,17 +92,8 @@ class ATPSelfAttention(torch.nn.Module):
                                      init_method=config.output_layer_init_method, **common)
         self.linear_qkv = ColumnFirstLinear(config.hidden_size, qkv_out, mesh_groups, bias=bias,
                                             init_method=config.init_method, **common)
-        # QK-norm: Megatron's per-head-dim norms, replicated on every rank (no mesh layout);
-        # each rank's heads give a partial gradient, which Megatron's finalize_model_grads sums
-        # over the TP group for parameters named q_layernorm / k_layernorm.
-        self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
-            from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-            self.q_layernorm = WrappedTorchNorm(config=config, hidden_size=self.head_dim,
-                                                eps=config.layernorm_epsilon)
-            self.k_layernorm = WrappedTorchNorm(config=config, hidden_size=self.head_dim,
-                                                eps=config.layernorm_epsilon)
+        # QK-norm: replicated on every rank (no mesh layout: saved from TP rank 0)
+        self.q_layernorm, self.k_layernorm = qk_norms(config, self.head_dim)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.core_attention = DotProductAttention(
@@ -131,21 +123,9 @@ class ATPSelfAttention(torch.nn.Module):
         """Local math between the head split and the head gather: own groups' QKV rows
         ``[s, b, (heads + 2 groups) hd / N]`` -> context ``[s, b, h/N]`` (QK-norm, rotary
         embeddings, Megatron's core attention; no collective)."""
-        s, b = qkv.shape[:2]
-        hd, per = self.head_dim, self.heads_per_group
-        qkv = qkv.view(s, b, -1, (per + 2) * hd)             # [s, b, own groups, q.. k v]
-        query, key, value = torch.split(qkv, [per * hd, hd, hd], dim=-1)
-        query = query.reshape(s, b, -1, hd)                   # [s, b, own heads, hd]
-        if self.q_layernorm is not None:
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
-        if rotary_pos_emb is not None:
-            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-                apply_rotary_pos_emb)
-
-            q_emb, k_emb = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
-                            else (rotary_pos_emb, rotary_pos_emb))
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        query, key, value = split_own_heads(qkv, self.head_dim, self.heads_per_group,
+                                            self.q_layernorm, self.k_layernorm, rotary_pos_emb,
+                                            self.config)
         return self.core_attention(query, key, value, attention_mask,
                                    attn_mask_type=self.attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=None)

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_oases.layers.gated_rows import gated_rows_factory, gated_rows_order
 from megatron_oases.parallel import collectives as C
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups, shard_index
@@ -264,41 +265,9 @@ def mesh_sharded_state_dict(module: torch.nn.Module, mesh_groups: MeshGroups, pr
                  for dim, axis in enumerate(layout) if axis is not None]
         replica_id = (0, mesh_replica_index(layout, mesh_groups), dp_rank)
         if getattr(value, "gated_rows", False):
-            out[key] = _gated_rows_factory(key, value, sharded_offsets, split, replica_id)
+            out[key] = gated_rows_factory(key, value, sharded_offsets, split, replica_id)
             continue
         out[key] = ShardedTensor.from_rank_offsets(
             key, value, *sharded_offsets, *split, replica_id=replica_id, prepend_axis_num=n_pre)
     return out
 
-
-def gated_rows_order(rows: int, parts: int) -> torch.Tensor:
-    """Row order that puts a gated fc1's ``[gate; up]`` (``rows`` = 2f, Megatron's global
-    layout) in mesh order: part i of ``parts`` holds ``[gate_i; up_i]`` (its own gate and up
-    rows for the same features, so the activation needs no collective)."""
-    f, per = rows // 2, rows // 2 // parts
-    return torch.cat([torch.cat([torch.arange(i * per, (i + 1) * per),
-                                 torch.arange(f + i * per, f + (i + 1) * per)])
-                      for i in range(parts)])
-
-
-def _gated_rows_factory(key, value, sharded_offsets, split, replica_id):
-    """A gated fc1 tensor whose local rows are ``[gate_i; up_i]``: two shards of Megatron's
-    ``[gate; up]`` global tensor (as Megatron's ``apply_swiglu_sharded_factory``, also keeping the
-    split of the other dim), merged back by concatenation on load."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    n_pre = len(sharded_offsets)
-    (row_dim, i, parts), others = split[0], split[1:]
-    assert row_dim == n_pre, "a gated tensor is split on its rows"
-
-    def build(k, t, rid, flattened_range):
-        gate, up = torch.chunk(t, 2, dim=0)
-        return [ShardedTensor.from_rank_offsets(k, half, *sharded_offsets, (row_dim, i + j * parts, 2 * parts),
-                                                *others, replica_id=rid, prepend_axis_num=n_pre)
-                for j, half in enumerate((gate, up))]
-
-    def merge(halves):
-        with torch.no_grad():
-            return torch.cat(halves)
-
-    return ShardedTensorFactory(key, value, build, merge, replica_id)

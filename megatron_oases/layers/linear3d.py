@@ -27,6 +27,7 @@ from megatron_oases.parallel.collectives import (
     reduce_from_group,
     reduce_scatter_dim,
 )
+from megatron_oases.layers.gated_rows import gated_rows_factory
 from megatron_oases.parallel.cube import CubeGroups, broadcast_, other_dir, reduce_
 from megatron_oases.parallel.dims import ConfigError
 
@@ -364,16 +365,25 @@ def cube_sharded_state_dict(module: torch.nn.Module, groups: CubeGroups, prefix:
         dp_rank = checkpoint_dp_rank(metadata)
     n_pre = len(sharded_offsets)
     out = {}
+    tp_rank = groups.cube.index(groups.coord)
     for name, param in module.named_parameters():
         key = f"{prefix}{name}"
+        if not hasattr(param, "cube_layout"):  # replicated on every rank (QK-norm): TP rank 0 saves it
+            out[key] = ShardedTensor.from_rank_offsets(key, param, *sharded_offsets,
+                                                       replica_id=(0, tp_rank, dp_rank), prepend_axis_num=n_pre)
+            continue
         offsets = param.cube_layout.rank_offsets(param.global_shape, groups.coord, groups.p)
         if offsets is None:
             out[key] = LocalNonpersistentObject(param)
             continue
+        if getattr(param, "gated_rows", False):  # SwiGLU's fc1: Megatron's [gate; up] layout
+            out[key] = gated_rows_factory(key, param, sharded_offsets,
+                                          [(dim + n_pre, k, n) for dim, k, n in offsets],
+                                          replica_id=(0, 0, dp_rank))
+            continue
         out[key] = ShardedTensor.from_rank_offsets(
             key, param, *sharded_offsets, *((dim + n_pre, k, n) for dim, k, n in offsets),
             replica_id=(0, 0, dp_rank), prepend_axis_num=n_pre)
-    tp_rank = groups.cube.index(groups.coord)
     for name, sub in module.named_modules():
         if isinstance(sub, Linear3D):
             key = f"{prefix}{name}{'.' if name else ''}_extra_state"

@@ -27,6 +27,7 @@ import torch
 
 from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
+from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.parallel.cube import CubeGroups
 from megatron_oases.parallel.dims import ConfigError
 
@@ -86,23 +87,20 @@ class SelfAttention3D(torch.nn.Module):
         groups = cube_groups
         check_3d_config(config, groups, "SelfAttention3D")
         nh, ng = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-        if ng != nh:
-            raise ConfigError("SelfAttention3D: --group-query-attention is not supported with "
-                              "--tp-backend 3d yet")
-        if nh % groups.p:
-            raise ConfigError(f"SelfAttention3D: --num-attention-heads {nh} is not divisible by "
-                              f"p = {groups.p} (--tp-backend 3d, --tensor-model-parallel-size "
-                              f"{groups.p ** 3})")
-        if getattr(config, "qk_layernorm", False):
-            raise ConfigError("SelfAttention3D: --qk-layernorm is not supported with --tp-backend 3d")
+        if nh % groups.p or ng % groups.p:
+            raise ConfigError(f"SelfAttention3D: --num-attention-heads {nh} and the key/value "
+                              f"groups {ng} must be divisible by p = {groups.p} (--tp-backend 3d, "
+                              f"--tensor-model-parallel-size {groups.p ** 3})")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ConfigError("SelfAttention3D: only the vanilla softmax is supported with "
                               "--tp-backend 3d")
         self.config, self.layer_number, self.groups = config, layer_number, groups
         self.attn_mask_type = attn_mask_type if attn_mask_type is not None else AttnMaskType.causal
         self.head_dim = config.kv_channels
+        self.heads_per_group = nh // ng
         proj = self.head_dim * nh
-        self.linear_qkv = linear_3d(config, config.hidden_size, 3 * proj, groups, input_dir="y",
+        qkv_out = self.head_dim * (nh + 2 * ng)  # Megatron's rows: per group [q..., k, v]
+        self.linear_qkv = linear_3d(config, config.hidden_size, qkv_out, groups, input_dir="y",
                                     bias=config.add_bias_linear or config.add_qkv_bias,
                                     init_method=config.init_method)
         heads = ProcessGroupCollection()
@@ -117,6 +115,7 @@ class SelfAttention3D(torch.nn.Module):
                                      init_method=config.output_layer_init_method)
         # rows of the attention core: samples block (x, z) of the QKV output
         self.sample_rows = activation_layout(self.linear_qkv.output_dir).rows
+        self.q_layernorm, self.k_layernorm = qk_norms(config, self.head_dim)  # replicated
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -124,15 +123,15 @@ class SelfAttention3D(torch.nn.Module):
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """``[s, b/p^2, h/p]`` (layout y) -> ``(output [s, b/p^2, h/p] (layout y), None)``."""
         refuse_unsupported("SelfAttention3D", key_value_states=key_value_states,
-                           inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                           inference_context=inference_context,
                            rotary_pos_cos=rotary_pos_cos, attention_bias=attention_bias,
                            packed_seq_params=packed_seq_params, inference_params=inference_params)
         if attention_mask is not None and attention_mask.shape[0] > 1:  # [b, 1, s, s]
             attention_mask = local_samples(attention_mask, 0, self.groups, self.sample_rows)
         qkv = self.linear_qkv(hidden_states)                 # [s, b/p^2, 3h/p], heads block j
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, -1, 3 * self.head_dim)
-        query, key, value = torch.split(qkv, self.head_dim, dim=-1)
+        query, key, value = split_own_heads(qkv, self.head_dim, self.heads_per_group,
+                                            self.q_layernorm, self.k_layernorm, rotary_pos_emb,
+                                            self.config)
         context = self.core_attention(query, key, value, attention_mask,
                                       attn_mask_type=self.attn_mask_type,
                                       attention_bias=None, packed_seq_params=None)

@@ -26,15 +26,20 @@ class MLP3D(torch.nn.Module):
                  input_size: int | None = None, ffn_hidden_size: int | None = None):
         super().__init__()
         check_3d_config(config, cube_groups, "MLP3D")
-        if config.gated_linear_unit:
-            raise ConfigError("MLP3D: --swiglu / gated linear units are not supported with "
-                              "--tp-backend 3d yet")
+        self.gated = config.gated_linear_unit
+        if self.gated and config.add_bias_linear:
+            raise ConfigError("MLP3D: --swiglu with linear biases is not supported with --tp-backend "
+                              "3d; add --disable-bias-linear")
         self.config, self.groups = config, cube_groups
         self.activation_func = config.activation_func
         hidden = input_size or config.hidden_size
         ffn = ffn_hidden_size or config.ffn_hidden_size
-        self.linear_fc1 = linear_3d(config, hidden, ffn, cube_groups, input_dir="y",
-                                    bias=config.add_bias_linear, init_method=config.init_method)
+        # SwiGLU: fc1 computes [gate; up]; each y-part of its output features holds its own
+        # gate and up rows (layers/gated_rows.py), the split its output activation has too
+        self.linear_fc1 = linear_3d(config, hidden, 2 * ffn if self.gated else ffn, cube_groups,
+                                    input_dir="y", bias=config.add_bias_linear,
+                                    init_method=config.init_method)
+        self.linear_fc1.weight.gated_rows = self.gated
         self.linear_fc2 = linear_3d(config, ffn, hidden, cube_groups,
                                     input_dir=self.linear_fc1.output_dir,
                                     bias=config.add_bias_linear,
@@ -42,8 +47,11 @@ class MLP3D(torch.nn.Module):
 
     def forward(self, hidden_states, padding_mask=None, **kwargs):
         """``[s, b/p^2, h/p]`` (layout y) -> ``(output [s, b/p^2, h/p] (layout y), None)``."""
-        intermediate = self.activation_func(self.linear_fc1(hidden_states))  # [s, b/p^2, ffn/p]
-        return self.linear_fc2(intermediate), None
+        fc1 = self.linear_fc1(hidden_states)                 # [s, b/p^2, ffn/p] (x 2 gated)
+        if self.gated:
+            gate, up = torch.chunk(fc1, 2, dim=-1)
+            return self.linear_fc2(self.activation_func(gate) * up), None
+        return self.linear_fc2(self.activation_func(fc1)), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         return cube_sharded_state_dict(self, self.groups, prefix, sharded_offsets,
