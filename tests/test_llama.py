@@ -49,11 +49,12 @@ def test_oases_tp2_with_dropout_equals_stock_tp2():
     assert_same_training(oases, stock, tol=TOL, iterations=3)
 
 
-def test_oases_interleaved_tp2_pp2_matches_one_rank():
+@pytest.mark.parametrize("qk", list(QK))
+def test_oases_interleaved_tp2_pp2_matches_one_rank(qk):
     layout = TP2 + ["--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "1"]
-    got = run_training(4, MODEL + ["--qk-layernorm"] + layout + ["--schedule", "oases"] + RECOMPUTE)
-    assert_same_training(got, _one_rank("qk-norm"), tol=TOL, what="one rank", iterations=3)
+    got = run_training(4, MODEL + QK[qk] + layout + ["--schedule", "oases"] + RECOMPUTE)
+    assert_same_training(got, _one_rank(qk), tol=TOL, what="one rank", iterations=3)
 
 
 def _plan(tmp_path, tp, degrees):
@@ -65,12 +66,13 @@ def _plan(tmp_path, tp, degrees):
     return str(path)
 
 
+@pytest.mark.parametrize("qk", list(QK))
 @pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"] + RECOMPUTE], ids=["stock", "oases"])
-def test_planned_blocks_match_one_rank(tmp_path, schedule):
+def test_planned_blocks_match_one_rank(tmp_path, schedule, qk):
     """Per-block degrees [1, 2 | 2, 2 | 2, 1 | 2, 2] on T = 2 (replicas, reshards inside layers)."""
     plan = _plan(tmp_path, 2, [1, 2, 2, 2, 2, 1, 2, 2])
-    got = run_training(2, MODEL + ["--qk-layernorm"] + TP2 + ["--oases-plan", plan] + schedule)
-    assert_same_training(got, _one_rank("qk-norm"), tol=TOL, what="one rank", iterations=3)
+    got = run_training(2, MODEL + QK[qk] + TP2 + ["--oases-plan", plan] + schedule)
+    assert_same_training(got, _one_rank(qk), tol=TOL, what="one rank", iterations=3)
 
 
 def test_plan_degree_must_split_the_key_value_groups(tmp_path, capsys):
@@ -85,6 +87,7 @@ def test_plan_degree_must_split_the_key_value_groups(tmp_path, capsys):
 
 ATP_MODEL = [*MODEL, "--num-attention-heads", "8", "--num-query-groups", "4", "--qk-layernorm"]
 """8 query heads in 4 key/value groups: every ATP mesh of up to 4 ranks holds whole groups."""
+ATP_QK = {"qk-norm": ATP_MODEL, "no-qk-norm": ATP_MODEL[:-1]}
 
 
 @pytest.mark.parametrize("n,layout", [
@@ -93,9 +96,10 @@ ATP_MODEL = [*MODEL, "--num-attention-heads", "8", "--num-query-groups", "4", "-
     (4, TP2 + ["--atp-mesh", "2,1", "--pipeline-model-parallel-size", "2"]),
     (2, TP2 + ["--atp-mesh", "1,2", "--schedule", "oases"] + RECOMPUTE),
 ], ids=["atp-2x2", "atp-1x2-pp2", "atp-2x1-pp2", "oases-atp-1x2"])
-def test_atp_matches_one_rank(n, layout):
-    got = run_training(n, ATP_MODEL + ["--tp-backend", "atp"] + layout)
-    assert_same_training(got, cached_training(1, ATP_MODEL), tol=TOL, what="one rank", iterations=3)
+@pytest.mark.parametrize("qk", list(QK))
+def test_atp_matches_one_rank(n, layout, qk):
+    got = run_training(n, ATP_QK[qk] + ["--tp-backend", "atp"] + layout)
+    assert_same_training(got, cached_training(1, ATP_QK[qk]), tol=TOL, what="one rank", iterations=3)
 
 
 def _train_log(tmp_path, name, n, argv):
@@ -127,10 +131,11 @@ def test_atp_llama_checkpoint_loads_into_stock_tp(tmp_path):
         assert stock[it] == pytest.approx(atp[it], rel=TOL), (it, stock, atp)
 
 
-def test_3d_matches_one_rank():
+@pytest.mark.parametrize("qk", list(QK))
+def test_3d_matches_one_rank(qk):
     """The cube (TP 8, p = 2): RoPE, SwiGLU (gate and up rows per y-part), GQA (2 groups of 8
-    heads: whole groups per head block), RMSNorm, no bias, QK-norm (replicated)."""
-    model = [*ATP_MODEL, "--num-query-groups", "2", "--global-batch-size", "4"]
+    heads: whole groups per head block), RMSNorm, no bias, QK-norm (replicated) on and off."""
+    model = [*ATP_QK[qk], "--num-query-groups", "2", "--global-batch-size", "4"]
     got = run_training(8, model + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"],
                        timeout_s=400)
     assert_same_training(got, cached_training(1, model), tol=TOL, what="one rank", iterations=3)

@@ -529,10 +529,12 @@ LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attenti
 @needs_cpu
 def test_pretrain_llama_tp2_oases_and_plan_match_stock_cpu():
     """A Llama-style model (RoPE, SwiGLU, GQA, RMSNorm, no bias, untied, QK-norm) through
-    Megatron-LM's own loop: stock TP 2, --schedule oases and --oases-plan log the same losses."""
+    Megatron-LM's own loop: stock TP 2, --schedule oases, --oases-plan and ATP (1,2) log the same
+    losses."""
     tp2 = ["--tensor-model-parallel-size", "2"] + LLAMA
     stock, _ = _train(2, tp2, 4)
-    for extra in (["--schedule", "oases"], ["--oases-plan", PLAN]):
+    for extra in (["--schedule", "oases"], ["--oases-plan", PLAN],
+                  ["--tp-backend", "atp", "--atp-mesh", "1,2"]):
         losses, _ = _train(2, tp2 + extra, 4)
         for k, v in losses.items():
             assert v == pytest.approx(stock[k], rel=1e-5), (extra, k, losses, stock)
