@@ -115,20 +115,25 @@ def _train_log(tmp_path, name, n, argv):
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines())}
 
 
+def _resume_in_stock_tp2(tmp_path, n: int, model: list[str], layout: list[str]) -> None:
+    """Train 4 iterations under ``layout`` (the reference), train 2 and save, then resume in
+    stock TP 2 from that checkpoint: iterations 3 and 4 must be the reference's (Adam state too)."""
+    model = [a for a in model if a not in ("--train-iters", "3")] + ["--optimizer", "adam"]
+    ref = _train_log(tmp_path, "ref", n, model + layout + ["--train-iters", "4"])
+    ckpt = str(tmp_path / "ckpt")
+    _train_log(tmp_path, "save", n, model + layout + ["--train-iters", "2", "--save", ckpt,
+                                                      "--save-interval", "2"])
+    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--train-iters", "4", "--load", ckpt])
+    assert sorted(stock) == [3, 4]
+    for it in (3, 4):
+        assert stock[it] == pytest.approx(ref[it], rel=TOL), (it, stock, ref)
+
+
 def test_atp_llama_checkpoint_loads_into_stock_tp(tmp_path):
     """ATP (2, 2)'s gated fc1 rows ([gate_i; up_i] per mesh part) and replicated QK-norms save
     in Megatron's layout: stock TP 2 resumes from the checkpoint with ATP's own losses."""
-    model = [a for a in ATP_MODEL if a not in ("--train-iters", "3")] + ["--train-iters", "4",
-                                                                          "--optimizer", "adam"]
-    ckpt = str(tmp_path / "ckpt")
-    atp_flags = ["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2"]
-    atp = _train_log(tmp_path, "atp", 4, model + atp_flags)  # 4 iterations, the reference
-    _train_log(tmp_path, "atp-save", 4, model + atp_flags + ["--train-iters", "2", "--save", ckpt,
-                                                             "--save-interval", "2"])
-    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--load", ckpt])
-    assert sorted(stock) == [3, 4]
-    for it in (3, 4):
-        assert stock[it] == pytest.approx(atp[it], rel=TOL), (it, stock, atp)
+    _resume_in_stock_tp2(tmp_path, 4, ATP_MODEL, ["--tensor-model-parallel-size", "4", "--tp-backend",
+                                                   "atp", "--atp-mesh", "2,2"])
 
 
 @pytest.mark.parametrize("qk", list(QK))
@@ -143,14 +148,5 @@ def test_3d_matches_one_rank(qk):
 
 def test_3d_llama_checkpoint_loads_into_stock_tp(tmp_path):
     """The cube's gated fc1 (a two-dim factory) and replicated QK-norms save in Megatron's layout."""
-    model = [a for a in ATP_MODEL if a not in ("--train-iters", "3")] + [
-        "--num-query-groups", "2", "--global-batch-size", "4", "--train-iters", "4", "--optimizer", "adam"]
-    cube = ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"]
-    ref = _train_log(tmp_path, "cube", 8, model + cube)
-    ckpt = str(tmp_path / "ckpt")
-    _train_log(tmp_path, "cube-save", 8, model + cube + ["--train-iters", "2", "--save", ckpt,
-                                                        "--save-interval", "2"])
-    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--load", ckpt])
-    assert sorted(stock) == [3, 4]
-    for it in (3, 4):
-        assert stock[it] == pytest.approx(ref[it], rel=TOL), (it, stock, ref)
+    _resume_in_stock_tp2(tmp_path, 8, [*ATP_MODEL, "--num-query-groups", "2", "--global-batch-size", "4"],
+                         ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"])
