@@ -164,6 +164,101 @@ def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, mon
     assert len(err) == 1 and needle in err[0], err
 
 
+# ---- every option of Megatron-LM's GPT builder is honoured or refused --------------------------
+def _builder_reads() -> set[str]:
+    """``args.X`` (and ``getattr/hasattr(args, "X")``) in the checkout's three GPT builders."""
+    import ast
+
+    where = {"gpt_builders.py": {"gpt_builder", "_get_transformer_layer_spec"},
+             "megatron/training/arguments.py": {"core_transformer_config_from_args"},
+             "model_provider.py": {"model_provider"}}
+    out = set()
+    for path, funcs in where.items():
+        tree = ast.parse(open(os.path.join(CHECKOUT, path)).read())
+        bodies = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in funcs]
+        assert len(bodies) == len(funcs), (path, funcs)  # upstream renamed one: look again
+        for n in (m for body in bodies for m in ast.walk(body)):
+            if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "args":
+                out.add(n.attr)
+            elif (isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("getattr", "hasattr")
+                  and getattr(n.args[0], "id", None) == "args"
+                  and isinstance(n.args[1], ast.Constant)):
+                out.add(n.args[1].value)
+    return out
+
+
+def _megatron_parser():
+    import argparse
+
+    import_stock_pretrain_gpt_cached()  # the checkout on sys.path
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def test_every_gpt_builder_option_is_classified():
+    """The options Megatron-LM's GPT build reads: config fields with a flag, and the builders'
+    own ``args.X`` reads. A new one fails here until megatron_lm/options.py classifies it."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_oases.megatron_lm import options
+
+    dests = {a.dest for a in _megatron_parser()._actions}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    read = (fields & dests) | _builder_reads()
+    derived = {"params_dtype", "padded_vocab_size"}  # set by validate_args from walked flags
+    classes = options.classes()
+    unclassified = sorted(n for n in read if n not in classes)
+    assert not unclassified, f"classify in megatron_lm/options.py: {unclassified}"
+    assert not sorted(n for n in read - derived if classes[n] == "not-a-flag")
+    assert not options.NOT_FLAGS & dests  # a flag now: classify what our builds do with it
+
+
+def _flip(action) -> list[str]:
+    """argv that sets ``action`` to a value other than its default."""
+    opt = action.option_strings[0]
+    if action.nargs == 0:
+        return [opt]
+    if action.choices:
+        return [opt, next(str(c) for c in action.choices if c != action.default)]
+    special = {"window_size": "64,0", "no_rope_freq": "4", "recompute_modules": "core_attn",
+               "glu_linear_offset": "0.5", "activation_func_clamp_value": "7.0"}
+    if action.dest in special:
+        return [opt, special[action.dest]]
+    return [opt, "3" if action.type in (int, float) else "x"]
+
+
+_RUN = {"oases": (2, ["--tensor-model-parallel-size", "2", "--schedule", "oases"]),
+        "plan": None,
+        "atp": (2, ["--tensor-model-parallel-size", "2", "--tp-backend", "atp",
+                    "--atp-mesh", "1,2"]),
+        "3d": (8, ["--tensor-model-parallel-size", "8", "--tp-backend", "3d"])}
+
+
+def test_every_refused_option_stops_parse_args(capsys, monkeypatch):
+    """Flip each refused option for a build that refuses it: Megatron-LM's parse_args exits 2
+    with one line naming the flag, before anything starts; the same flags pass a stock run."""
+    from megatron_oases.megatron_lm import options
+
+    monkeypatch.setenv("RANK", "0")
+    actions = {a.dest: a for a in _megatron_parser()._actions}
+    flipped = 0
+    for name, (flag, builds) in options.REFUSED.items():
+        if name not in actions:  # ModelOpt / Kitchen flags exist only with those packages
+            continue
+        assert flag in actions[name].option_strings, (name, flag)
+        build = next(b for b in ("oases", "atp", "3d") if b in builds)
+        world, run = _RUN[build]
+        with pytest.raises(SystemExit) as exc:
+            parse_megatron(TINY + run + _flip(actions[name]), world=world)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+        assert exc.value.code == 2 and len(err) == 1 and f"support {flag};" in err[0], (name, err)
+        flipped += 1
+    assert flipped >= 40
+
+
 # ---- model provider on CPU -------------------------------------------------------------------
 def _provider_rank(argv, world):
     import torch

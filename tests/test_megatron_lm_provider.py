@@ -115,6 +115,28 @@ def test_stock_runs_use_the_stock_provider():
                       "pg_collection": None}]
 
 
+def test_non_stock_runs_build_through_the_checkouts_model_provider():
+    """The checkout's ``model_provider(builder, ...)`` wraps our builder (so its
+    ``--record-memory-history`` applies to our models too), in place of ``gpt_builder``."""
+    import functools
+
+    calls = []
+
+    def checkout_model_provider(builder, pre_process=True, post_process=True, vp_stage=None,
+                                config=None, pg_collection=None):
+        calls.append((builder, pre_process, post_process, vp_stage))
+        return "wrapped"
+
+    def gpt_builder(*a, **k):
+        pytest.fail("a non-stock run must not build Megatron-LM's stock model")
+
+    args = megatron_args(schedule="oases")
+    provider = ModelProvider(functools.partial(checkout_model_provider, gpt_builder),
+                             get_args=lambda: args)
+    assert provider(pre_process=True, post_process=False, vp_stage=0) == "wrapped"
+    assert calls == [(provider._builder, True, False, 0)]
+
+
 def test_wrap_entry_and_unvalidated_args(monkeypatch):
     stock = object()
     model_provider, extra = wrap_entry(stock, None)

@@ -38,29 +38,6 @@ _HELP_EXTRA = {
 
 _METAVAR = {"--atp-mesh": "D1,D2|auto", "--topology": "FILE", "--oases-plan": "FILE"}
 
-# Megatron-LM features our layer specs do not build; refused unless the run is stock.
-_STOCK_ONLY = (
-    ("use_legacy_models", "--use-legacy-models"),
-    ("spec", "--spec"),
-    ("num_experts", "--num-experts"),
-    ("multi_latent_attention", "--multi-latent-attention"),
-    ("experimental_attention_variant", "--experimental-attention-variant"),
-    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
-    ("mtp_num_layers", "--mtp-num-layers"),
-    ("fp8", "--fp8-format"),
-    ("fp4", "--fp4-format"),
-    ("yaml_cfg", "--yaml-cfg"),
-    ("fp16_lm_cross_entropy", "--fp16-lm-cross-entropy"),
-    ("use_rope_scaling", "--use-rope-scaling"),
-    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
-    ("rotary_interleaved", "--rotary-interleaved"),
-    ("qk_l2_norm", "--qk-l2-norm"),
-    ("squared_relu", "--squared-relu"),
-    ("quick_geglu", "--quick-geglu"),
-)
-
-
-
 def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add our flags to ``parser`` (Megatron-LM's, or any parser without them); returns it."""
     from megatron_oases.schedules.oases.options import add_oases_args
@@ -122,7 +99,7 @@ def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         def parse_known_args(self, args=None, namespace=None):
             ns, extras = super().parse_known_args(args, namespace)
             try:
-                validate_megatron_args(ns)
+                validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions})
             except ConfigError as exc:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
@@ -194,11 +171,14 @@ def trainer_view(args: argparse.Namespace, world_size: int | None = None,
     return view, dims
 
 
-def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None) -> None:
+def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None,
+                           defaults: dict | None = None) -> None:
     """Check our flags against Megatron-LM's args (TP size, sequence parallel, recompute, ...).
 
     Raises ``ConfigError`` (one line naming the flag). On success Megatron-LM's namespace gets
-    ``atp_mesh`` as a ``(d1, d2)`` tuple (``auto`` resolved from ``--topology``).
+    ``atp_mesh`` as a ``(d1, d2)`` tuple (``auto`` resolved from ``--topology``). ``defaults``:
+    the parser's defaults (dest -> value), which tell a refused option that was set
+    (``options.refusal``); None: Megatron-LM's own parser's, where it imports.
     """
     from megatron_oases.train_args import TP_BACKENDS as BUILT
 
@@ -214,7 +194,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
             return  # sizes of a stock run are Megatron-LM's to check, in its own words
         _our_checks(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases, ...
         return
-    _check_non_stock(args)
+    _check_non_stock(args, megatron_lm_defaults() if defaults is None else defaults)
     view, dims = trainer_view(args, world_size)
     if args.tp_backend == "atp" and view.atp_mesh == "auto":
         view.atp_mesh = resolve_auto_mesh(args, dims)
@@ -238,15 +218,33 @@ def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
     check_query_groups_split(view, dims)
 
 
-def _check_non_stock(args: argparse.Namespace) -> None:
-    """Megatron-LM features our backends / schedules do not build."""
+def megatron_lm_defaults() -> dict:
+    """Megatron-LM's parser defaults (dest -> default); {} where ``megatron.training`` does not
+    import (then ``options.refusal`` counts a truthy option as set)."""
+    global _MEGATRON_DEFAULTS
+    if _MEGATRON_DEFAULTS is None:
+        try:
+            from megatron.training.arguments import add_megatron_arguments
+        except ImportError:
+            return {}
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        _MEGATRON_DEFAULTS = {a.dest: a.default for a in parser._actions}
+    return _MEGATRON_DEFAULTS
+
+
+_MEGATRON_DEFAULTS: dict | None = None
+
+
+def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
+    """Megatron-LM features our backends / schedules do not build (``options``)."""
+    from megatron_oases.megatron_lm.options import refusal
+
     what = (f"--tp-backend {args.tp_backend}" if args.tp_backend != "megatron"
             else f"--schedule {args.schedule}" if args.schedule != "default"
             else "--oases-plan")
-    for name, flag in _STOCK_ONLY:
-        if getattr(args, name, None):
-            raise ConfigError(f"{what} builds its own layers and does not support {flag}; "
-                              f"drop one of them")
+    refused = refusal(args, defaults, what)
+    if refused:
+        raise ConfigError(refused)
     if getattr(args, "transformer_impl", "local") != "local":
         raise ConfigError(f"{what} builds torch layers, not Transformer Engine ones: pass "
                           f"--transformer-impl local (and run the stock baseline with "

@@ -6,7 +6,9 @@ stock one, Transformer Engine spec included. Otherwise the model is assembled wh
 reference trainer assembles it, ``megatron_oases.specs`` (``backend_groups``, then
 ``build_gpt_model``: layer spec per backend, schedule applied), with the TransformerConfig from
 Megatron-LM's own ``core_transformer_config_from_args`` so its model flags (activation, norm,
-bias, init, precision) carry over. Process groups are Megatron's global ones (what
+bias, init, precision) carry over, and through the checkout's ``model_provider`` (given our builder
+in place of ``gpt_builder``) so its options (``--record-memory-history``) apply too; what our
+builds cannot honour is refused at parse time (``options``). Process groups are Megatron's global ones (what
 ``get_model`` passes as ``pg_collection`` by default).
 """
 from __future__ import annotations
@@ -58,6 +60,16 @@ class ModelProvider:
         if is_stock(args) and self.stock is not None:
             return self.stock(pre_process=pre_process, post_process=post_process,
                               vp_stage=vp_stage, config=config, pg_collection=pg_collection)
+        outer = _checkout_provider(self.stock)
+        if outer is not None:  # the checkout's model_provider (memory history, ...) around ours
+            return outer(self._builder, pre_process=pre_process, post_process=post_process,
+                         vp_stage=vp_stage, config=config, pg_collection=pg_collection)
+        return self._builder(args, pre_process, post_process, vp_stage, config=config,
+                             pg_collection=pg_collection)
+
+    def _builder(self, args, pre_process, post_process, vp_stage=None, config=None,
+                 pg_collection=None):
+        """Our build with ``gpt_builder``'s signature, for the checkout's ``model_provider``."""
         if config is None:
             config = self._config_from_args(args)
         model = build_model(args, config, pre_process=pre_process, post_process=post_process,
@@ -74,6 +86,16 @@ class ModelProvider:
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, backend_groups(args))
         return self._groups[1]
+
+
+def _checkout_provider(stock):
+    """The checkout's ``model_provider(builder, ...)`` when ``stock`` is
+    ``partial(model_provider, gpt_builder)`` (both entries pass that), else None."""
+    import functools
+
+    if isinstance(stock, functools.partial) and len(stock.args) == 1 and not stock.keywords:
+        return stock.func
+    return None
 
 
 def _prepare_replicas(model, config) -> None:
