@@ -34,6 +34,23 @@ def test_3d_layer_issues_what_its_description_says():
     assert outs[0]["params"] == layer_params("3d", H, 4 * H, 8, None)
 
 
+def test_3d_llama_layer_issues_what_its_description_says():
+    from tests.test_description_contract import LLAMA_F, llama_model
+
+    argv, variant = llama_model(heads=8, groups=2)
+    argv = [*argv, "--tp-backend", "3d", "--tensor-model-parallel-size", "8"]
+    outs = run_on_ranks(layer_contract, 8, args=(argv, B, S, H), timeout_s=180)
+    desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=8, ffn=LLAMA_F, tp=8,
+                             bytes_per_element=4, variant=variant)
+    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=B, seq=S, hidden=H, tp=8,
+                                 bytes_per_element=4)
+    for pass_, edge in (("forward", leave), ("backward", enter_b)):
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edge))
+        for out in outs:
+            assert sorted(r for r in out[pass_] if r[1] > 1) == want, (out["rank"], pass_)
+    assert outs[0]["params"] == layer_params("3d", H, LLAMA_F, 8, None, heads=8, variant=variant)
+
+
 def test_3d_description_divides_the_dense_layer_flops_by_the_cube():
     from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 
@@ -58,6 +75,30 @@ def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
                   recompute=overlap == "oases")
     res = simulate(model, st, device_model(topo))
     assert res.iteration_ms > 0
+
+
+@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
+def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
+    """GQA, SwiGLU, RMSNorm and no bias are priced from the backend's description: the
+    weights a rank holds are the description's parameters (SwiGLU's third matrix outweighs
+    GQA's smaller QKV), and the step time changes with them."""
+    from megatron_oases.describe.registry import layer_params
+    from megatron_oases.describe.ops import LayerVariant
+
+    topo = load_topology("dgx-a100")
+    kw = dict(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=2816)
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
+                  recompute=overlap == "oases")
+    llama = ModelConfig(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",
+                                                    bias=False))
+    gpt = simulate(ModelConfig(**kw), st, device_model(topo))
+    res = simulate(llama, st, device_model(topo))
+    variant = llama.variant
+    extra = 4 * (layer_params(backend, 1024, 2816, 8, mesh, heads=16, variant=variant)
+                 - layer_params(backend, 1024, 2816, 8, mesh, heads=16))
+    assert extra > 0
+    assert res.memory[0].weights - gpt.memory[0].weights == extra * 2  # bf16
+    assert res.iteration_ms != gpt.iteration_ms
 
 
 def test_simulator_refuses_oases_over_the_cube():

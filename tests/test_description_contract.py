@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests.rank_fns_contract import layer_contract
@@ -38,6 +39,35 @@ def test_atp_layer_issues_what_its_description_says(d1, d2, chunks):
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
     per_rank = layer_params("atp", H, 4 * H, n, (d1, d2))
+    assert {out["params"] for out in outs} == {per_rank}
+
+
+LLAMA_F = 64
+
+
+def llama_model(heads: int, groups: int) -> tuple[list[str], LayerVariant]:
+    """A Llama-style layer (GQA, SwiGLU, RMSNorm, no bias) and the variant describing it."""
+    argv = [*MODEL, "--num-attention-heads", str(heads), "--ffn-hidden-size", str(LLAMA_F),
+            "--swiglu", "--group-query-attention", "--num-query-groups", str(groups),
+            "--normalization", "RMSNorm", "--disable-bias-linear"]
+    return argv, LayerVariant(query_groups=groups, gated=True, normalization="RMSNorm", bias=False)
+
+
+@pytest.mark.parametrize("d1, d2", [(2, 2), (1, 2)])
+def test_atp_llama_layer_issues_what_its_description_says(d1, d2):
+    n, heads = d1 * d2, 8
+    argv, variant = llama_model(heads, groups=n)
+    argv += ["--tp-backend", "atp", "--tensor-model-parallel-size", str(n), "--atp-mesh", f"{d1},{d2}"]
+    outs = run_on_ranks(layer_contract, n, args=(argv, B, S, H), timeout_s=120)
+    desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=LLAMA_F, d1=d1, d2=d2,
+                            bytes_per_element=4, variant=variant)
+    edges = dict(zip(("forward", "backward"), block_edges(
+        backend="atp", mesh=(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
+    for pass_ in ("forward", "backward"):
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edges[pass_]))
+        for out in outs:
+            assert _issued(out[pass_]) == want, (out["rank"], pass_)
+    per_rank = layer_params("atp", H, LLAMA_F, n, (d1, d2), heads=heads, variant=variant)
     assert {out["params"] for out in outs} == {per_rank}
 
 

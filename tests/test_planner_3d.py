@@ -80,3 +80,33 @@ def test_a_3d_plan_launches_and_trains_like_one_rank(tmp_path):
     got = run_on_ranks(train_and_gather, 8, args=(argv,), timeout_s=240)[-1]["losses"]
     want = run_on_ranks(train_and_gather, 1, args=(MODEL + TRAIN,), timeout_s=120)[-1]["losses"]
     assert len(got) == 2 and all(abs(g - w) / w <= 1e-5 for g, w in zip(got, want)), (got, want)
+
+
+def test_llama_models_on_every_family_follow_their_descriptions():
+    """A Llama-style model (GQA, SwiGLU, RMSNorm, no bias) is priced on the ATP and 3-D families
+    from their descriptions: parameters per block sum to the layer's, and a mesh or cube that
+    would split a key/value group is not a candidate."""
+    from megatron_oases.describe.ops import LayerVariant
+
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,
+                tp=8, sub_batches=1, swiglu=True, ffn_hidden_size=512, normalization="RMSNorm",
+                add_bias_linear=False)
+    variant = LayerVariant(query_groups=2, gated=True, normalization="RMSNorm", bias=False)
+    m = PlanModel(**base, num_query_groups=2)
+    assert m.variant == variant
+    for s in candidate_strategies(m, families=("megatron", "atp", "3d")):
+        fam = family_of(s)
+        if s.family == "megatron":
+            continue
+        total = fam.params(s, m, "attention") + fam.params(s, m, "mlp")
+        assert total == layer_params(s.family, 256, 512, 8, s.mesh, heads=8, variant=variant)
+    feasible = {s.label for s in candidate_strategies(m, families=("atp", "3d"))}
+    assert "3d8" in feasible  # 2 groups over p = 2
+    assert not any(lbl.startswith("atp") for lbl in feasible)  # 2 groups never cover 8 mesh ranks
+    eight = {s.label for s in candidate_strategies(PlanModel(**base, num_query_groups=8),
+                                                   families=("atp",))}
+    assert eight and all(lbl.startswith("atp") for lbl in eight)
+    topo = load_topology("pcie-3090-2node")
+    cm = build_cost_model(m, topology=topo, global_batch_size=16, families=("megatron", "3d"))
+    sol = solve(cm.problem, solver="dp")
+    assert sol.time_ms == pytest.approx(brute_force(cm.problem)[0])

@@ -15,7 +15,7 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 """
 from __future__ import annotations
 
-from .ops import Collective, Compute, LayerDescription, ModelingError, backward_of
+from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 
 _OTHER = {"y": "z", "z": "y"}
 
@@ -29,14 +29,22 @@ def cube_side(tp: int) -> int:
 
 
 def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, tp: int,
-                      bytes_per_element: int = 2) -> LayerDescription:
-    """A GPT layer (LayerNorm, biased linears, GeLU MLP) on the cube of ``tp = p^3`` ranks."""
+                      bytes_per_element: int = 2, variant: LayerVariant = GPT2) -> LayerDescription:
+    """A GPT layer on the cube of ``tp = p^3`` ranks: GPT-2's (LayerNorm, biased linears, GeLU
+    MLP) or a ``variant`` (GQA widens QKV's output to queries plus a key and a value per group,
+    SwiGLU fc1's to gate and up; RMSNorm has one statistic and no bias vector; without biases
+    the linears move no bias vectors)."""
     p = cube_side(tp)
     q = p * p
     b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
     if b % q or h % q or f % q or a % p:
         raise ModelingError(f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
                             f"divisible by p^2 = {q}, heads {a} by p")
+    if variant.query_groups and variant.query_groups % p:
+        raise ModelingError(f"3-D TP with p = {p}: {variant.query_groups} key/value groups must be "
+                            f"divisible by p")
+    qkv_n, fc1_n = variant.qkv_rows(h, a), variant.fc1_rows(f)
+    layer_norm = variant.normalization == "LayerNorm"
     tok = b * s  # tokens of the (sub-)batch; a rank's activation block is tok/p^2 x h/p
 
     def coll(name: str, direction: str, nbytes: float, kind: str) -> Collective:
@@ -68,38 +76,42 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
                 coll(f"{name}.rs", c_dir, act_out, "reduce_scatter"))
 
     def norm(name: str, backward: bool = False) -> tuple[Collective, ...]:
-        stats = (coll(f"{name}.mean", "z", e * tok / q, "all_reduce"),
-                 coll(f"{name}.var", "z", e * tok / q, "all_reduce"))
-        return stats + vector(f"{name}.gamma", h, "z", backward) + vector(f"{name}.beta", h, "z", backward)
+        stats = tuple(coll(f"{name}.{k}", "z", e * tok / q, "all_reduce")
+                      for k in (("mean", "var") if layer_norm else ("var",)))
+        beta = vector(f"{name}.beta", h, "z", backward) if layer_norm else ()
+        return stats + vector(f"{name}.gamma", h, "z", backward) + beta
+
+    def bias(name: str, n: int, col_dir: str, backward: bool = False) -> tuple[Collective, ...]:
+        return vector(name, n, col_dir, backward) if variant.bias else ()
 
     per = tok * h / p ** 3  # elements of one activation block
     ln = lambda nm: Compute(name=nm, gemm_flops=0.0, elementwise_bytes=e * 4 * per)  # noqa: E731
-    qkv = Compute(name="3d.qkv", gemm_flops=2 * tok * h * 3 * h / p ** 3, elementwise_bytes=e * 3 * per)
+    qkv = Compute(name="3d.qkv", gemm_flops=2 * tok * h * qkv_n / p ** 3, elementwise_bytes=e * 3 * per)
     core = Compute(name="3d.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / p ** 3,
                    elementwise_bytes=e * 3 * (b // q) * (a // p) * s * s)
     proj = Compute(name="3d.proj", gemm_flops=2 * tok * h * h / p ** 3, elementwise_bytes=e * 3 * per)
-    fc1 = Compute(name="3d.fc1", gemm_flops=2 * tok * h * f / p ** 3, elementwise_bytes=e * 3 * per)
+    fc1 = Compute(name="3d.fc1", gemm_flops=2 * tok * h * fc1_n / p ** 3, elementwise_bytes=e * 3 * per)
     fc2 = Compute(name="3d.fc2", gemm_flops=2 * tok * f * h / p ** 3,
                   elementwise_bytes=e * (2 * tok * f / p ** 3 + 3 * per))
     ln1, ln2 = ln("3d.ln1"), ln("3d.ln2")
 
     def block(name, n_in, n_out, a_dir, compute):
         before_a, before_w, after = gemm(name, n_in, n_out, a_dir)
-        return (before_a, before_w, compute, after, *vector(f"{name}.bias", n_out, a_dir))
+        return (before_a, before_w, compute, after, *bias(f"{name}.bias", n_out, a_dir))
 
-    fwd = (ln1, *norm("ln1"), *block("qkv", h, 3 * h, "y", qkv), core,
+    fwd = (ln1, *norm("ln1"), *block("qkv", h, qkv_n, "y", qkv), core,
            *block("proj", h, h, "z", proj), ln2, *norm("ln2"),
-           *block("fc1", h, f, "y", fc1), *block("fc2", f, h, "z", fc2))
+           *block("fc1", h, fc1_n, "y", fc1), *block("fc2", f, h, "z", fc2))
 
     def back(name, n_in, n_out, a_dir, compute):
         # the segment's backward first, then its collectives (bias and GEMM backward), so the
         # planner cuts the layer into blocks at a segment (``3d.proj.bwd``)
-        return (backward_of(compute), *vector(f"{name}.bias", n_out, a_dir, backward=True),
+        return (backward_of(compute), *bias(f"{name}.bias", n_out, a_dir, backward=True),
                 *gemm(name, n_in, n_out, a_dir, backward=True))
 
-    bwd = (*back("fc2", f, h, "z", fc2), *back("fc1", h, f, "y", fc1), backward_of(ln2),
+    bwd = (*back("fc2", f, h, "z", fc2), *back("fc1", h, fc1_n, "y", fc1), backward_of(ln2),
            *norm("ln2", backward=True), *back("proj", h, h, "z", proj), backward_of(core),
-           *back("qkv", h, 3 * h, "y", qkv), backward_of(ln1), *norm("ln1", backward=True))
+           *back("qkv", h, qkv_n, "y", qkv), backward_of(ln1), *norm("ln1", backward=True))
     return LayerDescription(backend="3d", forward=fwd, backward=bwd)
 
 

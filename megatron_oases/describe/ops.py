@@ -109,6 +109,13 @@ class LayerVariant:
         """Output features of fc1 (gate and up under SwiGLU)."""
         return 2 * ffn if self.gated else ffn
 
+    @property
+    def mlp_saved_per_ffn(self) -> int:
+        """Activations of width ffn the MLP keeps for backward, per token (measured on
+        Megatron's layer): GeLU's input and output (2); SwiGLU's [gate; up], silu(gate) and
+        their product (5)."""
+        return 5 if self.gated else 2
+
     def key(self) -> str:
         """Suffix of the event keys (empty for GPT-2's layer, so its profiles keep their keys)."""
         return ((f"_g{self.query_groups}" if self.query_groups else "")

@@ -16,14 +16,14 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
     if backend == "megatron":
         return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
                                      tp=tp, bytes_per_element=bytes_per_element, variant=variant)
-    gpt2_only(backend, variant)
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                d1=mesh[0], d2=mesh[1], bytes_per_element=bytes_per_element)
+                                d1=mesh[0], d2=mesh[1], bytes_per_element=bytes_per_element,
+                                variant=variant)
     if backend == "3d":
         return cube_3d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                 tp=tp, bytes_per_element=bytes_per_element)
+                                 tp=tp, bytes_per_element=bytes_per_element, variant=variant)
     raise ModelingError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
 
 
@@ -63,13 +63,6 @@ def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | Non
     raise ModelingError(f"unknown collective axis {axis!r}")
 
 
-def gpt2_only(backend: str, variant: LayerVariant) -> None:
-    """The ATP and 3-D descriptions know GPT-2's layer only (yet)."""
-    if not variant.is_default:
-        raise ModelingError(f"the {backend} description has no Llama-family layers yet "
-                            f"(GQA, SwiGLU, RMSNorm, no bias); describe them with --tp-backend megatron")
-
-
 def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *, heads: int = 1,
                  variant: LayerVariant = GPT2) -> int:
     """Weights + biases + norms of one layer on one TP rank."""
@@ -82,22 +75,19 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
     QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor). The
     optimizer and the gradient norm run tensor by tensor, so their cost depends on these sizes,
     not only on the sum. ``heads`` matters only with the variant's GQA."""
-    if backend == "megatron" and not variant.is_default:
-        qkv, fc1 = variant.qkv_rows(h, heads), variant.fc1_rows(f)
-        b = 1 if variant.bias else 0
-        nb = 1 if variant.normalization == "LayerNorm" else 0
-        return (qkv * h // t, b * qkv // t, h * h // t, b * h, h * fc1 // t, b * fc1 // t, h * f // t, b * h,
-                h, nb * h, h, nb * h)
-    gpt2_only(backend, variant)
+    qkv, fc1 = variant.qkv_rows(h, heads), variant.fc1_rows(f)
+    b = 1 if variant.bias else 0
+    nb = 1 if variant.normalization == "LayerNorm" else 0
+    # the vectors' splits: (QKV and fc1 outputs, proj and fc2 outputs and norms)
     if backend == "atp" and mesh is not None:
-        d1, d2 = mesh
-        return (3 * h * h // t, 3 * h // d1, h * h // t, h // d2, h * f // t, f // d1, h * f // t, h // d2,
-                *(h // d2,) * 4)
-    if backend == "3d":  # TP position 0 holds a diagonal block of every vector (N / p^2)
-        q = cube_side(t) ** 2
-        return (3 * h * h // t, 3 * h // q, h * h // t, h // q, h * f // t, f // q, h * f // t, h // q,
-                *(h // q,) * 4)
-    return (3 * h * h // t, 3 * h // t, h * h // t, h, h * f // t, f // t, h * f // t, h, *(h,) * 4)
+        out_split, h_split = mesh  # column-first outputs by d1; the hidden dim by d2
+    elif backend == "3d":  # TP position 0 holds a diagonal block of every vector (N / p^2)
+        out_split = h_split = cube_side(t) ** 2
+    else:
+        out_split, h_split = t, 1
+    return (qkv * h // t, b * qkv // out_split, h * h // t, b * h // h_split, h * fc1 // t,
+            b * fc1 // out_split, h * f // t, b * h // h_split, h // h_split, nb * h // h_split,
+            h // h_split, nb * h // h_split)
 
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
@@ -109,7 +99,8 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     Megatron 1-D: the measured inventory of Megatron's local layer (``describe.saved``; with
     dropout, e = 2, f = 4h: Korthikanti et al. 2022's sbh(10 + 24/t) + 5 a s^2 b / t plus norm
     statistics, the causal mask and the fp32 softmax output).
-    ATP and 3-D (Korthikanti's terms, not measured): ATP shards norms and residual-side tensors
+    ATP and 3-D (Korthikanti's terms, not measured; the variant's MLP keeps
+    ``mlp_saved_per_ffn`` x ffn): ATP shards norms and residual-side tensors
     by d2, the proj input by d1, the FFN by d1, heads by d1 * d2; under 3-D every saved tensor is
     a rank's own block, 1/t of the TP-1 layer's.
     """
@@ -117,13 +108,13 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     if backend == "megatron" or mesh is None and backend == "atp":
         return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
                                  attention_dropout=attention_dropout, variant=variant)
-    gpt2_only(backend, variant)
+    mlp = variant.mlp_saved_per_ffn * f
     if backend == "3d":
-        return (tok * (e * 4 * h + 2 * h + e * (4 * h + 2 * f)) + a * s * s * b * (2 * e + 1)) / t
+        return (tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) + a * s * s * b * (2 * e + 1)) / t
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh
         n = d1 * d2
-        return (tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + 2 * f / d1) + 2 * h / d2)
+        return (tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + mlp / d1) + 2 * h / d2)
                 + a * s * s * b / n * (2 * e + 1))
     raise ModelingError(f"no activation model for backend {backend!r}")
 

@@ -74,9 +74,7 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
         norm += tok * e * h
     hidden_mask = tok * h * mask if hidden_dropout else 0
     if block == "mlp":
-        # GeLU keeps its input and output; SwiGLU fc1's [gate; up] (2f), silu(gate) and the
-        # product: 5 f per token (measured)
-        return norm + tok * e * h + tok * e * (5 if variant.gated else 2) * f / t + hidden_mask
+        return norm + tok * e * h + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
     probs = b * a * s * s / t
     # Softmax keeps its output (fp32 by Megatron's default attention_softmax_in_fp32); the
     # attention-over-V GEMM keeps its input in e bytes: the dropped-out probabilities, or the

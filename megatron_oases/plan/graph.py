@@ -127,10 +127,11 @@ def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
     return Reshard(forward=None, backward=op, ranks_backward=ranks)
 
 
-def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
-    """Weights + biases + norm of one block on one rank (``describe.registry.layer_param_tensors``
-    of Megatron's layer, split in two)."""
-    tensors = layer_param_tensors("megatron", m.hidden_size, m.ffn_hidden_size, s.degree, None,
+def block_params(s: Strategy, m: PlanModel, kind: str) -> int:
+    """Weights + biases + norm of one block on one rank: the family's layer parameters
+    (``describe.registry.layer_param_tensors``) split into the attention and the MLP block."""
+    mesh = s.mesh if s.family == "atp" else None
+    tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, mesh,
                                   heads=m.num_attention_heads, variant=m.variant)
     qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b = tensors
     if kind == "attention":
@@ -148,7 +149,7 @@ def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
     d1, d2 = s.mesh
     return atp_2d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                             heads=m.num_attention_heads, ffn=m.ffn_hidden_size, d1=d1, d2=d2,
-                            bytes_per_element=m.bytes_per_element)
+                            bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
 def _split_at(ops, name: str) -> tuple[tuple, tuple]:
@@ -205,17 +206,6 @@ def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
     return Reshard(forward=None, backward=op, ranks_backward=tuple(range(d2)))
 
 
-def _atp_params(s: Strategy, m: PlanModel, kind: str) -> int:
-    """Weights split over the whole mesh; biases over the axis that splits their output; the
-    norms over axis 2 (``describe.registry.layer_params``, split into the two blocks)."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    d1, d2 = s.mesh
-    n = d1 * d2
-    if kind == "attention":
-        return 4 * h * h // n + 3 * h // d1 + h // d2 + 2 * h // d2
-    return 2 * h * f // n + f // d1 + h // d2 + 2 * h // d2
-
-
 def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
@@ -224,13 +214,14 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
     d1, d2 = s.mesh
     e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
-                                   t=s.degree, e=e, mesh=s.mesh)
+                                   t=s.degree, e=e, mesh=s.mesh, variant=m.variant)
     both = {k: block_activation_bytes(m, k, samples, s.degree) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / d2
     if not m.recompute:
         return full, grads
-    saved = e * tok * ((h / d2 + 3 * h / d1 + h / d1 + h / d2) if kind == "attention" else (f / d1 + h / d2))
+    qkv, fc1 = m.variant.qkv_rows(h, m.num_attention_heads), m.variant.fc1_rows(f)
+    saved = e * tok * ((h / d2 + qkv / d1 + h / d1 + h / d2) if kind == "attention" else (fc1 / d1 + h / d2))
     return saved, full + grads
 
 
@@ -239,7 +230,7 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
 def _cube_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
     return cube_3d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
-                             bytes_per_element=m.bytes_per_element)
+                             bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
 def _cube_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
@@ -266,22 +257,12 @@ def _cube_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
     return Reshard(forward=None, backward=first, ranks_backward=first_ranks, more_backward=rest)
 
 
-def _cube_params(s: Strategy, m: PlanModel, kind: str) -> int:
-    """TP rank 0's weights (1/T of each) and its diagonal blocks of the vectors (N / p^2), split
-    into the two blocks (``describe.registry.layer_param_tensors``)."""
-    tensors = layer_param_tensors("3d", m.hidden_size, m.ffn_hidden_size, s.degree, None)
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, *norms = tensors
-    if kind == "attention":
-        return qkv_w + qkv_b + proj_w + proj_b + norms[0] + norms[1]
-    return fc1_w + fc1_b + fc2_w + fc2_b + norms[2] + norms[3]
-
-
 def _cube_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Every saved tensor is a rank's own block (1/T of the dense layer's); with recompute a block
     keeps its input block only (the cube runs the stock executor's full recompute)."""
     e, h, tok = m.bytes_per_element, m.hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("3d", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads,
-                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None)
+                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None, variant=m.variant)
     both = {k: block_activation_bytes(m, k, samples, 1) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / s.degree
@@ -292,10 +273,10 @@ def _cube_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[fl
 
 FAMILIES: dict[str, Family] = {
     "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
-                       params=_megatron_params, memory=_megatron_memory),
-    "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=_atp_params,
+                       params=block_params, memory=_megatron_memory),
+    "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=block_params,
                   memory=_atp_memory, split=_atp_split, mixes=False),
-    "3d": Family(describe=_cube_describe, group_ranks=_cube_ranks, reshard=_cube_reshard, params=_cube_params,
+    "3d": Family(describe=_cube_describe, group_ranks=_cube_ranks, reshard=_cube_reshard, params=block_params,
                  memory=_cube_memory, split=_split_named("3d.ln2", "3d.proj.bwd"), mixes=False),
 }
 
@@ -334,8 +315,6 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 def feasible(s: Strategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can)."""
     d = s.degree
-    if s.family != "megatron" and not m.variant.is_default:
-        return f"the {s.family} description has no Llama-family layers yet"
     if s.family == "3d":
         try:
             p = cube_side(d)
@@ -348,7 +327,7 @@ def feasible(s: Strategy, m: PlanModel) -> str:
             return "3-D TP runs the stock executor (no Oases tape): plan with --sub-batches 1"
         if m.micro_batch_size % (p * p) or h % (p * p) or f % (p * p) or a % p:
             return f"micro-batch {m.micro_batch_size}, hidden {h}, ffn {f} must divide by p^2 = {p * p}, heads {a} by p"
-        return ""
+        return _describe_refuses(s, m)
     if s.family == "atp":
         d1, d2 = s.mesh
         h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
@@ -358,7 +337,7 @@ def feasible(s: Strategy, m: PlanModel) -> str:
             return f"hidden {h} and heads {a} must divide by {d}, ffn {f} by {d1}"
         if m.micro_batch_size % m.sub_batches:
             return f"micro-batch {m.micro_batch_size} does not split into {m.sub_batches} sub-batches"
-        return ""
+        return _describe_refuses(s, m)
     if d < 1 or m.tp % d:
         return f"degree {d} does not divide T={m.tp}"
     if m.hidden_size % d or m.num_attention_heads % d or m.ffn_hidden_size % d:
@@ -369,6 +348,16 @@ def feasible(s: Strategy, m: PlanModel) -> str:
     share //= m.tp
     if d > 1 and share % m.sub_batches:
         return f"a replica's {share} sample(s) do not split into {m.sub_batches} sub-batches"
+    return ""
+
+
+def _describe_refuses(s: Strategy, m: PlanModel) -> str:
+    """What the family's description refuses for ``m`` (e.g. key/value groups a mesh or cube
+    cannot split whole), or ""."""
+    try:
+        FAMILIES[s.family].describe(s, m, m.micro_batch_size)
+    except ModelingError as e:
+        return str(e)
     return ""
 
 
