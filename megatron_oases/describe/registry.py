@@ -79,15 +79,17 @@ def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | N
 def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *,
                         heads: int = 1, variant: LayerVariant = GPT2) -> tuple[int, ...]:
     """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
-    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor). The
-    optimizer and the gradient norm run tensor by tensor, so their cost depends on these sizes,
-    not only on the sum. ``heads`` matters only with the variant's GQA."""
+    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor), then
+    under QK-norm the query and key norms' weight and bias (head_dim each, replicated over TP).
+    The optimizer and the gradient norm run tensor by tensor, so their cost depends on these
+    sizes, not only on the sum. ``heads`` matters only with the variant's GQA and QK-norm."""
     if backend == "megatron" and not variant.is_default:
         qkv, fc1 = variant.qkv_rows(h, heads), variant.fc1_rows(f)
         b = 1 if variant.bias else 0
         nb = 1 if variant.normalization == "LayerNorm" else 0
+        qk_norms = (h // heads, nb * h // heads) * 2 if variant.qk_norm else ()
         return (qkv * h // t, b * qkv // t, h * h // t, b * h, h * fc1 // t, b * fc1 // t, h * f // t, b * h,
-                h, nb * h, h, nb * h)
+                h, nb * h, h, nb * h, *qk_norms)
     gpt2_only(backend, variant)
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh

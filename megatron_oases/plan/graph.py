@@ -132,9 +132,9 @@ def _megatron_params(s: Strategy, m: PlanModel, kind: str) -> int:
     of Megatron's layer, split in two)."""
     tensors = layer_param_tensors("megatron", m.hidden_size, m.ffn_hidden_size, s.degree, None,
                                   heads=m.num_attention_heads, variant=m.variant)
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b = tensors
+    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b, *qk_norms = tensors
     if kind == "attention":
-        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b
+        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b + sum(qk_norms)
     return fc1_w + fc1_b + fc2_w + fc2_b + ln2_w + ln2_b
 
 
