@@ -67,7 +67,7 @@ def gpt2_only(backend: str, variant: LayerVariant) -> None:
     """The ATP and 3-D descriptions know GPT-2's layer only (yet)."""
     if not variant.is_default:
         raise ModelingError(f"the {backend} description has no Llama-family layers yet "
-                            f"(GQA, SwiGLU, RMSNorm, no bias); describe them with --tp-backend megatron")
+                            f"(GQA, SwiGLU, RMSNorm, no bias, RoPE, QK-norm); describe them with --tp-backend megatron")
 
 
 def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *, heads: int = 1,

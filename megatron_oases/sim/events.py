@@ -48,7 +48,7 @@ class ModelConfig:
     Megatron-LM's pretrain_gpt.py uses 0.1): part of the layer events' keys, since the profiler
     runs them with the dropout."""
     variant: LayerVariant = GPT2
-    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias)."""
+    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias, RoPE, QK-norm)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):

@@ -87,7 +87,8 @@ def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
     spec = get_gpt_layer_local_spec(qk_layernorm=variant.qk_norm, normalization=variant.normalization)
-    layer = build_module(spec, config=config, layer_number=1, pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
+    layer = build_module(spec, config=config, layer_number=1,
+                         pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
     return layer.to(device=device, dtype=dtype).train()
 
 
