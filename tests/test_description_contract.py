@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
-from megatron_oases.describe.ops import LayerVariant
+from megatron_oases.describe.ops import GPT2, LayerVariant
 from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests.rank_fns_contract import layer_contract
@@ -46,11 +46,12 @@ LLAMA_F = 64
 
 
 def llama_model(heads: int, groups: int) -> tuple[list[str], LayerVariant]:
-    """A Llama-style layer (GQA, SwiGLU, RMSNorm, no bias) and the variant describing it."""
+    """A Llama-style layer (GQA, SwiGLU, RMSNorm, no bias, QK-norm) and the variant describing it."""
     argv = [*MODEL, "--num-attention-heads", str(heads), "--ffn-hidden-size", str(LLAMA_F),
             "--swiglu", "--group-query-attention", "--num-query-groups", str(groups),
-            "--normalization", "RMSNorm", "--disable-bias-linear"]
-    return argv, LayerVariant(query_groups=groups, gated=True, normalization="RMSNorm", bias=False)
+            "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm"]
+    return argv, LayerVariant(query_groups=groups, gated=True, normalization="RMSNorm", bias=False,
+                              qk_norm=True)
 
 
 @pytest.mark.parametrize("d1, d2", [(2, 2), (1, 2)])
@@ -71,7 +72,15 @@ def test_atp_llama_layer_issues_what_its_description_says(d1, d2):
     assert {out["params"] for out in outs} == {per_rank}
 
 
-def test_megatron_1d_layer_parameters_per_rank():
-    outs = run_on_ranks(layer_contract, 2, args=(MODEL + ["--tensor-model-parallel-size", "2"], B, S, H),
-                        timeout_s=120)
-    assert {out["params"] for out in outs} == {layer_params("megatron", H, 4 * H, 2, None)}
+LLAMA_QKN = (["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--disable-bias-linear",
+              "--position-embedding-type", "rope", "--qk-layernorm"],
+             LayerVariant(query_groups=2, gated=True, bias=False, rotary=True, qk_norm=True))
+
+
+@pytest.mark.parametrize("extra, variant", [([], GPT2), LLAMA_QKN], ids=["gpt2", "llama-rope-qk-norm"])
+def test_megatron_1d_layer_parameters_per_rank(extra, variant):
+    """QK-norm adds a LayerNorm weight and bias of head_dim for queries and keys, replicated."""
+    argv = MODEL + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", str(4 * H), *extra]
+    outs = run_on_ranks(layer_contract, 2, args=(argv, B, S, H), timeout_s=120)
+    want = layer_params("megatron", H, 4 * H, 2, None, heads=A, variant=variant)
+    assert {out["params"] for out in outs} == {want}

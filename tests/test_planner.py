@@ -415,6 +415,25 @@ def test_cube_event_keys_are_the_simulators():
     assert all(pricer.events[k].dims == sim[k].dims for k in ours)
 
 
+def test_rope_and_qk_norm_reach_the_variant_and_the_price():
+    """QK-norm adds replicated q/k norm weights to attention blocks; both add element-wise work
+    and saved bytes to attention, none to MLP; a plan with them solves."""
+    topo = load_topology("pcie-3090-2node")
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
+    m = PlanModel(**base, position_embedding_type="rope", rotary_percent=0.5, qk_layernorm=True)
+    assert m.variant.rotary and m.variant.rotary_percent == 0.5 and m.variant.qk_norm
+    gpt, s = PlanModel(**base), Strategy(degree=2)
+    fam = family_of(s)
+    assert fam.params(s, m, "attention") - fam.params(s, gpt, "attention") == 4 * 256 // 8
+    assert fam.params(s, m, "mlp") == fam.params(s, gpt, "mlp")
+    assert block_activation_bytes(m, "attention", 4, 2) > block_activation_bytes(gpt, "attention", 4, 2)
+    assert block_activation_bytes(m, "mlp", 4, 2) == block_activation_bytes(gpt, "mlp", 4, 2)
+    cm = build_cost_model(m, topology=topo, global_batch_size=16)
+    assert solve(cm.problem, solver="dp").time_ms > 0
+    with pytest.raises(PlanError, match="rotary-percent"):
+        PlanModel(**base, rotary_percent=0.5)
+
+
 def test_gqa_blocks_never_split_a_key_value_group():
     """2 key/value groups on T = 8: attention blocks run at degree 1 or 2 only (MLP blocks are
     free); the optimum is still brute force's, and a SwiGLU/GQA model costs what its description

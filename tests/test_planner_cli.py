@@ -165,3 +165,23 @@ def test_llama_model_flags(tmp_path, capsys):
     bad = [a for a in argv if a != "--group-query-attention"]
     assert plan_main(bad) == 2
     assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err
+
+
+def test_rope_and_qk_norm_flags_and_model_file_keys(tmp_path, capsys):
+    """--position-embedding-type rope (--rotary-percent) and --qk-layernorm, or the same keys in
+    the model file, reach the plan's model and its layer variant; the plan runs."""
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--seq-length", "64", "--micro-batch-size", "8",
+            "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--swiglu", "--normalization",
+            "RMSNorm", "--disable-bias-linear", "--out", str(out), "--quiet"]
+    assert plan_main(argv + ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--qk-layernorm"]) == 0
+    model = json.loads(out.read_text())["inputs"]["model"]
+    assert (model["position_embedding_type"], model["rotary_percent"], model["qk_layernorm"]) == ("rope", 0.5, True)
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text("position_embedding_type: rope\nqk_layernorm: true\n")
+    assert plan_main(argv + ["--model", str(cfg)]) == 0
+    assert json.loads(out.read_text())["inputs"]["model"]["qk_layernorm"] is True
+    capsys.readouterr()
+    assert plan_main(argv + ["--rotary-percent", "0.5"]) == 2
+    assert "applies to --position-embedding-type rope only" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from megatron_oases.runtime.spawn import run_on_ranks
 from tests.rank_fns_saved import saved_bytes_of_one_forward
 
 RC = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+ROPE, QKN = ["--position-embedding-type", "rope"], ["--qk-layernorm"]
 CASES = {  # name: (trainer flags, schedule, recompute, fine-grained)
     "stock": ([], "stock", False, True),
     "stock-full-recompute": (RC, "stock", True, True),
@@ -52,13 +53,18 @@ def test_saved_bytes_per_layer_equal_the_description(case, dropout):
     assert got == want
 
 
+@pytest.mark.parametrize("rope_qk_norm", [False, True], ids=["gpt", "rope+qk-norm"])
 @pytest.mark.parametrize("schedule", ["stock", "oases"])
-def test_saved_bytes_bf16_and_another_shape(schedule):
-    """bf16 (norm statistics and CPU dropout noise in the input's dtype), 8 heads, s = 8, b = 2."""
-    extra = ["--schedule", "oases"] if schedule == "oases" else []
+def test_saved_bytes_bf16_and_another_shape(schedule, rope_qk_norm):
+    """bf16 (norm statistics, CPU dropout noise and RoPE's cos and sin in the input's dtype), 8
+    heads, s = 8, b = 2."""
+    from megatron_oases.describe.ops import LayerVariant
+
+    extra = (["--schedule", "oases"] if schedule == "oases" else []) + (ROPE + QKN if rope_qk_norm else [])
     got = _measured_per_layer(tp=2, b=2, s=8, h=32, a=8, dropout=0.1, bf16=True, extra=extra)
     want = layer_saved_bytes(schedule=schedule, b=2, s=8, h=32, a=8, f=128, t=2, e=2,
-                             kernels=CPU_KERNELS)
+                             kernels=CPU_KERNELS,
+                             variant=LayerVariant(rotary=rope_qk_norm, qk_norm=rope_qk_norm))
     assert got == want
 
 
@@ -75,15 +81,45 @@ LLAMA_FLAGS = ["--group-query-attention", "--num-query-groups", "2", "--swiglu",
                "96", "--normalization", "RMSNorm", "--disable-bias-linear"]
 
 
+LLAMA = dict(query_groups=2, gated=True, normalization="RMSNorm", bias=False)
+LAYERS = {  # name: (trainer flags, the description's variant fields)
+    "llama": (LLAMA_FLAGS, LLAMA),
+    "rope": (ROPE, dict(rotary=True)),
+    "qk-norm": (QKN, dict(qk_norm=True)),
+    "rope+qk-norm": (ROPE + QKN, dict(rotary=True, qk_norm=True)),
+    "llama+half-rope+qk-norm": (LLAMA_FLAGS + ROPE + ["--rotary-percent", "0.5"] + QKN,
+                                dict(LLAMA, rotary=True, rotary_percent=0.5, qk_norm=True)),
+}
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
 @pytest.mark.parametrize("case", ["stock", "oases", "oases-fine-grained-recompute"])
-def test_saved_bytes_of_llama_layers(case):
-    """GQA (2 groups of 2 heads), SwiGLU (f 96), RMSNorm, no bias: the description's variant."""
+def test_saved_bytes_of_llama_layers(case, layer):
+    """GQA (2 groups of 2 heads), SwiGLU (f 96), RMSNorm, no bias; RoPE (whole or half of each
+    head) and QK-norm, with and without GQA: the description's variant."""
     from megatron_oases.describe.ops import LayerVariant
 
     flags, schedule, recompute, fine = CASES[case]
+    layer_flags, fields = LAYERS[layer]
     got = _measured_per_layer(tp=2, b=4, s=16, h=32, a=4, dropout=0.1, bf16=False,
-                              extra=flags + LLAMA_FLAGS)
-    variant = LayerVariant(query_groups=2, gated=True, normalization="RMSNorm", bias=False)
+                              extra=flags + layer_flags)
+    variant = LayerVariant(**fields)
     want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine, b=4, s=16,
-                             h=32, a=4, f=96, t=2, e=4, kernels=CPU_KERNELS, variant=variant)
+                             h=32, a=4, f=96 if variant.gated else 128, t=2, e=4, kernels=CPU_KERNELS,
+                             variant=variant)
     assert got == want
+
+
+def test_rope_and_qk_norm_keep_what_was_measured():
+    """The numbers behind the description (TP 2, fp32, b 4, s 16, h 32, 4 heads, CPU): RoPE and
+    QK-norm each keep 10,240 bytes more a layer, both 12,288; the Oases schedule rebuilds RoPE's
+    cos and sin per sub-batch (+ 2,048)."""
+    from megatron_oases.describe.ops import LayerVariant
+
+    def extra(schedule, **fields):
+        kw = dict(schedule=schedule, b=4, s=16, h=32, a=4, f=128, t=2, e=4, kernels=CPU_KERNELS)
+        return layer_saved_bytes(**kw, variant=LayerVariant(**fields)) - layer_saved_bytes(**kw)
+
+    assert (extra("stock", rotary=True), extra("stock", qk_norm=True)) == (10240, 10240)
+    assert extra("stock", rotary=True, qk_norm=True) == 12288
+    assert extra("oases", rotary=True) == 10240 + 2048

@@ -87,15 +87,15 @@ def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
     assert "TP 2 x PP 1 x DP 2 = 4 GPUs" in capsys.readouterr().out
 
 
-def test_predict_refuses_llama_layers_it_cannot_price():
-    from megatron_oases.pricing.device_model import SimError
+def test_predict_maps_rope_and_qk_norm_into_the_variant():
+    from megatron_oases.describe.ops import LayerVariant
     from megatron_oases.sim.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
-    args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--qk-layernorm",
-                                      "--device", "cpu"])
-    with pytest.raises(SimError, match="--qk-layernorm: not in the layer description yet"):
-        sim_inputs_from_train_args(args)
+    args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--qk-layernorm", "--device", "cpu",
+                                      "--position-embedding-type", "rope", "--rotary-percent", "0.5"])
+    model, _ = sim_inputs_from_train_args(args)
+    assert model.variant == LayerVariant(gated=True, rotary=True, rotary_percent=0.5, qk_norm=True)
 
 
 def test_sim_prices_llama_variants_from_flags(capsys):
@@ -104,10 +104,15 @@ def test_sim_prices_llama_variants_from_flags(capsys):
             "--hidden-size", "4096", "--ffn-hidden-size", "11008"]
     times = {}
     for name, extra in (("gpt", []), ("gqa", ["--group-query-attention", "--num-query-groups", "8"]),
-                        ("swiglu", ["--swiglu"])):
+                        ("swiglu", ["--swiglu"]),
+                        ("rope+qk-norm", ["--position-embedding-type", "rope", "--rotary-base", "500000",
+                                          "--qk-layernorm"])):
         assert sim_main(base + extra) == 0
         out = capsys.readouterr().out
         times[name] = float(out.split("iteration ")[1].split(" ms")[0])
     assert times["gqa"] < times["gpt"] < times["swiglu"]
+    assert times["gpt"] < times["rope+qk-norm"]  # their element-wise work on queries and keys
     assert sim_main(base + ["--num-query-groups", "8"]) == 2
     assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err
+    assert sim_main(base + ["--rotary-percent", "0.5"]) == 2
+    assert "apply to --position-embedding-type rope only" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """Memory per device: model states, activations per schedule and recompute mode, infeasibility."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.describe.registry import layer_activation_bytes, layer_input_bytes
 from megatron_oases.pricing.device_model import device_model
 from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events
@@ -97,6 +100,9 @@ def test_params_count_embeddings_once_per_copy():
     assert st[3].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + 2 * MODEL.hidden
     assert st[0].tie_allreduce is not None and st[3].tie_allreduce is not None and st[1].tie_allreduce is None
     assert GiB == 2 ** 30
+    rope = dataclasses.replace(MODEL, variant=LayerVariant(rotary=True))  # no learned position embeddings
+    st = build_stage_events(rope, Strategy(tp=2, pp=4, num_microbatches=8), _topo())
+    assert st[0].params_per_rank - st[1].params_per_rank == MODEL.vocab * MODEL.hidden // 2
 
 
 def test_oases_without_recompute_prices_its_step_boundaries():

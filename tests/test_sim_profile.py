@@ -66,12 +66,16 @@ def test_optimizer_events_run_on_the_stage_s_own_parameter_tensors():
     import torch
 
     from megatron_oases.describe.registry import layer_param_tensors
-    from megatron_oases.sim.layer_workloads import _tp1_layer, single_rank_world
+    from megatron_oases.sim.layer_workloads import _tp1_layer, single_rank_world, variant_of
 
     h, a, f, t = 32, 4, 128, 2
+    qkn = {"groups": a, "gated": 0, "norm": "LayerNorm", "bias": 1, "rope": 1.0, "qkn": 1}  # + replicated q/k norms
     with single_rank_world():
-        layer = _tp1_layer({"h": h, "a": a, "f": f, "t": t}, torch.device("cpu"), torch.float32)
-    assert sorted(p.numel() for p in layer.parameters()) == sorted(layer_param_tensors("megatron", h, f, t, None))
+        for extra in ({}, qkn):
+            d = {"h": h, "a": a, "f": f, "t": t, **extra}
+            layer = _tp1_layer(d, torch.device("cpu"), torch.float32)
+            assert sorted(p.numel() for p in layer.parameters()) == sorted(
+                layer_param_tensors("megatron", h, f, t, None, heads=a, variant=variant_of(d)))
     st = build_stage_events(TINY, Strategy(tp=2, pp=2), local_topology(4))
     for s in st:
         sizes = dict(s.optimizer.dims)["sizes"]
@@ -256,8 +260,9 @@ def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_pat
 
 @pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"]], ids=["stock", "oases"])
 def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
-    """GQA, SwiGLU, RMSNorm, no bias: the events carry the variant in their keys and dims, the
-    profiler builds that Megatron layer, and the prediction prices it."""
+    """GQA, SwiGLU, RMSNorm, no bias, RoPE and QK-norm: the events carry the variant in their keys
+    and dims, the profiler builds that Megatron layer (QK-norm, the rotary table), and the
+    prediction prices it."""
     from megatron_oases.sim.predict import predict_train_step, profile_train_args, sim_inputs_from_train_args
     from megatron_oases.sim.profiler import ProfileSettings
     from megatron_oases.train_args import build_parser
@@ -265,14 +270,13 @@ def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
     argv = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--num-layers", "2",
             "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
             "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "64", "--normalization", "RMSNorm",
-            "--disable-bias-linear", "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--device", "cpu", *schedule]
+            "--disable-bias-linear", "--position-embedding-type", "rope", "--qk-layernorm", "--seq-length", "16",
+            "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "4", "--device", "cpu",
+            *schedule]
     args = build_parser().parse_args(argv)
     model, _ = sim_inputs_from_train_args(args)
-    assert model.variant.query_groups == 2 and model.variant.gated and not model.variant.bias
+    v = model.variant
+    assert v.query_groups == 2 and v.gated and not v.bias and v.rotary and v.qk_norm
     db = profile_train_args(args, settings=ProfileSettings(nproc=2, warmup=0, reps=1, threads=1))
-    assert any("_g2_swiglu_rms_nobias" in k for k in db.events_ms)
+    assert any("_g2_swiglu_rms_nobias_rope_qkn" in k for k in db.events_ms)
     assert predict_train_step(args, db).iteration_ms > 0
-    rope = build_parser().parse_args(argv + ["--position-embedding-type", "rope"])
-    with pytest.raises(SimError, match="rope: not in the layer description"):
-        sim_inputs_from_train_args(rope)

@@ -16,7 +16,9 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     Backward runs the conjugate collectives (column-first dX on axis 1, row-first dX on axis 2,
     the head split's all-gather, the LN statistics' all-reduces).
     ``variant``: QKV's output is the queries plus a key and a value per group (GQA), fc1's is
-    ``[gate_i; up_i]`` per axis-1 part (SwiGLU: 2 x ffn), RMSNorm all-reduces one statistic.
+    ``[gate_i; up_i]`` per axis-1 part (SwiGLU: 2 x ffn), RMSNorm all-reduces one statistic;
+    RoPE and QK-norm work on the rank's own heads (element-wise, no collective; the q/k norms
+    are replicated).
     ``chunks`` (``--atp-chunks``, §4.1): the four linears' forward all-reduces run as that many
     all-reduces of one chunk each, launched while the next chunk's GEMM runs.
     """
@@ -40,7 +42,8 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     qkv = Compute(name="atp.qkv", gemm_flops=2 * tok * (h / d2) * (qkv_n / d1),
                   elementwise_bytes=e * (3 * tok * h / d2))
     core = Compute(name="atp.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / n,
-                   elementwise_bytes=e * 3 * b * (a // n) * s * s)
+                   elementwise_bytes=e * (3 * b * (a // n) * s * s
+                                          + tok * variant.qk_elementwise_per_token(h, a) / n))
     proj = Compute(name="atp.proj", gemm_flops=2 * tok * (h / d1) * (h / d2))
     fc1 = Compute(name="atp.fc1", gemm_flops=2 * tok * (h / d2) * (fc1_n / d1), elementwise_bytes=e * 3 * tok * h / d2)
     fc2 = Compute(name="atp.fc2", gemm_flops=2 * tok * (f / d1) * (h / d2), elementwise_bytes=e * 2 * tok * f / d1)

@@ -33,7 +33,8 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
     """A GPT layer on the cube of ``tp = p^3`` ranks: GPT-2's (LayerNorm, biased linears, GeLU
     MLP) or a ``variant`` (GQA widens QKV's output to queries plus a key and a value per group,
     SwiGLU fc1's to gate and up; RMSNorm has one statistic and no bias vector; without biases
-    the linears move no bias vectors)."""
+    the linears move no bias vectors; RoPE and QK-norm are element-wise on the rank's heads, the
+    q/k norms replicated, no collective)."""
     p = cube_side(tp)
     q = p * p
     b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
@@ -88,7 +89,8 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
     ln = lambda nm: Compute(name=nm, gemm_flops=0.0, elementwise_bytes=e * 4 * per)  # noqa: E731
     qkv = Compute(name="3d.qkv", gemm_flops=2 * tok * h * qkv_n / p ** 3, elementwise_bytes=e * 3 * per)
     core = Compute(name="3d.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / p ** 3,
-                   elementwise_bytes=e * 3 * (b // q) * (a // p) * s * s)
+                   elementwise_bytes=e * (3 * (b // q) * (a // p) * s * s
+                                          + tok * variant.qk_elementwise_per_token(h, a) / p ** 3))
     proj = Compute(name="3d.proj", gemm_flops=2 * tok * h * h / p ** 3, elementwise_bytes=e * 3 * per)
     fc1 = Compute(name="3d.fc1", gemm_flops=2 * tok * h * fc1_n / p ** 3, elementwise_bytes=e * 3 * per)
     fc2 = Compute(name="3d.fc2", gemm_flops=2 * tok * f * h / p ** 3,

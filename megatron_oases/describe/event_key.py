@@ -36,4 +36,6 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
     if not variant.is_default:  # GPT-2's layer keeps its keys and dims
         dims += (("groups", variant.query_groups or a), ("gated", int(variant.gated)),
                  ("norm", variant.normalization), ("bias", int(variant.bias)))
+        if variant.rotary or variant.qk_norm:  # earlier Llama profiles keep their dims
+            dims += (("rope", variant.rotary_percent if variant.rotary else 0.0), ("qkn", int(variant.qk_norm)))
     return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}", dims

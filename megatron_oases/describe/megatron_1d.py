@@ -10,12 +10,14 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     """Megatron's TP layer: [LN, QKV, core, proj] g [LN, fc1, act, fc2] g (g = all-reduce);
     in backward the f before each block all-reduces the input gradient. ``variant``: GQA shrinks
     QKV's output to the queries plus a key and a value per group; SwiGLU doubles fc1's output
-    and adds the gate's product to the element-wise work."""
+    and adds the gate's product to the element-wise work; RoPE and QK-norm each read and write
+    the rank's queries and keys (element-wise; their FLOPs are negligible)."""
     if hidden % tp or heads % tp or ffn % tp:
         raise ValueError(f"hidden {hidden}, heads {heads}, ffn {ffn} must be divisible by TP {tp}")
     b, s, h, f, t = micro_batch, seq, hidden, ffn, tp
     act = b * s * h * bytes_per_element  # one full activation [s, b, h]
-    ew_attn = bytes_per_element * (4 * b * s * h + 3 * b * (heads // t) * s * s)  # LN + softmax
+    ew_attn = bytes_per_element * (4 * b * s * h + 3 * b * (heads // t) * s * s  # LN + softmax
+                                   + b * s * variant.qk_elementwise_per_token(h, heads) // t)
     # LN, residual, GeLU; a gated unit reads gate and up and writes their product
     ew_mlp = bytes_per_element * (4 * b * s * h + (5 if variant.gated else 2) * b * s * f // t)
     attn = Compute(name="attention",

@@ -86,15 +86,24 @@ class LayerVariant:
     """Which GPT layer: GPT-2's by default; Llama-family options change its shapes.
 
     ``query_groups``: key/value groups (None: one per head, no GQA); ``gated``: SwiGLU MLP (fc1
-    computes gate and up, 2 x ffn rows); ``normalization``: LayerNorm or RMSNorm. Rotary
-    embeddings and QK-norm are not described yet (their FLOPs are small; the simulator refuses
-    them rather than price them as absent)."""
+    computes gate and up, 2 x ffn rows); ``normalization``: LayerNorm or RMSNorm; ``rotary``:
+    rotary embeddings on queries and keys (no parameters; the model then has no learned position
+    embeddings); ``qk_norm``: Megatron's ``qk_layernorm``, a ``normalization`` over each head's
+    query and key (head_dim features, weights replicated over TP)."""
 
     query_groups: int | None = None
     gated: bool = False
     normalization: str = "LayerNorm"
     bias: bool = True
     """Linears with bias (``--disable-bias-linear`` turns them off)."""
+    rotary: bool = False
+    rotary_percent: float = 1.0
+    """The part of each head's dimension RoPE rotates (``--rotary-percent``)."""
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rotary_percent <= 1.0 or (self.rotary_percent != 1.0 and not self.rotary):
+            raise ValueError(f"rotary_percent {self.rotary_percent} must be in (0, 1], and 1 without rotary")
 
     @property
     def is_default(self) -> bool:
@@ -104,6 +113,20 @@ class LayerVariant:
         """Output features of QKV: queries of every head plus a key and a value per group."""
         groups = self.query_groups or heads
         return hidden // heads * (heads + 2 * groups)
+
+    def qk_rows(self, hidden: int, heads: int) -> int:
+        """Features of the queries and keys (what RoPE and QK-norm work on)."""
+        return hidden // heads * (heads + (self.query_groups or heads))
+
+    def qk_elementwise_per_token(self, hidden: int, heads: int) -> int:
+        """Elements RoPE and QK-norm read and write per token over the whole layer (each reads
+        and writes the queries and keys); a backend divides by its split of the heads."""
+        return 2 * self.qk_rows(hidden, heads) * (self.rotary + self.qk_norm)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Features of a head RoPE rotates: Megatron's ``int(kv_channels * rotary_percent)``,
+        rounded up to even (its frequency table repeats ``dim / 2`` frequencies)."""
+        return -(-int(head_dim * self.rotary_percent) // 2) * 2 if self.rotary else 0
 
     def fc1_rows(self, ffn: int) -> int:
         """Output features of fc1 (gate and up under SwiGLU)."""
@@ -116,12 +139,19 @@ class LayerVariant:
         their product (5)."""
         return 5 if self.gated else 2
 
+    def position_params(self, seq: int, hidden: int) -> int:
+        """Learned absolute position embeddings of the model (none under rotary embeddings)."""
+        return 0 if self.rotary else seq * hidden
+
     def key(self) -> str:
         """Suffix of the event keys (empty for GPT-2's layer, so its profiles keep their keys)."""
         return ((f"_g{self.query_groups}" if self.query_groups else "")
                 + ("_swiglu" if self.gated else "")
                 + ("_rms" if self.normalization == "RMSNorm" else "")
-                + ("" if self.bias else "_nobias"))
+                + ("" if self.bias else "_nobias")
+                + (("_rope" + (f"{self.rotary_percent:g}" if self.rotary_percent != 1.0 else ""))
+                   if self.rotary else "")
+                + ("_qkn" if self.qk_norm else ""))
 
 
 GPT2 = LayerVariant()

@@ -72,12 +72,15 @@ def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | N
 def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *,
                         heads: int = 1, variant: LayerVariant = GPT2) -> tuple[int, ...]:
     """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
-    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor). The
-    optimizer and the gradient norm run tensor by tensor, so their cost depends on these sizes,
-    not only on the sum. ``heads`` matters only with the variant's GQA."""
+    QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor), then
+    under QK-norm the query and key norms' weight and bias (head_dim each, replicated over TP on
+    every backend). The optimizer and the gradient norm run tensor by tensor, so their cost
+    depends on these sizes, not only on the sum. ``heads`` matters only with the variant's GQA
+    and QK-norm."""
     qkv, fc1 = variant.qkv_rows(h, heads), variant.fc1_rows(f)
     b = 1 if variant.bias else 0
     nb = 1 if variant.normalization == "LayerNorm" else 0
+    qk_norms = (h // heads, nb * h // heads) * 2 if variant.qk_norm else ()
     # the vectors' splits: (QKV and fc1 outputs, proj and fc2 outputs and norms)
     if backend == "atp" and mesh is not None:
         out_split, h_split = mesh  # column-first outputs by d1; the hidden dim by d2
@@ -87,7 +90,7 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
         out_split, h_split = t, 1
     return (qkv * h // t, b * qkv // out_split, h * h // t, b * h // h_split, h * fc1 // t,
             b * fc1 // out_split, h * f // t, b * h // h_split, h // h_split, nb * h // h_split,
-            h // h_split, nb * h // h_split)
+            h // h_split, nb * h // h_split, *qk_norms)
 
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,

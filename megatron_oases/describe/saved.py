@@ -19,14 +19,27 @@ mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise, CPU nor
 statistics in the input's dtype, and CPU RMSNorm also its normalised input. The Oases schedule draws its own ``bool`` masks on every device.
 
 The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
-forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask per
-further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
+forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask (and
+RoPE's tables) per further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
 all-reduce outputs) plus, per dropout site, the generator state for the redraw.
 Grouped-query attention keeps the same 3 h / t of Q, K, V (the query copy and the keys and
 values repeated to their heads replace QKV's smaller output); SwiGLU keeps 5 f / t instead of
-GeLU's 2 f / t; linears without bias keep the same. Rotary embeddings and QK-norm are not
-described yet. ``tests/test_saved_bytes_budget.py`` checks every number here against saved-tensor
-hooks.
+GeLU's 2 f / t; linears without bias keep the same.
+
+Rotary embeddings and QK-norm (per rank; q k = b s (a + g) d / t elements of queries and keys, d
+the head dim, g the key/value groups): either one gives the attention core new q and k, kept
+beside QKV's output without GQA (+ e q k; with GQA they replace its copies: + 0). QK-norm adds
+its statistics per head and token (2 for LayerNorm, 1 for RMSNorm, ``norm_stat`` bytes each, per
+q k / d rows; on CPU RMSNorm also its normalised input, + e q k) and, with GQA, QKV's output,
+which its input views (+ e b s d (a + 2 g) / t). RoPE builds cos and sin for q and for k on
+every call: 4 s r e bytes (r the rotated dim, ``rotary_percent`` of d), once per Oases
+sub-batch; its frequency table is the model's, not the layer's. Measured at TP 2, fp32, b 4,
+s 16, h 32, 4 heads: + 10,240 bytes a layer for RoPE, + 10,240 for QK-norm, + 12,288 for both
+(the rotated q and k replace the normalised ones); under the Oases schedule + 2,048 more for
+RoPE's second sub-batch. For CUDA the same torch ops run (no RoPE fusion, local spec), so the
+same inventory with ``CUDA_KERNELS``' fp32 statistics and a fused RMSNorm that keeps no
+normalised input is assumed (not measured). ``tests/test_saved_bytes_budget.py`` checks every
+number here against saved-tensor hooks.
 """
 from __future__ import annotations
 
@@ -67,11 +80,8 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     if block not in BLOCKS:
         raise ValueError(f"block {block!r} is not one of {BLOCKS}")
     tok = b * s
-    stat = e if kernels.norm_stat is None else kernels.norm_stat
     mask = e if kernels.dropout_mask is None else kernels.dropout_mask
-    norm = tok * (e * h + _NORM_STATS[variant.normalization] * stat)
-    if variant.normalization == "RMSNorm" and kernels.rms_norm_keeps_normalized:
-        norm += tok * e * h
+    norm = tok * e * h + _norm_beyond_input(tok, h, e=e, kernels=kernels, variant=variant)
     hidden_mask = tok * h * mask if hidden_dropout else 0
     if block == "mlp":
         return norm + tok * e * h + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
@@ -81,8 +91,43 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     # softmax output itself (or its cast to e bytes) without attention dropout.
     soft = 4 if softmax_in_fp32 else e
     gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
-    attention = soft * probs + gemm_input * probs + s * s
-    return norm + tok * e * h + tok * e * 4 * h / t + attention + hidden_mask
+    attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
+    qk = _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    return norm + tok * e * h + tok * e * 4 * h / t + qk + attention + hidden_mask
+
+
+def _norm_beyond_input(rows: float, width: int, *, e: int, kernels: Kernels, variant: LayerVariant) -> float:
+    """What a norm of ``variant.normalization`` over ``rows`` vectors of ``width`` features keeps
+    besides its input: its statistics per row and, on CPU, RMSNorm's normalised input."""
+    stat = e if kernels.norm_stat is None else kernels.norm_stat
+    kept = rows * _NORM_STATS[variant.normalization] * stat
+    if variant.normalization == "RMSNorm" and kernels.rms_norm_keeps_normalized:
+        kept += rows * width * e
+    return kept
+
+
+def _rope_qk_norm_bytes(*, tok: int, h: int, a: int, t: int, e: int, kernels: Kernels,
+                        variant: LayerVariant) -> float:
+    """What RoPE and QK-norm make attention keep beyond GPT-2's Q, K and V (measured on CPU).
+
+    Either gives the attention core new query and key tensors: without GQA it then keeps them
+    beside QKV's output (V views it still); with GQA they replace the copies it makes anyway.
+    QK-norm keeps its statistics per head and token and its input, a view of QKV's output (which
+    under GQA nothing else keeps). RoPE's own tensors are per call (``per_call_bytes``)."""
+    head_dim, qk = h // a, tok * variant.qk_rows(h, a) / t
+    grouped = (variant.query_groups or a) != a
+    kept = e * qk if (variant.rotary or variant.qk_norm) and not grouped else 0
+    if variant.qk_norm:
+        kept += _norm_beyond_input(qk / head_dim, head_dim, e=e, kernels=kernels, variant=variant)
+        kept += e * tok * variant.qkv_rows(h, a) / t if grouped else 0
+    return kept
+
+
+def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
+    """What an attention call keeps whatever its batch size, built anew by every call (so once per
+    Oases sub-batch): the causal mask (s^2 bools) and RoPE's cos and sin tables for the queries
+    and for the keys (s x the rotated dim each, in the activations' dtype)."""
+    return s * s + 4 * s * variant.rotary_dim(h // a) * e
 
 
 def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
@@ -109,11 +154,14 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, kernels=k, variant=variant)
     kept = sum(block_saved_bytes(blk, **kw) for blk in BLOCKS)
-    return kept + (oases_kept_beyond_stock(hidden, s=s, sub_batches=sub_batches) if oases else 0)
+    extra = oases_kept_beyond_stock(hidden, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches)
+    return kept + (extra if oases else 0)
 
 
-def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, sub_batches: int = 2) -> float:
+def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,
+                            variant: LayerVariant = GPT2, sub_batches: int = 2) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
     the outputs of its two forward all-reduces (each sub-batch's step boundary, one hidden state
-    per layer in all, as the rank holds it) and a causal mask per further sub-batch."""
-    return 2 * hidden_state_bytes + (sub_batches - 1) * s * s
+    per layer in all, as the rank holds it) and, per further sub-batch, what each attention call
+    builds anew (``per_call_bytes``: the causal mask, RoPE's tables)."""
+    return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)

@@ -243,7 +243,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     mem = np.array([arr(kd, "state_bytes") + arr(kd, "saved_bytes") for kd in kinds])
     peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
     e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.vocab_size, m.tp, m.micro_batch_size, m.seq_length)
-    emb_params = V * h // T + s * h + 2 * h
+    emb_params = V * h // T + m.variant.position_params(s, h) + 2 * h
     const = (emb_params * state_bytes_per_param(m, dims.dp if m.distributed_optimizer else 1)
              + b * s * h * e + b * s * (V // T) * (e + 4))
     ties = tuple((2 * i, 2 * i + 1) for i in range(m.num_layers)) if granularity == "layer" else ()

@@ -133,9 +133,9 @@ def block_params(s: Strategy, m: PlanModel, kind: str) -> int:
     mesh = s.mesh if s.family == "atp" else None
     tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, mesh,
                                   heads=m.num_attention_heads, variant=m.variant)
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b = tensors
+    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b, *qk_norms = tensors
     if kind == "attention":
-        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b
+        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b + sum(qk_norms)
     return fc1_w + fc1_b + fc2_w + fc2_b + ln2_w + ln2_b
 
 

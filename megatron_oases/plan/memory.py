@@ -39,5 +39,6 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     if m.recompute:
         return (2 if kind == "attention" else 1) * one, full + 2 * one
     if m.sub_batches == 2 and degree > 1:  # the Oases executor's step boundary, one per block
-        full += oases_kept_beyond_stock(one, s=m.seq_length) / 2
+        full += oases_kept_beyond_stock(one, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                                        e=m.bytes_per_element, variant=m.variant) / 2
     return full, 2 * one

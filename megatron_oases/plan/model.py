@@ -58,6 +58,12 @@ class PlanModel:
     """--normalization LayerNorm | RMSNorm"""
     add_bias_linear: bool = True
     """False with --disable-bias-linear."""
+    position_embedding_type: str = "learned_absolute"
+    """--position-embedding-type learned_absolute | rope (rotary embeddings on queries and keys)."""
+    rotary_percent: float = 1.0
+    """--rotary-percent: the part of each head RoPE rotates (rope only)."""
+    qk_layernorm: bool = False
+    """--qk-layernorm: a --normalization over each head's query and key."""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -81,6 +87,14 @@ class PlanModel:
                             f"{self.num_attention_heads}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise PlanError(f"--normalization must be LayerNorm or RMSNorm (got {self.normalization!r})")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise PlanError(f"--position-embedding-type must be learned_absolute or rope "
+                            f"(got {self.position_embedding_type!r})")
+        rope = self.position_embedding_type == "rope"
+        if isinstance(self.rotary_percent, bool) or not isinstance(self.rotary_percent, (int, float)) \
+                or not 0.0 < self.rotary_percent <= 1.0 or (self.rotary_percent != 1.0 and not rope):
+            raise PlanError(f"--rotary-percent must be in (0, 1] and applies to --position-embedding-type rope "
+                            f"only (got {self.rotary_percent!r})")
         if self.sub_batches not in (1, 2):
             raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
@@ -89,8 +103,10 @@ class PlanModel:
     @property
     def variant(self) -> LayerVariant:
         """The layer variant the descriptions price (GPT-2's, or Llama-family options)."""
+        rope = self.position_embedding_type == "rope"
         return LayerVariant(query_groups=self.num_query_groups or None, gated=self.swiglu,
-                            normalization=self.normalization, bias=self.add_bias_linear)
+                            normalization=self.normalization, bias=self.add_bias_linear, rotary=rope,
+                            rotary_percent=self.rotary_percent, qk_norm=self.qk_layernorm)
 
     @property
     def bytes_per_element(self) -> int:

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swiglu", action="store_true", default=None)
     p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
     p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
+    p.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default=None)
+    p.add_argument("--rotary-percent", type=float, default=None, help="part of each head RoPE rotates (rope only)")
+    p.add_argument("--qk-layernorm", action="store_true", default=None)
     p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
@@ -120,7 +123,8 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
             "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
             "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
-            "num_query_groups": _query_groups(a)}
+            "num_query_groups": _query_groups(a), "position_embedding_type": a.position_embedding_type,
+            "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm}
     return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
 
 

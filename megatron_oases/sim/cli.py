@@ -51,6 +51,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (--ffn-hidden-size is the gate's size)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="part of each head RoPE rotates (rope only)")
+    g.add_argument("--rotary-base", type=int, default=10000,
+                   help="accepted as Megatron takes it (rope only); it changes no cost")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalise queries and keys per head")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
 
@@ -120,8 +125,14 @@ def _variant(a: argparse.Namespace) -> LayerVariant:
     groups = (a.num_query_groups or 1) if a.group_query_attention else None
     if groups is not None and (groups < 1 or (a.num_attention_heads or 0) % groups):
         raise SimError(f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
+    rope = a.position_embedding_type == "rope"
+    if not rope and (a.rotary_percent != 1.0 or a.rotary_base != 10000):
+        raise SimError("--rotary-percent and --rotary-base apply to --position-embedding-type rope only")
+    if not 0.0 < a.rotary_percent <= 1.0:
+        raise SimError(f"--rotary-percent must be in (0, 1] (got {a.rotary_percent})")
     return LayerVariant(query_groups=groups, gated=a.swiglu, normalization=a.normalization,
-                        bias=a.add_bias_linear)
+                        bias=a.add_bias_linear, rotary=rope, rotary_percent=a.rotary_percent,
+                        qk_norm=a.qk_layernorm)
 
 
 def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strategy:

@@ -48,7 +48,7 @@ class ModelConfig:
     Megatron-LM's pretrain_gpt.py uses 0.1): part of the layer events' keys, since the profiler
     runs them with the dropout."""
     variant: LayerVariant = GPT2
-    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias)."""
+    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias, RoPE, QK-norm)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -350,14 +350,15 @@ def _segments(*parts: tuple[list[Event], int]) -> tuple[tuple[tuple[Event, ...],
 
 def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> tuple[int, ...]:
     """Sizes of the parameter tensors one rank of ``stage`` holds (layers of all its chunks, then
-    the word and position embeddings on the first stage, the final norm and the output layer on
+    the word and learned position embeddings on the first stage, the final norm and the output layer on
     the last)."""
     m, s = model, strategy
     out = layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh, heads=m.heads,
                               variant=m.variant) * (m.num_layers // s.pp)
     emb = m.vocab * m.hidden // s.tp
     if stage == 0:
-        out += (emb, m.seq * m.hidden)  # word + learned position embeddings
+        positions = m.variant.position_params(m.seq, m.hidden)  # learned; none under RoPE
+        out += (emb, positions) if positions else (emb,)
     if stage == s.pp - 1:
         out += (m.hidden, m.hidden)  # final LayerNorm
         if s.pp > 1 or not m.tied_embeddings:

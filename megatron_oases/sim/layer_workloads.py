@@ -2,8 +2,9 @@
 
 One rank of a TP-t layer computes what a TP-1 layer with a/t heads (kv_channels h/a) and an f/t
 FFN computes, minus the collectives. So the profiler builds that TP-1 layer (local spec, the
-trainer's fusion settings, the event's dropout rates and dtype) on a private one-rank process
-group and times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
+trainer's fusion settings, the event's dropout rates, dtype and layer variant: GQA, SwiGLU,
+RMSNorm, bias, QK-norm, and under RoPE the rotary table GPTModel hands its layers) on a private
+one-rank process group and times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
 dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU (one
 thread, b 4, TP-2 shapes) a real layer cost 14% more than they do at dropout 0.1 and 5% at
 dropout 0; through the Oases executor 23% and 15%.
@@ -79,15 +80,29 @@ def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
         num_query_groups=variant.query_groups // t if variant.query_groups else None,
         gated_linear_unit=variant.gated, add_bias_linear=variant.bias,
         activation_func=torch.nn.functional.silu if variant.gated else torch.nn.functional.gelu,
-        normalization=variant.normalization,
+        normalization=variant.normalization, qk_layernorm=variant.qk_norm,
         hidden_dropout=float(d.get("hd", 0.0)), attention_dropout=float(d.get("ad", 0.0)),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
-    layer = build_module(get_gpt_layer_local_spec(normalization=variant.normalization), config=config, layer_number=1,
+    spec = get_gpt_layer_local_spec(qk_layernorm=variant.qk_norm, normalization=variant.normalization)
+    layer = build_module(spec, config=config, layer_number=1,
                          pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
     return layer.to(device=device, dtype=dtype).train()
+
+
+def _rotary_table(d: dict, device: torch.device):
+    """The rotary embeddings ``[s, 1, 1, dim]`` GPTModel hands every layer under RoPE (Megatron's
+    ``RotaryEmbedding``; the base changes the values, not the work), else None."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    variant = variant_of(d)
+    if not variant.rotary:
+        return None
+    rope = RotaryEmbedding(kv_channels=int(d["h"]) // int(d["a"]), rotary_percent=variant.rotary_percent,
+                           use_cpu_initialization=device.type == "cpu")
+    return rope(int(d["s"])).to(device)
 
 
 def _with_memory_buffer(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -115,9 +130,10 @@ def variant_of(d: dict):
 
     if "groups" not in d:
         return GPT2
-    groups = int(d["groups"])
+    groups, rope = int(d["groups"]), float(d.get("rope", 0.0))
     return LayerVariant(query_groups=groups if groups != int(d["a"]) else None, gated=bool(int(d["gated"])),
-                        normalization=str(d["norm"]), bias=bool(int(d["bias"])))
+                        normalization=str(d["norm"]), bias=bool(int(d["bias"])), rotary=rope > 0,
+                        rotary_percent=rope or 1.0, qk_norm=bool(int(d.get("qkn", 0))))
 
 
 def _wgrad(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
@@ -157,7 +173,8 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
     g = torch.Generator(device="cpu").manual_seed(0)
     env = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype)
            for n in ("x", "h1", "mlp_sum", "attn_sum")}
-    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1)
+    inputs = BlockInputs(attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1),
+                         rotary_pos_emb=_rotary_table(d, device))
     oases = executor == "oases"
 
     def dropout_scope():
@@ -171,7 +188,7 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
         with dropout_scope(), torch.enable_grad():
             for st in pieces:
                 ins = {n: local[n].detach().requires_grad_() if oases else local[n] for n in st.inputs}
-                got = st.fn(ins, BlockInputs(attention_mask=mask))
+                got = st.fn(ins, inputs)
                 graphs.append((ins, got))
                 local.update({k: v.detach() for k, v in got.items()} if oases else got)
                 if "y" in got:  # the previous layer's output is this layer's input

@@ -61,7 +61,8 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     oases = s.overlap == "oases"
     saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
-    kept = full + (oases_kept_beyond_stock(inp, s=m.seq) if oases else 0.0)
+    beyond = oases_kept_beyond_stock(inp, s=m.seq, h=m.hidden, a=m.heads, e=m.bytes_per_element, variant=m.variant)
+    kept = full + (beyond if oases else 0.0)
     per_mb = n_rc * saved + (n - n_rc) * kept
     g = chunk.chunk * s.pp + chunk.stage
     if g == 0 and m.hidden_dropout > 0:

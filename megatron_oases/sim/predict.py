@@ -44,13 +44,11 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
     from ..train_args import query_groups
 
-    undescribed = [flag for flag, on in (("--position-embedding-type rope", args.position_embedding_type == "rope"),
-                                         ("--qk-layernorm", args.qk_layernorm)) if on]
-    if undescribed:
-        raise SimError(f"{', '.join(undescribed)}: not in the layer description yet, so the simulator "
-                       f"cannot price it (GQA, SwiGLU, RMSNorm and --disable-bias-linear it can)")
+    rope = args.position_embedding_type == "rope"
     variant = LayerVariant(query_groups=query_groups(args) if args.group_query_attention else None,
-                           gated=args.swiglu, normalization=args.normalization, bias=args.add_bias_linear)
+                           gated=args.swiglu, normalization=args.normalization, bias=args.add_bias_linear,
+                           rotary=rope, rotary_percent=args.rotary_percent if rope else 1.0,
+                           qk_norm=args.qk_layernorm)
     if args.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = getattr(args, "tp_backend", "megatron")
