@@ -460,6 +460,44 @@ def test_model_provider_builds_3d_from_megatron_args(on_ranks):
     assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)
 
 
+LLAMA_MLM = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+             "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--qk-layernorm", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]
+
+
+def test_model_provider_builds_llama_for_every_build_from_megatron_args(on_ranks):
+    """A Llama-style model from Megatron-LM's flags under every TP-2 build: the layer each build
+    makes, and (same CPU init, no dropout) the loss and gradients flow of stock's model."""
+    builds = {"stock": ([], "TransformerLayer", "TransformerBlock"),
+              "oases": (["--schedule", "oases"], "TransformerLayer", "OasesTransformerBlock"),
+              "plan": (["--oases-plan", PLAN], "PlannedTransformerLayer", "TransformerBlock"),
+              "plan+oases": (["--oases-plan", PLAN, "--schedule", "oases"], "PlannedTransformerLayer",
+                             "OasesTransformerBlock"),
+              "atp 1,2": (["--tp-backend", "atp", "--atp-mesh", "1,2"], "ATPTransformerLayer",
+                          "TransformerBlock"),
+              "atp 2,1 + oases": (["--tp-backend", "atp", "--atp-mesh", "2,1", "--schedule", "oases"],
+                                  "ATPTransformerLayer", "OasesTransformerBlock")}
+    losses = {}
+    for name, (extra, layer, block) in builds.items():
+        argv = TINY + ["--tensor-model-parallel-size", "2", *LLAMA_MLM, *extra]
+        out = on_ranks(_provider_rank, 2, argv, 2, timeout_s=300)
+        r = out[0]
+        assert (r["model"], r["layer"], r["block"]) == ("GPTModel", layer, block), (name, r)
+        assert math.isfinite(r["loss"]) and r["grads"] and out[1]["loss"] == pytest.approx(r["loss"])
+        losses[name] = r["loss"]
+    assert all(v == pytest.approx(losses["stock"], rel=1e-5) for v in losses.values()), losses
+
+
+def test_model_provider_builds_llama_3d_from_megatron_args(on_ranks):
+    argv = TINY + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d", *LLAMA_MLM,
+                   "--num-attention-heads", "8", "--micro-batch-size", "4", "--global-batch-size", "4"]
+    out = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
+    assert (out[0]["model"], out[0]["layer"]) == ("GPTModel", "TransformerLayer3D")
+    assert math.isfinite(out[0]["loss"]) and out[0]["grads"]
+    assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)
+
+
 # ---- megatron.training.pretrain on CPU (runtime.cpu_training_compat) --------------------------
 CPU_TRAIN = TINY + ["--distributed-backend", "gloo", "--distributed-timeout-minutes", "2",
                     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
