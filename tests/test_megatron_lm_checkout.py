@@ -452,12 +452,22 @@ def test_model_provider_builds_3d_from_megatron_args(on_ranks):
 
     if "3d" not in TP_BACKENDS:
         pytest.skip("--tp-backend 3d is not a Megatron-Core layer spec yet")
-    argv = TINY + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d",
-                   "--num-attention-heads", "8", "--micro-batch-size", "4",
-                   "--global-batch-size", "4"]
-    out = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
-    assert out[0]["model"] == "GPTModel" and math.isfinite(out[0]["loss"]) and out[0]["grads"]
-    assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)
+    _cube_equals_stock_tp8(on_ranks, [])
+
+
+def _cube_equals_stock_tp8(on_ranks, model_flags):
+    """The cube and stock TP 8 from the same Megatron-LM flags (CPU init, no dropout): the cube
+    draws Megatron's CPU master weights in Megatron's order and keeps its shards, so both start
+    from the same model and the first loss is equal."""
+    argv = TINY + ["--tensor-model-parallel-size", "8", "--num-attention-heads", "8",
+                   "--micro-batch-size", "4", "--global-batch-size", "4", "--hidden-dropout", "0",
+                   "--attention-dropout", "0", *model_flags]
+    stock = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
+    cube = on_ranks(_provider_rank, 8, argv + ["--tp-backend", "3d"], 8, timeout_s=600)
+    assert (cube[0]["model"], cube[0]["layer"]) == ("GPTModel", "TransformerLayer3D")
+    assert math.isfinite(cube[0]["loss"]) and cube[0]["grads"]
+    assert all(r["loss"] == pytest.approx(cube[0]["loss"]) for r in cube)
+    assert cube[0]["loss"] == pytest.approx(stock[0]["loss"], rel=1e-5), (cube[0], stock[0])
 
 
 LLAMA_MLM = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
@@ -490,12 +500,7 @@ def test_model_provider_builds_llama_for_every_build_from_megatron_args(on_ranks
 
 
 def test_model_provider_builds_llama_3d_from_megatron_args(on_ranks):
-    argv = TINY + ["--tensor-model-parallel-size", "8", "--tp-backend", "3d", *LLAMA_MLM,
-                   "--num-attention-heads", "8", "--micro-batch-size", "4", "--global-batch-size", "4"]
-    out = on_ranks(_provider_rank, 8, argv, 8, timeout_s=600)
-    assert (out[0]["model"], out[0]["layer"]) == ("GPTModel", "TransformerLayer3D")
-    assert math.isfinite(out[0]["loss"]) and out[0]["grads"]
-    assert all(r["loss"] == pytest.approx(out[0]["loss"]) for r in out)
+    _cube_equals_stock_tp8(on_ranks, [*LLAMA_MLM, "--num-query-groups", "8"])  # stock: groups % TP
 
 
 # ---- megatron.training.pretrain on CPU (runtime.cpu_training_compat) --------------------------
@@ -694,43 +699,56 @@ def test_pretrain_save_then_load_resumes_cpu(stock_tp2_losses, tmp_path):
 
 @needs_cpu
 def test_pretrain_3d_eight_ranks_cpu():
-    losses, _ = _train(8, ["--tensor-model-parallel-size", "8", "--tp-backend", "3d",
-                           "--num-attention-heads", "8", "--micro-batch-size", "4",
-                           "--global-batch-size", "4"], 2, timeout_s=540)
-    assert len(losses) == 2
+    """The cube through Megatron-LM's ``pretrain`` logs stock TP 8's losses (same CPU init)."""
+    tp8 = ["--tensor-model-parallel-size", "8", "--num-attention-heads", "8",
+           "--micro-batch-size", "4", "--global-batch-size", "4"]
+    cube, _ = _train(8, tp8 + ["--tp-backend", "3d"], 2, timeout_s=540)
+    stock, _ = _train(8, tp8, 2, timeout_s=540)
+    assert cube == pytest.approx(stock, rel=1e-5)
 
 
-def _doc_block(path: str, heading: str) -> str:
-    """The first ```bash block after ``heading`` in a Markdown file."""
+def _doc_blocks(path: str, heading: str, count: int) -> list[str]:
+    """The first ``count`` ```bash blocks after ``heading`` in a Markdown file."""
     text = open(path, encoding="utf-8").read()
-    after = text[text.index(heading):]
-    start = after.index("```bash\n") + len("```bash\n")
-    return after[start:after.index("```", start)]
+    after, blocks = text[text.index(heading):], []
+    for _ in range(count):
+        start = after.index("```bash\n") + len("```bash\n")
+        blocks.append(after[start:after.index("```", start)])
+        after = after[after.index("```", start) + 3:]
+    return blocks
 
 
 @needs_cpu
 def test_docs_cpu_commands_run_as_written(tmp_path):
-    """docs/megatron_lm.md's CPU commands, copied as a user would (only MEGATRON_LM_PATH is
-    this machine's): every torchrun trains, and the resume logs iterations after 5."""
+    """docs/megatron_lm.md's CPU section as a new user runs it: the install block in a new
+    virtualenv (the megatron_oases path is this repository; the clone is replaced by this
+    machine's checkout, which has no GitHub access), then the commands: every torchrun trains,
+    and the resume logs iterations after 5."""
     import signal
 
-    block = _doc_block(os.path.join(ROOT, "docs", "megatron_lm.md"), "## On a CPU machine (gloo)")
-    assert block.startswith("export MEGATRON_LM_PATH=") and block.count("torchrun") == 4
-    script = "set -euo pipefail\n" + block.replace(block.splitlines()[0], "", 1)
-    bin_dir = os.path.dirname(sys.executable)  # torchrun of this environment first on PATH
-    env = {**os.environ, "MEGATRON_LM_PATH": CHECKOUT, "OMP_NUM_THREADS": "1",
-           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    install, run = _doc_blocks(os.path.join(ROOT, "docs", "megatron_lm.md"),
+                               "## On a CPU machine (gloo)", 2)
+    clone = "git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM\n"
+    assert install.startswith("python3 -m venv ") and install.endswith(clone)
+    install = install.replace("/path/to/megatron_oases", ROOT).replace(clone, "")
+    assert run.startswith("export MEGATRON_LM_PATH=") and run.count("torchrun") == 4
+    run = run.replace(run.splitlines()[0], f"export MEGATRON_LM_PATH={CHECKOUT}", 1)
+    script = "set -euo pipefail\n" + install + run
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "PYTHONPATH", "VIRTUAL_ENV", "MEGATRON_LM_PATH")}
+    env["OMP_NUM_THREADS"] = "1"
+    # no environment of this test run on PATH: the new virtualenv's python and torchrun only
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not p.startswith(sys.prefix))
     proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=tmp_path, env=env, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=540)
+        out, _ = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"the documented commands passed 540 s:\n{out[-3000:]}")
+        pytest.fail(f"the documented commands passed 900 s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-4000:]
     assert "successfully saved checkpoint from iteration       5" in out
     assert "successfully loaded checkpoint" in out

@@ -274,8 +274,9 @@ class Linear3D(torch.nn.Module):
             local = w_layout.take(full_weight.to(dtype), groups.coord, groups.p)
         else:  # shard-local init: no rank ever materialises the full matrix
             rows, cols = w_layout.region(shape, groups.coord, groups.p)
-            local = torch.empty(rows.stop - rows.start, cols.stop - cols.start, dtype=dtype)
-            torch.nn.init.normal_(local, std=init_std)
+            local = torch.zeros(rows.stop - rows.start, cols.stop - cols.start, dtype=dtype)
+            if init_std:  # (0: the caller initialises; a draw would still advance the generator)
+                torch.nn.init.normal_(local, std=init_std)
         self.weight = _cube_param(local, w_layout, shape)
         self.bias = None
         if bias:

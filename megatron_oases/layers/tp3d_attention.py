@@ -28,7 +28,7 @@ import torch
 from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
-from megatron_oases.parallel.cube import CubeGroups
+from megatron_oases.parallel.cube import CubeGroups, other_dir
 from megatron_oases.parallel.dims import ConfigError
 
 
@@ -52,8 +52,12 @@ def check_3d_config(config, groups: CubeGroups, what: str) -> None:
 
 def linear_3d(config, in_features: int, out_features: int, groups: CubeGroups, *, input_dir: str,
               bias: bool, init_method) -> Linear3D:
-    """A ``Linear3D`` whose weight shard is drawn with ``init_method`` under the model-parallel RNG
-    tracker (a different stream per TP rank, as Megatron's own TP init), on ``config``'s device."""
+    """A ``Linear3D`` on ``config``'s device, initialised as Megatron's own linears are: with
+    ``use_cpu_initialization``, a full ``[out, in]`` master weight drawn with ``init_method`` from
+    the default generator (the same draw as Megatron's ``_initialize_affine_weight_cpu``, equal on
+    every TP rank), kept on the weight as ``cpu_master`` until ``place_cpu_masters`` gives each rank
+    its shard; otherwise the shard is drawn under the model-parallel RNG tracker (a different
+    stream per TP rank, as Megatron's GPU init)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     from megatron_oases.layers.atp_attention import param_device
@@ -61,9 +65,30 @@ def linear_3d(config, in_features: int, out_features: int, groups: CubeGroups, *
     lin = Linear3D(in_features, out_features, groups, input_dir=input_dir, bias=bias, init_std=0.0,
                    dtype=config.params_dtype).to(param_device(config))
     if getattr(config, "perform_initialization", True) and init_method is not None:
-        with get_cuda_rng_tracker().fork():
-            init_method(lin.weight.data)
+        if getattr(config, "use_cpu_initialization", False):
+            master = torch.empty(out_features, in_features, dtype=torch.float32)
+            init_method(master)
+            lin.weight.cpu_master = master
+        else:
+            with get_cuda_rng_tracker().fork():
+                init_method(lin.weight.data)
     return lin
+
+
+@torch.no_grad()
+def place_cpu_masters(module: torch.nn.Module) -> None:
+    """Copy each rank's shard of the ``cpu_master`` weights ``linear_3d`` drew into the
+    parameters (through the module's ``sharded_state_dict``, which knows every shard's region,
+    SwiGLU's gate and up rows included), then drop the masters."""
+    from megatron_oases.parallel.layout import param_shards
+
+    for shard in param_shards([module]):
+        master = getattr(shard.param, "cpu_master", None)
+        if master is not None:
+            shard.local(shard.param).copy_(master[shard.index])
+    for p in module.parameters():
+        if hasattr(p, "cpu_master"):
+            del p.cpu_master
 
 
 def local_samples(t: torch.Tensor, dim: int, groups: CubeGroups, rows: tuple[str, str]):
@@ -100,19 +125,21 @@ class SelfAttention3D(torch.nn.Module):
         self.heads_per_group = nh // ng
         proj = self.head_dim * nh
         qkv_out = self.head_dim * (nh + 2 * ng)  # Megatron's rows: per group [q..., k, v]
-        self.linear_qkv = linear_3d(config, config.hidden_size, qkv_out, groups, input_dir="y",
-                                    bias=config.add_bias_linear or config.add_qkv_bias,
-                                    init_method=config.init_method)
         heads = ProcessGroupCollection()
-        # QKV output columns (heads) are split by the QKV input direction: nh / p heads per rank
-        heads.tp = groups.group(self.linear_qkv.input_dir)
+        # QKV (input direction y) splits its output columns (heads) by y: nh / p heads per rank
+        heads.tp = groups.group("y")
+        # Megatron's order (core attention, proj, then QKV), so CPU-initialised masters are the
+        # same draws as stock's
         self.core_attention = DotProductAttention(
             config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
             attention_type="self", pg_collection=heads)
         self.linear_proj = linear_3d(config, proj, config.hidden_size, groups,
-                                     input_dir=self.linear_qkv.output_dir,
-                                     bias=config.add_bias_linear,
+                                     input_dir=other_dir("y"), bias=config.add_bias_linear,
                                      init_method=config.output_layer_init_method)
+        self.linear_qkv = linear_3d(config, config.hidden_size, qkv_out, groups, input_dir="y",
+                                    bias=config.add_bias_linear or config.add_qkv_bias,
+                                    init_method=config.init_method)
+        assert self.linear_proj.input_dir == self.linear_qkv.output_dir
         # rows of the attention core: samples block (x, z) of the QKV output
         self.sample_rows = activation_layout(self.linear_qkv.output_dir).rows
         self.q_layernorm, self.k_layernorm = qk_norms(config, self.head_dim)  # replicated

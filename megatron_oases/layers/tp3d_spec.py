@@ -23,6 +23,7 @@ from __future__ import annotations
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_oases.layers.linear3d import LayerNorm3D, cube_sharded_state_dict
+from megatron_oases.layers.tp3d_attention import place_cpu_masters
 from megatron_oases.parallel import collectives as C
 from megatron_oases.parallel.cube import CubeGroups
 from megatron_oases.parallel.dims import ConfigError
@@ -55,6 +56,7 @@ class TransformerLayer3D(TransformerLayer):
                          hidden_dropout=hidden_dropout, pg_collection=pg_collection,
                          vp_stage=vp_stage)
         self.cube_groups = cube_groups
+        place_cpu_masters(self)  # CPU-initialised weights: this rank's shards of the masters
         pp_rank = get_pg_rank(getattr(self.pg_collection, "pp", None))
         n_local = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         # ``layer_number`` as passed by TransformerBlock is 1-based within this block.
