@@ -238,14 +238,7 @@ def sim_main(argv: list[str] | None = None) -> int:
             raise SimError(f"arguments after `--` are trainer flags for --predict (got {' '.join(rest)})")
         if a.topology is None:
             raise SimError("--topology is required (a YAML path, a shipped example name, or local)")
-        topo = _topology(a)
-        strategy = None if a.search else strategy_from_args(a, topo.world_size if topo else None)
-        model = model_from_args(a, strategy.tp if strategy else _largest_tp(a, topo))
-        world = a.gpus if a.search else strategy.world_size
-        if topo is None and not world:
-            raise SimError("--topology local with --search needs --gpus")
-        dm = device_model(topo or resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
-                          bytes_per_element=model.bytes_per_element)
+        model, strategy, dm = simulation_inputs(a, profile)
         if a.search:
             return _search(a, model, dm)
         from .timeline import simulate, summary_table
@@ -264,6 +257,20 @@ def sim_main(argv: list[str] | None = None) -> int:
         plot_timeline(r, a.png)
         print(f"timeline: {a.png}")
     return 0
+
+
+def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
+    """(model, strategy, device model) of parsed ``sim`` flags; the strategy is None with --search.
+    ``scripts/validate_published.py`` simulates published runs through this same mapping."""
+    topo = _topology(a)
+    strategy = None if a.search else strategy_from_args(a, topo.world_size if topo else None)
+    model = model_from_args(a, strategy.tp if strategy else _largest_tp(a, topo))
+    world = a.gpus if a.search else strategy.world_size
+    if topo is None and not world:
+        raise SimError("--topology local with --search needs --gpus")
+    dm = device_model(topo or resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
+                      bytes_per_element=model.bytes_per_element)
+    return model, strategy, dm
 
 
 def _topology(a: argparse.Namespace):

@@ -1,0 +1,154 @@
+"""Validate the simulator against published Megatron training measurements (docs/sim_validation.md).
+
+Each row of ``examples/validation/published_megatron.yaml`` is one published run: its
+configuration as ``megatron-oases sim`` flags, a topology, and the measured number in the
+source's unit. The row is simulated with the analytical device model (no profile), through the
+same flag mapping ``megatron-oases sim`` uses (``sim.cli.simulation_inputs``), and converted to
+that unit the way the source counts it:
+
+  tflops_per_gpu    FLOPs per iteration / (iteration time x GPUs), the FLOPs by Megatron's formula
+                    (``megatron_oases.flops``), with a full recompute's forward counted when the
+                    source's ``flops`` is ``recompute`` (the 2021 A100 table) and not when ``model``
+  s_per_iteration   the simulated iteration time
+
+Prints the table (row, source, measured, predicted, error %) and the median and max |error|, and
+writes ``<out>.csv`` and ``<out>.json``.
+
+    python scripts/validate_published.py --out /tmp/validation/published
+    python scripts/validate_published.py --rows a100-1.7B h100-1.7B      # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
+from megatron_oases.sim.cli import build_parser, simulation_inputs  # noqa: E402
+from megatron_oases.sim.timeline import simulate  # noqa: E402
+
+DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
+UNITS = ("tflops_per_gpu", "s_per_iteration")
+
+
+def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
+    """(sources, rows) of the data file; each row's flags and topology merged over its source's defaults."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    sources, defaults = data["sources"], data.get("defaults", {})
+    rows = []
+    for row in data["rows"]:
+        if row["source"] not in sources or row["unit"] not in UNITS:
+            raise ValueError(f"row {row['id']}: unknown source {row['source']!r} or unit {row['unit']!r}")
+        base = defaults.get(row["source"], {})
+        rows.append({**base, **row, "flags": {**base.get("flags", {}), **row["flags"]}})
+    return sources, rows
+
+
+def sim_argv(row: dict) -> list[str]:
+    """The ``megatron-oases sim`` command line of a row (flag dict -> ``--name value`` / ``--name``)."""
+    argv = ["--topology", row["topology"], "--nodes", str(row["nodes"])]
+    for name, value in row["flags"].items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif value is not False:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def iteration_flops(model, strategy, recompute: bool) -> float:
+    """FLOPs of one iteration by Megatron's formula (``recompute``: a full recompute counted too)."""
+    v = model.variant
+    return gpt_flops_per_iteration(
+        global_batch_size=model.micro_batch * strategy.num_microbatches * strategy.dp,
+        seq_length=model.seq, num_layers=model.num_layers, hidden_size=model.hidden,
+        num_attention_heads=model.heads, ffn_hidden_size=model.ffn, padded_vocab_size=model.vocab,
+        num_query_groups=v.query_groups, gated_mlp=v.gated, recompute=recompute)
+
+
+def predict_row(row: dict, sources: dict) -> dict:
+    """Simulate one row; its prediction in the row's unit and the signed error (percent)."""
+    a = build_parser().parse_args(sim_argv(row))
+    model, strategy, dm = simulation_inputs(a)
+    r = simulate(model, strategy, dm)
+    secs = r.iteration_ms / 1e3
+    if row["unit"] == "s_per_iteration":
+        predicted = secs
+    else:
+        recompute = sources[row["source"]].get("flops") == "recompute"
+        predicted = iteration_flops(model, strategy, recompute) / (secs * strategy.world_size) / 1e12
+    return {"id": row["id"], "source": row["source"], "gpus": strategy.world_size,
+            "strategy": f"TP{strategy.tp} PP{strategy.pp} DP{strategy.dp} m{strategy.num_microbatches}",
+            "unit": row["unit"], "measured": row["measured"], "predicted": round(predicted, 3),
+            "error_pct": round(100.0 * (predicted - row["measured"]) / row["measured"], 1),
+            "iteration_s": round(secs, 3), "bubble_pct": round(100.0 * r.bubble_fraction, 1),
+            "exposed_comm_ms": round(r.exposed_comm_ms, 1), "peak_memory_GB": round(r.peak_memory_GB, 1),
+            "fits_memory": r.fits}
+
+
+def error_summary(results: list[dict]) -> dict:
+    """Median and max |error| (percent), the rows and the sources they came from."""
+    errs = [abs(r["error_pct"]) for r in results]
+    return {"rows": len(errs), "sources": len({r["source"] for r in results}),
+            "median_abs_error_pct": round(statistics.median(errs), 1) if errs else None,
+            "max_abs_error_pct": round(max(errs), 1) if errs else None}
+
+
+def format_table(results: list[dict]) -> str:
+    """Markdown table: row, source, GPUs, strategy, unit, measured, predicted, error."""
+    lines = ["| row | source | GPUs | strategy | unit | measured | predicted | error % |",
+             "|---|---|---:|---|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['id']} | {r['source']} | {r['gpus']} | {r['strategy']} | {r['unit']} | "
+                     f"{r['measured']:g} | {r['predicted']:.1f} | {r['error_pct']:+.1f} |")
+    s = error_summary(results)
+    lines.append(f"\nmedian |error| {s['median_abs_error_pct']}%, max |error| {s['max_abs_error_pct']}% "
+                 f"over {s['rows']} rows from {s['sources']} sources")
+    return "\n".join(lines)
+
+
+def write_outputs(results: list[dict], sources: dict, out: str) -> None:
+    """``<out>.csv`` (one line a row) and ``<out>.json`` (rows, summary, the sources cited)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(results)
+    used = {r["source"] for r in results}
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"rows": results, "summary": error_summary(results),
+                   "sources": {k: v for k, v in sources.items() if k in used}}, f, indent=1)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=DATA, help="the rows (YAML)")
+    p.add_argument("--rows", nargs="+", default=None, help="row ids to run (default: all)")
+    p.add_argument("--out", default="/tmp/validation/published", help="prefix of the CSV / JSON")
+    a = p.parse_args(argv)
+    sources, rows = load_rows(a.data)
+    if a.rows:
+        unknown = sorted(set(a.rows) - {r["id"] for r in rows})
+        if unknown:
+            p.error(f"unknown rows: {', '.join(unknown)}")
+        rows = [r for r in rows if r["id"] in a.rows]
+    results = [predict_row(r, sources) for r in rows]
+    print(format_table(results))
+    write_outputs(results, sources, a.out)
+    print(f"wrote {a.out}.csv and {a.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
