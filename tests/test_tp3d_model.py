@@ -17,7 +17,12 @@ from megatron_oases.runtime.spawn import run_on_ranks
 from tests import rank_fns_3d_model as R
 
 P, LR, TOL = 2, 3e-3, 1e-5
-PARAM_ATOL = 0.01 * LR  # parameters after Adam: within 1% of one step (see test_parity_baseline)
+# Parameters after Adam: within 2% of one step. Adam divides each gradient by its own RMS, so a
+# coordinate whose gradient is near zero turns fp32 rounding (which differs between CPUs' GEMM
+# kernels) into a visible part of a step: 1.36% on one layer of the RMSNorm + recompute run on an
+# AMD EPYC host, under 1% on the machine this bound was first set on. A wrong shard is off by
+# whole steps; the losses and grad norms (1e-5) are the tight checks.
+PARAM_ATOL = 0.02 * LR
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8",
          "--seq-length", "16", "--vocab-size", "512", "--make-vocab-size-divisible-by", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--seed", "7", "--lr", str(LR),
