@@ -70,6 +70,11 @@ oases_setup() {
         [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] || {
             echo "error: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py; set it to a" \
                  "Megatron-LM checkout at core_v0.16.1" >&2; exit 2; }
+        # PYTHONPATH finds the code, not its dependencies: check them once, before any srun
+        "$PYTHON" -c "import megatron_oases, six, einops, pydantic, regex" 2>/dev/null || {
+            echo "error: $PYTHON cannot import megatron_oases and what Megatron-LM's" \
+                 "megatron.training needs; in the compute nodes' environment run" \
+                 "pip install -e \"$OASES_ROOT[megatron-lm]\" (docs/megatron_lm.md)" >&2; exit 2; }
         mkdir -p "$RESULTS_DIR"
         {
             echo "family=$FAMILY nodes=$NNODES gpus_per_node=$GPUS_PER_NODE job=${SLURM_JOB_ID:-none}"
