@@ -304,7 +304,8 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
 
 
 def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float]) -> list[TailSlot]:
-    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> grad norm -> its all-reduce
+    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> a plan's replica gradient
+    all-reduces -> grad norm -> its all-reduce
     over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather."""
     out: list[TailSlot] = []
     t = list(last_end)
@@ -324,6 +325,8 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
         for s in tied:
             put(s, stages[s].tie_allreduce, "comm", start)
     for s, st in enumerate(stages):
+        for ev in st.replica_allreduce:  # a plan's replica gradient sums, after Megatron's reductions
+            put(s, ev, "comm")
         put(s, st.grad_norm, "compute")
     if any(st.norm_allreduce is not None for st in stages):
         start = max(t)
