@@ -426,6 +426,8 @@ def summary_table(r: SimResult) -> str:
     vp = f" x {s.virtual_stages} virtual" if s.virtual_stages > 1 else ""
     be = (f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp"
           else ", 3-D cube" if s.backend == "3d" else "")
+    if s.block_degrees is not None:
+        be += f", per-block degrees {list(s.block_degrees)}"
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
              f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}",
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
