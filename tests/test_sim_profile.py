@@ -140,24 +140,6 @@ def test_predict_maps_trainer_flags():
         sim_inputs_from_train_args(build_parser().parse_args(TRAIN + ["--global-batch-size", "3"]))
 
 
-def test_predict_refuses_a_per_layer_plan(tmp_path: Path):
-    import json
-
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
-    from megatron_oases.train_args import build_parser
-
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": 2,
-                                "num_layers": 2, "degrees": [1, 1, 2, 2]}))
-    args = build_parser().parse_args([
-        "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--num-layers", "2",
-        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--device", "cpu",
-        "--oases-plan", str(plan)])
-    with pytest.raises(SimError, match="--oases-plan .* not modeled"):
-        sim_inputs_from_train_args(args)
-
-
 def test_profile_train_args_on_gloo_ranks(tmp_path: Path):
     """The accuracy study's path: profile exactly the trainer run's events, then predict it."""
     from megatron_oases.sim.predict import predict_train_step, profile_train_args

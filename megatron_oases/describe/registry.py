@@ -93,6 +93,17 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
             h // h_split, nb * h // h_split, *qk_norms)
 
 
+MLP_PARAM_TENSORS = (4, 5, 6, 7, 10, 11)
+"""Positions in ``layer_param_tensors`` of the MLP block's tensors (fc1, fc2, the pre-MLP norm);
+the rest (QKV, proj, the input norm, the q/k norms) are the attention block's."""
+
+
+def block_param_tensors(kind: str, tensors: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensors of ``layer_param_tensors`` that belong to block ``kind`` (attention | mlp)."""
+    mine = kind == "mlp"
+    return tuple(n for i, n in enumerate(tensors) if (i in MLP_PARAM_TENSORS) == mine)
+
+
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                            mesh: tuple[int, int] | None, hidden_dropout: bool = True,
                            attention_dropout: bool = True, variant: LayerVariant = GPT2) -> float:

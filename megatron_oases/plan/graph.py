@@ -26,7 +26,9 @@ from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
 from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
-from megatron_oases.describe.registry import axis_ranks, block_edges, layer_activation_bytes, layer_param_tensors
+from megatron_oases.describe.planned import degree_reshard, split_at
+from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
+                                                layer_param_tensors)
 
 from .memory import block_activation_bytes, block_memory
 from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
@@ -111,32 +113,20 @@ def _megatron_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
 
 
 def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
-    """Replicas of ``src`` hold their share of the batch, replicated over their ``d`` ranks.
-    Fewer replicas next (d_src < d_dst): forward all-gathers the batch over d_dst / d_src ranks
-    (stride d_src), backward slices. More replicas next: forward slices, backward all-gathers the
-    input gradient. Payload: the gathered [s, b_share, h] tensor of one sub-batch."""
-    if src.degree == dst.degree:
-        return Reshard(forward=None, backward=None)
-    lo, hi = sorted((src.degree, dst.degree))
-    ranks = tuple(range(0, hi, lo))
-    share = m.micro_batch_size * hi / m.tp / m.sub_batches  # samples of one sub-batch
-    payload = round(share * m.seq_length * m.hidden_size * m.bytes_per_element)
-    op = Collective(name="reshard.ag", kind="all_gather", axis="tp", group_size=len(ranks), payload_bytes=payload)
-    if src.degree < dst.degree:
-        return Reshard(forward=op, backward=None, ranks_forward=ranks)
-    return Reshard(forward=None, backward=op, ranks_backward=ranks)
+    """The batch reshard between two degrees (``describe.planned.degree_reshard``), per sub-batch."""
+    r = degree_reshard(src.degree, dst.degree, tp=m.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
+                       hidden=m.hidden_size, bytes_per_element=m.bytes_per_element, sub_batches=m.sub_batches)
+    return Reshard(forward=r.forward, backward=r.backward, ranks_forward=r.ranks if r.forward else (),
+                   ranks_backward=r.ranks if r.backward else ())
 
 
 def block_params(s: Strategy, m: PlanModel, kind: str) -> int:
     """Weights + biases + norm of one block on one rank: the family's layer parameters
-    (``describe.registry.layer_param_tensors``) split into the attention and the MLP block."""
+    (``describe.registry.layer_param_tensors``) that belong to the block."""
     mesh = s.mesh if s.family == "atp" else None
     tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, mesh,
                                   heads=m.num_attention_heads, variant=m.variant)
-    qkv_w, qkv_b, proj_w, proj_b, fc1_w, fc1_b, fc2_w, fc2_b, ln1_w, ln1_b, ln2_w, ln2_b, *qk_norms = tensors
-    if kind == "attention":
-        return qkv_w + qkv_b + proj_w + proj_b + ln1_w + ln1_b + sum(qk_norms)
-    return fc1_w + fc1_b + fc2_w + fc2_b + ln2_w + ln2_b
+    return sum(block_param_tensors(kind, tensors))
 
 
 def _megatron_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
@@ -152,12 +142,6 @@ def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
                             bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
-def _split_at(ops, name: str) -> tuple[tuple, tuple]:
-    """``ops`` before and from the compute segment ``name``."""
-    i = next(i for i, op in enumerate(ops) if isinstance(op, Compute) and op.name == name)
-    return tuple(ops[:i]), tuple(ops[i:])
-
-
 def _split_named(mlp_first: str, attention_first_bwd: str) -> Callable[[LayerDescription], list["BlockOps"]]:
     """A split for layers with many small segments (ATP, 3-D: norm statistics, gathers): the
     attention block is everything before ``mlp_first`` (the pre-MLP norm, forward) and from
@@ -169,8 +153,8 @@ def _split_named(mlp_first: str, attention_first_bwd: str) -> Callable[[LayerDes
                         bwd_comm=tuple(o for o in ops_b if isinstance(o, Collective)))
 
     def split(desc: LayerDescription) -> list[BlockOps]:
-        attn_f, mlp_f = _split_at(desc.forward, mlp_first)
-        mlp_b, attn_b = _split_at(desc.backward, attention_first_bwd)
+        attn_f, mlp_f = split_at(desc.forward, mlp_first)
+        mlp_b, attn_b = split_at(desc.backward, attention_first_bwd)
         return [block("attention", attn_f, attn_b), block("mlp", mlp_f, mlp_b)]
 
     return split

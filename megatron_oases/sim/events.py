@@ -13,7 +13,9 @@ import functools
 from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
 from ..describe.event_key import layer_shape
 from ..describe.ops import GPT2, Collective, Compute, LayerVariant
-from ..describe.registry import BACKENDS, axis_ranks, block_edges, layer_description, layer_param_tensors
+from ..describe.planned import degree_reshard, megatron_blocks
+from ..describe.registry import (BACKENDS, MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
+                                 layer_description, layer_param_tensors)
 from ..pricing.device_model import SimError
 from ..pricing.event import Event, group_tag
 from ..topology import Topology
@@ -95,6 +97,9 @@ class Strategy:
     """Optimizer states (fp32 master + Adam moments) sharded over DP."""
     optimizer_step: bool = True
     """Model the step's tail: grad-norm all-reduce over TP x PP and Adam."""
+    block_degrees: tuple[int, ...] | None = None
+    """A per-block plan (``--oases-plan``): the TP degree of layer 0's attention, layer 0's MLP,
+    layer 1's attention, ...; None runs every block at ``tp``."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
@@ -114,6 +119,19 @@ class Strategy:
             raise SimError("a mesh needs backend 'atp'")
         if self.recompute_layers < 0:
             raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
+        if self.block_degrees is not None:
+            self._check_plan()
+
+    def _check_plan(self) -> None:
+        """The runtime's limits on ``--oases-plan`` that do not depend on the model."""
+        object.__setattr__(self, "block_degrees", tuple(int(d) for d in self.block_degrees))
+        bad = [d for d in self.block_degrees if d < 1 or self.tp % d or d & (d - 1)]
+        if bad:
+            raise SimError(f"--oases-plan: degree {bad[0]} is not a power of two dividing TP {self.tp}")
+        if self.backend != "megatron":
+            raise SimError(f"--oases-plan runs Megatron 1-D TP sub-groups, not backend {self.backend!r}")
+        if self.recompute:
+            raise SimError("--oases-plan with --recompute-granularity full is not modeled by the simulator yet")
 
     @property
     def world_size(self) -> int:
@@ -133,6 +151,8 @@ class Strategy:
             parts.append("gpipe")
         if self.overlap == "oases":
             parts.append("oases")
+        if self.block_degrees is not None:
+            parts.append("plan")
         if self.recompute:
             parts.append(f"rc{self.recompute_layers}" if self.recompute_layers else "rc")
         return ".".join(parts)
@@ -185,6 +205,9 @@ class StageEvents:
     chains: int
     """Sub-batches that run the layers' events concurrently: 1, or 2 under oases (the chunks'
     segments say which events run that way)."""
+    replica_allreduce: tuple[Event, ...] = ()
+    """A plan's blocks of degree d < T: their gradients summed over the T/d replicas (one
+    all-reduce per degree, after the DP and tie reductions, as ``finalize_with_replica_grads``)."""
 
     # One-chunk conveniences (the non-interleaved schedules).
     @property
@@ -228,6 +251,26 @@ def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
     if m.hidden % s.tp or m.heads % s.tp or m.ffn % s.tp or m.vocab % s.tp:
         raise SimError(f"hidden {m.hidden}, heads {m.heads}, ffn {m.ffn}, vocab {m.vocab} "
                        f"must be divisible by TP {s.tp}")
+    if s.block_degrees is not None:
+        _check_plan(m, s)
+
+
+def _check_plan(m: ModelConfig, s: Strategy) -> None:
+    """A plan's block count and the batch split of each degree (replicas, then Oases sub-batches)."""
+    if len(s.block_degrees) != 2 * m.num_layers:
+        raise SimError(f"--oases-plan has {len(s.block_degrees)} block degrees; {m.num_layers} layers need "
+                       f"{2 * m.num_layers} (attention, mlp per layer)")
+    for d in set(s.block_degrees):
+        need = s.tp // d * block_chains(s, d)
+        if m.micro_batch % need:
+            raise SimError(f"--oases-plan: degree-{d} blocks split the micro-batch {m.micro_batch} into {need} "
+                           f"(replicas x sub-batches); --micro-batch-size must be a multiple of {need}")
+
+
+def block_chains(s: Strategy, degree: int) -> int:
+    """Sub-batches a block of ``degree`` runs: 2 under Oases, except degree 1 (no collective to
+    overlap: the executor runs its replica's share whole, ``schedules/oases/block.py``)."""
+    return 2 if s.overlap == "oases" and degree > 1 else 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -253,9 +296,7 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                                  tp=t, bytes_per_element=e)
-    shape, dims = layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=t, v=m.vocab, dtype=m.dtype,
-                              backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
-                              attention_dropout=m.attention_dropout, chains=chains, variant=m.variant)
+    shape, dims = _block_shape(m, s, t, chains)
     # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
     hb = m.micro_batch
     head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
@@ -269,14 +310,7 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
         tp_ranks = tuple(s.rank(tp=i, pp=st) for i in range(t))
 
         def ev(op):
-            if isinstance(op, Compute):
-                return _compute(op, shape, dims)
-            coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks, s.mesh), dims)
-            if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
-                wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq, h=m.hidden, heads=m.heads,
-                                     f=m.ffn, t=t, e=e, variant=m.variant)
-                coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
-            return coll
+            return _op_event(op, m, s, topo, tp_ranks, t, chains)
 
         def head_ev(op):
             if isinstance(op, Compute):
@@ -291,11 +325,16 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
         for c in range(vp):
             g = c * s.pp + st
             first, last = g == 0, g == s.pp * vp - 1
-            fwd = fwd_l * per_chunk
-            # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
-            bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
+            if s.block_degrees is None:
+                fwd = fwd_l * per_chunk
+                # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
+                bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
+                fwd_parts = [(fwd + [ev(op) for op in leave], chains)]
+                bwd_parts = [(bwd + [ev(op) for op in enter_b], chains)]
+            else:
+                blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
+                fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks)
             pre_f, post_f, pre_b, post_b = [], [], [], []  # the head, around the layers
-            fwd, bwd = fwd + [ev(op) for op in leave], bwd + [ev(op) for op in enter_b]
             if first:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
                 emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * head_act)
                 red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t,
@@ -328,24 +367,107 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 send_b = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, prv))}", name="send_backward",
                                kind="p2p", ranks=(me, prv), nbytes=act * chains, dims=dims)
             chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk,
-                                      forward_segments=_segments((pre_f, 1), (fwd, chains), (post_f, 1)),
-                                      backward_segments=_segments((pre_b, 1), (bwd, chains), (post_b, 1)),
+                                      forward_segments=_segments((pre_f, 1), *fwd_parts, (post_f, 1)),
+                                      backward_segments=_segments((pre_b, 1), *bwd_parts, (post_b, 1)),
                                       send_forward=send_f, send_backward=send_b))
         out.append(_stage_tail(m, s, topo, st, tuple(chunks), chains))
     return out
 
 
-def _segments(*parts: tuple[list[Event], int]) -> tuple[tuple[tuple[Event, ...], int], ...]:
-    """Non-empty (events, chains) parts in order, neighbours with the same chain count joined."""
+def _segments(*parts: tuple) -> tuple[tuple[tuple[Event, ...], int], ...]:
+    """Non-empty (events, chains[, unit]) parts in order, neighbours with the same chain count
+    joined; sub-batch chains only within one unit (a plan's run of blocks at one degree is one
+    Oases executor: its sub-batches join where the degree changes)."""
     out: list[tuple[tuple[Event, ...], int]] = []
-    for evs, chains in parts:
+    units: list = []
+    for evs, chains, *unit in parts:
         if not evs:
             continue
-        if out and out[-1][1] == chains:
+        u = unit[0] if unit else None
+        if out and out[-1][1] == chains and (chains == 1 or units[-1] == u):
             out[-1] = (out[-1][0] + tuple(evs), chains)
         else:
             out.append((tuple(evs), chains))
+            units.append(u)
     return tuple(out)
+
+
+def _block_shape(m: ModelConfig, s: Strategy, degree: int, chains: int):
+    """(shape, dims) of a layer's events at ``degree`` on one of ``chains`` sub-batches of the
+    replica's share (``m.micro_batch * degree / tp``); the executor tag is the schedule's."""
+    b = m.micro_batch * degree // s.tp // chains
+    return layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=degree, v=m.vocab, dtype=m.dtype,
+                       backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
+                       attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
+                       variant=m.variant)
+
+
+def _op_event(op, m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
+              chains: int) -> Event:
+    """One layer op at ``degree`` (TP rank 0's sub-group: the first ``degree`` TP ranks); stock
+    Megatron's async input-gradient all-reduce carries its weight gradient ``beside`` it."""
+    shape, dims = _block_shape(m, s, degree, chains)
+    if isinstance(op, Compute):
+        return _compute(op, shape, dims)
+    coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)
+    if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
+        b = m.micro_batch * degree // s.tp
+        wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq, h=m.hidden, heads=m.heads,
+                             f=m.ffn, t=degree, e=m.bytes_per_element, variant=m.variant)
+        coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
+    return coll
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks_at(m: ModelConfig, s: Strategy, degree: int) -> dict[str, tuple[tuple, tuple]]:
+    """The Megatron 1-D layer at ``degree`` on one sub-batch of its replica's share, split into
+    its attention and MLP blocks (``describe.planned.megatron_blocks``)."""
+    b = m.micro_batch * degree // s.tp // block_chains(s, degree)
+    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
+                              heads=m.heads, ffn=m.ffn, tp=degree, bytes_per_element=m.bytes_per_element,
+                              variant=m.variant)
+    return megatron_blocks(layer)
+
+
+def _reshard_events(m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], src: int,
+                    dst: int) -> tuple[list[Event], list[Event]]:
+    """(forward, backward) events moving a micro-batch's hidden states from degree ``src`` to
+    ``dst`` (``describe.planned.degree_reshard``): the runtime reshards the whole micro-batch,
+    outside the Oases executor (one chain)."""
+    r = degree_reshard(src, dst, tp=s.tp, micro_batch=m.micro_batch, seq=m.seq, hidden=m.hidden,
+                       bytes_per_element=m.bytes_per_element)
+    hi = max(src, dst)
+    share = m.micro_batch * hi // s.tp
+    shape = f"b{share}s{m.seq}h{m.hidden}t{hi}_{m.dtype}"
+    dims = (("b", share), ("s", m.seq), ("h", m.hidden), ("t", hi), ("dtype", m.dtype))
+    ranks = tuple(tp_ranks[i] for i in r.ranks)
+    return ([_collective(op, shape, topo, ranks, dims) for op in (r.forward,) if op is not None],
+            [_collective(op, shape, topo, ranks, dims) for op in (r.backward,) if op is not None])
+
+
+def _planned_chunk(m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...],
+                   degrees: tuple[int, ...]) -> tuple[list[tuple], list[tuple]]:
+    """(forward, backward) parts (events, chains, degree) of a chunk's blocks (attention, mlp,
+    attention, ...) at their ``degrees``, resharded between degrees and to degree T at the
+    chunk's edges (``layers/planned_layer.py``, ``schedules/oases/block.py``)."""
+    kinds = ("attention", "mlp")
+    edge = [s.tp, *degrees, s.tp]  # the degree before / after each block
+    fwd: list[tuple] = []
+    bwd: list[tuple] = []
+    for i, d in enumerate(degrees):
+        chains = block_chains(s, d)
+        ops_f, _ = _blocks_at(m, s, d)[kinds[i % 2]]
+        fwd += [(_reshard_events(m, s, topo, tp_ranks, edge[i], d)[0], 1),
+                ([_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_f], chains, d)]
+    fwd.append((_reshard_events(m, s, topo, tp_ranks, edge[-2], s.tp)[0], 1))
+    for i in reversed(range(len(degrees))):
+        d = degrees[i]
+        chains = block_chains(s, d)
+        _, ops_b = _blocks_at(m, s, d)[kinds[i % 2]]
+        bwd += [(_reshard_events(m, s, topo, tp_ranks, d, edge[i + 2])[1], 1),
+                ([_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_b], chains, d)]
+    bwd.append((_reshard_events(m, s, topo, tp_ranks, s.tp, edge[1])[1], 1))
+    return fwd, bwd
 
 
 def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> tuple[int, ...]:
@@ -353,8 +475,7 @@ def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> t
     the word and learned position embeddings on the first stage, the final norm and the output layer on
     the last)."""
     m, s = model, strategy
-    out = layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh, heads=m.heads,
-                              variant=m.variant) * (m.num_layers // s.pp)
+    out = tuple(n for layer in stage_layers(m, s, stage) for n in layer_tensors(m, s, layer))
     emb = m.vocab * m.hidden // s.tp
     if stage == 0:
         positions = m.variant.position_params(m.seq, m.hidden)  # learned; none under RoPE
@@ -364,6 +485,44 @@ def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> t
         if s.pp > 1 or not m.tied_embeddings:
             out += (emb,)  # the last stage's own copy (tied) or the untied output layer
     return out
+
+
+def stage_layers(model: ModelConfig, strategy: Strategy, stage: int) -> list[int]:
+    """The layers ``stage`` holds, chunk by chunk (chunk c is virtual stage c * pp + stage)."""
+    n = model.num_layers // (strategy.pp * strategy.virtual_stages)
+    return [g * n + i for c in range(strategy.virtual_stages) for g in (c * strategy.pp + stage,) for i in range(n)]
+
+
+def layer_tensors(model: ModelConfig, strategy: Strategy, layer: int) -> tuple[int, ...]:
+    """``layer_param_tensors`` of one layer on TP rank 0; under a plan each tensor at the degree of
+    the block it belongs to (``describe.registry.MLP_PARAM_TENSORS``)."""
+    m, s = model, strategy
+    degrees = (s.tp, s.tp) if s.block_degrees is None else s.block_degrees[2 * layer:2 * layer + 2]
+    at = {d: layer_param_tensors(s.backend, m.hidden, m.ffn, d, s.mesh, heads=m.heads, variant=m.variant)
+          for d in set(degrees)}
+    return tuple(at[degrees[1] if i in MLP_PARAM_TENSORS else degrees[0]][i] for i in range(len(at[degrees[0]])))
+
+
+def _replica_allreduce(m: ModelConfig, s: Strategy, topo: Topology, stage: int) -> tuple[Event, ...]:
+    """Per degree d < T of the stage's blocks (in order of first use): the fp32 gradient sum over
+    the T/d replicas of TP rank 0 (stride d), as ``layers.planned_layer.all_reduce_replica_grads``
+    runs it; the q/k norms are left out (Megatron's TP reduction already sums them)."""
+    if s.block_degrees is None:
+        return ()
+    n_layer = len(layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh, heads=m.heads))  # no q/k norms
+    sizes: dict[int, int] = {}
+    for layer in stage_layers(m, s, stage):
+        tensors = layer_tensors(m, s, layer)[:n_layer]
+        for kind, d in zip(("attention", "mlp"), s.block_degrees[2 * layer:2 * layer + 2]):
+            if d < s.tp:
+                sizes[d] = sizes.get(d, 0) + sum(block_param_tensors(kind, tensors))
+    out = []
+    for d, n in sizes.items():
+        ranks = tuple(s.rank(tp=i, pp=stage) for i in range(0, s.tp, d))
+        op = Collective(name="replica_grad.ar", kind="all_reduce", axis="tp", group_size=len(ranks),
+                        payload_bytes=4 * n)
+        out.append(_collective(op, f"p{n}_fp32", topo, ranks, (("p", n), ("dtype", "fp32"))))
+    return tuple(out)
 
 
 def stage_params(model: ModelConfig, strategy: Strategy, stage: int) -> int:
@@ -408,7 +567,7 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
         opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
                        norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
-                       params_per_rank=params, chains=chains)
+                       params_per_rank=params, chains=chains, replica_allreduce=_replica_allreduce(m, s, topo, st))
 
 
 @functools.lru_cache(maxsize=256)
@@ -425,8 +584,8 @@ def stage_event_list(st: StageEvents) -> list[Event]:
         out += [*ch.forward, *ch.backward]
         out += [ev.beside for ev in ch.backward if ev.beside is not None]
         out += [x for x in (ch.send_forward, ch.send_backward) if x is not None]
-    out += [x for x in (st.grad_allreduce, st.tie_allreduce, st.grad_norm, st.norm_allreduce, st.optimizer,
-                        st.param_allgather) if x is not None]
+    out += [x for x in (st.grad_allreduce, st.tie_allreduce, *st.replica_allreduce, st.grad_norm,
+                        st.norm_allreduce, st.optimizer, st.param_allgather) if x is not None]
     return out
 
 

@@ -37,9 +37,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
         dims = validate_args(args, world, cuda=getattr(args, "device", None) != "cpu")
     except ConfigError as e:
         raise SimError(str(e)) from None
-    if getattr(args, "oases_layer_degrees", None):
-        raise SimError("--oases-plan (per-layer TP degrees) is not modeled by the simulator yet; "
-                       "price the plan with `megatron-oases plan` (its cost model) instead")
     if getattr(args, "sequence_parallel", False):
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
     from ..train_args import query_groups
@@ -70,8 +67,15 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         overlap="oases" if oases_runs(args) else "none",
                         fine_grained_recompute=getattr(args, "oases_fine_grained_recompute", True),
                         backend=backend, mesh=tuple(args.atp_mesh) if backend == "atp" else None,
-                        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+                        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                        block_degrees=_plan_degrees(args))
     return model, strategy
+
+
+def _plan_degrees(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--oases-plan``'s block degrees (attention, mlp per layer) as ``validate_args`` read them."""
+    layers = getattr(args, "oases_layer_degrees", None)
+    return tuple(d for pair in layers for d in pair) if layers else None
 
 
 def _topology(topology: Topology | str | None, world: int) -> Topology:

@@ -304,7 +304,8 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
 
 
 def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float]) -> list[TailSlot]:
-    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> grad norm -> its all-reduce
+    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> a plan's replica gradient
+    all-reduces -> grad norm -> its all-reduce
     over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather."""
     out: list[TailSlot] = []
     t = list(last_end)
@@ -324,6 +325,8 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
         for s in tied:
             put(s, stages[s].tie_allreduce, "comm", start)
     for s, st in enumerate(stages):
+        for ev in st.replica_allreduce:  # a plan's replica gradient sums, after Megatron's reductions
+            put(s, ev, "comm")
         put(s, st.grad_norm, "compute")
     if any(st.norm_allreduce is not None for st in stages):
         start = max(t)
@@ -423,6 +426,8 @@ def summary_table(r: SimResult) -> str:
     vp = f" x {s.virtual_stages} virtual" if s.virtual_stages > 1 else ""
     be = (f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp"
           else ", 3-D cube" if s.backend == "3d" else "")
+    if s.block_degrees is not None:
+        be += f", per-block degrees {list(s.block_degrees)}"
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
              f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}",
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "

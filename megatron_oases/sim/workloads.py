@@ -93,6 +93,8 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
             pred = lf.gather(-1, target)
             return torch.log(lf.exp().sum(-1, keepdim=True)) - pred
         return head
+    if name.startswith("3d."):
+        return _cube_forward(name, d, mk)
     n = d1 * d2
     if name in ("atp.ln1", "atp.ln2"):
         prev, res = mk.t(s, b, h // d2), mk.t(s, b, h // d2)
@@ -119,6 +121,41 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
         x, wt = mk.t(s, b, f // d1), mk.w(h // d2, f // d1)
         return lambda: F.linear(F.gelu(x), wt)
     raise SimError(f"no profiling workload for compute event {name!r}")
+
+
+def _cube_forward(name: str, d: dict, mk: _Maker) -> Forward:
+    """One cube rank's local work (``describe/cube_3d.py``) on p x p x p = t ranks: activation
+    blocks ``[tokens/p^2, N/p]`` (norm statistics, GeLU), GEMMs on the gathered ``[tokens/p, n_in/p]``
+    times the weight block ``[n_out/p, n_in/p]``, attention on ``b/p^2`` samples and ``a/p`` heads."""
+    from ..describe.cube_3d import cube_side
+    from .layer_workloads import variant_of
+
+    b, s, h, a, f = (int(d[k]) for k in ("b", "s", "h", "a", "f"))
+    p = cube_side(int(d["t"]))
+    variant = variant_of(d)
+    tok = b * s
+    if name in ("3d.ln1", "3d.ln2"):
+        prev, res = mk.t(tok // (p * p), h // p), mk.t(tok // (p * p), h // p)
+
+        def partial_stats():
+            xf = (prev + res).float()
+            return xf.sum(-1, keepdim=True), (xf * xf).sum(-1, keepdim=True)
+        return partial_stats
+    if name == "3d.core":
+        qkv = mk.t(s, b // (p * p), 3 * h // p)
+        mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
+        return lambda: _attention_core(qkv, s, b // (p * p), a // p, h // a, mask)
+    n_in, n_out = {"3d.qkv": (h, variant.qkv_rows(h, a)), "3d.proj": (h, h), "3d.fc1": (h, variant.fc1_rows(f)),
+                   "3d.fc2": (f, h)}.get(name, (0, 0))
+    if not n_in:
+        raise SimError(f"no profiling workload for compute event {name!r}")
+    x, wt = mk.t(tok // p, n_in // p), mk.w(n_out // p, n_in // p)
+    if name == "3d.fc2":  # GeLU on the fc1 block, then the GEMM
+        return lambda: F.linear(F.gelu(x), wt)
+    if name in ("3d.qkv", "3d.fc1"):  # the norm's scale and shift on the gathered block, then the GEMM
+        lw, lb = mk.w(n_in // p), mk.w(n_in // p)
+        return lambda: F.linear(x * lw + lb, wt)
+    return lambda: F.linear(x, wt)
 
 
 def _as_list(out: Any) -> list[torch.Tensor]:

@@ -1,0 +1,57 @@
+"""Per-block TP degrees (``--oases-plan``): a layer's two blocks, and the reshard between degrees.
+
+A block of degree ``d`` (a power of two dividing the TP size ``T``) runs as ``T / d`` replicas,
+each on ``d`` consecutive TP ranks and on ``d / T`` of the micro-batch, its hidden states
+replicated over its ``d`` ranks (``parallel/degree_groups.py`` is the runtime). The planner's cost
+model and the simulator both read this module, so they agree on what a plan moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .ops import Collective, Compute, LayerDescription, Op
+
+MLP_FIRST, ATTENTION_FIRST_BWD = "mlp", "attention.bwd"
+"""Megatron 1-D's segments where the MLP block starts (forward) and the attention block (backward)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DegreeReshard:
+    """Collectives (TP rank 0's side) moving hidden states between blocks of two degrees."""
+
+    forward: Collective | None
+    backward: Collective | None
+    ranks: tuple[int, ...] = ()
+    """TP indices of TP rank 0's reshard group (stride = the smaller degree)."""
+
+
+def degree_reshard(src: int, dst: int, *, tp: int, micro_batch: int, seq: int, hidden: int,
+                   bytes_per_element: int, sub_batches: int = 1) -> DegreeReshard:
+    """Replicas of ``src`` hold their share of the batch, replicated over their ``d`` ranks.
+    Fewer replicas next (d_src < d_dst): forward all-gathers the batch over d_dst / d_src ranks
+    (stride d_src), backward slices. More replicas next: forward slices, backward all-gathers the
+    input gradient. Payload: the gathered [s, b_share, h] tensor of one of ``sub_batches``."""
+    if src == dst:
+        return DegreeReshard(forward=None, backward=None)
+    lo, hi = sorted((src, dst))
+    ranks = tuple(range(0, hi, lo))
+    share = micro_batch * hi / tp / sub_batches  # samples of one sub-batch
+    payload = round(share * seq * hidden * bytes_per_element)
+    op = Collective(name="reshard.ag", kind="all_gather", axis="tp", group_size=len(ranks), payload_bytes=payload)
+    if src < dst:
+        return DegreeReshard(forward=op, backward=None, ranks=ranks)
+    return DegreeReshard(forward=None, backward=op, ranks=ranks)
+
+
+def split_at(ops: tuple[Op, ...], name: str) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """``ops`` before and from the compute segment ``name``."""
+    i = next(i for i, op in enumerate(ops) if isinstance(op, Compute) and op.name == name)
+    return tuple(ops[:i]), tuple(ops[i:])
+
+
+def megatron_blocks(desc: LayerDescription) -> dict[str, tuple[tuple[Op, ...], tuple[Op, ...]]]:
+    """Megatron 1-D layer -> {"attention": (forward ops, backward ops), "mlp": ...}: each block's
+    segment with the collectives after it (forward g; backward f of the block's input)."""
+    attn_f, mlp_f = split_at(desc.forward, MLP_FIRST)
+    mlp_b, attn_b = split_at(desc.backward, ATTENTION_FIRST_BWD)
+    return {"attention": (attn_f, attn_b), "mlp": (mlp_f, mlp_b)}
