@@ -93,10 +93,14 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
                                                     bias=False))
     gpt = simulate(ModelConfig(**kw), st, device_model(topo))
     res = simulate(llama, st, device_model(topo))
+    from megatron_oases.describe.head import head_param_tensors
+
     variant = llama.variant
     extra = 4 * (layer_params(backend, 1024, 2816, 8, mesh, heads=16, variant=variant)
                  - layer_params(backend, 1024, 2816, 8, mesh, heads=16))
     assert extra > 0
+    head = dict(v=51200, h=1024, seq=512, t=8, first=True, last=True, output_copy=False)
+    extra += sum(head_param_tensors(**head, variant=variant)) - sum(head_param_tensors(**head))  # RMSNorm
     assert res.memory[0].weights - gpt.memory[0].weights == extra * 2  # bf16
     assert res.iteration_ms != gpt.iteration_ms
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from megatron_oases.describe.ops import Collective
 from megatron_oases.parallel.dims import ParallelDims
+from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.topology import Topology
 
@@ -243,9 +244,13 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     mem = np.array([arr(kd, "state_bytes") + arr(kd, "saved_bytes") for kd in kinds])
     peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
     e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.vocab_size, m.tp, m.micro_batch_size, m.seq_length)
-    emb_params = V * h // T + m.variant.position_params(s, h) + 2 * h
+    # the head on the plan's one stage (describe.head): embedding + final norm (+ an untied output
+    # layer: the planner's model ties them); what it keeps; the embedding's output while the
+    # layers run
+    head = dict(v=V, h=h, t=T, first=True, last=True)
+    emb_params = sum(head_param_tensors(**head, seq=s, variant=m.variant, output_copy=False))
     const = (emb_params * state_bytes_per_param(m, dims.dp if m.distributed_optimizer else 1)
-             + b * s * h * e + b * s * (V // T) * (e + 4))
+             + b * s * h * e + head_saved_bytes(**head, b=b, s=s, e=e, hidden_dropout=False))
     ties = tuple((2 * i, 2 * i + 1) for i in range(m.num_layers)) if granularity == "layer" else ()
     budget = memory_gb * float(1 << 30) if memory_gb is not None else None
     problem = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=float(const), budget=budget, ties=ties)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad, output_wgrad
+from ..describe.head import head_ops, head_param_tensors
+from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from ..describe.event_key import layer_shape
 from ..describe.ops import GPT2, Collective, Compute, LayerVariant
 from ..describe.planned import degree_reshard, megatron_blocks
@@ -302,7 +303,6 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
     head_dims = (("b", hb),) + dims[1:10]  # the layer's sizes, without dropout and executor
     act = b * m.seq * m.hidden * e
-    head_act = hb * m.seq * m.hidden * e
     per_chunk = m.num_layers // (s.pp * vp)
     n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
     out = []
@@ -334,28 +334,14 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
             else:
                 blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
                 fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks)
-            pre_f, post_f, pre_b, post_b = [], [], [], []  # the head, around the layers
-            if first:  # vocab-parallel embedding: lookup, then all-reduce of the partial sums
-                emb = Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * head_act)
-                red = Collective(name="embedding.ar", kind="all_reduce", axis="tp", group_size=t,
-                                 payload_bytes=head_act)
-                emb_b = Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * head_act)
-                pre_f = [head_ev(emb)] + ([head_ev(red)] if t > 1 else [])
-                post_b = [head_ev(emb_b)]
-            if last:  # final LN, vocab-parallel logits + cross-entropy; f all-reduces dX
-                logits_flops = 2 * hb * m.seq * m.hidden * m.vocab / t
-                ce_bytes = 4 * hb * m.seq * (m.vocab // t) * e
-                head = Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * head_act + ce_bytes)
-                ce = Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
-                                payload_bytes=3 * hb * m.seq * 4)
-                head_b = Compute(name="logits.bwd", gemm_flops=2 * logits_flops,
-                                 elementwise_bytes=2 * head_act + ce_bytes)
-                f_b = Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
-                                 payload_bytes=head_act)
-                wgrad = output_wgrad(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e)
-                f_b_ev = dataclasses.replace(head_ev(f_b), beside=_compute(wgrad, head_shape, head_dims))
-                post_f = [head_ev(head)] + ([head_ev(ce)] if t > 1 else [])
-                pre_b = [head_ev(head_b)] + ([f_b_ev] if t > 1 else [])
+            # the head around the layers (describe.head); the output layer's wgrad runs beside
+            # the all-reduce of its input gradient
+            hd = head_ops(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e, first=first, last=last)
+            pre_f, post_f, post_b = ([head_ev(op) for op in ops]
+                                     for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
+            pre_b = [head_ev(op) for op in hd.pre_backward]
+            if len(pre_b) > 1:
+                pre_b[1] = dataclasses.replace(pre_b[1], beside=_compute(hd.output_wgrad, head_shape, head_dims))
             me = s.rank(pp=st)
             send_f = send_b = None
             if not last:
@@ -476,15 +462,9 @@ def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> t
     the last)."""
     m, s = model, strategy
     out = tuple(n for layer in stage_layers(m, s, stage) for n in layer_tensors(m, s, layer))
-    emb = m.vocab * m.hidden // s.tp
-    if stage == 0:
-        positions = m.variant.position_params(m.seq, m.hidden)  # learned; none under RoPE
-        out += (emb, positions) if positions else (emb,)
-    if stage == s.pp - 1:
-        out += (m.hidden, m.hidden)  # final LayerNorm
-        if s.pp > 1 or not m.tied_embeddings:
-            out += (emb,)  # the last stage's own copy (tied) or the untied output layer
-    return out
+    return out + head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=stage == 0,
+                                    last=stage == s.pp - 1, variant=m.variant,
+                                    output_copy=s.pp > 1 or not m.tied_embeddings)
 
 
 def stage_layers(model: ModelConfig, strategy: Strategy, stage: int) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..describe.head import head_saved_bytes
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
 from ..describe.saved import oases_kept_beyond_stock
 from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
@@ -65,10 +66,9 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     kept = full + (beyond if oases else 0.0)
     per_mb = n_rc * saved + (n - n_rc) * kept
     g = chunk.chunk * s.pp + chunk.stage
-    if g == 0 and m.hidden_dropout > 0:
-        per_mb += m.micro_batch * m.seq * m.hidden  # embedding dropout mask
-    if g == s.pp * s.virtual_stages - 1:
-        per_mb += m.micro_batch * m.seq * (m.vocab // s.tp) * (m.bytes_per_element + 4)
+    per_mb += head_saved_bytes(b=m.micro_batch, s=m.seq, h=m.hidden, v=m.vocab, t=s.tp,
+                               e=m.bytes_per_element, first=g == 0,
+                               last=g == s.pp * s.virtual_stages - 1, hidden_dropout=m.hidden_dropout > 0)
     return per_mb, (full if n_rc else 0.0)
 
 

@@ -1,0 +1,82 @@
+"""The GPT model head around the transformer layers: Megatron's vocab-parallel embedding on the
+first pipeline stage, the final norm and the vocab-parallel output layer + cross-entropy on the
+last. Every backend and schedule runs Megatron's own head, at the whole TP group, on the whole
+micro-batch (outside the Oases executor), so one description serves all of them; the simulator
+(events, memory) and the planner (memory constant) read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .megatron_1d import output_wgrad
+from .ops import GPT2, Collective, Compute, LayerVariant
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadOps:
+    """The head's work on one stage, per micro-batch: before / after the layers in forward
+    (``pre_forward``, ``post_forward``) and in backward (``pre_backward``: the logits' backward and
+    its input-gradient all-reduce, ``post_backward``: the embedding's); ``output_wgrad``: the
+    output layer's weight gradient, which Megatron runs beside that all-reduce."""
+
+    pre_forward: tuple = ()
+    post_forward: tuple = ()
+    pre_backward: tuple = ()
+    post_backward: tuple = ()
+    output_wgrad: Compute | None = None
+
+
+def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, last: bool) -> HeadOps:
+    """The head's segments and collectives (FLOPs count a multiply-add as 2; ``v`` padded)."""
+    act = b * s * h * e
+
+    def tp(c: Collective) -> tuple:  # a collective on one rank issues nothing
+        return (c,) if t > 1 else ()
+
+    ops: dict = {}
+    if first:  # lookup, then the all-reduce of the vocab-parallel partial sums
+        ops["pre_forward"] = (Compute(name="embedding", gemm_flops=0.0, elementwise_bytes=3 * act),
+                              *tp(Collective(name="embedding.ar", kind="all_reduce", axis="tp",
+                                             group_size=t, payload_bytes=act)))
+        ops["post_backward"] = (Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * act),)
+    if last:  # final norm, logits, vocab-parallel cross-entropy (3 fp32 reductions per token)
+        logits_flops = 2 * b * s * h * v / t
+        ce_bytes = 4 * b * s * (v // t) * e
+        ops["post_forward"] = (
+            Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes),
+            *tp(Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
+                           payload_bytes=3 * b * s * 4)))
+        ops["pre_backward"] = (
+            Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes),
+            *tp(Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
+                           payload_bytes=act)))
+        ops["output_wgrad"] = output_wgrad(b=b, s=s, h=h, v=v, t=t, e=e)
+    return HeadOps(**ops)
+
+
+def head_param_tensors(*, v: int, h: int, seq: int, t: int, first: bool, last: bool,
+                       output_copy: bool, variant: LayerVariant = GPT2) -> tuple[int, ...]:
+    """Parameter tensors of the head on one rank: the word embedding (and learned positions, none
+    under RoPE) on the first stage; the final norm (weight, and bias for LayerNorm) and, where
+    ``output_copy`` (untied, or tied across pipeline stages), the output layer on the last."""
+    emb = v * h // t
+    out: tuple[int, ...] = ()
+    if first:
+        positions = variant.position_params(seq, h)
+        out += (emb, positions) if positions else (emb,)
+    if last:
+        out += (h, h) if variant.normalization == "LayerNorm" else (h,)
+        if output_copy:
+            out += (emb,)
+    return out
+
+
+def head_saved_bytes(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, last: bool,
+                     hidden_dropout: bool) -> float:
+    """What the head keeps for backward per micro-batch: the embedding's dropout mask (1 byte a
+    value, CUDA) on the first stage; the logits (e bytes) and the fp32 softmax of the
+    vocab-parallel loss on the last."""
+    kept = b * s * h if first and hidden_dropout else 0
+    if last:
+        kept += b * s * (v // t) * (e + 4)
+    return kept
