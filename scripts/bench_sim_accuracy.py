@@ -61,6 +61,16 @@ CONFIGS = {
                       "--schedule", "oases"], "TP 2 x PP 2, Oases"),
     "dp2pp2": (["--data-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                "DP 2 x PP 2: P2P and DP across nodes"),
+    "tp2dp2-oases": (["--tensor-model-parallel-size", "2", "--data-parallel-size", "2",
+                      "--schedule", "oases"], "TP 2 x DP 2, Oases: sub-batch overlap, then the DP all-reduce"),
+    "pp2-vp2": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                "PP 2 interleaved: 2 virtual stages of 1 layer per rank"),
+    "atp12": (["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2"],
+              "ATP mesh 1x2: hidden states split in 2, row-first linears"),
+    "atp12-oases": (["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2",
+                     "--schedule", "oases"], "Oases over ATP 1x2"),
+    "3d": (["--tensor-model-parallel-size", "8", "--tp-backend", "3d"],
+           "3-D cube p = 2: 8 ranks on 2 cores, all-gathers and reduce-scatters on lines of 2"),
 }
 DEFAULT_CONFIGS = ["tp2", "tp2-oases", "pp2", "dp2", "tp2pp2", "tp2dp2", "tp2pp2-oases"]
 
@@ -99,7 +109,8 @@ def bench_lock():
 
 
 def topology_yaml(world: int, a) -> str:
-    """Two ranks: one emulated node. Four: 2 nodes x 2 ranks (TP inside a node, DP / PP across)."""
+    """Two ranks: one emulated node. Four: 2 nodes x 2 ranks (TP inside a node, DP / PP across).
+    Eight (the 3-D cube): one node."""
     if world == 2:
         return bench.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
                                           [("lo", 2, "intra_node", a.intra_GBps, 20)])
@@ -107,6 +118,10 @@ def topology_yaml(world: int, a) -> str:
         # 4 ranks share 2 cores: compute is ~2x slower, so the links are too (comm ~ compute)
         return bench.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
                                                     a.intra_GBps / 2, a.inter_GBps)
+    if world == 8:
+        # 8 ranks share 2 cores: compute is ~4x slower, so the links are too
+        return bench.topology_yaml("acc-flat8", "bench_sim_accuracy, 1 node x 8 ranks",
+                                   [("lo", 8, "intra_node", a.intra_GBps / 4, 20)])
     raise SystemExit(f"no topology for {world} ranks")
 
 

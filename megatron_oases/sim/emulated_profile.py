@@ -210,6 +210,11 @@ def _comm_op(job: dict[str, Any], me: int, mine: tuple[int, ...] | None, grp: An
         y = torch.empty(max(1, numel // n))
         x = torch.ones(y.numel() * n)
         return lambda: dist.reduce_scatter_tensor(y, x, group=grp, async_op=async_op)
+    if kind in ("broadcast", "reduce"):  # the 3-D cube's diagonal vectors, rooted at the line's first rank
+        x = torch.ones(numel)
+        if kind == "broadcast":
+            return lambda: dist.broadcast(x, src=mine[0], group=grp, async_op=async_op)
+        return lambda: dist.reduce(x, dst=mine[0], group=grp, async_op=async_op)
     if kind == "p2p" and not async_op:
         x = torch.ones(numel)
         return (lambda: dist.send(x, mine[1])) if me == mine[0] else (lambda: dist.recv(x, mine[0]))
