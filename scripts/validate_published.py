@@ -3,7 +3,7 @@
 Each row of ``examples/validation/published_megatron.yaml`` is one published run: its
 configuration as ``megatron-oases sim`` flags, a topology, and the measured number in the
 source's unit. The row is simulated with the analytical device model (no profile), through the
-same flag mapping ``megatron-oases sim`` uses (``sim.cli.simulation_inputs``), and converted to
+same flag mapping ``megatron-oases sim`` uses (``sim.published.simulate_run``), and converted to
 that unit the way the source counts it:
 
   tflops_per_gpu    FLOPs per iteration / (iteration time x GPUs), the FLOPs by Megatron's formula
@@ -33,9 +33,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
-from megatron_oases.sim.cli import build_parser, simulation_inputs  # noqa: E402
-from megatron_oases.sim.timeline import simulate  # noqa: E402
+from megatron_oases.sim.published import iteration_flops, simulate_run  # noqa: E402
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
 UNITS = ("tflops_per_gpu", "s_per_iteration")
@@ -55,32 +53,10 @@ def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
     return sources, rows
 
 
-def sim_argv(row: dict) -> list[str]:
-    """The ``megatron-oases sim`` command line of a row (flag dict -> ``--name value`` / ``--name``)."""
-    argv = ["--topology", row["topology"], "--nodes", str(row["nodes"])]
-    for name, value in row["flags"].items():
-        if value is True:
-            argv.append(f"--{name}")
-        elif value is not False:
-            argv += [f"--{name}", str(value)]
-    return argv
-
-
-def iteration_flops(model, strategy, recompute: bool) -> float:
-    """FLOPs of one iteration by Megatron's formula (``recompute``: a full recompute counted too)."""
-    v = model.variant
-    return gpt_flops_per_iteration(
-        global_batch_size=model.micro_batch * strategy.num_microbatches * strategy.dp,
-        seq_length=model.seq, num_layers=model.num_layers, hidden_size=model.hidden,
-        num_attention_heads=model.heads, ffn_hidden_size=model.ffn, padded_vocab_size=model.vocab,
-        num_query_groups=v.query_groups, gated_mlp=v.gated, recompute=recompute)
-
-
 def predict_row(row: dict, sources: dict) -> dict:
     """Simulate one row; its prediction in the row's unit and the signed error (percent)."""
-    a = build_parser().parse_args(sim_argv(row))
-    model, strategy, dm = simulation_inputs(a)
-    r = simulate(model, strategy, dm)
+    r = simulate_run(row["topology"], row["nodes"], row["flags"])
+    model, strategy = r.model, r.strategy
     secs = r.iteration_ms / 1e3
     if row["unit"] == "s_per_iteration":
         predicted = secs

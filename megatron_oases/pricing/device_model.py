@@ -46,12 +46,15 @@ class GpuSpec:
 #  H100 SXM 80GB   (NVIDIA H100 data sheet): 989 TF bf16 (1,979 sparse), 67 TF fp32, 3.35 TB/s.
 #  RTX 3090        (GA102 whitepaper, app. A): 71 TF fp16 tensor w/ fp32 accumulate, 35.6 TF
 #                  fp32, 936 GB/s GDDR6X, 24 GB.
+#  A10 24GB        (NVIDIA A10 Tensor Core GPU data sheet, 2021): 125 TF fp16/bf16 tensor (250
+#                  sparse), 31.2 TF fp32, 600 GB/s GDDR6, 24 GB (DistSim §6's GPU).
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(name="v100-sxm2", tensor_tflops=125.0, fp32_tflops=15.7, hbm_GBps=900.0, memory_GB=32.0),
     GpuSpec(name="a100-40gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=1555.0, memory_GB=40.0),
     GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0),
     GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0),
     GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0),
+    GpuSpec(name="a10-24gb", tensor_tflops=125.0, fp32_tflops=31.2, hbm_GBps=600.0, memory_GB=24.0),
 )}
 
 
