@@ -116,3 +116,25 @@ def test_sim_prices_llama_variants_from_flags(capsys):
     assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err
     assert sim_main(base + ["--rotary-percent", "0.5"]) == 2
     assert "apply to --position-embedding-type rope only" in capsys.readouterr().err
+
+
+def test_fp16_gradients_reduce_in_fp16_unless_accumulated_in_fp32():
+    """Megatron-LM reduces data-parallel gradients in the parameters' fp16 by default and in fp32
+    under bf16 or --accumulate-allreduce-grads-in-fp32: the DP all-reduce's bytes follow."""
+    from megatron_oases.sim.cli import build_parser, simulation_inputs
+    from megatron_oases.sim.events import build_stage_events
+
+    base = ["--topology", "dgx-a100", "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--seq-length", "128", "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+            "--data-parallel-size", "4", "--global-batch-size", "8"]
+
+    def grad_bytes(*flags):
+        model, strategy, dm = simulation_inputs(build_parser().parse_args([*base, *flags]))
+        stage = build_stage_events(model, strategy, dm.topology)[0]
+        return stage.grad_allreduce.nbytes, model.grad_reduce_bytes
+
+    fp16, fp16_acc, bf16 = (grad_bytes("--dtype", "fp16"),
+                            grad_bytes("--dtype", "fp16", "--accumulate-allreduce-grads-in-fp32"),
+                            grad_bytes("--dtype", "bf16"))
+    assert fp16[1] == 2 and fp16_acc[1] == bf16[1] == 4
+    assert 2 * fp16[0] == fp16_acc[0] == bf16[0]

@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=0, help="default 4 x hidden")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="reduce data-parallel gradients in fp32 under --dtype fp16 (Megatron-LM's flag; "
+                        "bf16 and fp32 always do, as Megatron-LM)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention (default 1)")
@@ -115,7 +118,8 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
                        bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
                        tied_embeddings=not a.untie_embeddings_and_output_weights,
                        hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-                       variant=_variant(a))
+                       variant=_variant(a),
+                       grad_reduce_bytes=2 if dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32 else 4)
 
 
 def _variant(a: argparse.Namespace) -> LayerVariant:

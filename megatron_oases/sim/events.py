@@ -52,6 +52,10 @@ class ModelConfig:
     runs them with the dropout."""
     variant: LayerVariant = GPT2
     """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias, RoPE, QK-norm)."""
+    grad_reduce_bytes: int = 4
+    """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
+    ``megatron-oases train`` always; Megatron-LM under bf16 or with
+    ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -64,6 +68,8 @@ class ModelConfig:
         for f in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, f) < 1.0:
                 raise SimError(f"model {f} must be in [0, 1) (got {getattr(self, f)!r})")
+        if self.grad_reduce_bytes not in (2, 4):
+            raise SimError(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
         if DTYPES.get(self.dtype) != self.bytes_per_element:
             raise SimError(f"model dtype {self.dtype!r} does not have {self.bytes_per_element}-byte elements "
                            f"(known: {', '.join(f'{k}={v}' for k, v in DTYPES.items())})")
@@ -514,24 +520,28 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
                 chains: int) -> StageEvents:
     tensors = stage_param_tensors(m, s, st)
     params = sum(tensors)
-    pshape = f"p{params}_fp32"
-    pdims = (("p", params), ("dtype", "fp32"))
+    gdtype = "fp32" if m.grad_reduce_bytes == 4 else m.dtype  # the DP reduction's element type
+    pshape = f"p{params}_{gdtype}"
+    pdims = (("p", params), ("dtype", gdtype))
     grad = tie = norm = norm_ar = opt = gather = None
     if s.dp > 1:
         dp_ranks = tuple(s.rank(dp=d, pp=st) for d in range(s.dp))
         if s.distributed_optimizer:  # reduce-scatter grads, all-gather updated params after the step
-            op = Collective(name="grad.rs", kind="reduce_scatter", axis="dp", group_size=s.dp, payload_bytes=4 * params)
+            op = Collective(name="grad.rs", kind="reduce_scatter", axis="dp", group_size=s.dp,
+                            payload_bytes=m.grad_reduce_bytes * params)
             ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
                             payload_bytes=m.bytes_per_element * params)
             gather = _collective(ag, f"p{params}_{m.dtype}", topo, dp_ranks, (("p", params), ("dtype", m.dtype)))
         else:
-            op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=s.dp, payload_bytes=4 * params)
+            op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=s.dp,
+                            payload_bytes=m.grad_reduce_bytes * params)
         grad = _collective(op, pshape, topo, dp_ranks, pdims)
     if m.tied_embeddings and s.pp > 1 and st in (0, s.pp - 1):
         pair = (s.rank(pp=0), s.rank(pp=s.pp - 1))
-        nb = 4 * m.vocab * m.hidden // s.tp
-        op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2, payload_bytes=nb)
-        tie = _collective(op, f"v{m.vocab}h{m.hidden}t{s.tp}_fp32", topo, pair, (("p", nb // 4), ("dtype", "fp32")))
+        n = m.vocab * m.hidden // s.tp
+        op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2,
+                        payload_bytes=m.grad_reduce_bytes * n)
+        tie = _collective(op, f"v{m.vocab}h{m.hidden}t{s.tp}_{gdtype}", topo, pair, (("p", n), ("dtype", gdtype)))
     if s.optimizer_step:
         # both run tensor by tensor: the key names the tensor count, the dims carry the sizes
         tdims = (("p", params), ("sizes", tensors))

@@ -47,7 +47,7 @@ class StageMemory:
 def model_state_bytes(params: int, model: ModelConfig, strategy: Strategy) -> tuple[float, float, float]:
     e = model.bytes_per_element
     shard = strategy.dp if strategy.distributed_optimizer else 1
-    return e * params, 4.0 * params, ((4 if e == 2 else 0) + 8) * params / shard
+    return e * params, float(model.grad_reduce_bytes) * params, ((4 if e == 2 else 0) + 8) * params / shard
 
 
 def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
