@@ -175,11 +175,13 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
     The only function that reads a namespace of run arguments by name."""
     if isinstance(args, RunConfig):
         return args
-    def present(names):
+
+    def present(names: tuple[str, ...]) -> dict[str, Any]:
         values = {name: getattr(args, name, _MISSING) for name in names}
         return {name: value for name, value in values.items() if value is not _MISSING}
 
-    return RunConfig(**present(FLAT_FIELDS), megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
+    return RunConfig(**present(FLAT_FIELDS),
+                     megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

@@ -18,7 +18,8 @@ from megatron_oases.train_args import query_groups
 from megatron_oases.vocab import padded_vocab_size
 
 
-def transformer_config_from_args(args: argparse.Namespace | RunConfig, *, cuda: bool) -> TransformerConfig:
+def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
+                                 cuda: bool) -> TransformerConfig:
     """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     oases = oases_runs(args)
@@ -110,8 +111,9 @@ def layer_spec(args: argparse.Namespace | RunConfig, groups=None):
     raise ValueError(f"unknown --tp-backend {cfg.tp_backend!r}")
 
 
-def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerConfig, *, pre_process: bool,
-                    post_process: bool, vp_stage: int | None = None, groups=None) -> GPTModel:
+def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerConfig, *,
+                    pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                    groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
     cfg = run_config(args)
     model = GPTModel(

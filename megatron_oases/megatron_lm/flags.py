@@ -190,7 +190,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
             view, dims = trainer_view(args, world_size)
         except ConfigError:
             return  # sizes of a stock run are Megatron-LM's to check, in its own words
-        validate_backend_args(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases, ...
+        validate_backend_args(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases
         return
     _check_non_stock(args, megatron_lm_defaults() if defaults is None else defaults)
     view, dims = trainer_view(args, world_size)
