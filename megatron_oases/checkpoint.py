@@ -23,6 +23,7 @@ import time
 import warnings
 
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.run_config import DEFAULTS, run_config
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
@@ -66,7 +67,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true",
                    help="load the model only; the optimizer starts fresh")
     g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
-    g.add_argument("--ckpt-format", default="torch_dist", metavar="FORMAT",
+    g.add_argument("--ckpt-format", default=DEFAULTS.ckpt_format, metavar="FORMAT",
                    help="torch_dist (the only format)")
 
 
@@ -178,13 +179,14 @@ def read_saved_args(path: str) -> dict:
 def check_same_model(saved: dict, args, path: str) -> None:
     from megatron_oases.vocab import padded_vocab_size
 
+    run = run_config(args).as_dict()
     for name in MODEL_FLAGS:
         theirs = saved.get(name, _LATER_MODEL_FLAGS.get(name))
-        if theirs != getattr(args, name):
+        if theirs != run[name]:
             flag = "--disable-bias-linear (add_bias_linear)" if name == "add_bias_linear" \
                 else "--" + name.replace("_", "-")
             raise CheckpointError(f"--load: {path} was saved with {flag} {theirs}, this "
-                                  f"run has {getattr(args, name)}; use the checkpoint's model flags")
+                                  f"run has {run[name]}; use the checkpoint's model flags")
     ours = padded_vocab_size(args)
     theirs = padded_vocab_size(argparse.Namespace(**saved))
     if ours != theirs:

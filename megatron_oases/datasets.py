@@ -30,6 +30,7 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.run_config import DEFAULTS, run_config
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default when --data-path is given and --split is not
 DEFAULT_EVAL_ITERS = 10  # Megatron-LM's default is 100; 10 keeps CPU runs short
@@ -42,30 +43,31 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                  "Megatron-Core's GPT datasets (see docs/data.md)")
     g.add_argument("--mock-data", action="store_true",
                    help="Megatron-Core's MockGPTDataset (as Megatron-LM's --mock-data)")
-    g.add_argument("--data-path", nargs="+", default=None, metavar="PREFIX",
+    g.add_argument("--data-path", nargs="+", default=DEFAULTS.data_path, metavar="PREFIX",
                    help="indexed GPT dataset(s): PREFIX.bin/PREFIX.idx from Megatron's "
                         "preprocess_data.py or IndexedDatasetBuilder; several prefixes, or "
                         "'W1 P1 W2 P2 ...' for a weighted blend")
-    g.add_argument("--split", default=None,
+    g.add_argument("--split", default=DEFAULTS.split,
                    help=f"train,valid,test weights over the documents of --data-path "
                         f"(default {DEFAULT_SPLIT}, as Megatron-LM)")
-    g.add_argument("--data-cache-path", default=None,
+    g.add_argument("--data-cache-path", default=DEFAULTS.data_cache_path,
                    help="where Megatron writes its dataset index cache (default: next to the "
                         "data, PREFIX/cache/GPTDataset_indices)")
-    g.add_argument("--eod-token-id", type=int, default=None,
+    g.add_argument("--eod-token-id", type=int, default=DEFAULTS.eod_token_id,
                    help="end-of-document token id of the data (default --vocab-size - 1, i.e. "
                         "Megatron's NullTokenizer with --vocab-size - 1 ids)")
     g = parser.add_argument_group("validation")
-    g.add_argument("--eval-interval", type=int, default=None,
+    g.add_argument("--eval-interval", type=int, default=DEFAULTS.eval_interval,
                    help="every N iterations (and after the last) run --eval-iters forward-only "
                         "batches of the validation split and print Megatron's validation line")
-    g.add_argument("--eval-iters", type=int, default=None,
+    g.add_argument("--eval-iters", type=int, default=DEFAULTS.eval_iters,
                    help=f"global batches per validation (default {DEFAULT_EVAL_ITERS} with "
                         "--eval-interval; 0 disables validation, as in Megatron-LM)")
 
 
 def uses_megatron_data(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "mock_data", False) or getattr(args, "data_path", None))
+    cfg = run_config(args)
+    return bool(cfg.mock_data or cfg.data_path)
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -209,7 +211,8 @@ def _check_split_documents(prefix: str, split: list[float], split_flag: str,
 
 
 def eval_enabled(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "eval_interval", None) and getattr(args, "eval_iters", None))
+    cfg = run_config(args)
+    return bool(cfg.eval_interval and cfg.eval_iters)
 
 
 def num_evaluations(args: argparse.Namespace) -> int:

@@ -12,12 +12,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_oases.run_config import RunConfig, run_config
 from megatron_oases.schedules.oases.options import oases_runs
 from megatron_oases.train_args import query_groups
 from megatron_oases.vocab import padded_vocab_size
 
 
-def transformer_config_from_args(args: argparse.Namespace, *, cuda: bool) -> TransformerConfig:
+def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
+                                 cuda: bool) -> TransformerConfig:
     """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     oases = oases_runs(args)
@@ -66,70 +68,74 @@ def _vp_size(args) -> int | None:
     return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
 
 
-def backend_groups(args: argparse.Namespace):
+def backend_groups(args: argparse.Namespace | RunConfig):
     """Process groups a backend needs beyond Megatron's; collective, so call once on all ranks
     after ``initialize_model_parallel`` (ATP: the two mesh-axis groups of every TP group;
     ``--oases-plan``: the TP sub-groups and reshard groups of its degrees)."""
-    if getattr(args, "oases_layer_degrees", None):
+    cfg = run_config(args)
+    if cfg.oases_layer_degrees:
         from megatron_oases.parallel.degree_groups import degree_groups_from_megatron
 
-        return degree_groups_from_megatron({d for pair in args.oases_layer_degrees for d in pair})
-    if args.tp_backend == "atp":
+        return degree_groups_from_megatron({d for pair in cfg.oases_layer_degrees for d in pair})
+    if cfg.tp_backend == "atp":
         from megatron_oases.parallel.mesh import mesh_groups_from_megatron
 
-        return mesh_groups_from_megatron(*args.atp_mesh)
-    if args.tp_backend == "3d":
+        return mesh_groups_from_megatron(*cfg.atp_mesh)
+    if cfg.tp_backend == "3d":
         from megatron_oases.parallel.cube import cube_groups_from_megatron
 
         return cube_groups_from_megatron()
     return None
 
 
-def layer_spec(args: argparse.Namespace, groups=None):
+def layer_spec(args: argparse.Namespace | RunConfig, groups=None):
     """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
-    if args.tp_backend == "megatron":
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
-                                        normalization=args.normalization)
-        if getattr(args, "oases_layer_degrees", None):
+    cfg = run_config(args)
+    if cfg.tp_backend == "megatron":
+        spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm,
+                                        normalization=cfg.normalization)
+        if cfg.oases_layer_degrees:
             from megatron_oases.layers.planned_layer import planned_layer_spec
 
-            spec = planned_layer_spec(spec, args.oases_layer_degrees, groups)
+            spec = planned_layer_spec(spec, cfg.oases_layer_degrees, groups)
         return spec
-    if args.tp_backend == "atp":
+    if cfg.tp_backend == "atp":
         from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
 
-        d1, d2 = args.atp_mesh
-        return get_gpt_layer_atp_spec(d1, d2, args.atp_chunks, mesh_groups=groups)
-    if args.tp_backend == "3d":
+        d1, d2 = cfg.atp_mesh
+        return get_gpt_layer_atp_spec(d1, d2, cfg.atp_chunks, mesh_groups=groups)
+    if cfg.tp_backend == "3d":
         from megatron_oases.layers.tp3d_spec import get_gpt_layer_3d_spec
 
         return get_gpt_layer_3d_spec(cube_groups=groups)
-    raise ValueError(f"unknown --tp-backend {args.tp_backend!r}")
+    raise ValueError(f"unknown --tp-backend {cfg.tp_backend!r}")
 
 
-def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_process: bool,
-                    post_process: bool, vp_stage: int | None = None, groups=None) -> GPTModel:
+def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerConfig, *,
+                    pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                    groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
+    cfg = run_config(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, groups),
-        vocab_size=padded_vocab_size(args),
-        max_sequence_length=args.max_position_embeddings,
+        transformer_layer_spec=layer_spec(cfg, groups),
+        vocab_size=padded_vocab_size(cfg),
+        max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
         vp_stage=vp_stage,
     )
-    if getattr(args, "oases_layer_degrees", None):
+    if cfg.oases_layer_degrees:
         from megatron_oases.layers.planned_layer import connect_planned_layers
 
         connect_planned_layers(model.decoder)
-    if oases_runs(args):
+    if oases_runs(cfg):
         from megatron_oases.schedules.oases.block import enable_oases_schedule
         from megatron_oases.schedules.oases.options import oases_options_from_args
 
-        enable_oases_schedule(model, oases_options_from_args(args))
+        enable_oases_schedule(model, oases_options_from_args(cfg))
     return model

@@ -45,6 +45,7 @@ def setup(args: argparse.Namespace) -> Trainer:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_oases.parallel.layout import tp_invariant_init_
+    from megatron_oases.run_config import run_config
     from megatron_oases.runtime import init_distributed, init_runtime
     from megatron_oases.specs import backend_groups, build_gpt_model, transformer_config_from_args
 
@@ -54,13 +55,14 @@ def setup(args: argparse.Namespace) -> Trainer:
     runtime = init_runtime(args.device)
     init_distributed(runtime, timeout_s=args.dist_timeout)
     dims = validate_args(args, torch.distributed.get_world_size(), runtime.is_cuda)
+    cfg = run_config(args)  # as validated (atp_mesh, plan degrees, ffn size filled in)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vp,
         distributed_timeout_minutes=args.dist_timeout / 60.0)  # Megatron's groups: ours too
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    config = transformer_config_from_args(args, cuda=runtime.is_cuda)
+    config = transformer_config_from_args(cfg, cuda=runtime.is_cuda)
     if dims.pp == 2 and dims.vp:
         # Interleaved PP=2: the previous and the next stage are the same peer, and in the steady
         # state a rank sends an activation (next) and a gradient (prev) to it in one exchange.
@@ -70,11 +72,11 @@ def setup(args: argparse.Namespace) -> Trainer:
         # both directions in a matching order on separate groups.
         config.batch_p2p_comm = False
 
-    groups = backend_groups(args)
+    groups = backend_groups(cfg)
     chunks = []
     for vp_stage in (range(dims.vp) if dims.vp else [None]):
         chunk = build_gpt_model(
-            args, config, vp_stage=vp_stage, groups=groups,
+            cfg, config, vp_stage=vp_stage, groups=groups,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
         chunk.to(runtime.device)
@@ -82,7 +84,7 @@ def setup(args: argparse.Namespace) -> Trainer:
     if args.tp_invariant_init:
         tp_invariant_init_(chunks, seed=args.seed, init_method_std=args.init_method_std,
                            num_layers=args.num_layers)
-    planned = bool(getattr(args, "oases_layer_degrees", None))
+    planned = bool(cfg.oases_layer_degrees)
     if planned:
         from megatron_oases.layers.planned_layer import sync_replica_params
 

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.run_config import DEFAULTS, megatron_ffn_hidden_size, run_config
 
 TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
@@ -30,119 +31,129 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                     "optimizer, get_forward_backward_func). The stock baseline every "
                     "megatron_oases feature is compared against. Runs on CUDA+NCCL or CPU+gloo.")
     g = p.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=int, default=None,
+    g.add_argument("--nproc-per-node", type=int, default=DEFAULTS.nproc_per_node,
                    help="spawn this many local ranks (omit under torchrun / srun, which set RANK "
                         "and WORLD_SIZE)")
-    g.add_argument("--device", choices=("cuda", "cpu"), default=None,
+    g.add_argument("--device", choices=("cuda", "cpu"), default=DEFAULTS.device,
                    help="default: cuda when available, else cpu (gloo)")
-    g.add_argument("--dist-timeout", type=float, default=600.0,
+    g.add_argument("--dist-timeout", type=float, default=DEFAULTS.dist_timeout,
                    help="seconds before a hung collective is aborted, on every process group "
                         "(Megatron's TP/PP/DP groups too); with --nproc-per-node, a rank that "
                         "makes no progress for this long (+60 s) ends the run, naming the rank")
-    g.add_argument("--topology", default=None,
+    g.add_argument("--topology", default=DEFAULTS.topology,
                    help="cluster topology YAML (file or shipped example name); validated at start")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+    g.add_argument("--tensor-model-parallel-size", type=int,
+                   default=DEFAULTS.tensor_model_parallel_size)
+    g.add_argument("--pipeline-model-parallel-size", type=int,
+                   default=DEFAULTS.pipeline_model_parallel_size)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   default=DEFAULTS.num_layers_per_virtual_pipeline_stage,
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--tp-backend", choices=TP_BACKENDS, default="megatron",
+    g.add_argument("--tp-backend", choices=TP_BACKENDS, default=DEFAULTS.tp_backend,
                    help="tensor-parallel layer implementation: megatron = stock 1-D TP, "
                         "atp = ATP's 2-D device mesh inside the TP group (needs --atp-mesh)")
-    g.add_argument("--atp-mesh", default=None, metavar="D1,D2|auto",
+    g.add_argument("--atp-mesh", default=DEFAULTS.atp_mesh, metavar="D1,D2|auto",
                    help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size (d2 is the fastest-"
                         "varying, innermost axis); auto picks it from --topology with the search "
                         "`megatron-oases mesh` prints")
-    g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=1,
+    g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=DEFAULTS.atp_chunks,
                    help="ATP chunk-based overlap: split the batch into this many chunks")
-    g.add_argument("--schedule", choices=SCHEDULES, default="default",
+    g.add_argument("--schedule", choices=SCHEDULES, default=DEFAULTS.schedule,
                    help="executor of the TP layers: default = Megatron's sequential one; oases = "
                         "two sub-batches per micro-batch whose TP collectives overlap the other's "
                         "compute (see the oases group)")
     from megatron_oases.plan.plan_file import PLAN_HELP
 
-    g.add_argument("--oases-plan", default=None, metavar="FILE", help=PLAN_HELP)
+    g.add_argument("--oases-plan", default=DEFAULTS.oases_plan, metavar="FILE", help=PLAN_HELP)
     from megatron_oases.schedules.oases.options import add_oases_args
 
     add_oases_args(p)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=32)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
+    g.add_argument("--num-layers", type=int, default=DEFAULTS.num_layers)
+    g.add_argument("--hidden-size", type=int, default=DEFAULTS.hidden_size)
+    g.add_argument("--ffn-hidden-size", type=int, default=DEFAULTS.ffn_hidden_size,
+                   help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=DEFAULTS.num_attention_heads)
+    g.add_argument("--seq-length", type=int, default=DEFAULTS.seq_length)
+    g.add_argument("--max-position-embeddings", type=int, default=DEFAULTS.max_position_embeddings,
                    help="default: --seq-length")
-    g.add_argument("--vocab-size", type=int, default=1024,
+    g.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size,
                    help="token ids 0..V-1 of the data, synthetic or --data-path/--mock-data "
                         "(padded as megatron_oases.vocab.padded_vocab_size says)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    g.add_argument("--make-vocab-size-divisible-by", type=int,
+                   default=DEFAULTS.make_vocab_size_divisible_by,
                    help="pad the vocabulary to a multiple of this; with the TP-invariant init "
                         "(default) the padding does not grow with TP (see padded_vocab_size)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"),
+                   default=DEFAULTS.normalization)
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
-                   default="learned_absolute", help="as Megatron-LM: learned absolute positions, "
+                   default=DEFAULTS.position_embedding_type,
+                   help="as Megatron-LM: learned absolute positions, "
                    "rotary embeddings (RoPE) or none")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (rope only)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
+    g.add_argument("--rotary-base", type=int, default=DEFAULTS.rotary_base,
+                   help="RoPE base (rope only)")
+    g.add_argument("--rotary-percent", type=float, default=DEFAULTS.rotary_percent,
                    help="part of each head's dimension that RoPE rotates, in (0, 1] (rope only)")
     g.add_argument("--swiglu", action="store_true",
                    help="gated linear unit with SiLU (SwiGLU) MLP; --ffn-hidden-size then defaults "
                         "to Megatron-LM's int(4h x 2/3 / 64) x 64")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups key/value groups")
-    g.add_argument("--num-query-groups", type=int, default=None,
+    g.add_argument("--num-query-groups", type=int, default=DEFAULTS.num_query_groups,
                    help="key/value groups under --group-query-attention (Megatron-LM's default 1)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="linears without bias (Llama-style)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise queries and keys per head (--normalization's kind)")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=DEFAULTS.hidden_dropout)
+    g.add_argument("--attention-dropout", type=float, default=DEFAULTS.attention_dropout)
+    g.add_argument("--init-method-std", type=float, default=DEFAULTS.init_method_std)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
                    help="keep Megatron's own init (depends on TP/PP); by default every parameter "
                         "is drawn from (seed, global name) so all layouts start identical")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=8)
-    g.add_argument("--train-iters", type=int, default=10)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+    g.add_argument("--micro-batch-size", type=int, default=DEFAULTS.micro_batch_size)
+    g.add_argument("--global-batch-size", type=int, default=DEFAULTS.global_batch_size)
+    g.add_argument("--train-iters", type=int, default=DEFAULTS.train_iters)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default=DEFAULTS.optimizer,
                    help="Megatron's optimizer; sgd keeps parity runs free of Adam's amplification "
                         "of float noise in near-zero gradients")
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--sgd-momentum", type=float, default=DEFAULTS.sgd_momentum)
+    g.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    g.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    g.add_argument("--clip-grad", type=float, default=DEFAULTS.clip_grad)
+    g.add_argument("--adam-beta1", type=float, default=DEFAULTS.adam_beta1)
+    g.add_argument("--adam-beta2", type=float, default=DEFAULTS.adam_beta2)
+    g.add_argument("--seed", type=int, default=DEFAULTS.seed)
     g.add_argument("--bf16", action="store_true",
                    help="bf16 params (Float16Module), fp32 main params and gradient reduction")
     g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling")
-    g.add_argument("--loss-scale", type=float, default=None,
+    g.add_argument("--loss-scale", type=float, default=DEFAULTS.loss_scale,
                    help="--fp16: constant loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+    g.add_argument("--initial-loss-scale", type=float, default=DEFAULTS.initial_loss_scale,
                    help="--fp16: initial dynamic loss scale (Megatron's default 2^32)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
-                   default=False,
+                   default=DEFAULTS.gradient_accumulation_fusion,
                    help="Megatron's fused weight-gradient accumulation into main_grad (needs "
                         "Apex's fused_weight_gradient_mlp_cuda; Megatron-LM's default on GPU). "
                         "Applies to Megatron's linears: all of --tp-backend megatron's, and the "
                         "output layer of atp / 3d, whose own linears accumulate unfused")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   default=DEFAULTS.recompute_granularity)
+    g.add_argument("--recompute-method", choices=("uniform", "block"),
+                   default=DEFAULTS.recompute_method)
+    g.add_argument("--recompute-num-layers", type=int, default=DEFAULTS.recompute_num_layers)
     from megatron_oases.datasets import add_data_args
 
     add_data_args(p)
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--log-json", default=None,
+    g.add_argument("--log-interval", type=int, default=DEFAULTS.log_interval)
+    g.add_argument("--log-json", default=DEFAULTS.log_json,
                    help="also write one JSON object per iteration to this file")
     from megatron_oases.checkpoint import add_checkpoint_args
 
@@ -195,8 +206,9 @@ _RANGES = (
 
 def _check_ranges(args: argparse.Namespace) -> None:
     """Each numeric flag within its range (the table above), one line naming the flag."""
+    values = run_config(args).as_dict()
     for flag, name, low, inclusive, high in _RANGES:
-        value = getattr(args, name)
+        value = values[name]
         ok = (value >= low if inclusive else value > low) and (high is None or value < high)
         if not ok:
             where = (f"[{low}, {high})" if high is not None
@@ -273,8 +285,7 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
     """Check every flag and combination; returns the validated ``ParallelDims``."""
     if args.ffn_hidden_size is None:  # Megatron-LM's defaults
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = megatron_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _check_ranges(args)
@@ -306,15 +317,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     if args.use_distributed_optimizer and args.optimizer != "adam":
         raise ConfigError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's "
                           f"distributed optimizer does not support {args.optimizer})")
-    validate_atp_args(args, dims)
-    validate_3d_args(args, dims)
-    from megatron_oases.schedules.oases.options import validate_oases_args
-
-    validate_oases_args(args, dims)
-    from megatron_oases.plan.plan_file import validate_plan_args
-
-    validate_plan_args(args, dims)
-    check_query_groups_split(args, dims)
+    validate_backend_args(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.sequence_parallel:
@@ -335,12 +338,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         raise ConfigError("--recompute-method / --recompute-num-layers need "
                           "--recompute-granularity full")
     if args.topology is not None:
-        from megatron_oases.topology import TopologyError, load_topology
-
-        try:
-            load_topology(args.topology)
-        except (TopologyError, OSError) as exc:
-            raise ConfigError(f"--topology: {exc}") from None
+        check_topology(args.topology)
     from megatron_oases.checkpoint import validate_checkpoint_args
 
     validate_checkpoint_args(args)
@@ -349,6 +347,31 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
 
     validate_data_args(args)
     return dims
+
+
+def validate_backend_args(args: argparse.Namespace, dims: ParallelDims) -> None:
+    """The checks of ``--tp-backend``, ``--schedule`` and ``--oases-plan`` against the validated
+    degrees, shared by the trainer (``validate_args``) and Megatron-LM (``megatron_lm.flags``).
+    Normalises ``args`` in place: ``atp_mesh`` becomes (d1, d2) and ``oases_layer_degrees`` is
+    set (None without a plan)."""
+    from megatron_oases.plan.plan_file import validate_plan_args
+    from megatron_oases.schedules.oases.options import validate_oases_args
+
+    validate_atp_args(args, dims)
+    validate_3d_args(args, dims)
+    validate_oases_args(args, dims)
+    validate_plan_args(args, dims)
+    check_query_groups_split(args, dims)
+
+
+def check_topology(path: str) -> None:
+    """``--topology`` names a topology that loads (a file or a shipped example); one line if not."""
+    from megatron_oases.topology import TopologyError, load_topology
+
+    try:
+        load_topology(path)
+    except (TopologyError, OSError) as exc:
+        raise ConfigError(f"--topology: {exc}") from None
 
 
 def check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> None:
@@ -400,7 +423,7 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         if args.topology is None:
             raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
                               "priced on), or pass --atp-mesh D1,D2")
-        from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, MeshError, ModelShape, search_mesh
+        from megatron_oases.plan.atp_mesh import MeshError, ModelShape, search_mesh
         from megatron_oases.plan.mesh_cli import pick_summary
         from megatron_oases.topology import TopologyError, load_topology
 
@@ -413,7 +436,7 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
                                micro_batch=args.micro_batch_size, seq_length=args.seq_length,
                                bytes_per_element=2 if (args.bf16 or args.fp16) else 4)
             choice = search_mesh(topology, dims.tp, shape,
-                                 min_gain=getattr(args, "atp_min_gain", DEFAULT_MIN_GAIN))
+                                 min_gain=run_config(args).atp_min_gain)
         except MeshError as exc:
             raise ConfigError(f"--atp-mesh auto on --topology {args.topology}: {exc}") from None
         args.atp_mesh = (choice.pick.d1, choice.pick.d2)

@@ -9,8 +9,9 @@ Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is redefined.
 Validation runs when the parser has parsed (Megatron-LM's ``parse_args`` calls
 ``parser.parse_args()``; the provider makes that call also validate), so a bad launch stops
 before ``initialize_megatron`` with one line on rank 0 and exit status 2. The checks are ours
-(``ParallelDims``, the trainer's ATP check, ``validate_oases_args``, ``validate_plan_args``) applied through
-``trainer_view``, which maps Megatron-LM's namespace onto the trainer's names.
+(``ParallelDims`` and the trainer's ``train_args.validate_backend_args``: ATP, 3-D, Oases and
+plan checks) applied through ``trainer_view``, which maps Megatron-LM's namespace onto the
+trainer's names (via ``run_config``).
 
 A stock run (``--tp-backend megatron --schedule default``, no ``--oases-plan``) keeps
 Megatron-LM's own validation of sizes; only our flags are checked then (``--topology``, a stray
@@ -24,6 +25,7 @@ import sys
 from typing import Callable
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, run_config
 
 PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
 """``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
@@ -111,63 +113,58 @@ def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def is_stock(args: argparse.Namespace) -> bool:
+def is_stock(args: argparse.Namespace | RunConfig) -> bool:
     """Stock Megatron-LM model and schedule: none of our backends or schedules selected."""
-    return (args.tp_backend == "megatron" and getattr(args, "schedule", "default") == "default"
-            and getattr(args, "oases_plan", None) is None)
+    cfg = run_config(args)
+    return cfg.tp_backend == "megatron" and cfg.schedule == "default" and cfg.oases_plan is None
 
 
-def _virtual_stages(args) -> int | None:
-    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    per = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if vp is None and per is not None and args.pipeline_model_parallel_size > 0:
+def _virtual_stages(cfg: RunConfig) -> int | None:
+    vp = cfg.megatron_lm.num_virtual_stages_per_pipeline_rank
+    per = cfg.num_layers_per_virtual_pipeline_stage
+    if vp is None and per is not None and cfg.pipeline_model_parallel_size > 0:
         from megatron_oases.train_args import virtual_stages_of
 
-        vp = virtual_stages_of(per, args.num_layers, args.pipeline_model_parallel_size)
+        vp = virtual_stages_of(per, cfg.num_layers, cfg.pipeline_model_parallel_size)
     return vp if vp and vp > 1 else None
-
-
-def _uneven_pipeline(args) -> bool:
-    return any(getattr(args, name, None) for name in (
-        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-        "pipeline_model_parallel_layout"))
 
 
 def trainer_view(args: argparse.Namespace, world_size: int | None = None,
                  ) -> tuple[argparse.Namespace, ParallelDims]:
     """Megatron-LM's args as the reference trainer's namespace, and the validated degrees.
 
-    The view is a shallow copy (our validators normalise fields such as ``atp_mesh`` in place);
+    The view is a shallow copy of ``args`` with every field of its ``run_config`` (a trainer flag
+    Megatron-LM lacks takes the trainer's default) and ``ffn_hidden_size`` filled in as
+    Megatron-LM will; our validators normalise fields such as ``atp_mesh`` in place on it.
     ``world_size`` defaults to WORLD_SIZE, as Megatron-LM's ``parse_args`` reads it.
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size"):
-        if getattr(args, name, None) is None:
-            raise ConfigError(f"--{name.replace('_', '-')} is required")
-    view = argparse.Namespace(**vars(args))
-    cp = getattr(args, "context_parallel_size", 1) or 1
+    cfg = run_config(args)
+    for flag, value in (("--num-layers", cfg.num_layers), ("--hidden-size", cfg.hidden_size),
+                        ("--num-attention-heads", cfg.num_attention_heads),
+                        ("--micro-batch-size", cfg.micro_batch_size)):
+        if value is None:
+            raise ConfigError(f"{flag} is required")
+    view = argparse.Namespace(**{**vars(args), **cfg.as_dict()})
+    view.sequence_parallel = bool(cfg.sequence_parallel)
+    cp = cfg.megatron_lm.context_parallel_size or 1
     if world_size % cp:
         raise ConfigError(f"world size {world_size} is not divisible by --context-parallel-size {cp}")
-    vp = _virtual_stages(args)
-    pp = args.pipeline_model_parallel_size
+    vp = _virtual_stages(cfg)
+    pp = cfg.pipeline_model_parallel_size
     # Uneven pipeline splits are Megatron-LM's to check; ParallelDims wants equal stages.
-    layers = pp * (vp or 1) if _uneven_pipeline(args) else args.num_layers
-    if getattr(args, "ffn_hidden_size", None) is None:  # Megatron-LM's default, set later by it
-        view.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64
-                                if getattr(args, "swiglu", False) else 4 * args.hidden_size)
-    dims = ParallelDims(world_size=world_size // cp, tp=args.tensor_model_parallel_size, pp=pp,
-                        vp=vp, num_layers=layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads,
+    layers = pp * (vp or 1) if cfg.megatron_lm.uneven_pipeline else cfg.num_layers
+    if cfg.ffn_hidden_size is None:  # Megatron-LM's default, set later by it
+        view.ffn_hidden_size = megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu)
+    dims = ParallelDims(world_size=world_size // cp, tp=cfg.tensor_model_parallel_size, pp=pp,
+                        vp=vp, num_layers=layers, hidden_size=cfg.hidden_size,
+                        num_attention_heads=cfg.num_attention_heads,
                         ffn_hidden_size=view.ffn_hidden_size)
-    if getattr(args, "global_batch_size", None) is not None:
-        dims.check_batch(args.micro_batch_size, args.global_batch_size)
-    elif args.micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size must be >= 1 (got {args.micro_batch_size})")
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        setattr(view, name, getattr(args, name, None))  # present even on a partial namespace
-    view.sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+    if cfg.global_batch_size is not None:
+        dims.check_batch(cfg.micro_batch_size, cfg.global_batch_size)
+    elif cfg.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1 (got {cfg.micro_batch_size})")
     return view, dims
 
 
@@ -181,9 +178,10 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     (``options.refusal``); None: Megatron-LM's own parser's, where it imports.
     """
     from megatron_oases.train_args import TP_BACKENDS as BUILT
+    from megatron_oases.train_args import check_topology, validate_backend_args
 
     if args.topology is not None:
-        _check_topology(args.topology)
+        check_topology(args.topology)
     if args.tp_backend not in BUILT:
         raise ConfigError(f"--tp-backend {args.tp_backend} is not available as a Megatron-Core "
                           f"layer spec yet; use one of: {', '.join(BUILT)}")
@@ -192,30 +190,15 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
             view, dims = trainer_view(args, world_size)
         except ConfigError:
             return  # sizes of a stock run are Megatron-LM's to check, in its own words
-        _our_checks(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases, ...
+        validate_backend_args(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases
         return
     _check_non_stock(args, megatron_lm_defaults() if defaults is None else defaults)
     view, dims = trainer_view(args, world_size)
     if args.tp_backend == "atp" and view.atp_mesh == "auto":
         view.atp_mesh = resolve_auto_mesh(args, dims)
-    _our_checks(view, dims)
+    validate_backend_args(view, dims)
     args.atp_mesh = view.atp_mesh
     args.oases_layer_degrees = view.oases_layer_degrees
-
-
-def _our_checks(view: argparse.Namespace, dims: ParallelDims) -> None:
-    """The reference trainer's backend checks (where it has them) and the Oases checks."""
-    from megatron_oases.schedules.oases.options import validate_oases_args
-    from megatron_oases.train_args import validate_3d_args, validate_atp_args
-
-    validate_atp_args(view, dims)
-    validate_3d_args(view, dims)
-    validate_oases_args(view, dims)
-    from megatron_oases.plan.plan_file import validate_plan_args
-    from megatron_oases.train_args import check_query_groups_split
-
-    validate_plan_args(view, dims)
-    check_query_groups_split(view, dims)
 
 
 def megatron_lm_defaults() -> dict:
@@ -245,36 +228,29 @@ def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
     refused = refusal(args, defaults, what)
     if refused:
         raise ConfigError(refused)
-    if getattr(args, "transformer_impl", "local") != "local":
+    cfg = run_config(args)
+    mlm = cfg.megatron_lm
+    if mlm.transformer_impl != "local":
         raise ConfigError(f"{what} builds torch layers, not Transformer Engine ones: pass "
                           f"--transformer-impl local (and run the stock baseline with "
                           f"--transformer-impl local too, for a comparison of TP schemes only)")
-    pos = getattr(args, "position_embedding_type", "learned_absolute")
+    pos = cfg.position_embedding_type
     if pos not in ("learned_absolute", "rope", "none"):
         raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which supports "
                           f"--position-embedding-type learned_absolute, rope or none; drop "
                           f"--position-embedding-type {pos}")
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+    if (mlm.context_parallel_size or 1) > 1:
         raise ConfigError(f"{what} does not support --context-parallel-size > 1 yet")
     if (args.schedule == "oases" and args.tp_backend == "atp"
-            and getattr(args, "overlap_param_gather", False)):
+            and mlm.overlap_param_gather):
         # The ATP tape calls the modules' parts, not the modules, so the DDP forward pre-hooks
         # that wait for each parameter's all-gather never fire: stale weights, silently.
         raise ConfigError("--schedule oases with --tp-backend atp does not run Megatron DDP's "
                           "forward pre-hooks, which --overlap-param-gather needs; drop "
                           "--overlap-param-gather")
-    if args.schedule == "oases" and getattr(args, "tp_comm_overlap", False):
+    if args.schedule == "oases" and mlm.tp_comm_overlap:
         raise ConfigError("--schedule oases overlaps the TP collectives itself; drop "
                           "--tp-comm-overlap (Transformer Engine's userbuffer overlap)")
-
-
-def _check_topology(path: str) -> None:
-    from megatron_oases.topology import TopologyError, load_topology
-
-    try:
-        load_topology(path)
-    except (TopologyError, OSError) as exc:
-        raise ConfigError(f"--topology: {exc}") from None
 
 
 def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
@@ -284,11 +260,12 @@ def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
                           "prices); or pass D1,D2 from `megatron-oases mesh`")
     from megatron_oases.plan.atp_mesh import MeshError, ModelShape, search_mesh
 
-    elem = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    cfg = run_config(args)
+    elem = 2 if (cfg.bf16 or cfg.fp16) else 4
     try:
-        choice = search_mesh(args.topology, dims.tp, ModelShape(
-            hidden=args.hidden_size, layers=max(args.num_layers // dims.pp, 1),
-            micro_batch=args.micro_batch_size, seq_length=args.seq_length,
+        choice = search_mesh(cfg.topology, dims.tp, ModelShape(
+            hidden=cfg.hidden_size, layers=max(cfg.num_layers // dims.pp, 1),
+            micro_batch=cfg.micro_batch_size, seq_length=cfg.seq_length,
             bytes_per_element=elem))
     except MeshError as exc:
         raise ConfigError(f"--atp-mesh auto: {exc}") from None

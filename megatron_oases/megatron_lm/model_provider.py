@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from megatron_oases.run_config import run_config
+
 StockProvider = Callable[..., Any]
 """Megatron-LM's provider signature: ``(pre_process, post_process, vp_stage, config,
 pg_collection)`` as keywords (``megatron.training.training.get_model``)."""
@@ -74,7 +76,7 @@ class ModelProvider:
             config = self._config_from_args(args)
         model = build_model(args, config, pre_process=pre_process, post_process=post_process,
                             vp_stage=vp_stage, groups=self.backend_groups(args))
-        if getattr(args, "oases_layer_degrees", None):
+        if run_config(args).oases_layer_degrees:
             _prepare_replicas(model, config)
         return model
 
@@ -82,7 +84,8 @@ class ModelProvider:
         """``specs.backend_groups(args)`` once per (backend, mesh); collective on first use."""
         from megatron_oases.specs import backend_groups
 
-        key = (args.tp_backend, args.atp_mesh, getattr(args, "oases_layer_degrees", None))
+        cfg = run_config(args)
+        key = (cfg.tp_backend, cfg.atp_mesh, cfg.oases_layer_degrees)
         if self._groups is None or self._groups[0] != key:
             self._groups = (key, backend_groups(args))
         return self._groups[1]
@@ -122,13 +125,13 @@ def _prepare_replicas(model, config) -> None:
 
 def ensure_validated(args: argparse.Namespace) -> None:
     """Validate when the args did not pass our parser hook (e.g. ``parsed_args=`` callers)."""
-    if isinstance(getattr(args, "atp_mesh", None), str) or not hasattr(args, "tp_backend"):
+    if not hasattr(args, "tp_backend"):  # our flags were never added to the parser
+        raise RuntimeError("megatron_oases' flags are missing from Megatron-LM's args: pass "
+                           "extra_args_provider=megatron_oases.megatron_lm.flags."
+                           "extra_args_provider to pretrain()")
+    if isinstance(run_config(args).atp_mesh, str):
         from megatron_oases.megatron_lm.flags import validate_megatron_args
 
-        if not hasattr(args, "tp_backend"):
-            raise RuntimeError("megatron_oases' flags are missing from Megatron-LM's args: pass "
-                               "extra_args_provider=megatron_oases.megatron_lm.flags."
-                               "extra_args_provider to pretrain()")
         validate_megatron_args(args)
 
 

@@ -224,13 +224,16 @@ def classes() -> dict[str, str]:
 
 def builds_of(args: argparse.Namespace) -> frozenset:
     """Which of ``BUILDS`` a run uses (empty: stock Megatron-LM)."""
+    from megatron_oases.run_config import run_config
+
+    cfg = run_config(args)
     out = set()
-    if getattr(args, "schedule", "default") == "oases":
+    if cfg.schedule == "oases":
         out.add("oases")
-    if getattr(args, "oases_plan", None) is not None:
+    if cfg.oases_plan is not None:
         out.add("plan")
-    if getattr(args, "tp_backend", "megatron") in ("atp", "3d"):
-        out.add(args.tp_backend)
+    if cfg.tp_backend in ("atp", "3d"):
+        out.add(cfg.tp_backend)
     return frozenset(out)
 
 

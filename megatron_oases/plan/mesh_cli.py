@@ -95,9 +95,12 @@ def mesh_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
-        for flag in ("tp", "hidden", "layers", "micro_batch_size", "seq_length", "bytes_per_element"):
-            if getattr(args, flag) <= 0:
-                raise MeshError(f"--{flag.replace('_', '-')} must be > 0 (got {getattr(args, flag)})")
+        for flag, value in (("--tp", args.tp), ("--hidden", args.hidden), ("--layers", args.layers),
+                            ("--micro-batch-size", args.micro_batch_size),
+                            ("--seq-length", args.seq_length),
+                            ("--bytes-per-element", args.bytes_per_element)):
+            if value <= 0:
+                raise MeshError(f"{flag} must be > 0 (got {value})")
         if not 0 <= args.min_gain < 1:
             raise MeshError(f"--min-gain must be in [0, 1) (got {args.min_gain})")
         model = ModelShape(hidden=args.hidden, layers=args.layers, micro_batch=args.micro_batch_size,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.run_config import run_config
 
 from .graph import BLOCK_KINDS
 
@@ -146,19 +147,21 @@ PLAN_HELP = ("run the per-block TP degrees of a plan written by `megatron-oases 
 def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
     """Check ``--oases-plan`` against the launch before any process group exists; sets and
     returns ``args.oases_layer_degrees``: per layer, the (attention, mlp) TP degrees (None
-    without a plan)."""
-    path = getattr(args, "oases_plan", None)
+    without a plan). ``args``: a namespace (the trainer's, Megatron-LM's, a partial one), read
+    through ``run_config``."""
+    cfg = run_config(args)
+    path = cfg.oases_plan
     args.oases_layer_degrees = None
     if path is None:
         return None
-    plan = load_plan(path, num_layers=args.num_layers, tp=dims.tp)
+    plan = load_plan(path, num_layers=cfg.num_layers, tp=dims.tp)
     layers = tuple((plan.layer_degrees(i)["attention"], plan.layer_degrees(i)["mlp"])
                    for i in range(plan.num_layers))
-    oases = getattr(args, "schedule", "default") == "oases"
-    if getattr(args, "tp_backend", "megatron") != "megatron":
+    oases = cfg.schedule == "oases"
+    if cfg.tp_backend != "megatron":
         raise ConfigError(f"{FLAG} runs Megatron 1-D TP sub-groups and cannot be combined with "
-                          f"--tp-backend {args.tp_backend}; use --tp-backend megatron")
-    if getattr(args, "sequence_parallel", False):
+                          f"--tp-backend {cfg.tp_backend}; use --tp-backend megatron")
+    if cfg.sequence_parallel:
         raise ConfigError(f"{FLAG} splits the batch across replicas and cannot be combined with "
                           f"--sequence-parallel; drop one of them")
     # Degree t: T/t replicas, each splitting its slice into 2 Oases sub-batches unless t = 1
@@ -166,11 +169,11 @@ def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
     degrees = {d for pair in layers for d in pair}
     need, degree = max(((dims.tp // t) * (2 if oases and t > 1 else 1), -t) for t in degrees)
     degree = -degree
-    if args.micro_batch_size % need:
+    if cfg.micro_batch_size % need:
         _fail(path, f"its degree-{degree} blocks split each micro-batch over {dims.tp // degree} "
                     f"replicas" + (" and then into 2 Oases sub-batches" if need > dims.tp // degree else "")
                     + f": --micro-batch-size must be a multiple of {need} "
-                      f"(got {args.micro_batch_size})")
+                      f"(got {cfg.micro_batch_size})")
     args.oases_layer_degrees = layers
     return layers
 

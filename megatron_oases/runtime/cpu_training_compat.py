@@ -123,14 +123,17 @@ def _no_device_arch(get_device_arch_version):
 
 def check_cpu_training_args(args) -> str | None:
     """The one-line reason ``args`` cannot train on CPU, or None."""
-    for name, flag, why in CUDA_ONLY_FLAGS:
-        if getattr(args, name, False):
+    from megatron_oases.run_config import run_config
+
+    mlm = run_config(args).megatron_lm
+    for name, flag, why in CUDA_ONLY_FLAGS:  # fields of MegatronLMOptions
+        if getattr(mlm, name):
             return f"{flag} {why}; it needs CUDA (this run is on CPU): drop it"
-    impl = getattr(args, "cuda_graph_impl", "none")
-    if impl not in (None, "none"):
-        return f"--cuda-graph-impl {impl} captures CUDA graphs; it needs CUDA (this run is on CPU)"
-    if getattr(args, "distributed_backend", "gloo") != "gloo":
-        return (f"--distributed-backend {args.distributed_backend} needs CUDA; on CPU use "
+    if mlm.cuda_graph_impl not in (None, "none"):
+        return (f"--cuda-graph-impl {mlm.cuda_graph_impl} captures CUDA graphs; it needs CUDA "
+                f"(this run is on CPU)")
+    if mlm.distributed_backend != "gloo":
+        return (f"--distributed-backend {mlm.distributed_backend} needs CUDA; on CPU use "
                 f"--distributed-backend gloo")
     return None
 

@@ -103,7 +103,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
 
 def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
     """The model, its vocabulary padded as Megatron pads it at TP ``tp``."""
-    missing = [f"--{n}" for n in MODEL_FLAGS if getattr(a, n.replace("-", "_")) is None]
+    given = (a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.micro_batch_size)
+    missing = [f"--{n}" for n, value in zip(MODEL_FLAGS, given, strict=True) if value is None]
     if missing:
         raise SimError(f"the model needs {', '.join(missing)}")
     for flag, value in (("--vocab-size", a.vocab_size),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from ..describe.ops import LayerVariant
+from ..run_config import RunConfig, run_config
 from ..topology import Topology
 from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
 from .events import ModelConfig, Strategy, build_stage_events, unique_events
@@ -34,47 +35,48 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     args = argparse.Namespace(**vars(args))  # validate_args fills defaults in place
     try:
         world = world_size or world_size_of(args)
-        dims = validate_args(args, world, cuda=getattr(args, "device", None) != "cpu")
+        dims = validate_args(args, world, cuda=run_config(args).device != "cpu")
     except ConfigError as e:
         raise SimError(str(e)) from None
-    if getattr(args, "sequence_parallel", False):
+    cfg = run_config(args)  # as validated: ffn_hidden_size, atp_mesh, plan degrees filled in
+    if cfg.sequence_parallel:
         raise SimError("--sequence-parallel is not modeled by the simulator yet")
     from ..train_args import query_groups
 
-    rope = args.position_embedding_type == "rope"
-    variant = LayerVariant(query_groups=query_groups(args) if args.group_query_attention else None,
-                           gated=args.swiglu, normalization=args.normalization, bias=args.add_bias_linear,
-                           rotary=rope, rotary_percent=args.rotary_percent if rope else 1.0,
-                           qk_norm=args.qk_layernorm)
-    if args.recompute_granularity == "selective":
+    rope = cfg.position_embedding_type == "rope"
+    variant = LayerVariant(query_groups=query_groups(cfg) if cfg.group_query_attention else None,
+                           gated=cfg.swiglu, normalization=cfg.normalization, bias=cfg.add_bias_linear,
+                           rotary=rope, rotary_percent=cfg.rotary_percent if rope else 1.0,
+                           qk_norm=cfg.qk_layernorm)
+    if cfg.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
-    backend = getattr(args, "tp_backend", "megatron")
-    if backend == "atp" and getattr(args, "atp_chunks", 1) > 1:
+    backend = cfg.tp_backend
+    if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
-    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    model = ModelConfig(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
-                        seq=args.seq_length, vocab=padded_vocab_size(args), micro_batch=args.micro_batch_size,
-                        ffn=args.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
-                        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+    dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+    model = ModelConfig(num_layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                        seq=cfg.seq_length, vocab=padded_vocab_size(cfg), micro_batch=cfg.micro_batch_size,
+                        ffn=cfg.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
+                        tied_embeddings=not cfg.untie_embeddings_and_output_weights,
+                        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                         variant=variant)
-    full = args.recompute_granularity == "full"
-    block = full and args.recompute_method == "block"
+    full = cfg.recompute_granularity == "full"
+    block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
-                        num_microbatches=args.global_batch_size // (args.micro_batch_size * dims.dp),
+                        num_microbatches=cfg.global_batch_size // (cfg.micro_batch_size * dims.dp),
                         schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
-                        recompute_layers=args.recompute_num_layers if block else 0,
-                        overlap="oases" if oases_runs(args) else "none",
-                        fine_grained_recompute=getattr(args, "oases_fine_grained_recompute", True),
-                        backend=backend, mesh=tuple(args.atp_mesh) if backend == "atp" else None,
-                        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                        block_degrees=_plan_degrees(args))
+                        recompute_layers=cfg.recompute_num_layers if block else 0,
+                        overlap="oases" if oases_runs(cfg) else "none",
+                        fine_grained_recompute=cfg.oases_fine_grained_recompute,
+                        backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,
+                        distributed_optimizer=bool(cfg.use_distributed_optimizer),
+                        block_degrees=_plan_degrees(cfg))
     return model, strategy
 
 
-def _plan_degrees(args: argparse.Namespace) -> tuple[int, ...] | None:
+def _plan_degrees(cfg: RunConfig) -> tuple[int, ...] | None:
     """``--oases-plan``'s block degrees (attention, mlp per layer) as ``validate_args`` read them."""
-    layers = getattr(args, "oases_layer_degrees", None)
+    layers = cfg.oases_layer_degrees
     return tuple(d for pair in layers for d in pair) if layers else None
 
 
@@ -96,9 +98,10 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
     import os
 
     model, strategy = sim_inputs_from_train_args(args, world_size)
-    topo = _topology(topology or getattr(args, "topology", None), strategy.world_size)
+    cfg = run_config(args)
+    topo = _topology(topology or cfg.topology, strategy.world_size)
     if settings is None:
-        settings = ProfileSettings(nproc=min(strategy.world_size, topo.world_size), device=getattr(args, "device", None),
+        settings = ProfileSettings(nproc=min(strategy.world_size, topo.world_size), device=cfg.device,
                                    threads=max(1, (os.cpu_count() or 1) // strategy.world_size))
     events = unique_events(build_stage_events(model, strategy, topo))
     if existing is not None:
@@ -112,7 +115,7 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     """The simulated step of the trainer run ``args`` priced only from ``profile`` (every event
     must be in it; the error names the missing ones)."""
     model, strategy = sim_inputs_from_train_args(args, world_size)
-    topo = _topology(topology or getattr(args, "topology", None), strategy.world_size)
+    topo = _topology(topology or run_config(args).topology, strategy.world_size)
     dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
                      bytes_per_element=model.bytes_per_element)
     return simulate(model, strategy, dm, memory_limit_GB=0)

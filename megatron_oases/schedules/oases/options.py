@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.run_config import DEFAULTS, RunConfig, run_config
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,12 +45,13 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "oases", "Oases schedule (--schedule oases): two sub-batches per micro-batch, "
                  "fine-grained recompute, cross-pass recompute/backward overlap")
-    g.add_argument("--oases-cross-pass", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--oases-cross-pass", action=argparse.BooleanOptionalAction,
+                   default=DEFAULTS.oases_cross_pass,
                    help="overlap one sub-batch's recompute with the other's backward across "
                         "layer boundaries (off: a barrier between each layer's recompute and "
                         "backward pass)")
     g.add_argument("--oases-fine-grained-recompute", action=argparse.BooleanOptionalAction,
-                   default=True,
+                   default=DEFAULTS.oases_fine_grained_recompute,
                    help="with --recompute-granularity full: save each forward all-reduce's "
                         "output so recomputation starts after it and issues no collective "
                         "(off: Megatron-style full recompute from each layer's input)")
@@ -58,30 +60,31 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
                         "compute alone (the perfect-overlap bound); losses are wrong")
 
 
-def validate_oases_args(args: argparse.Namespace, dims: ParallelDims) -> None:
+def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims) -> None:
     """Refuse combinations the Oases schedule does not support, naming the flag."""
-    if getattr(args, "schedule", "default") != "oases":
-        if getattr(args, "oases_skip_tp_collectives", False):
+    cfg = run_config(args)
+    if cfg.schedule != "oases":
+        if cfg.oases_skip_tp_collectives:
             raise ConfigError("--oases-skip-tp-collectives needs --schedule oases")
         return
-    if args.tp_backend not in ("megatron", "atp"):
-        raise ConfigError(f"--schedule oases does not support --tp-backend {args.tp_backend} "
+    if cfg.tp_backend not in ("megatron", "atp"):
+        raise ConfigError(f"--schedule oases does not support --tp-backend {cfg.tp_backend} "
                           f"yet (its layers are not described as tapes); use --tp-backend "
                           f"megatron or atp with it")
-    if args.tp_backend == "atp" and getattr(args, "atp_chunks", 1) > 1:
-        raise ConfigError(f"--atp-chunks {args.atp_chunks} cannot be combined with --schedule "
+    if cfg.tp_backend == "atp" and cfg.atp_chunks > 1:
+        raise ConfigError(f"--atp-chunks {cfg.atp_chunks} cannot be combined with --schedule "
                           f"oases: Oases overlaps the ATP collectives with the other sub-batch "
                           f"instead; use --atp-chunks 1 with it")
-    if args.micro_batch_size < 2:
+    if cfg.micro_batch_size < 2:
         raise ConfigError(f"--schedule oases splits each micro-batch into two sub-batches and "
-                          f"needs --micro-batch-size >= 2 (got {args.micro_batch_size})")
-    if args.sequence_parallel:
+                          f"needs --micro-batch-size >= 2 (got {cfg.micro_batch_size})")
+    if cfg.sequence_parallel:
         raise ConfigError("--schedule oases overlaps the plain TP all-reduce and does not "
                           "support --sequence-parallel; drop one of them")
-    if args.recompute_granularity == "selective":
+    if cfg.recompute_granularity == "selective":
         raise ConfigError("--recompute-granularity selective cannot be combined with --schedule "
                           "oases (Oases recomputes whole layers); use full or none")
-    if args.recompute_granularity == "full" and args.recompute_method != "uniform":
+    if cfg.recompute_granularity == "full" and cfg.recompute_method != "uniform":
         raise ConfigError("--schedule oases recomputes every layer: use --recompute-method "
                           "uniform (block recomputes only some layers)")
 

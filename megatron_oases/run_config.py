@@ -1,0 +1,189 @@
+"""The typed run configuration: one frozen dataclass built from an argparse namespace.
+
+``run_config(args)`` is the one place that reads a namespace of run arguments by name: the
+reference trainer's (``train_args.build_parser``), Megatron-LM's (with our flags added by
+``megatron_lm.flags``), or a partial one from a test. A field the namespace lacks takes its
+default here, so the specs, options, plan files and the simulator read typed fields
+(``cfg.schedule``) instead of ``getattr(args, "schedule", "default")``.
+
+Defaults live in one place, here: the trainer's parsers read them (``default=DEFAULTS.seed``;
+``store_true`` flags default to False as their fields do, which a test checks for every flag);
+the Megatron-LM options our code reads, which the trainer does not have
+(``RunConfig.megatron_lm``), default to what a namespace without them means (a stock,
+local-spec, single-context run).
+
+The field names are the namespace's (``args.hidden_size`` is ``cfg.hidden_size``), so the helpers
+that read plain attributes (``query_groups``, ``padded_vocab_size``, ``oases_runs``) take either.
+Validation still normalises a namespace in place (``atp_mesh`` to ``(d1, d2)``, the filled-in
+``ffn_hidden_size``, ``oases_layer_degrees``); build the config after it for the final values.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronLMOptions:
+    """Megatron-LM options our checks read that the trainer has no flag for. The defaults are what
+    a namespace without them (the trainer's, a test's) means: nothing of the kind is set."""
+
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    context_parallel_size: int | None = 1
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: Any = None
+    transformer_impl: str = "local"
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    cuda_graph_impl: str | None = "none"
+    distributed_backend: str = "gloo"
+    # CUDA-only options (runtime.cpu_training_compat.CUDA_ONLY_FLAGS)
+    log_memory_to_tensorboard: bool = False
+    record_memory_history: bool = False
+    profile: bool = False
+    inprocess_restart: bool = False
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        """An uneven pipeline split is set (Megatron-LM checks those; ours want equal stages)."""
+        return any((self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers,
+                    self.account_for_embedding_in_pipeline_split,
+                    self.account_for_loss_in_pipeline_split, self.pipeline_model_parallel_layout))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One run's arguments, typed; fields named and defaulted as the trainer's flags."""
+
+    # -- launch
+    nproc_per_node: int | None = None
+    device: str | None = None
+    dist_timeout: float = 600.0
+    topology: str | None = None
+    # -- parallelism
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    # -- backend and schedule
+    tp_backend: str = "megatron"
+    atp_mesh: str | tuple[int, int] | None = None
+    """"D1,D2" or "auto" as given; (d1, d2) once validated."""
+    atp_min_gain: float = DEFAULT_MIN_GAIN
+    """Not a flag: the gain ``--atp-mesh auto`` needs over the 1-D mesh (``search_mesh``)."""
+    atp_chunks: int = 1
+    schedule: str = "default"
+    oases_plan: str | None = None
+    oases_layer_degrees: tuple[tuple[int, int], ...] | None = None
+    """Not a flag: per layer, the (attention, mlp) TP degrees of ``--oases-plan`` (set by
+    ``plan_file.validate_plan_args``); None without a plan."""
+    oases_cross_pass: bool = True
+    oases_fine_grained_recompute: bool = True
+    oases_skip_tp_collectives: bool = False
+    # -- model
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    max_position_embeddings: int | None = None
+    vocab_size: int = 1024
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    swiglu: bool = False
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    add_bias_linear: bool = True
+    qk_layernorm: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    tp_invariant_init: bool = True
+    # -- training
+    micro_batch_size: int = 2
+    global_batch_size: int | None = 8
+    train_iters: int = 10
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.9
+    lr: float = 0.001
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    gradient_accumulation_fusion: bool = False
+    # -- recompute
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    # -- data and validation
+    mock_data: bool = False
+    data_path: list[str] | None = None
+    split: str | None = None
+    data_cache_path: str | None = None
+    eod_token_id: int | None = None
+    eval_interval: int | None = None
+    eval_iters: int | None = None
+    # -- logging
+    log_interval: int = 1
+    log_json: str | None = None
+    # -- checkpoint
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    ckpt_format: str = "torch_dist"
+    # -- Megatron-LM's own options
+    megatron_lm: MegatronLMOptions = dataclasses.field(default_factory=MegatronLMOptions)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat fields (the namespace's names) and their values; without ``megatron_lm``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "megatron_lm"}
+
+
+DEFAULTS = RunConfig()
+"""Every field at its default: what the trainer's parsers use as their flags' defaults."""
+
+FLAT_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "megatron_lm")
+MEGATRON_LM_FIELDS = tuple(f.name for f in dataclasses.fields(MegatronLMOptions))
+
+
+def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
+    """The run configuration of ``args``: the trainer's namespace, Megatron-LM's (with our flags)
+    or a partial one; a field it lacks takes the default. A ``RunConfig`` is returned as is.
+
+    The only function that reads a namespace of run arguments by name."""
+    if isinstance(args, RunConfig):
+        return args
+
+    def present(names: tuple[str, ...]) -> dict[str, Any]:
+        values = {name: getattr(args, name, _MISSING) for name in names}
+        return {name: value for name, value in values.items() if value is not _MISSING}
+
+    return RunConfig(**present(FLAT_FIELDS),
+                     megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
+
+
+def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default ``--ffn-hidden-size``: 4h, or int(4h x 2/3 / 64) x 64 with SwiGLU."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
