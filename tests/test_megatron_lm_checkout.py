@@ -118,7 +118,7 @@ def test_upstream_signatures_we_rely_on(stock):
         assert hasattr(stock, name), name
 
 
-def test_our_flags_do_not_redefine_megatrons():
+def test_our_flags_do_not_redefine_megatrons(stock):  # the checkout on sys.path
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
