@@ -68,6 +68,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         fine_grained_recompute=getattr(args, "oases_fine_grained_recompute", True),
                         backend=backend, mesh=tuple(args.atp_mesh) if backend == "atp" else None,
                         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                        overlap_grad_reduce=bool(args.overlap_grad_reduce),  # train.py's DDP buckets and hooks
                         block_degrees=_plan_degrees(args))
     return model, strategy
 
