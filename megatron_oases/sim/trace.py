@@ -51,6 +51,8 @@ def chrome_trace(r: SimResult) -> dict[str, Any]:
         evs.append({"ph": "M", "name": "process_name", "pid": st.stage, "tid": 0,
                     "args": {"name": f"stage {st.stage} (rank {st.rank})"}})
         for name, tid in TIDS.items():
+            if name == "dp" and not r.strategy.overlap_grad_reduce:
+                continue  # the row is used only by the DP buckets
             evs.append({"ph": "M", "name": "thread_name", "pid": st.stage, "tid": tid, "args": {"name": name}})
     for e in timeline_events(r):
         evs.append({"ph": "X", "name": e["name"], "cat": e["phase"], "pid": e["stage"], "tid": TIDS[e["stream"]],
