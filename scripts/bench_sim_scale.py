@@ -34,13 +34,14 @@ def cluster(gpus: int, per_node: int = 8) -> Topology:
 
 def run(*, gpus: int = 3072, layers: int = 128, tp: int = 8, pp: int = 8, dp: int = 48,
         microbatches: int = 32, overlap: str = "oases", schedule: str = "1f1b", virtual_stages: int = 1,
-        distributed_optimizer: bool = True) -> tuple[SimResult, float]:
+        distributed_optimizer: bool = True, ddp_overlap: bool = False) -> tuple[SimResult, float]:
     """(result, seconds) for a GPT-175B-like model (h 12288, 96 heads, s 2048)."""
     t0 = time.perf_counter()
     model = ModelConfig(num_layers=layers, hidden=12288, heads=96, seq=2048, vocab=51200, micro_batch=2)
     strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, schedule=schedule,
                         overlap=overlap, recompute=True, virtual_stages=virtual_stages,
-                        distributed_optimizer=distributed_optimizer)
+                        distributed_optimizer=distributed_optimizer, overlap_grad_reduce=ddp_overlap,
+                        overlap_param_gather=ddp_overlap and distributed_optimizer)
     r = simulate(model, strategy, device_model(cluster(gpus)))
     return r, time.perf_counter() - t0
 
@@ -53,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", default="oases", choices=("none", "oases"))
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    p.add_argument("--ddp-overlap", action="store_true",
+                   help="--overlap-grad-reduce (and --overlap-param-gather with the distributed optimizer)")
     a = p.parse_args(argv)
     try:
         r, secs = run(gpus=a.gpus, layers=a.layers, tp=a.tp, pp=a.pp, dp=a.dp, microbatches=a.microbatches,
                       overlap=a.overlap, schedule=a.schedule, virtual_stages=a.virtual_stages,
-                      distributed_optimizer=a.distributed_optimizer)
+                      distributed_optimizer=a.distributed_optimizer, ddp_overlap=a.ddp_overlap)
     except SimError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

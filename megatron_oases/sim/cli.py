@@ -85,6 +85,12 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help="TP layer: megatron (1-D), atp (2-D mesh, --atp-mesh), 3d (cube, TP = p^3)")
     g.add_argument("--atp-mesh", default=None, metavar="D1,D2")
     g.add_argument("--distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="DP reduction per bucket, overlapping the last micro-batch's backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=0,
+                   help="parameters per DP bucket (default: Megatron's max(40M, 1M x DP))")
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
@@ -166,7 +172,9 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     virtual_stages=vps[0], recompute=a.recompute or a.recompute_layers > 0,
                     recompute_layers=a.recompute_layers, overlap=a.overlap,
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
-                    mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer)
+                    mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer,
+                    overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
+                    ddp_bucket_size=a.ddp_bucket_size or 0)
 
 
 def _virtual_stages(a: argparse.Namespace) -> list[int]:
@@ -197,7 +205,8 @@ def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int)
                        backends=tuple(v.strip() for v in a.backends.split(",")),
                        overlaps=tuple(v.strip() for v in a.overlaps.split(",")), recompute=tuple(rc),
                        virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
-                       distributed_optimizer=a.distributed_optimizer)
+                       distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
+                       overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 from ..describe.head import head_ops, head_param_tensors
 from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
@@ -56,6 +57,11 @@ class ModelConfig:
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
     ``megatron-oases train`` always; Megatron-LM under bf16 or with
     ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default)."""
+
+    @property
+    def grad_dtype(self) -> str:
+        """The element type of the DP gradient reduction (and the tied-embedding all-reduce)."""
+        return "fp32" if self.grad_reduce_bytes == 4 else self.dtype
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
@@ -107,6 +113,14 @@ class Strategy:
     block_degrees: tuple[int, ...] | None = None
     """A per-block plan (``--oases-plan``): the TP degree of layer 0's attention, layer 0's MLP,
     layer 1's attention, ...; None runs every block at ``tp``."""
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: the DP reduction runs per bucket, each launched when the last
+    micro-batch's backward has produced its gradients (Megatron-Core DDP's backward hooks)."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather`` (distributed optimizer): the updated parameters are all-gathered
+    per bucket ahead of the next forward, each bucket's gather prefetched during the previous one's."""
+    ddp_bucket_size: int = 0
+    """``--ddp-bucket-size`` (parameters per bucket); 0: Megatron-Core's default (``bucket_params``)."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
@@ -128,6 +142,24 @@ class Strategy:
             raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
         if self.block_degrees is not None:
             self._check_plan()
+        self._check_ddp_overlap()
+
+    def _check_ddp_overlap(self) -> None:
+        """Megatron-LM's own limits on the DDP overlap flags (``megatron/training/arguments.py``)."""
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise SimError("--overlap-param-gather needs --distributed-optimizer (Megatron all-gathers "
+                           "parameters only under the distributed optimizer)")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise SimError("--overlap-param-gather needs --overlap-grad-reduce (as Megatron-LM)")
+        if not isinstance(self.ddp_bucket_size, int) or self.ddp_bucket_size < 0:
+            raise SimError(f"--ddp-bucket-size must be a positive integer (got {self.ddp_bucket_size!r})")
+
+    @property
+    def bucket_params(self) -> int:
+        """Parameters per DP bucket: ``--ddp-bucket-size``, else Megatron-Core's default
+        max(40M, 1M x DP) (``DistributedDataParallel.__init__``: larger DP, larger buckets, so the
+        collectives do not become latency-bound)."""
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
 
     def _check_plan(self) -> None:
         """The runtime's limits on ``--oases-plan`` that do not depend on the model."""
@@ -169,6 +201,33 @@ class Strategy:
         return tp + self.tp * (dp + self.dp * pp)
 
 
+class ChunkTensor(NamedTuple):
+    """One parameter tensor of a chunk on one rank."""
+
+    params: int
+    need: int
+    """Events of the chunk's flattened forward that run before the tensor is first used."""
+    ready: int
+    """Events of the chunk's flattened backward that must finish before its gradient is complete."""
+    shared: bool = False
+    """The tied word embedding / output-layer copy across pipeline stages (Megatron's
+    ``shared_embedding``): its own bucket under the distributed optimizer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradBucket:
+    """One DDP bucket under ``overlap_grad_reduce``: its reduction, released when the chunk's last
+    micro-batch's backward has run ``ready`` events, and (``overlap_param_gather``) its parameter
+    all-gather, needed by the chunk's first forward after ``need`` events."""
+
+    chunk: int
+    params: int
+    ready: int
+    need: int
+    reduce: Event
+    gather: Event | None = None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkEvents:
     """One micro-batch (or sub-batch, under oases) through one model chunk of one stage."""
@@ -184,6 +243,9 @@ class ChunkEvents:
     """Includes the recomputed forward of each layer before its backward when recompute is on."""
     send_forward: Event | None
     send_backward: Event | None
+    param_tensors: tuple[ChunkTensor, ...] = ()
+    """The chunk's parameter tensors in Megatron's registration (forward) order, with where in
+    the chunk's events each is first used and has its gradient: the DDP buckets' timing."""
 
     @property
     def forward(self) -> tuple[Event, ...]:
@@ -215,6 +277,10 @@ class StageEvents:
     replica_allreduce: tuple[Event, ...] = ()
     """A plan's blocks of degree d < T: their gradients summed over the T/d replicas (one
     all-reduce per degree, after the DP and tie reductions, as ``finalize_with_replica_grads``)."""
+    grad_buckets: tuple[GradBucket, ...] = ()
+    """``overlap_grad_reduce``: the DP reduction per bucket, in launch order per chunk (then
+    ``grad_allreduce`` is None); with ``overlap_param_gather`` each carries its gather (then
+    ``param_allgather`` is None)."""
 
     # One-chunk conveniences (the non-interleaved schedules).
     @property
@@ -337,9 +403,15 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
                 fwd_parts = [(fwd + [ev(op) for op in leave], chains)]
                 bwd_parts = [(bwd + [ev(op) for op in enter_b], chains)]
+                starts = [i * len(fwd_l) for i in range(per_chunk)]
+                ends = [len(bwd_l) * (j + 1) + len(rec_l) * max(0, j + 1 - (per_chunk - n_rc))
+                        for j in range(per_chunk)]
             else:
                 blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
                 fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks)
+                # each layer: (reshard, block) parts for its attention and its MLP
+                starts = [sum(len(p[0]) for p in fwd_parts[:4 * i]) for i in range(per_chunk)]
+                ends = [sum(len(p[0]) for p in bwd_parts[:4 * (j + 1)]) for j in range(per_chunk)]
             # the head around the layers (describe.head); the output layer's wgrad runs beside
             # the all-reduce of its input gradient
             hd = head_ops(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e, first=first, last=last)
@@ -358,12 +430,52 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 prv = s.rank(pp=(g - 1) % s.pp)
                 send_b = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, prv))}", name="send_backward",
                                kind="p2p", ranks=(me, prv), nbytes=act * chains, dims=dims)
-            chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk,
-                                      forward_segments=_segments((pre_f, 1), *fwd_parts, (post_f, 1)),
-                                      backward_segments=_segments((pre_b, 1), *bwd_parts, (post_b, 1)),
-                                      send_forward=send_f, send_backward=send_b))
+            fwd_segs = _segments((pre_f, 1), *fwd_parts, (post_f, 1))
+            bwd_segs = _segments((pre_b, 1), *bwd_parts, (post_b, 1))
+            n_f, n_b = (sum(len(evs) for evs, _ in segs) for segs in (fwd_segs, bwd_segs))
+            where = _TensorWhere(layers=[g * per_chunk + i for i in range(per_chunk)],
+                                 starts=[len(pre_f) + x for x in starts], ends=[len(pre_b) + x for x in ends],
+                                 head_need=n_f - len(post_f), head_ready=len(pre_b), total_ready=n_b)
+            chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk, forward_segments=fwd_segs,
+                                      backward_segments=bwd_segs, send_forward=send_f, send_backward=send_b,
+                                      param_tensors=_chunk_tensors(m, s, first, last, where)))
         out.append(_stage_tail(m, s, topo, st, tuple(chunks), chains))
     return out
+
+
+class _TensorWhere(NamedTuple):
+    """Where a chunk's tensors are used and get their gradients (events of its flattened
+    forward / backward): ``starts[i]`` before layer i's forward, ``ends[j]`` after the backward of
+    the chunk's j-th layer from the end; the head's output layer and final norm have theirs after
+    ``head_ready`` backward events, the embeddings (used first) at the end of the backward."""
+
+    layers: list[int]
+    starts: list[int]
+    ends: list[int]
+    head_need: int
+    head_ready: int
+    total_ready: int
+
+
+def _chunk_tensors(m: ModelConfig, s: Strategy, first: bool, last: bool, w: _TensorWhere) -> tuple[ChunkTensor, ...]:
+    """The chunk's parameter tensors in Megatron's registration order (embeddings, layers, final
+    norm, output layer), each with where it is used and gets its gradient."""
+    tied_copy = m.tied_embeddings and s.pp > 1
+    out: list[ChunkTensor] = []
+    if first:
+        emb = head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=True, last=False,
+                                 variant=m.variant, output_copy=False)
+        out += [ChunkTensor(n, 0, w.total_ready, shared=tied_copy and i == 0) for i, n in enumerate(emb)]
+    for i, layer in enumerate(w.layers):
+        ready = w.ends[len(w.layers) - 1 - i]
+        out += [ChunkTensor(n, w.starts[i], ready) for n in layer_tensors(m, s, layer)]
+    if last:
+        head = head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=False, last=True,
+                                  variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
+        # the output layer of a tied single-stage model is the word embedding: ready at the end
+        out += [ChunkTensor(n, w.head_need, w.head_ready, shared=tied_copy and i == len(head) - 1)
+                for i, n in enumerate(head)]
+    return tuple(out)
 
 
 def _segments(*parts: tuple) -> tuple[tuple[tuple[Event, ...], int], ...]:
@@ -520,22 +632,18 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
                 chains: int) -> StageEvents:
     tensors = stage_param_tensors(m, s, st)
     params = sum(tensors)
-    gdtype = "fp32" if m.grad_reduce_bytes == 4 else m.dtype  # the DP reduction's element type
-    pshape = f"p{params}_{gdtype}"
-    pdims = (("p", params), ("dtype", gdtype))
+    gdtype = m.grad_dtype
     grad = tie = norm = norm_ar = opt = gather = None
+    buckets: tuple[GradBucket, ...] = ()
     if s.dp > 1:
         dp_ranks = tuple(s.rank(dp=d, pp=st) for d in range(s.dp))
-        if s.distributed_optimizer:  # reduce-scatter grads, all-gather updated params after the step
-            op = Collective(name="grad.rs", kind="reduce_scatter", axis="dp", group_size=s.dp,
-                            payload_bytes=m.grad_reduce_bytes * params)
-            ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
-                            payload_bytes=m.bytes_per_element * params)
-            gather = _collective(ag, f"p{params}_{m.dtype}", topo, dp_ranks, (("p", params), ("dtype", m.dtype)))
+        if s.overlap_grad_reduce:
+            buckets = tuple(_dp_bucket(m, s, topo, dp_ranks, c, n, need, ready)
+                            for c, ch in enumerate(chunks) for n, need, ready in ddp_buckets(s, st, c, ch.param_tensors))
         else:
-            op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=s.dp,
-                            payload_bytes=m.grad_reduce_bytes * params)
-        grad = _collective(op, pshape, topo, dp_ranks, pdims)
+            grad = _dp_reduce(m, s, topo, dp_ranks, params)
+        if s.distributed_optimizer and not s.overlap_param_gather:  # all-gather updated params after the step
+            gather = _dp_gather(m, s, topo, dp_ranks, params)
     if m.tied_embeddings and s.pp > 1 and st in (0, s.pp - 1):
         pair = (s.rank(pp=0), s.rank(pp=s.pp - 1))
         n = m.vocab * m.hidden // s.tp
@@ -557,7 +665,53 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
         opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
                        norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
-                       params_per_rank=params, chains=chains, replica_allreduce=_replica_allreduce(m, s, topo, st))
+                       params_per_rank=params, chains=chains, replica_allreduce=_replica_allreduce(m, s, topo, st),
+                       grad_buckets=buckets if opt else tuple(dataclasses.replace(b, gather=None) for b in buckets))
+
+
+def ddp_buckets(s: Strategy, stage: int, chunk: int, tensors: tuple[ChunkTensor, ...]) -> list[tuple[int, int, int]]:
+    """(params, need, ready) of a chunk's DDP buckets in launch order, as Megatron-Core's
+    ``_ParamAndGradBuffer`` forms them: tensors in reverse registration order (roughly the
+    backward's), a bucket closed once it holds ``bucket_params``, the shared embedding alone in
+    its bucket under the distributed optimizer. Stages after the first keep one bucket
+    (``DistributedDataParallel``: their reduction is off the critical path) and chunks after the
+    first reduce all theirs as one group (``disable_bucketing``). Buckets are not padded."""
+    limit = s.bucket_params if stage == 0 and chunk == 0 else None
+    out: list[list[int]] = []
+    open_ = False
+    for t in reversed(tensors):
+        split = t.shared and s.distributed_optimizer
+        if not open_ or (split and out[-1][0]):
+            out.append([0, t.need, 0])
+        b = out[-1]
+        b[0], b[1], b[2] = b[0] + t.params, min(b[1], t.need), max(b[2], t.ready)
+        open_ = not (split or (limit is not None and b[0] >= limit))
+    if chunk > 0:  # one bucket group: launched when all its gradients are ready
+        out = [[sum(b[0] for b in out), min(b[1] for b in out), max(b[2] for b in out)]]
+    return [tuple(b) for b in out if b[0]]
+
+
+def _dp_reduce(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
+    """The DP gradient reduction of ``n`` parameters: reduce-scatter under the distributed
+    optimizer, all-reduce otherwise, in the gradient-reduction dtype. Equal sizes share a key."""
+    gdtype = m.grad_dtype
+    kind, name = ("reduce_scatter", "grad.rs") if s.distributed_optimizer else ("all_reduce", "grad.ar")
+    op = Collective(name=name, kind=kind, axis="dp", group_size=s.dp, payload_bytes=m.grad_reduce_bytes * n)
+    return _collective(op, f"p{n}_{gdtype}", topo, dp_ranks, (("p", n), ("dtype", gdtype)))
+
+
+def _dp_gather(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
+    """The distributed optimizer's all-gather of ``n`` updated parameters (training dtype)."""
+    ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
+                    payload_bytes=m.bytes_per_element * n)
+    return _collective(ag, f"p{n}_{m.dtype}", topo, dp_ranks, (("p", n), ("dtype", m.dtype)))
+
+
+def _dp_bucket(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], chunk: int, n: int,
+               need: int, ready: int) -> GradBucket:
+    gather = _dp_gather(m, s, topo, dp_ranks, n) if s.overlap_param_gather else None
+    return GradBucket(chunk=chunk, params=n, ready=ready, need=need,
+                      reduce=_dp_reduce(m, s, topo, dp_ranks, n), gather=gather)
 
 
 @functools.lru_cache(maxsize=256)
@@ -574,6 +728,7 @@ def stage_event_list(st: StageEvents) -> list[Event]:
         out += [*ch.forward, *ch.backward]
         out += [ev.beside for ev in ch.backward if ev.beside is not None]
         out += [x for x in (ch.send_forward, ch.send_backward) if x is not None]
+    out += [x for b in st.grad_buckets for x in (b.reduce, b.gather) if x is not None]
     out += [x for x in (st.grad_allreduce, st.tie_allreduce, *st.replica_allreduce, st.grad_norm,
                         st.norm_allreduce, st.optimizer, st.param_allgather) if x is not None]
     return out

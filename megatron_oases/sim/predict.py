@@ -70,6 +70,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         fine_grained_recompute=cfg.oases_fine_grained_recompute,
                         backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
+                        overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
                         block_degrees=_plan_degrees(cfg))
     return model, strategy
 

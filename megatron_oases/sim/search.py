@@ -33,6 +33,10 @@ class SearchSpace:
     virtual_stages: Sequence[int] = (1,)
     schedule: str = "1f1b"
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: int = 0
+    """The DP overlap flags, as ``Strategy``'s, for every candidate."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.global_batch < 1:
@@ -141,7 +145,10 @@ def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
                                     st = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=space.schedule,
                                                   virtual_stages=vp, recompute=rc, overlap=overlap,
                                                   backend=backend, mesh=mesh,
-                                                  distributed_optimizer=space.distributed_optimizer)
+                                                  distributed_optimizer=space.distributed_optimizer,
+                                                  overlap_grad_reduce=space.overlap_grad_reduce,
+                                                  overlap_param_gather=space.overlap_param_gather,
+                                                  ddp_bucket_size=space.ddp_bucket_size)
                                 except SimError as e:
                                     out.append(Candidate(strategy=None, reason=str(e), **info))
                                     continue

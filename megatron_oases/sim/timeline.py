@@ -15,7 +15,7 @@ from typing import NamedTuple
 from ..flops import gpt_flops_per_iteration
 from ..pricing.device_model import DeviceModel, SimError
 from ..pricing.event import Event
-from .events import ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
+from .events import GradBucket, ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
 from .contention import level_prices, place_pipeline_shared
 from .memory import GiB, StageMemory, stage_memory
 from .placement import Placement
@@ -50,6 +50,7 @@ class TailSlot:
 
     stage: int
     stream: str
+    """compute | comm | dp (a DP bucket, which may start during the backward)"""
     name: str
     key: str
     start: float
@@ -303,12 +304,79 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
     return {k: device.price(k, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks) for k, e in uniq.items()}
 
 
-def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float]) -> list[TailSlot]:
-    """DP all-reduce -> tie all-reduce (stage 0 and pp-1 together) -> a plan's replica gradient
-    all-reduces -> grad norm -> its all-reduce
-    over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather."""
+def events_done(t: Template, segments: tuple[tuple[tuple[Event, ...], int], ...], n: int) -> float:
+    """When ``t`` (run from ``segments``) has finished its first ``n`` events on every sub-batch:
+    the templates keep one slot per event and sub-batch, in event order."""
+    k = 0
+    for evs, chains in segments:
+        take = min(n, len(evs))
+        k, n = k + take * chains, n - take
+    return max((sl.start + sl.dur for sl in t.slots[:k]), default=0.0)
+
+
+def bucket_releases(stages: list[StageEvents], templates, placements) -> list[list[tuple[float, GradBucket]]]:
+    """Per stage, its DP buckets with the times their gradients are ready, in launch order: in the
+    last backward of the bucket's chunk, where the backward template has run the bucket's
+    ``ready`` events (scaled to the placed duration, which shared compute may stretch)."""
+    last_b: dict[tuple[int, int], Placement] = {}
+    for p in placements:
+        if p.phase == "B" and ((p.stage, p.chunk) not in last_b or p.end > last_b[p.stage, p.chunk].end):
+            last_b[p.stage, p.chunk] = p
+    out = []
+    for i, st in enumerate(stages):
+        rel = []
+        for b in st.grad_buckets:
+            pl, tb = last_b[i, b.chunk], templates[i][b.chunk][1]
+            done = events_done(tb, st.chunks[b.chunk].backward_segments, b.ready)
+            rel.append((pl.start + (pl.end - pl.start) * (done / tb.duration if tb.duration > 0 else 1.0), b))
+        out.append(sorted(rel, key=lambda x: x[0]))
+    return out
+
+
+def _while_busy(start: float, busy_until: float, plain: float, shared: float) -> float:
+    """End of a collective started at ``start`` that progresses at its ``overlapped`` rate while
+    the stage still computes (until ``busy_until``) and at its plain rate after, as ``_beside``
+    (the two are equal unless a profile measured the event under overlap)."""
+    if start >= busy_until or shared <= 0:
+        return start + plain
+    if start + shared <= busy_until:
+        return start + shared
+    return busy_until + (1.0 - (busy_until - start) / shared) * plain
+
+
+def gather_wait(st: StageEvents, templates, price: dict[str, float]) -> float:
+    """Exposed part of a stage's per-bucket parameter all-gathers (``overlap_param_gather``) in
+    steady state, as the wait of each chunk's first forward of the next iteration: chunk 0's first
+    bucket (in forward order) is gathered whole, as the first module's pre-hook dispatches it; each
+    later bucket's gather, dispatched when the forward reaches the previous bucket, shows where it
+    outlasts the previous bucket's forward; a later chunk's single gather shows where it outlasts
+    the previous chunk's forward (Megatron-LM dispatches it a chunk ahead)."""
+    wait = 0.0
+    for c, ch in enumerate(st.chunks):
+        bs = [b for b in reversed(st.grad_buckets) if b.chunk == c and b.gather is not None]
+        f = templates[c][0]
+        for i, b in enumerate(bs):
+            a = price[b.gather.key]
+            if i:
+                hidden = (events_done(f, ch.forward_segments, b.need)
+                          - events_done(f, ch.forward_segments, bs[i - 1].need))
+            else:
+                hidden = templates[c - 1][0].duration if c else 0.0
+            wait += max(0.0, a - hidden)
+    return wait
+
+
+def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[float],
+          releases: list[list[tuple[float, GradBucket]]] | None = None, templates=None,
+          overlapped: dict[str, float] | None = None) -> list[TailSlot]:
+    """DP reduction (whole, or per bucket from its release under ``overlap_grad_reduce``: on the
+    DP stream while the backward goes on, the step waits for the last) -> tie all-reduce (stage 0
+    and pp-1 together) -> a plan's replica gradient all-reduces -> grad norm -> its all-reduce
+    over all stages (a barrier) -> Adam -> distributed optimizer's parameter all-gather (whole,
+    or the per-bucket gathers' exposed part, ``gather_wait``)."""
     out: list[TailSlot] = []
     t = list(last_end)
+    overlapped = overlapped or {}
 
     def put(s: int, ev: Event | None, stream: str, start: float | None = None) -> None:
         if ev is None:
@@ -319,6 +387,13 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
 
     for s, st in enumerate(stages):
         put(s, st.grad_allreduce, "comm")
+        free = 0.0
+        for ready, b in (releases[s] if releases else ()):
+            k = b.reduce.key
+            start = max(ready, free)
+            free = _while_busy(start, last_end[s], price[k], overlapped.get(k, price[k]))
+            out.append(TailSlot(stage=s, stream="dp", name=b.reduce.name, key=k, start=start, end=free))
+        t[s] = max(t[s], free)
     tied = [s for s, st in enumerate(stages) if st.tie_allreduce is not None]
     if tied:
         start = max(t[s] for s in tied)
@@ -335,6 +410,10 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
     for s, st in enumerate(stages):
         put(s, st.optimizer, "compute")
         put(s, st.param_allgather, "comm")
+        wait = gather_wait(st, templates[s], price) if templates is not None else 0.0
+        if wait > 0:
+            out.append(TailSlot(stage=s, stream="comm", name="param.ag.wait", key="", start=t[s], end=t[s] + wait))
+            t[s] += wait
     return out
 
 
@@ -377,12 +456,13 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
         frac = [[tuple(min(1.0, x.compute_busy / x.duration) if x.duration > 0 else 0.0 for x in fb) for fb in tt]
                 for tt in templates]
         placements, last_end = place_pipeline_shared(orders, dur, frac, p2p)
-        if not timeline:
-            placements = []
     else:
         placements, last_end = place_pipeline(orders, [[(f.duration, b.duration) for f, b in tt] for tt in templates],
-                                              p2p, record=timeline)
-    tail = _tail(stages, price, last_end)
+                                              p2p, record=timeline or s.overlap_grad_reduce)
+    releases = bucket_releases(stages, templates, placements) if s.overlap_grad_reduce else None
+    tail = _tail(stages, price, last_end, releases, templates, overlapped)
+    if not timeline:
+        placements = []
     iteration = max([*last_end, *(x.end for x in tail)])
     mem = tuple(stage_memory(model, s, st, orders[i]) for i, st in enumerate(stages))
     m = s.num_microbatches
@@ -396,8 +476,8 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
             if x.stage == i:
                 if x.stream == "compute":
                     compute += x.end - x.start
-                else:
-                    exposed += x.end - x.start
+                else:  # a bucket's reduction shows only after the stage's last backward
+                    exposed += max(0.0, x.end - max(x.start, last_end[i]))
                     comm += x.end - x.start
         stats.append(StageStats(stage=i, rank=s.rank(pp=i), compute_ms=compute, comm_ms=comm,
                                 exposed_comm_ms=exposed, bubble_ms=iteration - compute - exposed,
@@ -409,7 +489,8 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
                                     padded_vocab_size=model.vocab)
     secs = iteration / 1e3
     peak = device.peak_tflops * 1e12 * s.world_size
-    grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else 0.0 for st in stages)
+    grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else sum(price[b.reduce.key] for b in st.grad_buckets)
+                 for st in stages)
     limit = device.gpu.memory_GB if memory_limit_GB is None else memory_limit_GB
     return SimResult(model=model, strategy=s, iteration_ms=iteration, stages=tuple(stats),
                      bubble_fraction=sum(x.bubble_ms for x in stats) / (len(stats) * iteration),
@@ -429,7 +510,8 @@ def summary_table(r: SimResult) -> str:
     if s.block_degrees is not None:
         be += f", per-block degrees {list(s.block_degrees)}"
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
-             f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}",
+             f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}"
+             + (", DP overlap grad" + (" + param" if s.overlap_param_gather else "") if s.overlap_grad_reduce else ""),
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
              f"bubble {100 * r.bubble_fraction:.1f}% | exposed comm {r.exposed_comm_ms:.2f} ms | "
              f"{r.unique_events} unique events",

@@ -11,7 +11,8 @@ from typing import Any
 
 from .timeline import SimResult
 
-TIDS = {"compute": 0, "comm": 1, "p2p": 2}
+TIDS = {"compute": 0, "comm": 1, "p2p": 2, "dp": 3}
+"""Trace rows; ``dp``: the DP buckets of ``--overlap-grad-reduce``, beside the backward's TP collectives."""
 
 
 def timeline_events(r: SimResult) -> list[dict[str, Any]]:
@@ -50,6 +51,8 @@ def chrome_trace(r: SimResult) -> dict[str, Any]:
         evs.append({"ph": "M", "name": "process_name", "pid": st.stage, "tid": 0,
                     "args": {"name": f"stage {st.stage} (rank {st.rank})"}})
         for name, tid in TIDS.items():
+            if name == "dp" and not r.strategy.overlap_grad_reduce:
+                continue  # the row is used only by the DP buckets
             evs.append({"ph": "M", "name": "thread_name", "pid": st.stage, "tid": tid, "args": {"name": name}})
     for e in timeline_events(r):
         evs.append({"ph": "X", "name": e["name"], "cat": e["phase"], "pid": e["stage"], "tid": TIDS[e["stream"]],
@@ -74,13 +77,14 @@ def plot_timeline(r: SimResult, path: str | os.PathLike) -> None:
     except ImportError:
         raise ImportError("plot_timeline needs matplotlib: pip install matplotlib") from None
     colors = {("compute", "F"): "tab:blue", ("compute", "B"): "tab:green", ("comm", "F"): "tab:orange",
-              ("comm", "B"): "tab:red", ("comm", "STEP"): "tab:purple", ("compute", "STEP"): "tab:olive"}
+              ("comm", "B"): "tab:red", ("comm", "STEP"): "tab:purple", ("compute", "STEP"): "tab:olive",
+              ("dp", "STEP"): "tab:purple"}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * r.strategy.pp))
     for e in timeline_events(r):
-        row = e["stage"] * 3 + TIDS[e["stream"]]
+        row = e["stage"] * len(TIDS) + TIDS[e["stream"]]
         ax.barh(row, e["end"] - e["start"], left=e["start"], height=0.8,
                 color=colors.get((e["stream"], e["phase"]), "tab:gray"))
-    ax.set_yticks([s * 3 + t for s in range(r.strategy.pp) for t in TIDS.values()],
+    ax.set_yticks([s * len(TIDS) + t for s in range(r.strategy.pp) for t in TIDS.values()],
                   [f"s{s} {n}" for s in range(r.strategy.pp) for n in TIDS])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
