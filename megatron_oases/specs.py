@@ -110,9 +110,14 @@ def layer_spec(args: argparse.Namespace, groups=None):
 def build_gpt_model(args: argparse.Namespace, config: TransformerConfig, *, pre_process: bool,
                     post_process: bool, vp_stage: int | None = None, groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
+    spec = layer_spec(args, groups)
+    if config.sequence_parallel and args.tp_backend == "megatron":
+        from megatron_oases.layers.torch_norm import sequence_parallel_block_spec
+
+        spec = sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, groups),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
