@@ -83,3 +83,17 @@ def test_sequence_parallel_saved_bytes_per_layer(n, flag, full, chunks):
     saved = run_on_ranks(oases_saved_bytes_after_one_step, n, args=(argv,), timeout_s=120)
     activation = S * B * H * 4
     assert saved == [LAYERS * (full * activation + chunks * activation // n)] * n
+
+
+def test_sequence_parallel_on_atp_layers_is_refused():
+    """ATP layers do not run sequence parallelism, with or without Oases: one line naming it."""
+    from megatron_oases.parallel.dims import ConfigError
+    from megatron_oases.schedules.oases.options import validate_oases_args
+    from megatron_oases.train_args import build_parser, validate_args
+
+    args = build_parser().parse_args(MODEL + SP + OASES + TP2 + ["--tp-backend", "atp",
+                                                                 "--atp-mesh", "1,2"])
+    with pytest.raises(ConfigError, match="does not support --sequence-parallel"):
+        validate_args(args, world_size=2, cuda=False)
+    with pytest.raises(ConfigError, match="drop --sequence-parallel"):
+        validate_oases_args(args, None)
