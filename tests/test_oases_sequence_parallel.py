@@ -97,3 +97,14 @@ def test_sequence_parallel_on_atp_layers_is_refused():
         validate_args(args, world_size=2, cuda=False)
     with pytest.raises(ConfigError, match="drop --sequence-parallel"):
         validate_oases_args(args, None)
+
+
+@pytest.mark.parametrize("schedule", [[], OASES + RECOMPUTE], ids=["stock", "oases"])
+def test_llama_layers_with_sequence_parallel_match_one_rank(schedule):
+    """RoPE over the gathered sequence, SwiGLU, GQA, RMSNorm, QK-norm (its torch norms are
+    swapped too), no bias, untied output: stock and Oases SP at TP=2 against one rank."""
+    from tests.test_llama import LLAMA
+
+    model = MODEL + LLAMA + ["--qk-layernorm"]
+    got = run_training(2, model + SP + TP2 + schedule)
+    _parity(got, cached_training(1, model), "one rank")
