@@ -116,9 +116,14 @@ def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerCon
                     groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
     cfg = run_config(args)
+    spec = layer_spec(cfg, groups)
+    if config.sequence_parallel and cfg.tp_backend == "megatron":
+        from megatron_oases.layers.torch_norm import sequence_parallel_block_spec
+
+        spec = sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg, groups),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -320,13 +320,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     validate_backend_args(args, dims)
     if args.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel:
-        from megatron_oases.runtime.optional import have
-
-        if not (have("apex") or have("te")):
-            raise ConfigError("--sequence-parallel needs Apex or Transformer Engine norms "
-                              "(Megatron's torch LayerNorm refuses sequence parallelism); "
-                              "install one or drop --sequence-parallel")
+    if args.sequence_parallel and args.seq_length % dims.tp:
+        raise ConfigError(f"--sequence-parallel splits --seq-length {args.seq_length} over "
+                          f"--tensor-model-parallel-size {dims.tp}; it must be a multiple")
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
             raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")

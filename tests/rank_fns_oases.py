@@ -90,3 +90,20 @@ def oases_state_at(argv: list[str]):
     tr, records = run(build_parser().parse_args(argv + ["--train-iters", "1"]))
     blocks = any(isinstance(m, OasesBlockMixin) for chunk in tr.model for m in chunk.modules())
     return blocks, tr.config.recompute_granularity
+
+
+def collectives_by_tag_and_kind(argv: list[str]):
+    """One training step under a CommCounter: ``{(tag, kind): (calls, payload sizes)}`` of the
+    collectives the Oases executor issued on this rank (tag "" forward/backward, "recompute")."""
+    from megatron_oases.parallel.collectives import CommCounter
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    tr = setup(build_parser().parse_args(argv))
+    with CommCounter() as counter:
+        train_step(tr, 1)
+    out: dict = {}
+    for r in counter.records:
+        calls, sizes = out.get((r.tag, r.kind), (0, set()))
+        out[(r.tag, r.kind)] = (calls + 1, sizes | {r.payload_bytes})
+    return out

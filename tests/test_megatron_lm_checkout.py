@@ -149,8 +149,8 @@ def test_megatron_parse_args_takes_our_flags():
 @pytest.mark.parametrize("extra, needle", [
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,2"],
      "--atp-mesh 4,2: d1 x d2 = 8 must equal --tensor-model-parallel-size 4"),
-    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--sequence-parallel"],
-     "does not support --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--tp-backend", "atp",
+      "--atp-mesh", "1,2", "--sequence-parallel"], "does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
     (["--oases-plan", "plan.json"], "--oases-plan plan.json: cannot be read"),

@@ -74,6 +74,12 @@ def test_flags_reuse_the_trainers_definitions():
     assert ns.oases_cross_pass and ns.oases_fine_grained_recompute
 
 
+def test_oases_accepts_sequence_parallel(monkeypatch):
+    ns = parse(["--tensor-model-parallel-size", "2", "--schedule", "oases", "--sequence-parallel"],
+               monkeypatch=monkeypatch)
+    assert ns.schedule == "oases" and ns.sequence_parallel
+
+
 def test_atp_mesh_is_validated_into_a_tuple(monkeypatch):
     ns = parse(["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
                 "--atp-chunks", "2"], monkeypatch=monkeypatch)
@@ -96,8 +102,6 @@ def test_oases_flags_parse(monkeypatch):
      "--atp-mesh auto needs --topology"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,1",
       "--sequence-parallel"], "--tp-backend atp does not support --sequence-parallel"),
-    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--sequence-parallel"],
-     "--schedule oases overlaps the plain TP all-reduce and does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--micro-batch-size", "1"],
      "needs --micro-batch-size >= 2"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",

@@ -9,7 +9,6 @@ import pytest
 import torch.distributed as dist
 
 from megatron_oases.flops import gpt_flops_per_iteration
-from megatron_oases.runtime.optional import have
 from megatron_oases.train import main
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
@@ -36,9 +35,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
       "--atp-mesh", "2,3"], "--atp-mesh 2,3: d1 x d2 = 6 must equal --tensor-model-parallel-size 4"),
     (["--nproc-per-node", "4", "--tensor-model-parallel-size", "4", "--tp-backend", "atp"],
      "--tp-backend atp needs --atp-mesh"),
-    pytest.param(["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 "--sequence-parallel needs Apex or Transformer Engine",
-                 marks=pytest.mark.skipif(have("apex") or have("te"), reason="Apex/TE present")),
+    (["--nproc-per-node", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--seq-length", "6", "--max-position-embeddings", "8"],
+     "--sequence-parallel splits --seq-length 6 over --tensor-model-parallel-size 4"),
 ])
 def test_bad_input_one_line_before_any_process_group(argv, needle, capsys):
     assert main(BASE + argv) == 2

@@ -219,7 +219,7 @@ def all_gather_into(x: torch.Tensor, dim: int, group, async_op: bool = False):
 
 
 class _LazyMove:
-    """An all-gather result along a non-leading dim: ``.get()`` after the wait moves the dim back."""
+    """An all-gather (or reduce-scatter) result along a non-leading dim: ``.get()`` after the wait moves the dim back."""
 
     def __init__(self, flat, dim):
         self.flat, self.dim = flat, dim
@@ -237,17 +237,24 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _materialize(out)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter_into(x: torch.Tensor, dim: int, group, async_op: bool = False):
+    """Sum ``x`` over ``group`` and keep this rank's chunk of ``dim``; returns (output,
+    work-or-None) like ``all_gather_into``: the output is filled on wait."""
     n = dist.get_world_size(group)
     if n == 1:
-        return x
+        return x, None
     if x.shape[dim] % n != 0:
         raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} not divisible by {n}")
     moved = x.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    flat = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     record_collective("reduce_scatter", moved, group)
-    dist.reduce_scatter_tensor(out, moved, group=group)
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    work = dist.reduce_scatter_tensor(flat, moved, group=group, async_op=async_op)
+    return (flat if dim == 0 else _LazyMove(flat, dim)), work
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    out, _ = reduce_scatter_into(x, dim, group)
+    return _materialize(out)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -39,8 +39,9 @@ class OasesBlockMixin:
             hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         if len(self.layers):
-            hidden_states = _run_segments(self.oases_segments, hidden_states, BlockInputs(
-                attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb")))
+            with _rng_context(self.config):
+                hidden_states = _run_segments(self.oases_segments, hidden_states, BlockInputs(
+                    attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb")))
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
@@ -48,6 +49,19 @@ class OasesBlockMixin:
         elif not self.pre_process and not len(self.layers):
             hidden_states = hidden_states.clone()
         return hidden_states
+
+
+def _rng_context(config):
+    """Stock ``TransformerBlock.forward`` runs its layers inside the model-parallel RNG-tracker
+    fork under sequence parallelism (each TP rank's sequence chunk draws its own dropout mask);
+    the Oases forward does the same so its masks equal stock's."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    if config.sequence_parallel:
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+    return contextlib.nullcontext()
 
 
 _SUBCLASSES: dict = {}

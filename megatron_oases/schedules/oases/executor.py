@@ -15,6 +15,9 @@ sub-batch meanwhile and waits on a handle only when its sub-batch needs the resu
 * Fine-grained recompute: the outputs of the forward all-reduces are saved, so recompute starts
   after them and issues no collective; the gradient of an all-reduce's input equals its output's
   (Eq. 1). Without it, recompute repeats the forward all-reduces (tagged "recompute").
+* Sequence parallelism: the tape's collectives are all-gathers before the column linears and
+  reduce-scatters after the row linears (backward: reduce-scatter, all-gather); they overlap the
+  other sub-batch the same way, and fine-grained recompute saves their outputs.
 
 Parameter gradients of the two sub-batches are summed and handed to autograd once per step and
 layer (``torch.autograd.backward`` on the parameters), so Megatron DDP's per-parameter hooks fire
@@ -31,11 +34,13 @@ import torch.distributed as dist
 from megatron_oases.parallel.collectives import all_gather_into as _all_gather_into
 from megatron_oases.parallel.collectives import all_reduce as _all_reduce
 from megatron_oases.parallel.collectives import comm_tag
+from megatron_oases.parallel.collectives import reduce_scatter_into as _reduce_scatter_into
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import (BackwardAllGather, BackwardAllReduce,
-                                                 BlockInputs, ForwardAllGather, ForwardAllReduce,
-                                                 LayerTape, Local)
+from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, BackwardAllGather,
+                                                 BackwardAllReduce, BlockInputs, ForwardAllGather,
+                                                 ForwardAllReduce, GatherSequence, LayerTape, Local,
+                                                 ReduceScatterSequence)
 
 BARRIER = object()
 """Yielded by a program to wait until every other program reached its barrier too."""
@@ -95,7 +100,8 @@ def _own_chunk(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _gathered(out) -> torch.Tensor:
-    """An all-gather result once waited on (a gather along a non-leading dim is moved back)."""
+    """An all-gather / reduce-scatter result once waited on (one along a non-leading dim is moved
+    back)."""
     return out if isinstance(out, torch.Tensor) else out.get()
 
 
@@ -152,14 +158,8 @@ class OasesRunner:
                     else:
                         outs = step.fn({n: env[n] for n in step.inputs}, state.inputs[i])
                     env.update(outs)
-                elif isinstance(step, ForwardAllReduce):
-                    t = env[step.src]
-                    work = self._all_reduce(t, tape.group_of(step))
-                    if work is not None:
-                        yield work
-                    env[step.dst] = t
-                elif isinstance(step, ForwardAllGather):
-                    yield from self._gather_step(step, env)
+                elif isinstance(step, FORWARD_COLLECTIVES):
+                    yield from self._forward_collective(step, env, tape, recompute=False)
                 elif isinstance(step, BackwardAllGather):
                     env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
             for name in keep:
@@ -187,21 +187,11 @@ class OasesRunner:
                     outs = step.fn(leaves, state.inputs[i])
                 graphs[step.name] = (leaves, outs)
                 env.update({k: v.detach() for k, v in outs.items()})
-            elif isinstance(step, ForwardAllReduce):
+            elif isinstance(step, FORWARD_COLLECTIVES):
                 if step.dst in saved:
                     env[step.dst] = saved[step.dst]
                 else:
-                    t = env[step.src].clone()
-                    with comm_tag("recompute"):
-                        work = self._all_reduce(t, tape.group_of(step))
-                    if work is not None:
-                        yield work
-                    env[step.dst] = t
-            elif isinstance(step, ForwardAllGather):
-                if step.dst in saved:
-                    env[step.dst] = saved[step.dst]
-                else:
-                    yield from self._gather_step(step, env, tag="recompute")
+                    yield from self._forward_collective(step, env, tape, recompute=True)
             elif isinstance(step, BackwardAllGather):
                 env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
         return graphs
@@ -234,8 +224,14 @@ class OasesRunner:
                 elif isinstance(step, ForwardAllGather):
                     _accumulate(grads, step.src,
                                 _own_chunk(grads.pop(step.dst), step.dim, step.group))
-                elif isinstance(step, BackwardAllGather):
-                    out, work = self._all_gather(grads.pop(step.dst), step.dim, step.group)
+                elif isinstance(step, (BackwardAllGather, ReduceScatterSequence)):
+                    out, work = self._all_gather(grads.pop(step.dst), step.dim, tape.group_of(step))
+                    if work is not None:
+                        yield work
+                    _accumulate(grads, step.src, _gathered(out))
+                elif isinstance(step, GatherSequence):  # partial input gradients: sum, keep own
+                    out, work = self._reduce_scatter(grads.pop(step.dst), step.dim,
+                                                     tape.group_of(step))
                     if work is not None:
                         yield work
                     _accumulate(grads, step.src, _gathered(out))
@@ -270,10 +266,19 @@ class OasesRunner:
                 torch.autograd.backward(list(entry[1]), list(entry[1].values()))
 
     # ----- helpers -------------------------------------------------------------------------
-    def _gather_step(self, step: ForwardAllGather, env: dict, tag: str | None = None):
-        """Launch a ForwardAllGather async (yield its handle), then store the gathered tensor."""
-        with comm_tag(tag) if tag else contextlib.nullcontext():
-            out, work = self._all_gather(env[step.src], step.dim, step.group)
+    def _forward_collective(self, step, env: dict, tape: LayerTape, recompute: bool):
+        """Launch a forward collective step async (yield its handle), then store its output.
+        In recompute (tagged "recompute") an all-reduce works on a copy: its input is the output
+        of a graph the backward still walks."""
+        group = tape.group_of(step)
+        with comm_tag("recompute") if recompute else contextlib.nullcontext():
+            if isinstance(step, ForwardAllReduce):
+                out = env[step.src].clone() if recompute else env[step.src]
+                work = self._all_reduce(out, group)
+            elif isinstance(step, ReduceScatterSequence):
+                out, work = self._reduce_scatter(env[step.src], step.dim, group)
+            else:  # ForwardAllGather, GatherSequence
+                out, work = self._all_gather(env[step.src], step.dim, group)
         if work is not None:
             yield work
         env[step.dst] = _gathered(out)
@@ -290,6 +295,13 @@ class OasesRunner:
         if self.options.skip_collectives:
             return torch.cat([t] * dist.get_world_size(group), dim=dim), None
         return _all_gather_into(t, dim, group, async_op=True)
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, group):
+        """Launch an async reduce-scatter along ``dim`` (counted): (result, work or None); read
+        the result with ``_gathered`` after the wait."""
+        if self.options.skip_collectives:
+            return _own_chunk(t, dim, group), None
+        return _reduce_scatter_into(t, dim, group, async_op=True)
 
     def saved_bytes(self) -> int:
         """Bytes the last forward kept for backward, one micro-batch. With recompute that is all

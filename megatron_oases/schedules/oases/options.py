@@ -11,6 +11,8 @@ How Oases relates to Megatron's recompute flags:
   ``--no-oases-fine-grained-recompute`` only each layer's input is saved (Megatron's full
   recompute) and the recompute pass repeats the forward all-reduces.
 * no recompute: the autograd graph of each sub-batch is kept, nothing is recomputed.
+* ``--sequence-parallel`` (``--tp-backend megatron``): the overlapped collectives are the
+  sequence all-gathers and reduce-scatters; fine-grained recompute saves their outputs.
 * ``--recompute-granularity selective`` and ``--recompute-method block`` are refused: Oases
   replaces Megatron's recompute with its own per-layer form.
 """
@@ -78,9 +80,9 @@ def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims
     if cfg.micro_batch_size < 2:
         raise ConfigError(f"--schedule oases splits each micro-batch into two sub-batches and "
                           f"needs --micro-batch-size >= 2 (got {cfg.micro_batch_size})")
-    if cfg.sequence_parallel:
-        raise ConfigError("--schedule oases overlaps the plain TP all-reduce and does not "
-                          "support --sequence-parallel; drop one of them")
+    if cfg.sequence_parallel and cfg.tp_backend != "megatron":
+        raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
+                          f"only, not {cfg.tp_backend}; drop --sequence-parallel")
     if cfg.recompute_granularity == "selective":
         raise ConfigError("--recompute-granularity selective cannot be combined with --schedule "
                           "oases (Oases recomputes whole layers); use full or none")

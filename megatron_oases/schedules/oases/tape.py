@@ -17,6 +17,11 @@ Megatron 1-D TP layer (local spec)::
     g            mlp_p all-reduced -> mlp_sum
     bda          mlp_sum, h1      -> y              fc2 bias + dropout + residual
 
+With ``--sequence-parallel`` the residual stream ``x, h1, y`` is this rank's sequence chunk
+``[s/t, b, h]``; each f becomes ``GatherSequence`` (the norm's chunk ``ln1_s`` all-gathered into
+``ln1``; backward reduce-scatter) and each g ``ReduceScatterSequence`` (``attn_p`` reduce-scattered
+into ``attn_sum``; backward all-gather), as Megatron's column / row linears do inside.
+
 ATP layers (``layers/atp_spec.py``) get ``atp_layer_tape``: every collective runs on its own
 mesh-axis group, the head split / gather are all-gather steps, and the norms' statistic sums are
 steps too, so fine-grained recompute replays an ATP layer without any collective.
@@ -103,8 +108,36 @@ class BackwardAllGather:
     group: object
 
 
-Step = Union[Local, ForwardAllReduce, BackwardAllReduce, ForwardAllGather, BackwardAllGather]
-FORWARD_COLLECTIVES = (ForwardAllReduce, ForwardAllGather)
+@dataclasses.dataclass(frozen=True)
+class GatherSequence:
+    """Sequence parallelism's entry to a column-parallel linear: ``dst`` = all-gather of ``src``
+    along ``dim`` (the sequence); backward reduce-scatters grad(dst) into grad(src), since the
+    linear's input gradient is partial per rank (Megatron's gather_from_sequence_parallel_region).
+    ``group``: None runs it on the tape's group."""
+
+    name: str
+    src: str
+    dst: str
+    dim: int = 0
+    group: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterSequence:
+    """Sequence parallelism's exit from a row-parallel linear: ``dst`` = this rank's sequence
+    chunk of the sum of the partial outputs ``src``; backward all-gathers grad(dst) into
+    grad(src) (Megatron's reduce_scatter_to_sequence_parallel_region)."""
+
+    name: str
+    src: str
+    dst: str
+    dim: int = 0
+    group: object = None
+
+
+Step = Union[Local, ForwardAllReduce, BackwardAllReduce, ForwardAllGather, BackwardAllGather,
+             GatherSequence, ReduceScatterSequence]
+FORWARD_COLLECTIVES = (ForwardAllReduce, ForwardAllGather, GatherSequence, ReduceScatterSequence)
 """Steps that communicate in forward: recompute must repeat them unless their output is saved."""
 
 
@@ -213,7 +246,6 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
              "fuse their own collectives)")
     _require(attn.linear_proj.skip_bias_add and mlp.linear_fc2.skip_bias_add,
              "row-parallel linears must return their bias (skip_bias_add)")
-    _require(not layer.config.sequence_parallel, "sequence parallelism is not supported")
     core = attn.core_attention
     if isinstance(getattr(core, "attention_dropout", None), torch.nn.Dropout):
         core.attention_dropout = SubBatchDropout(core.attention_dropout.p, (index, "attention"))
@@ -233,8 +265,23 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
         return residual + dropout(x, p, layer.training, (index, site), batch_dim=1,
                                   batch_shard=shards[site])
 
+    # Sequence parallelism: the norms run on this rank's sequence chunk (``ln1_s``, ``ln2_s``),
+    # gathered before the column linears and reduce-scattered after the row linears.
+    sp = layer.config.sequence_parallel
+    n1, n2 = ("ln1_s", "ln2_s") if sp else ("ln1", "ln2")
+
+    def enter(block, normed):  # Megatron's f before a column-parallel linear
+        if sp:
+            return GatherSequence(f"{block}.ag", f"{normed}_s", normed)
+        return BackwardAllReduce(f"{block}.f.bwd", normed)
+
+    def leave(block, partial, total):  # Megatron's g after a row-parallel linear
+        if sp:
+            return ReduceScatterSequence(f"{block}.rs", partial, total)
+        return ForwardAllReduce(f"{block}.g", partial, total)
+
     def ln1(t, inp):
-        return {"ln1": layer.input_layernorm(t["x"])}
+        return {n1: layer.input_layernorm(t["x"])}
 
     def attention(t, inp):
         # Megatron's own attention: GQA, QK-norm and RoPE (the block's rotary embeddings).
@@ -245,11 +292,11 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
         return {"h1": bda(t["attn_sum"], proj_bias, t["x"], "attention_bda")}
 
     def ln2(t, inp):
-        return {"ln2": layer.pre_mlp_layernorm(t["h1"])}
+        return {n2: layer.pre_mlp_layernorm(t["h1"])}
 
     def bda_ln2(t, inp):
         h1 = attention_bda(t, inp)["h1"]
-        return {"h1": h1, "ln2": layer.pre_mlp_layernorm(h1)}
+        return {"h1": h1, n2: layer.pre_mlp_layernorm(h1)}
 
     def mlp_fn(t, inp):  # Megatron's MLP: GeLU or SwiGLU, with or without bias
         return {"mlp_p": mlp(t["ln2"])[0]}
@@ -259,18 +306,18 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
 
     if split:
         middle = (Local("attention_bda", ("attn_sum", "x"), ("h1",), attention_bda),
-                  Local("ln2", ("h1",), ("ln2",), ln2))
+                  Local("ln2", ("h1",), (n2,), ln2))
     else:
-        middle = (Local("bda_ln2", ("attn_sum", "x"), ("h1", "ln2"), bda_ln2),)
+        middle = (Local("bda_ln2", ("attn_sum", "x"), ("h1", n2), bda_ln2),)
     steps = (
-        Local("ln1", ("x",), ("ln1",), ln1),
-        BackwardAllReduce("attention.f.bwd", "ln1"),
+        Local("ln1", ("x",), (n1,), ln1),
+        enter("attention", "ln1"),
         Local("attention", ("ln1",), ("attn_p",), attention),
-        ForwardAllReduce("attention.g", "attn_p", "attn_sum"),
+        leave("attention", "attn_p", "attn_sum"),
         *middle,
-        BackwardAllReduce("mlp.f.bwd", "ln2"),
+        enter("mlp", "ln2"),
         Local("mlp", ("ln2",), ("mlp_p",), mlp_fn),
-        ForwardAllReduce("mlp.g", "mlp_p", "mlp_sum"),
+        leave("mlp", "mlp_p", "mlp_sum"),
         Local("bda", ("mlp_sum", "h1"), ("y",), bda_out),
     )
     return steps, linears
