@@ -16,9 +16,6 @@ max |error|, and writes ``<out>.csv`` and ``<out>.json``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import json
 import os
 import statistics
 import sys
@@ -31,7 +28,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
-from megatron_oases.sim.published import simulate_run  # noqa: E402
+from megatron_oases.sim.published import script_parser, selected, simulate_run, write_outputs  # noqa: E402
 from megatron_oases.sim.timeline import SimResult  # noqa: E402
 
 DATA = os.path.join(ROOT, "examples", "validation", "seeds_experiments.yaml")
@@ -210,36 +207,19 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: list[dict], sources: dict, out: str) -> None:
-    """``<out>.csv`` (one line a row) and ``<out>.json`` (rows, summary, the sources cited)."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows({**r, "published": fmt_published(r["published"])} for r in results)
-    used = {r["paper"] for r in results}
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"rows": results, "summary": summary(results),
-                   "sources": {k: v for k, v in sources.items() if k in used}}, f, indent=1)
-        f.write("\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=DATA, help="the rows (YAML)")
-    p.add_argument("--rows", nargs="+", default=None, help="row ids to run (default: all)")
-    p.add_argument("--out", default="/tmp/seeds/seeds", help="prefix of the CSV / JSON")
+    p = script_parser(__doc__.splitlines()[0], DATA, "/tmp/seeds/seeds")
     a = p.parse_args(argv)
     sources, runs, rows = load(a.data)
-    if a.rows:
-        unknown = sorted(set(a.rows) - {r["id"] for r in rows})
-        if unknown:
-            p.error(f"unknown rows: {', '.join(unknown)}")
-        rows = [r for r in rows if r["id"] in a.rows]
+    try:
+        rows = selected(rows, a.rows)
+    except ValueError as e:
+        p.error(str(e))
     sim = Simulator(runs)
     results = [predict(r, sim, runs) for r in rows]
     print(format_table(results))
-    write_outputs(results, sources, a.out)
+    write_outputs(results, summary=summary(results), sources=sources, source_key="paper", out=a.out,
+                  csv_rows=[{**r, "published": fmt_published(r["published"])} for r in results])
     print(f"wrote {a.out}.csv and {a.out}.json")
     return 0
 

@@ -19,9 +19,6 @@ writes ``<out>.csv`` and ``<out>.json``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import json
 import os
 import statistics
 import sys
@@ -33,7 +30,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_oases.sim.published import iteration_flops, simulate_run  # noqa: E402
+from megatron_oases.sim.published import (iteration_flops, script_parser, selected,  # noqa: E402
+                                          simulate_run, write_outputs)
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
 UNITS = ("tflops_per_gpu", "s_per_iteration")
@@ -93,35 +91,17 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: list[dict], sources: dict, out: str) -> None:
-    """``<out>.csv`` (one line a row) and ``<out>.json`` (rows, summary, the sources cited)."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
-    used = {r["source"] for r in results}
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"rows": results, "summary": error_summary(results),
-                   "sources": {k: v for k, v in sources.items() if k in used}}, f, indent=1)
-        f.write("\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=DATA, help="the rows (YAML)")
-    p.add_argument("--rows", nargs="+", default=None, help="row ids to run (default: all)")
-    p.add_argument("--out", default="/tmp/validation/published", help="prefix of the CSV / JSON")
+    p = script_parser(__doc__.splitlines()[0], DATA, "/tmp/validation/published")
     a = p.parse_args(argv)
     sources, rows = load_rows(a.data)
-    if a.rows:
-        unknown = sorted(set(a.rows) - {r["id"] for r in rows})
-        if unknown:
-            p.error(f"unknown rows: {', '.join(unknown)}")
-        rows = [r for r in rows if r["id"] in a.rows]
+    try:
+        rows = selected(rows, a.rows)
+    except ValueError as e:
+        p.error(str(e))
     results = [predict_row(r, sources) for r in rows]
     print(format_table(results))
-    write_outputs(results, sources, a.out)
+    write_outputs(results, summary=error_summary(results), sources=sources, source_key="source", out=a.out)
     print(f"wrote {a.out}.csv and {a.out}.json")
     return 0
 

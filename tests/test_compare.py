@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "compare.py")
 
-spec = importlib.util.spec_from_file_location("oases_compare", SCRIPT)
-compare = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = compare  # dataclasses look their module up
-spec.loader.exec_module(compare)
+compare = load_script("scripts/compare.py", "oases_compare")
 
 MEGATRON_LINE = (" [2025-11-22 01:02:03.456789] iteration {it:8d}/{n:8d} | consumed samples:"
                  "          {s:3d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "

@@ -19,36 +19,34 @@ MODEL = ["--num-layers", "1", "--hidden-size", str(H), "--num-attention-heads", 
          "--global-batch-size", str(B), "--device", "cpu"]
 
 
-def test_3d_layer_issues_what_its_description_says():
-    outs = run_on_ranks(layer_contract, 8, args=(MODEL + ["--tp-backend", "3d",
-                                                          "--tensor-model-parallel-size", "8"], B, S, H),
-                        timeout_s=180)
-    desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, tp=8, bytes_per_element=4)
+def _check_cube(argv: list[str], *, heads: int, ffn: int, variant=None) -> None:
+    """One layer on the cube (TP 8): every collective per pass (with the block's edges) and TP
+    position 0's parameters (a diagonal block of every vector) equal the description's."""
+    from megatron_oases.describe.ops import GPT2
+
+    variant = variant or GPT2
+    outs = run_on_ranks(layer_contract, 8, args=(argv + ["--tp-backend", "3d", "--tensor-model-parallel-size", "8"],
+                                                 B, S, H), timeout_s=180)
+    desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=ffn, tp=8, bytes_per_element=4,
+                             variant=variant)
     leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=B, seq=S, hidden=H, tp=8,
                                  bytes_per_element=4)
     for pass_, edge in (("forward", leave), ("backward", enter_b)):
         want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edge))
         for out in outs:
             assert sorted(r for r in out[pass_] if r[1] > 1) == want, (out["rank"], pass_)
-    # TP position 0 sits on the cube diagonal and holds a block of every vector
-    assert outs[0]["params"] == layer_params("3d", H, 4 * H, 8, None)
+    assert outs[0]["params"] == layer_params("3d", H, ffn, 8, None, heads=heads, variant=variant)
+
+
+def test_3d_layer_issues_what_its_description_says():
+    _check_cube(MODEL, heads=A, ffn=4 * H)
 
 
 def test_3d_llama_layer_issues_what_its_description_says():
     from tests.test_description_contract import LLAMA_F, llama_model
 
     argv, variant = llama_model(heads=8, groups=2)
-    argv = [*argv, "--tp-backend", "3d", "--tensor-model-parallel-size", "8"]
-    outs = run_on_ranks(layer_contract, 8, args=(argv, B, S, H), timeout_s=180)
-    desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=8, ffn=LLAMA_F, tp=8,
-                             bytes_per_element=4, variant=variant)
-    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=B, seq=S, hidden=H, tp=8,
-                                 bytes_per_element=4)
-    for pass_, edge in (("forward", leave), ("backward", enter_b)):
-        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edge))
-        for out in outs:
-            assert sorted(r for r in out[pass_] if r[1] > 1) == want, (out["rank"], pass_)
-    assert outs[0]["params"] == layer_params("3d", H, LLAMA_F, 8, None, heads=8, variant=variant)
+    _check_cube(argv, heads=8, ffn=LLAMA_F, variant=variant)
 
 
 def test_3d_description_divides_the_dense_layer_flops_by_the_cube():

@@ -23,23 +23,30 @@ def _issued(rows):
     return sorted(r for r in rows if r[1] > 1)
 
 
-@pytest.mark.parametrize("d1, d2, chunks", [(2, 2, 1), (2, 2, 2), (1, 2, 1), (4, 1, 1)])
-def test_atp_layer_issues_what_its_description_says(d1, d2, chunks):
+def _check_atp(argv: list[str], d1: int, d2: int, *, heads: int, ffn: int, chunks: int = 1,
+               variant: LayerVariant = GPT2) -> None:
+    """One ATP layer on the mesh: every collective per pass (kind, group, bytes; with the block's
+    entry into and exit from ATP's [s, b, h/d2] layout) and the parameters per rank equal the
+    description's."""
     n = d1 * d2
-    argv = MODEL + ["--tp-backend", "atp", "--tensor-model-parallel-size", str(n),
-                    "--atp-mesh", f"{d1},{d2}", "--atp-chunks", str(chunks)]
+    argv = argv + ["--tp-backend", "atp", "--tensor-model-parallel-size", str(n),
+                   "--atp-mesh", f"{d1},{d2}", "--atp-chunks", str(chunks)]
     outs = run_on_ranks(layer_contract, n, args=(argv, B, S, H), timeout_s=120)
-    desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, d1=d1, d2=d2,
-                            bytes_per_element=4, chunks=chunks)
-    # A one-layer block both enters and leaves ATP's [s, b, h/d2] layout (nothing when d2 = 1).
+    desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=ffn, d1=d1, d2=d2,
+                            bytes_per_element=4, chunks=chunks, variant=variant)
     edges = dict(zip(("forward", "backward"), block_edges(
         backend="atp", mesh=(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
     for pass_ in ("forward", "backward"):
         want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edges[pass_]))
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
-    per_rank = layer_params("atp", H, 4 * H, n, (d1, d2))
+    per_rank = layer_params("atp", H, ffn, n, (d1, d2), heads=heads, variant=variant)
     assert {out["params"] for out in outs} == {per_rank}
+
+
+@pytest.mark.parametrize("d1, d2, chunks", [(2, 2, 1), (2, 2, 2), (1, 2, 1), (4, 1, 1)])
+def test_atp_layer_issues_what_its_description_says(d1, d2, chunks):
+    _check_atp(MODEL, d1, d2, heads=A, ffn=4 * H, chunks=chunks)
 
 
 LLAMA_F = 64
@@ -56,20 +63,8 @@ def llama_model(heads: int, groups: int) -> tuple[list[str], LayerVariant]:
 
 @pytest.mark.parametrize("d1, d2", [(2, 2), (1, 2)])
 def test_atp_llama_layer_issues_what_its_description_says(d1, d2):
-    n, heads = d1 * d2, 8
-    argv, variant = llama_model(heads, groups=n)
-    argv += ["--tp-backend", "atp", "--tensor-model-parallel-size", str(n), "--atp-mesh", f"{d1},{d2}"]
-    outs = run_on_ranks(layer_contract, n, args=(argv, B, S, H), timeout_s=120)
-    desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=LLAMA_F, d1=d1, d2=d2,
-                            bytes_per_element=4, variant=variant)
-    edges = dict(zip(("forward", "backward"), block_edges(
-        backend="atp", mesh=(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
-    for pass_ in ("forward", "backward"):
-        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edges[pass_]))
-        for out in outs:
-            assert _issued(out[pass_]) == want, (out["rank"], pass_)
-    per_rank = layer_params("atp", H, LLAMA_F, n, (d1, d2), heads=heads, variant=variant)
-    assert {out["params"] for out in outs} == {per_rank}
+    argv, variant = llama_model(8, groups=d1 * d2)
+    _check_atp(argv, d1, d2, heads=8, ffn=LLAMA_F, variant=variant)
 
 
 LLAMA_QKN = (["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--disable-bias-linear",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -14,14 +13,13 @@ import time
 
 import pytest
 import yaml
+from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 MODELS = sorted(glob.glob(os.path.join(EXAMPLES, "models", "*.yaml")))
 
-spec = importlib.util.spec_from_file_location("oases_model_flags", os.path.join(EXAMPLES, "model_flags.py"))
-model_flags = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(model_flags)
+model_flags = load_script("examples/model_flags.py", "oases_model_flags")
 
 
 def test_every_model_file_parses_for_plan_train_sim_and_mesh():

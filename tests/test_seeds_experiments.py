@@ -4,18 +4,15 @@ is asserted here (docs/sim_seeds.md reports the errors)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
+from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("seeds_experiments", os.path.join(ROOT, "scripts", "seeds_experiments.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/seeds_experiments.py")
 
 
 def test_rows_cite_a_table_and_cover_the_four_papers():

@@ -1,7 +1,6 @@
 """Simulator: device-model formulas, profile override, event dedup, timeline invariants, scale."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events,
 from megatron_oases.sim.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
+from tests.script_modules import load_script
 
 EPS = 1e-9
 SMALL = ModelConfig(num_layers=4, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
@@ -254,11 +254,7 @@ def test_bad_input_one_line(strat: Strategy, msg: str):
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_sim_scale.py"
-    spec = importlib.util.spec_from_file_location("bench_sim_scale", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench_sim_scale.py")
 
 
 def test_3072_gpus_under_one_second(capsys):

@@ -4,7 +4,6 @@ groups, busy levels, merging ranks' results), the profile format's contention se
 bench's error table. No timing asserts, no emulator."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -17,6 +16,7 @@ from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events,
 from megatron_oases.sim.profiler import local_topology
 from megatron_oases.sim.schedules import schedule_order
 from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
+from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ModelConfig(num_layers=4, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
@@ -190,11 +190,7 @@ def test_template_with_overlap_prices():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_sim_accuracy", os.path.join(ROOT, "scripts",
-                                                                                    "bench_sim_accuracy.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench_sim_accuracy.py")
 
 
 def test_bench_table_and_errors():

@@ -3,8 +3,6 @@ collectives released during the last backward, gathers ahead of the forward)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +12,7 @@ from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events,
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.sim.trace import TIDS, chrome_trace
 from megatron_oases.topology import Level, Topology
+from tests.script_modules import load_script
 
 MODEL = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=2)
 
@@ -121,10 +120,7 @@ def test_param_gather_overlap_needs_the_distributed_optimizer(capsys):
 
 
 def test_3072_gpus_with_dp_overlap_keep_events_deduplicated():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_sim_scale.py"
-    spec = importlib.util.spec_from_file_location("bench_sim_scale", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("scripts/bench_sim_scale.py")
     off, _ = bench.run()
     on, _ = bench.run(ddp_overlap=True)
     buckets = sum(len(st.grad_buckets) for st in build_stage_events(on.model, on.strategy,

@@ -4,20 +4,17 @@ the analytical model and the script writes its table, CSV and JSON. No error bar
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 
 from megatron_oases.flops import gpt_flops_per_iteration
+from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("validate_published", os.path.join(ROOT, "scripts", "validate_published.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/validate_published.py")
 
 
 def test_rows_load_with_sources_and_assumptions():

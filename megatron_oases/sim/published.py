@@ -42,3 +42,44 @@ def iteration_flops(model, strategy, recompute: bool) -> float:
         seq_length=model.seq, num_layers=model.num_layers, hidden_size=model.hidden,
         num_attention_heads=model.heads, ffn_hidden_size=model.ffn, padded_vocab_size=model.vocab,
         num_query_groups=v.query_groups, gated_mlp=v.gated, recompute=recompute)
+
+
+def selected(rows: list[dict], wanted: list[str] | None) -> list[dict]:
+    """``rows`` whose ``id`` is in ``wanted`` (all of them for None); unknown ids: ValueError."""
+    if not wanted:
+        return rows
+    unknown = sorted(set(wanted) - {r["id"] for r in rows})
+    if unknown:
+        raise ValueError(f"unknown rows: {', '.join(unknown)}")
+    return [r for r in rows if r["id"] in wanted]
+
+
+def write_outputs(results: list[dict], *, summary: dict, sources: dict, source_key: str, out: str,
+                  csv_rows: list[dict] | None = None) -> None:
+    """``<out>.csv`` (one line a row; ``csv_rows`` if the CSV spells values differently) and
+    ``<out>.json`` (rows, summary, the sources the rows cite through ``source_key``)."""
+    import csv
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(csv_rows if csv_rows is not None else results)
+    used = {r[source_key] for r in results}
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"rows": results, "summary": summary,
+                   "sources": {k: v for k, v in sources.items() if k in used}}, f, indent=1)
+        f.write("\n")
+
+
+def script_parser(description: str, data: str, out: str):
+    """The two validation scripts' command line: ``--data``, ``--rows``, ``--out``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--data", default=data, help="the rows (YAML)")
+    p.add_argument("--rows", nargs="+", default=None, help="row ids to run (default: all)")
+    p.add_argument("--out", default=out, help="prefix of the CSV / JSON")
+    return p
