@@ -86,7 +86,7 @@ STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgr
                      "attention.ag.bwd": "attention.wgrad", "mlp.ag.bwd": "mlp.wgrad"}
 """Stock Megatron's input-gradient collectives that run async beside a weight-gradient GEMM:
 the all-reduces, and under sequence parallelism the reduce-scatters that replace them."""
-OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad"}
+OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad", "logits.ag.bwd": "logits.wgrad"}
 """The output layer (Megatron's column-parallel linear whatever the layers' backend or schedule)
 does the same: its input-gradient all-reduce runs beside its weight gradient."""
 
