@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ops import Collective, Compute, LayerDescription, Op
+from .ops import Collective, LayerDescription, Op
 
 MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", "attention.bwd")
 """Megatron 1-D's ops where the MLP block starts (forward) and the attention block (backward):
