@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import GPT2, LayerVariant
 from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
@@ -79,3 +80,23 @@ def test_megatron_1d_layer_parameters_per_rank(extra, variant):
     outs = run_on_ranks(layer_contract, 2, args=(argv, B, S, H), timeout_s=120)
     want = layer_params("megatron", H, 4 * H, 2, None, heads=A, variant=variant)
     assert {out["params"] for out in outs} == {want}
+
+
+@pytest.mark.parametrize("extra, variant", [([], GPT2), LLAMA_QKN], ids=["gpt2", "llama-rope-qk-norm"])
+def test_megatron_sequence_parallel_layer_issues_what_its_description_says(extra, variant):
+    """Stock ``--sequence-parallel`` at TP 2: forward all-gathers QKV's and fc1's input and
+    reduce-scatters proj's and fc2's output; backward all-gathers each row output's gradient,
+    re-gathers each column input for the weight gradient and reduce-scatters each column input
+    gradient; every payload the full [s, b, h]."""
+    argv = MODEL + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", str(4 * H),
+                    "--sequence-parallel", *extra]
+    outs = run_on_ranks(layer_contract, 2, args=(argv, B, S, H), timeout_s=120)
+    desc = megatron_1d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, tp=2,
+                                 sequence_parallel=True, variant=variant)
+    full = S * B * H * 4
+    assert sorted(c.kind for c in desc.collectives("backward")) == ["all_gather"] * 4 + ["reduce_scatter"] * 2
+    for pass_ in ("forward", "backward"):
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in desc.collectives(pass_))
+        assert {c.payload_bytes for c in desc.collectives(pass_)} == {full}
+        for out in outs:
+            assert _issued(out[pass_]) == want, (out["rank"], pass_)

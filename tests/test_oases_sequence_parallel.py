@@ -59,9 +59,18 @@ def test_sequence_parallel_collectives_and_collective_free_recompute():
     pass, one per attention / MLP block); no all-reduce. Fine-grained recompute issues none; Megatron-style recompute repeats
     the forward's 2 + 2. Payload: the sub-batch's full-sequence activation, as the all-reduce
     it replaces (whose ring moves twice the bytes)."""
+    from megatron_oases.describe.registry import layer_description
+
     base = MODEL + SP + OASES + TP2 + RECOMPUTE
     per_pass = 2 * LAYERS * 2 * 2  # of each kind: micro-batches x layers x sub-batches x blocks
     size = {SUB_BATCH_ACTIVATION}
+    # what the simulator prices: the Oases SP layer of one sub-batch (no backward re-gather)
+    desc = layer_description(backend="megatron", mesh=None, micro_batch=B // 2, seq=S, hidden=H, heads=4,
+                             ffn=4 * H, tp=2, bytes_per_element=4, sequence_parallel=True, schedule="oases")
+    for pass_ in ("forward", "backward"):
+        kinds = sorted(c.kind for c in desc.collectives(pass_))
+        assert kinds == ["all_gather"] * 2 + ["reduce_scatter"] * 2, pass_
+        assert {c.payload_bytes for c in desc.collectives(pass_)} == size
     fine = run_on_ranks(collectives_by_tag_and_kind, 2, args=(base,), timeout_s=120)[0]
     assert fine == {("", "all_gather"): (2 * per_pass, size),
                     ("", "reduce_scatter"): (2 * per_pass, size)}

@@ -455,3 +455,21 @@ def test_gqa_blocks_never_split_a_key_value_group():
         family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "attention")
     assert family_of(Strategy(degree=2)).params(Strategy(degree=2), m, "mlp") > \
         family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "mlp")
+
+
+def test_sequence_parallel_is_priced_at_the_uniform_degree_only():
+    """``--sequence-parallel``: the Megatron blocks use the SP description (all-gathers and
+    reduce-scatters, no all-reduce) and only degree T is a candidate (no per-block SP plan runs)."""
+    from megatron_oases.plan.graph import candidate_strategies, family_of, Strategy as BlockStrategy
+    from megatron_oases.plan.model import PlanError, PlanModel
+
+    m = PlanModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                  tp=4, sequence_parallel=True)
+    assert [s.degree for s in candidate_strategies(m)] == [4]
+    with pytest.raises(PlanError, match="uniform degree 4 only"):
+        candidate_strategies(m, degrees=(1, 2))
+    fam = family_of(BlockStrategy(degree=4))
+    blocks = fam.split(fam.describe(BlockStrategy(degree=4), m, 2))
+    for blk in blocks:
+        assert sorted(c.kind for c in blk.fwd_comm) == ["all_gather", "reduce_scatter"]
+        assert sorted(c.kind for c in blk.bwd_comm) == ["all_gather", "reduce_scatter"]  # Oases: no re-gather

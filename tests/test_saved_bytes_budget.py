@@ -123,3 +123,22 @@ def test_rope_and_qk_norm_keep_what_was_measured():
     assert (extra("stock", rotary=True), extra("stock", qk_norm=True)) == (10240, 10240)
     assert extra("stock", rotary=True, qk_norm=True) == 12288
     assert extra("oases", rotary=True) == 10240 + 2048
+
+
+SP_CASES = ["stock", "stock-full-recompute", "oases", "oases-fine-grained-recompute"]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("case", SP_CASES)
+def test_sequence_parallel_saved_bytes_per_layer_equal_the_description(case, dropout):
+    """``--sequence-parallel`` at TP 2 (the CPU SP norms of ``layers/torch_norm.py``): norms,
+    column inputs (stock) and hidden dropout masks on s/t tokens; the Oases tape keeps the
+    gathered inputs and its step boundaries; recompute keeps 1/t (stock) or 2 + 3/t (Oases
+    fine-grained) hidden states."""
+    flags, schedule, recompute, fine = CASES[case]
+    got = _measured_per_layer(tp=2, b=4, s=16, h=32, a=4, dropout=dropout, bf16=False,
+                              extra=flags + ["--sequence-parallel"])
+    want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine,
+                             b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0,
+                             attention_dropout=dropout > 0, kernels=CPU_KERNELS, sequence_parallel=True)
+    assert got == want

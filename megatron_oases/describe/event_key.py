@@ -23,11 +23,12 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
 
 def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
                 mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
-                chains: int, variant: LayerVariant = GPT2
+                chains: int, variant: LayerVariant = GPT2, sequence_parallel: bool = False
                 ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
     the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
-    dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data."""
+    dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data. Sequence parallelism (norms and residual work on s/t tokens)
+    adds ``_sp`` and ``("sp", 1)``; other layers keep their keys."""
     mesh_tag = f"m{mesh[0]}x{mesh[1]}" if backend == "atp" else "cube" if backend == "3d" else ""
     tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
     d1, d2 = mesh if backend == "atp" and mesh else (t, 1)
@@ -38,4 +39,6 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
                  ("norm", variant.normalization), ("bias", int(variant.bias)))
         if variant.rotary or variant.qk_norm:  # earlier Llama profiles keep their dims
             dims += (("rope", variant.rotary_percent if variant.rotary else 0.0), ("qkn", int(variant.qk_norm)))
-    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}", dims
+    sp = sequence_parallel and t > 1
+    dims += (("sp", 1),) if sp else ()
+    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}{'_sp' if sp else ''}", dims

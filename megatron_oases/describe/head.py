@@ -26,9 +26,19 @@ class HeadOps:
     output_wgrad: Compute | None = None
 
 
-def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, last: bool) -> HeadOps:
-    """The head's segments and collectives (FLOPs count a multiply-add as 2; ``v`` padded)."""
+def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, last: bool,
+             sequence_parallel: bool = False, learned_positions: bool = True) -> HeadOps:
+    """The head's segments and collectives (FLOPs count a multiply-add as 2; ``v`` padded).
+
+    ``sequence_parallel`` (Megatron-Core's ``LanguageModelEmbedding`` and SP output layer): with
+    learned positions the embedding all-reduces, then keeps its chunk (backward: all-gather of
+    the gradient); without (RoPE) it reduce-scatters instead (backward the same all-gather); the
+    output layer all-gathers its input, and in backward re-gathers it for the weight gradient
+    and reduce-scatters the input gradient beside it."""
     act = b * s * h * e
+    if sequence_parallel and t > 1:
+        return _sp_head(head_ops(b=b, s=s, h=h, v=v, t=t, e=e, first=first, last=last), act=act, t=t,
+                        learned_positions=learned_positions)
 
     def tp(c: Collective) -> tuple:  # a collective on one rank issues nothing
         return (c,) if t > 1 else ()
@@ -52,6 +62,24 @@ def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, las
                            payload_bytes=act)))
         ops["output_wgrad"] = output_wgrad(b=b, s=s, h=h, v=v, t=t, e=e)
     return HeadOps(**ops)
+
+
+def _sp_head(ops: HeadOps, *, act: int, t: int, learned_positions: bool) -> HeadOps:
+    """``ops`` (the head without SP) with sequence parallelism's collectives."""
+    def op(name, kind):
+        return Collective(name=name, kind=kind, axis="tp", group_size=t, payload_bytes=act)
+    out = {}
+    if ops.pre_forward:
+        emb = ops.pre_forward[0]
+        out["pre_forward"] = ((emb, op("embedding.ar", "all_reduce")) if learned_positions
+                              else (emb, op("embedding.rs", "reduce_scatter")))
+        out["post_backward"] = (op("embedding.scatter.bwd", "all_gather"), *ops.post_backward)
+    if ops.post_forward:
+        logits, loss = ops.post_forward
+        out["post_forward"] = (op("logits.ag", "all_gather"), logits, loss)
+        out["pre_backward"] = (op("logits.ag.wgrad", "all_gather"), ops.pre_backward[0],
+                               op("logits.ag.bwd", "reduce_scatter"))
+    return dataclasses.replace(ops, **out)
 
 
 def head_param_tensors(*, v: int, h: int, seq: int, t: int, first: bool, last: bool,

@@ -6,20 +6,29 @@ from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, back
 
 def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int,
                           tp: int, bytes_per_element: int = 4, sequence_parallel: bool = False,
+                          keeps_gathered_input: bool = False,
                           variant: LayerVariant = GPT2) -> LayerDescription:
     """Megatron's TP layer: [LN, QKV, core, proj] g [LN, fc1, act, fc2] g (g = all-reduce);
     in backward the f before each block all-reduces the input gradient. ``variant``: GQA shrinks
     QKV's output to the queries plus a key and a value per group; SwiGLU doubles fc1's output
     and adds the gate's product to the element-wise work; RoPE and QK-norm each read and write
-    the rank's queries and keys (element-wise; their FLOPs are negligible)."""
+    the rank's queries and keys (element-wise; their FLOPs are negligible).
+
+    ``sequence_parallel`` (Megatron's ``--sequence-parallel``, :func:`sp_collectives`): norms,
+    dropout and residual adds run on this rank's s/t tokens; ``keeps_gathered_input``: the column
+    linears keep their all-gathered input (the Oases tape) instead of re-gathering it in backward."""
     if hidden % tp or heads % tp or ffn % tp:
         raise ValueError(f"hidden {hidden}, heads {heads}, ffn {ffn} must be divisible by TP {tp}")
+    sp = sequence_parallel and tp > 1
+    if sp and seq % tp:
+        raise ValueError(f"sequence parallelism needs seq {seq} divisible by TP {tp}")
     b, s, h, f, t = micro_batch, seq, hidden, ffn, tp
     act = b * s * h * bytes_per_element  # one full activation [s, b, h]
-    ew_attn = bytes_per_element * (4 * b * s * h + 3 * b * (heads // t) * s * s  # LN + softmax
+    residual = b * s * h // (t if sp else 1)  # elements a norm or residual add works on
+    ew_attn = bytes_per_element * (4 * residual + 3 * b * (heads // t) * s * s  # LN + softmax
                                    + b * s * variant.qk_elementwise_per_token(h, heads) // t)
     # LN, residual, GeLU; a gated unit reads gate and up and writes their product
-    ew_mlp = bytes_per_element * (4 * b * s * h + (5 if variant.gated else 2) * b * s * f // t)
+    ew_mlp = bytes_per_element * (4 * residual + (5 if variant.gated else 2) * b * s * f // t)
     attn = Compute(name="attention",
                    gemm_flops=2 * b * s * h * (variant.qkv_rows(h, heads) // t) + 2 * b * s * (h // t) * h,
                    attention_flops=4 * b * s * s * h // t, elementwise_bytes=ew_attn)
@@ -28,11 +37,8 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     if t == 1:
         return LayerDescription(backend="megatron", forward=(attn, mlp),
                                 backward=(backward_of(mlp), backward_of(attn)))
-    if sequence_parallel:
-        # Megatron's SP also re-gathers each column-parallel input in backward for the weight
-        # gradient; not described until it can be checked against a real layer (needs Apex/TE
-        # norms, since Megatron's torch LayerNorm refuses SP).
-        raise NotImplementedError("sequence-parallel layer description is not written yet")
+    if sp:
+        return sp_layer((attn, mlp), act=act, t=t, regather=not keeps_gathered_input)
     fwd = (attn,
            Collective(name="attention.g", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act),
            mlp,
@@ -45,9 +51,42 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     return LayerDescription(backend="megatron", forward=fwd, backward=bwd)
 
 
-STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgrad"}
-"""Stock Megatron's input-gradient all-reduces that run async beside a weight-gradient GEMM."""
-OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad"}
+def sp_collectives(block: str, *, act: int, t: int, regather: bool) -> dict[str, tuple[Collective, ...]]:
+    """One block's collectives under sequence parallelism (Megatron-Core's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` and the sequence-parallel regions),
+    payload the full ``[s, b, h]``: ``"enter"`` (forward) the all-gather of the normed chunk
+    before the column linear; ``"leave"`` the reduce-scatter of the row linear's output;
+    ``"leave.bwd"`` the all-gather of that output's gradient; ``"regather.bwd"`` (stock) the
+    column linear's input gathered again for its weight gradient (launched async before the input
+    gradient GEMM); ``"enter.bwd"`` the reduce-scatter of the input gradient, launched async
+    beside the weight gradient (``STOCK_ASYNC_DGRAD``)."""
+    def op(name, kind):
+        return Collective(name=f"{block}.{name}", kind=kind, axis="tp", group_size=t, payload_bytes=act)
+    return {"enter": (op("ag", "all_gather"),), "leave": (op("rs", "reduce_scatter"),),
+            "leave.bwd": (op("rs.bwd", "all_gather"),),
+            "regather.bwd": (op("ag.wgrad", "all_gather"),) if regather else (),
+            "enter.bwd": (op("ag.bwd", "reduce_scatter"),)}
+
+
+def sp_layer(blocks: tuple[Compute, Compute], *, act: int, t: int, regather: bool) -> LayerDescription:
+    """The layer under sequence parallelism: per block, forward AG, compute, RS; backward the RS's
+    AG, the input re-gather (stock), compute, the input gradient's RS. Each block's norm runs on
+    the chunk before its all-gather, folded into the block's compute segment (as the non-SP
+    description folds it in before f)."""
+    fwd: list = []
+    bwd: list = []
+    for c in blocks:
+        col = sp_collectives(c.name, act=act, t=t, regather=regather)
+        fwd += [*col["enter"], c, *col["leave"]]
+        bwd = [*col["leave.bwd"], *col["regather.bwd"], backward_of(c), *col["enter.bwd"]] + bwd
+    return LayerDescription(backend="megatron", forward=tuple(fwd), backward=tuple(bwd))
+
+
+STOCK_ASYNC_DGRAD = {"attention.f.bwd": "attention.wgrad", "mlp.f.bwd": "mlp.wgrad",
+                     "attention.ag.bwd": "attention.wgrad", "mlp.ag.bwd": "mlp.wgrad"}
+"""Stock Megatron's input-gradient collectives that run async beside a weight-gradient GEMM:
+the all-reduces, and under sequence parallelism the reduce-scatters that replace them."""
+OUTPUT_ASYNC_DGRAD = {"logits.f.bwd": "logits.wgrad", "logits.ag.bwd": "logits.wgrad"}
 """The output layer (Megatron's column-parallel linear whatever the layers' backend or schedule)
 does the same: its input-gradient all-reduce runs beside its weight gradient."""
 

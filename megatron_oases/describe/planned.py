@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ops import Collective, Compute, LayerDescription, Op
+from .ops import Collective, LayerDescription, Op
 
-MLP_FIRST, ATTENTION_FIRST_BWD = "mlp", "attention.bwd"
-"""Megatron 1-D's segments where the MLP block starts (forward) and the attention block (backward)."""
+MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", "attention.bwd")
+"""Megatron 1-D's ops where the MLP block starts (forward) and the attention block (backward):
+under sequence parallelism the block's all-gather, else its compute segment."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,15 +44,17 @@ def degree_reshard(src: int, dst: int, *, tp: int, micro_batch: int, seq: int, h
     return DegreeReshard(forward=None, backward=op, ranks=ranks)
 
 
-def split_at(ops: tuple[Op, ...], name: str) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
-    """``ops`` before and from the compute segment ``name``."""
-    i = next(i for i, op in enumerate(ops) if isinstance(op, Compute) and op.name == name)
+def split_at(ops: tuple[Op, ...], name: str | tuple[str, ...]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """``ops`` before and from the op ``name`` (the first of ``name``'s names that is there)."""
+    names = (name,) if isinstance(name, str) else name
+    i = next(i for n in names for i, op in enumerate(ops) if op.name == n)
     return tuple(ops[:i]), tuple(ops[i:])
 
 
 def megatron_blocks(desc: LayerDescription) -> dict[str, tuple[tuple[Op, ...], tuple[Op, ...]]]:
     """Megatron 1-D layer -> {"attention": (forward ops, backward ops), "mlp": ...}: each block's
-    segment with the collectives after it (forward g; backward f of the block's input)."""
+    segment with the collectives after it (forward g; backward f of the block's input); under
+    sequence parallelism also the all-gather before it (forward; backward its output gradient's)."""
     attn_f, mlp_f = split_at(desc.forward, MLP_FIRST)
     mlp_b, attn_b = split_at(desc.backward, ATTENTION_FIRST_BWD)
     return {"attention": (attn_f, attn_b), "mlp": (mlp_f, mlp_b)}

@@ -12,10 +12,17 @@ BACKENDS = ("megatron", "atp", "3d")
 
 def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
                       hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
-                      variant: LayerVariant = GPT2) -> LayerDescription:
+                      variant: LayerVariant = GPT2, sequence_parallel: bool = False,
+                      schedule: str = "stock") -> LayerDescription:
+    """A backend's layer; ``sequence_parallel`` only on Megatron 1-D, whose Oases tape
+    (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them."""
+    if sequence_parallel and backend != "megatron":
+        raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
     if backend == "megatron":
         return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                     tp=tp, bytes_per_element=bytes_per_element, variant=variant)
+                                     tp=tp, bytes_per_element=bytes_per_element, variant=variant,
+                                     sequence_parallel=sequence_parallel,
+                                     keeps_gathered_input=schedule == "oases")
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,

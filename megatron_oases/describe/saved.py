@@ -73,18 +73,25 @@ SCHEDULES = ("stock", "oases")
 def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                       hidden_dropout: bool = True, attention_dropout: bool = True,
                       softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
-                      variant: LayerVariant = GPT2) -> float:
+                      variant: LayerVariant = GPT2, sequence_parallel: bool = False,
+                      gathered_input: bool = False) -> float:
     """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
     ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
-    backward without recompute (stock schedule)."""
+    backward without recompute (stock schedule).
+
+    ``sequence_parallel``: the norm (input, statistics), the column linear's input and the hidden
+    dropout mask are on this rank's s/t tokens; ``gathered_input``: the column linear keeps its
+    all-gathered input (all s tokens: the Oases tape) instead of its chunk (stock)."""
     if block not in BLOCKS:
         raise ValueError(f"block {block!r} is not one of {BLOCKS}")
     tok = b * s
+    chunk = tok / t if sequence_parallel and t > 1 else tok  # tokens on the residual side
     mask = e if kernels.dropout_mask is None else kernels.dropout_mask
-    norm = tok * e * h + _norm_beyond_input(tok, h, e=e, kernels=kernels, variant=variant)
-    hidden_mask = tok * h * mask if hidden_dropout else 0
+    norm = chunk * e * h + _norm_beyond_input(chunk, h, e=e, kernels=kernels, variant=variant)
+    column_input = (tok if gathered_input else chunk) * e * h
+    hidden_mask = chunk * h * mask if hidden_dropout else 0
     if block == "mlp":
-        return norm + tok * e * h + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
+        return norm + column_input + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
     probs = b * a * s * s / t
     # Softmax keeps its output (fp32 by Megatron's default attention_softmax_in_fp32); the
     # attention-over-V GEMM keeps its input in e bytes: the dropped-out probabilities, or the
@@ -93,7 +100,7 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
     attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
     qk = _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
-    return norm + tok * e * h + tok * e * 4 * h / t + qk + attention + hidden_mask
+    return norm + column_input + tok * e * 4 * h / t + qk + attention + hidden_mask
 
 
 def _norm_beyond_input(rows: float, width: int, *, e: int, kernels: Kernels, variant: LayerVariant) -> float:
@@ -134,34 +141,52 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       fine_grained: bool = True, sub_batches: int = 2, b: int, s: int, h: int,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
-                      variant: LayerVariant = GPT2) -> float:
+                      variant: LayerVariant = GPT2, sequence_parallel: bool = False) -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
-    (``fine_grained``: also keep the forward all-reduce outputs so recompute issues no
-    collective)."""
+    (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
+    collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
     oases = schedule == "oases" and t > 1  # at TP 1 the Oases schedule runs stock layers
+    sp = sequence_parallel and t > 1
     if recompute:
-        kept = hidden * (3 if oases and fine_grained else 1)
+        if sp:
+            kept = sp_recomputed_bytes(hidden, t=t, fine_grained=oases and fine_grained)
+        else:
+            kept = hidden * (3 if oases and fine_grained else 1)
         if oases:  # one generator state per dropout site, for the redraw
             kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout)
         return kept
     # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
     k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
-              attention_dropout=attention_dropout, kernels=k, variant=variant)
+              attention_dropout=attention_dropout, kernels=k, variant=variant,
+              sequence_parallel=sp, gathered_input=sp and oases)
     kept = sum(block_saved_bytes(blk, **kw) for blk in BLOCKS)
-    extra = oases_kept_beyond_stock(hidden, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches)
+    # per block, what the executor keeps at its collectives: the all-reduce's output (in place);
+    # under SP the all-gather's input chunk, the reduce-scatter's input (whole) and output chunk
+    boundary = hidden + 2 * hidden / t if sp else hidden
+    extra = oases_kept_beyond_stock(boundary, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches)
     return kept + (extra if oases else 0)
+
+
+def sp_recomputed_bytes(hidden_state_bytes: float, *, t: int, fine_grained: bool) -> float:
+    """What a layer keeps under recompute with sequence parallelism: its input chunk (1/t of a
+    hidden state); fine-grained (Oases) also the two reduce-scattered chunks and the two
+    all-gathered norm outputs (whole), so recompute issues no collective: (2 + 3/t)."""
+    return hidden_state_bytes * ((2 + 3 / t) if fine_grained else 1 / t)
 
 
 def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,
                             variant: LayerVariant = GPT2, sub_batches: int = 2) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
-    the outputs of its two forward all-reduces (each sub-batch's step boundary, one hidden state
-    per layer in all, as the rank holds it) and, per further sub-batch, what each attention call
-    builds anew (``per_call_bytes``: the causal mask, RoPE's tables)."""
+    per block the step boundaries at its collectives that autograd does not keep
+    (``hidden_state_bytes`` each: the all-reduce's output; under sequence parallelism the
+    all-gather's input chunk, the reduce-scatter's whole input and its output chunk, h + 2h/t,
+    measured: backward needs none of them, so the executor could drop them) and, per further
+    sub-batch, what each attention call builds anew (``per_call_bytes``: the causal mask, RoPE's
+    tables)."""
     return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)

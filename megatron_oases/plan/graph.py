@@ -26,7 +26,7 @@ from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
 from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
-from megatron_oases.describe.planned import degree_reshard, split_at
+from megatron_oases.describe.planned import ATTENTION_FIRST_BWD, MLP_FIRST, degree_reshard, split_at
 from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
                                                 layer_param_tensors)
 
@@ -103,7 +103,8 @@ class Family:
 def _megatron_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
     return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                                  heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
-                                 bytes_per_element=m.bytes_per_element, variant=m.variant)
+                                 bytes_per_element=m.bytes_per_element, variant=m.variant,
+                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches == 2)
 
 
 def _megatron_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
@@ -142,7 +143,7 @@ def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
                             bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
-def _split_named(mlp_first: str, attention_first_bwd: str) -> Callable[[LayerDescription], list["BlockOps"]]:
+def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tuple[str, ...]) -> Callable[[LayerDescription], list["BlockOps"]]:
     """A split for layers with many small segments (ATP, 3-D: norm statistics, gathers): the
     attention block is everything before ``mlp_first`` (the pre-MLP norm, forward) and from
     ``attention_first_bwd`` (the proj backward) on."""
@@ -257,7 +258,8 @@ def _cube_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[fl
 
 FAMILIES: dict[str, Family] = {
     "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
-                       params=block_params, memory=_megatron_memory),
+                       params=block_params, memory=_megatron_memory,
+                       split=_split_named(MLP_FIRST, ATTENTION_FIRST_BWD)),
     "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=block_params,
                   memory=_atp_memory, split=_atp_split, mixes=False),
     "3d": Family(describe=_cube_describe, group_ranks=_cube_ranks, reshard=_cube_reshard, params=block_params,
@@ -383,6 +385,11 @@ def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[
             raise PlanError(f"--degrees {','.join(map(str, bad))}: each must be a power of two dividing "
                             f"--tensor-model-parallel-size {m.tp} (one of {','.join(map(str, all_d))})")
         all_d = sorted(set(degrees))
+    if m.sequence_parallel:  # the runtime runs SP at the uniform degree T only
+        if degrees and m.tp not in degrees:
+            raise PlanError(f"--sequence-parallel is priced at the uniform degree {m.tp} only; "
+                            f"drop --degrees or include {m.tp}")
+        all_d = [m.tp]
     out = [Strategy(degree=d) for d in all_d if not feasible(Strategy(degree=d), m)]
     if not out:
         why = "; ".join(f"tp{d}: {feasible(Strategy(degree=d), m)}" for d in all_d)

@@ -3,7 +3,7 @@ its backward working set (``PlanModel`` in, numbers out; read by the families an
 model)."""
 from __future__ import annotations
 
-from megatron_oases.describe.saved import block_saved_bytes, oases_kept_beyond_stock
+from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes, oases_kept_beyond_stock
 from .model import PlanModel
 
 
@@ -25,6 +25,18 @@ def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -
                              attention_dropout=m.attention_dropout > 0, variant=m.variant)
 
 
+def _sp_block_memory(m: PlanModel, samples: int, degree: int) -> float:
+    """Saved bytes of one block under sequence parallelism: half the SP layer's
+    (``describe.saved.layer_saved_bytes``, CUDA kernels; the planner's recompute is Oases'
+    fine-grained one). The working set is the same two gradients as without SP (an upper bound)."""
+    layer = layer_saved_bytes(schedule="oases" if m.sub_batches == 2 else "stock", recompute=m.recompute,
+                              b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                              f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
+                              hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+                              variant=m.variant, sequence_parallel=True)
+    return layer / 2
+
+
 def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[float, float]:
     """(saved bytes per micro-batch, backward working set) of one block on ``samples`` samples.
 
@@ -35,6 +47,8 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     boundary, ``describe.saved.oases_kept_beyond_stock``) and the working set is the two gradients.
     """
     one = samples * m.seq_length * m.hidden_size * m.bytes_per_element
+    if m.sequence_parallel and degree > 1:
+        return _sp_block_memory(m, samples, degree), 2 * one
     full = block_activation_bytes(m, kind, samples, degree)
     if m.recompute:
         return (2 if kind == "attention" else 1) * one, full + 2 * one

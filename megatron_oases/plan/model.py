@@ -64,6 +64,9 @@ class PlanModel:
     """--rotary-percent: the part of each head RoPE rotates (rope only)."""
     qk_layernorm: bool = False
     """--qk-layernorm: a --normalization over each head's query and key."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: priced at the uniform degree T only (Megatron family; the runtime
+    runs no per-block plan with it), with the SP layer description and saved bytes."""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size:
@@ -95,6 +98,9 @@ class PlanModel:
                 or not 0.0 < self.rotary_percent <= 1.0 or (self.rotary_percent != 1.0 and not rope):
             raise PlanError(f"--rotary-percent must be in (0, 1] and applies to --position-embedding-type rope "
                             f"only (got {self.rotary_percent!r})")
+        if self.sequence_parallel and self.seq_length % self.tp:
+            raise PlanError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
+                            f"--tensor-model-parallel-size {self.tp}")
         if self.sub_batches not in (1, 2):
             raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default=None)
     p.add_argument("--rotary-percent", type=float, default=None, help="part of each head RoPE rotates (rope only)")
     p.add_argument("--qk-layernorm", action="store_true", default=None)
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="price Megatron's sequence parallelism at the uniform degree T only")
     p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
@@ -124,7 +126,8 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
             "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
             "num_query_groups": _query_groups(a), "position_embedding_type": a.position_embedding_type,
-            "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm}
+            "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
+            "sequence_parallel": a.sequence_parallel}
     return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
 
 

@@ -43,7 +43,8 @@ def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
     return layer_shape(b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                        f=m.ffn_hidden_size, t=strategy.degree, v=m.vocab_size, dtype=m.dtype,
                        backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
-                       attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant)
+                       attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant,
+                       sequence_parallel=m.sequence_parallel and strategy.family == "megatron")
 
 
 def resolve_gpu(name: str) -> str:

@@ -91,6 +91,9 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help="with --distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=0,
                    help="parameters per DP bucket (default: Megatron's max(40M, 1M x DP))")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (--tp-backend megatron): all-gathers and "
+                        "reduce-scatters instead of all-reduces, norms and residual on s/t tokens")
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +177,7 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
-                    ddp_bucket_size=a.ddp_bucket_size or 0)
+                    ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel)
 
 
 def _virtual_stages(a: argparse.Namespace) -> list[int]:
@@ -195,6 +198,8 @@ def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int)
 
     if a.global_batch_size is None:
         raise SimError("--search needs --global-batch-size")
+    if a.sequence_parallel:
+        raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
     onoff = {"off": False, "on": True}
     rc = [onoff.get(v.strip()) for v in a.recompute_options.split(",")]
     if None in rc:

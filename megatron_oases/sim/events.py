@@ -12,7 +12,7 @@ import functools
 from typing import NamedTuple
 
 from ..describe.head import head_ops, head_param_tensors
-from ..describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
+from ..describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ..describe.event_key import layer_shape
 from ..describe.ops import GPT2, Collective, Compute, LayerVariant
 from ..describe.planned import degree_reshard, megatron_blocks
@@ -121,6 +121,9 @@ class Strategy:
     per bucket ahead of the next forward, each bucket's gather prefetched during the previous one's."""
     ddp_bucket_size: int = 0
     """``--ddp-bucket-size`` (parameters per bucket); 0: Megatron-Core's default (``bucket_params``)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel`` (Megatron 1-D only): the layers' and the head's SP collectives
+    (``describe.megatron_1d.sp_layer``, ``describe.head``); norms and residual on s/t tokens."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
@@ -142,6 +145,8 @@ class Strategy:
             raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
         if self.block_degrees is not None:
             self._check_plan()
+        if self.sequence_parallel and (self.backend != "megatron" or self.block_degrees is not None):
+            raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
         self._check_ddp_overlap()
 
     def _check_ddp_overlap(self) -> None:
@@ -365,7 +370,9 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
     chains = 2 if s.overlap == "oases" else 1
     b, e, t, vp = m.micro_batch // chains, m.bytes_per_element, s.tp, s.virtual_stages
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
-                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e, variant=m.variant)
+                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e, variant=m.variant,
+                              sequence_parallel=s.sequence_parallel,
+                              schedule="oases" if s.overlap == "oases" else "stock")
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
                                  tp=t, bytes_per_element=e)
@@ -414,12 +421,14 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 ends = [sum(len(p[0]) for p in bwd_parts[:4 * (j + 1)]) for j in range(per_chunk)]
             # the head around the layers (describe.head); the output layer's wgrad runs beside
             # the all-reduce of its input gradient
-            hd = head_ops(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e, first=first, last=last)
+            hd = head_ops(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e, first=first, last=last,
+                          sequence_parallel=s.sequence_parallel, learned_positions=not m.variant.rotary)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
             pre_b = [head_ev(op) for op in hd.pre_backward]
-            if len(pre_b) > 1:
-                pre_b[1] = dataclasses.replace(pre_b[1], beside=_compute(hd.output_wgrad, head_shape, head_dims))
+            for i, op in enumerate(hd.pre_backward):
+                if op.name in OUTPUT_ASYNC_DGRAD:
+                    pre_b[i] = dataclasses.replace(pre_b[i], beside=_compute(hd.output_wgrad, head_shape, head_dims))
             me = s.rank(pp=st)
             send_f = send_b = None
             if not last:
@@ -503,7 +512,7 @@ def _block_shape(m: ModelConfig, s: Strategy, degree: int, chains: int):
     return layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=degree, v=m.vocab, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
-                       variant=m.variant)
+                       variant=m.variant, sequence_parallel=s.sequence_parallel)
 
 
 def _op_event(op, m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,

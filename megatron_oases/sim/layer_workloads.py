@@ -20,6 +20,11 @@ add it follows):
   Megatron's ``grad_output.t() @ input``: stock Megatron computes it while the input-gradient
   all-reduce is in flight (the simulator overlaps the two).
 
+``dims['sp']`` (sequence parallelism): the residual-side tensors (block inputs, bias-dropout-add,
+norms) are this rank's s/t tokens and the linears take an all-gathered ``[s, b, h]`` norm output
+(the all-gather and reduce-scatter are collective events): the same Local steps on SP's shapes.
+The column weight gradient is the same GEMM on all s tokens as without SP.
+
 ``dims['exec']``: ``stock`` runs the pieces under plain autograd (``TransformerLayer.forward``);
 ``oases`` runs each piece as the Oases executor runs a ``Local`` step: detached leaves, the
 sub-batch's slice of the micro-batch dropout masks, ``torch.autograd.grad`` into inputs and
@@ -165,17 +170,20 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
     if executor not in EXECUTORS:
         raise SimError(f"layer workload executor must be one of {', '.join(EXECUTORS)} (got {executor!r})")
     b, s, h = int(d["b"]), int(d["s"]), int(d["h"])
+    sp = bool(int(d.get("sp", 0)))
+    chunk = s // int(d["t"]) if sp else s  # the residual side's tokens (sequence parallelism)
     layer = _tp1_layer(d, device, dtype)
     steps = {st.name: st for st in megatron_layer_tape(layer, 0).steps if isinstance(st, Local)}
     block = name.split(".")[0]
     pieces = [steps[p] for p in _PIECES[block]]
     params = [p for p in layer.parameters() if p.requires_grad]
     g = torch.Generator(device="cpu").manual_seed(0)
-    env = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype)
+    env = {n: torch.randn(chunk, b, h, generator=g).to(device=device, dtype=dtype)
            for n in ("x", "h1", "mlp_sum", "attn_sum")}
     inputs = BlockInputs(attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1),
                          rotary_pos_emb=_rotary_table(d, device))
     oases = executor == "oases"
+    gathered = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype) for n in ("ln1", "ln2")}
 
     def dropout_scope():
         # the executor's sub-batch 0 of a two-sub-batch micro-batch (masks drawn at full size)
@@ -191,6 +199,8 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
                 got = st.fn(ins, inputs)
                 graphs.append((ins, got))
                 local.update({k: v.detach() for k, v in got.items()} if oases else got)
+                if sp:  # the all-gathered norm output the linears take (the gather is a collective event)
+                    local.update({k: gathered[k].requires_grad_(not oases) for k in got if k in gathered})
                 if "y" in got:  # the previous layer's output is this layer's input
                     local["x"] = local["y"]
         return graphs

@@ -20,7 +20,7 @@ import dataclasses
 
 from ..describe.head import head_saved_bytes
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
-from ..describe.saved import oases_kept_beyond_stock
+from ..describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
 
 GiB = float(1 << 30)
@@ -64,12 +64,26 @@ def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkE
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq, h=m.hidden, a=m.heads, e=m.bytes_per_element, variant=m.variant)
     kept = full + (beyond if oases else 0.0)
+    if s.sequence_parallel:
+        full, saved, kept = _sp_layer_bytes(m, s)
     per_mb = n_rc * saved + (n - n_rc) * kept
     g = chunk.chunk * s.pp + chunk.stage
     per_mb += head_saved_bytes(b=m.micro_batch, s=m.seq, h=m.hidden, v=m.vocab, t=s.tp,
                                e=m.bytes_per_element, first=g == 0,
                                last=g == s.pp * s.virtual_stages - 1, hidden_dropout=m.hidden_dropout > 0)
     return per_mb, (full if n_rc else 0.0)
+
+
+def _sp_layer_bytes(m: ModelConfig, s: Strategy) -> tuple[float, float, float]:
+    """(stock inventory, kept under recompute, kept without) of one Megatron 1-D layer under
+    sequence parallelism (``describe.saved.layer_saved_bytes``, CUDA kernels)."""
+    kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=s.tp, e=m.bytes_per_element,
+              hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+              variant=m.variant, sequence_parallel=True)
+    schedule = "oases" if s.overlap == "oases" else "stock"
+    return (layer_saved_bytes(**kw), layer_saved_bytes(schedule=schedule, recompute=True,
+                                                       fine_grained=s.fine_grained_recompute, **kw),
+            layer_saved_bytes(schedule=schedule, **kw))
 
 
 def stage_memory(model: ModelConfig, strategy: Strategy, stage: StageEvents,

@@ -39,8 +39,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     cfg = run_config(args)  # as validated: ffn_hidden_size, atp_mesh, plan degrees filled in
-    if cfg.sequence_parallel:
-        raise SimError("--sequence-parallel is not modeled by the simulator yet")
     from ..train_args import query_groups
 
     rope = cfg.position_embedding_type == "rope"
@@ -71,7 +69,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
                         overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
-                        block_degrees=_plan_degrees(cfg))
+                        block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel))
     return model, strategy
 
 
