@@ -169,6 +169,8 @@ def test_full_run_with_stand_in_launchers(tmp_path):
     mlm = tmp_path / "Megatron-LM"
     mlm.mkdir()
     (mlm / "pretrain_gpt.py").write_text("")
+    for dep in ("six", "einops", "pydantic", "regex"):  # what the pre-flight import check asks
+        (mlm / f"{dep}.py").write_text("")  # for; the stand-in torchrun needs none of them
     res = tmp_path / "res"
     env = clean_env(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", MEGATRON_LM_PATH=str(mlm),
                     RESULTS_DIR=str(res), NNODES="1", GPUS_PER_NODE="2", PYTHON=sys.executable,
@@ -183,6 +185,22 @@ def test_full_run_with_stand_in_launchers(tmp_path):
     assert len((res / "commands.sh").read_text().splitlines()) == 3
     table = (res / "speedup.txt").read_text()
     assert "2.000x" in table and (res / "speedup.csv").exists() and (res / "env.txt").exists()
+
+
+def test_missing_dependencies_stop_before_any_srun(tmp_path):
+    """The compute nodes' python must import megatron_oases and megatron.training's dependencies:
+    checked once, one line naming the pip install, exit 2, no results directory."""
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("")
+    res = tmp_path / "res"
+    env = clean_env(MEGATRON_LM_PATH=str(mlm), RESULTS_DIR=str(res), NNODES="1", GPUS_PER_NODE="2",
+                    PYTHON="false", MODELS="1024", VARIANTS="stock")
+    proc = subprocess.run(["bash", os.path.join(SLURM, "oases_models.sbatch")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and not res.exists()
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "[megatron-lm]" in err[0], proc.stderr
 
 
 # ---- with a Megatron-LM checkout: Megatron-LM itself accepts every printed command -----------
