@@ -184,6 +184,22 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
                      megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
 
 
+def check_gqa_flags(args, error: type[Exception] = ValueError) -> None:
+    """Refuse ``--num-query-groups`` without ``--group-query-attention`` with ``error`` (each
+    caller's one-line error class), for parsers whose default is None (ours; Megatron-LM's is 1)."""
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise error("--num-query-groups needs --group-query-attention (without it every head has "
+                    "its own keys and values); add it or drop --num-query-groups")
+
+
+def gqa_groups(args) -> int | None:
+    """Key/value groups the flags set: ``--num-query-groups`` under ``--group-query-attention``
+    (Megatron-LM's default 1), None without grouped-query attention."""
+    if not args.group_query_attention:
+        return None
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's default ``--ffn-hidden-size``: 4h, or int(4h x 2/3 / 64) x 64 with SwiGLU."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size

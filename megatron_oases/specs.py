@@ -12,9 +12,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from megatron_oases.run_config import RunConfig, run_config
+from megatron_oases.run_config import RunConfig, gqa_groups, run_config
 from megatron_oases.schedules.oases.options import oases_runs
-from megatron_oases.train_args import query_groups
 from megatron_oases.vocab import padded_vocab_size
 
 
@@ -40,7 +39,7 @@ def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
         # Llama-family features, set as Megatron-LM's core_transformer_config_from_args sets them
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        num_query_groups=query_groups(args) if args.group_query_attention else None,
+        num_query_groups=gqa_groups(args),
         add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout,

@@ -9,7 +9,8 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import DEFAULTS, megatron_ffn_hidden_size, run_config
+from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
+                                       run_config)
 
 TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
@@ -217,18 +218,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def query_groups(args: argparse.Namespace) -> int:
-    """Key/value groups of the attention: --num-query-groups under --group-query-attention
-    (Megatron-LM's default 1), else one per head."""
-    if not args.group_query_attention:
-        return args.num_attention_heads
-    return 1 if args.num_query_groups is None else args.num_query_groups
+    """Key/value groups of the attention (``run_config.gqa_groups``), one per head without GQA."""
+    groups = gqa_groups(args)
+    return args.num_attention_heads if groups is None else groups
 
 
 def _check_model_features(args: argparse.Namespace) -> None:
     """Llama-family flags: meaningful values and combinations (one line naming the flag)."""
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention (without it every "
-                          "head has its own keys and values); add it or drop --num-query-groups")
+    check_gqa_flags(args, ConfigError)
     groups = query_groups(args)
     if groups < 1 or args.num_attention_heads % groups:
         raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads "

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from ..run_config import check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
@@ -111,11 +112,9 @@ def _load_config(path: str | None) -> dict[str, Any]:
         raise PlanError(f"--model {path}: cannot be parsed ({str(e).splitlines()[0]})") from None
 
 
-def _query_groups(a: argparse.Namespace) -> int | None:
-    """``--num-query-groups`` under ``--group-query-attention`` (Megatron-LM's default 1)."""
-    if a.num_query_groups is not None and not a.group_query_attention:
-        raise PlanError("--num-query-groups needs --group-query-attention")
-    return (a.num_query_groups or 1) if a.group_query_attention else None
+def _gqa_groups(a: argparse.Namespace) -> int | None:
+    check_gqa_flags(a, PlanError)
+    return gqa_groups(a)
 
 
 def model_from_args(a: argparse.Namespace) -> PlanModel:
@@ -125,7 +124,7 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
             "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
             "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
-            "num_query_groups": _query_groups(a), "position_embedding_type": a.position_embedding_type,
+            "num_query_groups": _gqa_groups(a), "position_embedding_type": a.position_embedding_type,
             "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
             "sequence_parallel": a.sequence_parallel}
     return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)

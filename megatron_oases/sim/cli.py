@@ -18,6 +18,7 @@ from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
 from ..describe.ops import LayerVariant
 from ..describe.registry import BACKENDS
+from ..run_config import check_gqa_flags, gqa_groups
 from .events import ModelConfig, Strategy
 from .profiler import resolve_topology
 
@@ -134,9 +135,8 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
 
 def _variant(a: argparse.Namespace) -> LayerVariant:
     """The layer variant of the model flags (Megatron-LM's names)."""
-    if a.num_query_groups is not None and not a.group_query_attention:
-        raise SimError("--num-query-groups needs --group-query-attention")
-    groups = (a.num_query_groups or 1) if a.group_query_attention else None
+    check_gqa_flags(a, SimError)
+    groups = gqa_groups(a)
     if groups is not None and (groups < 1 or (a.num_attention_heads or 0) % groups):
         raise SimError(f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
     rope = a.position_embedding_type == "rope"

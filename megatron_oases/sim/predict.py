@@ -39,10 +39,10 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     cfg = run_config(args)  # as validated: ffn_hidden_size, atp_mesh, plan degrees filled in
-    from ..train_args import query_groups
+    from ..run_config import gqa_groups
 
     rope = cfg.position_embedding_type == "rope"
-    variant = LayerVariant(query_groups=query_groups(cfg) if cfg.group_query_attention else None,
+    variant = LayerVariant(query_groups=gqa_groups(cfg),
                            gated=cfg.swiglu, normalization=cfg.normalization, bias=cfg.add_bias_linear,
                            rotary=rope, rotary_percent=cfg.rotary_percent if rope else 1.0,
                            qk_norm=cfg.qk_layernorm)
