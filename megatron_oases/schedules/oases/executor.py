@@ -19,9 +19,10 @@ sub-batch meanwhile and waits on a handle only when its sub-batch needs the resu
   reduce-scatters after the row linears (backward: reduce-scatter, all-gather); they overlap the
   other sub-batch the same way, and fine-grained recompute saves their outputs.
 
-Parameter gradients of the two sub-batches are summed and handed to autograd once per step and
-layer (``torch.autograd.backward`` on the parameters), so Megatron DDP's per-parameter hooks fire
-exactly once per micro-batch, as with stock layers.
+Parameter gradients: the first sub-batch to finish a step's backward adds them straight into
+Megatron DDP's ``main_grad`` buffers (no per-sub-batch copies kept); the last one's autograd call
+accumulates onto the parameters, so Megatron DDP's per-parameter hooks fire exactly once per
+micro-batch, as with stock layers (``--overlap-grad-reduce`` needs that).
 """
 from __future__ import annotations
 
@@ -93,6 +94,20 @@ def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
     grads[name] = g if name not in grads else grads[name] + g
 
 
+def _add_param_grad(param: torch.nn.Parameter, g: torch.Tensor) -> None:
+    """Add ``g`` to ``param``'s gradient without autograd: into Megatron DDP's ``main_grad``
+    buffer (unless the linear's fused weight-gradient accumulation already wrote it there,
+    ``grad_added_to_main_grad``), else into ``param.grad``."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        if not getattr(param, "grad_added_to_main_grad", False):
+            main.add_(g)
+    elif param.grad is None:
+        param.grad = g
+    else:
+        param.grad.add_(g)
+
+
 def _own_chunk(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's chunk of ``t`` along ``dim`` over ``group`` (local; no collective)."""
     n = dist.get_world_size(group)
@@ -123,7 +138,10 @@ class OasesRunner:
     def __init__(self, tapes: list[LayerTape], options: OasesOptions):
         self.tapes = tapes
         self.options = options
-        self._param_grads: dict = {}
+        self._arrivals: dict = {}
+        """(layer, step) -> sub-batches whose backward passed the step in this micro-batch."""
+        self._step_params: dict = {}
+        """(layer, step) -> the parameters the step's graph reaches (found on its first backward)."""
         self._last_saved_bytes = 0
 
     # ----- forward -------------------------------------------------------------------------
@@ -173,7 +191,7 @@ class OasesRunner:
         programs = [self._backward_program(i, g, state) for i, g in enumerate(grads)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(state.masks, i, recompute=True))
-        assert not self._param_grads, "parameter gradients left undelivered"
+        assert not self._arrivals, "parameter gradients left undelivered"
         return torch.cat(state.grad_inputs, dim=1)
 
     def _recompute(self, i: int, li: int, state: _StepState):
@@ -242,28 +260,36 @@ class OasesRunner:
         state.grad_inputs[i] = grad
 
     def _local_backward(self, li: int, step: Local, graph, grads: dict, params) -> None:
+        """One autograd call for a local step of one sub-batch. Every sub-batch but the last to
+        reach the step adds its parameter gradients straight into the gradient buffers; the
+        last one runs ``autograd.backward`` onto the parameters, so Megatron DDP's hooks fire
+        exactly once per micro-batch (``--overlap-grad-reduce``) with the whole sum."""
         leaves, outs = graph
         roots = [(outs[n], grads.pop(n)) for n in step.outputs if n in grads]
         names = list(leaves)
-        inputs = [leaves[n] for n in names] + list(params)
-        got = torch.autograd.grad([r for r, _ in roots], inputs, [g for _, g in roots],
-                                  allow_unused=True)
+        key = (li, step.name)
+        arrived = self._arrivals.get(key, 0) + 1
+        step_params = self._step_params.get(key, params)
+        if arrived == self.options.sub_batches:
+            self._arrivals.pop(key, None)
+            torch.autograd.backward([r for r, _ in roots], [g for _, g in roots],
+                                    inputs=[leaves[n] for n in names] + list(step_params))
+            for n in names:
+                if leaves[n].grad is not None:
+                    _accumulate(grads, n, leaves[n].grad)
+            return
+        self._arrivals[key] = arrived
+        got = torch.autograd.grad([r for r, _ in roots], [leaves[n] for n in names] + list(step_params),
+                                  [g for _, g in roots], allow_unused=True)
         for n, g in zip(names, got):
             if g is not None:
                 _accumulate(grads, n, g)
-        self._collect_param_grads((li, step.name), params, got[len(names):])
-
-    def _collect_param_grads(self, key, params, got) -> None:
-        """Sum over sub-batches; deliver through autograd once the last sub-batch is done."""
-        entry = self._param_grads.setdefault(key, [0, {}])
-        entry[0] += 1
-        for prm, g in zip(params, got):
+        used = []
+        for prm, g in zip(step_params, got[len(names):]):
             if g is not None:
-                entry[1][prm] = g if prm not in entry[1] else entry[1][prm] + g
-        if entry[0] == self.options.sub_batches:
-            del self._param_grads[key]
-            if entry[1]:
-                torch.autograd.backward(list(entry[1]), list(entry[1].values()))
+                _add_param_grad(prm, g)
+                used.append(prm)
+        self._step_params[key] = tuple(used)
 
     # ----- helpers -------------------------------------------------------------------------
     def _forward_collective(self, step, env: dict, tape: LayerTape, recompute: bool):
