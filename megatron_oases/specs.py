@@ -142,4 +142,17 @@ def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerCon
         from megatron_oases.schedules.oases.options import oases_options_from_args
 
         enable_oases_schedule(model, oases_options_from_args(cfg))
+    elif cfg.oases_skip_tp_collectives:
+        _layers_skip_tp_collectives(model)
     return model
+
+
+def _layers_skip_tp_collectives(model) -> None:
+    """Benchmark only (``--oases-skip-tp-collectives`` with stock layers): the decoder's Megatron
+    linears issue no TP collective, as the Oases executor skips its own; the head's are kept.
+    ``explicit_expert_comm`` is Megatron's switch for "the caller communicates"."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for m in model.decoder.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.explicit_expert_comm = True

@@ -107,3 +107,24 @@ def collectives_by_tag_and_kind(argv: list[str]):
         calls, sizes = out.get((r.tag, r.kind), (0, set()))
         out[(r.tag, r.kind)] = (calls + 1, sizes | {r.payload_bytes})
     return out
+
+
+def all_collectives_of_one_step(argv: list[str]):
+    """Every collective of one training step on this rank, ours and Megatron's own (embedding,
+    loss, linears, gradients): ``{(kind, group size): (calls, payload sizes)}``."""
+    from megatron_oases.parallel.collectives import CommCounter, watch_torch_distributed
+    from tests.rank_fns_contract import _rebind_megatron_collectives
+
+    watch_torch_distributed()
+    _rebind_megatron_collectives()
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    tr = setup(build_parser().parse_args(argv))
+    with CommCounter() as counter:
+        train_step(tr, 1)
+    out: dict = {}
+    for r in counter.records:
+        calls, sizes = out.get((r.kind, r.group_size), (0, set()))
+        out[(r.kind, r.group_size)] = (calls + 1, sizes | {r.payload_bytes})
+    return out

@@ -70,7 +70,7 @@ CASES = [
     ("3d-not-cube", TP4 + ["--tp-backend", "3d"], "--tp-backend 3d"),
     ("oases-mbs-1", TP2 + ["--schedule", "oases", "--micro-batch-size", "1", "--global-batch-size", "2"], "--micro-batch-size >= 2"),
     ("oases-selective", TP2 + ["--schedule", "oases", "--recompute-granularity", "selective"], "--recompute-granularity selective cannot be combined"),
-    ("oases-skip-without-oases", ["--oases-skip-tp-collectives"], "--oases-skip-tp-collectives needs --schedule oases"),
+    ("skip-tp-collectives-stock-sp", TP2 + ["--sequence-parallel", "--oases-skip-tp-collectives"], "--oases-skip-tp-collectives with the default schedule needs --tp-backend megatron without --sequence-parallel"),
     ("plan-missing", TP2 + ["--oases-plan", "/nonexistent/plan.json"], "--oases-plan"),
     ("sp-tp1", ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     # Llama-family flags (issue 19)

@@ -220,8 +220,10 @@ def test_stock_runs_still_refuse_stray_flags_of_ours(monkeypatch, capsys):
     if "--oases-skip-tp-collectives" not in options:
         pytest.skip("no --oases-skip-tp-collectives in this version of the oases group")
     with pytest.raises(SystemExit):
-        parse(["--oases-skip-tp-collectives"], world=1, monkeypatch=monkeypatch)
-    assert "needs --schedule oases" in capsys.readouterr().err
+        parse(["--oases-skip-tp-collectives", "--tensor-model-parallel-size", "2", "--tp-backend",
+               "atp", "--atp-mesh", "1,2"], world=2, monkeypatch=monkeypatch)
+    assert "--oases-skip-tp-collectives with the default schedule needs --tp-backend megatron" \
+        in capsys.readouterr().err
 
 
 def test_missing_model_sizes(monkeypatch, capsys):

@@ -58,16 +58,21 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
                         "output so recomputation starts after it and issues no collective "
                         "(off: Megatron-style full recompute from each layer's input)")
     g.add_argument("--oases-skip-tp-collectives", action="store_true",
-                   help="benchmark only: skip every TP collective of the Oases schedule to time "
-                        "compute alone (the perfect-overlap bound); losses are wrong")
+                   help="benchmark only: the transformer layers launch no TP collective (with "
+                        "--schedule oases: the executor's; with the default schedule: the "
+                        "Megatron linears'), to time compute alone (the perfect-overlap bound, "
+                        "the executor-overhead benchmark); losses are wrong")
 
 
 def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims) -> None:
     """Refuse combinations the Oases schedule does not support, naming the flag."""
     cfg = run_config(args)
     if cfg.schedule != "oases":
-        if cfg.oases_skip_tp_collectives:
-            raise ConfigError("--oases-skip-tp-collectives needs --schedule oases")
+        if cfg.oases_skip_tp_collectives and (cfg.tp_backend != "megatron" or cfg.sequence_parallel):
+            raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
+                              "--tp-backend megatron without --sequence-parallel (the Megatron "
+                              "linears' switch would drop the sequence gathers and shrink the "
+                              "compute); drop the flag or use --schedule oases")
         return
     if cfg.tp_backend not in ("megatron", "atp"):
         raise ConfigError(f"--schedule oases does not support --tp-backend {cfg.tp_backend} "
