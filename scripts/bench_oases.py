@@ -10,8 +10,16 @@ TP communication takes about as long as compute, and measures the median step ti
   both-off     both switches off
   compute      Oases with every TP collective skipped (compute-only time; wrong losses)
   comm         the step's TP all-reduces alone, back to back, same sizes (communication-only)
+  stock-sp     stock with --sequence-parallel (all-gathers / reduce-scatters in the linears)
+  oases-sp     Oases with --sequence-parallel (the sub-batches overlap them)
+  compute-sp   oases-sp with every TP collective skipped
+  comm-sp      (run with any -sp variant) the step's sequence all-gathers and reduce-scatters
+               alone, back to back, same sizes
 
-The perfect-overlap bound is max(compute, comm). Prints a table, writes CSV and JSON.
+The perfect-overlap bound is max(compute, comm) (max(compute-sp, comm-sp) for the -sp variants).
+Prints a table, writes CSV and JSON. ``peak_mem_mb`` is the process's peak RSS on CPU (the
+weights, the optimizer and the Python runtime included); ``oases_saved_mb`` what the Oases
+executor kept between forward and backward for one micro-batch.
 ``--llama`` trains a Llama-style model instead of GPT-2's layers: RoPE, SwiGLU (Megatron-LM's
 FFN size), grouped-query attention (``--num-query-groups``, default heads / 4), RMSNorm, no
 bias, untied embeddings, QK-norm.
@@ -48,7 +56,12 @@ VARIANTS = {
     "both-off": ["--schedule", "oases", "--no-oases-cross-pass",
                  "--no-oases-fine-grained-recompute"] + RECOMPUTE,
     "compute": ["--schedule", "oases", "--oases-skip-tp-collectives"] + RECOMPUTE,
+    "stock-sp": ["--schedule", "default", "--sequence-parallel"] + RECOMPUTE,
+    "oases-sp": ["--schedule", "oases", "--sequence-parallel"] + RECOMPUTE,
+    "compute-sp": ["--schedule", "oases", "--sequence-parallel",
+                   "--oases-skip-tp-collectives"] + RECOMPUTE,
 }
+DEFAULT_VARIANTS = ["stock", "oases", "no-cross", "no-fine", "both-off", "compute"]
 
 
 def llama_flags(a) -> list[str]:
@@ -67,7 +80,9 @@ def run_ranks(cmd: list[str], tp: int, a, topo_path: str | None) -> None:
 
 
 def comm_only_main(argv: list[str]) -> None:
-    """Rank program: the TP all-reduces of one Oases training step, back to back."""
+    """Rank program: the TP collectives of one Oases training step, back to back: all-reduces,
+    or with ``--sequence-parallel`` alternating all-gathers and reduce-scatters of the
+    sub-batch's full-sequence activation (``--elements``)."""
     import torch
     import torch.distributed as dist
 
@@ -75,16 +90,29 @@ def comm_only_main(argv: list[str]) -> None:
     for f in ("--elements", "--count", "--repeats"):
         p.add_argument(f, type=int)
     p.add_argument("--out")
+    p.add_argument("--sequence-parallel", action="store_true")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
+    n = dist.get_world_size()
     x = torch.ones(a.elements)
-    dist.all_reduce(x)
+    chunk = torch.ones(a.elements // n)
+
+    def one(k: int) -> None:
+        if not a.sequence_parallel:
+            dist.all_reduce(x)
+        elif k % 2:
+            dist.reduce_scatter_tensor(chunk, x)
+        else:
+            dist.all_gather_into_tensor(x, chunk)
+
+    one(0)
+    one(1)
     times = []
     for _ in range(a.repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(a.count):
-            dist.all_reduce(x)
+        for k in range(a.count):
+            one(k)
         times.append((time.perf_counter() - t0) * 1e3)
     if dist.get_rank() == 0:
         json.dump({"comm_ms": statistics.median(times)}, open(a.out, "w"))
@@ -108,21 +136,26 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
                "wall_s": round(time.time() - t0, 1)}
         rows.append(row)
         print(f"  tp={tp} {name:9s} {row['step_ms']:9.1f} ms", flush=True)
-    # Communication alone: 4 all-reduces of one sub-batch activation per layer and sub-batch.
+    # Communication alone, per layer and sub-batch: 4 all-reduces of one sub-batch activation
+    # (forward 2, backward 2), or with sequence parallelism 4 all-gathers and 4 reduce-scatters
+    # (the gathered side is the sub-batch's full-sequence activation).
     sub = a.micro_batch // 2
-    count = a.layers * 2 * 4 * a.micro_batches
-    out = os.path.join(workdir, f"tp{tp}-comm.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--elements",
-           str(a.seq * sub * a.hidden), "--count", str(count), "--repeats", str(a.iters),
-           "--out", out]
-    if topo is None:
-        from megatron_oases.runtime.spawn import run_on_ranks
+    kinds = [("comm", [])] if any(not v.endswith("-sp") for v in a.variants) else []
+    kinds += [("comm-sp", ["--sequence-parallel"])] if any(v.endswith("-sp") for v in a.variants) else []
+    for name, extra in kinds:
+        count = a.layers * 2 * (8 if extra else 4) * a.micro_batches
+        out = os.path.join(workdir, f"tp{tp}-{name}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--elements",
+               str(a.seq * sub * a.hidden), "--count", str(count), "--repeats", str(a.iters),
+               "--out", out] + extra
+        if topo is None:
+            from megatron_oases.runtime.spawn import run_on_ranks
 
-        run_on_ranks(_comm_only_spawned, tp, args=(cmd[3:],), timeout_s=a.timeout)
-    else:
-        run_ranks(cmd, tp, a, topo)
-    rows.append({"tp": tp, "variant": "comm", "step_ms": json.load(open(out))["comm_ms"]})
-    print(f"  tp={tp} comm      {rows[-1]['step_ms']:9.1f} ms", flush=True)
+            run_on_ranks(_comm_only_spawned, tp, args=(cmd[3:],), timeout_s=a.timeout)
+        else:
+            run_ranks(cmd, tp, a, topo)
+        rows.append({"tp": tp, "variant": name, "step_ms": json.load(open(out))["comm_ms"]})
+        print(f"  tp={tp} {name:9s} {rows[-1]['step_ms']:9.1f} ms", flush=True)
     return rows
 
 
@@ -134,12 +167,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for tp in sorted({r["tp"] for r in rows}):
         by = {r["variant"]: r for r in rows if r["tp"] == tp}
-        stock = by.get("stock", {}).get("step_ms")
-        bound = max(by["compute"]["step_ms"], by["comm"]["step_ms"]) if "compute" in by else None
+        ms = lambda v: by[v]["step_ms"] if v in by else None  # noqa: E731
+        bounds = {sp: max(ms("compute" + sp), ms("comm" + sp)) if ms("compute" + sp) and ms("comm" + sp)
+                  else None for sp in ("", "-sp")}
         for name, r in by.items():
             r = dict(r)
-            r["speedup_vs_stock"] = stock / r["step_ms"] if stock else None
-            r["over_bound"] = r["step_ms"] / bound if bound else None
+            sp = "-sp" if name.endswith("-sp") else ""
+            r["speedup_vs_stock"] = ms("stock") / r["step_ms"] if ms("stock") else None
+            r["speedup_vs_stock_sp"] = ms("stock-sp") / r["step_ms"] if ms("stock-sp") else None
+            r["over_bound"] = r["step_ms"] / bounds[sp] if bounds[sp] else None
             out.append(r)
     return out
 
@@ -154,7 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--link-GBps", type=float, default=0.25,
                    help="per-rank bandwidth in the emulated node, GB/s (the shared loopback is "
                         "limited to TP x this)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                   help=f"default: {' '.join(DEFAULT_VARIANTS)}; the -sp ones add sequence "
+                        f"parallelism")
     p.add_argument("--llama", action="store_true",
                    help="a Llama-style model (RoPE, SwiGLU, GQA, RMSNorm, no bias, QK-norm)")
     p.add_argument("--num-query-groups", type=int, default=None, help="--llama: default heads / 4")
@@ -168,7 +206,7 @@ def main(argv=None) -> int:
         for tp in a.tp:
             rows += bench_tp(a, tp, work)
     rows = summarize(rows)
-    cols = ["tp", "variant", "step_ms", "speedup_vs_stock", "over_bound", "peak_mem_mb",
+    cols = ["tp", "variant", "step_ms", "speedup_vs_stock", "speedup_vs_stock_sp", "over_bound", "peak_mem_mb",
             "oases_saved_mb", "loss"]
     print(f"\n{'Llama-style, ' if a.llama else ''}hidden {a.hidden}, layers {a.layers}, seq {a.seq}, micro-batch {a.micro_batch} x "
           f"{a.micro_batches}, link {a.link_GBps} GB/s{' (NOT emulated)' if a.no_emulate else ''}")

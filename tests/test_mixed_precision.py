@@ -48,6 +48,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8
          "--global-batch-size", "8", "--seed", "7", "--lr", str(LR), "--train-iters", str(ITERS),
          "--dist-timeout", "120", "--device", "cpu"]
 BF16, FP16, DISTOPT, OASES = ["--bf16"], ["--fp16"], ["--use-distributed-optimizer"], ["--schedule", "oases"]
+SP = ["--sequence-parallel"]
+OVERLAP = ["--overlap-grad-reduce"]
 
 
 def tp(n):
@@ -66,6 +68,8 @@ TWO = [
     ("bf16 tp1", BF16),
     ("bf16 tp2", tp(2) + BF16),
     ("bf16 tp2 oases", tp(2) + BF16 + OASES),
+    ("bf16 tp2 sp", tp(2) + BF16 + SP),
+    ("bf16 tp2 oases sp", tp(2) + BF16 + OASES + SP),
     ("bf16 atp 2,1", tp(2) + BF16 + atp("2,1")),
     ("bf16 atp 1,2", tp(2) + BF16 + atp("1,2")),
     ("fp16 tp2", tp(2) + FP16),  # Megatron's initial scale 2^32 overflows fp16: skipped steps
@@ -81,10 +85,12 @@ FOUR = [
     ("fp32 tp2dp2", tp(2)),
     ("fp32 tp2dp2 distopt", tp(2) + DISTOPT),
     ("fp32 tp2dp2 oases distopt", tp(2) + OASES + DISTOPT),
+    ("fp32 tp2dp2 oases sp distopt", tp(2) + OASES + SP + DISTOPT + OVERLAP),
     ("fp32 tp2dp2 atp 1,2 distopt", tp(2) + atp("1,2") + DISTOPT),
     ("bf16 tp2dp2", tp(2) + BF16),
     ("bf16 tp2dp2 distopt", tp(2) + BF16 + DISTOPT),
     ("bf16 tp2dp2 oases distopt", tp(2) + BF16 + OASES + DISTOPT),
+    ("bf16 tp2dp2 oases sp distopt", tp(2) + BF16 + OASES + SP + DISTOPT + OVERLAP),
     ("bf16 tp2dp2 atp 1,2 distopt", tp(2) + BF16 + atp("1,2") + DISTOPT),
 ]
 EIGHT = [
@@ -94,7 +100,8 @@ EIGHT = [
     ("fp32 3d distopt", CUBE + DISTOPT),
 ]
 PARAMS = ("fp32 dp2", "fp32 dp2 distopt", "bf16 tp1", "bf16 dp2 distopt", "fp32 tp2dp2",
-          "fp32 tp2dp2 distopt", "fp32 tp2dp2 oases distopt", "fp32 tp2dp2 atp 1,2 distopt",
+          "fp32 tp2dp2 distopt", "fp32 tp2dp2 oases distopt", "fp32 tp2dp2 oases sp distopt",
+          "fp32 tp2dp2 atp 1,2 distopt",
           "bf16 tp2dp2", "bf16 tp2dp2 distopt")
 
 
@@ -176,6 +183,8 @@ def test_stock_bf16_tp2_matches_tp1_and_fp32(two):
 
 BACKENDS = [  # (group, name, stock bf16 at the same TP)
     ("two", "bf16 tp2 oases", "bf16 tp2"),
+    ("two", "bf16 tp2 sp", "bf16 tp2"),
+    ("two", "bf16 tp2 oases sp", "bf16 tp2 sp"),
     ("two", "bf16 atp 2,1", "bf16 tp2"),
     ("two", "bf16 atp 1,2", "bf16 tp2"),
     ("four", "bf16 atp 2,2", "bf16 tp4"),
@@ -202,8 +211,9 @@ def test_bf16_backends_match_stock_bf16(request, two, group, name, stock):
     ("two", "fp32 dp2 distopt", "fp32 dp2"),
     ("four", "fp32 tp2dp2 distopt", "fp32 tp2dp2"),
     ("four", "fp32 tp2dp2 oases distopt", "fp32 tp2dp2"),
+    ("four", "fp32 tp2dp2 oases sp distopt", "fp32 tp2dp2"),
     ("four", "fp32 tp2dp2 atp 1,2 distopt", "fp32 tp2dp2"),
-], ids=["tp1dp2", "tp2dp2", "tp2dp2-oases", "tp2dp2-atp12"])
+], ids=["tp1dp2", "tp2dp2", "tp2dp2-oases", "tp2dp2-oases-sp-overlap", "tp2dp2-atp12"])
 def test_distributed_optimizer_matches_plain_fp32(request, group, name, plain):
     runs = request.getfixturevalue(group)
     run, ref = runs[name], runs[plain]
@@ -234,9 +244,10 @@ def test_distributed_optimizer_matches_plain_bf16(request, group, name, plain):
 
 @pytest.mark.parametrize("group,name,ref", [
     ("four", "bf16 tp2dp2 oases distopt", "bf16 tp2dp2"),
+    ("four", "bf16 tp2dp2 oases sp distopt", "bf16 tp2dp2"),
     ("four", "bf16 tp2dp2 atp 1,2 distopt", "bf16 tp2dp2"),
     ("eight", "bf16 3d distopt", "bf16 3d"),
-], ids=["oases", "atp12", "3d-dp1"])
+], ids=["oases", "oases-sp-overlap", "atp12", "3d-dp1"])
 def test_distributed_optimizer_bf16_under_backends(request, group, name, ref):
     runs = request.getfixturevalue(group)
     _assert_bf16(runs[name])

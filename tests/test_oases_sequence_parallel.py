@@ -33,6 +33,13 @@ def test_oases_sequence_parallel_matches_one_rank(n, layout):
     _parity(got, cached_training(1, MODEL), "one rank")
 
 
+def test_oases_sequence_parallel_interleaved_pipeline_matches_one_rank():
+    """TP 2 x PP 2 with two model chunks per stage (one layer each)."""
+    layout = TP2 + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    got = run_training(4, MODEL + SP + OASES + RECOMPUTE + layout)
+    _parity(got, cached_training(1, MODEL), "one rank")
+
+
 @pytest.mark.parametrize("switches", [[], RECOMPUTE + ["--no-oases-fine-grained-recompute"],
                                       RECOMPUTE + ["--no-oases-cross-pass"]],
                          ids=["no-recompute", "no-fine-grained", "no-cross-pass"])
