@@ -17,7 +17,8 @@ from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import Topology, load_topology
 
 # The paper's default run: batch 4, sequence 2048 (§5), model M2, fp16.
-M2 = GPTShape(hidden_size=4096, num_layers=24, num_attention_heads=32, micro_batch_size=4, seq_length=2048, dtype="fp16")
+M2 = GPTShape(hidden_size=4096, num_layers=24, num_attention_heads=32, micro_batch_size=4, seq_length=2048,
+              dtype="fp16")
 CLI_MODEL = ["--hidden", "4096", "--layers", "24", "--micro-batch-size", "4", "--seq-length", "2048"]
 
 
@@ -161,7 +162,8 @@ def test_fig12_trends_atp1_grows_atp2_shrinks():
 
 def test_exact_tie_goes_to_megatron():
     topo = with_calibration(flat(4, 10.0), calibration_from_measurements({(4, 1): 2.0, (2, 1): 4.5, (2, 2): 4.5}))
-    model = GPTShape(hidden_size=4608, num_layers=1, num_attention_heads=1, micro_batch_size=1, seq_length=1)  # 3h/9, 4h/9
+    model = GPTShape(hidden_size=4608, num_layers=1, num_attention_heads=1, micro_batch_size=1,
+                     seq_length=1)  # 3h/9, 4h/9
     choice = search_mesh(topo, 4, model, min_gain=0.0, meshes=[(2, 2), (4, 1)])
     assert choice.candidates[0].t_comm_s == choice.candidates[1].t_comm_s
     assert (choice.pick.d1, choice.pick.d2) == (4, 1) and choice.candidates[0].d2 == 1

@@ -69,7 +69,8 @@ def test_3d_description_refuses_what_the_cube_cannot_split():
 @pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
 def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
     topo = load_topology("dgx-a100")
-    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200, micro_batch_size=4, ffn_hidden_size=4096)
+    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
+                     micro_batch_size=4, ffn_hidden_size=4096)
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
                   recompute=overlap == "oases")
     res = simulate(model, st, device_model(topo))
@@ -107,6 +108,7 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
 
 def test_simulator_refuses_oases_over_the_cube():
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend="3d", overlap="oases")
-    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200, micro_batch_size=4, ffn_hidden_size=4096)
+    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
+                     micro_batch_size=4, ffn_hidden_size=4096)
     with pytest.raises(SimError, match="no Oases tape for 3d"):
         simulate(model, st, device_model(load_topology("dgx-a100")))

@@ -188,7 +188,8 @@ def test_event_keys_are_the_simulators():
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
     for d in (2, 4, 8):
         sim = unique_events(build_stage_events(
-            GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200, micro_batch_size=8 * d // 8),
+            GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                     micro_batch_size=8 * d // 8),
             SimStrategy(tp=d, dp=8 // d, overlap="oases", recompute=True), topo))
         ours = {k for k in pricer.events
                 if f"t{d}_" in k and ("compute:" in k or "all_reduce:" in k) and "grad" not in k}
@@ -199,8 +200,10 @@ def test_event_keys_are_the_simulators():
     pricer = DevicePricer(topology=topo, model=stock)
     build_cost_model(stock, topology=topo, global_batch_size=8, pricer=pricer)
     wgrads = {k for k in pricer.events if ".wgrad[" in k and "t4_" in k}
-    sim = unique_events(build_stage_events(GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
-                                                       micro_batch_size=4), SimStrategy(tp=4, dp=2, recompute=True), topo))
+    sim = unique_events(build_stage_events(GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8,
+                                                    seq_length=64, padded_vocab_size=51200,
+                                                       micro_batch_size=4), SimStrategy(tp=4, dp=2,
+                                                                                        recompute=True), topo))
     assert len(wgrads) == 2 and wgrads <= set(sim), sorted(wgrads - set(sim))
 
 
@@ -392,7 +395,8 @@ def test_atp_event_keys_are_the_simulators():
     pricer = DevicePricer(topology=topo, model=m)
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("atp",))
     sim = unique_events(build_stage_events(
-        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200, micro_batch_size=4),  # one sub-batch
+        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                 micro_batch_size=4),  # one sub-batch
         SimStrategy(tp=8, backend="atp", mesh=(4, 2), recompute=True), topo))
     ours = {k for k in pricer.events if "m4x2" in k and "grad" not in k}
     assert any("atp.leave" in k for k in ours) and any("compute:atp.qkv" in k for k in ours)
@@ -411,7 +415,8 @@ def test_cube_event_keys_are_the_simulators():
     pricer = DevicePricer(topology=topo, model=m)
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("3d",))
     sim = unique_events(build_stage_events(
-        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200, micro_batch_size=8),
+        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                 micro_batch_size=8),
         SimStrategy(tp=8, backend="3d", recompute=True), topo))
     ours = {k for k in pricer.events if "cube" in k and "grad" not in k}
     assert ours and ours <= set(sim), sorted(ours - set(sim))

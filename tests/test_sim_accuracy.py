@@ -20,7 +20,8 @@ from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = GPTShape(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128, micro_batch_size=2, dtype="fp32")
+TINY = GPTShape(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
+                micro_batch_size=2, dtype="fp32")
 
 
 def test_interpolate_and_block_duration():

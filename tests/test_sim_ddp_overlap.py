@@ -15,7 +15,8 @@ from megatron_oases.sim.trace import TIDS, chrome_trace
 from megatron_oases.topology import Level, Topology
 from tests.script_modules import load_script
 
-MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192, micro_batch_size=2)
+MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                 micro_batch_size=2)
 
 
 def topo(nodes: int = 4, ib_GBps: float = 25) -> Topology:

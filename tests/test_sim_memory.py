@@ -14,7 +14,8 @@ from megatron_oases.sim.memory import GiB, model_state_bytes
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import Level, Topology
 
-MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192, micro_batch_size=4)
+MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                 micro_batch_size=4)
 
 
 def _topo(n: int = 8) -> Topology:
@@ -38,7 +39,8 @@ def test_korthikanti_formula():
 def test_model_states_bytes_per_param():
     p = 1000
     assert sum(model_state_bytes(p, MODEL, Strategy())) == 18 * p  # bf16 + fp32 grad + master + Adam
-    fp32 = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192, micro_batch_size=4, dtype="fp32")
+    fp32 = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                    micro_batch_size=4, dtype="fp32")
     assert sum(model_state_bytes(p, fp32, Strategy())) == 16 * p
     w, g, o = model_state_bytes(p, MODEL, Strategy(dp=4, distributed_optimizer=True))
     assert (w, g, o) == (2 * p, 4 * p, 12 * p / 4)
@@ -63,7 +65,8 @@ def test_in_flight_micro_batches_per_schedule():
 def test_recompute_and_oases_fine_grained():
     b, s, h, e = MODEL.micro_batch_size, MODEL.seq_length, MODEL.hidden_size, 2
     inp = b * s * h * e
-    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.num_attention_heads, f=MODEL.ffn_hidden_size, t=2, e=e, mesh=None,
+    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.num_attention_heads, f=MODEL.ffn_hidden_size, t=2,
+                                  e=e, mesh=None,
                                   hidden_dropout=False, attention_dropout=False)  # MODEL's dropout is 0
     none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
     oases = _mem(recompute=True, overlap="oases").memory[1]
@@ -97,7 +100,8 @@ def test_infeasible_strategies_are_marked(capsys):
 def test_params_count_embeddings_once_per_copy():
     st = build_stage_events(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), _topo())
     mid = st[1].params_per_rank
-    assert st[0].params_per_rank - mid == MODEL.padded_vocab_size * MODEL.hidden_size // 2 + MODEL.seq_length * MODEL.hidden_size
+    v, h = MODEL.padded_vocab_size, MODEL.hidden_size
+    assert st[0].params_per_rank - mid == v * h // 2 + MODEL.seq_length * h
     assert st[3].params_per_rank - mid == MODEL.padded_vocab_size * MODEL.hidden_size // 2 + 2 * MODEL.hidden_size
     assert st[0].tie_allreduce is not None and st[3].tie_allreduce is not None and st[1].tie_allreduce is None
     assert GiB == 2 ** 30

@@ -14,7 +14,8 @@ from megatron_oases.sim.profiler import local_topology, needed_events, plan_comm
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import load_topology
 
-TINY = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128, micro_batch_size=2, dtype="fp32")
+TINY = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
+                micro_batch_size=2, dtype="fp32")
 TRAIN = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--num-layers-per-virtual-pipeline-stage", "1", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -23,7 +24,8 @@ TRAIN = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-
 
 def test_plan_comm_extrapolates_scales_and_names_unreachable_links():
     topo = load_topology("2node-ib")  # 8 ranks per node
-    model = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=512, padded_vocab_size=8192, micro_batch_size=2)
+    model = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=512, padded_vocab_size=8192,
+                     micro_batch_size=2)
     tp8 = unique_events(build_stage_events(model, Strategy(tp=8, pp=2), topo))
     comm = [e for e in tp8.values() if e.kind == "collective" and e.ranks and len(e.ranks) == 8]
     jobs, plan = plan_comm(comm, topo, nproc=4, max_bytes=1 << 20)
@@ -172,7 +174,8 @@ def test_profile_format_errors(tmp_path: Path):
 
 def test_missing_link_named():
     topo = load_topology("fig7b-torus")  # ring links only: rank 0 and 2 are not linked
-    model = GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=64, padded_vocab_size=512, micro_batch_size=2)
+    model = GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=64, padded_vocab_size=512,
+                     micro_batch_size=2)
     dm = device_model(topo, gpu="a100-80gb")
     with pytest.raises(SimError, match=r"no link between ranks 0 and 2 \(level 'ring'"):
         simulate(model, Strategy(tp=2, dp=8), dm)  # the DP ring 0-2-4-...

@@ -12,7 +12,8 @@ from megatron_oases.sim.search import COLUMNS, SearchSpace, candidates, search, 
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import load_topology
 
-MODEL = GPTShape(num_layers=12, hidden_size=1536, num_attention_heads=12, seq_length=1024, padded_vocab_size=51200, micro_batch_size=2)
+MODEL = GPTShape(num_layers=12, hidden_size=1536, num_attention_heads=12, seq_length=1024, padded_vocab_size=51200,
+                 micro_batch_size=2)
 
 
 def _run(memory=None, **kw):

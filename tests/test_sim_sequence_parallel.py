@@ -73,7 +73,8 @@ def test_the_memory_model_prices_the_sp_inventory():
     from megatron_oases.describe.shapes import GPTShape
     from megatron_oases.sim.memory import chunk_activation_bytes
 
-    m = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=128, micro_batch_size=4)
+    m = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=128,
+                 micro_batch_size=4)
     topo = local_topology(2)
     got = {}
     for sp in (False, True):

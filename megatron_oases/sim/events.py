@@ -273,8 +273,8 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
         raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
                        "tape for 3d); use overlap none with backend 3d")
     if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
-        raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, vocab {m.padded_vocab_size} "
-                       f"must be divisible by TP {s.tp}")
+        raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
+                       f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
     if s.block_degrees is not None:
         _check_plan(m, s)
 
@@ -316,8 +316,8 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     chains = 2 if s.overlap == "oases" else 1
     b, e, t, vp = m.micro_batch_size // chains, m.bytes_per_element, s.tp, s.virtual_stages
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
-                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e, variant=m.variant,
-                              sequence_parallel=s.sequence_parallel,
+                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
+                              variant=m.variant, sequence_parallel=s.sequence_parallel,
                               schedule="oases" if s.overlap == "oases" else "stock")
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
@@ -367,8 +367,9 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                 ends = [sum(len(p[0]) for p in bwd_parts[:4 * (j + 1)]) for j in range(per_chunk)]
             # the head around the layers (describe.head); the output layer's wgrad runs beside
             # the all-reduce of its input gradient
-            hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e, first=first, last=last,
-                          sequence_parallel=s.sequence_parallel, learned_positions=not m.variant.rotary)
+            hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e,
+                          first=first, last=last, sequence_parallel=s.sequence_parallel,
+                          learned_positions=not m.variant.rotary)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
             pre_b = [head_ev(op) for op in hd.pre_backward]
@@ -418,15 +419,15 @@ def _chunk_tensors(m: GPTShape, s: Strategy, first: bool, last: bool, w: _Tensor
     tied_copy = m.tied_embeddings and s.pp > 1
     out: list[ChunkTensor] = []
     if first:
-        emb = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=True, last=False,
-                                 variant=m.variant, output_copy=False)
+        emb = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=True,
+                                 last=False, variant=m.variant, output_copy=False)
         out += [ChunkTensor(n, 0, w.total_ready, shared=tied_copy and i == 0) for i, n in enumerate(emb)]
     for i, layer in enumerate(w.layers):
         ready = w.ends[len(w.layers) - 1 - i]
         out += [ChunkTensor(n, w.starts[i], ready) for n in layer_tensors(m, s, layer)]
     if last:
-        head = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=False, last=True,
-                                  variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
+        head = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=False,
+                                  last=True, variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
         # the output layer of a tied single-stage model is the word embedding: ready at the end
         out += [ChunkTensor(n, w.head_need, w.head_ready, shared=tied_copy and i == len(head) - 1)
                 for i, n in enumerate(head)]
@@ -455,7 +456,8 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
     """(shape, dims) of a layer's events at ``degree`` on one of ``chains`` sub-batches of the
     replica's share (``m.micro_batch_size * degree / tp``); the executor tag is the schedule's."""
     b = m.micro_batch_size * degree // s.tp // chains
-    return layer_shape(b=b, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree, v=m.padded_vocab_size, dtype=m.dtype,
+    return layer_shape(b=b, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
+                       v=m.padded_vocab_size, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
                        variant=m.variant, sequence_parallel=s.sequence_parallel)
@@ -471,8 +473,9 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)
     if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
         b = m.micro_batch_size * degree // s.tp
-        wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size, heads=m.num_attention_heads,
-                             f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element, variant=m.variant)
+        wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size,
+                             heads=m.num_attention_heads, f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
+                             variant=m.variant)
         coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
     return coll
 
@@ -483,8 +486,8 @@ def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, 
     its attention and MLP blocks (``describe.planned.megatron_blocks``)."""
     b = m.micro_batch_size * degree // s.tp // block_chains(s, degree)
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
-                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree, bytes_per_element=m.bytes_per_element,
-                              variant=m.variant)
+                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
+                              bytes_per_element=m.bytes_per_element, variant=m.variant)
     return megatron_blocks(layer)
 
 
@@ -551,7 +554,8 @@ def layer_tensors(model: GPTShape, strategy: Strategy, layer: int) -> tuple[int,
     the block it belongs to (``describe.registry.MLP_PARAM_TENSORS``)."""
     m, s = model, strategy
     degrees = (s.tp, s.tp) if s.block_degrees is None else s.block_degrees[2 * layer:2 * layer + 2]
-    at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.mesh, heads=m.num_attention_heads, variant=m.variant)
+    at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.mesh, heads=m.num_attention_heads,
+                                 variant=m.variant)
           for d in set(degrees)}
     return tuple(at[degrees[1] if i in MLP_PARAM_TENSORS else degrees[0]][i] for i in range(len(at[degrees[0]])))
 
@@ -562,7 +566,8 @@ def _replica_allreduce(m: GPTShape, s: Strategy, topo: Topology, stage: int) -> 
     runs it; the q/k norms are left out (Megatron's TP reduction already sums them)."""
     if s.block_degrees is None:
         return ()
-    n_layer = len(layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, s.tp, s.mesh, heads=m.num_attention_heads))  # no q/k norms
+    n_layer = len(layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, s.tp, s.mesh,
+                                      heads=m.num_attention_heads))  # no q/k norms
     sizes: dict[int, int] = {}
     for layer in stage_layers(m, s, stage):
         tensors = layer_tensors(m, s, layer)[:n_layer]
@@ -604,7 +609,8 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
         n = m.padded_vocab_size * m.hidden_size // s.tp
         op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2,
                         payload_bytes=m.grad_reduce_bytes * n)
-        tie = _collective(op, f"v{m.padded_vocab_size}h{m.hidden_size}t{s.tp}_{gdtype}", topo, pair, (("p", n), ("dtype", gdtype)))
+        tie = _collective(op, f"v{m.padded_vocab_size}h{m.hidden_size}t{s.tp}_{gdtype}", topo, pair,
+                          (("p", n), ("dtype", gdtype)))
     if s.optimizer_step:
         # both run tensor by tensor: the key names the tensor count, the dims carry the sizes
         tdims = (("p", params), ("sizes", tensors))

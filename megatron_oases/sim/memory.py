@@ -55,15 +55,17 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
     kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, mesh=s.mesh)
-    full = layer_activation_bytes(s.backend, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
-                                  attention_dropout=m.attention_dropout > 0, variant=m.variant, **kw)
+    full = layer_activation_bytes(s.backend, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp,
+                                  hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+                                  variant=m.variant, **kw)
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     oases = s.overlap == "oases"
     saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
-    beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, e=m.bytes_per_element, variant=m.variant)
+    beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                                     e=m.bytes_per_element, variant=m.variant)
     kept = full + (beyond if oases else 0.0)
     if s.sequence_parallel:
         full, saved, kept = _sp_layer_bytes(m, s)
@@ -78,7 +80,8 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
 def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
     """(stock inventory, kept under recompute, kept without) of one Megatron 1-D layer under
     sequence parallelism (``describe.saved.layer_saved_bytes``, CUDA kernels)."""
-    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, e=m.bytes_per_element,
+    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size,
+              t=s.tp, e=m.bytes_per_element,
               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
               variant=m.variant, sequence_parallel=True)
     schedule = "oases" if s.overlap == "oases" else "stock"

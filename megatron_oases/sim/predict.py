@@ -43,7 +43,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
 
     rope = cfg.position_embedding_type == "rope"
     variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,
-                                 add_bias_linear=cfg.add_bias_linear, position_embedding_type=cfg.position_embedding_type,
+                                 add_bias_linear=cfg.add_bias_linear,
+                                 position_embedding_type=cfg.position_embedding_type,
                                  rotary_percent=cfg.rotary_percent if rope else 1.0, qk_layernorm=cfg.qk_layernorm,
                                  error=SimError)
     if cfg.recompute_granularity == "selective":
@@ -52,7 +53,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
     dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    model = GPTShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+    model = GPTShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                     num_attention_heads=cfg.num_attention_heads,
                      seq_length=cfg.seq_length, padded_vocab_size=padded_vocab_size(cfg),
                      micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
                      tied_embeddings=not cfg.untie_embeddings_and_output_weights,

@@ -119,7 +119,8 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
             per = model.micro_batch_size * dp
             if space.global_batch % per:
                 out.append(Candidate(dp=dp, num_microbatches=None, strategy=None, reason=(
-                    f"global batch {space.global_batch} is not divisible by micro-batch {model.micro_batch_size} x DP {dp}"),
+                    f"global batch {space.global_batch} is not divisible by micro-batch {model.micro_batch_size} "
+                    f"x DP {dp}"),
                     **base))
                 continue
             m = space.global_batch // per

@@ -486,8 +486,8 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
     global_batch = model.micro_batch_size * m * s.dp
     flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq_length,
                                     num_layers=model.num_layers, hidden_size=model.hidden_size,
-                                    num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
-                                    padded_vocab_size=model.padded_vocab_size)
+                                    num_attention_heads=model.num_attention_heads,
+                                    ffn_hidden_size=model.ffn_hidden_size, padded_vocab_size=model.padded_vocab_size)
     secs = iteration / 1e3
     peak = device.peak_tflops * 1e12 * s.world_size
     grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else sum(price[b.reduce.key] for b in st.grad_buckets)
