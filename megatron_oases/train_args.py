@@ -9,7 +9,7 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
+from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, dtype_name, gqa_groups, megatron_ffn_hidden_size,
                                        run_config)
 
 TP_BACKENDS = ("megatron", "atp", "3d")
@@ -429,7 +429,7 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         try:
             shape = GPTShape(hidden_size=args.hidden_size, num_layers=args.num_layers // dims.pp,
                              num_attention_heads=args.num_attention_heads, micro_batch_size=args.micro_batch_size,
-                             seq_length=args.seq_length, dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
+                             seq_length=args.seq_length, dtype=dtype_name(args))
             choice = search_mesh(topology, dims.tp, shape,
                                  min_gain=run_config(args).atp_min_gain)
         except (MeshError, ModelingError) as exc:

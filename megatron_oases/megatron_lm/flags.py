@@ -25,7 +25,7 @@ import sys
 from typing import Callable
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, run_config
+from megatron_oases.run_config import RunConfig, dtype_name, megatron_ffn_hidden_size, run_config
 
 PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
 """``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
@@ -267,7 +267,7 @@ def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
         choice = search_mesh(cfg.topology, dims.tp, GPTShape(
             hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // dims.pp, 1),
             num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
-            seq_length=cfg.seq_length, dtype="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"))
+            seq_length=cfg.seq_length, dtype=dtype_name(cfg)))
     except (MeshError, ModelingError) as exc:
         raise ConfigError(f"--atp-mesh auto: {exc}") from None
     if os.environ.get("RANK", "0") == "0":

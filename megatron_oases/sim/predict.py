@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from ..describe.shapes import GPTShape, variant_from_flags
-from ..run_config import RunConfig, run_config
+from ..run_config import RunConfig, dtype_name, run_config
 from ..topology import Topology
 from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
 from .events import Strategy, build_stage_events, unique_events
@@ -52,7 +52,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     backend = cfg.tp_backend
     if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
-    dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+    dtype = dtype_name(cfg)
     model = GPTShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
                      seq_length=cfg.seq_length, padded_vocab_size=padded_vocab_size(cfg),
