@@ -61,6 +61,10 @@ def test_plan_model_is_the_shape_plus_the_planning_setup():
     assert own == ["tp", "recompute", "sub_batches", "distributed_optimizer", "sequence_parallel"]
     with pytest.raises(PlanError, match="--tensor-model-parallel-size 6 must be a power of two"):
         PlanModel(**BASE, tp=6)
+    with pytest.raises(PlanError, match="--untie-embeddings-and-output-weights is not priced by the planner"):
+        PlanModel(**BASE, tp=2, tied_embeddings=False)
+    with pytest.raises(PlanError, match="grad_reduce_bytes must be 4"):
+        PlanModel(**BASE, tp=2, dtype="fp16", grad_reduce_bytes=2)
 
 
 def test_the_plan_file_layout_round_trips():

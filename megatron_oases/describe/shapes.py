@@ -64,7 +64,7 @@ class GPTShape:
     tied_embeddings: bool = True
     """False with ``--untie-embeddings-and-output-weights``: input and output embeddings share one
     weight (Megatron's default); with PP > 1 the first and last stage each hold a copy and
-    all-reduce its gradient. (The simulator reads it; the planner prices layers only.)"""
+    all-reduce its gradient. (The planner prices tied embeddings only.)"""
     variant: LayerVariant = GPT2
     """GPT-2's layer, or the Llama-family flags (``--group-query-attention --num-query-groups``,
     ``--swiglu``, ``--normalization``, ``--disable-bias-linear``, ``--position-embedding-type rope``,
@@ -73,7 +73,7 @@ class GPTShape:
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
     ``megatron-oases train`` always; Megatron-LM under bf16 or with
     ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default). (The simulator
-    reads it; the planner's exposed gradient sync is fp32.)"""
+    reads it; the planner prices fp32 gradients only.)"""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size and is_positive_int(self.hidden_size):

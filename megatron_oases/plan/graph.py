@@ -353,7 +353,7 @@ FAMILY_NAMES = ("megatron", "atp", "3d")
 def attention_fits(s: BlockStrategy, m: PlanModel) -> bool:
     """Whether ``s`` can run an attention block: Megatron's attention gives each rank whole
     key/value groups, so a block's degree must divide them (GQA)."""
-    return s.family != "megatron" or (m.num_query_groups or m.num_attention_heads) % s.degree == 0
+    return s.family != "megatron" or m.num_query_groups % s.degree == 0
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,

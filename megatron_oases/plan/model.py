@@ -46,6 +46,12 @@ class PlanModel(GPTShape):
         if self.sequence_parallel and self.seq_length % self.tp:
             raise PlanError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
                             f"--tensor-model-parallel-size {self.tp}")
+        if not self.tied_embeddings:
+            raise PlanError("--untie-embeddings-and-output-weights is not priced by the planner (its head "
+                            "memory is the tied embedding's); plan with tied embeddings")
+        if self.grad_reduce_bytes != 4:
+            raise PlanError("the planner prices fp32 gradients (main grads and their reduction); "
+                            "grad_reduce_bytes must be 4")
         if self.sub_batches not in (1, 2):
             raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
