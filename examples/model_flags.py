@@ -33,7 +33,7 @@ def model_flags(path: str, tool: str) -> list[str]:
                 "--bytes-per-element", str(m.bytes_per_element)]
     out = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
-           "--ffn-hidden-size", str(m.ffn_hidden_size), "--vocab-size", str(m.vocab_size),
+           "--ffn-hidden-size", str(m.ffn_hidden_size), "--vocab-size", str(m.padded_vocab_size),
            "--micro-batch-size", str(m.micro_batch_size)]
     if tool == "sim":
         return out + ["--dtype", m.dtype, "--tp", str(m.tp)]

@@ -203,3 +203,9 @@ def gqa_groups(args) -> int | None:
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's default ``--ffn-hidden-size``: 4h, or int(4h x 2/3 / 64) x 64 with SwiGLU."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def dtype_name(args) -> str:
+    """The run's element type as ``describe.shapes.GPTShape.dtype`` names it: bf16 with ``--bf16``,
+    fp16 with ``--fp16``, else fp32."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

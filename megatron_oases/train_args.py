@@ -9,7 +9,7 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
+from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, dtype_name, gqa_groups, megatron_ffn_hidden_size,
                                        run_config)
 
 TP_BACKENDS = ("megatron", "atp", "3d")
@@ -416,7 +416,9 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         if args.topology is None:
             raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
                               "priced on), or pass --atp-mesh D1,D2")
-        from megatron_oases.plan.atp_mesh import MeshError, ModelShape, search_mesh
+        from megatron_oases.describe.ops import ModelingError
+        from megatron_oases.describe.shapes import GPTShape
+        from megatron_oases.plan.atp_mesh import MeshError, search_mesh
         from megatron_oases.plan.mesh_cli import pick_summary
         from megatron_oases.topology import TopologyError, load_topology
 
@@ -425,12 +427,12 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
         try:
-            shape = ModelShape(hidden=args.hidden_size, layers=args.num_layers // dims.pp,
-                               micro_batch=args.micro_batch_size, seq_length=args.seq_length,
-                               bytes_per_element=2 if (args.bf16 or args.fp16) else 4)
+            shape = GPTShape(hidden_size=args.hidden_size, num_layers=args.num_layers // dims.pp,
+                             num_attention_heads=args.num_attention_heads, micro_batch_size=args.micro_batch_size,
+                             seq_length=args.seq_length, dtype=dtype_name(args))
             choice = search_mesh(topology, dims.tp, shape,
                                  min_gain=run_config(args).atp_min_gain)
-        except MeshError as exc:
+        except (MeshError, ModelingError) as exc:
             raise ConfigError(f"--atp-mesh auto on --topology {args.topology}: {exc}") from None
         args.atp_mesh = (choice.pick.d1, choice.pick.d2)
         import torch.distributed as dist
@@ -439,7 +441,7 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
                  else os.environ.get("RANK", "0") == "0")
         if rank0:
             print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
-                  f"h={shape.hidden} L={shape.layers} b={shape.micro_batch} s={shape.seq_length}; "
+                  f"h={shape.hidden_size} L={shape.num_layers} b={shape.micro_batch_size} s={shape.seq_length}; "
                   "`megatron-oases mesh` prints every mesh)", flush=True)
     if isinstance(args.atp_mesh, str):
         try:

@@ -90,12 +90,13 @@ def model_flags(a) -> list[str]:
 
 
 def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
-    from megatron_oases.plan.atp_mesh import ModelShape, search_mesh
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.plan.atp_mesh import search_mesh
     from megatron_oases.plan.mesh_cli import format_choice
 
     topo_path = scaled_topology(topo_name, a.bw_scale, workdir)
-    shape = ModelShape(hidden=a.hidden, layers=a.layers, micro_batch=a.micro_batch,
-                       seq_length=a.seq, bytes_per_element=4)
+    shape = GPTShape(hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
+                     micro_batch_size=a.micro_batch, seq_length=a.seq, dtype="fp32")
     choice = search_mesh(topo_path, a.tp, shape, min_gain=a.min_gain)
     print(format_choice(choice), flush=True)
     pred = {(c.d1, c.d2): (rank + 1, c.t_comm_s * 1e3) for rank, c in enumerate(choice.candidates)}

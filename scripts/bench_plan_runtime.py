@@ -77,7 +77,7 @@ def plan_model(a):
     targs = build_parser().parse_args(model_flags(a, a.tp))
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, micro_batch_size=a.micro_batch, tp=a.tp,
-                     vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,
+                     padded_vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,
                      sub_batches=2 if a.schedule == "oases" else 1)
 
 

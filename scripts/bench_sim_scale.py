@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from megatron_oases.pricing.device_model import SimError, device_model
-from megatron_oases.sim.events import ModelConfig, Strategy
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy
 from megatron_oases.sim.timeline import SimResult, simulate, summary_table
 from megatron_oases.topology import Level, Topology
 
@@ -37,7 +38,8 @@ def run(*, gpus: int = 3072, layers: int = 128, tp: int = 8, pp: int = 8, dp: in
         distributed_optimizer: bool = True, ddp_overlap: bool = False) -> tuple[SimResult, float]:
     """(result, seconds) for a GPT-175B-like model (h 12288, 96 heads, s 2048)."""
     t0 = time.perf_counter()
-    model = ModelConfig(num_layers=layers, hidden=12288, heads=96, seq=2048, vocab=51200, micro_batch=2)
+    model = GPTShape(num_layers=layers, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+                     padded_vocab_size=51200, micro_batch_size=2)
     strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, schedule=schedule,
                         overlap=overlap, recompute=True, virtual_stages=virtual_stages,
                         distributed_optimizer=distributed_optimizer, overlap_grad_reduce=ddp_overlap,

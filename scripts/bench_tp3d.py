@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_tp3d")
     a = p.parse_args(argv)
-    from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, ModelShape, search_mesh
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, search_mesh
     from megatron_oases.plan.mesh_cli import format_choice
 
     if a.min_gain is None:
@@ -90,9 +91,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         topo = (bench_atp.scaled_topology(a.topology, a.bw_scale, work) if a.topology
                 else flat_topology(a.tp, a.link_GBps, work))
-        choice = search_mesh(topo, a.tp, ModelShape(hidden=a.hidden, layers=a.layers,
-                                                    micro_batch=a.micro_batch, seq_length=a.seq,
-                                                    bytes_per_element=4), min_gain=a.min_gain)
+        choice = search_mesh(topo, a.tp, GPTShape(hidden_size=a.hidden, num_layers=a.layers,
+                                                  num_attention_heads=a.heads, micro_batch_size=a.micro_batch,
+                                                  seq_length=a.seq, dtype="fp32"), min_gain=a.min_gain)
         print(format_choice(choice), flush=True)
         mesh = (choice.pick.d1, choice.pick.d2)
         argmin = (choice.candidates[0].d1, choice.candidates[0].d2)

@@ -76,17 +76,17 @@ def layer_flops(r: SimResult) -> float:
     """Transformer-layer FLOPs of the iteration by Megatron's formula (no logits, no recompute)."""
     m, s = r.model, r.strategy
     return gpt_flops_per_iteration(
-        global_batch_size=m.micro_batch * s.num_microbatches * s.dp, seq_length=m.seq,
-        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads,
-        ffn_hidden_size=m.ffn, padded_vocab_size=0)
+        global_batch_size=m.micro_batch_size * s.num_microbatches * s.dp, seq_length=m.seq_length,
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, padded_vocab_size=0)
 
 
 def in_unit(r: SimResult, unit: str) -> float:
     """A simulated iteration in one of ``UNITS``."""
     secs = r.iteration_ms / 1e3
-    batch = r.model.micro_batch * r.strategy.num_microbatches * r.strategy.dp
+    batch = r.model.micro_batch_size * r.strategy.num_microbatches * r.strategy.dp
     if unit == "ktokens_per_s":
-        return batch * r.model.seq / secs / 1e3
+        return batch * r.model.seq_length / secs / 1e3
     if unit == "busy_pct":
         return 100.0 * statistics.mean(st.compute_ms for st in r.stages) / r.iteration_ms
     if unit == "tflops2p40_per_gpu":
@@ -119,7 +119,7 @@ def describe(r: SimResult, run: dict) -> str:
     back = {"megatron": "1-D", "atp": f"ATP{s.mesh}", "3d": "3-D"}[s.backend]
     extra = (" oases" if s.overlap == "oases" else "") + (" rc" if s.recompute else "")
     nodes = f"x{run['nodes']}" if run.get("nodes") else ""
-    return (f"L{m.num_layers} h{m.hidden} b{m.micro_batch} {back} TP{s.tp} PP{s.pp} DP{s.dp} "
+    return (f"L{m.num_layers} h{m.hidden_size} b{m.micro_batch_size} {back} TP{s.tp} PP{s.pp} DP{s.dp} "
             f"m{s.num_microbatches}{extra} @{run['topology']}{nodes}")
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_oases.parallel.dims import ConfigError
-from megatron_oases.plan.atp_mesh import ModelShape, search_mesh
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.plan.atp_mesh import search_mesh
 from megatron_oases.train import main
 from megatron_oases.train_args import build_parser, validate_args
 
@@ -53,7 +54,8 @@ def test_auto_bad_input_one_line_before_any_process_group(argv, needle, capsys, 
 def test_auto_picks_what_mesh_search_picks(topology, tp, want, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     args = _validate(BIG + ["--tensor-model-parallel-size", str(tp), "--topology", topology], tp)
-    shape = ModelShape(hidden=4096, layers=24, micro_batch=4, seq_length=2048, bytes_per_element=4)
+    shape = GPTShape(hidden_size=4096, num_layers=24, num_attention_heads=32, micro_batch_size=4, seq_length=2048,
+                     dtype="fp32")
     choice = search_mesh(topology, tp, shape)
     assert args.atp_mesh == (choice.pick.d1, choice.pick.d2) == want
     out = capsys.readouterr().out.strip().splitlines()
@@ -67,7 +69,8 @@ def test_auto_uses_pipeline_stage_layers_and_dtype(capsys):
     """Eq. 2 is per pipeline stage (L / PP layers), with 4-byte fp32 activations on CPU."""
     args = _validate(BIG + ["--tensor-model-parallel-size", "16", "--topology", "fig7a",
                             "--pipeline-model-parallel-size", "2"], 32)
-    shape = ModelShape(hidden=4096, layers=12, micro_batch=4, seq_length=2048, bytes_per_element=4)
+    shape = GPTShape(hidden_size=4096, num_layers=12, num_attention_heads=32, micro_batch_size=4, seq_length=2048,
+                     dtype="fp32")
     pick = search_mesh("fig7a", 16, shape).pick
     assert args.atp_mesh == (pick.d1, pick.d2)
     assert f"predicted T_comm {pick.t_comm_s * 1e3:.3f} ms" in capsys.readouterr().out

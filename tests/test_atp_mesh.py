@@ -7,15 +7,18 @@ import math
 import pytest
 
 from megatron_oases.plan.atp_mesh import (
-    AxisBandwidth, MeshError, ModelShape, axis_bandwidth, axis_groups, calibration_from_measurements,
+    AxisBandwidth, MeshError, axis_bandwidth, axis_groups, calibration_from_measurements,
     closed_form_t_comm, enumerate_meshes, measurement_plan, mesh_cost, search_mesh, valid_tp_sizes,
     with_calibration,
 )
 from megatron_oases.plan.mesh_cli import mesh_main
+from megatron_oases.describe.ops import ModelingError
+from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import Topology, load_topology
 
 # The paper's default run: batch 4, sequence 2048 (§5), model M2, fp16.
-M2 = ModelShape(hidden=4096, layers=24, micro_batch=4, seq_length=2048, bytes_per_element=2)
+M2 = GPTShape(hidden_size=4096, num_layers=24, num_attention_heads=32, micro_batch_size=4, seq_length=2048,
+              dtype="fp16")
 CLI_MODEL = ["--hidden", "4096", "--layers", "24", "--micro-batch-size", "4", "--seq-length", "2048"]
 
 
@@ -74,7 +77,7 @@ def test_fig7a_devicemesh_8x2_bus_bandwidths():
 def test_eq2_on_1d_mesh_is_megatrons_4Lbsh_over_B():
     c = cost(flat(8, 100.0), 8, 8, 1)
     b = 8 / 14 * 100.0
-    expected = 4 * M2.layers * M2.micro_batch * M2.seq_length * M2.hidden * 2 / (b * 1e9)  # §2.3
+    expected = 4 * M2.num_layers * M2.micro_batch_size * M2.seq_length * M2.hidden_size * 2 / (b * 1e9)  # §2.3
     assert c.t_comm_s == pytest.approx(expected)
     assert math.isinf(c.axis2.alg_GBps)
 
@@ -159,7 +162,8 @@ def test_fig12_trends_atp1_grows_atp2_shrinks():
 
 def test_exact_tie_goes_to_megatron():
     topo = with_calibration(flat(4, 10.0), calibration_from_measurements({(4, 1): 2.0, (2, 1): 4.5, (2, 2): 4.5}))
-    model = ModelShape(hidden=4608, layers=1, micro_batch=1, seq_length=1)  # 3h/9, 4h/9 exact
+    model = GPTShape(hidden_size=4608, num_layers=1, num_attention_heads=1, micro_batch_size=1,
+                     seq_length=1)  # 3h/9, 4h/9
     choice = search_mesh(topo, 4, model, min_gain=0.0, meshes=[(2, 2), (4, 1)])
     assert choice.candidates[0].t_comm_s == choice.candidates[1].t_comm_s
     assert (choice.pick.d1, choice.pick.d2) == (4, 1) and choice.candidates[0].d2 == 1
@@ -171,8 +175,8 @@ def test_bad_input_raises_mesh_error():
         search_mesh("fig7a", 6, M2)
     with pytest.raises(MeshError, match="exceeds the 16 ranks"):
         search_mesh("fig7a", 32, M2)
-    with pytest.raises(MeshError, match="hidden must be a positive"):
-        ModelShape(hidden=0, layers=1, micro_batch=1, seq_length=1)
+    with pytest.raises(ModelingError, match="--hidden-size must be a positive integer"):
+        GPTShape(hidden_size=0, num_layers=1, num_attention_heads=1, micro_batch_size=1, seq_length=1)
     with pytest.raises(MeshError, match="not .d1, d2. pairs"):
         search_mesh("fig7a", 16, M2, meshes=[(3, 5)])
     assert isinstance(axis_bandwidth(load_topology("fig7a"), 4, 4, 1, 2), AxisBandwidth)

@@ -8,7 +8,8 @@ from megatron_oases.describe.cube_3d import cube_3d_gpt_layer
 from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.runtime.spawn import run_on_ranks
-from megatron_oases.sim.events import ModelConfig, Strategy
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import load_topology
 from tests.rank_fns_contract import layer_contract
@@ -68,7 +69,8 @@ def test_3d_description_refuses_what_the_cube_cannot_split():
 @pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
 def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
     topo = load_topology("dgx-a100")
-    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=4096)
+    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
+                     micro_batch_size=4, ffn_hidden_size=4096)
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
                   recompute=overlap == "oases")
     res = simulate(model, st, device_model(topo))
@@ -84,12 +86,13 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
     from megatron_oases.describe.ops import LayerVariant
 
     topo = load_topology("dgx-a100")
-    kw = dict(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=2816)
+    kw = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
+              micro_batch_size=4, ffn_hidden_size=2816)
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
                   recompute=overlap == "oases")
-    llama = ModelConfig(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",
+    llama = GPTShape(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",
                                                     bias=False))
-    gpt = simulate(ModelConfig(**kw), st, device_model(topo))
+    gpt = simulate(GPTShape(**kw), st, device_model(topo))
     res = simulate(llama, st, device_model(topo))
     from megatron_oases.describe.head import head_param_tensors
 
@@ -105,6 +108,7 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
 
 def test_simulator_refuses_oases_over_the_cube():
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend="3d", overlap="oases")
-    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=51200, micro_batch=4, ffn=4096)
+    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
+                     micro_batch_size=4, ffn_hidden_size=4096)
     with pytest.raises(SimError, match="no Oases tape for 3d"):
         simulate(model, st, device_model(load_topology("dgx-a100")))

@@ -169,10 +169,11 @@ def test_atp_mesh_auto_uses_the_mesh_search(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     ns = parse(["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto",
                 "--topology", "pcie-3090x4"], monkeypatch=monkeypatch)
-    from megatron_oases.plan.atp_mesh import ModelShape, search_mesh
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.plan.atp_mesh import search_mesh
 
-    pick = search_mesh("pcie-3090x4", 4, ModelShape(hidden=64, layers=4, micro_batch=2,
-                                                    seq_length=32, bytes_per_element=4)).pick
+    pick = search_mesh("pcie-3090x4", 4, GPTShape(hidden_size=64, num_layers=4, num_attention_heads=4,
+                                                  micro_batch_size=2, seq_length=32, dtype="fp32")).pick
     assert ns.atp_mesh == (pick.d1, pick.d2)
     assert f"--atp-mesh auto picked {pick.d1},{pick.d2}" in capsys.readouterr().out
 

@@ -12,8 +12,8 @@ from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.plan.chain_dp import solve_chain
 from megatron_oases.plan.cost_model import build_cost_model
 from megatron_oases.plan.memory import block_activation_bytes, state_bytes_per_param
-from megatron_oases.plan.graph import (PlanError, PlanModel, Strategy, build_graph, candidate_strategies, family_of,
-                                       split_blocks)
+from megatron_oases.plan.graph import (BlockStrategy, PlanError, PlanModel, build_graph, candidate_strategies,
+                                       family_of, model_from_mapping, split_blocks)
 from megatron_oases.plan.ilp import (MemoryInfeasible, PlanProblem, brute_force, evaluate, min_memory, solve,
                                      solve_ilp)
 from megatron_oases.plan.pricing import DevicePricer, resolve_gpu
@@ -76,14 +76,14 @@ def test_candidates_are_feasible_powers_of_two():
 
 def test_reshard_groups_and_payload():
     m = small_model(tp=4, micro_batch_size=8)
-    fam = family_of(Strategy(degree=2))
-    up = fam.reshard(Strategy(degree=2), Strategy(degree=4), m)
-    down = fam.reshard(Strategy(degree=4), Strategy(degree=1), m)
+    fam = family_of(BlockStrategy(degree=2))
+    up = fam.reshard(BlockStrategy(degree=2), BlockStrategy(degree=4), m)
+    down = fam.reshard(BlockStrategy(degree=4), BlockStrategy(degree=1), m)
     assert up.backward is None and up.ranks_forward == (0, 2)
     # one sub-batch of the degree-4 share: 8 * 4/4 / 2 samples x s x h x 2 bytes
     assert up.forward.payload_bytes == 4 * 16 * 64 * 2 and up.forward.kind == "all_gather"
     assert down.forward is None and down.ranks_backward == (0, 1, 2, 3)
-    assert fam.reshard(Strategy(degree=2), Strategy(degree=2), m).forward is None
+    assert fam.reshard(BlockStrategy(degree=2), BlockStrategy(degree=2), m).forward is None
 
 
 # ---- cost model --------------------------------------------------------------------------------
@@ -166,9 +166,9 @@ def test_memory_terms_agree_with_the_simulator():
     from megatron_oases.describe.registry import layer_activation_bytes, layer_params
 
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=4)
-    fam = family_of(Strategy(degree=2))
+    fam = family_of(BlockStrategy(degree=2))
     for d in (1, 2, 4):
-        s = Strategy(degree=d)
+        s = BlockStrategy(degree=d)
         assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("megatron", 256, 1024, d, None)
         acts = sum(block_activation_bytes(m, k, 4, d) for k in ("attention", "mlp"))
         want = layer_activation_bytes("megatron", b=4, s=64, h=256, a=8, f=1024, t=d, e=2, mesh=None,
@@ -179,7 +179,8 @@ def test_memory_terms_agree_with_the_simulator():
 
 def test_event_keys_are_the_simulators():
     """The planner prices the same events (same keys) the simulator asks a profile for."""
-    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
@@ -187,7 +188,8 @@ def test_event_keys_are_the_simulators():
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
     for d in (2, 4, 8):
         sim = unique_events(build_stage_events(
-            ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=8 * d // 8),
+            GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                     micro_batch_size=8 * d // 8),
             SimStrategy(tp=d, dp=8 // d, overlap="oases", recompute=True), topo))
         ours = {k for k in pricer.events
                 if f"t{d}_" in k and ("compute:" in k or "all_reduce:" in k) and "grad" not in k}
@@ -198,8 +200,10 @@ def test_event_keys_are_the_simulators():
     pricer = DevicePricer(topology=topo, model=stock)
     build_cost_model(stock, topology=topo, global_batch_size=8, pricer=pricer)
     wgrads = {k for k in pricer.events if ".wgrad[" in k and "t4_" in k}
-    sim = unique_events(build_stage_events(ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200,
-                                                       micro_batch=4), SimStrategy(tp=4, dp=2, recompute=True), topo))
+    sim = unique_events(build_stage_events(GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8,
+                                                    seq_length=64, padded_vocab_size=51200,
+                                                       micro_batch_size=4), SimStrategy(tp=4, dp=2,
+                                                                                        recompute=True), topo))
     assert len(wgrads) == 2 and wgrads <= set(sim), sorted(wgrads - set(sim))
 
 
@@ -345,7 +349,7 @@ def test_atp_family_splits_prices_and_counts_like_the_simulator():
     from megatron_oases.describe.registry import layer_params
 
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=8)
-    s = Strategy(degree=8, family="atp", mesh=(4, 2))
+    s = BlockStrategy(degree=8, family="atp", mesh=(4, 2))
     fam = family_of(s)
     blocks = fam.split(fam.describe(s, m, 2))
     desc = atp_2d_gpt_layer(micro_batch=2, seq=64, hidden=256, heads=8, ffn=1024, d1=4, d2=2, bytes_per_element=2)
@@ -383,14 +387,16 @@ def test_atp_plans_are_whole_model_and_win_when_memory_binds():
 
 
 def test_atp_event_keys_are_the_simulators():
-    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
     pricer = DevicePricer(topology=topo, model=m)
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("atp",))
     sim = unique_events(build_stage_events(
-        ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=4),  # one sub-batch
+        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                 micro_batch_size=4),  # one sub-batch
         SimStrategy(tp=8, backend="atp", mesh=(4, 2), recompute=True), topo))
     ours = {k for k in pricer.events if "m4x2" in k and "grad" not in k}
     assert any("atp.leave" in k for k in ours) and any("compute:atp.qkv" in k for k in ours)
@@ -400,7 +406,8 @@ def test_atp_event_keys_are_the_simulators():
 
 def test_cube_event_keys_are_the_simulators():
     """The 3-D family's events carry the simulator's spelling (``cube``, no executor tag)."""
-    from megatron_oases.sim.events import ModelConfig, Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,
@@ -408,7 +415,8 @@ def test_cube_event_keys_are_the_simulators():
     pricer = DevicePricer(topology=topo, model=m)
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, families=("3d",))
     sim = unique_events(build_stage_events(
-        ModelConfig(num_layers=2, hidden=256, heads=8, seq=64, vocab=51200, micro_batch=8),
+        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                 micro_batch_size=8),
         SimStrategy(tp=8, backend="3d", recompute=True), topo))
     ours = {k for k in pricer.events if "cube" in k and "grad" not in k}
     assert ours and ours <= set(sim), sorted(ours - set(sim))
@@ -420,9 +428,9 @@ def test_rope_and_qk_norm_reach_the_variant_and_the_price():
     and saved bytes to attention, none to MLP; a plan with them solves."""
     topo = load_topology("pcie-3090-2node")
     base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
-    m = PlanModel(**base, position_embedding_type="rope", rotary_percent=0.5, qk_layernorm=True)
+    m = model_from_mapping(dict(base, position_embedding_type="rope", rotary_percent=0.5, qk_layernorm=True))
     assert m.variant.rotary and m.variant.rotary_percent == 0.5 and m.variant.qk_norm
-    gpt, s = PlanModel(**base), Strategy(degree=2)
+    gpt, s = PlanModel(**base), BlockStrategy(degree=2)
     fam = family_of(s)
     assert fam.params(s, m, "attention") - fam.params(s, gpt, "attention") == 4 * 256 // 8
     assert fam.params(s, m, "mlp") == fam.params(s, gpt, "mlp")
@@ -431,7 +439,7 @@ def test_rope_and_qk_norm_reach_the_variant_and_the_price():
     cm = build_cost_model(m, topology=topo, global_batch_size=16)
     assert solve(cm.problem, solver="dp").time_ms > 0
     with pytest.raises(PlanError, match="rotary-percent"):
-        PlanModel(**base, rotary_percent=0.5)
+        model_from_mapping(dict(base, rotary_percent=0.5))
 
 
 def test_gqa_blocks_never_split_a_key_value_group():
@@ -440,8 +448,8 @@ def test_gqa_blocks_never_split_a_key_value_group():
     says (its QKV is smaller, its MLP has a third matrix)."""
     topo = load_topology("pcie-3090-2node")
     base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
-    m = PlanModel(**base, num_query_groups=2, swiglu=True, ffn_hidden_size=512, normalization="RMSNorm",
-                  add_bias_linear=False)
+    m = model_from_mapping(dict(base, num_query_groups=2, swiglu=True, ffn_hidden_size=512, normalization="RMSNorm",
+                                add_bias_linear=False))
     cm = build_cost_model(m, topology=topo, global_batch_size=16)
     degrees = [s.degree for s in cm.strategies]
     for v, blk in enumerate(cm.blocks):
@@ -451,16 +459,16 @@ def test_gqa_blocks_never_split_a_key_value_group():
     assert sol.time_ms == pytest.approx(brute_force(cm.problem)[0])
     assert all(cm.strategies[k].degree <= 2 for k, blk in zip(sol.assignment, cm.blocks) if blk.kind == "attention")
     gpt = PlanModel(**base, ffn_hidden_size=512)
-    assert family_of(Strategy(degree=2)).params(Strategy(degree=2), m, "attention") < \
-        family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "attention")
-    assert family_of(Strategy(degree=2)).params(Strategy(degree=2), m, "mlp") > \
-        family_of(Strategy(degree=2)).params(Strategy(degree=2), gpt, "mlp")
+    assert family_of(BlockStrategy(degree=2)).params(BlockStrategy(degree=2), m, "attention") < \
+        family_of(BlockStrategy(degree=2)).params(BlockStrategy(degree=2), gpt, "attention")
+    assert family_of(BlockStrategy(degree=2)).params(BlockStrategy(degree=2), m, "mlp") > \
+        family_of(BlockStrategy(degree=2)).params(BlockStrategy(degree=2), gpt, "mlp")
 
 
 def test_sequence_parallel_is_priced_at_the_uniform_degree_only():
     """``--sequence-parallel``: the Megatron blocks use the SP description (all-gathers and
     reduce-scatters, no all-reduce) and only degree T is a candidate (no per-block SP plan runs)."""
-    from megatron_oases.plan.graph import candidate_strategies, family_of, Strategy as BlockStrategy
+    from megatron_oases.plan.graph import candidate_strategies, family_of, BlockStrategy
     from megatron_oases.plan.model import PlanError, PlanModel
 
     m = PlanModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=4,

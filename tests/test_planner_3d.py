@@ -11,7 +11,7 @@ import pytest
 from megatron_oases.describe.cube_3d import cube_3d_gpt_layer
 from megatron_oases.describe.registry import layer_params
 from megatron_oases.plan.cost_model import build_cost_model
-from megatron_oases.plan.graph import PlanModel, Strategy, candidate_strategies, family_of
+from megatron_oases.plan.graph import BlockStrategy, PlanModel, candidate_strategies, family_of, model_from_mapping
 from megatron_oases.plan.ilp import brute_force, evaluate, solve
 from megatron_oases.plan.plan_cli import build_parser, make_plan
 from megatron_oases.plan.plan_file import launch_flags, plan_launch_flags
@@ -23,7 +23,7 @@ from tests.rank_fns import train_and_gather
 def test_cube_family_splits_prices_and_counts_like_the_description():
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,
                   tp=8, sub_batches=1)
-    s = Strategy(degree=8, family="3d")
+    s = BlockStrategy(degree=8, family="3d")
     fam = family_of(s)
     blocks = fam.split(fam.describe(s, m, 8))
     desc = cube_3d_gpt_layer(micro_batch=8, seq=64, hidden=256, heads=8, ffn=1024, tp=8, bytes_per_element=2)
@@ -92,7 +92,7 @@ def test_llama_models_on_every_family_follow_their_descriptions():
                 tp=8, sub_batches=1, swiglu=True, ffn_hidden_size=512, normalization="RMSNorm",
                 add_bias_linear=False)
     variant = LayerVariant(query_groups=2, gated=True, normalization="RMSNorm", bias=False)
-    m = PlanModel(**base, num_query_groups=2)
+    m = model_from_mapping(dict(base, num_query_groups=2))
     assert m.variant == variant
     for s in candidate_strategies(m, families=("megatron", "atp", "3d")):
         fam = family_of(s)
@@ -103,7 +103,7 @@ def test_llama_models_on_every_family_follow_their_descriptions():
     feasible = {s.label for s in candidate_strategies(m, families=("atp", "3d"))}
     assert "3d8" in feasible  # 2 groups over p = 2
     assert not any(lbl.startswith("atp") for lbl in feasible)  # 2 groups never cover 8 mesh ranks
-    eight = {s.label for s in candidate_strategies(PlanModel(**base, num_query_groups=8),
+    eight = {s.label for s in candidate_strategies(model_from_mapping(dict(base, num_query_groups=8)),
                                                    families=("atp",))}
     assert eight and all(lbl.startswith("atp") for lbl in eight)
     topo = load_topology("pcie-3090-2node")

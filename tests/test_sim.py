@@ -9,14 +9,16 @@ import pytest
 
 from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
 from megatron_oases.describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, overlapped_keys, unique_events
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
 from megatron_oases.sim.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
 from tests.script_modules import load_script
 
 EPS = 1e-9
-SMALL = ModelConfig(num_layers=4, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+SMALL = GPTShape(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
+                 micro_batch_size=2)
 
 
 def topo(nodes: int = 2, per_node: int = 8, lat: float = 2.0) -> Topology:
@@ -89,7 +91,8 @@ CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=8, schedule=sch, overlap=
            if sch == "1f1b" or vp == 1]
 CONFIGS += [Strategy(tp=4, pp=2, dp=2, num_microbatches=4, backend="atp", mesh=(2, 2), recompute=True, virtual_stages=2),
             Strategy(tp=2, pp=2, dp=4, num_microbatches=3, distributed_optimizer=True)]
-MODEL8 = ModelConfig(num_layers=8, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+MODEL8 = GPTShape(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
+                  micro_batch_size=2)
 
 
 def _label(s: Strategy) -> str:
@@ -149,14 +152,16 @@ def test_timeline_invariants(strat: Strategy):
 def test_oases_never_slower_with_linear_costs(tp: int, pp: int, mb: int):
     """With costs linear in batch (no GEMM overhead, no latency) halving is free, so overlap only helps."""
     dm = device_model(topo(lat=0.0), gemm_half_ms=0.0)
-    model = ModelConfig(num_layers=4, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=mb)
+    model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                     micro_batch_size=mb)
     times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, overlap=ov),
                           dm).iteration_ms for ov in ("none", "oases")}
     assert times["oases"] <= times["none"] + EPS
 
 
 def test_oases_meets_max_bound_for_one_layer_comm_equal_compute():
-    model = ModelConfig(num_layers=1, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+    model = GPTShape(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
+                     micro_batch_size=2)
     layer = ("attention", "attention.g", "mlp", "mlp.g")
     for ov, unit in (("none", 2.0), ("oases", 1.0)):  # a sub-batch op costs half a micro-batch op
         st = build_stage_events(model, Strategy(tp=2, overlap=ov), topo(nodes=1, per_node=2))[0]
@@ -172,7 +177,8 @@ def test_oases_meets_max_bound_for_one_layer_comm_equal_compute():
 def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
     """Stock Megatron's dgrad all-reduce starts when the weight-gradient GEMM does: hidden while
     shorter than it, else only the rest is exposed; shared-core slow-downs stretch both."""
-    model = ModelConfig(num_layers=1, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=2)
+    model = GPTShape(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
+                     micro_batch_size=2)
     st = build_stage_events(model, Strategy(tp=2), topo(nodes=1, per_node=2))[0]
     ops = tuple(e for e in st.backward if e.name in ("attention.bwd", "attention.f.bwd"))
     ar = ops[1]
@@ -195,7 +201,8 @@ def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
 def test_oases_splits_the_layers_only_the_head_runs_on_the_whole_micro_batch():
     """Only the decoder layers go through the Oases executor: the embedding (and its all-reduce)
     and the output layer / loss run before and after it on the whole micro-batch, one chain."""
-    model = ModelConfig(num_layers=2, hidden=512, heads=8, seq=256, vocab=4096, micro_batch=4)
+    model = GPTShape(num_layers=2, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
+                     micro_batch_size=4)
     st = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
     ch = st.chunks[0]
     assert [c for _, c in ch.forward_segments] == [1, 2, 1] == [c for _, c in ch.backward_segments]

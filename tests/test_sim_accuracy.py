@@ -12,14 +12,16 @@ import pytest
 from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, overlapped_keys, unique_events
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
 from megatron_oases.sim.profiler import local_topology
 from megatron_oases.sim.schedules import schedule_order
 from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelConfig(num_layers=4, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
+TINY = GPTShape(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
+                micro_batch_size=2, dtype="fp32")
 
 
 def test_interpolate_and_block_duration():

@@ -41,8 +41,8 @@ def test_virtual_pipeline_stage_flag():
 
 def test_vocabulary_padded_as_megatron_pads():
     a = build_parser().parse_args([*MODEL, "--vocab-size", "50257"])
-    assert model_from_args(a, tp=8).vocab == 51200  # a multiple of 128 x 8
-    assert model_from_args(a, tp=1).vocab == 50304  # a multiple of 128
+    assert model_from_args(a, tp=8).padded_vocab_size == 51200  # a multiple of 128 x 8
+    assert model_from_args(a, tp=1).padded_vocab_size == 50304  # a multiple of 128
 
 
 def test_nodes_replicate_the_node():

@@ -8,13 +8,15 @@ import pytest
 
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.sim.cli import sim_main
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, layer_tensors, stage_params
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy, build_stage_events, layer_tensors, stage_params
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.sim.trace import TIDS, chrome_trace
 from megatron_oases.topology import Level, Topology
 from tests.script_modules import load_script
 
-MODEL = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=2)
+MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                 micro_batch_size=2)
 
 
 def topo(nodes: int = 4, ib_GBps: float = 25) -> Topology:

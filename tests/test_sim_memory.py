@@ -8,12 +8,14 @@ import pytest
 from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.describe.registry import layer_activation_bytes, layer_input_bytes
 from megatron_oases.pricing.device_model import device_model
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy, build_stage_events
 from megatron_oases.sim.memory import GiB, model_state_bytes
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import Level, Topology
 
-MODEL = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=4)
+MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                 micro_batch_size=4)
 
 
 def _topo(n: int = 8) -> Topology:
@@ -37,7 +39,8 @@ def test_korthikanti_formula():
 def test_model_states_bytes_per_param():
     p = 1000
     assert sum(model_state_bytes(p, MODEL, Strategy())) == 18 * p  # bf16 + fp32 grad + master + Adam
-    fp32 = ModelConfig(num_layers=8, hidden=1024, heads=16, seq=512, vocab=8192, micro_batch=4, bytes_per_element=4)
+    fp32 = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
+                    micro_batch_size=4, dtype="fp32")
     assert sum(model_state_bytes(p, fp32, Strategy())) == 16 * p
     w, g, o = model_state_bytes(p, MODEL, Strategy(dp=4, distributed_optimizer=True))
     assert (w, g, o) == (2 * p, 4 * p, 12 * p / 4)
@@ -60,9 +63,10 @@ def test_in_flight_micro_batches_per_schedule():
 
 
 def test_recompute_and_oases_fine_grained():
-    b, s, h, e = MODEL.micro_batch, MODEL.seq, MODEL.hidden, 2
+    b, s, h, e = MODEL.micro_batch_size, MODEL.seq_length, MODEL.hidden_size, 2
     inp = b * s * h * e
-    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.heads, f=MODEL.ffn, t=2, e=e, mesh=None,
+    full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.num_attention_heads, f=MODEL.ffn_hidden_size, t=2,
+                                  e=e, mesh=None,
                                   hidden_dropout=False, attention_dropout=False)  # MODEL's dropout is 0
     none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
     oases = _mem(recompute=True, overlap="oases").memory[1]
@@ -96,20 +100,21 @@ def test_infeasible_strategies_are_marked(capsys):
 def test_params_count_embeddings_once_per_copy():
     st = build_stage_events(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), _topo())
     mid = st[1].params_per_rank
-    assert st[0].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + MODEL.seq * MODEL.hidden
-    assert st[3].params_per_rank - mid == MODEL.vocab * MODEL.hidden // 2 + 2 * MODEL.hidden
+    v, h = MODEL.padded_vocab_size, MODEL.hidden_size
+    assert st[0].params_per_rank - mid == v * h // 2 + MODEL.seq_length * h
+    assert st[3].params_per_rank - mid == MODEL.padded_vocab_size * MODEL.hidden_size // 2 + 2 * MODEL.hidden_size
     assert st[0].tie_allreduce is not None and st[3].tie_allreduce is not None and st[1].tie_allreduce is None
     assert GiB == 2 ** 30
     rope = dataclasses.replace(MODEL, variant=LayerVariant(rotary=True))  # no learned position embeddings
     st = build_stage_events(rope, Strategy(tp=2, pp=4, num_microbatches=8), _topo())
-    assert st[0].params_per_rank - st[1].params_per_rank == MODEL.vocab * MODEL.hidden // 2
+    assert st[0].params_per_rank - st[1].params_per_rank == MODEL.padded_vocab_size * MODEL.hidden_size // 2
 
 
 def test_oases_without_recompute_prices_its_step_boundaries():
     """The Oases executor without recompute keeps two hidden states per layer beyond stock's
     inventory, and a causal mask for its second sub-batch (measured in
     tests/test_saved_bytes_budget.py)."""
-    b, s, h, e = MODEL.micro_batch, MODEL.seq, MODEL.hidden, 2
+    b, s, h, e = MODEL.micro_batch_size, MODEL.seq_length, MODEL.hidden_size, 2
     stock, oases = _mem().memory[1], _mem(overlap="oases").memory[1]
     layers, alive = 2, 3
     assert oases.activations - stock.activations == pytest.approx(alive * layers * (2 * b * s * h * e + s * s))

@@ -62,7 +62,7 @@ def test_a_plan_predicts_from_a_profile_measured_here(tmp_path: Path, schedule):
 def test_a_degree_1_block_runs_a_degree_1_layer_on_its_replica_s_share(tmp_path: Path):
     model, strategy, stages = _stages(_args(tmp_path, [1, 2, 2, 1]))
     # the same layer at TP 1 on b * 1 / T = 2 samples, without a plan
-    ref_model = dataclasses.replace(model, micro_batch=model.micro_batch // 2)
+    ref_model = dataclasses.replace(model, micro_batch_size=model.micro_batch_size // 2)
     ref = build_stage_events(ref_model, Strategy(tp=1, num_microbatches=1), local_topology(1))
     want = {e.name: e.key for e in ref[0].forward + ref[0].backward if e.name.startswith(("attention", "mlp"))}
     fwd, bwd = stages[0].forward, stages[0].backward

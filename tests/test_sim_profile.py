@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
-from megatron_oases.sim.events import ModelConfig, Strategy, build_stage_events, unique_events
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy, build_stage_events, unique_events
 from megatron_oases.sim.profiler import local_topology, needed_events, plan_comm
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import load_topology
 
-TINY = ModelConfig(num_layers=2, hidden=32, heads=4, seq=16, vocab=128, micro_batch=2, bytes_per_element=4)
+TINY = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
+                micro_batch_size=2, dtype="fp32")
 TRAIN = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
          "--num-layers-per-virtual-pipeline-stage", "1", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -22,7 +24,8 @@ TRAIN = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-
 
 def test_plan_comm_extrapolates_scales_and_names_unreachable_links():
     topo = load_topology("2node-ib")  # 8 ranks per node
-    model = ModelConfig(num_layers=2, hidden=1024, heads=8, seq=512, vocab=8192, micro_batch=2)
+    model = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=512, padded_vocab_size=8192,
+                     micro_batch_size=2)
     tp8 = unique_events(build_stage_events(model, Strategy(tp=8, pp=2), topo))
     comm = [e for e in tp8.values() if e.kind == "collective" and e.ranks and len(e.ranks) == 8]
     jobs, plan = plan_comm(comm, topo, nproc=4, max_bytes=1 << 20)
@@ -118,7 +121,7 @@ def test_predict_maps_trainer_flags():
 
     args = build_parser().parse_args(TRAIN)
     model, s = sim_inputs_from_train_args(args)
-    assert (model.vocab, model.dtype, model.tied_embeddings) == (128, "fp32", True)  # padded to 128
+    assert (model.padded_vocab_size, model.dtype, model.tied_embeddings) == (128, "fp32", True)  # padded to 128
     assert (s.tp, s.pp, s.dp, s.virtual_stages, s.num_microbatches, s.recompute) == (1, 2, 1, 2, 4, True)
     oases = build_parser().parse_args([
         "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--schedule", "oases", "--num-layers", "2",
@@ -171,7 +174,8 @@ def test_profile_format_errors(tmp_path: Path):
 
 def test_missing_link_named():
     topo = load_topology("fig7b-torus")  # ring links only: rank 0 and 2 are not linked
-    model = ModelConfig(num_layers=2, hidden=256, heads=4, seq=64, vocab=512, micro_batch=2)
+    model = GPTShape(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=64, padded_vocab_size=512,
+                     micro_batch_size=2)
     dm = device_model(topo, gpu="a100-80gb")
     with pytest.raises(SimError, match=r"no link between ranks 0 and 2 \(level 'ring'"):
         simulate(model, Strategy(tp=2, dp=8), dm)  # the DP ring 0-2-4-...

@@ -6,7 +6,8 @@ import types
 import pytest
 
 from megatron_oases.pricing.device_model import device_model
-from megatron_oases.sim.events import ModelConfig, Strategy
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.sim.events import Strategy
 from megatron_oases.sim.schedules import schedule_order
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import Level, Topology
@@ -62,7 +63,8 @@ def _flat(n: int) -> Topology:
 
 def test_interleaving_shrinks_the_bubble():
     """Megatron-LM §2.2.2: the bubble shrinks by the number of chunks (cheap P2P, same work)."""
-    model = ModelConfig(num_layers=16, hidden=1024, heads=16, seq=512, vocab=4096, micro_batch=2)
+    model = GPTShape(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=4096,
+                     micro_batch_size=2)
     dm = device_model(_flat(4))
     r1 = simulate(model, Strategy(pp=4, num_microbatches=8, optimizer_step=False), dm)
     r2 = simulate(model, Strategy(pp=4, num_microbatches=8, virtual_stages=2, optimizer_step=False), dm)
@@ -84,6 +86,7 @@ def test_interleaving_shrinks_the_bubble():
 def test_interleaved_bad_input(kw, msg):
     from megatron_oases.pricing.device_model import SimError
 
-    model = ModelConfig(num_layers=16, hidden=256, heads=4, seq=64, vocab=512, micro_batch=2)
+    model = GPTShape(num_layers=16, hidden_size=256, num_attention_heads=4, seq_length=64, padded_vocab_size=512,
+                     micro_batch_size=2)
     with pytest.raises(SimError, match=msg):
         simulate(model, Strategy(**{"num_microbatches": 8, **kw}), device_model(_flat(4)))

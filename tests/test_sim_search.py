@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.pricing.device_model import SimError, device_model
-from megatron_oases.sim.events import ModelConfig
+from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.search import COLUMNS, SearchSpace, candidates, search, search_table, write_csv
 from megatron_oases.sim.timeline import simulate
 from megatron_oases.topology import load_topology
 
-MODEL = ModelConfig(num_layers=12, hidden=1536, heads=12, seq=1024, vocab=51200, micro_batch=2)
+MODEL = GPTShape(num_layers=12, hidden_size=1536, num_attention_heads=12, seq_length=1024, padded_vocab_size=51200,
+                 micro_batch_size=2)
 
 
 def _run(memory=None, **kw):

@@ -70,10 +70,11 @@ def test_sim_cli_takes_megatron_s_flag():
 
 def test_the_memory_model_prices_the_sp_inventory():
     """The memory model prices the SP inventory (``describe.saved``): less than without SP."""
-    from megatron_oases.sim.events import ModelConfig
+    from megatron_oases.describe.shapes import GPTShape
     from megatron_oases.sim.memory import chunk_activation_bytes
 
-    m = ModelConfig(num_layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=4)
+    m = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=128,
+                 micro_batch_size=4)
     topo = local_topology(2)
     got = {}
     for sp in (False, True):

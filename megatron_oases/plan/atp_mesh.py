@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import AllReduceCalibration, Calibration, Topology
 
 # Eq. 2 per layer: (collective, mesh axis it all-reduces on, width in units of h, axis that shards
@@ -32,28 +33,6 @@ DEFAULT_MIN_GAIN = 0.10
 
 class MeshError(ValueError):
     """A mesh request that cannot be priced; the message is one line saying what to change."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class ModelShape:
-    """The transformer sizes that set the all-reduce volume of Eq. 2."""
-
-    hidden: int
-    """Hidden size h."""
-    layers: int
-    """Number of transformer layers L (on this pipeline stage)."""
-    micro_batch: int
-    """Micro-batch size b."""
-    seq_length: int
-    """Sequence length s."""
-    bytes_per_element: int = 2
-    """Bytes of one activation element (2 for fp16/bf16)."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "micro_batch", "seq_length", "bytes_per_element"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise MeshError(f"{name} must be a positive integer (got {v!r})")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -109,8 +88,8 @@ class MeshChoice:
     """Topology name."""
     tp: int
     """TP group size N = d1 * d2."""
-    model: ModelShape
-    """Sizes the times were computed for."""
+    model: GPTShape
+    """The model the times were computed for (``num_layers``: the layers of one pipeline stage)."""
     candidates: tuple[MeshCost, ...]
     """All priced meshes, sorted by (T_comm, d2)."""
     pick: MeshCost
@@ -123,7 +102,10 @@ class MeshChoice:
         return next((c for c in self.candidates if c.d2 == 1), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"topology": self.topology, "tp": self.tp, "model": asdict(self.model),
+        m = self.model
+        model = {"hidden": m.hidden_size, "layers": m.num_layers, "micro_batch": m.micro_batch_size,
+                 "seq_length": m.seq_length, "bytes_per_element": m.bytes_per_element}  # what Eq. 2 reads
+        return {"topology": self.topology, "tp": self.tp, "model": model,
                 "min_gain": self.min_gain, "pick": self.pick.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates]}
 
@@ -229,22 +211,24 @@ def axis_bandwidth(topology: Topology, tp: int, d1: int, d2: int, axis: int) -> 
 
 
 # ---- Eq. 2 -------------------------------------------------------------------------------------
-def t_comm_seconds(model: ModelShape, d1: int, d2: int, b1_GBps: float, b2_GBps: float) -> float:
-    """Eq. 2: 2 L b s (3h/(d1 B2) + h/(d2 B1) + 4h/(d1 B2) + h/(d2 B1)) bytes over GB/s."""
+def t_comm_seconds(model: GPTShape, d1: int, d2: int, b1_GBps: float, b2_GBps: float) -> float:
+    """Eq. 2: 2 L b s (3h/(d1 B2) + h/(d2 B1) + 4h/(d1 B2) + h/(d2 B1)) bytes over GB/s; L is
+    ``model.num_layers`` (one pipeline stage's), b ``micro_batch_size``, s ``seq_length``, h
+    ``hidden_size``."""
     d, bw = {1: d1, 2: d2}, {1: b1_GBps, 2: b2_GBps}
-    per_token = sum(width * model.hidden / (d[shard] * bw[axis])
+    per_token = sum(width * model.hidden_size / (d[shard] * bw[axis])
                     for _, axis, width, shard in ATP_LAYER_ALLREDUCES if not math.isinf(bw[axis]))
-    steps = 2 * model.layers * model.micro_batch * model.seq_length
+    steps = 2 * model.num_layers * model.micro_batch_size * model.seq_length
     return steps * per_token * model.bytes_per_element / 1e9
 
 
-def closed_form_t_comm(model: ModelShape, d1: int, d2: int, group_GBps: float) -> float:
+def closed_form_t_comm(model: GPTShape, d1: int, d2: int, group_GBps: float) -> float:
     """§5.4 for B1' = B2' = GroupBW: 2Lbsh/GroupBW * (14 d2 + 4 d1 - 18) / (d1 d2), in seconds."""
-    delta = 2 * model.layers * model.micro_batch * model.seq_length * model.hidden / group_GBps
+    delta = 2 * model.num_layers * model.micro_batch_size * model.seq_length * model.hidden_size / group_GBps
     return delta * (14 * d2 + 4 * d1 - 18) / (d1 * d2) * model.bytes_per_element / 1e9
 
 
-def mesh_cost(topology: Topology, tp: int, d1: int, d2: int, model: ModelShape) -> MeshCost:
+def mesh_cost(topology: Topology, tp: int, d1: int, d2: int, model: GPTShape) -> MeshCost:
     """Price DeviceMesh(d1, d2) for the first ``tp`` ranks of ``topology``."""
     a1 = axis_bandwidth(topology, tp, d1, d2, 1)
     a2 = axis_bandwidth(topology, tp, d1, d2, 2)
@@ -252,10 +236,14 @@ def mesh_cost(topology: Topology, tp: int, d1: int, d2: int, model: ModelShape) 
                     t_comm_s=t_comm_seconds(model, d1, d2, a1.alg_GBps, a2.alg_GBps))
 
 
-def search_mesh(topology: Topology | str, tp: int, model: ModelShape, *,
+def search_mesh(topology: Topology | str, tp: int, model: GPTShape, *,
                 min_gain: float = DEFAULT_MIN_GAIN,
                 meshes: Sequence[tuple[int, int]] | None = None) -> MeshChoice:
     """Price all meshes (or ``meshes``) and pick the fastest, keeping (N, 1) unless beaten by min_gain.
+
+    ``model.num_layers`` is the layers of one pipeline stage (``dataclasses.replace`` a whole
+    model's shape with ``num_layers // PP``); Eq. 2 reads no other field than those of
+    ``t_comm_seconds``.
 
     The margin exists because Eq. 2 ignores latency and the extra scatter/gather of 2-D meshes;
     the paper keeps (8, 1) on NVSwitch where Eq. 2 predicts (4, 2) only 7% faster.

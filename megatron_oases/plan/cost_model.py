@@ -38,7 +38,7 @@ from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.topology import Topology
 
-from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, Strategy, attention_fits, build_graph,
+from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, BlockStrategy, attention_fits, build_graph,
                     candidate_strategies, family_of, split_blocks)
 from .memory import state_bytes_per_param
 from .problem import PlanProblem
@@ -68,7 +68,7 @@ class CostModel:
     """Everything the ILP and the reports need for one planning request."""
 
     model: PlanModel
-    strategies: tuple[Strategy, ...]
+    strategies: tuple[BlockStrategy, ...]
     blocks: tuple[Block, ...]
     costs: dict[tuple[str, int], BlockCost]
     """(block kind, strategy index) -> costs."""
@@ -113,7 +113,7 @@ class CostModel:
         return out
 
 
-def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
+def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
     fam = family_of(s)
     share = m.micro_batch_size * s.degree // m.tp
     if share % m.sub_batches == 0:
@@ -160,7 +160,7 @@ def _strategy_costs(m: PlanModel, s: Strategy, pricer: Pricer, dp: int) -> dict[
     return out
 
 
-def _reshard_ms(m: PlanModel, a: Strategy, b: Strategy, pricer: Pricer) -> tuple[float, float]:
+def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer) -> tuple[float, float]:
     """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b."""
     other = a if a.family != "megatron" else b  # the family that knows how to enter / leave it
     rs = family_of(other).reshard(a, b, m)
@@ -198,7 +198,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         for kind, c in _strategy_costs(m, s, pricer, dims.dp).items():
             costs[(kind, k)] = c
     K, N, S = len(strategies), len(blocks), m.sub_batches
-    full = Strategy(degree=m.tp)
+    full = BlockStrategy(degree=m.tp)
     rf, rb = np.zeros((K, K)), np.zeros((K, K))
     for a in range(K):
         for b in range(K):
@@ -243,7 +243,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         edge[v] = n_micro * (fwd + bwd)
     mem = np.array([arr(kd, "state_bytes") + arr(kd, "saved_bytes") for kd in kinds])
     peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
-    e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.vocab_size, m.tp, m.micro_batch_size, m.seq_length)
+    e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.padded_vocab_size, m.tp, m.micro_batch_size, m.seq_length)
     # the head on the plan's one stage (describe.head): embedding + final norm (+ an untied output
     # layer: the planner's model ties them); what it keeps; the embedding's output while the
     # layers run

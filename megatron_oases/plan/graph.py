@@ -9,7 +9,7 @@ Strategies. The TP group has ``T`` ranks (``--tensor-model-parallel-size``). A b
 ``d`` (a power of two dividing ``T``) runs as ``T / d`` replicas of a ``d``-way TP block, each on
 ``d`` consecutive ranks and on ``d / T`` of the micro-batch; so per rank its GEMM FLOPs equal the
 degree-``T`` block's, its all-reduce moves ``d / T`` of the bytes on a smaller (often faster)
-group, and it holds ``T / d`` times the weights. The cost model only sees ``Strategy`` objects:
+group, and it holds ``T / d`` times the weights. The cost model only sees ``BlockStrategy`` objects:
 a family (``megatron`` 1-D; ``atp``, ATP's 2-D mesh ``d1 x d2 = T`` over the whole TP group)
 that describes the layer on its share of the batch, splits it into the two blocks, names the
 group ranks of each collective axis, reshards between two strategies and counts parameters and
@@ -36,7 +36,7 @@ from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping
 # ---- strategies --------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Strategy:
+class BlockStrategy:
     """How one block is partitioned inside the TP group of ``T`` ranks."""
 
     degree: int
@@ -83,15 +83,15 @@ class Reshard:
 class Family:
     """What a strategy family must provide to the cost model."""
 
-    describe: Callable[[Strategy, PlanModel, int], LayerDescription]
+    describe: Callable[[BlockStrategy, PlanModel, int], LayerDescription]
     """(strategy, model, samples per replica) -> the layer as one replica's rank runs it."""
-    group_ranks: Callable[[Strategy, str], tuple[int, ...]]
+    group_ranks: Callable[[BlockStrategy, str], tuple[int, ...]]
     """(strategy, collective axis) -> the ranks of the group containing TP rank 0."""
-    reshard: Callable[[Strategy, Strategy, PlanModel], Reshard]
+    reshard: Callable[[BlockStrategy, BlockStrategy, PlanModel], Reshard]
     """(src, dst, model) -> the collectives of one sub-batch between a src and a dst block."""
-    params: Callable[[Strategy, PlanModel, str], int]
+    params: Callable[[BlockStrategy, PlanModel, str], int]
     """(strategy, model, block kind) -> parameters of the block on one rank."""
-    memory: Callable[[Strategy, PlanModel, str, int], tuple[float, float]]
+    memory: Callable[[BlockStrategy, PlanModel, str, int], tuple[float, float]]
     """(strategy, model, block kind, samples of the replica) -> (saved bytes per micro-batch,
     backward working set)."""
     split: Callable[[LayerDescription], list["BlockOps"]] = None  # type: ignore[assignment]
@@ -100,20 +100,20 @@ class Family:
     """Whether the runtime can put this family's blocks next to another strategy's."""
 
 
-def _megatron_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+def _megatron_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
     return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                                  heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
                                  bytes_per_element=m.bytes_per_element, variant=m.variant,
                                  sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches == 2)
 
 
-def _megatron_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+def _megatron_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
     if axis != "tp":
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}")
     return tuple(range(s.degree))
 
 
-def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+def _megatron_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
     """The batch reshard between two degrees (``describe.planned.degree_reshard``), per sub-batch."""
     r = degree_reshard(src.degree, dst.degree, tp=m.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
                        hidden=m.hidden_size, bytes_per_element=m.bytes_per_element, sub_batches=m.sub_batches)
@@ -121,7 +121,7 @@ def _megatron_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
                    ranks_backward=r.ranks if r.backward else ())
 
 
-def block_params(s: Strategy, m: PlanModel, kind: str) -> int:
+def block_params(s: BlockStrategy, m: PlanModel, kind: str) -> int:
     """Weights + biases + norm of one block on one rank: the family's layer parameters
     (``describe.registry.layer_param_tensors``) that belong to the block."""
     mesh = s.mesh if s.family == "atp" else None
@@ -130,13 +130,13 @@ def block_params(s: Strategy, m: PlanModel, kind: str) -> int:
     return sum(block_param_tensors(kind, tensors))
 
 
-def _megatron_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+def _megatron_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     return block_memory(m, kind, samples, s.degree)
 
 
 # ---- ATP (paper 004): the 2-D mesh d1 x d2 over the whole TP group ------------------------------
 
-def _atp_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+def _atp_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
     d1, d2 = s.mesh
     return atp_2d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                             heads=m.num_attention_heads, ffn=m.ffn_hidden_size, d1=d1, d2=d2,
@@ -164,7 +164,7 @@ def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tu
 _atp_split = _split_named("atp.ln2", "atp.proj.bwd")
 
 
-def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+def _atp_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
     """TP rank 0's group on a mesh axis, as the simulator places it (``describe.registry.axis_ranks``)."""
     try:
         return axis_ranks(axis, tuple(range(s.degree)), s.mesh)
@@ -172,7 +172,7 @@ def _atp_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
 
-def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+def _atp_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
     """ATP keeps ``[s, b, h/d2]`` between its layers and converts at the edges of its run of
     layers: entering splits (backward: all-gather over axis 2), leaving all-gathers over axis 2
     (backward: keep own chunk). Only edges to the degree-T embedding / logits and between equal
@@ -191,7 +191,7 @@ def _atp_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
     return Reshard(forward=None, backward=op, ranks_backward=tuple(range(d2)))
 
 
-def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
     h/d2; MLP: fc1 sum f/d1, fc2 sum h/d2); without recompute the block's share of ATP's full
@@ -212,13 +212,13 @@ def _atp_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[flo
 
 # ---- 3-D TP (paper 002): the cube p x p x p = T over the whole TP group ---------------------------
 
-def _cube_describe(s: Strategy, m: PlanModel, samples: int) -> LayerDescription:
+def _cube_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
     return cube_3d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
                              bytes_per_element=m.bytes_per_element, variant=m.variant)
 
 
-def _cube_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
+def _cube_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
     """TP rank 0's line of the cube in a direction (``describe.registry.axis_ranks``)."""
     try:
         return axis_ranks(axis, tuple(range(s.degree)), None)
@@ -226,7 +226,7 @@ def _cube_ranks(s: Strategy, axis: str) -> tuple[int, ...]:
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
 
-def _cube_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
+def _cube_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
     """The cube's block edges (``describe.registry.block_edges``): leaving all-gathers in z, y
     and x (forward); entering splits, whose backward gathers the same way."""
     if src == dst:
@@ -242,7 +242,7 @@ def _cube_reshard(src: Strategy, dst: Strategy, m: PlanModel) -> Reshard:
     return Reshard(forward=None, backward=first, ranks_backward=first_ranks, more_backward=rest)
 
 
-def _cube_memory(s: Strategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+def _cube_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Every saved tensor is a rank's own block (1/T of the dense layer's); with recompute a block
     keeps its input block only (the cube runs the stock executor's full recompute)."""
     e, h, tok = m.bytes_per_element, m.hidden_size, samples * m.seq_length
@@ -267,7 +267,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(s: Strategy) -> Family:
+def family_of(s: BlockStrategy) -> Family:
     try:
         return FAMILIES[s.family]
     except KeyError:
@@ -298,7 +298,7 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
             for k, (fc, fm), (bc, bm) in zip(BLOCK_KINDS, fwd, bwd)]
 
 
-def feasible(s: Strategy, m: PlanModel) -> str:
+def feasible(s: BlockStrategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can)."""
     d = s.degree
     if s.family == "3d":
@@ -337,7 +337,7 @@ def feasible(s: Strategy, m: PlanModel) -> str:
     return ""
 
 
-def _describe_refuses(s: Strategy, m: PlanModel) -> str:
+def _describe_refuses(s: BlockStrategy, m: PlanModel) -> str:
     """What the family's description refuses for ``m`` (e.g. key/value groups a mesh or cube
     cannot split whole), or ""."""
     try:
@@ -350,14 +350,14 @@ def _describe_refuses(s: Strategy, m: PlanModel) -> str:
 FAMILY_NAMES = ("megatron", "atp", "3d")
 
 
-def attention_fits(s: Strategy, m: PlanModel) -> bool:
+def attention_fits(s: BlockStrategy, m: PlanModel) -> bool:
     """Whether ``s`` can run an attention block: Megatron's attention gives each rank whole
     key/value groups, so a block's degree must divide them (GQA)."""
-    return s.family != "megatron" or (m.num_query_groups or m.num_attention_heads) % s.degree == 0
+    return s.family != "megatron" or m.num_query_groups % s.degree == 0
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
-                         families: tuple[str, ...] = ("megatron",)) -> list[Strategy]:
+                         families: tuple[str, ...] = ("megatron",)) -> list[BlockStrategy]:
     """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
     ``degrees`` restricts them), then with ``"atp" in families`` every ATP mesh d1 x d2 = T
     (d2 > 1; d2 = 1 is Megatron's layout) that can."""
@@ -366,10 +366,10 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
         raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(FAMILY_NAMES)})")
     out = _megatron_candidates(m, degrees) if "megatron" in families else []
     if "atp" in families:
-        meshes = [Strategy(degree=m.tp, family="atp", mesh=(m.tp // d2, d2))
+        meshes = [BlockStrategy(degree=m.tp, family="atp", mesh=(m.tp // d2, d2))
                   for d2 in (1 << i for i in range(1, m.tp.bit_length())) if m.tp % d2 == 0]
         out += [s for s in meshes if not feasible(s, m)]
-    if "3d" in families and not feasible(cube := Strategy(degree=m.tp, family="3d"), m):
+    if "3d" in families and not feasible(cube := BlockStrategy(degree=m.tp, family="3d"), m):
         out.append(cube)
     if not out:
         raise PlanError(f"no block strategy of --families {','.join(families)} can run this model; "
@@ -377,7 +377,7 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
     return out
 
 
-def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[Strategy]:
+def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[BlockStrategy]:
     all_d = [1 << i for i in range(m.tp.bit_length()) if m.tp % (1 << i) == 0]
     if degrees:
         bad = [d for d in degrees if d not in all_d]
@@ -390,9 +390,9 @@ def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[
             raise PlanError(f"--sequence-parallel is priced at the uniform degree {m.tp} only; "
                             f"drop --degrees or include {m.tp}")
         all_d = [m.tp]
-    out = [Strategy(degree=d) for d in all_d if not feasible(Strategy(degree=d), m)]
+    out = [BlockStrategy(degree=d) for d in all_d if not feasible(BlockStrategy(degree=d), m)]
     if not out:
-        why = "; ".join(f"tp{d}: {feasible(Strategy(degree=d), m)}" for d in all_d)
+        why = "; ".join(f"tp{d}: {feasible(BlockStrategy(degree=d), m)}" for d in all_d)
         raise PlanError(f"no block strategy can run this model ({why}); raise --micro-batch-size")
     return out
 

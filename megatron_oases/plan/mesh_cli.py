@@ -10,7 +10,8 @@ import json
 import math
 import sys
 
-from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, MeshChoice, MeshError, ModelShape, search_mesh
+from megatron_oases.describe.shapes import GPTShape, dtype_of
+from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, MeshChoice, MeshError, search_mesh
 
 PROG = "megatron-oases mesh"
 
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, required=True, help="transformer layers L")
     p.add_argument("--micro-batch-size", type=int, required=True, help="micro-batch size b")
     p.add_argument("--seq-length", type=int, required=True, help="sequence length s")
-    p.add_argument("--bytes-per-element", type=int, default=2, help="activation bytes (default 2)")
+    p.add_argument("--bytes-per-element", type=int, default=2, help="activation bytes: 2 (bf16, default) or 4 (fp32)")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help="relative saving a 2-D mesh needs over Megatron's (N,1) to be picked "
                         f"(default {DEFAULT_MIN_GAIN})")
@@ -48,8 +49,8 @@ def _gbps(x: float) -> str:
 def format_choice(choice: MeshChoice, shape: str = "") -> str:
     """The human table: one row per mesh, fastest first, then the pick and why."""
     m = choice.model
-    head = (f"ATP mesh search: topology {choice.topology}{shape}, tp={choice.tp}, h={m.hidden} "
-            f"L={m.layers} b={m.micro_batch} s={m.seq_length}, {m.bytes_per_element} B/element")
+    head = (f"ATP mesh search: topology {choice.topology}{shape}, tp={choice.tp}, h={m.hidden_size} "
+            f"L={m.num_layers} b={m.micro_batch_size} s={m.seq_length}, {m.bytes_per_element} B/element")
     cols = ("mesh", "", "B1' GB/s", "B2' GB/s", "B1 GB/s", "B2 GB/s", "T_comm ms", "")
     rows = [cols]
     for c in choice.candidates:
@@ -103,8 +104,10 @@ def mesh_main(argv: list[str] | None = None) -> int:
                 raise MeshError(f"{flag} must be > 0 (got {value})")
         if not 0 <= args.min_gain < 1:
             raise MeshError(f"--min-gain must be in [0, 1) (got {args.min_gain})")
-        model = ModelShape(hidden=args.hidden, layers=args.layers, micro_batch=args.micro_batch_size,
-                           seq_length=args.seq_length, bytes_per_element=args.bytes_per_element)
+        # Eq. 2 reads no head count: one head keeps the shape valid for any --hidden
+        model = GPTShape(hidden_size=args.hidden, num_layers=args.layers, micro_batch_size=args.micro_batch_size,
+                         seq_length=args.seq_length, num_attention_heads=1,
+                         dtype=dtype_of(args.bytes_per_element, MeshError))
         topo = load_topology(args.topology)
         choice = search_mesh(topo, args.tp, model, min_gain=args.min_gain)
     except SystemExit as e:  # --help

@@ -41,7 +41,7 @@ def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
     (``describe.event_key.layer_shape``): samples per (sub-)batch, model sizes, degree, mesh or
     cube, dtype, dropout and executor."""
     return layer_shape(b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
-                       f=m.ffn_hidden_size, t=strategy.degree, v=m.vocab_size, dtype=m.dtype,
+                       f=m.ffn_hidden_size, t=strategy.degree, v=m.padded_vocab_size, dtype=m.dtype,
                        backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant,
                        sequence_parallel=m.sequence_parallel and strategy.family == "megatron")

@@ -63,7 +63,7 @@ class PlanProblem:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Solution:
     assignment: tuple[int, ...]
-    """Strategy index per block."""
+    """BlockStrategy index per block (into ``CostModel.strategies``)."""
     time_ms: float
     memory_bytes: float
     solver: str

@@ -17,9 +17,10 @@ import sys
 from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
 from ..describe.ops import LayerVariant
+from ..describe.shapes import GPTShape, variant_from_flags
 from ..describe.registry import BACKENDS
 from ..run_config import check_gqa_flags, gqa_groups
-from .events import ModelConfig, Strategy
+from .events import Strategy
 from .profiler import resolve_topology
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
@@ -111,7 +112,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-options", default="off,on")
 
 
-def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
+def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
     """The model, its vocabulary padded as Megatron pads it at TP ``tp``."""
     given = (a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.micro_batch_size)
     missing = [f"--{n}" for n, value in zip(MODEL_FLAGS, given, strict=True) if value is None]
@@ -123,14 +124,13 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> ModelConfig:
             raise SimError(f"{flag} must be at least 1 (got {value})")
     dtype = "fp32" if a.fp32 else a.dtype
     multiple = a.make_vocab_size_divisible_by * tp
-    return ModelConfig(num_layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
-                       seq=a.seq_length, vocab=-(-a.vocab_size // multiple) * multiple,
-                       micro_batch=a.micro_batch_size, ffn=a.ffn_hidden_size,
-                       bytes_per_element=4 if dtype == "fp32" else 2, dtype=dtype,
-                       tied_embeddings=not a.untie_embeddings_and_output_weights,
-                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-                       variant=_variant(a),
-                       grad_reduce_bytes=2 if dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32 else 4)
+    return GPTShape(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                    seq_length=a.seq_length, padded_vocab_size=-(-a.vocab_size // multiple) * multiple,
+                    micro_batch_size=a.micro_batch_size, ffn_hidden_size=a.ffn_hidden_size, dtype=dtype,
+                    tied_embeddings=not a.untie_embeddings_and_output_weights,
+                    hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+                    variant=_variant(a),
+                    grad_reduce_bytes=2 if dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32 else 4)
 
 
 def _variant(a: argparse.Namespace) -> LayerVariant:
@@ -144,9 +144,9 @@ def _variant(a: argparse.Namespace) -> LayerVariant:
         raise SimError("--rotary-percent and --rotary-base apply to --position-embedding-type rope only")
     if not 0.0 < a.rotary_percent <= 1.0:
         raise SimError(f"--rotary-percent must be in (0, 1] (got {a.rotary_percent})")
-    return LayerVariant(query_groups=groups, gated=a.swiglu, normalization=a.normalization,
-                        bias=a.add_bias_linear, rotary=rope, rotary_percent=a.rotary_percent,
-                        qk_norm=a.qk_layernorm)
+    return variant_from_flags(num_query_groups=groups, swiglu=a.swiglu, normalization=a.normalization,
+                              add_bias_linear=a.add_bias_linear, position_embedding_type=a.position_embedding_type,
+                              rotary_percent=a.rotary_percent, qk_layernorm=a.qk_layernorm, error=SimError)
 
 
 def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strategy:
@@ -193,7 +193,7 @@ def _virtual_stages(a: argparse.Namespace) -> list[int]:
     return [a.num_layers // (a.pp * n)]
 
 
-def search_space_from_args(a: argparse.Namespace, model: ModelConfig, gpus: int):
+def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
     from .search import SearchSpace
 
     if a.global_batch_size is None:
@@ -316,7 +316,7 @@ def _largest_tp(a: argparse.Namespace, topo) -> int:
     return tp
 
 
-def _search(a: argparse.Namespace, model: ModelConfig, dm) -> int:
+def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     from .search import search, search_table, write_csv
 
     gpus = a.gpus or dm.topology.world_size

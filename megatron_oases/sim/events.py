@@ -14,8 +14,9 @@ from typing import NamedTuple
 from ..describe.head import head_ops, head_param_tensors
 from ..describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ..describe.event_key import layer_shape
-from ..describe.ops import GPT2, Collective, Compute, LayerVariant
+from ..describe.ops import Collective, Compute
 from ..describe.planned import degree_reshard, megatron_blocks
+from ..describe.shapes import GPTShape
 from ..describe.registry import (BACKENDS, MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
                                  layer_description, layer_param_tensors)
 from ..pricing.device_model import SimError
@@ -24,61 +25,6 @@ from ..topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
 OVERLAPS = ("none", "oases")
-DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """A dense GPT; the sizes Megatron's flags give."""
-
-    num_layers: int
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-    """Padded vocabulary (a multiple of TP)."""
-    micro_batch: int
-    ffn: int = 0
-    """FFN size; 0 means 4 * hidden."""
-    bytes_per_element: int = 2
-    dtype: str = ""
-    """bf16 | fp16 | fp32; empty: bf16 for 2-byte elements, fp32 for 4."""
-    tied_embeddings: bool = True
-    """Input and output embeddings share one weight (Megatron's default); with PP > 1 the first
-    and last stage each hold a copy and all-reduce its gradient."""
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    """``--hidden-dropout`` / ``--attention-dropout`` (0 by default, as ``megatron-oases train``;
-    Megatron-LM's pretrain_gpt.py uses 0.1): part of the layer events' keys, since the profiler
-    runs them with the dropout."""
-    variant: LayerVariant = GPT2
-    """GPT-2's layer, or Llama-family options (GQA, SwiGLU, RMSNorm, no bias, RoPE, QK-norm)."""
-    grad_reduce_bytes: int = 4
-    """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
-    ``megatron-oases train`` always; Megatron-LM under bf16 or with
-    ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default)."""
-
-    @property
-    def grad_dtype(self) -> str:
-        """The element type of the DP gradient reduction (and the tied-embedding all-reduce)."""
-        return "fp32" if self.grad_reduce_bytes == 4 else self.dtype
-
-    def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden", "heads", "seq", "vocab", "micro_batch"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise SimError(f"model {f} must be a positive integer (got {getattr(self, f)!r})")
-        if self.ffn == 0:
-            object.__setattr__(self, "ffn", 4 * self.hidden)
-        if not self.dtype:
-            object.__setattr__(self, "dtype", "fp32" if self.bytes_per_element == 4 else "bf16")
-        for f in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, f) < 1.0:
-                raise SimError(f"model {f} must be in [0, 1) (got {getattr(self, f)!r})")
-        if self.grad_reduce_bytes not in (2, 4):
-            raise SimError(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
-        if DTYPES.get(self.dtype) != self.bytes_per_element:
-            raise SimError(f"model dtype {self.dtype!r} does not have {self.bytes_per_element}-byte elements "
-                           f"(known: {', '.join(f'{k}={v}' for k, v in DTYPES.items())})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -305,7 +251,7 @@ class StageEvents:
         return self.chunks[0].send_backward
 
 
-def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
+def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     """Validate the split; one line naming the whole product."""
     s, m = strategy, model
     if s.world_size != world_size:
@@ -321,27 +267,27 @@ def check(model: ModelConfig, strategy: Strategy, world_size: int) -> None:
         if s.num_microbatches % s.pp:
             raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
                            f"of PP {s.pp}")
-    if s.overlap == "oases" and m.micro_batch % 2:
-        raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {m.micro_batch} is odd")
+    if s.overlap == "oases" and m.micro_batch_size % 2:
+        raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {m.micro_batch_size} is odd")
     if s.overlap == "oases" and s.backend == "3d":
         raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
                        "tape for 3d); use overlap none with backend 3d")
-    if m.hidden % s.tp or m.heads % s.tp or m.ffn % s.tp or m.vocab % s.tp:
-        raise SimError(f"hidden {m.hidden}, heads {m.heads}, ffn {m.ffn}, vocab {m.vocab} "
-                       f"must be divisible by TP {s.tp}")
+    if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
+        raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
+                       f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
     if s.block_degrees is not None:
         _check_plan(m, s)
 
 
-def _check_plan(m: ModelConfig, s: Strategy) -> None:
+def _check_plan(m: GPTShape, s: Strategy) -> None:
     """A plan's block count and the batch split of each degree (replicas, then Oases sub-batches)."""
     if len(s.block_degrees) != 2 * m.num_layers:
         raise SimError(f"--oases-plan has {len(s.block_degrees)} block degrees; {m.num_layers} layers need "
                        f"{2 * m.num_layers} (attention, mlp per layer)")
     for d in set(s.block_degrees):
         need = s.tp // d * block_chains(s, d)
-        if m.micro_batch % need:
-            raise SimError(f"--oases-plan: degree-{d} blocks split the micro-batch {m.micro_batch} into {need} "
+        if m.micro_batch_size % need:
+            raise SimError(f"--oases-plan: degree-{d} blocks split the micro-batch {m.micro_batch_size} into {need} "
                            f"(replicas x sub-batches); --micro-batch-size must be a multiple of {need}")
 
 
@@ -363,25 +309,25 @@ def _compute(op: Compute, shape: str, dims) -> Event:
     return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
 
 
-def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -> list[StageEvents]:
+def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> list[StageEvents]:
     """Per-stage event lists for stage representatives (tp rank 0, dp replica 0)."""
     check(model, strategy, topo.world_size)
     s, m = strategy, model
     chains = 2 if s.overlap == "oases" else 1
-    b, e, t, vp = m.micro_batch // chains, m.bytes_per_element, s.tp, s.virtual_stages
-    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
-                              heads=m.heads, ffn=m.ffn, tp=t, bytes_per_element=e, variant=m.variant,
-                              sequence_parallel=s.sequence_parallel,
+    b, e, t, vp = m.micro_batch_size // chains, m.bytes_per_element, s.tp, s.virtual_stages
+    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
+                              variant=m.variant, sequence_parallel=s.sequence_parallel,
                               schedule="oases" if s.overlap == "oases" else "stock")
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
-    leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
+    leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
     shape, dims = _block_shape(m, s, t, chains)
     # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
-    hb = m.micro_batch
-    head_shape = f"b{hb}s{m.seq}h{m.hidden}v{m.vocab}t{t}_{m.dtype}"
+    hb = m.micro_batch_size
+    head_shape = f"b{hb}s{m.seq_length}h{m.hidden_size}v{m.padded_vocab_size}t{t}_{m.dtype}"
     head_dims = (("b", hb),) + dims[1:10]  # the layer's sizes, without dropout and executor
-    act = b * m.seq * m.hidden * e
+    act = b * m.seq_length * m.hidden_size * e
     per_chunk = m.num_layers // (s.pp * vp)
     n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
     out = []
@@ -421,8 +367,9 @@ def build_stage_events(model: ModelConfig, strategy: Strategy, topo: Topology) -
                 ends = [sum(len(p[0]) for p in bwd_parts[:4 * (j + 1)]) for j in range(per_chunk)]
             # the head around the layers (describe.head); the output layer's wgrad runs beside
             # the all-reduce of its input gradient
-            hd = head_ops(b=hb, s=m.seq, h=m.hidden, v=m.vocab, t=t, e=e, first=first, last=last,
-                          sequence_parallel=s.sequence_parallel, learned_positions=not m.variant.rotary)
+            hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e,
+                          first=first, last=last, sequence_parallel=s.sequence_parallel,
+                          learned_positions=not m.variant.rotary)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
             pre_b = [head_ev(op) for op in hd.pre_backward]
@@ -466,21 +413,21 @@ class _TensorWhere(NamedTuple):
     total_ready: int
 
 
-def _chunk_tensors(m: ModelConfig, s: Strategy, first: bool, last: bool, w: _TensorWhere) -> tuple[ChunkTensor, ...]:
+def _chunk_tensors(m: GPTShape, s: Strategy, first: bool, last: bool, w: _TensorWhere) -> tuple[ChunkTensor, ...]:
     """The chunk's parameter tensors in Megatron's registration order (embeddings, layers, final
     norm, output layer), each with where it is used and gets its gradient."""
     tied_copy = m.tied_embeddings and s.pp > 1
     out: list[ChunkTensor] = []
     if first:
-        emb = head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=True, last=False,
-                                 variant=m.variant, output_copy=False)
+        emb = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=True,
+                                 last=False, variant=m.variant, output_copy=False)
         out += [ChunkTensor(n, 0, w.total_ready, shared=tied_copy and i == 0) for i, n in enumerate(emb)]
     for i, layer in enumerate(w.layers):
         ready = w.ends[len(w.layers) - 1 - i]
         out += [ChunkTensor(n, w.starts[i], ready) for n in layer_tensors(m, s, layer)]
     if last:
-        head = head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=False, last=True,
-                                  variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
+        head = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=False,
+                                  last=True, variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
         # the output layer of a tied single-stage model is the word embedding: ready at the end
         out += [ChunkTensor(n, w.head_need, w.head_ready, shared=tied_copy and i == len(head) - 1)
                 for i, n in enumerate(head)]
@@ -505,17 +452,18 @@ def _segments(*parts: tuple) -> tuple[tuple[tuple[Event, ...], int], ...]:
     return tuple(out)
 
 
-def _block_shape(m: ModelConfig, s: Strategy, degree: int, chains: int):
+def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
     """(shape, dims) of a layer's events at ``degree`` on one of ``chains`` sub-batches of the
-    replica's share (``m.micro_batch * degree / tp``); the executor tag is the schedule's."""
-    b = m.micro_batch * degree // s.tp // chains
-    return layer_shape(b=b, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=degree, v=m.vocab, dtype=m.dtype,
+    replica's share (``m.micro_batch_size * degree / tp``); the executor tag is the schedule's."""
+    b = m.micro_batch_size * degree // s.tp // chains
+    return layer_shape(b=b, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
+                       v=m.padded_vocab_size, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
                        variant=m.variant, sequence_parallel=s.sequence_parallel)
 
 
-def _op_event(op, m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
+def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
               chains: int) -> Event:
     """One layer op at ``degree`` (TP rank 0's sub-group: the first ``degree`` TP ranks); stock
     Megatron's async input-gradient all-reduce carries its weight gradient ``beside`` it."""
@@ -524,41 +472,42 @@ def _op_event(op, m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[i
         return _compute(op, shape, dims)
     coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)
     if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
-        b = m.micro_batch * degree // s.tp
-        wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq, h=m.hidden, heads=m.heads,
-                             f=m.ffn, t=degree, e=m.bytes_per_element, variant=m.variant)
+        b = m.micro_batch_size * degree // s.tp
+        wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size,
+                             heads=m.num_attention_heads, f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
+                             variant=m.variant)
         coll = dataclasses.replace(coll, beside=_compute(wgrad, shape, dims))
     return coll
 
 
 @functools.lru_cache(maxsize=256)
-def _blocks_at(m: ModelConfig, s: Strategy, degree: int) -> dict[str, tuple[tuple, tuple]]:
+def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, tuple]]:
     """The Megatron 1-D layer at ``degree`` on one sub-batch of its replica's share, split into
     its attention and MLP blocks (``describe.planned.megatron_blocks``)."""
-    b = m.micro_batch * degree // s.tp // block_chains(s, degree)
-    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq, hidden=m.hidden,
-                              heads=m.heads, ffn=m.ffn, tp=degree, bytes_per_element=m.bytes_per_element,
-                              variant=m.variant)
+    b = m.micro_batch_size * degree // s.tp // block_chains(s, degree)
+    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+                              heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
+                              bytes_per_element=m.bytes_per_element, variant=m.variant)
     return megatron_blocks(layer)
 
 
-def _reshard_events(m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], src: int,
+def _reshard_events(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], src: int,
                     dst: int) -> tuple[list[Event], list[Event]]:
     """(forward, backward) events moving a micro-batch's hidden states from degree ``src`` to
     ``dst`` (``describe.planned.degree_reshard``): the runtime reshards the whole micro-batch,
     outside the Oases executor (one chain)."""
-    r = degree_reshard(src, dst, tp=s.tp, micro_batch=m.micro_batch, seq=m.seq, hidden=m.hidden,
+    r = degree_reshard(src, dst, tp=s.tp, micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
                        bytes_per_element=m.bytes_per_element)
     hi = max(src, dst)
-    share = m.micro_batch * hi // s.tp
-    shape = f"b{share}s{m.seq}h{m.hidden}t{hi}_{m.dtype}"
-    dims = (("b", share), ("s", m.seq), ("h", m.hidden), ("t", hi), ("dtype", m.dtype))
+    share = m.micro_batch_size * hi // s.tp
+    shape = f"b{share}s{m.seq_length}h{m.hidden_size}t{hi}_{m.dtype}"
+    dims = (("b", share), ("s", m.seq_length), ("h", m.hidden_size), ("t", hi), ("dtype", m.dtype))
     ranks = tuple(tp_ranks[i] for i in r.ranks)
     return ([_collective(op, shape, topo, ranks, dims) for op in (r.forward,) if op is not None],
             [_collective(op, shape, topo, ranks, dims) for op in (r.backward,) if op is not None])
 
 
-def _planned_chunk(m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...],
+def _planned_chunk(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...],
                    degrees: tuple[int, ...]) -> tuple[list[tuple], list[tuple]]:
     """(forward, backward) parts (events, chains, degree) of a chunk's blocks (attention, mlp,
     attention, ...) at their ``degrees``, resharded between degrees and to degree T at the
@@ -583,40 +532,42 @@ def _planned_chunk(m: ModelConfig, s: Strategy, topo: Topology, tp_ranks: tuple[
     return fwd, bwd
 
 
-def stage_param_tensors(model: ModelConfig, strategy: Strategy, stage: int) -> tuple[int, ...]:
+def stage_param_tensors(model: GPTShape, strategy: Strategy, stage: int) -> tuple[int, ...]:
     """Sizes of the parameter tensors one rank of ``stage`` holds (layers of all its chunks, then
     the word and learned position embeddings on the first stage, the final norm and the output layer on
     the last)."""
     m, s = model, strategy
     out = tuple(n for layer in stage_layers(m, s, stage) for n in layer_tensors(m, s, layer))
-    return out + head_param_tensors(v=m.vocab, h=m.hidden, seq=m.seq, t=s.tp, first=stage == 0,
+    return out + head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=stage == 0,
                                     last=stage == s.pp - 1, variant=m.variant,
                                     output_copy=s.pp > 1 or not m.tied_embeddings)
 
 
-def stage_layers(model: ModelConfig, strategy: Strategy, stage: int) -> list[int]:
+def stage_layers(model: GPTShape, strategy: Strategy, stage: int) -> list[int]:
     """The layers ``stage`` holds, chunk by chunk (chunk c is virtual stage c * pp + stage)."""
     n = model.num_layers // (strategy.pp * strategy.virtual_stages)
     return [g * n + i for c in range(strategy.virtual_stages) for g in (c * strategy.pp + stage,) for i in range(n)]
 
 
-def layer_tensors(model: ModelConfig, strategy: Strategy, layer: int) -> tuple[int, ...]:
+def layer_tensors(model: GPTShape, strategy: Strategy, layer: int) -> tuple[int, ...]:
     """``layer_param_tensors`` of one layer on TP rank 0; under a plan each tensor at the degree of
     the block it belongs to (``describe.registry.MLP_PARAM_TENSORS``)."""
     m, s = model, strategy
     degrees = (s.tp, s.tp) if s.block_degrees is None else s.block_degrees[2 * layer:2 * layer + 2]
-    at = {d: layer_param_tensors(s.backend, m.hidden, m.ffn, d, s.mesh, heads=m.heads, variant=m.variant)
+    at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.mesh, heads=m.num_attention_heads,
+                                 variant=m.variant)
           for d in set(degrees)}
     return tuple(at[degrees[1] if i in MLP_PARAM_TENSORS else degrees[0]][i] for i in range(len(at[degrees[0]])))
 
 
-def _replica_allreduce(m: ModelConfig, s: Strategy, topo: Topology, stage: int) -> tuple[Event, ...]:
+def _replica_allreduce(m: GPTShape, s: Strategy, topo: Topology, stage: int) -> tuple[Event, ...]:
     """Per degree d < T of the stage's blocks (in order of first use): the fp32 gradient sum over
     the T/d replicas of TP rank 0 (stride d), as ``layers.planned_layer.all_reduce_replica_grads``
     runs it; the q/k norms are left out (Megatron's TP reduction already sums them)."""
     if s.block_degrees is None:
         return ()
-    n_layer = len(layer_param_tensors(s.backend, m.hidden, m.ffn, s.tp, s.mesh, heads=m.heads))  # no q/k norms
+    n_layer = len(layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, s.tp, s.mesh,
+                                      heads=m.num_attention_heads))  # no q/k norms
     sizes: dict[int, int] = {}
     for layer in stage_layers(m, s, stage):
         tensors = layer_tensors(m, s, layer)[:n_layer]
@@ -632,12 +583,12 @@ def _replica_allreduce(m: ModelConfig, s: Strategy, topo: Topology, stage: int) 
     return tuple(out)
 
 
-def stage_params(model: ModelConfig, strategy: Strategy, stage: int) -> int:
+def stage_params(model: GPTShape, strategy: Strategy, stage: int) -> int:
     """Parameters one rank of ``stage`` holds (layers of all its chunks + embeddings)."""
     return sum(stage_param_tensors(model, strategy, stage))
 
 
-def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tuple[ChunkEvents, ...],
+def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple[ChunkEvents, ...],
                 chains: int) -> StageEvents:
     tensors = stage_param_tensors(m, s, st)
     params = sum(tensors)
@@ -655,10 +606,11 @@ def _stage_tail(m: ModelConfig, s: Strategy, topo: Topology, st: int, chunks: tu
             gather = _dp_gather(m, s, topo, dp_ranks, params)
     if m.tied_embeddings and s.pp > 1 and st in (0, s.pp - 1):
         pair = (s.rank(pp=0), s.rank(pp=s.pp - 1))
-        n = m.vocab * m.hidden // s.tp
+        n = m.padded_vocab_size * m.hidden_size // s.tp
         op = Collective(name="embedding.tie", kind="all_reduce", axis="pp", group_size=2,
                         payload_bytes=m.grad_reduce_bytes * n)
-        tie = _collective(op, f"v{m.vocab}h{m.hidden}t{s.tp}_{gdtype}", topo, pair, (("p", n), ("dtype", gdtype)))
+        tie = _collective(op, f"v{m.padded_vocab_size}h{m.hidden_size}t{s.tp}_{gdtype}", topo, pair,
+                          (("p", n), ("dtype", gdtype)))
     if s.optimizer_step:
         # both run tensor by tensor: the key names the tensor count, the dims carry the sizes
         tdims = (("p", params), ("sizes", tensors))
@@ -700,7 +652,7 @@ def ddp_buckets(s: Strategy, stage: int, chunk: int, tensors: tuple[ChunkTensor,
     return [tuple(b) for b in out if b[0]]
 
 
-def _dp_reduce(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
+def _dp_reduce(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
     """The DP gradient reduction of ``n`` parameters: reduce-scatter under the distributed
     optimizer, all-reduce otherwise, in the gradient-reduction dtype. Equal sizes share a key."""
     gdtype = m.grad_dtype
@@ -709,14 +661,14 @@ def _dp_reduce(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int,
     return _collective(op, f"p{n}_{gdtype}", topo, dp_ranks, (("p", n), ("dtype", gdtype)))
 
 
-def _dp_gather(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
+def _dp_gather(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], n: int) -> Event:
     """The distributed optimizer's all-gather of ``n`` updated parameters (training dtype)."""
     ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
                     payload_bytes=m.bytes_per_element * n)
     return _collective(ag, f"p{n}_{m.dtype}", topo, dp_ranks, (("p", n), ("dtype", m.dtype)))
 
 
-def _dp_bucket(m: ModelConfig, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], chunk: int, n: int,
+def _dp_bucket(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], chunk: int, n: int,
                need: int, ready: int) -> GradBucket:
     gather = _dp_gather(m, s, topo, dp_ranks, n) if s.overlap_param_gather else None
     return GradBucket(chunk=chunk, params=n, ready=ready, need=need,

@@ -21,7 +21,8 @@ import dataclasses
 from ..describe.head import head_saved_bytes
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
 from ..describe.saved import layer_saved_bytes, oases_kept_beyond_stock
-from .events import ChunkEvents, ModelConfig, StageEvents, Strategy
+from ..describe.shapes import GPTShape
+from .events import ChunkEvents, StageEvents, Strategy
 
 GiB = float(1 << 30)
 
@@ -44,40 +45,43 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def model_state_bytes(params: int, model: ModelConfig, strategy: Strategy) -> tuple[float, float, float]:
+def model_state_bytes(params: int, model: GPTShape, strategy: Strategy) -> tuple[float, float, float]:
     e = model.bytes_per_element
     shard = strategy.dp if strategy.distributed_optimizer else 1
     return e * params, float(model.grad_reduce_bytes) * params, ((4 if e == 2 else 0) + 8) * params / shard
 
 
-def chunk_activation_bytes(model: ModelConfig, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
+def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
-    kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, e=m.bytes_per_element, mesh=s.mesh)
-    full = layer_activation_bytes(s.backend, a=m.heads, f=m.ffn, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
-                                  attention_dropout=m.attention_dropout > 0, variant=m.variant, **kw)
+    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, mesh=s.mesh)
+    full = layer_activation_bytes(s.backend, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp,
+                                  hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+                                  variant=m.variant, **kw)
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     oases = s.overlap == "oases"
     saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
-    beyond = oases_kept_beyond_stock(inp, s=m.seq, h=m.hidden, a=m.heads, e=m.bytes_per_element, variant=m.variant)
+    beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                                     e=m.bytes_per_element, variant=m.variant)
     kept = full + (beyond if oases else 0.0)
     if s.sequence_parallel:
         full, saved, kept = _sp_layer_bytes(m, s)
     per_mb = n_rc * saved + (n - n_rc) * kept
     g = chunk.chunk * s.pp + chunk.stage
-    per_mb += head_saved_bytes(b=m.micro_batch, s=m.seq, h=m.hidden, v=m.vocab, t=s.tp,
+    per_mb += head_saved_bytes(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=s.tp,
                                e=m.bytes_per_element, first=g == 0,
                                last=g == s.pp * s.virtual_stages - 1, hidden_dropout=m.hidden_dropout > 0)
     return per_mb, (full if n_rc else 0.0)
 
 
-def _sp_layer_bytes(m: ModelConfig, s: Strategy) -> tuple[float, float, float]:
+def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
     """(stock inventory, kept under recompute, kept without) of one Megatron 1-D layer under
     sequence parallelism (``describe.saved.layer_saved_bytes``, CUDA kernels)."""
-    kw = dict(b=m.micro_batch, s=m.seq, h=m.hidden, a=m.heads, f=m.ffn, t=s.tp, e=m.bytes_per_element,
+    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size,
+              t=s.tp, e=m.bytes_per_element,
               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
               variant=m.variant, sequence_parallel=True)
     schedule = "oases" if s.overlap == "oases" else "stock"
@@ -86,7 +90,7 @@ def _sp_layer_bytes(m: ModelConfig, s: Strategy) -> tuple[float, float, float]:
             layer_saved_bytes(schedule=schedule, **kw))
 
 
-def stage_memory(model: ModelConfig, strategy: Strategy, stage: StageEvents,
+def stage_memory(model: GPTShape, strategy: Strategy, stage: StageEvents,
                  order: list[tuple[str, int, int]]) -> StageMemory:
     w, g, o = model_state_bytes(stage.params_per_rank, model, strategy)
     per = [chunk_activation_bytes(model, strategy, ch) for ch in stage.chunks]

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import argparse
 
-from ..describe.ops import LayerVariant
-from ..run_config import RunConfig, run_config
+from ..describe.shapes import GPTShape, variant_from_flags
+from ..run_config import RunConfig, dtype_name, run_config
 from ..topology import Topology
 from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
-from .events import ModelConfig, Strategy, build_stage_events, unique_events
+from .events import Strategy, build_stage_events, unique_events
 from .profiler import ProfileSettings, profile_events, resolve_topology
 from .timeline import SimResult, simulate
 
 
 def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None = None
-                               ) -> tuple[ModelConfig, Strategy]:
-    """Validate the trainer flags as the trainer does and map them to (ModelConfig, Strategy)."""
+                               ) -> tuple[GPTShape, Strategy]:
+    """Validate the trainer flags as the trainer does and map them to (GPTShape, Strategy)."""
     from ..parallel.dims import ConfigError
     from ..schedules.oases.options import oases_runs
     from ..train_args import validate_args, world_size_of
@@ -42,22 +42,23 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     from ..run_config import gqa_groups
 
     rope = cfg.position_embedding_type == "rope"
-    variant = LayerVariant(query_groups=gqa_groups(cfg),
-                           gated=cfg.swiglu, normalization=cfg.normalization, bias=cfg.add_bias_linear,
-                           rotary=rope, rotary_percent=cfg.rotary_percent if rope else 1.0,
-                           qk_norm=cfg.qk_layernorm)
+    variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,
+                                 add_bias_linear=cfg.add_bias_linear,
+                                 position_embedding_type=cfg.position_embedding_type,
+                                 rotary_percent=cfg.rotary_percent if rope else 1.0, qk_layernorm=cfg.qk_layernorm,
+                                 error=SimError)
     if cfg.recompute_granularity == "selective":
         raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = cfg.tp_backend
     if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
-    dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    model = ModelConfig(num_layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
-                        seq=cfg.seq_length, vocab=padded_vocab_size(cfg), micro_batch=cfg.micro_batch_size,
-                        ffn=cfg.ffn_hidden_size, bytes_per_element=2 if dtype != "fp32" else 4, dtype=dtype,
-                        tied_embeddings=not cfg.untie_embeddings_and_output_weights,
-                        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-                        variant=variant)
+    dtype = dtype_name(cfg)
+    model = GPTShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                     num_attention_heads=cfg.num_attention_heads,
+                     seq_length=cfg.seq_length, padded_vocab_size=padded_vocab_size(cfg),
+                     micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
+                     tied_embeddings=not cfg.untie_embeddings_and_output_weights,
+                     hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant)
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,

@@ -26,7 +26,8 @@ from typing import Any, Iterable
 from ..topology import Topology
 from ..pricing.device_model import ProfileDB, SimError
 from ..pricing.event import Event, group_tag
-from .events import ModelConfig, Strategy, build_stage_events, unique_events
+from ..describe.shapes import GPTShape
+from .events import Strategy, build_stage_events, unique_events
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,7 +269,7 @@ def profile_events(events: dict[str, Event], topo: Topology, settings: ProfileSe
                      sources={**{k: "measured" for k in comp_ms}, **sources}, meta=meta)
 
 
-def needed_events(model: ModelConfig, strategies: Iterable[Strategy], topo: Topology) -> dict[str, Event]:
+def needed_events(model: GPTShape, strategies: Iterable[Strategy], topo: Topology) -> dict[str, Event]:
     """The union of the unique events of several strategies (what a search needs measured)."""
     out: dict[str, Event] = {}
     for s in strategies:
@@ -277,7 +278,7 @@ def needed_events(model: ModelConfig, strategies: Iterable[Strategy], topo: Topo
     return out
 
 
-def profile_strategies(model: ModelConfig, strategies: Iterable[Strategy], topo: Topology,
+def profile_strategies(model: GPTShape, strategies: Iterable[Strategy], topo: Topology,
                        settings: ProfileSettings, existing: ProfileDB | None = None) -> ProfileDB:
     """Measure every event the strategies need (skipping those ``existing`` already has)."""
     events = needed_events(model, strategies, topo)

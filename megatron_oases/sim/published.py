@@ -38,9 +38,10 @@ def iteration_flops(model, strategy, recompute: bool) -> float:
     """FLOPs of one iteration by Megatron's formula (``recompute``: a full recompute counted too)."""
     v = model.variant
     return gpt_flops_per_iteration(
-        global_batch_size=model.micro_batch * strategy.num_microbatches * strategy.dp,
-        seq_length=model.seq, num_layers=model.num_layers, hidden_size=model.hidden,
-        num_attention_heads=model.heads, ffn_hidden_size=model.ffn, padded_vocab_size=model.vocab,
+        global_batch_size=model.micro_batch_size * strategy.num_microbatches * strategy.dp,
+        seq_length=model.seq_length, num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+        padded_vocab_size=model.padded_vocab_size,
         num_query_groups=v.query_groups, gated_mlp=v.gated, recompute=recompute)
 
 

@@ -13,7 +13,8 @@ from typing import Iterable, Sequence
 
 from ..pricing.device_model import DeviceModel, SimError
 from ..describe.cube_3d import cube_side
-from .events import ModelConfig, Strategy, check
+from ..describe.shapes import GPTShape
+from .events import Strategy, check
 from .timeline import SimResult, simulate
 
 
@@ -102,10 +103,10 @@ def _meshes(tp: int) -> list[tuple[int, int]]:
     return [(tp // d2, d2) for d2 in range(2, tp + 1) if tp % d2 == 0]
 
 
-def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
+def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     """Every point of the space, with Strategy built (or the reason it cannot be)."""
     out: list[Candidate] = []
-    tps = space.tp_sizes or _pow2_divisors(space.gpus, model.heads)
+    tps = space.tp_sizes or _pow2_divisors(space.gpus, model.num_attention_heads)
     for tp in tps:
         pps = space.pp_sizes or _pow2_divisors(space.gpus // tp if space.gpus % tp == 0 else 1, model.num_layers)
         for pp in pps:
@@ -115,10 +116,11 @@ def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
                                      reason=f"TP {tp} x PP {pp} does not divide {space.gpus} GPUs", **base))
                 continue
             dp = space.gpus // (tp * pp)
-            per = model.micro_batch * dp
+            per = model.micro_batch_size * dp
             if space.global_batch % per:
                 out.append(Candidate(dp=dp, num_microbatches=None, strategy=None, reason=(
-                    f"global batch {space.global_batch} is not divisible by micro-batch {model.micro_batch} x DP {dp}"),
+                    f"global batch {space.global_batch} is not divisible by micro-batch {model.micro_batch_size} "
+                    f"x DP {dp}"),
                     **base))
                 continue
             m = space.global_batch // per
@@ -156,7 +158,7 @@ def candidates(model: ModelConfig, space: SearchSpace) -> list[Candidate]:
     return out
 
 
-def search(model: ModelConfig, space: SearchSpace, device: DeviceModel, *,
+def search(model: GPTShape, space: SearchSpace, device: DeviceModel, *,
            memory_limit_GB: float | None = None) -> list[Candidate]:
     """Simulate every candidate; feasible ones first by iteration time, then memory-infeasible
     ones (they have a time), then the rest."""

@@ -15,7 +15,8 @@ from typing import NamedTuple
 from ..flops import gpt_flops_per_iteration
 from ..pricing.device_model import DeviceModel, SimError
 from ..pricing.event import Event
-from .events import GradBucket, ModelConfig, StageEvents, Strategy, build_stage_events, unique_events
+from ..describe.shapes import GPTShape
+from .events import GradBucket, StageEvents, Strategy, build_stage_events, unique_events
 from .contention import level_prices, place_pipeline_shared
 from .memory import GiB, StageMemory, stage_memory
 from .placement import Placement
@@ -75,7 +76,7 @@ class StageStats:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimResult:
-    model: ModelConfig
+    model: GPTShape
     strategy: Strategy
     iteration_ms: float
     stages: tuple[StageStats, ...]
@@ -417,7 +418,7 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
     return out
 
 
-def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
+def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
              memory_limit_GB: float | None = None, timeline: bool = True) -> SimResult:
     """One training iteration on ``device.topology``; memory checked against ``memory_limit_GB``
     (default: the GPU's memory; 0 disables the check). ``timeline=False`` keeps no placements
@@ -482,11 +483,11 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
         stats.append(StageStats(stage=i, rank=s.rank(pp=i), compute_ms=compute, comm_ms=comm,
                                 exposed_comm_ms=exposed, bubble_ms=iteration - compute - exposed,
                                 idle_ms=iteration - compute, memory_GB=mem[i].total / GiB))
-    global_batch = model.micro_batch * m * s.dp
-    flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq,
-                                    num_layers=model.num_layers, hidden_size=model.hidden,
-                                    num_attention_heads=model.heads, ffn_hidden_size=model.ffn,
-                                    padded_vocab_size=model.vocab)
+    global_batch = model.micro_batch_size * m * s.dp
+    flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq_length,
+                                    num_layers=model.num_layers, hidden_size=model.hidden_size,
+                                    num_attention_heads=model.num_attention_heads,
+                                    ffn_hidden_size=model.ffn_hidden_size, padded_vocab_size=model.padded_vocab_size)
     secs = iteration / 1e3
     peak = device.peak_tflops * 1e12 * s.world_size
     grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else sum(price[b.reduce.key] for b in st.grad_buckets)
@@ -495,7 +496,7 @@ def simulate(model: ModelConfig, strategy: Strategy, device: DeviceModel, *,
     return SimResult(model=model, strategy=s, iteration_ms=iteration, stages=tuple(stats),
                      bubble_fraction=sum(x.bubble_ms for x in stats) / (len(stats) * iteration),
                      exposed_comm_ms=sum(x.exposed_comm_ms for x in stats) / len(stats),
-                     tokens_per_s=global_batch * model.seq / secs, mfu=flops / (secs * peak),
+                     tokens_per_s=global_batch * model.seq_length / secs, mfu=flops / (secs * peak),
                      placements=tuple(placements), templates=templates,
                      p2p_ms=tuple(tuple(x) for x in p2p), grad_ms=grad, tail=tuple(tail),
                      unique_events=len(price), memory=mem, memory_limit_GB=limit)
