@@ -10,6 +10,7 @@ that unit the way the source counts it:
                     (``megatron_oases.flops``), with a full recompute's forward counted when the
                     source's ``flops`` is ``recompute`` (the 2021 A100 table) and not when ``model``
   s_per_iteration   the simulated iteration time
+  samples_per_gpu_s global batch / (iteration time x GPUs)
 
 Prints the table (row, source, measured, predicted, error %) and the median and max |error|, and
 writes ``<out>.csv`` and ``<out>.json``.
@@ -34,7 +35,7 @@ from megatron_oases.sim.published import (iteration_flops, script_parser, select
                                           simulate_run, write_outputs)
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
-UNITS = ("tflops_per_gpu", "s_per_iteration")
+UNITS = ("tflops_per_gpu", "s_per_iteration", "samples_per_gpu_s")
 
 
 def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
@@ -58,6 +59,9 @@ def predict_row(row: dict, sources: dict) -> dict:
     secs = r.iteration_ms / 1e3
     if row["unit"] == "s_per_iteration":
         predicted = secs
+    elif row["unit"] == "samples_per_gpu_s":
+        samples = model.micro_batch_size * strategy.num_microbatches * strategy.dp
+        predicted = samples / (secs * strategy.world_size)
     else:
         recompute = sources[row["source"]].get("flops") == "recompute"
         predicted = iteration_flops(model, strategy, recompute) / (secs * strategy.world_size) / 1e12

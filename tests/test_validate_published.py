@@ -7,6 +7,8 @@ import csv
 import json
 import os
 
+import pytest
+
 from megatron_oases.flops import gpt_flops_per_iteration
 from tests.script_modules import load_script
 
@@ -48,3 +50,18 @@ def test_recompute_flops_match_the_2021_readme_example():
               num_attention_heads=96, ffn_hidden_size=4 * 12288, padded_vocab_size=51200)
     assert round(gpt_flops_per_iteration(**kw, recompute=True) / 32 / 1024 / 1e12) == 138
     assert round(gpt_flops_per_iteration(**kw) / 32 / 1024 / 1e12) == 103
+
+
+def test_zero_bubble_row_in_samples_per_gpu_and_h100_flags(tmp_path):
+    """An independent (non-NVIDIA) row: uneven first / last stages and samples per GPU per second;
+    an H100 row with Transformer Engine, sequence parallelism and TP communication overlap."""
+    script = _script()
+    sources, rows = script.load_rows()
+    assert "zb-iclr2024" in sources and sum(r["source"] == "zb-iclr2024" for r in rows) == 12
+    zb = next(r for r in rows if r["id"] == "zb-1.5B-m24")
+    res = script.predict_row(zb, sources)
+    assert res["strategy"] == "TP1 PP8 DP1 m24" and res["unit"] == "samples_per_gpu_s"
+    assert res["predicted"] == pytest.approx(144 / (res["iteration_s"] * 8), rel=1e-2)
+    h100 = next(r for r in rows if r["id"] == "h100-70B")
+    assert h100["flags"]["tp-comm-overlap"] and h100["flags"]["transformer-impl"] == "transformer_engine"
+    assert script.predict_row(h100, sources)["predicted"] > 0

@@ -7,12 +7,16 @@ from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, back
 def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int,
                           tp: int, bytes_per_element: int = 4, sequence_parallel: bool = False,
                           keeps_gathered_input: bool = False,
-                          variant: LayerVariant = GPT2) -> LayerDescription:
+                          variant: LayerVariant = GPT2, attention_dropout: bool = False,
+                          hidden_dropout: bool = False) -> LayerDescription:
     """Megatron's TP layer: [LN, QKV, core, proj] g [LN, fc1, act, fc2] g (g = all-reduce);
     in backward the f before each block all-reduces the input gradient. ``variant``: GQA shrinks
     QKV's output to the queries plus a key and a value per group; SwiGLU doubles fc1's output
     and adds the gate's product to the element-wise work; RoPE and QK-norm each read and write
-    the rank's queries and keys (element-wise; their FLOPs are negligible).
+    the rank's queries and keys (element-wise; their FLOPs are negligible). ``attention_dropout``:
+    the dropout on the attention probabilities reads them and writes the result and a one-byte mask
+    per score (part of ``score_bytes``: a fused attention kernel keeps it on chip);
+    ``hidden_dropout``: bias-dropout-add writes a one-byte mask per element of each block's output.
 
     ``sequence_parallel`` (Megatron's ``--sequence-parallel``, :func:`sp_collectives`): norms,
     dropout and residual adds run on this rank's s/t tokens; ``keeps_gathered_input``: the column
@@ -25,15 +29,23 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     b, s, h, f, t = micro_batch, seq, hidden, ffn, tp
     act = b * s * h * bytes_per_element  # one full activation [s, b, h]
     residual = b * s * h // (t if sp else 1)  # elements a norm or residual add works on
-    ew_attn = bytes_per_element * (4 * residual + 3 * b * (heads // t) * s * s  # LN + softmax
-                                   + b * s * variant.qk_elementwise_per_token(h, heads) // t)
+    scores = b * (heads // t) * s * s
+    score_bytes = 3 * bytes_per_element * scores + ((2 * bytes_per_element + 1) * scores if attention_dropout else 0)
+    mask = residual if hidden_dropout else 0  # bias-dropout-add's one-byte mask
+    ew_attn = (bytes_per_element * (4 * residual + b * s * variant.qk_elementwise_per_token(h, heads) // t)
+               + score_bytes + mask)  # LN, residual; softmax (+ dropout) on the scores
     # LN, residual, GeLU; a gated unit reads gate and up and writes their product
-    ew_mlp = bytes_per_element * (4 * residual + (5 if variant.gated else 2) * b * s * f // t)
+    ew_mlp = bytes_per_element * (4 * residual + (5 if variant.gated else 2) * b * s * f // t) + mask
+    # kernels of Megatron's local layer in eager PyTorch (forward): attention = norm, QKV GEMM,
+    # bias, q/k/v split copies (3), scores GEMM, fused scale-mask-softmax, attention dropout,
+    # context GEMM, context transpose copy, proj GEMM, bias-dropout-add (12); mlp = norm, fc1
+    # GEMM, bias-activation, fc2 GEMM, bias-dropout-add (5). ``backward_of`` doubles them.
     attn = Compute(name="attention",
                    gemm_flops=2 * b * s * h * (variant.qkv_rows(h, heads) // t) + 2 * b * s * (h // t) * h,
-                   attention_flops=4 * b * s * s * h // t, elementwise_bytes=ew_attn)
+                   attention_flops=4 * b * s * s * h // t, elementwise_bytes=ew_attn,
+                   score_bytes=score_bytes, kernels=12)
     mlp = Compute(name="mlp", gemm_flops=2 * b * s * h * (variant.fc1_rows(f) // t) + 2 * b * s * (f // t) * h,
-                  elementwise_bytes=ew_mlp)
+                  elementwise_bytes=ew_mlp, kernels=5)
     if t == 1:
         return LayerDescription(backend="megatron", forward=(attn, mlp),
                                 backward=(backward_of(mlp), backward_of(attn)))

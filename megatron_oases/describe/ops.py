@@ -24,6 +24,12 @@ class Compute:
     """The s^2 part (QK^T and AV) on this rank, priced apart: its efficiency differs from GEMMs."""
     elementwise_bytes: float = 0.0
     """Bytes read + written by element-wise work (norms, activations, softmax, residual)."""
+    score_bytes: float = 0.0
+    """The part of ``elementwise_bytes`` that reads or writes the s x s attention scores (mask,
+    softmax, their dropout): a fused (flash) attention kernel keeps them on chip."""
+    kernels: int = 0
+    """CUDA kernels the segment launches in eager PyTorch (0: unknown, counted as 1); the device
+    model's dispatch floor (``DeviceModel.dispatch_us``)."""
 
     @property
     def flops(self) -> float:
@@ -78,7 +84,8 @@ class ModelingError(ValueError):
 def backward_of(c: Compute) -> Compute:
     """A segment's backward: dgrad + wgrad GEMMs (2x), and twice the element-wise traffic."""
     return Compute(name=f"{c.name}.bwd", gemm_flops=2 * c.gemm_flops,
-                   attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes)
+                   attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes,
+                   score_bytes=2 * c.score_bytes, kernels=2 * c.kernels)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,16 +13,19 @@ BACKENDS = ("megatron", "atp", "3d")
 def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
                       hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      schedule: str = "stock") -> LayerDescription:
+                      schedule: str = "stock", attention_dropout: bool = False,
+                      hidden_dropout: bool = False) -> LayerDescription:
     """A backend's layer; ``sequence_parallel`` only on Megatron 1-D, whose Oases tape
-    (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them."""
+    (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them.
+    The dropouts' element-wise traffic is described for Megatron 1-D only."""
     if sequence_parallel and backend != "megatron":
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
     if backend == "megatron":
         return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
                                      tp=tp, bytes_per_element=bytes_per_element, variant=variant,
                                      sequence_parallel=sequence_parallel,
-                                     keeps_gathered_input=schedule == "oases")
+                                     keeps_gathered_input=schedule == "oases",
+                                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout)
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,

@@ -37,6 +37,12 @@ class GpuSpec:
     hbm_GBps: float
     """Memory bandwidth, GB/s."""
     memory_GB: float
+    gemm_efficiency: float = 0.75
+    """Fraction of ``tensor_tflops`` the best-shaped large GEMM reaches (measured where a public
+    measurement exists, see ``GPUS``; 0.75 otherwise)."""
+    flash_attention_efficiency: float = 0.5
+    """Fraction of ``tensor_tflops`` a fused (flash) attention kernel reaches, forward + backward,
+    on the FLOPs it computes (see ``GPUS``)."""
 
 
 # Data-sheet numbers (dense; the sheets' larger "with sparsity" figures are halved back):
@@ -48,11 +54,24 @@ class GpuSpec:
 #                  fp32, 936 GB/s GDDR6X, 24 GB.
 #  A10 24GB        (NVIDIA A10 Tensor Core GPU data sheet, 2021): 125 TF fp16/bf16 tensor (250
 #                  sparse), 31.2 TF fp32, 600 GB/s GDDR6, 24 GB (DistSim §6's GPU).
+#
+# Measured efficiencies (docs/sim.md, Device model, has the full citations):
+#  gemm_efficiency: Maximum Achievable Matmul FLOPS (MAMF) over the data-sheet peak, bf16, the best
+#    shape of a brute-force shape search (S. Bekman, ml-engineering, compute/accelerator/README.md,
+#    "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 271.2 / 312 = 86.9%, H100 SXM
+#    794.5 / 989 = 80.3%. Other GPUs keep 0.75 (no measurement at hand).
+#  flash_attention_efficiency: FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract: "50-73% of
+#    the theoretical maximum FLOPs/s on A100") -> 0.50, the low end (training, forward + backward);
+#    on H100 FlashAttention-2 reaches "only 35%" (Shah et al. 2024, FlashAttention-3, arXiv
+#    2407.08608, abstract) -> 0.35. Other GPUs keep 0.5.
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(name="v100-sxm2", tensor_tflops=125.0, fp32_tflops=15.7, hbm_GBps=900.0, memory_GB=32.0),
-    GpuSpec(name="a100-40gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=1555.0, memory_GB=40.0),
-    GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0),
-    GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0),
+    GpuSpec(name="a100-40gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=1555.0, memory_GB=40.0,
+            gemm_efficiency=0.869, flash_attention_efficiency=0.50),
+    GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0,
+            gemm_efficiency=0.869, flash_attention_efficiency=0.50),
+    GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0,
+            gemm_efficiency=0.803, flash_attention_efficiency=0.35),
     GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0),
     GpuSpec(name="a10-24gb", tensor_tflops=125.0, fp32_tflops=31.2, hbm_GBps=600.0, memory_GB=24.0),
 )}
@@ -220,16 +239,33 @@ class DeviceModel:
     topology: Topology
     bytes_per_element: int = 2
     """2 -> tensor-core peak; 4 -> fp32 peak."""
-    max_gemm_efficiency: float = 0.75
+    max_gemm_efficiency: float | None = None
+    """Large-GEMM ceiling; None: the GPU's measured ``gemm_efficiency``."""
     gemm_half_ms: float = 0.01
     """A GEMM whose ideal time is this reaches half of ``max_gemm_efficiency`` (10 us)."""
     attention_efficiency: float = 0.5
     """The s^2 attention part runs at this fraction of the GEMM curve (unfused softmax path)."""
     memory_efficiency: float = 0.8
     """Fraction of HBM bandwidth element-wise kernels reach."""
+    fused_attention: bool = False
+    """Flash / Transformer Engine fused attention (``--use-flash-attn``, ``--transformer-impl
+    transformer_engine``): the s x s scores stay on chip (a compute event's ``score_bytes`` are
+    dropped), the causal mask skips the upper half of the score blocks (half the attention FLOPs
+    are computed) and what is computed runs at the GPU's ``flash_attention_efficiency``."""
+    dispatch_us: float = 5.0
+    """Host-side cost of issuing one kernel in eager PyTorch (dispatcher + CUDA launch), us. The
+    host runs ahead of the GPU, so a compute event costs max(GPU time, kernels x dispatch_us +
+    framework cost): only work too small to cover its own launches is slowed."""
+    layer_framework_us: float = 0.0
+    """Host-side framework cost per compute event (module call, hooks), us, added to the
+    dispatch floor of events that launch more than one kernel."""
     profile: ProfileDB | None = None
     """Measured times; when given, every event must be in it (``strict``) or falls back."""
     strict_profile: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_gemm_efficiency is None:
+            object.__setattr__(self, "max_gemm_efficiency", self.gpu.gemm_efficiency)
 
     @property
     def peak_tflops(self) -> float:
@@ -237,17 +273,32 @@ class DeviceModel:
 
     # ---- analytical prices ----------------------------------------------------------------
     def compute_ms(self, c: Compute) -> float:
+        """GPU time (GEMM curve + attention + element-wise), floored by the host's dispatch time."""
+        return max(self.gpu_compute_ms(c), self.dispatch_floor_ms(c))
+
+    def dispatch_floor_ms(self, c: Compute) -> float:
+        """Host time to issue the event's kernels: kernels x ``dispatch_us`` (+ the framework cost
+        for a multi-kernel segment)."""
+        k = max(1, c.kernels)
+        return (k * self.dispatch_us + (self.layer_framework_us if k > 1 else 0.0)) / 1e3
+
+    def gpu_compute_ms(self, c: Compute) -> float:
         peak_per_ms = self.peak_tflops * 1e9  # FLOP per ms
         t = 0.0
         if c.gemm_flops:
             ideal = c.gemm_flops / peak_per_ms
             t += ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
-        if c.attention_flops:
+        ew = c.elementwise_bytes
+        if c.attention_flops and self.fused_attention and self.bytes_per_element <= 2:
+            # causal: half the score blocks computed, at the fused kernel's efficiency
+            t += 0.5 * c.attention_flops / (peak_per_ms * self.gpu.flash_attention_efficiency)
+            ew -= c.score_bytes
+        elif c.attention_flops:
             ideal = c.attention_flops / peak_per_ms
             eff = self.attention_efficiency * gemm_efficiency(
                 ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
             t += ideal / eff
-        return t + c.elementwise_bytes / (self.gpu.hbm_GBps * 1e6 * self.memory_efficiency)
+        return t + ew / (self.gpu.hbm_GBps * 1e6 * self.memory_efficiency)
 
     def ring_link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(bottleneck GB/s, worst latency us) of the ring over ``ranks`` in the given order."""
@@ -324,11 +375,15 @@ class DeviceModel:
         return self.collective_ms(op.kind, op.payload_bytes, ranks)
 
     def price(self, key: str, op: Compute | Collective | None, *, kind: str, nbytes: float = 0.0,
-              ranks: tuple[int, ...] = ()) -> float:
-        """Measured time when the profile has ``key``, else the analytical one."""
+              ranks: tuple[int, ...] = (), hidden_by: Compute | None = None) -> float:
+        """Measured time when the profile has ``key``, else the analytical one; a collective
+        ``hidden_by`` a GEMM (TP communication overlap) costs only what the GEMM cannot hide."""
         if self.profile is not None and key in self.profile.events_ms:
             return float(self.profile.events_ms[key])
-        return self.analytical_ms(op, kind=kind, nbytes=nbytes, ranks=ranks)
+        t = self.analytical_ms(op, kind=kind, nbytes=nbytes, ranks=ranks)
+        if hidden_by is not None:
+            t = max(0.0, t - self.gpu_compute_ms(hidden_by))
+        return t
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,6 +30,10 @@ class Event:
     column-parallel linear launches its input-gradient all-reduce async and computes this event
     (its weight gradient) meanwhile. Not placed itself; the timeline starts the collective that
     much before the compute ends."""
+    hidden_by: "Compute | None" = None
+    """A collective that Transformer Engine's userbuffers (``--tp-comm-overlap``) pipeline with
+    this GEMM (chunk by chunk): only the part of the collective the GEMM cannot cover is exposed
+    (``DeviceModel.price``). The GEMM itself stays in its compute event."""
 
 
 def group_tag(topo: Topology, ranks: tuple[int, ...]) -> str:

@@ -93,6 +93,17 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help="with --distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=0,
                    help="parameters per DP bucket (default: Megatron's max(40M, 1M x DP))")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=0,
+                   help="layers of the first pipeline stage (default: an even share), as Megatron-Core")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=0,
+                   help="layers of the last pipeline stage (default: an even share), as Megatron-Core")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="Transformer Engine userbuffers: with --sequence-parallel, each layer's all-gather / "
+                        "reduce-scatter pipelined with the GEMM beside it")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="fused (flash) attention kernels: no s x s scores in HBM, causal blocks skipped")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="transformer_engine: Megatron-Core's TE layer, whose attention is fused (as --use-flash-attn)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (--tp-backend megatron): all-gathers and "
                         "reduce-scatters instead of all-reduces, norms and residual on s/t tokens")
@@ -177,7 +188,9 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
-                    ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel)
+                    ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
+                    tp_comm_overlap=a.tp_comm_overlap, first_stage_layers=a.decoder_first_pipeline_num_layers,
+                    last_stage_layers=a.decoder_last_pipeline_num_layers)
 
 
 def _virtual_stages(a: argparse.Namespace) -> list[int]:
@@ -289,7 +302,8 @@ def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
     if topo is None and not world:
         raise SimError("--topology local with --search needs --gpus")
     dm = device_model(topo or resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
-                      bytes_per_element=model.bytes_per_element)
+                      bytes_per_element=model.bytes_per_element,
+                      fused_attention=a.use_flash_attn or a.transformer_impl == "transformer_engine")
     return model, strategy, dm
 
 

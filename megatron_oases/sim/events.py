@@ -70,6 +70,15 @@ class Strategy:
     sequence_parallel: bool = False
     """``--sequence-parallel`` (Megatron 1-D only): the layers' and the head's SP collectives
     (``describe.megatron_1d.sp_layer``, ``describe.head``); norms and residual on s/t tokens."""
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    """Megatron-Core's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``:
+    the first / last pipeline stage holds this many layers (0: an even share), the other stages
+    split the rest evenly (no virtual stages, no ``--oases-plan``)."""
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap`` (Transformer Engine userbuffers, needs ``sequence_parallel``): each
+    layer's SP all-gather / reduce-scatter is pipelined with the GEMM beside it and exposes only
+    what that GEMM cannot hide (``Event.hidden_by``)."""
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
@@ -93,6 +102,8 @@ class Strategy:
             self._check_plan()
         if self.sequence_parallel and (self.backend != "megatron" or self.block_degrees is not None):
             raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
+        if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
+            raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
         self._check_ddp_overlap()
 
     def _check_ddp_overlap(self) -> None:
@@ -256,7 +267,11 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     s, m = strategy, model
     if s.world_size != world_size:
         raise SimError(f"TP {s.tp} x PP {s.pp} x DP {s.dp} = {s.world_size} != {world_size} GPUs")
-    if m.num_layers % s.pp:
+    if s.first_stage_layers or s.last_stage_layers:
+        if s.pp < 2 or s.virtual_stages > 1 or s.block_degrees is not None:
+            raise SimError("uneven first / last pipeline stages need PP > 1, no virtual stages and no --oases-plan")
+        stage_layer_counts(m, s)
+    elif m.num_layers % s.pp:
         raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp}")
     if s.virtual_stages > 1:
         if s.pp == 1 or s.schedule != "1f1b":
@@ -277,6 +292,29 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
                        f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
     if s.block_degrees is not None:
         _check_plan(m, s)
+
+
+def stage_layer_counts(m: GPTShape, s: Strategy) -> tuple[int, ...]:
+    """Layers per model chunk of each stage: an even split, or Megatron-Core's uneven first / last
+    stage (``first_stage_layers`` / ``last_stage_layers``) with the rest split evenly."""
+    per = m.num_layers // (s.pp * s.virtual_stages)
+    if not (s.first_stage_layers or s.last_stage_layers):
+        return (per,) * s.pp
+    first, last = s.first_stage_layers, s.last_stage_layers
+    middle = s.pp - (1 if first else 0) - (1 if last else 0)
+    rest = m.num_layers - first - last
+    if rest < 0 or (middle and (rest % middle or rest // middle < 1)) or (not middle and rest):
+        raise SimError(f"{m.num_layers} layers do not split as first {first or 'even'}, last {last or 'even'} "
+                       f"and the rest evenly over {middle} stages of PP {s.pp}")
+    even = rest // middle if middle else 0
+    counts = [even] * s.pp
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    if min(counts) < 1:
+        raise SimError(f"every pipeline stage needs a layer (counts {counts})")
+    return tuple(counts)
 
 
 def _check_plan(m: GPTShape, s: Strategy) -> None:
@@ -318,7 +356,8 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
-                              schedule="oases" if s.overlap == "oases" else "stock")
+                              schedule="oases" if s.overlap == "oases" else "stock",
+                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
@@ -328,10 +367,12 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     head_shape = f"b{hb}s{m.seq_length}h{m.hidden_size}v{m.padded_vocab_size}t{t}_{m.dtype}"
     head_dims = (("b", hb),) + dims[1:10]  # the layer's sizes, without dropout and executor
     act = b * m.seq_length * m.hidden_size * e
-    per_chunk = m.num_layers // (s.pp * vp)
-    n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
+    counts = stage_layer_counts(m, s)
     out = []
     for st in range(s.pp):
+        per_chunk = counts[st]
+        n_rc = 0 if not s.recompute else min(s.recompute_layers, per_chunk) if s.recompute_layers else per_chunk
+        offset = sum(counts[:st])  # the stage's first layer (vp = 1 when counts are uneven)
         tp_ranks = tuple(s.rank(tp=i, pp=st) for i in range(t))
 
         def ev(op):
@@ -389,7 +430,8 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
             fwd_segs = _segments((pre_f, 1), *fwd_parts, (post_f, 1))
             bwd_segs = _segments((pre_b, 1), *bwd_parts, (post_b, 1))
             n_f, n_b = (sum(len(evs) for evs, _ in segs) for segs in (fwd_segs, bwd_segs))
-            where = _TensorWhere(layers=[g * per_chunk + i for i in range(per_chunk)],
+            base = g * per_chunk if vp > 1 else offset
+            where = _TensorWhere(layers=[base + i for i in range(per_chunk)],
                                  starts=[len(pre_f) + x for x in starts], ends=[len(pre_b) + x for x in ends],
                                  head_need=n_f - len(post_f), head_ready=len(pre_b), total_ready=n_b)
             chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk, forward_segments=fwd_segs,
@@ -471,6 +513,8 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     if isinstance(op, Compute):
         return _compute(op, shape, dims)
     coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)
+    if s.tp_comm_overlap and (gemm := _ub_gemm(op.name, m, degree)) is not None:
+        return dataclasses.replace(coll, key=coll.key + "~ub", hidden_by=gemm)
     if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
         b = m.micro_batch_size * degree // s.tp
         wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size,
@@ -480,6 +524,24 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     return coll
 
 
+def _ub_gemm(name: str, m: GPTShape, t: int) -> Compute | None:
+    """The GEMM Transformer Engine's userbuffers pipeline an SP collective with
+    (``--tp-comm-overlap``): forward, the input all-gather with the column GEMM (QKV, fc1) and the
+    output reduce-scatter with the row GEMM (proj, fc2); backward, the output gradient's
+    all-gather with the row input-gradient GEMM and the input re-gather with the column one. The
+    input gradient's reduce-scatter already runs beside the weight gradient (``beside``)."""
+    block, _, what = name.partition(".")
+    if block not in ("attention", "mlp") or what not in ("ag", "rs", "rs.bwd", "ag.wgrad"):
+        return None
+    b, sq, h, v, f = m.micro_batch_size, m.seq_length, m.hidden_size, m.variant, m.ffn_hidden_size
+    if block == "attention":
+        col, row = 2 * b * sq * h * (v.qkv_rows(h, m.num_attention_heads) // t), 2 * b * sq * (h // t) * h
+    else:
+        col, row = 2 * b * sq * h * (v.fc1_rows(f) // t), 2 * b * sq * (f // t) * h
+    flops = col if what in ("ag", "ag.wgrad") else row
+    return Compute(name=f"{name}.ub_gemm", gemm_flops=float(flops))
+
+
 @functools.lru_cache(maxsize=256)
 def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, tuple]]:
     """The Megatron 1-D layer at ``degree`` on one sub-batch of its replica's share, split into
@@ -487,7 +549,8 @@ def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, 
     b = m.micro_batch_size * degree // s.tp // block_chains(s, degree)
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
-                              bytes_per_element=m.bytes_per_element, variant=m.variant)
+                              bytes_per_element=m.bytes_per_element, variant=m.variant,
+                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0)
     return megatron_blocks(layer)
 
 
@@ -545,6 +608,9 @@ def stage_param_tensors(model: GPTShape, strategy: Strategy, stage: int) -> tupl
 
 def stage_layers(model: GPTShape, strategy: Strategy, stage: int) -> list[int]:
     """The layers ``stage`` holds, chunk by chunk (chunk c is virtual stage c * pp + stage)."""
+    if strategy.first_stage_layers or strategy.last_stage_layers:
+        counts = stage_layer_counts(model, strategy)
+        return list(range(sum(counts[:stage]), sum(counts[:stage + 1])))
     n = model.num_layers // (strategy.pp * strategy.virtual_stages)
     return [g * n + i for c in range(strategy.virtual_stages) for g in (c * strategy.pp + stage,) for i in range(n)]
 

@@ -302,7 +302,8 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
     uniq = unique_events(stages)
     if device.profile is not None and device.strict_profile:
         device.profile.require(list(uniq))
-    return {k: device.price(k, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks) for k, e in uniq.items()}
+    return {k: device.price(k, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks, hidden_by=e.hidden_by)
+            for k, e in uniq.items()}
 
 
 def events_done(t: Template, segments: tuple[tuple[tuple[Event, ...], int], ...], n: int) -> float:
