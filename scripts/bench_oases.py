@@ -17,6 +17,10 @@ TP communication takes about as long as compute, and measures the median step ti
                alone, back to back, same sizes
 
 The perfect-overlap bound is max(compute, comm) (max(compute-sp, comm-sp) for the -sp variants).
+The comm rows also measure interference: the same collectives beside a second thread that
+multiplies a layer-sized GEMM without pause (``comm_slowdown``: their time then over alone;
+``gemm_slowdown``: the GEMM's time per call beside them over alone). On cores shared with
+gloo's threads both exceed 1, and max(compute, comm) is not reachable.
 Prints a table, writes CSV and JSON. ``peak_mem_mb`` is the process's peak RSS on CPU (the
 weights, the optimizer and the Python runtime included); ``oases_saved_mb`` what the Oases
 executor kept between forward and backward for one micro-batch.
@@ -91,6 +95,8 @@ def comm_only_main(argv: list[str]) -> None:
         p.add_argument(f, type=int)
     p.add_argument("--out")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--hidden", type=int, default=0,
+                   help="also measure the interference with a GEMM of this hidden size")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     n = dist.get_world_size()
@@ -114,9 +120,56 @@ def comm_only_main(argv: list[str]) -> None:
         for k in range(a.count):
             one(k)
         times.append((time.perf_counter() - t0) * 1e3)
+    result = {"comm_ms": statistics.median(times)}
+    if a.hidden:
+        result.update(_interference(one, a, result["comm_ms"]))
     if dist.get_rank() == 0:
-        json.dump({"comm_ms": statistics.median(times)}, open(a.out, "w"))
+        json.dump(result, open(a.out, "w"))
     dist.destroy_process_group()
+
+
+def _interference(one, a, comm_ms: float) -> dict:
+    """Measured interference of communication and compute on one rank: the same collectives
+    run back to back while a second thread multiplies ``[tokens, h] x [h, h]`` matrices (a
+    layer's GEMM) without pause. Returns the collectives' time then (``comm_busy_ms``), the
+    GEMM's time per call alone and beside them, and both slowdowns."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(a.elements // a.hidden, a.hidden)
+    w = torch.randn(a.hidden, a.hidden)
+
+    def gemms(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.matmul(x, w)
+        return (time.perf_counter() - t0) * 1e3 / k
+
+    gemms(5)
+    alone = statistics.median(gemms(20) for _ in range(3))
+    stop, done = threading.Event(), []
+
+    def busy() -> None:
+        n, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            torch.matmul(x, w)
+            n += 1
+        done.append(((time.perf_counter() - t0) * 1e3, n))
+
+    dist.barrier()
+    thread = threading.Thread(target=busy)
+    thread.start()
+    t0 = time.perf_counter()
+    for k in range(a.count):
+        one(k)
+    busy_ms = (time.perf_counter() - t0) * 1e3
+    stop.set()
+    thread.join()
+    gemm_busy = done[0][0] / max(done[0][1], 1)
+    return {"comm_busy_ms": busy_ms, "comm_slowdown": busy_ms / comm_ms, "gemm_ms": alone,
+            "gemm_busy_ms": gemm_busy, "gemm_slowdown": gemm_busy / alone}
 
 
 def bench_tp(a, tp: int, workdir: str) -> list[dict]:
@@ -147,15 +200,19 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
         out = os.path.join(workdir, f"tp{tp}-{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--elements",
                str(a.seq * sub * a.hidden), "--count", str(count), "--repeats", str(a.iters),
-               "--out", out] + extra
+               "--out", out, "--hidden", str(a.hidden)] + extra
         if topo is None:
             from megatron_oases.runtime.spawn import run_on_ranks
 
             run_on_ranks(_comm_only_spawned, tp, args=(cmd[3:],), timeout_s=a.timeout)
         else:
             run_ranks(cmd, tp, a, topo)
-        rows.append({"tp": tp, "variant": name, "step_ms": json.load(open(out))["comm_ms"]})
-        print(f"  tp={tp} {name:9s} {rows[-1]['step_ms']:9.1f} ms", flush=True)
+        got = json.load(open(out))
+        rows.append({"tp": tp, "variant": name, "step_ms": got["comm_ms"],
+                     **{k: v for k, v in got.items() if k != "comm_ms"}})
+        print(f"  tp={tp} {name:9s} {rows[-1]['step_ms']:9.1f} ms; beside a GEMM loop "
+              f"{got['comm_busy_ms']:.1f} ms (x{got['comm_slowdown']:.2f}), the GEMM "
+              f"x{got['gemm_slowdown']:.2f}", flush=True)
     return rows
 
 
@@ -207,14 +264,15 @@ def main(argv=None) -> int:
             rows += bench_tp(a, tp, work)
     rows = summarize(rows)
     cols = ["tp", "variant", "step_ms", "speedup_vs_stock", "speedup_vs_stock_sp", "over_bound", "peak_mem_mb",
-            "oases_saved_mb", "loss"]
+            "oases_saved_mb", "loss", "comm_slowdown", "gemm_slowdown"]
     print(f"\n{'Llama-style, ' if a.llama else ''}hidden {a.hidden}, layers {a.layers}, seq {a.seq}, micro-batch {a.micro_batch} x "
           f"{a.micro_batches}, link {a.link_GBps} GB/s{' (NOT emulated)' if a.no_emulate else ''}")
     print(" | ".join(f"{c:>15s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{fmt(r.get(c)):>15s}" for c in cols))
     with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "wall_s"], extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "wall_s", "comm_busy_ms", "gemm_ms",
+                                                 "gemm_busy_ms"], extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     with open(a.out + ".json", "w", encoding="utf-8") as f:
