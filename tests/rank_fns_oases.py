@@ -92,9 +92,8 @@ def oases_state_at(argv: list[str]):
     return blocks, tr.config.recompute_granularity
 
 
-def collectives_by_tag_and_kind(argv: list[str]):
-    """One training step under a CommCounter: ``{(tag, kind): (calls, payload sizes)}`` of the
-    collectives the Oases executor issued on this rank (tag "" forward/backward, "recompute")."""
+def _one_step_records(argv: list[str]):
+    """The ``CommCounter`` records of one training step of the trainer built from ``argv``."""
     from megatron_oases.parallel.collectives import CommCounter
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
@@ -102,29 +101,29 @@ def collectives_by_tag_and_kind(argv: list[str]):
     tr = setup(build_parser().parse_args(argv))
     with CommCounter() as counter:
         train_step(tr, 1)
+    return counter.records
+
+
+def _calls_and_sizes(records, key) -> dict:
     out: dict = {}
-    for r in counter.records:
-        calls, sizes = out.get((r.tag, r.kind), (0, set()))
-        out[(r.tag, r.kind)] = (calls + 1, sizes | {r.payload_bytes})
+    for r in records:
+        calls, sizes = out.get(key(r), (0, set()))
+        out[key(r)] = (calls + 1, sizes | {r.payload_bytes})
     return out
+
+
+def collectives_by_tag_and_kind(argv: list[str]):
+    """One training step under a CommCounter: ``{(tag, kind): (calls, payload sizes)}`` of the
+    collectives the Oases executor issued on this rank (tag "" forward/backward, "recompute")."""
+    return _calls_and_sizes(_one_step_records(argv), lambda r: (r.tag, r.kind))
 
 
 def all_collectives_of_one_step(argv: list[str]):
     """Every collective of one training step on this rank, ours and Megatron's own (embedding,
     loss, linears, gradients): ``{(kind, group size): (calls, payload sizes)}``."""
-    from megatron_oases.parallel.collectives import CommCounter, watch_torch_distributed
+    from megatron_oases.parallel.collectives import watch_torch_distributed
     from tests.rank_fns_contract import _rebind_megatron_collectives
 
     watch_torch_distributed()
     _rebind_megatron_collectives()
-    from megatron_oases.train import setup, train_step
-    from megatron_oases.train_args import build_parser
-
-    tr = setup(build_parser().parse_args(argv))
-    with CommCounter() as counter:
-        train_step(tr, 1)
-    out: dict = {}
-    for r in counter.records:
-        calls, sizes = out.get((r.kind, r.group_size), (0, set()))
-        out[(r.kind, r.group_size)] = (calls + 1, sizes | {r.payload_bytes})
-    return out
+    return _calls_and_sizes(_one_step_records(argv), lambda r: (r.kind, r.group_size))
