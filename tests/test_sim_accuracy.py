@@ -81,6 +81,23 @@ def test_sibling_groups_and_levels():
     assert busy_levels(s) == [4, 8] and busy_levels(Strategy(tp=2)) == [2]
 
 
+def test_sibling_groups_inside_the_tp_group():
+    """A 3-D cube line or an ATP mesh row / column is one of a partition of the TP group: the
+    trainer runs the collective on every line at once, so the profiler must too."""
+    from megatron_oases.describe.registry import axis_ranks
+
+    cube = Strategy(tp=8, backend="3d")
+    tp_ranks = tuple(range(8))
+    for axis, lines in (("cube_z", {(0, 1), (2, 3), (4, 5), (6, 7)}), ("cube_x", {(0, 2), (1, 3), (4, 6), (5, 7)}),
+                        ("cube_y", {(0, 4), (1, 5), (2, 6), (3, 7)})):
+        assert set(sibling_groups(axis_ranks(axis, tp_ranks, None), cube)) == lines
+    assert sibling_groups(tp_ranks, cube) == (tp_ranks,)
+    mesh = Strategy(tp=4, dp=2, backend="atp", mesh=(2, 2))  # two replicas of a 2 x 2 mesh
+    for axis in ("mesh1", "mesh2"):
+        groups = sibling_groups(axis_ranks(axis, (0, 1, 2, 3), (2, 2)), mesh)
+        assert len(groups) == 4 and sorted(r for g in groups for r in g) == list(range(8))
+
+
 def test_plan_and_merge():
     s = Strategy(tp=2, pp=2, num_microbatches=2)
     topo = local_topology(4)

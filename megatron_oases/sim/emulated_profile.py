@@ -47,19 +47,30 @@ def coords(rank: int, s: Strategy) -> tuple[int, int, int]:
 
 def sibling_groups(ranks: tuple[int, ...], s: Strategy) -> tuple[tuple[int, ...], ...]:
     """The groups that run the same collective as ``ranks`` at the same time in the trainer: the
-    group shifted along the TP and DP axes on which its ranks agree (never along PP: other stages
-    run other events). ``ranks`` itself comes first."""
+    group shifted along the TP and DP axes on which its ranks agree, and for a group inside the TP
+    group (the 3-D cube's lines, the ATP mesh's rows or columns) the other lines of its partition
+    (never along PP: other stages run other events). ``ranks`` itself comes first."""
     cs = [coords(r, s) for r in ranks]
     tp_const = len({c[0] for c in cs}) == 1
     dp_const = len({c[1] for c in cs}) == 1
-    out = [tuple(ranks)]
-    for dt in range(s.tp if tp_const else 1):
+    out, used = [tuple(ranks)], set(ranks)
+    for dt in range(s.tp):
         for dd in range(s.dp if dp_const else 1):
             if dt == dd == 0:
                 continue
-            g = tuple(s.rank(tp=(c[0] + dt) % s.tp, dp=(c[1] + dd) % s.dp, pp=c[2]) for c in cs)
+            if tp_const:
+                g = tuple(s.rank(tp=(c[0] + dt) % s.tp, dp=(c[1] + dd) % s.dp, pp=c[2]) for c in cs)
+            else:  # a line inside the TP group (a cube axis, an ATP mesh row / column): the other
+                # lines of the same partition are its translates that stay inside the group and
+                # share no rank with the lines already taken
+                if any(c[0] + dt >= s.tp for c in cs):
+                    continue
+                g = tuple(s.rank(tp=c[0] + dt, dp=(c[1] + dd) % s.dp, pp=c[2]) for c in cs)
+                if used & set(g):
+                    continue
             if g not in out:
                 out.append(g)
+                used |= set(g)
     return tuple(out)
 
 
