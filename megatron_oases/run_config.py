@@ -209,3 +209,14 @@ def dtype_name(args) -> str:
     """The run's element type as ``describe.shapes.GPTShape.dtype`` names it: bf16 with ``--bf16``,
     fp16 with ``--fp16``, else fp32."""
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+def mesh_search_shape(args, pp: int):
+    """The model ATP's mesh search prices for ``--atp-mesh auto`` (trainer and Megatron-LM paths):
+    one pipeline stage's layers at the run's micro-batch, sequence and element type."""
+    from megatron_oases.describe.shapes import GPTShape
+
+    cfg = run_config(args)
+    return GPTShape(hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // pp, 1),
+                    num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
+                    seq_length=cfg.seq_length, dtype=dtype_name(cfg))

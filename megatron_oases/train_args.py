@@ -9,8 +9,8 @@ import argparse
 import os
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, dtype_name, gqa_groups, megatron_ffn_hidden_size,
-                                       run_config)
+from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
+                                       mesh_search_shape, run_config)
 
 TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
@@ -417,7 +417,6 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
             raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
                               "priced on), or pass --atp-mesh D1,D2")
         from megatron_oases.describe.ops import ModelingError
-        from megatron_oases.describe.shapes import GPTShape
         from megatron_oases.plan.atp_mesh import MeshError, search_mesh
         from megatron_oases.plan.mesh_cli import pick_summary
         from megatron_oases.topology import TopologyError, load_topology
@@ -427,9 +426,7 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
         try:
-            shape = GPTShape(hidden_size=args.hidden_size, num_layers=args.num_layers // dims.pp,
-                             num_attention_heads=args.num_attention_heads, micro_batch_size=args.micro_batch_size,
-                             seq_length=args.seq_length, dtype=dtype_name(args))
+            shape = mesh_search_shape(args, dims.pp)
             choice = search_mesh(topology, dims.tp, shape,
                                  min_gain=run_config(args).atp_min_gain)
         except (MeshError, ModelingError) as exc:

@@ -25,7 +25,7 @@ import sys
 from typing import Callable
 
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import RunConfig, dtype_name, megatron_ffn_hidden_size, run_config
+from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, mesh_search_shape, run_config
 
 PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
 """``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
@@ -259,15 +259,11 @@ def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
         raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the mesh search "
                           "prices); or pass D1,D2 from `megatron-oases mesh`")
     from megatron_oases.describe.ops import ModelingError
-    from megatron_oases.describe.shapes import GPTShape
     from megatron_oases.plan.atp_mesh import MeshError, search_mesh
 
     cfg = run_config(args)
     try:
-        choice = search_mesh(cfg.topology, dims.tp, GPTShape(
-            hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // dims.pp, 1),
-            num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
-            seq_length=cfg.seq_length, dtype=dtype_name(cfg)))
+        choice = search_mesh(cfg.topology, dims.tp, mesh_search_shape(cfg, dims.pp))
     except (MeshError, ModelingError) as exc:
         raise ConfigError(f"--atp-mesh auto: {exc}") from None
     if os.environ.get("RANK", "0") == "0":
