@@ -16,6 +16,8 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
 """
 from __future__ import annotations
 
+import itertools
+
 import dataclasses
 
 from ..describe.head import head_saved_bytes
@@ -94,15 +96,13 @@ def stage_memory(model: GPTShape, strategy: Strategy, stage: StageEvents,
                  order: list[tuple[str, int, int]]) -> StageMemory:
     w, g, o = model_state_bytes(stage.params_per_rank, model, strategy)
     per = [chunk_activation_bytes(model, strategy, ch) for ch in stage.chunks]
-    live = [0] * len(per)
-    cur = peak = 0.0
-    alive = most = 0
-    for phase, c, _ in order:
-        step = 1 if phase == "F" else -1
-        live[c] += step
-        alive += step
-        cur += step * per[c][0]
-        peak, most = max(peak, cur), max(most, alive)
+    # running sums over the order (a forward stores its chunk's activations, a backward frees
+    # them): the peak of the bytes held and of the micro-batches in flight; accumulate keeps the
+    # loop in C (searches walk thousands of long orders)
+    steps = [1 if phase == "F" else -1 for phase, _, _ in order]
+    held = [per[c][0] if phase == "F" else -per[c][0] for phase, c, _ in order]
+    most = max(0, max(itertools.accumulate(steps), default=0))
+    peak = max(0.0, max(itertools.accumulate(held), default=0.0))
     working = max((wk for _, wk in per), default=0.0)
     return StageMemory(stage=stage.stage, weights=w, grads=g, optimizer=o, activations=peak + working,
                        in_flight=most)

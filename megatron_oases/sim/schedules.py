@@ -49,16 +49,8 @@ def schedule_order(schedule: str, stage: int, pp: int, m: int, vp: int = 1, grou
     table = schedule_table(m, vp, g)
     total = m * vp
     warm = warmup_count(stage, pp, m, vp, g)
-
-    def fwd(k: int) -> tuple[str, int, int]:
-        mb, c = table[k]
-        return ("F", c, mb)
-
-    def bwd(k: int) -> tuple[str, int, int]:
-        mb, c = table[k]
-        return ("B", vp - 1 - c, mb)
-
-    order = [fwd(k) for k in range(warm)]
-    for k in range(total - warm):
-        order += [fwd(k + warm), bwd(k)]
-    return order + [bwd(k) for k in range(total - warm, total)]
+    fwd = [("F", c, mb) for mb, c in table]
+    bwd = [("B", vp - 1 - c, mb) for mb, c in table]
+    steady = [None] * (2 * (total - warm))  # one forward, one backward, ...
+    steady[0::2], steady[1::2] = fwd[warm:], bwd[:total - warm]
+    return fwd[:warm] + steady + bwd[total - warm:]
