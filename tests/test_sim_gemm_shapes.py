@@ -59,3 +59,33 @@ def test_quantization_slows_the_gemm_by_its_utilisation():
     assert dm.gpu_compute_ms(Compute(name="g", gemm_flops=c.gemm_flops)) == flat.gpu_compute_ms(c)
     a10 = device_model(topo("a10-24gb"))
     assert a10.gemm_utilisation(c.gemms) == 1.0
+
+
+def test_nccl_efficiency_slows_a_ring_and_p2p():
+    def two_level(eff_nv, eff_ib):
+        return Topology(name="t", device="h100-sxm", levels=(
+            Level(name="nvswitch", size=8, scope="intra_node", p2p_bandwidth_GBps=450,
+                  group_bandwidth_GBps=450, latency_us=0.0, nccl_efficiency=eff_nv),
+            Level(name="ib", size=2, scope="inter_node", p2p_bandwidth_GBps=400,
+                  group_bandwidth_GBps=400, latency_us=0.0, nccl_efficiency=eff_ib)))
+    dm, raw = device_model(two_level(0.822, 0.94)), device_model(two_level(None, None))
+    S = 1e9
+    node = tuple(range(8))
+    # all-reduce over one node's 8 GPUs: 2 (n-1)/n S at 450 x 0.822 GB/s
+    assert raw.collective_ms("all_reduce", S, node) == pytest.approx(2 * 7 / 8 * S / 450e6)
+    assert dm.collective_ms("all_reduce", S, node) == pytest.approx(2 * 7 / 8 * S / (450e6 * 0.822))
+    # a DP ring of one GPU per node: an eighth of the node's NICs, at 0.94 of their rate
+    dp = (0, 8)
+    assert dm.collective_ms("all_gather", S, dp) == pytest.approx(0.5 * S / (400e6 / 8 * 0.94))
+    assert dm.p2p_ms(S, 0, 8) == pytest.approx(S / (400e6 * 0.94))
+    assert dm.p2p_ms(S, 0, 1) == pytest.approx(S / (450e6 * 0.822))
+
+
+def test_shipped_dgx_topologies_carry_nccl_efficiency():
+    from megatron_oases.topology import load_topology
+    a100, h100 = load_topology("dgx-a100-hdr8"), load_topology("dgx-h100-ndr8")
+    assert [lv.nccl_efficiency for lv in a100.levels] == [0.667, 0.91]
+    assert [lv.nccl_efficiency for lv in h100.levels] == [0.822, 0.94]
+    with pytest.raises(Exception, match="nccl_efficiency"):
+        Level(name="x", size=2, scope="intra_node", p2p_bandwidth_GBps=1, group_bandwidth_GBps=1,
+              nccl_efficiency=1.5)

@@ -365,8 +365,15 @@ class DeviceModel:
         lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
         if cal is not None:
             return cal, lat
-        return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) for a, b in pairs),
-                   default=math.inf), lat
+        return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) * self.nccl_efficiency(a, b)
+                    for a, b in pairs), default=math.inf), lat
+
+    def nccl_efficiency(self, a: int, b: int) -> float:
+        """The fraction of the link rate NCCL achieves between two ranks (the crossed level's
+        ``nccl_efficiency``, measured nccl-tests bus bandwidth over the link rate; 1 if unset)."""
+        level = link_level(self.topology, a, b)
+        eff = self.topology.levels[level].nccl_efficiency if level >= 0 else None
+        return 1.0 if eff is None else eff
 
     def nic_share(self, ranks: tuple[int, ...], a: int, b: int) -> float:
         """The part of an inter-node link's bandwidth one ring over ``ranks`` gets.
@@ -416,7 +423,8 @@ class DeviceModel:
     def p2p_ms(self, nbytes: float, src: int, dst: int) -> float:
         if src == dst:
             return 0.0
-        return nbytes / (self.link_bandwidth(src, dst) * 1e6) + self.topology.link_latency(src, dst) / 1e3
+        return (nbytes / (self.link_bandwidth(src, dst) * self.nccl_efficiency(src, dst) * 1e6)
+                + self.topology.link_latency(src, dst) / 1e3)
 
     def analytical_ms(self, op: Compute | Collective | None, *, kind: str, nbytes: float,
                       ranks: tuple[int, ...]) -> float:
