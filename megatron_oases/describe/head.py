@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .megatron_1d import output_wgrad
-from .ops import GPT2, Collective, Compute, LayerVariant
+from .ops import GPT2, Collective, Compute, LayerVariant, backward_gemms
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,11 +53,13 @@ def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, las
         logits_flops = 2 * b * s * h * v / t
         ce_bytes = 4 * b * s * (v // t) * e
         ops["post_forward"] = (
-            Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes),
+            Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes,
+                    gemms=((b * s, v // t, h),)),
             *tp(Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
                            payload_bytes=3 * b * s * 4)))
         ops["pre_backward"] = (
-            Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes),
+            Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes,
+                    gemms=backward_gemms(((b * s, v // t, h),))),
             *tp(Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
                            payload_bytes=act)))
         ops["output_wgrad"] = output_wgrad(b=b, s=s, h=h, v=v, t=t, e=e)

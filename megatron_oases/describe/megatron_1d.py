@@ -40,12 +40,15 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     # bias, q/k/v split copies (3), scores GEMM, fused scale-mask-softmax, attention dropout,
     # context GEMM, context transpose copy, proj GEMM, bias-dropout-add (12); mlp = norm, fc1
     # GEMM, bias-activation, fc2 GEMM, bias-dropout-add (5). ``backward_of`` doubles them.
+    # GEMMs (M, N, K) on the rank's b*s tokens (the whole sequence: SP gathers it first)
+    attn_gemms = ((b * s, variant.qkv_rows(h, heads) // t, h), (b * s, h, h // t))  # QKV, proj
+    mlp_gemms = ((b * s, variant.fc1_rows(f) // t, h), (b * s, h, f // t))  # fc1, fc2
     attn = Compute(name="attention",
                    gemm_flops=2 * b * s * h * (variant.qkv_rows(h, heads) // t) + 2 * b * s * (h // t) * h,
                    attention_flops=4 * b * s * s * h // t, elementwise_bytes=ew_attn,
-                   score_bytes=score_bytes, kernels=12)
+                   score_bytes=score_bytes, kernels=12, gemms=attn_gemms)
     mlp = Compute(name="mlp", gemm_flops=2 * b * s * h * (variant.fc1_rows(f) // t) + 2 * b * s * (f // t) * h,
-                  elementwise_bytes=ew_mlp, kernels=5)
+                  elementwise_bytes=ew_mlp, kernels=5, gemms=mlp_gemms)
     if t == 1:
         return LayerDescription(backend="megatron", forward=(attn, mlp),
                                 backward=(backward_of(mlp), backward_of(attn)))
@@ -107,11 +110,12 @@ def output_wgrad(*, b: int, s: int, h: int, v: int, t: int, e: int) -> Compute:
     """The weight gradient of the output layer (``[v/t, h]``, no bias) alone."""
     out = v // t
     return Compute(name=OUTPUT_ASYNC_DGRAD["logits.f.bwd"], gemm_flops=2.0 * b * s * h * out,
-                   elementwise_bytes=e * (b * s * (h + out) + h * out))
+                   elementwise_bytes=e * (b * s * (h + out) + h * out), gemms=((out, h, b * s),))
 
 
 def column_wgrad(event: str, *, b: int, s: int, h: int, heads: int, f: int, t: int, e: int,
                  variant: LayerVariant = GPT2) -> Compute:
     """The weight gradient of a Megatron block's column-parallel linear (QKV or fc1) alone."""
     out = variant.qkv_rows(h, heads) // t if event == "attention.wgrad" else variant.fc1_rows(f) // t
-    return Compute(name=event, gemm_flops=2.0 * b * s * h * out, elementwise_bytes=e * (b * s * (h + out) + h * out))
+    return Compute(name=event, gemm_flops=2.0 * b * s * h * out, elementwise_bytes=e * (b * s * (h + out) + h * out),
+                   gemms=((out, h, b * s),))

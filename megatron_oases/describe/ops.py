@@ -30,6 +30,10 @@ class Compute:
     kernels: int = 0
     """CUDA kernels the segment launches in eager PyTorch (0: unknown, counted as 1); the device
     model's dispatch floor (``DeviceModel.dispatch_us``)."""
+    gemms: tuple[tuple[int, int, int], ...] = ()
+    """The segment's GEMMs as ``(M, N, K)``: an ``M x N`` output reduced over ``K`` (2 M N K
+    FLOPs each; together ``gemm_flops``). Empty: shapes unknown (the device model then prices
+    ``gemm_flops`` without tile / wave quantization)."""
 
     @property
     def flops(self) -> float:
@@ -81,11 +85,17 @@ class ModelingError(ValueError):
     """A description, price or simulation that cannot be made; one line naming the cause."""
 
 
+def backward_gemms(gemms: tuple[tuple[int, int, int], ...]) -> tuple[tuple[int, int, int], ...]:
+    """The backward GEMMs of forward ``(M, N, K)`` GEMMs (``Y[M, N] = X[M, K] W``): per GEMM the
+    input gradient ``dX[M, K]`` (reduced over N) and the weight gradient ``dW[N, K]`` (over M)."""
+    return tuple(g for m, n, k in gemms for g in ((m, k, n), (n, k, m)))
+
+
 def backward_of(c: Compute) -> Compute:
     """A segment's backward: dgrad + wgrad GEMMs (2x), and twice the element-wise traffic."""
     return Compute(name=f"{c.name}.bwd", gemm_flops=2 * c.gemm_flops,
                    attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes,
-                   score_bytes=2 * c.score_bytes, kernels=2 * c.kernels)
+                   score_bytes=2 * c.score_bytes, kernels=2 * c.kernels, gemms=backward_gemms(c.gemms))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,10 @@ class GpuSpec:
     flash_attention_efficiency: float = 0.5
     """Fraction of ``tensor_tflops`` a fused (flash) attention kernel reaches, forward + backward,
     on the FLOPs it computes (see ``GPUS``)."""
+    sms: int | None = None
+    """Streaming multiprocessors (from the architecture whitepaper): one GEMM output tile runs
+    on one SM at a time, so a GEMM's tiles run in ceil(tiles / sms) waves (``gemm_quantization``).
+    None: unknown, no tile / wave quantization."""
 
 
 # Data-sheet numbers (dense; the sheets' larger "with sparsity" figures are halved back):
@@ -64,15 +68,20 @@ class GpuSpec:
 #    the theoretical maximum FLOPs/s on A100") -> 0.50, the low end (training, forward + backward);
 #    on H100 FlashAttention-2 reaches "only 35%" (Shah et al. 2024, FlashAttention-3, arXiv
 #    2407.08608, abstract) -> 0.35. Other GPUs keep 0.5.
+#  sms (streaming multiprocessors): V100 80 (NVIDIA Tesla V100 GPU Architecture whitepaper,
+#    2017), A100 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020; the figure NVIDIA's
+#    "Matrix Multiplication Background User's Guide" uses for wave quantization), H100 SXM5 132
+#    (NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022), RTX 3090 82 (GA102 whitepaper,
+#    appendix A). A10: not listed here (no source at hand), no quantization.
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec(name="v100-sxm2", tensor_tflops=125.0, fp32_tflops=15.7, hbm_GBps=900.0, memory_GB=32.0),
+    GpuSpec(name="v100-sxm2", tensor_tflops=125.0, fp32_tflops=15.7, hbm_GBps=900.0, memory_GB=32.0, sms=80),
     GpuSpec(name="a100-40gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=1555.0, memory_GB=40.0,
-            gemm_efficiency=0.869, flash_attention_efficiency=0.50),
+            gemm_efficiency=0.869, flash_attention_efficiency=0.50, sms=108),
     GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0,
-            gemm_efficiency=0.869, flash_attention_efficiency=0.50),
+            gemm_efficiency=0.869, flash_attention_efficiency=0.50, sms=108),
     GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0,
-            gemm_efficiency=0.803, flash_attention_efficiency=0.35),
-    GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0),
+            gemm_efficiency=0.803, flash_attention_efficiency=0.35, sms=132),
+    GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0, sms=82),
     GpuSpec(name="a10-24gb", tensor_tflops=125.0, fp32_tflops=31.2, hbm_GBps=600.0, memory_GB=24.0),
 )}
 
@@ -108,6 +117,38 @@ def gemm_efficiency(ideal_ms: float, *, max_efficiency: float, half_ms: float) -
     if ideal_ms <= 0:
         return max_efficiency
     return max_efficiency * ideal_ms / (ideal_ms + half_ms)
+
+
+GEMM_TILES: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((256, 128), (128, 256)), ((128, 128),), ((256, 64), (64, 256)), ((128, 64), (64, 128)), ((64, 64),))
+"""cuBLAS's typical tensor-core output tile sizes, most efficient (largest) first, as NVIDIA's
+"Matrix Multiplication Background User's Guide" (section "Typical Tile Dimensions In cuBLAS And
+Performance") lists them; each entry holds a size and its transpose."""
+
+
+@functools.lru_cache(maxsize=65536)
+def gemm_quantization(m: int, n: int, sms: int) -> float:
+    """Fraction of a GEMM's tile-slots that hold useful output: tile and wave quantization.
+
+    An ``m x n`` output is cut into tiles (the last row / column of tiles partly empty: tile
+    quantization) and the tiles run ``sms`` at a time (the last wave partly idle: wave
+    quantization), NVIDIA's "Matrix Multiplication Background User's Guide", chapter "Dimension
+    Quantization Effects". The tile is the largest of ``GEMM_TILES`` whose tiles fill at least
+    one wave (the guide: larger tiles are more efficient, smaller ones give a small problem more
+    parallelism), the better-filled of its two orientations; the smallest tile when none fills a
+    wave. Returns m n / (waves x sms x tile area), in (0, 1]."""
+    if m <= 0 or n <= 0 or sms <= 0:
+        return 1.0
+    for sizes in GEMM_TILES:
+        best = 0.0
+        fills = False
+        for tm, tn in sizes:
+            tiles = -(-m // tm) * -(-n // tn)
+            fills = fills or tiles >= sms
+            best = max(best, m * n / (-(-tiles // sms) * sms * tm * tn))
+        if fills or sizes is GEMM_TILES[-1]:
+            return best
+    return 1.0  # unreachable
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -252,6 +293,9 @@ class DeviceModel:
     transformer_engine``): the s x s scores stay on chip (a compute event's ``score_bytes`` are
     dropped), the causal mask skips the upper half of the score blocks (half the attention FLOPs
     are computed) and what is computed runs at the GPU's ``flash_attention_efficiency``."""
+    gemm_quantization: bool = True
+    """Tile and wave quantization of GEMMs whose shapes the description gives
+    (``Compute.gemms``, :func:`gemm_quantization`); needs the GPU's SM count."""
     dispatch_us: float = 5.0
     """Host-side cost of issuing one kernel in eager PyTorch (dispatcher + CUDA launch), us. The
     host runs ahead of the GPU, so a compute event costs max(GPU time, kernels x dispatch_us +
@@ -286,7 +330,7 @@ class DeviceModel:
         peak_per_ms = self.peak_tflops * 1e9  # FLOP per ms
         t = 0.0
         if c.gemm_flops:
-            ideal = c.gemm_flops / peak_per_ms
+            ideal = c.gemm_flops / peak_per_ms / self.gemm_utilisation(c.gemms)
             t += ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
         ew = c.elementwise_bytes
         if c.attention_flops and self.fused_attention and self.bytes_per_element <= 2:
@@ -300,6 +344,16 @@ class DeviceModel:
             t += ideal / eff
         return t + ew / (self.gpu.hbm_GBps * 1e6 * self.memory_efficiency)
 
+    def gemm_utilisation(self, gemms: tuple[tuple[int, int, int], ...]) -> float:
+        """FLOP-weighted tile / wave utilisation of a segment's GEMMs (1 where shapes or the SM
+        count are unknown): the segment's GEMM time at peak is divided by it."""
+        sms = self.gpu.sms
+        if not gemms or not sms or not self.gemm_quantization:
+            return 1.0
+        flops = sum(m * n * k for m, n, k in gemms)
+        slots = sum(m * n * k / gemm_quantization(m, n, sms) for m, n, k in gemms)
+        return flops / slots if slots > 0 else 1.0
+
     def ring_link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(bottleneck GB/s, worst latency us) of the ring over ``ranks`` in the given order."""
         cal = self.topology.calibrated_allreduce(ranks)
@@ -311,8 +365,15 @@ class DeviceModel:
         lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
         if cal is not None:
             return cal, lat
-        return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) for a, b in pairs),
-                   default=math.inf), lat
+        return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) * self.nccl_efficiency(a, b)
+                    for a, b in pairs), default=math.inf), lat
+
+    def nccl_efficiency(self, a: int, b: int) -> float:
+        """The fraction of the link rate NCCL achieves between two ranks (the crossed level's
+        ``nccl_efficiency``, measured nccl-tests bus bandwidth over the link rate; 1 if unset)."""
+        level = link_level(self.topology, a, b)
+        eff = self.topology.levels[level].nccl_efficiency if level >= 0 else None
+        return 1.0 if eff is None else eff
 
     def nic_share(self, ranks: tuple[int, ...], a: int, b: int) -> float:
         """The part of an inter-node link's bandwidth one ring over ``ranks`` gets.
@@ -362,7 +423,8 @@ class DeviceModel:
     def p2p_ms(self, nbytes: float, src: int, dst: int) -> float:
         if src == dst:
             return 0.0
-        return nbytes / (self.link_bandwidth(src, dst) * 1e6) + self.topology.link_latency(src, dst) / 1e3
+        return (nbytes / (self.link_bandwidth(src, dst) * self.nccl_efficiency(src, dst) * 1e6)
+                + self.topology.link_latency(src, dst) / 1e3)
 
     def analytical_ms(self, op: Compute | Collective | None, *, kind: str, nbytes: float,
                       ranks: tuple[int, ...]) -> float:

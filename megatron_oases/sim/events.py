@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 from ..describe.head import head_ops, head_param_tensors
@@ -534,12 +535,14 @@ def _ub_gemm(name: str, m: GPTShape, t: int) -> Compute | None:
     if block not in ("attention", "mlp") or what not in ("ag", "rs", "rs.bwd", "ag.wgrad"):
         return None
     b, sq, h, v, f = m.micro_batch_size, m.seq_length, m.hidden_size, m.variant, m.ffn_hidden_size
-    if block == "attention":
-        col, row = 2 * b * sq * h * (v.qkv_rows(h, m.num_attention_heads) // t), 2 * b * sq * (h // t) * h
-    else:
-        col, row = 2 * b * sq * h * (v.fc1_rows(f) // t), 2 * b * sq * (f // t) * h
-    flops = col if what in ("ag", "ag.wgrad") else row
-    return Compute(name=f"{name}.ub_gemm", gemm_flops=float(flops))
+    # the column linear's output features and the row linear's input features on this rank
+    out = v.qkv_rows(h, m.num_attention_heads) // t if block == "attention" else v.fc1_rows(f) // t
+    inner = h // t if block == "attention" else f // t
+    gemm = {"ag": (b * sq, out, h),  # column forward
+            "rs": (b * sq, h, inner),  # row forward
+            "rs.bwd": (b * sq, inner, h),  # row input gradient
+            "ag.wgrad": (b * sq, h, out)}[what]  # column input gradient
+    return Compute(name=f"{name}.ub_gemm", gemm_flops=2.0 * math.prod(gemm), gemms=(gemm,))
 
 
 @functools.lru_cache(maxsize=256)

@@ -80,6 +80,10 @@ class Level:
     p2p_matrix_GBps: tuple[tuple[float, ...], ...] | None = None
     """Optional ``size x size`` per-pair bandwidths overriding the uniform p2p value (0 on the
     diagonal; 0 off the diagonal means no direct link, e.g. non-neighbours on a torus ring)."""
+    nccl_efficiency: float | None = None
+    """Optional fraction of this level's link bandwidth NCCL achieves (measured nccl-tests bus
+    bandwidth over the link rate); the analytical device model prices collectives and P2P
+    crossing the level at ``bandwidth x nccl_efficiency``. None: 1 (the link rate)."""
 
     def __post_init__(self) -> None:
         _text("name", self.name, optional=False)
@@ -93,6 +97,9 @@ class Level:
                   f"({self.group_bandwidth_GBps!r} < {self.p2p_bandwidth_GBps!r}): a unit reaches all peers at least as fast as one")
         if not _is_number(self.latency_us) or self.latency_us < 0:
             _fail("latency_us", f"must be a number >= 0 (got {self.latency_us!r})")
+        if self.nccl_efficiency is not None and (not _is_number(self.nccl_efficiency)
+                                                 or not 0 < self.nccl_efficiency <= 1):
+            _fail("nccl_efficiency", f"must be a number in (0, 1] (got {self.nccl_efficiency!r})")
         if self.p2p_matrix_GBps is not None:
             object.__setattr__(self, "p2p_matrix_GBps", self._checked_matrix(self.p2p_matrix_GBps))
 
