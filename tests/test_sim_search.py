@@ -68,3 +68,13 @@ def test_cli_search(tmp_path: Path, capsys):
     assert "feasible; best" in text and "memory" in text and out.is_file()
     assert sim_main(argv[:4] + ["32"] + argv[5:]) == 2
     assert "error: --gpus 32 but topology '2node-ib' describes 16 GPUs" in capsys.readouterr().err
+
+
+def test_worker_processes_give_the_serial_ranking():
+    """The search spreads its simulations over processes; the table must not depend on that."""
+    space = SearchSpace(gpus=16, global_batch=64)
+    dm = device_model(load_topology("2node-ib"))
+    serial = search(MODEL, space, dm, memory_limit_GB=6.0, jobs=1)
+    forked = search(MODEL, space, dm, memory_limit_GB=6.0, jobs=2)
+    assert len([c for c in serial if c.strategy is not None]) >= 16  # enough to use the workers
+    assert write_csv(forked) == write_csv(serial)

@@ -377,7 +377,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
         tp_ranks = tuple(s.rank(tp=i, pp=st) for i in range(t))
 
         def ev(op):
-            return _op_event(op, m, s, topo, tp_ranks, t, chains)
+            return _op_event(op, m, s, topo, tp_ranks, t, chains, (shape, dims))
 
         def head_ev(op):
             if isinstance(op, Compute):
@@ -507,10 +507,11 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
 
 
 def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
-              chains: int) -> Event:
+              chains: int, shape_dims: tuple | None = None) -> Event:
     """One layer op at ``degree`` (TP rank 0's sub-group: the first ``degree`` TP ranks); stock
-    Megatron's async input-gradient all-reduce carries its weight gradient ``beside`` it."""
-    shape, dims = _block_shape(m, s, degree, chains)
+    Megatron's async input-gradient all-reduce carries its weight gradient ``beside`` it.
+    ``shape_dims``: ``_block_shape(m, s, degree, chains)`` when the caller has it."""
+    shape, dims = shape_dims or _block_shape(m, s, degree, chains)
     if isinstance(op, Compute):
         return _compute(op, shape, dims)
     coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)

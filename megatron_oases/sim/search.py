@@ -5,9 +5,11 @@ same one-line ``SimError`` a single simulation gives), memory, or missing profil
 """
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import dataclasses
 import io
+import multiprocessing
 import os
 from typing import Iterable, Sequence
 
@@ -158,24 +160,58 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     return out
 
 
+_WORK: tuple | None = None
+"""(model, device, memory limit) of the search in progress: forked workers inherit it."""
+
+
+def _simulate_one(strategy: Strategy) -> tuple[SimResult | None, str]:
+    """One candidate's result without its per-chunk templates (a ranking needs the totals; the
+    templates are 80% of a 128-stage result's bytes, which the workers send back)."""
+    model, device, limit = _WORK
+    try:
+        r = simulate(model, strategy, device, memory_limit_GB=limit, timeline=False)
+    except SimError as e:
+        return None, str(e)
+    return dataclasses.replace(r, templates=()), ""
+
+
+def _simulate_all(strategies: list[Strategy], model: GPTShape, device: DeviceModel, limit: float | None,
+                  jobs: int | None) -> list[tuple[SimResult | None, str]]:
+    """``(result, error)`` per strategy, in order. Each simulation is pure Python on one core, and
+    a 3,072-GPU space has hundreds with up to PP x micro-batches = 65k pipeline ops each, so
+    ``jobs`` processes (default: the CPU count; forked, where the platform forks) share them."""
+    global _WORK
+    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    _WORK = (model, device, limit)
+    try:
+        if jobs <= 1 or len(strategies) < 16 or not fork:
+            return [_simulate_one(st) for st in strategies]
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            return list(pool.map(_simulate_one, strategies, chunksize=max(1, len(strategies) // (8 * jobs))))
+    finally:
+        _WORK = None
+
+
 def search(model: GPTShape, space: SearchSpace, device: DeviceModel, *,
-           memory_limit_GB: float | None = None) -> list[Candidate]:
-    """Simulate every candidate; feasible ones first by iteration time, then memory-infeasible
-    ones (they have a time), then the rest."""
+           memory_limit_GB: float | None = None, jobs: int | None = None) -> list[Candidate]:
+    """Simulate every candidate (in ``jobs`` processes, default the CPU count); feasible ones
+    first by iteration time, then memory-infeasible ones (they have a time), then the rest."""
     if device.topology.world_size != space.gpus:
         raise SimError(f"--gpus {space.gpus} but topology {device.topology.name!r} describes "
                        f"{device.topology.world_size} GPUs")
+    cands = candidates(model, space)
+    outcomes = iter(_simulate_all([c.strategy for c in cands if c.strategy is not None], model, device,
+                                  memory_limit_GB, jobs))
     done: list[Candidate] = []
-    for c in candidates(model, space):
+    for c in cands:
         if c.strategy is None:
             done.append(c)
             continue
-        try:
-            r = simulate(model, c.strategy, device, memory_limit_GB=memory_limit_GB, timeline=False)
-        except SimError as e:
-            done.append(dataclasses.replace(c, reason=str(e)))
-            continue
-        done.append(dataclasses.replace(c, result=r, reason=r.infeasible_reason))
+        r, error = next(outcomes)
+        done.append(dataclasses.replace(c, reason=error) if r is None
+                    else dataclasses.replace(c, result=r, reason=r.infeasible_reason))
 
     def order(c: Candidate):
         if c.feasible:

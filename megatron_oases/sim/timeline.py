@@ -10,6 +10,7 @@ a second while the expanded trace (``sim.trace``) stays exact.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import NamedTuple
 
 from ..flops import gpt_flops_per_iteration
@@ -246,7 +247,7 @@ def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tupl
     pp = len(orders)
     vp = len(dur[0])
     last = pp * vp - 1
-    m_all = 1 + max((m for o in orders for _, _, m in o), default=0)
+    m_all = 1 + max((max(map(operator.itemgetter(2), o), default=0) for o in orders), default=0)
     end_f = [[-1.0] * m_all for _ in range(last + 1)]  # end time per virtual stage and micro-batch
     end_b = [[-1.0] * m_all for _ in range(last + 1)]
     send = [p2p[g % pp][g // pp] for g in range(last + 1)]
@@ -257,8 +258,9 @@ def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tupl
         s = todo.pop()
         queued[s] = False
         order, ds = orders[s], dur[s]
-        while pos[s] < len(order):
-            phase, c, m = order[pos[s]]
+        n, p, fr = len(order), pos[s], free[s]  # locals: this loop runs pp x m x vp times per search strategy
+        while p < n:
+            phase, c, m = order[p]
             g = c * pp + s
             if phase == "F":
                 if g == 0:
@@ -268,9 +270,9 @@ def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tupl
                     if dep < 0:
                         break
                     dep += send[g - 1][0]
-                start = free[s] if free[s] > dep else dep
+                start = fr if fr > dep else dep
                 end_f[g][m] = e = start + ds[c][0]
-                free[s] = e + send[g][0]  # Megatron waits on its sends
+                fr = e + send[g][0]  # Megatron waits on its sends
                 nxt = (g + 1) % pp
             else:
                 if g == last:
@@ -282,16 +284,17 @@ def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tupl
                     if dep < 0:
                         break
                     dep += send[g + 1][1]
-                start = free[s] if free[s] > dep else dep
+                start = fr if fr > dep else dep
                 end_b[g][m] = e = start + ds[c][1]
-                free[s] = e + send[g][1]
+                fr = e + send[g][1]
                 nxt = (g - 1) % pp
             if record:
                 out.append(Placement(s, phase, m, start, e, c))
-            pos[s] += 1
+            p += 1
             if not queued[nxt] and nxt != s:  # the stage this op may unblock
                 queued[nxt] = True
                 todo.append(nxt)
+        pos[s], free[s] = p, fr
     if any(pos[s] < len(orders[s]) for s in range(pp)):
         raise SimError("pipeline schedule deadlocks: no stage can start its next micro-batch")
     return out, free
