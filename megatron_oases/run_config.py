@@ -177,8 +177,7 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
         return args
 
     def present(names: tuple[str, ...]) -> dict[str, Any]:
-        values = {name: getattr(args, name, _MISSING) for name in names}
-        return {name: value for name, value in values.items() if value is not _MISSING}
+        return options_present(args, names)
 
     return RunConfig(**present(FLAT_FIELDS),
                      megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
@@ -220,3 +219,10 @@ def mesh_search_shape(args, pp: int):
     return GPTShape(hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // pp, 1),
                     num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
                     seq_length=cfg.seq_length, dtype=dtype_name(cfg))
+
+
+def options_present(args, names) -> dict[str, Any]:
+    """The named options a namespace has (by its parser's dest names), and their values: how
+    Megatron-LM's own options are read where a table names them (the refused-options check)."""
+    values = {name: getattr(args, name, _MISSING) for name in names}
+    return {name: value for name, value in values.items() if value is not _MISSING}

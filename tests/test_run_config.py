@@ -14,11 +14,9 @@ from megatron_oases.run_config import (DEFAULTS, FLAT_FIELDS, MegatronLMOptions,
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "megatron_oases"
 NAMESPACE_NAMES = {"args", "a", "view", "ns", "namespace"}
-EXEMPT = {
-    # (file, function): reason
-    ("megatron_lm/options.py", "refusal"):
-        "walks REFUSED, a table of Megatron-LM's own option names, over Megatron-LM's namespace "
-        "to refuse the ones a build cannot honour; those options are not run configuration",
+EXEMPT: dict[tuple[str, str], str] = {
+    # (file, function): reason -- none: Megatron-LM's own options named in a table are read
+    # through run_config.options_present
 }
 
 

@@ -243,11 +243,14 @@ def refusal(args: argparse.Namespace, defaults: dict | None, what: str) -> str |
     ``defaults``: Megatron-LM's parser defaults (dest -> default); without them (a namespace
     not from Megatron-LM's parser) an option counts as set when it is truthy.
     """
+    from megatron_oases.run_config import options_present
+
     builds = builds_of(args)
+    values = options_present(args, REFUSED)
     for name, (flag, refused_by) in REFUSED.items():
-        if not (builds & refused_by) or not hasattr(args, name):
+        if not (builds & refused_by) or name not in values:
             continue
-        value = getattr(args, name)
+        value = values[name]
         set_ = (value != defaults[name]) if defaults and name in defaults else bool(value)
         if set_:
             return (f"{what} builds its own layers and does not support {flag}; drop one of "
