@@ -13,6 +13,11 @@ if ROOT not in sys.path:
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
+# The suite runs CPU ranks on gloo. On a machine with a GPU the trainer would pick CUDA + NCCL,
+# and NCCL refuses two ranks on one GPU (seen on a one-GPU H200): hide the GPUs before anything
+# initialises CUDA, so the suite runs there as it does on CPU (docs/gpu.md, scripts/gpu_check.sh).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def max_rel_diff(a, b) -> float:
     """max |a - b| / max(|b|, tiny) over paired floats (or tensors, element-wise on the max norm)."""

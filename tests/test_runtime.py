@@ -139,6 +139,22 @@ def test_forkserver_preloads_do_not_initialise_cuda():
     assert "cuda initialisations: 0" in out.stdout
 
 
+def test_ranks_start_in_fresh_interpreters_where_cuda_is_present(monkeypatch):
+    """With CUDA present the launcher spawns each rank (a forkserver's preloads leave it unsafe
+    to fork, seen on an H200); without, ranks fork from the preloaded forkserver. The spawned
+    path must run the same rank functions."""
+    import torch
+
+    from megatron_oases.runtime import spawn
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert spawn.start_method() == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert spawn.start_method() == "forkserver"
+    monkeypatch.setattr(spawn, "start_method", lambda: "spawn")
+    assert spawn.run_on_ranks(rank_fns.env_rank, 2, timeout_s=120) == [(0, 2), (1, 2)]
+
+
 def test_upstream_optimizer_type_checks_the_cpu_layer_answers_are_unchanged():
     """``cuda_type_names`` answers ``param.type()`` inside two Megatron optimizer constructors
     (Megatron-Core 0.16). Fail loudly if upstream changes where the parameters come from or how

@@ -151,7 +151,7 @@ def test_timeline_invariants(strat: Strategy):
 @pytest.mark.parametrize("tp,pp,mb", [(2, 1, 2), (4, 2, 4), (8, 2, 2), (8, 1, 8)])
 def test_oases_never_slower_with_linear_costs(tp: int, pp: int, mb: int):
     """With costs linear in batch (no GEMM overhead, no dispatch floor, no latency) halving is free, so overlap only helps."""
-    dm = device_model(topo(lat=0.0), gemm_half_ms=0.0, dispatch_us=0.0)  # no per-kernel floor either
+    dm = device_model(topo(lat=0.0), gemm_half_ms=0.0, dispatch_us=0.0, layer_framework_us=0.0)  # no host floor either
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
                      micro_batch_size=mb)
     times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, overlap=ov),

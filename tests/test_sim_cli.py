@@ -101,7 +101,8 @@ def test_predict_maps_rope_and_qk_norm_into_the_variant():
 def test_sim_prices_llama_variants_from_flags(capsys):
     """GQA shrinks QKV (fewer FLOPs), SwiGLU adds a third MLP matrix (more)."""
     base = ["--topology", "dgx-a100", *MODEL, "--tp", "8", "--num-attention-heads", "32",
-            "--hidden-size", "4096", "--ffn-hidden-size", "11008"]
+            "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+            "--seq-length", "2048"]  # per-rank work above the host's per-event floor
     times = {}
     for name, extra in (("gpt", []), ("gqa", ["--group-query-attention", "--num-query-groups", "8"]),
                         ("swiglu", ["--swiglu"]),

@@ -35,12 +35,12 @@ def test_tiny_workload_gets_the_dispatch_floor():
 
 
 def test_a_profile_overrides_the_floor():
-    dm = device_model(topo(), dispatch_us=50.0)
+    dm = device_model(topo(), dispatch_us=50.0, layer_framework_us=0.0)
     key = "compute:attention[x]"
     tiny = Compute(name="attention", gemm_flops=1e3, kernels=12)
     assert dm.price(key, tiny, kind="compute") == pytest.approx(0.6)
     prof = ProfileDB(device="gpu", events_ms={key: 0.002})
-    assert device_model(topo(), dispatch_us=50.0, profile=prof).price(key, tiny, kind="compute") == 0.002
+    assert device_model(topo(), dispatch_us=50.0, layer_framework_us=0.0, profile=prof).price(key, tiny, kind="compute") == 0.002
 
 
 def test_measured_gemm_ceilings_and_fused_attention():

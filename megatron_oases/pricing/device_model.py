@@ -296,13 +296,19 @@ class DeviceModel:
     gemm_quantization: bool = True
     """Tile and wave quantization of GEMMs whose shapes the description gives
     (``Compute.gemms``, :func:`gemm_quantization`); needs the GPU's SM count."""
-    dispatch_us: float = 5.0
+    dispatch_us: float = 9.0
     """Host-side cost of issuing one kernel in eager PyTorch (dispatcher + CUDA launch), us. The
     host runs ahead of the GPU, so a compute event costs max(GPU time, kernels x dispatch_us +
-    framework cost): only work too small to cover its own launches is slowed."""
-    layer_framework_us: float = 0.0
-    """Host-side framework cost per compute event (module call, hooks), us, added to the
-    dispatch floor of events that launch more than one kernel."""
+    framework cost): only work too small to cover its own launches is slowed. Measured on an
+    H200 host (torch 2.11: 9.5 and 8.6 us an in-place add, two runs; ``scripts/gpu_measure.py``,
+    docs/gpu.md)."""
+    layer_framework_us: float = 660.0
+    """Host-side framework cost per compute event (module call, hooks, autograd), us, added to
+    the dispatch floor of events that launch more than one kernel. Measured: Megatron-Core's
+    local layer at hidden 256, sequence 256 on an H200 (host-bound), each of its four events
+    (attention / MLP, forward / backward) minus its kernels x ``dispatch_us``, two runs: 330 to
+    1,120 us, mean 660 (``scripts/gpu_measure.py --what tiny``, docs/gpu.md). Transformer
+    Engine's layers were not measured (not installed there)."""
     profile: ProfileDB | None = None
     """Measured times; when given, every event must be in it (``strict``) or falls back."""
     strict_profile: bool = True

@@ -1,8 +1,9 @@
 """Run a Python function on N local ranks (gloo on CPU, NCCL on GPU) and collect per-rank results.
 
 Used by the tests (multi-rank parity on a 2-core machine), by ``megatron-oases train
---nproc-per-node`` and by benchmarks. Ranks start from a forkserver that has imported torch and
-Megatron once, so N ranks do not pay N imports. The first failing rank takes the others down
+--nproc-per-node`` and by benchmarks. Without CUDA, ranks start from a forkserver that has imported
+torch and Megatron once, so N ranks do not pay N imports; with CUDA each rank is a fresh
+interpreter (``start_method``). The first failing rank takes the others down
 with it. Two kinds of deadline: ``timeout_s`` bounds the whole run (tests: a hang fails in
 seconds), ``stall_timeout_s`` bounds the time since a rank last called ``report_progress()``
 (training: a healthy run may last days, a rank that stops making progress is named).
@@ -90,6 +91,19 @@ def _rank_main(fn, args, kwargs, env: _RankEnv, results, progress):
         pass
 
 
+def start_method() -> str:
+    """``forkserver`` where torch sees no CUDA device, ``spawn`` where it does.
+
+    Seen on an H200 (torch 2.11, Megatron-Core 0.16.1): every rank forked from the forkserver
+    failed at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess"), CPU ranks
+    too (torch's Adam asks CUDA whether a graph is being captured): the preloaded imports query
+    CUDA, and torch marks a process that did unsafe to fork. A fresh interpreter per rank has
+    nothing to inherit."""
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs=None,
                  timeout_s: float | None = 120.0, env: dict | None = None,
                  stall_timeout_s: float | None = None) -> list[Any]:
@@ -103,8 +117,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     ``_START_S`` more). Raises ``RankFailure``
     with every rank's traceback and the state of the ranks that had not finished.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     # Until a rank starts (forkserver start-up, imports) it gets _START_S on top of the stall.
     progress = ctx.Array("d", [time.monotonic() + _START_S] * world_size, lock=False)

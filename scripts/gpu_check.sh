@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The first checks on a lent GPU, in one call (docs/gpu.md, "What a first GPU run should check").
+#
+#   bash scripts/gpu_check.sh            # OUT=<folder> (default /tmp/gpu_check), BUDGET_S=330
+#
+# On a machine with one or more CUDA GPUs and torch there; megatron-core / pulp wheels in .whl/
+# are installed to /tmp/site first when present (the device machine has no package index).
+# Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
+# to $OUT/check.log, one line per step to $OUT/summary.txt, JSON results into $OUT/results.tar.gz:
+#   env       GPU, torch, megatron-core
+#   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
+#             and the same stock run on CPU; losses compared at the end
+#   tp2-*     with 8 GPUs: stock vs Oases TP 2 (fp32), Oases with sequence parallelism, ATP (2,2)
+#             vs stock TP 4, 3-D TP 8 (NCCL)
+#   measure   scripts/gpu_measure.py: GEMM shapes, dispatch cost and layer events vs the model
+#   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+BUDGET_S=${BUDGET_S:-330}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT/json"
+LOG=$OUT/check.log
+SUMMARY=$OUT/summary.txt
+: >"$LOG"; : >"$SUMMARY"
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
+  local name=$1 limit=$2; shift 2
+  if [ "$(left)" -lt 15 ]; then echo "$name skipped (budget)" >>"$SUMMARY"; return 1; fi
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  echo "=== $name ($(date +%T), limit ${limit}s): $*" >>"$LOG"
+  local s; s=$(date +%s)
+  timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - s ))s" >>"$SUMMARY"
+  return $rc
+}
+
+TRAIN=($PY -m megatron_oases.cli train --num-layers 2 --hidden-size 256 --num-attention-heads 8
+  --seq-length 128 --max-position-embeddings 128 --vocab-size 1024 --micro-batch-size 4
+  --global-batch-size 8 --train-iters 4 --seed 1234 --dist-timeout 60)
+train() {  # train NAME NPROC DEVICE FLAGS...
+  local name=$1 n=$2 dev=$3; shift 3
+  step "$name" 90 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/$name.json" "$@"
+}
+
+step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+
+
+RECOMP=(--recompute-granularity full --recompute-method uniform)
+train tp1-stock 1 cuda "${RECOMP[@]}"
+train tp1-oases 1 cuda --schedule oases "${RECOMP[@]}"
+train tp1-stock-cpu 1 cpu "${RECOMP[@]}"
+train tp1-oases-bf16 1 cuda --schedule oases --bf16
+train tp1-stock-bf16 1 cuda --bf16
+
+# Multi-rank steps need a GPU per rank: NCCL 2.28 refuses two ranks on one GPU ("invalid usage",
+# seen on an H200 on 2026-11-26).
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" -ge 8 ]; then
+  train tp2-stock 2 cuda --tensor-model-parallel-size 2
+  train tp2-oases 2 cuda --tensor-model-parallel-size 2 --schedule oases "${RECOMP[@]}"
+  train tp2-oases-sp 2 cuda --tensor-model-parallel-size 2 --schedule oases --sequence-parallel
+  train tp4-stock 4 cuda --tensor-model-parallel-size 4
+  train tp4-atp22 4 cuda --tensor-model-parallel-size 4 --tp-backend atp --atp-mesh 2,2 --atp-chunks 2
+  train tp8-3d 8 cuda --tensor-model-parallel-size 8 --tp-backend 3d
+fi
+
+step compare 30 $PY - "$OUT/json" <<'EOF'
+import json, os, sys
+d = sys.argv[1]
+runs = {f[:-5]: [json.loads(l) for l in open(os.path.join(d, f)) if l.strip()] for f in sorted(os.listdir(d)) if f.endswith(".json")}
+for name, rs in runs.items():
+    print(f"{name:16s} losses {[round(r['lm_loss'], 6) for r in rs]} step_ms {[round(r['step_ms'], 1) for r in rs]}")
+pairs = [("tp1-oases", "tp1-stock"), ("tp1-stock-cpu", "tp1-stock"), ("tp1-oases-bf16", "tp1-stock-bf16"),
+         ("tp2-stock", "tp1-stock"), ("tp2-oases", "tp2-stock"), ("tp2-oases-sp", "tp2-stock"),
+         ("tp4-stock", "tp1-stock"), ("tp4-atp22", "tp4-stock"), ("tp8-3d", "tp1-stock")]
+for a, b in pairs:
+    if a in runs and b in runs and runs[a] and runs[b]:
+        diff = max(abs(x["lm_loss"] - y["lm_loss"]) / abs(y["lm_loss"]) for x, y in zip(runs[a], runs[b]))
+        print(f"max relative loss difference {a} vs {b}: {diff:.2e}")
+EOF
+
+step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
+step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
+tar -czf "$OUT/results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
+echo "--- summary (elapsed $(( $(date +%s) - T0 ))s)"; cat "$SUMMARY"
+grep -E "^(max relative|tp|  )|losses" "$LOG" | tail -n 40
