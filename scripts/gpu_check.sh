@@ -14,6 +14,10 @@
 #             vs stock TP 4, 3-D TP 8 (NCCL)
 #   measure   scripts/gpu_measure.py: GEMM shapes, dispatch cost and layer events vs the model
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
+#   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
+#             it, and `sim --predict` its step from the profile (measured vs predicted)
+# STEPS picks steps (default: "env train compare measure pytest sim"); SIM_MODEL replaces the sim
+# step's model flags.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-330}
@@ -30,6 +34,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
+want() { [[ " ${STEPS:-env train compare measure pytest sim} " == *" $1 "* ]]; }
 left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
   local name=$1 limit=$2; shift 2
@@ -51,10 +56,11 @@ train() {  # train NAME NPROC DEVICE FLAGS...
   step "$name" 90 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/$name.json" "$@"
 }
 
-step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
 
 
 RECOMP=(--recompute-granularity full --recompute-method uniform)
+if want train; then
 train tp1-stock 1 cuda "${RECOMP[@]}"
 train tp1-oases 1 cuda --schedule oases "${RECOMP[@]}"
 train tp1-stock-cpu 1 cpu "${RECOMP[@]}"
@@ -71,8 +77,9 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" -g
   train tp4-atp22 4 cuda --tensor-model-parallel-size 4 --tp-backend atp --atp-mesh 2,2 --atp-chunks 2
   train tp8-3d 8 cuda --tensor-model-parallel-size 8 --tp-backend 3d
 fi
+fi
 
-step compare 30 $PY - "$OUT/json" <<'EOF'
+want compare && step compare 30 $PY - "$OUT/json" <<'EOF'
 import json, os, sys
 d = sys.argv[1]
 runs = {f[:-5]: [json.loads(l) for l in open(os.path.join(d, f)) if l.strip()] for f in sorted(os.listdir(d)) if f.endswith(".json")}
@@ -87,8 +94,20 @@ for a, b in pairs:
         print(f"max relative loss difference {a} vs {b}: {diff:.2e}")
 EOF
 
-step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
-step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
+want measure && step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
+want pytest && step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
+if want sim; then
+  read -r -a SIMF <<<"${SIM_MODEL:---num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8 --bf16}"
+  SIMF+=(--train-iters 8 --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-cuda}")
+  for sched in default oases; do
+    step "sim-profile-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$sched.json" --reps 10 -- "${SIMF[@]}" --schedule "$sched"
+    step "sim-train-$sched" 120 $PY -m megatron_oases.cli train "${SIMF[@]}" --schedule "$sched" --log-json "$OUT/json/sim-train-$sched.json"
+    step "sim-predict-$sched" 60 $PY -m megatron_oases.cli sim --predict --profile "$OUT/json/prof-$sched.json" -- "${SIMF[@]}" --schedule "$sched"
+    sed -n "/=== sim-predict-$sched/,\$p" "$LOG" | grep -m1 "predicted step time" | sed "s/^/$sched: /" >>"$SUMMARY"
+    $PY -c "import json, statistics, sys; r = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if l.strip()][2:]; print(sys.argv[2] + ': measured step (median of iterations 3-8): %.1f ms' % statistics.median(r))" \
+      "$OUT/json/sim-train-$sched.json" "$sched" >>"$SUMMARY" 2>>"$LOG"
+  done
+fi
 tar -czf "$OUT/results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
 echo "--- summary (elapsed $(( $(date +%s) - T0 ))s)"; cat "$SUMMARY"
 grep -E "^(max relative|tp|  )|losses" "$LOG" | tail -n 40
