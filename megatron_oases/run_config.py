@@ -176,11 +176,8 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
     if isinstance(args, RunConfig):
         return args
 
-    def present(names: tuple[str, ...]) -> dict[str, Any]:
-        return options_present(args, names)
-
-    return RunConfig(**present(FLAT_FIELDS),
-                     megatron_lm=MegatronLMOptions(**present(MEGATRON_LM_FIELDS)))
+    return RunConfig(**options_present(args, FLAT_FIELDS),
+                     megatron_lm=MegatronLMOptions(**options_present(args, MEGATRON_LM_FIELDS)))
 
 
 def check_gqa_flags(args, error: type[Exception] = ValueError) -> None:

@@ -139,3 +139,11 @@ def test_fp16_gradients_reduce_in_fp16_unless_accumulated_in_fp32():
                             grad_bytes("--dtype", "bf16"))
     assert fp16[1] == 2 and fp16_acc[1] == bf16[1] == 4
     assert 2 * fp16[0] == fp16_acc[0] == bf16[0]
+
+
+def test_jobs_below_one_is_refused_at_parse_time(capsys):
+    """``--jobs 0`` is refused by the parser, in one line naming the flag, before any search."""
+    with pytest.raises(SystemExit) as exc:
+        sim_main(["--topology", "dgx-a100", *MODEL, "--search", "--gpus", "8", "--jobs", "0"])
+    assert exc.value.code == 2
+    assert "argument --jobs: must be at least 1 (got 0)" in capsys.readouterr().err

@@ -121,8 +121,16 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                    help="TP backends to try: megatron,atp (add 3d: cube TP degrees p^3 only)")
     g.add_argument("--overlaps", default="none,oases")
     g.add_argument("--recompute-options", default="off,on")
-    g.add_argument("--jobs", type=int, default=None,
+    g.add_argument("--jobs", type=_at_least_one, default=None,
                    help="processes that share the simulations (default: the CPU count; 1: in this process)")
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type of ``--jobs``: an integer of at least 1 (refused at parse time)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
 
 
 def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
@@ -336,8 +344,6 @@ def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     from .search import search, search_table, write_csv
 
     gpus = a.gpus or dm.topology.world_size
-    if a.jobs is not None and a.jobs < 1:
-        raise SimError(f"--jobs must be at least 1 (got {a.jobs})")
     cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb, jobs=a.jobs)
     print(search_table(cands, top=a.top))
     if a.csv:

@@ -16,9 +16,8 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
 """
 from __future__ import annotations
 
-import itertools
-
 import dataclasses
+import itertools
 
 from ..describe.head import head_saved_bytes
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
