@@ -12,12 +12,14 @@
 #             and the same stock run on CPU; losses compared at the end
 #   tp2-*     with 8 GPUs: stock vs Oases TP 2 (fp32), Oases with sequence parallelism, ATP (2,2)
 #             vs stock TP 4, 3-D TP 8 (NCCL)
+#   compare   every run's losses and step times; the largest relative loss difference of each
+#             run against its reference (Oases vs stock, CPU vs CUDA, TP n vs TP 1, ...)
 #   measure   scripts/gpu_measure.py: GEMM shapes, dispatch cost and layer events vs the model
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
-# STEPS picks steps (default: "env train compare measure pytest sim"); SIM_MODEL replaces the sim
-# step's model flags.
+# STEPS picks steps (default: "env train compare measure pytest sim"); MEASURE adds flags to
+# gpu_measure.py, PYTESTS replaces the test files, SIM_MODEL the sim step's model flags.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-330}
@@ -57,7 +59,6 @@ train() {  # train NAME NPROC DEVICE FLAGS...
 }
 
 want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
-
 
 RECOMP=(--recompute-granularity full --recompute-method uniform)
 if want train; then
