@@ -84,3 +84,32 @@ def test_uneven_first_and_last_stages():
     assert simulate(m, s, device_model(topo())).iteration_ms > 0
     with pytest.raises(SimError, match="do not split"):
         build_stage_events(_model(layers=23), s, topo())
+
+
+def test_host_cost_defaults_are_the_h200_measurements():
+    """``dispatch_us`` and ``layer_framework_us`` come from the measurements checked in under
+    examples/gpu/h200-2026-11-26/ (``scripts/gpu_measure.py --what dispatch tiny``, two runs):
+    the mean eager-kernel issue time, and the mean of each multi-kernel layer event's host time
+    beyond its kernels x that (h100-1.7B's events at hidden 256, sequence 256)."""
+    import json
+    import os
+    import statistics
+
+    from megatron_oases.pricing.device_model import DeviceModel
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpu",
+                        "h200-2026-11-26")
+    runs = ("run1", "run2")
+
+    def load(name):
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            return json.load(f)
+
+    dispatch = statistics.mean(load(f"gpu_dispatch_{r}.json")["dispatch"]["add_us"] for r in runs)
+    beyond = [e["measured_ms"] * 1e3 - e["kernels"] * dispatch
+              for r in runs for e in load(f"gpu_tiny_{r}.json")["tiny"]
+              if e["row"] == "h100-1.7B" and e["kernels"] > 1]
+    assert len(beyond) == 8
+    defaults = {f.name: f.default for f in DeviceModel.__dataclass_fields__.values()}
+    assert abs(defaults["dispatch_us"] - dispatch) < 0.5
+    assert abs(defaults["layer_framework_us"] - statistics.mean(beyond)) < 5.0
