@@ -36,8 +36,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for path in (ROOT, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 import torch  # noqa: E402
 
@@ -45,8 +46,8 @@ from megatron_oases.sim.cli import build_parser, simulation_inputs  # noqa: E402
 from megatron_oases.sim.events import build_stage_events, unique_events  # noqa: E402
 from megatron_oases.sim.published import sim_argv  # noqa: E402
 from megatron_oases.sim.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
+from validate_published import load_rows  # noqa: E402  (the rows, read as the validation reads them)
 
-DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
@@ -235,8 +236,6 @@ def _print(title: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for gpu_gemms.json, gpu_dispatch.json, gpu_events*.json")
     p.add_argument("--rows", nargs="+", default=None, help="row ids (default: every H100 row)")
@@ -248,14 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--shrink", action="store_true", help="rows at hidden 128, seq 64, vocabulary 512 (tests on CPU)")
     a = p.parse_args(argv)
-    with open(DATA, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
-    defaults = data.get("defaults", {})
-    rows = []
-    for r in data["rows"]:
-        base = defaults.get(r["source"], {})
-        small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512} if a.shrink else {}
-        rows.append({**base, **r, "flags": {**base.get("flags", {}), **r["flags"], **small}})
+    _, rows = load_rows()  # each row's flags merged over its source's defaults
+    if a.shrink:
+        small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512}
+        rows = [{**r, "flags": {**r["flags"], **small}} for r in rows]
     wanted = a.rows or [r["id"] for r in rows if r["id"].startswith("h100-")]
     chosen = [r for r in rows if r["id"] in wanted]
     if len(chosen) != len(wanted):
