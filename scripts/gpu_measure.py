@@ -87,7 +87,7 @@ def time_gemm(m: int, n: int, k: int, dtype, device, reps: int) -> float:
 
 def measure_gemms(rows: list[dict], device, reps: int, limit_s: float) -> dict:
     start = time.perf_counter()
-    shapes: dict[tuple, float] = {}
+    shapes: dict[tuple, float] = {}  # (M, N, K, dtype) -> ms: rows of one dtype share a timing
     per_row = []
     for row in rows:
         model, strategy, dm = row_inputs(row)
@@ -96,14 +96,15 @@ def measure_gemms(rows: list[dict], device, reps: int, limit_s: float) -> dict:
         complete = True
         for ev in compute_events(model, strategy, dm).values():
             for m, n, k in ev.op.gemms:
-                if (m, n, k) not in shapes:
+                key = (m, n, k, str(dtype).split(".")[-1])
+                if key not in shapes:
                     if time.perf_counter() - start > limit_s:
                         complete = False
                         continue
-                    shapes[(m, n, k)] = time_gemm(m, n, k, dtype, device, reps)
+                    shapes[key] = time_gemm(m, n, k, dtype, device, reps)
                 f = 2.0 * m * n * k
                 flops += f
-                meas += shapes[(m, n, k)]
+                meas += shapes[key]
                 modeled += model_gemm_ms(dm, m, n, k)
         if flops:
             per_row.append({"row": row["id"], "gpu": dm.gpu.name, "gemm_tflop": round(flops / 1e12, 4),
@@ -111,9 +112,10 @@ def measure_gemms(rows: list[dict], device, reps: int, limit_s: float) -> dict:
                             "measured_over_model": round(meas / modeled, 4),
                             "measured_tflops": round(flops / meas / 1e9, 1), "complete": complete})
     _, _, dm = row_inputs(rows[0])
-    table = [{"m": m, "n": n, "k": k, "measured_ms": round(t, 5),
+    table = [{"m": m, "n": n, "k": k, "dtype": dt, "measured_ms": round(t, 5),
               "measured_tflops": round(2.0 * m * n * k / t / 1e9, 1),
-              "model_ms": round(model_gemm_ms(dm, m, n, k), 5)} for (m, n, k), t in sorted(shapes.items())]
+              "model_ms": round(model_gemm_ms(dm, m, n, k), 5), "model_gpu": dm.gpu.name}
+             for (m, n, k, dt), t in sorted(shapes.items())]  # the first row's GPU model
     return {"shapes": table, "rows": per_row}
 
 
