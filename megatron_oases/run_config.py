@@ -43,6 +43,9 @@ class MegatronLMOptions:
     transformer_impl: str = "local"
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    recompute_activations: bool = False
+    """Megatron-LM's short form of ``--recompute-granularity selective``, which its own
+    ``validate_args`` expands after our parse-time checks (``RunConfig.selective_recompute``)."""
     cuda_graph_impl: str | None = "none"
     distributed_backend: str = "gloo"
     # CUDA-only options (runtime.cpu_training_compat.CUDA_ONLY_FLAGS)
@@ -154,6 +157,11 @@ class RunConfig:
     ckpt_format: str = "torch_dist"
     # -- Megatron-LM's own options
     megatron_lm: MegatronLMOptions = dataclasses.field(default_factory=MegatronLMOptions)
+
+    @property
+    def selective_recompute(self) -> bool:
+        """Megatron's selective recompute (the core attention) is asked for, in either spelling."""
+        return self.recompute_granularity == "selective" or self.megatron_lm.recompute_activations
 
     def as_dict(self) -> dict[str, Any]:
         """The flat fields (the namespace's names) and their values; without ``megatron_lm``."""

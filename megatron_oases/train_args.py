@@ -352,9 +352,21 @@ def validate_backend_args(args: argparse.Namespace, dims: ParallelDims) -> None:
 
     validate_atp_args(args, dims)
     validate_3d_args(args, dims)
+    check_selective_recompute(args)
     validate_oases_args(args, dims)
     validate_plan_args(args, dims)
     check_query_groups_split(args, dims)
+
+
+def check_selective_recompute(args: argparse.Namespace) -> None:
+    """Megatron's selective recompute checkpoints the core attention inside Megatron's own
+    ``SelfAttention``; the ATP and 3-D attention modules call ``DotProductAttention`` directly,
+    so there it would do nothing: refused."""
+    cfg = run_config(args)
+    if cfg.selective_recompute and cfg.tp_backend in ("atp", "3d"):
+        raise ConfigError(f"--recompute-granularity selective has no effect with --tp-backend {cfg.tp_backend} "
+                          f"(its attention does not checkpoint Megatron's core attention); use "
+                          f"--recompute-granularity full or drop it")
 
 
 def check_topology(path: str) -> None:

@@ -100,3 +100,25 @@ def test_megatron_sequence_parallel_layer_issues_what_its_description_says(extra
         assert {c.payload_bytes for c in desc.collectives(pass_)} == {full}
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["all-reduce", "sequence-parallel"])
+def test_megatron_selective_recompute_issues_what_its_description_says(sp):
+    """``--recompute-granularity selective`` at TP 2: Megatron reruns the core attention inside
+    the attention's backward; the description puts that rerun (``attention.core``) before the
+    attention block's backward, a compute segment, so the collectives per pass stay stock's."""
+    extra = ["--sequence-parallel"] if sp else []
+    argv = MODEL + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", str(4 * H),
+                    "--recompute-granularity", "selective", *extra]
+    outs = run_on_ranks(layer_contract, 2, args=(argv, B, S, H), timeout_s=120)
+    desc = megatron_1d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, tp=2,
+                                 sequence_parallel=sp, recompute_core_attention=True)
+    stock = megatron_1d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=A, ffn=4 * H, tp=2, sequence_parallel=sp)
+    names = [op.name for op in desc.backward]
+    assert names.index("attention.core") + 1 == names.index("attention.bwd")
+    assert desc.flops("backward") - stock.flops("backward") == 4 * B * S * S * H // 2
+    for pass_ in ("forward", "backward"):
+        want = sorted((c.kind, c.group_size, c.payload_bytes) for c in desc.collectives(pass_))
+        assert want == sorted((c.kind, c.group_size, c.payload_bytes) for c in stock.collectives(pass_))
+        for out in outs:
+            assert _issued(out[pass_]) == want, (out["rank"], pass_)

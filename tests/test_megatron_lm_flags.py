@@ -28,7 +28,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
         p.add_argument(name, type=int, default=default)
     for name in ("--sequence-parallel", "--bf16", "--fp16", "--swiglu", "--tp-comm-overlap",
                  "--overlap-param-gather", "--group-query-attention", "--qk-layernorm",
-                 "--use-legacy-models", "--untie-embeddings-and-output-weights"):
+                 "--use-legacy-models", "--untie-embeddings-and-output-weights",
+                 "--recompute-activations"):
         p.add_argument(name, action="store_true")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
@@ -106,6 +107,10 @@ def test_oases_flags_parse(monkeypatch):
      "needs --micro-batch-size >= 2"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-activations"],
+     "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
+      "--recompute-activations"], "--recompute-granularity selective has no effect with --tp-backend atp"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity", "full",
       "--recompute-method", "block"], "use --recompute-method uniform"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--tp-comm-overlap"],

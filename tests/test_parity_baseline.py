@@ -49,6 +49,18 @@ def test_tp2_pp2_full_recompute_matches_single_rank(reference, on_ranks_module):
     _compare({"losses": out[-1]["losses"], "params": out[0]["params"]}, reference)
 
 
+def test_selective_recompute_trains_as_without_recompute(on_ranks_module):
+    """``--recompute-granularity selective`` at TP 2 with attention dropout: the rerun core
+    attention redraws the same dropout mask (Megatron's checkpoint restores the RNG states), so
+    losses and parameters equal those of the run that keeps everything."""
+    model = [*MODEL, "--train-iters", "5", "--tensor-model-parallel-size", "2", "--attention-dropout", "0.1",
+             "--hidden-dropout", "0.1"]
+    plain = on_ranks_module(train_and_gather, 2, model)
+    sel = on_ranks_module(train_and_gather, 2, model + ["--recompute-granularity", "selective"])
+    _compare({"losses": sel[-1]["losses"], "params": sel[0]["params"]},
+             {"losses": plain[-1]["losses"], "params": plain[0]["params"]})
+
+
 def test_interleaved_pp2_dp2_matches_single_rank(on_ranks_module):
     """Interleaved 1F1B (2 virtual stages) with data parallelism 2 and the optimizer across DP.
 

@@ -147,3 +147,45 @@ def test_jobs_below_one_is_refused_at_parse_time(capsys):
         sim_main(["--topology", "dgx-a100", *MODEL, "--search", "--gpus", "8", "--jobs", "0"])
     assert exc.value.code == 2
     assert "argument --jobs: must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+def test_megatron_recompute_flags():
+    """Megatron's recompute flags, their short forms, and Megatron-LM's --recompute-activations."""
+    full = _strategy("--recompute-granularity", "full", "--recompute-method", "uniform")
+    assert full == _strategy("--recompute") and full.recompute and full.recompute_layers == 0
+    block = _strategy("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
+    assert block == _strategy("--recompute-layers", "2") and block.recompute_layers == 2
+    sel = _strategy("--recompute-granularity", "selective")
+    assert sel == _strategy("--recompute-activations") and sel.selective_recompute and not sel.recompute
+    assert sel.label.endswith(".sel")
+    for bad, needle in ((["--recompute-granularity", "full"], "needs --recompute-method"),
+                        (["--recompute-method", "block"], "need --recompute-granularity full"),
+                        (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-num-layers"),
+                        (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "2"], "not modeled"),
+                        (["--recompute", "--recompute-granularity", "selective"], "not both"),
+                        (["--recompute-activations", "--recompute-granularity", "full"], "give one"),
+                        (["--recompute-granularity", "selective", "--overlap", "oases"], "stock schedule"),
+                        (["--recompute-granularity", "selective", "--tp-backend", "3d"], "megatron")):
+        with pytest.raises(Exception, match=needle):
+            _strategy(*bad)
+
+
+def test_selective_recompute_reruns_the_core_attention_only(capsys):
+    """Selective recompute costs the core attention's forward once more per layer: slower than no
+    recompute, faster than full; it keeps no s^2 tensor, so less memory than none, more than full."""
+    base = ["--topology", "dgx-a100-hdr8", "--nodes", "1", *MODEL, "--tp", "8", "--global-batch-size", "8",
+            "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    from megatron_oases.sim.cli import simulation_inputs
+    from megatron_oases.sim.timeline import simulate
+
+    runs = {}
+    for name, flags in (("none", []), ("selective", ["--recompute-granularity", "selective"]),
+                        ("full", ["--recompute"])):
+        model, strategy, dm = simulation_inputs(build_parser().parse_args([*base, *flags]))
+        runs[name] = simulate(model, strategy, dm)
+    none, sel, full = runs["none"], runs["selective"], runs["full"]
+    assert none.iteration_ms < sel.iteration_ms < full.iteration_ms
+    assert full.peak_memory_GB < sel.peak_memory_GB < none.peak_memory_GB
+    assert sim_main([*base, "--recompute-granularity", "selective"]) == 0
+    assert "recompute selective" in capsys.readouterr().out

@@ -81,6 +81,24 @@ def test_recompute_and_oases_fine_grained():
     assert none.weights == rc.weights
 
 
+def test_selective_recompute_keeps_the_inventory_without_score_tensors():
+    """Each layer keeps its inventory without the core attention's s^2 tensors; the one layer
+    running its backward has them again (the working set)."""
+    m = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
+    b, s, h, a, t = m.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, 2
+    kw = dict(b=b, s=s, h=h, a=a, f=m.ffn_hidden_size, t=t, e=2, mesh=None)
+    full = layer_activation_bytes("megatron", **kw)
+    kept = layer_activation_bytes("megatron", recompute_core_attention=True, **kw)
+    # fp32 softmax output, the dropped-out probabilities and their 1-byte mask, the causal mask; + 4
+    assert full - kept == pytest.approx((4 + 2 + 1) * a * s * s * b / t + s * s - 4)
+    topo = _topo()
+    dm = device_model(topo, bytes_per_element=2)
+    sel = simulate(m, Strategy(tp=2, pp=4, num_microbatches=8, selective_recompute=True), dm).memory[1]
+    none = simulate(m, Strategy(tp=2, pp=4, num_microbatches=8), dm).memory[1]
+    layers, alive = 2, 3  # stage 1 of 4: 2 layers, 3 micro-batches in flight
+    assert none.activations - sel.activations == pytest.approx(alive * layers * (full - kept) - (full - kept))
+
+
 def test_infeasible_strategies_are_marked(capsys):
     r = simulate(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), device_model(_topo()), memory_limit_GB=0.1)
     assert not r.fits and r.infeasible_reason.startswith("memory ")

@@ -50,11 +50,13 @@ def test_every_compute_event_has_a_workload():
 
     topo = local_topology(4)
     strats = [Strategy(tp=2, pp=2, num_microbatches=2, recompute=True),
+              Strategy(tp=2, pp=2, num_microbatches=2, selective_recompute=True),
               Strategy(tp=4, backend="atp", mesh=(2, 2), num_microbatches=2),
               Strategy(tp=2, dp=2, overlap="oases", distributed_optimizer=True)]
     events = needed_events(TINY, strats, topo)
     names = {e.name for e in events.values() if e.kind == "compute"}
-    assert {"attention.bwd", "atp.core.bwd", "logits.bwd", "embedding", "optimizer", "grad_norm"} <= names
+    assert {"attention.bwd", "attention.core", "atp.core.bwd", "logits.bwd", "embedding", "optimizer",
+            "grad_norm"} <= names
     with single_rank_world():  # Megatron layer workloads build a real layer
         for e in events.values():
             if e.kind == "compute":
@@ -135,10 +137,9 @@ def test_predict_maps_trainer_flags():
     assert r.iteration_ms > 0 and r.strategy == s
     with pytest.raises(SimError, match="lacks 1 event"):
         predict_train_step(args, ProfileDB(device="cpu", events_ms={k: 1.0 for k in list(keys)[1:]}))
-    bad = build_parser().parse_args(TRAIN[:-6] + ["--recompute-granularity", "selective", "--device", "cpu"])
-    assert bad.recompute_granularity == "selective"
-    with pytest.raises(SimError, match="selective"):
-        sim_inputs_from_train_args(bad)
+    sel = build_parser().parse_args(TRAIN[:-6] + ["--recompute-granularity", "selective", "--device", "cpu"])
+    s_sel = sim_inputs_from_train_args(sel)[1]
+    assert s_sel.selective_recompute and not s_sel.recompute
     with pytest.raises(SimError, match="--global-batch-size|micro"):
         sim_inputs_from_train_args(build_parser().parse_args(TRAIN + ["--global-batch-size", "3"]))
 
@@ -244,11 +245,13 @@ def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_pat
         ProfileDB.median_of([a, ProfileDB(device="cuda", events_ms={})])
 
 
-@pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"]], ids=["stock", "oases"])
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "oases"], ["--recompute-granularity", "selective"]],
+                         ids=["stock", "oases", "stock-selective-recompute"])
 def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
     """GQA, SwiGLU, RMSNorm, no bias, RoPE and QK-norm: the events carry the variant in their keys
-    and dims, the profiler builds that Megatron layer (QK-norm, the rotary table), and the
-    prediction prices it."""
+    and dims, the profiler builds that Megatron layer (QK-norm, the rotary table; under selective
+    recompute its core attention with grouped keys and values alone), and the prediction prices
+    it."""
     from megatron_oases.sim.predict import predict_train_step, profile_train_args, sim_inputs_from_train_args
     from megatron_oases.sim.profiler import ProfileSettings
     from megatron_oases.train_args import build_parser
@@ -265,4 +268,5 @@ def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
     assert v.query_groups == 2 and v.gated and not v.bias and v.rotary and v.qk_norm
     db = profile_train_args(args, settings=ProfileSettings(nproc=2, warmup=0, reps=1, threads=1))
     assert any("_g2_swiglu_rms_nobias_rope_qkn" in k for k in db.events_ms)
+    assert any(k.startswith("compute:attention.core[") for k in db.events_ms) == ("selective" in schedule)
     assert predict_train_step(args, db).iteration_ms > 0

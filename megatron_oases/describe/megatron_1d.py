@@ -8,7 +8,7 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
                           tp: int, bytes_per_element: int = 4, sequence_parallel: bool = False,
                           keeps_gathered_input: bool = False,
                           variant: LayerVariant = GPT2, attention_dropout: bool = False,
-                          hidden_dropout: bool = False) -> LayerDescription:
+                          hidden_dropout: bool = False, recompute_core_attention: bool = False) -> LayerDescription:
     """Megatron's TP layer: [LN, QKV, core, proj] g [LN, fc1, act, fc2] g (g = all-reduce);
     in backward the f before each block all-reduces the input gradient. ``variant``: GQA shrinks
     QKV's output to the queries plus a key and a value per group; SwiGLU doubles fc1's output
@@ -20,7 +20,11 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
 
     ``sequence_parallel`` (Megatron's ``--sequence-parallel``, :func:`sp_collectives`): norms,
     dropout and residual adds run on this rank's s/t tokens; ``keeps_gathered_input``: the column
-    linears keep their all-gathered input (the Oases tape) instead of re-gathering it in backward."""
+    linears keep their all-gathered input (the Oases tape) instead of re-gathering it in backward.
+
+    ``recompute_core_attention`` (Megatron's ``--recompute-granularity selective``, its default
+    ``recompute_modules`` ``core_attn``): the backward reruns the core attention's forward
+    (:func:`core_attention`, no collective) before the attention block's backward."""
     if hidden % tp or heads % tp or ffn % tp:
         raise ValueError(f"hidden {hidden}, heads {heads}, ffn {ffn} must be divisible by TP {tp}")
     sp = sequence_parallel and tp > 1
@@ -49,11 +53,14 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
                    score_bytes=score_bytes, kernels=12, gemms=attn_gemms)
     mlp = Compute(name="mlp", gemm_flops=2 * b * s * h * (variant.fc1_rows(f) // t) + 2 * b * s * (f // t) * h,
                   elementwise_bytes=ew_mlp, kernels=5, gemms=mlp_gemms)
+    # under selective recompute the core attention's forward runs again right before its backward
+    attn_bwd = ((core_attention(b=b, s=s, hidden=h, t=t, score_bytes=score_bytes),)
+                if recompute_core_attention else ()) + (backward_of(attn),)
     if t == 1:
         return LayerDescription(backend="megatron", forward=(attn, mlp),
-                                backward=(backward_of(mlp), backward_of(attn)))
+                                backward=(backward_of(mlp), *attn_bwd))
     if sp:
-        return sp_layer((attn, mlp), act=act, t=t, regather=not keeps_gathered_input)
+        return sp_layer((attn, mlp), act=act, t=t, regather=not keeps_gathered_input, attention_backward=attn_bwd)
     fwd = (attn,
            Collective(name="attention.g", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act),
            mlp,
@@ -61,9 +68,22 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     # Backward: g is the identity; the f before each block all-reduces dX of its input.
     bwd = (backward_of(mlp),
            Collective(name="mlp.f.bwd", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act),
-           backward_of(attn),
+           *attn_bwd,
            Collective(name="attention.f.bwd", kind="all_reduce", axis="tp", group_size=t, payload_bytes=act))
     return LayerDescription(backend="megatron", forward=fwd, backward=bwd)
+
+
+def core_attention(*, b: int, s: int, hidden: int, t: int, score_bytes: float) -> Compute:
+    """Megatron's core attention forward on this rank's heads (``DotProductAttention``: the
+    scores GEMM, the scaled masked softmax, its dropout, attention over V), the part of the
+    ``attention`` segment that selective recompute reruns in backward: the s^2 FLOPs and the
+    score traffic, no weight GEMM, no collective."""
+    return Compute(name=CORE_ATTENTION_RECOMPUTE, gemm_flops=0.0, attention_flops=4 * b * s * s * hidden // t,
+                   elementwise_bytes=score_bytes, score_bytes=score_bytes, kernels=4)
+
+
+CORE_ATTENTION_RECOMPUTE = "attention.core"
+"""The event of the core attention's forward rerun under selective recompute."""
 
 
 def sp_collectives(block: str, *, act: int, t: int, regather: bool) -> dict[str, tuple[Collective, ...]]:
@@ -83,17 +103,20 @@ def sp_collectives(block: str, *, act: int, t: int, regather: bool) -> dict[str,
             "enter.bwd": (op("ag.bwd", "reduce_scatter"),)}
 
 
-def sp_layer(blocks: tuple[Compute, Compute], *, act: int, t: int, regather: bool) -> LayerDescription:
+def sp_layer(blocks: tuple[Compute, Compute], *, act: int, t: int, regather: bool,
+             attention_backward: tuple[Compute, ...] | None = None) -> LayerDescription:
     """The layer under sequence parallelism: per block, forward AG, compute, RS; backward the RS's
     AG, the input re-gather (stock), compute, the input gradient's RS. Each block's norm runs on
     the chunk before its all-gather, folded into the block's compute segment (as the non-SP
-    description folds it in before f)."""
+    description folds it in before f). ``attention_backward``: the attention block's backward
+    segments (default its ``backward_of``; selective recompute puts the core attention first)."""
     fwd: list = []
     bwd: list = []
     for c in blocks:
         col = sp_collectives(c.name, act=act, t=t, regather=regather)
         fwd += [*col["enter"], c, *col["leave"]]
-        bwd = [*col["leave.bwd"], *col["regather.bwd"], backward_of(c), *col["enter.bwd"]] + bwd
+        own = attention_backward if c.name == "attention" and attention_backward else (backward_of(c),)
+        bwd = [*col["leave.bwd"], *col["regather.bwd"], *own, *col["enter.bwd"]] + bwd
     return LayerDescription(backend="megatron", forward=tuple(fwd), backward=tuple(bwd))
 
 

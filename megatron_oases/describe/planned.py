@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from .megatron_1d import CORE_ATTENTION_RECOMPUTE
 from .ops import Collective, LayerDescription, Op
 
-MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", "attention.bwd")
+MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", CORE_ATTENTION_RECOMPUTE, "attention.bwd")
 """Megatron 1-D's ops where the MLP block starts (forward) and the attention block (backward):
-under sequence parallelism the block's all-gather, else its compute segment."""
+under sequence parallelism the block's all-gather, else its compute segment (under selective
+recompute the core attention's rerun first)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,18 +14,24 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
                       hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                       schedule: str = "stock", attention_dropout: bool = False,
-                      hidden_dropout: bool = False) -> LayerDescription:
+                      hidden_dropout: bool = False, recompute_core_attention: bool = False) -> LayerDescription:
     """A backend's layer; ``sequence_parallel`` only on Megatron 1-D, whose Oases tape
     (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them.
-    The dropouts' element-wise traffic is described for Megatron 1-D only."""
+    The dropouts' element-wise traffic is described for Megatron 1-D only, and so is
+    ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
+    its core attention; the ATP and 3-D attention modules do not)."""
     if sequence_parallel and backend != "megatron":
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
+    if recompute_core_attention and backend != "megatron":
+        raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
+                            f"(got {backend})")
     if backend == "megatron":
         return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
                                      tp=tp, bytes_per_element=bytes_per_element, variant=variant,
                                      sequence_parallel=sequence_parallel,
                                      keeps_gathered_input=schedule == "oases",
-                                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout)
+                                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+                                     recompute_core_attention=recompute_core_attention)
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
@@ -116,7 +122,8 @@ def block_param_tensors(kind: str, tensors: tuple[int, ...]) -> tuple[int, ...]:
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                            mesh: tuple[int, int] | None, hidden_dropout: bool = True,
-                           attention_dropout: bool = True, variant: LayerVariant = GPT2) -> float:
+                           attention_dropout: bool = True, variant: LayerVariant = GPT2,
+                           recompute_core_attention: bool = False) -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention,
     stock schedule; CUDA kernels).
 
@@ -131,7 +138,10 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     tok = b * s
     if backend == "megatron" or mesh is None and backend == "atp":
         return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
-                                 attention_dropout=attention_dropout, variant=variant)
+                                 attention_dropout=attention_dropout, variant=variant,
+                                 recompute_core_attention=recompute_core_attention)
+    if recompute_core_attention:
+        raise ModelingError(f"selective recompute is described for --tp-backend megatron only (got {backend})")
     mlp = variant.mlp_saved_per_ffn * f
     if backend == "3d":
         return (tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) + a * s * s * b * (2 * e + 1)) / t

@@ -18,6 +18,10 @@ What depends on the device's kernels is in ``Kernels``: CUDA's fused dropout kee
 mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise, CPU norms their
 statistics in the input's dtype, and CPU RMSNorm also its normalised input. The Oases schedule draws its own ``bool`` masks on every device.
 
+Under Megatron's selective recompute (``--recompute-granularity selective``) the checkpointed
+core attention keeps none of its s^2 tensors nor the causal mask it builds, only its inputs and
+a 4-byte mask-type tensor (Korthikanti et al.'s sbh(10 + 24/t) then, plus norm statistics).
+
 The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
 forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask (and
 RoPE's tables) per further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
@@ -74,14 +78,19 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
                       hidden_dropout: bool = True, attention_dropout: bool = True,
                       softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      gathered_input: bool = False) -> float:
+                      gathered_input: bool = False, recompute_core_attention: bool = False) -> float:
     """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
     ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
     backward without recompute (stock schedule).
 
     ``sequence_parallel``: the norm (input, statistics), the column linear's input and the hidden
     dropout mask are on this rank's s/t tokens; ``gathered_input``: the column linear keeps its
-    all-gathered input (all s tokens: the Oases tape) instead of its chunk (stock)."""
+    all-gathered input (all s tokens: the Oases tape) instead of its chunk (stock).
+
+    ``recompute_core_attention`` (``--recompute-granularity selective``): Megatron checkpoints
+    the core attention, which then keeps only its inputs (Q, K, V, counted above) and the
+    attention-mask type as a 4-byte tensor; the softmax output, the dropout mask and probabilities
+    and the causal mask built inside it are not kept (measured)."""
     if block not in BLOCKS:
         raise ValueError(f"block {block!r} is not one of {BLOCKS}")
     tok = b * s
@@ -98,7 +107,10 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     # softmax output itself (or its cast to e bytes) without attention dropout.
     soft = 4 if softmax_in_fp32 else e
     gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
-    attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
+    if recompute_core_attention:
+        attention = rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant) + SELECTIVE_MASK_TYPE_BYTES
+    else:
+        attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
     qk = _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
     return norm + column_input + tok * e * 4 * h / t + qk + attention + hidden_mask
 
@@ -132,25 +144,40 @@ def _rope_qk_norm_bytes(*, tok: int, h: int, a: int, t: int, e: int, kernels: Ke
 
 def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
     """What an attention call keeps whatever its batch size, built anew by every call (so once per
-    Oases sub-batch): the causal mask (s^2 bools) and RoPE's cos and sin tables for the queries
-    and for the keys (s x the rotated dim each, in the activations' dtype)."""
-    return s * s + 4 * s * variant.rotary_dim(h // a) * e
+    Oases sub-batch): the causal mask (s^2 bools) and RoPE's tables (``rope_table_bytes``)."""
+    return s * s + rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant)
+
+
+def rope_table_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
+    """RoPE's cos and sin tables for the queries and for the keys (s x the rotated dim each, in the
+    activations' dtype), applied before the core attention; 0 without RoPE."""
+    return 4 * s * variant.rotary_dim(h // a) * e
+
+
+SELECTIVE_MASK_TYPE_BYTES = 4
+"""Megatron's checkpointed core attention passes its mask type through the checkpoint as an int32
+tensor (``Attention._checkpointed_attention_forward``), which the checkpoint keeps."""
 
 
 def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       fine_grained: bool = True, sub_batches: int = 2, b: int, s: int, h: int,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
-                      variant: LayerVariant = GPT2, sequence_parallel: bool = False) -> float:
+                      variant: LayerVariant = GPT2, sequence_parallel: bool = False,
+                      recompute_core_attention: bool = False) -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
     (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
-    collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens."""
+    collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens.
+    ``recompute_core_attention``: Megatron's selective recompute (stock schedule only)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
     oases = schedule == "oases" and t > 1  # at TP 1 the Oases schedule runs stock layers
+    if recompute_core_attention and (recompute or schedule == "oases"):
+        raise ValueError("selective recompute (the core attention) is Megatron's, on the stock schedule "
+                         "without full recompute")
     sp = sequence_parallel and t > 1
     if recompute:
         if sp:
@@ -165,7 +192,8 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, kernels=k, variant=variant,
               sequence_parallel=sp, gathered_input=sp and oases)
-    kept = sum(block_saved_bytes(blk, **kw) for blk in BLOCKS)
+    kw_attn = dict(kw, recompute_core_attention=recompute_core_attention)
+    kept = block_saved_bytes("attention", **kw_attn) + block_saved_bytes("mlp", **kw)
     # per block, what the executor keeps at its collectives: the all-reduce's output (in place);
     # under SP the all-gather's input chunk, the reduce-scatter's input (whole) and output chunk
     boundary = hidden + 2 * hidden / t if sp else hidden

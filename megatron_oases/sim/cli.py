@@ -79,8 +79,21 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", default="1",
                    help="model chunks per device (interleaved 1F1B when > 1); with --search a list, e.g. 1,2")
     g.add_argument("--overlap", default="none", choices=("none", "oases"))
-    g.add_argument("--recompute", action="store_true", help="full recompute (every layer)")
-    g.add_argument("--recompute-layers", type=int, default=0, help="recompute only the first k layers per chunk")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="as Megatron: full (with --recompute-method) reruns whole layers; selective reruns "
+                        "each layer's core attention (--tp-backend megatron, stock schedule)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's short form of --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full: uniform (every layer) or block (the first "
+                        "--recompute-num-layers of each chunk)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-method block: layers recomputed per chunk (uniform: 1 only)")
+    g.add_argument("--recompute", action="store_true",
+                   help="short form of --recompute-granularity full --recompute-method uniform")
+    g.add_argument("--recompute-layers", type=int, default=0,
+                   help="short form of --recompute-granularity full --recompute-method block "
+                        "--recompute-num-layers K")
     g.add_argument("--no-fine-grained-recompute", dest="fine_grained_recompute", action="store_false",
                    help="oases: recompute from each layer's input (repeats the forward all-reduces)")
     g.add_argument("--tp-backend", default="megatron", choices=BACKENDS,
@@ -120,7 +133,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backends", default="megatron,atp",
                    help="TP backends to try: megatron,atp (add 3d: cube TP degrees p^3 only)")
     g.add_argument("--overlaps", default="none,oases")
-    g.add_argument("--recompute-options", default="off,on")
+    g.add_argument("--recompute-options", default="off,full",
+                   help="recompute modes to try: off, full (or on), selective (Megatron 1-D, stock schedule)")
     g.add_argument("--jobs", type=_at_least_one, default=None,
                    help="processes that share the simulations (default: the CPU count; 1: in this process)")
 
@@ -192,15 +206,52 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
     mesh = tuple(_ints(a.atp_mesh, "--atp-mesh")) if a.atp_mesh else None
     if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
         raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
+    granularity, rc_layers = recompute_from_args(a)
     return Strategy(tp=a.tp, pp=a.pp, dp=dp, num_microbatches=micro or 1, schedule=a.schedule,
-                    virtual_stages=vps[0], recompute=a.recompute or a.recompute_layers > 0,
-                    recompute_layers=a.recompute_layers, overlap=a.overlap,
+                    virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
+                    selective_recompute=granularity == "selective", overlap=a.overlap,
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
                     tp_comm_overlap=a.tp_comm_overlap, first_stage_layers=a.decoder_first_pipeline_num_layers,
                     last_stage_layers=a.decoder_last_pipeline_num_layers)
+
+
+def recompute_from_args(a: argparse.Namespace) -> tuple[str | None, int]:
+    """(granularity: None | full | selective, layers per chunk for the block method, 0 = every
+    layer) from Megatron's recompute flags or their short forms ``--recompute`` /
+    ``--recompute-layers``; a combination Megatron would refuse, or one whose memory the
+    simulator does not model, is one line."""
+    granularity = a.recompute_granularity
+    if a.recompute_activations:
+        if granularity == "full":
+            raise SimError("--recompute-activations is --recompute-granularity selective; give one")
+        granularity = "selective"
+    short = a.recompute or a.recompute_layers
+    if short and (granularity or a.recompute_method or a.recompute_num_layers is not None):
+        raise SimError("give --recompute / --recompute-layers or Megatron's --recompute-granularity flags, not both")
+    if a.recompute_layers < 0:
+        raise SimError(f"--recompute-layers must be >= 0 (got {a.recompute_layers})")
+    if short:
+        return "full", a.recompute_layers
+    if granularity != "full":
+        if a.recompute_method or a.recompute_num_layers is not None:
+            raise SimError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        return granularity, 0
+    if a.recompute_method is None:
+        raise SimError("--recompute-granularity full needs --recompute-method uniform|block (as Megatron)")
+    n = a.recompute_num_layers
+    if n is not None and n < 1:
+        raise SimError(f"--recompute-num-layers must be >= 1 (got {n})")
+    if a.recompute_method == "uniform":
+        if n not in (None, 1):
+            raise SimError("--recompute-method uniform with --recompute-num-layers > 1 (groups of layers "
+                           "checkpointed together) is not modeled; use 1 or --recompute-method block")
+        return "full", 0
+    if n is None:
+        raise SimError("--recompute-method block needs --recompute-num-layers")
+    return "full", n
 
 
 def _virtual_stages(a: argparse.Namespace) -> list[int]:
@@ -223,10 +274,11 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
         raise SimError("--search needs --global-batch-size")
     if a.sequence_parallel:
         raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
-    onoff = {"off": False, "on": True}
-    rc = [onoff.get(v.strip()) for v in a.recompute_options.split(",")]
-    if None in rc:
-        raise SimError(f"--recompute-options takes off,on (got {a.recompute_options!r})")
+    from .search import RECOMPUTE_MODES
+
+    rc = [{"on": "full"}.get(v.strip(), v.strip()) for v in a.recompute_options.split(",")]
+    if not set(rc) <= set(RECOMPUTE_MODES):
+        raise SimError(f"--recompute-options takes {','.join(RECOMPUTE_MODES)} (on = full; got {a.recompute_options!r})")
     return SearchSpace(gpus=gpus, global_batch=a.global_batch_size,
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,

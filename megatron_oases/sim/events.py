@@ -45,6 +45,10 @@ class Strategy:
     recompute_layers: int = 0
     """With ``recompute``: 0 recomputes every layer (Megatron's uniform method); k > 0 only the first
     k layers of each chunk (block method)."""
+    selective_recompute: bool = False
+    """Megatron's ``--recompute-granularity selective`` (``recompute_modules`` core_attn): each
+    layer's core attention (scores, softmax, dropout, attention over V) is rerun before its
+    backward and keeps none of its s^2 tensors (Megatron 1-D, stock schedule, no full recompute)."""
     overlap: str = "none"
     """none (stock: compute waits on each collective) | oases (two sub-batches cross-overlap)."""
     fine_grained_recompute: bool = True
@@ -99,6 +103,8 @@ class Strategy:
             raise SimError("a mesh needs backend 'atp'")
         if self.recompute_layers < 0:
             raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
+        if self.selective_recompute:
+            self._check_selective()
         if self.block_degrees is not None:
             self._check_plan()
         if self.sequence_parallel and (self.backend != "megatron" or self.block_degrees is not None):
@@ -106,6 +112,14 @@ class Strategy:
         if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
             raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
         self._check_ddp_overlap()
+
+    def _check_selective(self) -> None:
+        """Where Megatron's selective recompute takes effect (as the trainer refuses the rest)."""
+        if self.recompute:
+            raise SimError("--recompute-granularity is selective or full, not both")
+        if self.backend != "megatron" or self.overlap != "none" or self.block_degrees is not None:
+            raise SimError("--recompute-granularity selective is modeled for --tp-backend megatron on the stock "
+                           "schedule without --oases-plan only (the Oases schedule recomputes by its own rules)")
 
     def _check_ddp_overlap(self) -> None:
         """Megatron-LM's own limits on the DDP overlap flags (``megatron/training/arguments.py``)."""
@@ -157,6 +171,8 @@ class Strategy:
             parts.append("plan")
         if self.recompute:
             parts.append(f"rc{self.recompute_layers}" if self.recompute_layers else "rc")
+        if self.selective_recompute:
+            parts.append("sel")
         return ".".join(parts)
 
     def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
@@ -358,7 +374,8 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
                               schedule="oases" if s.overlap == "oases" else "stock",
-                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0)
+                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
+                              recompute_core_attention=s.selective_recompute)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)

@@ -16,6 +16,8 @@ add it follows):
   (QKV, core attention with its dropout, proj); ``mlp``: bias-dropout-add, the pre-MLP norm,
   fc1, activation, fc2;
 * ``<block>.bwd``: their backward;
+* ``attention.core``: the layer's core attention forward alone (Megatron's ``DotProductAttention``
+  with grad on, as selective recompute reruns it in backward before the attention's backward);
 * ``<block>.wgrad``: the weight gradient of the block's column-parallel linear (QKV / fc1) alone,
   Megatron's ``grad_output.t() @ input``: stock Megatron computes it while the input-gradient
   all-reduce is in flight (the simulator overlaps the two).
@@ -40,7 +42,7 @@ import torch
 
 from ..pricing.device_model import SimError
 
-LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad")
+LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad", "attention.core")
 EXECUTORS = ("stock", "oases")
 _PIECES = {"attention": ("bda", "ln1", "attention"), "mlp": ("bda_ln2", "mlp")}
 """Tape steps (``schedules.oases.tape``) behind each block event, in order."""
@@ -157,12 +159,34 @@ def _wgrad(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Call
     return wgrad
 
 
+def _core_attention(d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    """The real layer's core attention forward on this rank's queries, keys and values, building
+    its graph as the recompute of a checkpointed core attention does."""
+    b, s, h, a, t = (int(d[k]) for k in ("b", "s", "h", "a", "t"))
+    variant = variant_of(d)
+    layer = _tp1_layer(d, device, dtype)
+    attn = layer.self_attention
+    head_dim, heads = h // a, a // t
+    groups = (variant.query_groups or a) // t
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, head_dim, generator=g).to(device=device, dtype=dtype).requires_grad_()
+               for n in (heads, groups, groups))
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1)
+
+    def core():
+        with torch.enable_grad():
+            return attn.core_attention(q, k, v, mask, attn_mask_type=attn.attn_mask_type)
+    return _with_memory_buffer(core)
+
+
 def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
     """A no-argument function running compute event ``name`` of a Megatron 1-D layer once."""
     if name not in LAYER_EVENTS:
         raise SimError(f"no Megatron layer workload for {name!r} (known: {', '.join(LAYER_EVENTS)})")
     if name.endswith(".wgrad"):
         return _wgrad(name, d, device, dtype)
+    if name == "attention.core":
+        return _core_attention(d, device, dtype)
     from ..schedules.oases.dropout import MicroBatchMasks, active_sub_batch
     from ..schedules.oases.tape import BlockInputs, Local, megatron_layer_tape
 

@@ -9,7 +9,9 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   boundaries on top (``describe.saved.oases_kept_beyond_stock``); with recompute a recomputed
   layer keeps only its input, or under Oases fine-grained recompute its input plus the two
   forward all-reduce outputs (3 [s, b, h] tensors instead of 1); while a recomputed layer runs
-  its backward, one layer's full activations exist on top (the working set).
+  its backward, one layer's full activations exist on top (the working set). Under selective
+  recompute each layer keeps its inventory without the core attention's s^2 tensors, which one
+  layer at a time has again while its backward runs.
 * The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
 * How many micro-batches are alive comes from the stage's op order (GPipe: all of them; 1F1B:
   ``pp - stage``; interleaved: Megatron's warm-up), walked op by op.
@@ -56,9 +58,14 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
     kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, mesh=s.mesh)
-    full = layer_activation_bytes(s.backend, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp,
-                                  hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-                                  variant=m.variant, **kw)
+    layer_kw = dict(a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
+                    attention_dropout=m.attention_dropout > 0, variant=m.variant, **kw)
+    full = layer_activation_bytes(s.backend, **layer_kw)
+    if s.selective_recompute:  # a layer keeps no s^2 tensor; one layer's core attention exists at a time
+        kept = layer_activation_bytes(s.backend, recompute_core_attention=True, **layer_kw)
+        if s.sequence_parallel:
+            full, _, kept = _sp_layer_bytes(m, s)
+        return chunk.layers * kept + _head_bytes(m, s, chunk), full - kept
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
@@ -70,12 +77,16 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     kept = full + (beyond if oases else 0.0)
     if s.sequence_parallel:
         full, saved, kept = _sp_layer_bytes(m, s)
-    per_mb = n_rc * saved + (n - n_rc) * kept
-    g = chunk.chunk * s.pp + chunk.stage
-    per_mb += head_saved_bytes(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=s.tp,
-                               e=m.bytes_per_element, first=g == 0,
-                               last=g == s.pp * s.virtual_stages - 1, hidden_dropout=m.hidden_dropout > 0)
+    per_mb = n_rc * saved + (n - n_rc) * kept + _head_bytes(m, s, chunk)
     return per_mb, (full if n_rc else 0.0)
+
+
+def _head_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:
+    """What the chunk's part of the head (embedding, output layer and loss) keeps per micro-batch."""
+    g = chunk.chunk * s.pp + chunk.stage
+    return head_saved_bytes(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=s.tp,
+                            e=m.bytes_per_element, first=g == 0,
+                            last=g == s.pp * s.virtual_stages - 1, hidden_dropout=m.hidden_dropout > 0)
 
 
 def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
@@ -86,6 +97,8 @@ def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
               variant=m.variant, sequence_parallel=True)
     schedule = "oases" if s.overlap == "oases" else "stock"
+    if s.selective_recompute:  # (stock inventory, -, kept with the core attention checkpointed)
+        return layer_saved_bytes(**kw), 0.0, layer_saved_bytes(recompute_core_attention=True, **kw)
     return (layer_saved_bytes(**kw), layer_saved_bytes(schedule=schedule, recompute=True,
                                                        fine_grained=s.fine_grained_recompute, **kw),
             layer_saved_bytes(schedule=schedule, **kw))

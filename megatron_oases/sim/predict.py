@@ -47,8 +47,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                  position_embedding_type=cfg.position_embedding_type,
                                  rotary_percent=cfg.rotary_percent if rope else 1.0, qk_layernorm=cfg.qk_layernorm,
                                  error=SimError)
-    if cfg.recompute_granularity == "selective":
-        raise SimError("--recompute-granularity selective is not modeled by the simulator yet; use full or none")
     backend = cfg.tp_backend
     if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
@@ -65,6 +63,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         num_microbatches=cfg.global_batch_size // (cfg.micro_batch_size * dims.dp),
                         schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
                         recompute_layers=cfg.recompute_num_layers if block else 0,
+                        selective_recompute=cfg.selective_recompute,
                         overlap="oases" if oases_runs(cfg) else "none",
                         fine_grained_recompute=cfg.oases_fine_grained_recompute,
                         backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,

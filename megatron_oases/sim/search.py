@@ -1,5 +1,5 @@
 """Strategy search: simulate every TP x PP x DP split (x TP backend / ATP mesh, Oases on/off,
-recompute on/off, virtual stages) of a fixed global batch on N GPUs and rank them (DistSim §6,
+recompute off / full / selective, virtual stages) of a fixed global batch on N GPUs and rank them (DistSim §6,
 Fig. 12 / Table 2). Infeasible strategies stay in the table with the reason: divisibility (the
 same one-line ``SimError`` a single simulation gives), memory, or missing profile events.
 """
@@ -20,6 +20,9 @@ from .events import Strategy, check
 from .timeline import SimResult, simulate
 
 
+RECOMPUTE_MODES = ("off", "full", "selective")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     """What to enumerate; None means the default for that axis."""
@@ -32,7 +35,9 @@ class SearchSpace:
     """Default: powers of two dividing ``gpus / tp``, at most the number of layers."""
     backends: Sequence[str] = ("megatron", "atp")
     overlaps: Sequence[str] = ("none", "oases")
-    recompute: Sequence[bool] = (False, True)
+    recompute: Sequence[str] = ("off", "full")
+    """Recompute modes to try (``RECOMPUTE_MODES``): none, Megatron's full (every layer; Oases' own
+    under the Oases schedule), selective (the core attention; Megatron 1-D, stock schedule)."""
     virtual_stages: Sequence[int] = (1,)
     schedule: str = "1f1b"
     distributed_optimizer: bool = False
@@ -42,6 +47,9 @@ class SearchSpace:
     """The DP overlap flags, as ``Strategy``'s, for every candidate."""
 
     def __post_init__(self) -> None:
+        bad = [r for r in self.recompute if r not in RECOMPUTE_MODES]
+        if bad:
+            raise SimError(f"recompute modes are {', '.join(RECOMPUTE_MODES)} (got {bad[0]!r})")
         if self.gpus < 1 or self.global_batch < 1:
             raise SimError(f"search needs gpus >= 1 and a global batch >= 1 (got {self.gpus}, {self.global_batch})")
 
@@ -54,7 +62,8 @@ class Candidate:
     vp: int
     backend: str
     overlap: str
-    recompute: bool
+    recompute: str
+    """A ``RECOMPUTE_MODES`` value."""
     num_microbatches: int | None
     strategy: Strategy | None
     result: SimResult | None = None
@@ -74,7 +83,7 @@ class Candidate:
     def row(self) -> dict[str, object]:
         r = self.result
         return {"strategy": self.label, "tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp,
-                "backend": self.backend, "overlap": self.overlap, "recompute": int(self.recompute),
+                "backend": self.backend, "overlap": self.overlap, "recompute": self.recompute,
                 "micro_batches": self.num_microbatches if self.num_microbatches is not None else "",
                 "iteration_ms": f"{r.iteration_ms:.3f}" if r else "",
                 "tokens_per_s": f"{r.tokens_per_s:.1f}" if r else "",
@@ -112,7 +121,7 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     for tp in tps:
         pps = space.pp_sizes or _pow2_divisors(space.gpus // tp if space.gpus % tp == 0 else 1, model.num_layers)
         for pp in pps:
-            base = dict(tp=tp, pp=pp, vp=1, backend="megatron", overlap="none", recompute=False)
+            base = dict(tp=tp, pp=pp, vp=1, backend="megatron", overlap="none", recompute="off")
             if space.gpus % (tp * pp):
                 out.append(Candidate(dp=0, num_microbatches=None, strategy=None,
                                      reason=f"TP {tp} x PP {pp} does not divide {space.gpus} GPUs", **base))
@@ -140,6 +149,8 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                         if overlap == "oases" and backend == "3d":
                             continue  # the runtime has no Oases tape for the cube
                         for rc in space.recompute:
+                            if rc == "selective" and (backend != "megatron" or overlap != "none"):
+                                continue  # Megatron's attention on the stock schedule only
                             for vp in space.virtual_stages:
                                 if vp > 1 and pp == 1:
                                     continue
@@ -147,7 +158,8 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                                             recompute=rc, num_microbatches=m)
                                 try:
                                     st = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=space.schedule,
-                                                  virtual_stages=vp, recompute=rc, overlap=overlap,
+                                                  virtual_stages=vp, recompute=rc == "full",
+                                                  selective_recompute=rc == "selective", overlap=overlap,
                                                   backend=backend, mesh=mesh,
                                                   distributed_optimizer=space.distributed_optimizer,
                                                   overlap_grad_reduce=space.overlap_grad_reduce,

@@ -515,7 +515,7 @@ def summary_table(r: SimResult) -> str:
     if s.block_degrees is not None:
         be += f", per-block degrees {list(s.block_degrees)}"
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
-             f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'off'}"
+             f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'selective' if s.selective_recompute else 'off'}"
              + (", DP overlap grad" + (" + param" if s.overlap_param_gather else "") if s.overlap_grad_reduce else ""),
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
              f"bubble {100 * r.bubble_fraction:.1f}% | exposed comm {r.exposed_comm_ms:.2f} ms | "

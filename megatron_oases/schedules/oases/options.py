@@ -88,7 +88,7 @@ def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims
     if cfg.sequence_parallel and cfg.tp_backend != "megatron":
         raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
                           f"only, not {cfg.tp_backend}; drop --sequence-parallel")
-    if cfg.recompute_granularity == "selective":
+    if cfg.selective_recompute:
         raise ConfigError("--recompute-granularity selective cannot be combined with --schedule "
                           "oases (Oases recomputes whole layers); use full or none")
     if cfg.recompute_granularity == "full" and cfg.recompute_method != "uniform":
