@@ -153,6 +153,10 @@ def test_megatron_parse_args_takes_our_flags():
       "--atp-mesh", "1,2", "--sequence-parallel"], "does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-activations"],
+     "--recompute-granularity selective cannot be combined with --schedule oases"),
+    (["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2",
+      "--recompute-activations"], "--recompute-granularity selective has no effect with --tp-backend atp"),
     (["--oases-plan", "plan.json"], "--oases-plan plan.json: cannot be read"),
 ])
 def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, monkeypatch):
