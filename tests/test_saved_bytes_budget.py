@@ -15,14 +15,16 @@ from tests.rank_fns_saved import saved_bytes_of_one_forward
 
 RC = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 ROPE, QKN = ["--position-embedding-type", "rope"], ["--qk-layernorm"]
-CASES = {  # name: (trainer flags, schedule, recompute, fine-grained)
-    "stock": ([], "stock", False, True),
-    "stock-full-recompute": (RC, "stock", True, True),
-    "oases": (["--schedule", "oases"], "oases", False, True),
+CASES = {  # name: (trainer flags, the mode's ``layer_saved_bytes`` arguments)
+    "stock": ([], {}),
+    "stock-full-recompute": (RC, dict(recompute=True)),
+    # Megatron checkpoints the core attention: no s^2 tensor, no causal mask; + its 4-byte mask type
+    "stock-selective-recompute": (["--recompute-granularity", "selective"], dict(recompute_core_attention=True)),
+    "oases": (["--schedule", "oases"], dict(schedule="oases")),
     "oases-fine-grained-recompute": (["--schedule", "oases", *RC, "--oases-fine-grained-recompute"],
-                                     "oases", True, True),
+                                     dict(schedule="oases", recompute=True)),
     "oases-full-recompute": (["--schedule", "oases", *RC, "--no-oases-fine-grained-recompute"],
-                             "oases", True, False),
+                             dict(schedule="oases", recompute=True, fine_grained=False)),
 }
 
 
@@ -44,27 +46,12 @@ def _measured_per_layer(**kw) -> int:
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_saved_bytes_per_layer_equal_the_description(case, dropout):
-    flags, schedule, recompute, fine = CASES[case]
+    flags, mode = CASES[case]
     shape = dict(tp=2, b=4, s=16, h=32, a=4)
     got = _measured_per_layer(**shape, dropout=dropout, bf16=False, extra=flags)
-    want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine,
-                             b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0,
+    want = layer_saved_bytes(**mode, b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0,
                              attention_dropout=dropout > 0, kernels=CPU_KERNELS)
     assert got == want
-
-
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
-def test_selective_recompute_keeps_no_score_tensors(dropout):
-    """``--recompute-granularity selective``: Megatron checkpoints the core attention, which keeps
-    its inputs and a 4-byte mask-type tensor but no softmax output, dropout mask or probabilities
-    and no causal mask (fp32, b 4, s 16, 4 heads at TP 2: 8,444 bytes less without dropout,
-    24,828 with)."""
-    shape = dict(tp=2, b=4, s=16, h=32, a=4)
-    got = _measured_per_layer(**shape, dropout=dropout, bf16=False, extra=["--recompute-granularity", "selective"])
-    kw = dict(b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0, attention_dropout=dropout > 0,
-              kernels=CPU_KERNELS)
-    assert got == layer_saved_bytes(recompute_core_attention=True, **kw)
-    assert layer_saved_bytes(**kw) - got == (24_828 if dropout else 8_444)
 
 
 @pytest.mark.parametrize("rope_qk_norm", [False, True], ids=["gpt", "rope+qk-norm"])
@@ -109,20 +96,19 @@ LAYERS = {  # name: (trainer flags, the description's variant fields)
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
-@pytest.mark.parametrize("case", ["stock", "oases", "oases-fine-grained-recompute"])
+@pytest.mark.parametrize("case", ["stock", "stock-selective-recompute", "oases", "oases-fine-grained-recompute"])
 def test_saved_bytes_of_llama_layers(case, layer):
     """GQA (2 groups of 2 heads), SwiGLU (f 96), RMSNorm, no bias; RoPE (whole or half of each
     head) and QK-norm, with and without GQA: the description's variant."""
     from megatron_oases.describe.ops import LayerVariant
 
-    flags, schedule, recompute, fine = CASES[case]
+    flags, mode = CASES[case]
     layer_flags, fields = LAYERS[layer]
     got = _measured_per_layer(tp=2, b=4, s=16, h=32, a=4, dropout=0.1, bf16=False,
                               extra=flags + layer_flags)
     variant = LayerVariant(**fields)
-    want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine, b=4, s=16,
-                             h=32, a=4, f=96 if variant.gated else 128, t=2, e=4, kernels=CPU_KERNELS,
-                             variant=variant)
+    want = layer_saved_bytes(**mode, b=4, s=16, h=32, a=4, f=96 if variant.gated else 128, t=2, e=4,
+                             kernels=CPU_KERNELS, variant=variant)
     assert got == want
 
 
@@ -141,7 +127,7 @@ def test_rope_and_qk_norm_keep_what_was_measured():
     assert extra("oases", rotary=True) == 10240 + 2048
 
 
-SP_CASES = ["stock", "stock-full-recompute", "oases", "oases-fine-grained-recompute"]
+SP_CASES = ["stock", "stock-full-recompute", "stock-selective-recompute", "oases", "oases-fine-grained-recompute"]
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
@@ -151,10 +137,9 @@ def test_sequence_parallel_saved_bytes_per_layer_equal_the_description(case, dro
     column inputs (stock) and hidden dropout masks on s/t tokens; the Oases tape keeps the
     gathered inputs and its step boundaries; recompute keeps 1/t (stock) or 2 + 3/t (Oases
     fine-grained) hidden states."""
-    flags, schedule, recompute, fine = CASES[case]
+    flags, mode = CASES[case]
     got = _measured_per_layer(tp=2, b=4, s=16, h=32, a=4, dropout=dropout, bf16=False,
                               extra=flags + ["--sequence-parallel"])
-    want = layer_saved_bytes(schedule=schedule, recompute=recompute, fine_grained=fine,
-                             b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0,
+    want = layer_saved_bytes(**mode, b=4, s=16, h=32, a=4, f=128, t=2, e=4, hidden_dropout=dropout > 0,
                              attention_dropout=dropout > 0, kernels=CPU_KERNELS, sequence_parallel=True)
     assert got == want

@@ -19,8 +19,9 @@ mask and CUDA norms fp32 statistics; CPU dropout keeps its scaled noise, CPU nor
 statistics in the input's dtype, and CPU RMSNorm also its normalised input. The Oases schedule draws its own ``bool`` masks on every device.
 
 Under Megatron's selective recompute (``--recompute-granularity selective``) the checkpointed
-core attention keeps none of its s^2 tensors nor the causal mask it builds, only its inputs and
-a 4-byte mask-type tensor (Korthikanti et al.'s sbh(10 + 24/t) then, plus norm statistics).
+core attention keeps none of its s^2 tensors nor the causal mask it builds, only its inputs (Q,
+K, V: under GQA QKV's smaller output instead of the heads' copies) and a 4-byte mask-type
+tensor (Korthikanti et al.'s sbh(10 + 24/t) then, plus norm statistics).
 
 The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
 forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask (and
@@ -88,9 +89,9 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     all-gathered input (all s tokens: the Oases tape) instead of its chunk (stock).
 
     ``recompute_core_attention`` (``--recompute-granularity selective``): Megatron checkpoints
-    the core attention, which then keeps only its inputs (Q, K, V, counted above) and the
-    attention-mask type as a 4-byte tensor; the softmax output, the dropout mask and probabilities
-    and the causal mask built inside it are not kept (measured)."""
+    the core attention, which then keeps only its inputs (Q, K, V: ``_checkpoint_inputs_bytes``)
+    and the attention-mask type as a 4-byte tensor; the softmax output, the dropout mask and
+    probabilities and the causal mask built inside it are not kept (measured)."""
     if block not in BLOCKS:
         raise ValueError(f"block {block!r} is not one of {BLOCKS}")
     tok = b * s
@@ -109,10 +110,11 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
     if recompute_core_attention:
         attention = rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant) + SELECTIVE_MASK_TYPE_BYTES
+        qkv = _checkpoint_inputs_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
     else:
         attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
-    qk = _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
-    return norm + column_input + tok * e * 4 * h / t + qk + attention + hidden_mask
+        qkv = tok * e * 3 * h / t + _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    return norm + column_input + qkv + tok * e * h / t + attention + hidden_mask  # + proj's input
 
 
 def _norm_beyond_input(rows: float, width: int, *, e: int, kernels: Kernels, variant: LayerVariant) -> float:
@@ -133,13 +135,38 @@ def _rope_qk_norm_bytes(*, tok: int, h: int, a: int, t: int, e: int, kernels: Ke
     beside QKV's output (V views it still); with GQA they replace the copies it makes anyway.
     QK-norm keeps its statistics per head and token and its input, a view of QKV's output (which
     under GQA nothing else keeps). RoPE's own tensors are per call (``per_call_bytes``)."""
-    head_dim, qk = h // a, tok * variant.qk_rows(h, a) / t
+    qk = tok * variant.qk_rows(h, a) / t
     grouped = (variant.query_groups or a) != a
     kept = e * qk if (variant.rotary or variant.qk_norm) and not grouped else 0
     if variant.qk_norm:
-        kept += _norm_beyond_input(qk / head_dim, head_dim, e=e, kernels=kernels, variant=variant)
+        kept += _qk_norm_beyond_input(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
         kept += e * tok * variant.qkv_rows(h, a) / t if grouped else 0
     return kept
+
+
+def _checkpoint_inputs_bytes(*, tok: int, h: int, a: int, t: int, e: int, kernels: Kernels,
+                             variant: LayerVariant) -> float:
+    """What the queries, keys and values keep under selective recompute: the checkpointed core
+    attention's inputs (``Attention._checkpointed_attention_forward``). V is a view of QKV's
+    output, so that storage stays; Q and K are views of it too, or new tensors under RoPE or
+    QK-norm (+ e q k). GQA's repeat of K and V to every head happens inside the core attention,
+    so unlike the stock inventory nothing of the heads' size is kept (measured). QK-norm's own
+    statistics (and CPU RMSNorm's normalised input) stay, as without recompute."""
+    kept = e * tok * variant.qkv_rows(h, a) / t
+    if variant.rotary or variant.qk_norm:
+        kept += e * tok * variant.qk_rows(h, a) / t
+    if variant.qk_norm:
+        kept += _qk_norm_beyond_input(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    return kept
+
+
+def _qk_norm_beyond_input(*, tok: int, h: int, a: int, t: int, e: int, kernels: Kernels,
+                          variant: LayerVariant) -> float:
+    """What QK-norm keeps besides its input: a ``variant.normalization`` per head and token of
+    the rank's queries and keys (``_norm_beyond_input`` over head_dim features)."""
+    head_dim = h // a
+    return _norm_beyond_input(tok * variant.qk_rows(h, a) / t / head_dim, head_dim, e=e, kernels=kernels,
+                              variant=variant)
 
 
 def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
