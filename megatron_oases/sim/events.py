@@ -117,7 +117,7 @@ class Strategy:
         """Where Megatron's selective recompute takes effect (as the trainer refuses the rest)."""
         if self.recompute:
             raise SimError("--recompute-granularity is selective or full, not both")
-        if self.backend != "megatron" or self.overlap != "none" or self.block_degrees is not None:
+        if not selective_recompute_applies(self.backend, self.overlap, planned=self.block_degrees is not None):
             raise SimError("--recompute-granularity selective is modeled for --tp-backend megatron on the stock "
                            "schedule without --oases-plan only (the Oases schedule recomputes by its own rules)")
 
@@ -178,6 +178,13 @@ class Strategy:
     def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Megatron's default order: TP fastest, then DP, then PP."""
         return tp + self.tp * (dp + self.dp * pp)
+
+
+def selective_recompute_applies(backend: str, overlap: str, *, planned: bool = False) -> bool:
+    """Whether Megatron's selective recompute does something: Megatron's own attention module
+    (backend megatron) on the stock schedule (Oases recomputes whole layers), without a per-block
+    plan."""
+    return backend == "megatron" and overlap == "none" and not planned
 
 
 class ChunkTensor(NamedTuple):

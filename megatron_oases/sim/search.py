@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from ..pricing.device_model import DeviceModel, SimError
 from ..describe.cube_3d import cube_side
 from ..describe.shapes import GPTShape
-from .events import Strategy, check
+from .events import Strategy, check, selective_recompute_applies
 from .timeline import SimResult, simulate
 
 
@@ -149,8 +149,8 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                         if overlap == "oases" and backend == "3d":
                             continue  # the runtime has no Oases tape for the cube
                         for rc in space.recompute:
-                            if rc == "selective" and (backend != "megatron" or overlap != "none"):
-                                continue  # Megatron's attention on the stock schedule only
+                            if rc == "selective" and not selective_recompute_applies(backend, overlap):
+                                continue
                             for vp in space.virtual_stages:
                                 if vp > 1 and pp == 1:
                                     continue
