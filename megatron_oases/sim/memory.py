@@ -62,9 +62,10 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
                     attention_dropout=m.attention_dropout > 0, variant=m.variant, **kw)
     full = layer_activation_bytes(s.backend, **layer_kw)
     if s.selective_recompute:  # a layer keeps no s^2 tensor; one layer's core attention exists at a time
-        kept = layer_activation_bytes(s.backend, recompute_core_attention=True, **layer_kw)
         if s.sequence_parallel:
             full, _, kept = _sp_layer_bytes(m, s)
+        else:
+            kept = layer_activation_bytes(s.backend, recompute_core_attention=True, **layer_kw)
         return chunk.layers * kept + _head_bytes(m, s, chunk), full - kept
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
