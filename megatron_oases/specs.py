@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_oases.mcore_compat import quiet_gpt_model_deprecation
 from megatron_oases.run_config import RunConfig, gqa_groups, run_config
 from megatron_oases.schedules.oases.options import oases_runs
 from megatron_oases.vocab import padded_vocab_size
@@ -120,6 +121,7 @@ def build_gpt_model(args: argparse.Namespace | RunConfig, config: TransformerCon
         from megatron_oases.layers.torch_norm import sequence_parallel_block_spec
 
         spec = sequence_parallel_block_spec(spec, config, vp_stage)
+    quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

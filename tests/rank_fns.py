@@ -218,3 +218,12 @@ def watched_torch_distributed():
     return {"records": [(r.kind, r.group_size, r.payload_bytes, r.wire_bytes_per_rank)
                         for r in c.records],
             "by_kind": c.by_kind(), "blocked": c.blocked_s, "x": x.tolist()}
+
+
+def first_loss(argv: list[str]) -> float | None:
+    """Train ``--train-iters`` steps with the reference trainer; the first loss (last rank)."""
+    from megatron_oases.train import run
+    from megatron_oases.train_args import build_parser
+
+    _, records = run(build_parser().parse_args(argv))
+    return records[0]["lm_loss"] if records else None

@@ -26,6 +26,7 @@ from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
+from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel import collectives as C
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups
@@ -62,8 +63,10 @@ class ATPSelfAttention(torch.nn.Module):
     """Drop-in for Megatron's ``SelfAttention`` in ``TransformerLayer`` (same call and return)."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=None, pg_collection=None,
-                 cp_comm_type=None, *, mesh_groups: MeshGroups, chunks: int = 1, submodules=None):
+                 cp_comm_type=None, *, mesh_groups: MeshGroups, chunks: int = 1, submodules=None,
+                 **megatron_kwargs):
         super().__init__()
+        accept_submodule_kwargs("ATPSelfAttention", megatron_kwargs)
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType

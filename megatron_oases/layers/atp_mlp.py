@@ -13,6 +13,7 @@ import torch
 from megatron_oases.layers.atp_attention import check_megatron_config, param_device
 from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
+from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel.mesh import MeshGroups
 
 
@@ -20,8 +21,10 @@ class ATPMLP(torch.nn.Module):
     """Drop-in for Megatron's ``MLP`` in ``TransformerLayer``: ``forward(x) -> (out, bias)``."""
 
     def __init__(self, config, submodules=None, *, mesh_groups: MeshGroups, chunks: int = 1,
-                 tp_group=None, input_size: int | None = None, ffn_hidden_size: int | None = None):
+                 tp_group=None, input_size: int | None = None, ffn_hidden_size: int | None = None,
+                 **megatron_kwargs):
         super().__init__()
+        accept_submodule_kwargs("ATPMLP", megatron_kwargs)
         check_megatron_config(config, mesh_groups, "ATPMLP")
         self.config, self.mesh_groups = config, mesh_groups
         self.gated = config.gated_linear_unit

@@ -94,12 +94,13 @@ class PlannedTransformerLayer(TransformerLayer):
     def _rebuild_mlp(self, submodules, tp_group) -> None:
         """The MLP block on its own TP sub-group (Megatron's ``TransformerLayer`` builds it on the
         layer's group)."""
-        from megatron.core.transformer.mlp import MLP
-        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+        from megatron_oases.mcore_compat import dense_mlp_parts
 
-        if not (isinstance(submodules.mlp, ModuleSpec) and submodules.mlp.module is MLP):
+        parts = dense_mlp_parts(submodules.mlp)
+        if parts is None:
             raise ValueError(f"--oases-plan with different attention and MLP degrees needs Megatron's "
                              f"dense MLP (got {submodules.mlp})")
+        mlp_cls, mlp_submodules, mlp_params = parts
         # Building it again draws its initial weights a second time; keep the generators where
         # the layer's own build left them, so later draws (dropout masks) stay in stock order.
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -109,7 +110,8 @@ class PlannedTransformerLayer(TransformerLayer):
         runtime = current_runtime()
         with torch.random.fork_rng(devices=[runtime.device] if runtime.is_cuda else []):
             tracker_states = get_cuda_rng_tracker().get_states()
-            self.mlp = build_module(submodules.mlp, config=self.config, tp_group=tp_group)
+            self.mlp = mlp_cls(config=self.config, submodules=mlp_submodules, tp_group=tp_group,
+                               **mlp_params)
             get_cuda_rng_tracker().set_states(tracker_states)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(self.layer_number)

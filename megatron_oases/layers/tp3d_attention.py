@@ -28,6 +28,7 @@ import torch
 from megatron_oases.layers import refuse_unsupported
 from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
+from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel.cube import CubeGroups, other_dir
 from megatron_oases.parallel.dims import ConfigError
 
@@ -103,8 +104,9 @@ class SelfAttention3D(torch.nn.Module):
     """Drop-in for Megatron's ``SelfAttention`` in ``TransformerLayer`` (same call and return)."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=None, pg_collection=None,
-                 cp_comm_type=None, *, cube_groups: CubeGroups, submodules=None):
+                 cp_comm_type=None, *, cube_groups: CubeGroups, submodules=None, **megatron_kwargs):
         super().__init__()
+        accept_submodule_kwargs("SelfAttention3D", megatron_kwargs)
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType

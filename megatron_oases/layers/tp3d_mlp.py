@@ -15,6 +15,7 @@ import torch
 
 from megatron_oases.layers.linear3d import cube_sharded_state_dict
 from megatron_oases.layers.tp3d_attention import check_3d_config, linear_3d
+from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel.cube import CubeGroups
 from megatron_oases.parallel.dims import ConfigError
 
@@ -23,8 +24,9 @@ class MLP3D(torch.nn.Module):
     """Drop-in for Megatron's ``MLP`` in ``TransformerLayer``: ``forward(x) -> (out, None)``."""
 
     def __init__(self, config, submodules=None, *, cube_groups: CubeGroups, tp_group=None,
-                 input_size: int | None = None, ffn_hidden_size: int | None = None):
+                 input_size: int | None = None, ffn_hidden_size: int | None = None, **megatron_kwargs):
         super().__init__()
+        accept_submodule_kwargs("MLP3D", megatron_kwargs)
         check_3d_config(config, cube_groups, "MLP3D")
         self.gated = config.gated_linear_unit
         if self.gated and config.add_bias_linear:
