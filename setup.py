@@ -12,7 +12,7 @@ setup(
     package_data={"megatron_oases": ["topology/examples/*.yaml"]},
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16.1,<0.20",  # megatron_oases/mcore_compat.py bridges the releases
         "pulp>=2.7",
         "pyyaml>=6",
         "numpy",

@@ -36,6 +36,11 @@ def at_least(major: int, minor: int, patch: int = 0) -> bool:
     return mcore_version() >= (major, minor, patch)
 
 
+def python_for(version: tuple[int, int, int]) -> tuple[int, int]:
+    """The oldest Python a release installs on (0.17 raised ``Requires-Python`` to 3.12)."""
+    return (3, 12) if tuple(version) >= (0, 17, 0) else (3, 10)
+
+
 def supported(version: tuple[int, int, int]) -> bool:
     """Whether ``version`` is in the supported range [OLDEST, NEWEST_MINOR.x]."""
     return OLDEST <= tuple(version) and tuple(version[:2]) <= NEWEST_MINOR

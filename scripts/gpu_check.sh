@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh            # OUT=<folder> (default /tmp/gpu_check), BUDGET_S=330
 #
 # On a machine with one or more CUDA GPUs and torch there; megatron-core / pulp wheels in .whl/
-# are installed to /tmp/site first when present (the device machine has no package index).
+# are installed to /tmp/site first when present (the device machine has no package index):
+# `bash scripts/gpu_wheels.sh` puts megatron-core 0.19.2 and pulp for Python 3.12 there.
 # Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
 # to $OUT/check.log, one line per step to $OUT/summary.txt, JSON results into $OUT/results.tar.gz:
 #   env       GPU, torch, megatron-core
@@ -58,7 +59,7 @@ train() {  # train NAME NPROC DEVICE FLAGS...
   step "$name" 90 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/$name.json" "$@"
 }
 
-want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; import sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
 
 RECOMP=(--recompute-granularity full --recompute-method uniform)
 if want train; then

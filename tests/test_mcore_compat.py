@@ -107,6 +107,8 @@ def test_layers_train_on_release(release):
     """The same steps with another supported release first on PYTHONPATH."""
     if mc.mcore_version() == mc.parse_version(release):
         pytest.skip("the installed release: test_layers_train_on_installed_release")
+    if sys.version_info[:2] < mc.python_for(mc.parse_version(release)):
+        pytest.skip(f"megatron-core {release} needs Python {mc.python_for(mc.parse_version(release))}")
     target = os.path.join(ROOT, ".mcore", release)
     if not os.path.isdir(os.path.join(target, "megatron", "core")):
         pytest.skip(f"megatron-core {release} not under .mcore/ (scripts/setup.sh with "
