@@ -161,16 +161,28 @@ def _entry(env_path: str | None):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("path, needle", [
-    (None, "set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
-    ("/", "MEGATRON_LM_PATH=/ is not a Megatron-LM checkout: pretrain_gpt.py is missing"),
-])
-def test_entry_without_a_checkout_is_one_line(path, needle):
-    proc = _entry(path)
+def test_entry_without_a_checkout():
+    """0.16 (no ``megatron.training`` in the wheel): one line asking for MEGATRON_LM_PATH; from
+    0.17 the wheel's ``megatron.training`` runs (``--help`` lists our flags)."""
+    from megatron_oases import mcore_compat
+
+    proc = _entry(None)
+    if mcore_compat.megatron_training_in_wheel():
+        assert proc.returncode == 0 and "--tp-backend {megatron,atp,3d}" in proc.stdout, proc.stderr
+        return
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("megatron_oases.pretrain_gpt: error: set MEGATRON_LM_PATH to a "
+                               "Megatron-LM checkout of the installed release (core_v0.16.")
+
+
+def test_entry_with_a_bad_checkout_is_one_line():
+    proc = _entry("/")
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("megatron_oases.pretrain_gpt: error: ")
-    assert needle in lines[0], proc.stderr
+    assert "MEGATRON_LM_PATH=/ is not a Megatron-LM checkout: pretrain_gpt.py is missing" \
+        in lines[0], proc.stderr
 
 
 def test_checkout_version_check(tmp_path):
@@ -182,10 +194,22 @@ def test_checkout_version_check(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text("")
     info = tmp_path / "megatron/core/package_info.py"
     info.parent.mkdir(parents=True)
+    from megatron_oases.mcore_compat import mcore_version
+
+    major, minor, _ = mcore_version()
     info.write_text("MAJOR = 0\nMINOR = 15\nPATCH = 3\n")
     assert checkout_path(tmp_path) == tmp_path.resolve()
     assert checkout_version(tmp_path) == "0.15.3"
-    with pytest.raises(ConfigError, match="checkout is Megatron-Core 0.15.3 but megatron-core 0.16"):
+    with pytest.raises(ConfigError, match="checkout is Megatron-Core 0.15.3; supported: "
+                                          "core_v0.16.1, core_v0.17.x"):
         check_versions(tmp_path)
-    info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 9\n")
+    info.write_text("MAJOR = 0\nMINOR = 16\nPATCH = 0\n")  # before the oldest supported
+    with pytest.raises(ConfigError, match="0.16.0; supported"):
+        check_versions(tmp_path)
+    other = 17 if minor != 17 else 18  # supported, but not the installed release
+    info.write_text(f"MAJOR = 0\nMINOR = {other}\nPATCH = 1\n")
+    with pytest.raises(ConfigError, match=f"checkout is Megatron-Core 0.{other}.1 but megatron-core "
+                                          f"{major}.{minor}"):
+        check_versions(tmp_path)
+    info.write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 9\n")
     check_versions(tmp_path)

@@ -3,8 +3,10 @@
 We import Megatron-LM's entry script as a module (its ``__main__`` block does not run) to reuse
 its ``forward_step``, dataset provider, ``get_embedding_ranks`` and model provider, rather than
 re-implementing them. Megatron-Core itself comes from the installed ``megatron-core`` package;
-the checkout adds ``megatron.training`` (``megatron`` is a namespace package) and must be the
-same release.
+the checkout adds ``megatron.training`` (``megatron`` is a namespace package; from 0.17 the wheel
+ships it too, and the checkout's copy comes first on ``sys.path``) and must be the same
+MAJOR.MINOR release: tag core_v0.16.1, or any core_v0.17.x, 0.18.x, 0.19.x
+(``mcore_compat.supported``).
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from megatron_oases.mcore_compat import parse_version, supported
 from megatron_oases.parallel.dims import ConfigError
 
 ENV = "MEGATRON_LM_PATH"
-SUPPORTED_TAG = "core_v0.16.1"
+SUPPORTED_TAGS = "core_v0.16.1, core_v0.17.x, core_v0.18.x or core_v0.19.x"
+"""For messages; the rule is ``mcore_compat.supported`` and the installed MAJOR.MINOR."""
 STOCK_MODULE = "megatron_lm_pretrain_gpt"
 """Name the checkout's pretrain_gpt.py is imported under (ours is megatron_oases.pretrain_gpt)."""
 
@@ -27,8 +31,9 @@ def checkout_path(path: str | os.PathLike | None = None) -> Path:
     """The checkout directory (``path`` or $MEGATRON_LM_PATH), checked to hold pretrain_gpt.py."""
     text = os.fspath(path) if path is not None else os.environ.get(ENV, "")
     if not text:
-        raise ConfigError(f"set {ENV} to a Megatron-LM checkout (tag {SUPPORTED_TAG}), e.g. "
-                          f"`git clone -b {SUPPORTED_TAG} https://github.com/NVIDIA/Megatron-LM`")
+        raise ConfigError(f"set {ENV} to a Megatron-LM checkout of the installed release "
+                          f"({_installed_tag()}), e.g. `git clone -b {_installed_tag()} "
+                          f"https://github.com/NVIDIA/Megatron-LM`")
     root = Path(text).expanduser().resolve()
     for need in ("pretrain_gpt.py", "megatron/training/__init__.py"):
         if not (root / need).is_file():
@@ -46,14 +51,25 @@ def checkout_version(root: Path) -> str | None:
     return ".".join(m.group(1) for m in parts) if all(parts) else None
 
 
+def _installed_tag() -> str:
+    """The Megatron-LM tag of the installed megatron-core (``core_v0.19.2``)."""
+    from megatron.core.package_info import __version__ as installed
+
+    return "core_v" + ".".join(map(str, parse_version(installed)))
+
+
 def check_versions(root: Path) -> None:
-    """The checkout and the installed megatron-core must be the same MAJOR.MINOR."""
+    """The checkout must be a supported release (``mcore_compat.supported``) with the installed
+    megatron-core's MAJOR.MINOR."""
     from megatron.core.package_info import __version__ as installed
 
     found = checkout_version(root)
     if found is None:
         raise ConfigError(f"{root} has no megatron/core/package_info.py; use a Megatron-LM "
-                          f"checkout of tag {SUPPORTED_TAG}")
+                          f"checkout of tag {_installed_tag()}")
+    if not supported(parse_version(found)):
+        raise ConfigError(f"{ENV} checkout is Megatron-Core {found}; supported: "
+                          f"{SUPPORTED_TAGS} (check out {_installed_tag()})")
     if found.split(".")[:2] != installed.split(".")[:2]:
         raise ConfigError(f"{ENV} checkout is Megatron-Core {found} but megatron-core {installed} "
                           f"is installed; check out tag core_v{installed}")

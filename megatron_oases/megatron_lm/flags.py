@@ -66,16 +66,21 @@ def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
     group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
 
 
-def make_extra_args_provider(*others: Callable | None) -> Callable:
+def make_extra_args_provider(*others: Callable | None, stock_model: bool = True) -> Callable:
     """An ``extra_args_provider`` that runs ``others`` (e.g. Megatron-LM's ModelOpt args) and then
-    adds our flags, and makes the parser validate them after parsing."""
+    adds our flags, and makes the parser validate them after parsing. ``stock_model=False``: no
+    Megatron-LM model provider (no checkout), so stock runs are our ``megatron`` build and are
+    validated as such."""
 
     def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         for other in others:
             if other is not None:
                 parser = other(parser)
         add_flags(parser)
-        return validating(parser)
+        from megatron_oases.mcore_compat import repair_help_strings
+
+        repair_help_strings(parser)  # Megatron's own, where a release broke one (--help)
+        return validating(parser, stock_model=stock_model)
 
     return extra_args_provider
 
@@ -84,7 +89,8 @@ extra_args_provider = make_extra_args_provider()
 """``pretrain(..., extra_args_provider=extra_args_provider)``: our flags, validated at parse."""
 
 
-def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
+               ) -> argparse.ArgumentParser:
     """Make ``parser.parse_args()`` / ``parse_known_args()`` also run ``validate_megatron_args``.
 
     argparse has no post-parse hook, so the parser's class becomes a subclass of its own whose
@@ -101,7 +107,8 @@ def validating(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         def parse_known_args(self, args=None, namespace=None):
             ns, extras = super().parse_known_args(args, namespace)
             try:
-                validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions})
+                validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions},
+                                       stock_model=stock_model)
             except ConfigError as exc:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
@@ -169,13 +176,15 @@ def trainer_view(args: argparse.Namespace, world_size: int | None = None,
 
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None,
-                           defaults: dict | None = None) -> None:
+                           defaults: dict | None = None, stock_model: bool = True) -> None:
     """Check our flags against Megatron-LM's args (TP size, sequence parallel, recompute, ...).
 
     Raises ``ConfigError`` (one line naming the flag). On success Megatron-LM's namespace gets
     ``atp_mesh`` as a ``(d1, d2)`` tuple (``auto`` resolved from ``--topology``). ``defaults``:
     the parser's defaults (dest -> value), which tell a refused option that was set
     (``options.refusal``); None: Megatron-LM's own parser's, where it imports.
+    ``stock_model=False``: no Megatron-LM model provider, so a stock run is our ``megatron``
+    build (``options.builds_of``) and is checked like our other builds.
     """
     from megatron_oases.train_args import TP_BACKENDS as BUILT
     from megatron_oases.train_args import check_topology, validate_backend_args
@@ -185,7 +194,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if args.tp_backend not in BUILT:
         raise ConfigError(f"--tp-backend {args.tp_backend} is not available as a Megatron-Core "
                           f"layer spec yet; use one of: {', '.join(BUILT)}")
-    if is_stock(args):
+    if is_stock(args) and stock_model:
         try:
             view, dims = trainer_view(args, world_size)
         except ConfigError:
@@ -224,7 +233,8 @@ def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
 
     what = (f"--tp-backend {args.tp_backend}" if args.tp_backend != "megatron"
             else f"--schedule {args.schedule}" if args.schedule != "default"
-            else "--oases-plan")
+            else "--oases-plan" if args.oases_plan is not None
+            else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")
     refused = refusal(args, defaults, what)
     if refused:
         raise ConfigError(refused)

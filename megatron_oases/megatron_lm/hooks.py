@@ -2,10 +2,14 @@
 and our model provider, each wrapping the stock one.
 
 Used by ``python -m megatron_oases.pretrain_gpt`` and by the patched checkout
-(``patches/core_v0.16.1``), so both launch paths behave the same::
+(``patches/core_v0.*``), so both launch paths behave the same::
 
     model_provider_fn, extra_args_fn = wrap_entry(partial(model_provider, gpt_builder),
                                                   add_modelopt_args if has_nvidia_modelopt else None)
+
+Without a stock model provider (``None``: no checkout, ``megatron_lm.wheel_gpt``) our provider
+builds stock runs too, with our ``megatron`` spec, so those are validated as one of our builds
+(``flags.make_extra_args_provider(stock_model=False)``).
 """
 from __future__ import annotations
 
@@ -19,4 +23,5 @@ def wrap_entry(stock_model_provider: Callable | None,
                stock_extra_args_provider: Callable | None = None) -> tuple[ModelProvider, Callable]:
     """(model provider, extra_args_provider) for ``megatron.training.pretrain``."""
     return (ModelProvider(stock_model_provider),
-            make_extra_args_provider(stock_extra_args_provider))
+            make_extra_args_provider(stock_extra_args_provider,
+                                     stock_model=stock_model_provider is not None))

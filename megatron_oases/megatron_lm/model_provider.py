@@ -1,8 +1,10 @@
 """The model provider ``megatron.training.pretrain`` calls, for every backend and schedule.
 
 A stock run (``--tp-backend megatron --schedule default``) goes to Megatron-LM's own provider
-(``partial(model_provider, gpt_builder)`` from the checkout), so the baseline is bit-for-bit the
-stock one, Transformer Engine spec included. Otherwise the model is assembled where the
+(``partial(model_provider, gpt_builder)`` from the checkout; from 0.19 the entry builds it from
+Megatron's ``gpt_config_from_args`` instead, as the stock script does), so the baseline is
+bit-for-bit the stock one, Transformer Engine spec included. Without a checkout there is no stock
+provider and stock runs are built here too, with our ``megatron`` spec. Otherwise the model is assembled where the
 reference trainer assembles it, ``megatron_oases.specs`` (``backend_groups``, then
 ``build_gpt_model``: layer spec per backend, schedule applied), with the TransformerConfig from
 Megatron-LM's own ``core_transformer_config_from_args`` so its model flags (activation, norm,
@@ -53,13 +55,17 @@ class ModelProvider:
         self._config_from_args = config_from_args
         self._groups: tuple[Any, Any] | None = None  # (key, groups)
 
-    def __call__(self, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None, config=None, pg_collection=None):
+    def uses_stock(self, args: argparse.Namespace) -> bool:
+        """Whether ``args`` is a stock run built by Megatron-LM's own provider (not by us)."""
         from megatron_oases.megatron_lm.flags import is_stock
 
+        return self.stock is not None and is_stock(args)
+
+    def __call__(self, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None, config=None, pg_collection=None):
         args = self._get_args()
         ensure_validated(args)
-        if is_stock(args) and self.stock is not None:
+        if self.uses_stock(args):
             return self.stock(pre_process=pre_process, post_process=post_process,
                               vp_stage=vp_stage, config=config, pg_collection=pg_collection)
         outer = _checkout_provider(self.stock)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-BUILDS = ("oases", "plan", "atp", "3d")
-"""What replaces Megatron's layers: the Oases schedule, per-block plans, ATP and 3-D layers."""
+BUILDS = ("oases", "plan", "atp", "3d", "megatron")
+"""What replaces Megatron's layers: the Oases schedule, per-block plans, ATP and 3-D layers, and
+``megatron``: our build of a stock run (``specs``' megatron spec) where no Megatron-LM model
+provider exists (no checkout, ``megatron_lm.wheel_gpt``)."""
 
 ALL = frozenset(BUILDS)
 OWN_ATTENTION = frozenset({"atp", "3d"})
@@ -245,7 +247,7 @@ def refusal(args: argparse.Namespace, defaults: dict | None, what: str) -> str |
     """
     from megatron_oases.run_config import options_present
 
-    builds = builds_of(args)
+    builds = builds_of(args) or frozenset({"megatron"})  # a stock run that we build
     values = options_present(args, REFUSED)
     for name, (flag, refused_by) in REFUSED.items():
         if not (builds & refused_by) or name not in values:

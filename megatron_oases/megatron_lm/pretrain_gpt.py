@@ -1,10 +1,16 @@
 """``python -m megatron_oases.pretrain_gpt <Megatron-LM args> <our flags>``: Megatron-LM's GPT
-pretraining with our backends and schedules, without patching the checkout.
+pretraining with our backends and schedules, without patching a checkout.
 
-``MEGATRON_LM_PATH`` names a Megatron-LM checkout (tag core_v0.16.1). Its ``pretrain_gpt.py``
-supplies the forward step, the dataset provider, ``get_embedding_ranks`` and the stock model
-provider; we add our ``extra_args_provider`` and wrap the model provider
-(``megatron_lm.hooks.wrap_entry``), then call ``megatron.training.pretrain`` as that script does.
+The four things a GPT entry script hands to ``megatron.training.pretrain`` (forward step, dataset
+provider, ``get_embedding_ranks``, stock model provider) come from
+
+* the Megatron-LM checkout named by ``MEGATRON_LM_PATH`` (any supported tag, the installed
+  megatron-core's MAJOR.MINOR): its own ``pretrain_gpt.py``, imported as a module; or
+* without a checkout, from megatron-core 0.17 on (its wheel ships ``megatron.training``):
+  ``megatron_lm.wheel_gpt``, where our ``ModelProvider`` builds every model.
+
+We add our ``extra_args_provider`` and wrap the model provider (``megatron_lm.hooks.wrap_entry``),
+then call ``pretrain`` the way the installed release takes it (``mcore_compat.run_pretrain``).
 Arguments are parsed once up front, so ``--help`` and bad flags answer before any GPU work.
 Without CUDA, ``runtime.cpu_training_compat`` lets ``pretrain`` run on CPU + gloo ranks (flags
 that need CUDA-only machinery are refused first, in one line).
@@ -25,28 +31,57 @@ PROG = "megatron_oases.pretrain_gpt"
 
 
 def entry_objects(stock):
-    """(model provider, extra_args_provider) built from the checkout's pretrain_gpt module."""
+    """(model provider, extra_args_provider) built from a ``pretrain_gpt`` module: the
+    checkout's, or ``wheel_gpt`` (no stock model provider)."""
     from megatron_oases.megatron_lm.hooks import wrap_entry
 
     modelopt = stock.add_modelopt_args if getattr(stock, "has_nvidia_modelopt", False) else None
-    return wrap_entry(functools.partial(stock.model_provider, stock.gpt_builder), modelopt)
+    stock_provider = (functools.partial(stock.model_provider, stock.gpt_builder)
+                      if stock.model_provider is not None else None)
+    return wrap_entry(stock_provider, modelopt)
+
+
+def stock_module():
+    """The checkout's ``pretrain_gpt`` module, or ``wheel_gpt`` without ``MEGATRON_LM_PATH`` on
+    megatron-core 0.17+; ConfigError (one line) otherwise."""
+    from megatron_oases import mcore_compat
+    from megatron_oases.megatron_lm.checkout import ENV, import_stock_pretrain_gpt
+
+    if not os.environ.get(ENV):
+        import warnings
+
+        with warnings.catch_warnings():  # megatron.core's import-time notes (Apex, TE): the
+            warnings.simplefilter("ignore")  # error below is then the only line
+            in_wheel = mcore_compat.megatron_training_in_wheel()
+        if not in_wheel:
+            import_stock_pretrain_gpt()  # ConfigError: set MEGATRON_LM_PATH (0.16)
+    if os.environ.get(ENV):
+        return import_stock_pretrain_gpt()  # ConfigError: not a (supported) checkout
+    from megatron_oases.megatron_lm import wheel_gpt
+
+    return wheel_gpt
+
+
+def _error(message: str) -> int:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
-
     try:
-        stock = import_stock_pretrain_gpt()
+        stock = stock_module()
     except ConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     model_provider, extra_args_provider = entry_objects(stock)
 
     from megatron.training.arguments import parse_args
 
     args = parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
+    if hasattr(stock, "refusal") and stock.refusal(args):
+        return _error(stock.refusal(args))
     import torch
 
     if not torch.cuda.is_available():
@@ -57,34 +92,25 @@ def main(argv: list[str] | None = None) -> int:
 
         problem = check_cpu_training_args(args)
         if problem:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
-            return 2
+            return _error(problem)
         install_cpu_training_compat()
     from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers
 
     use_prebuilt_dataset_helpers()
-    from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain
+    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
 
-    try:
-        from megatron.training import set_startup_timestamps
+    from megatron_oases import mcore_compat
 
-        set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    except ImportError:
-        pass
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     stock.train_valid_test_datasets_provider.is_distributed = True
     pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    pretrain(
-        stock.train_valid_test_datasets_provider,
-        model_provider,
-        ModelType.encoder_or_decoder,
-        stock.forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    mcore_compat.run_pretrain(
+        pretrain, datasets_provider=stock.train_valid_test_datasets_provider,
+        model_provider=model_provider, forward_step=stock.forward_step,
         extra_args_provider=extra_args_provider,
-        store=store,
-        get_embedding_ranks=stock.get_embedding_ranks,
-    )
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        stock_model_config=model_provider.uses_stock, store=store,
+        get_embedding_ranks=stock.get_embedding_ranks)
     return 0
 
 

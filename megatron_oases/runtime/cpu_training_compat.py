@@ -15,7 +15,8 @@ is absent, nothing global faked, only
 * ``training.initialize_megatron`` (the name ``pretrain`` calls) is wrapped to pass Megatron's
   own ``allow_no_cuda=True``, which skips its "Megatron requires CUDA." assertion.
 * ``fused_kernels`` inside ``megatron.training.initialize`` loads nothing (``_NoFusedKernels``):
-  upstream's ``load`` only runs ``nvcc -V``, which a CPU machine does not have.
+  upstream's ``load`` only runs ``nvcc -V``, which a CPU machine does not have (0.16; from 0.17
+  ``initialize`` loads no fused kernels).
 * ``get_device_arch_version`` inside ``megatron.training.arguments`` answers 0 (no CUDA
   architecture) instead of querying the GPU's properties; ``validate_args`` then wants
   CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1, set here when unset (only CUDA reads it).
@@ -35,6 +36,7 @@ import sys
 
 import torch
 
+from megatron_oases import mcore_compat
 from megatron_oases.runtime import cpu_compat
 
 # megatron.training modules (Megatron-LM core_v0.16.1) that hard-code CUDA on the paths
@@ -157,7 +159,8 @@ def install_cpu_training_compat(force: bool = False) -> bool:
         if modname.startswith("megatron.training") and getattr(module, "torch", None) is torch:
             module.torch = proxy
     initialize = importlib.import_module("megatron.training.initialize")
-    if not isinstance(initialize.fused_kernels, _NoFusedKernels):
+    if mcore_compat.initialize_loads_fused_kernels() and \
+            not isinstance(initialize.fused_kernels, _NoFusedKernels):
         initialize.fused_kernels = _NoFusedKernels(initialize.fused_kernels)
     arguments = importlib.import_module("megatron.training.arguments")
     if not hasattr(arguments.get_device_arch_version, "__cpu_compat_wrapped__"):
