@@ -10,8 +10,9 @@ A save is atomic: every rank writes into ``DIR/iter_N.tmp-TOKEN``; only after a 
 shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and then replace the
 latest file (tmp file + ``os.replace``). A crash before that leaves the previous checkpoint as
 the one that loads; ``*.tmp-*`` directories are never read. ``--load`` checks the latest file,
-the directory, ``metadata.json``, ``common.pt``, ``.metadata`` and every shard file it names
-before any process group exists, and refuses a damaged checkpoint in one line.
+the directory, ``metadata.json``, ``.metadata``, every shard file it names and the common state
+(``common.pt`` up to megatron-core 0.18, an object inside the shard files from 0.19) before any
+process group exists, and refuses a damaged checkpoint in one line.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ them was saved with these values."""
 LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
                 "oases_layer_degrees")
+_NO_PROCESS_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
 _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor instead",
                        "`torch.distributed.all_gather_into_tensor` is deprecated")
 
@@ -140,9 +142,6 @@ def check_checkpoint_files(path: str, tracker: str = "") -> None:
         raise CheckpointError(f"--load: {config} is missing or corrupt") from None
     if backend != "torch_dist":
         raise CheckpointError(f"--load: {config} says format {backend!r}; only torch_dist loads")
-    common = os.path.join(path, "common.pt")
-    if not os.path.isfile(common):
-        raise CheckpointError(f"--load: {common} is missing")
     from torch.distributed.checkpoint import FileSystemReader
 
     dot_metadata = os.path.join(path, ".metadata")
@@ -154,6 +153,7 @@ def check_checkpoint_files(path: str, tracker: str = "") -> None:
             extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
     except Exception:  # noqa: BLE001 - any unpickling failure means a corrupt file
         raise CheckpointError(f"--load: {dot_metadata} is missing or corrupt") from None
+    common_state_location(path, metadata)
     for name, end in sorted(extents.items()):
         shard = os.path.join(path, name)
         if not os.path.isfile(shard):
@@ -163,16 +163,52 @@ def check_checkpoint_files(path: str, tracker: str = "") -> None:
                                   f"({os.path.getsize(shard)} of {end} bytes)")
 
 
-def read_saved_args(path: str) -> dict:
-    """The flags the checkpoint was saved with (``args`` of its common state)."""
-    import torch
+def common_state_location(path: str, metadata=None) -> str:
+    """Where the checkpoint in ``path`` keeps its common state (iteration, flags): its
+    ``common.pt`` (written up to megatron-core 0.18), or the torch_dist ``common_state`` object
+    (0.19 on: ``mcore_compat.common_state_in_torch_dist``), named by the shard file holding it.
+    Refuses, in one line, a checkpoint with neither and a 0.19 one on an older megatron-core."""
+    from megatron_oases import mcore_compat
 
-    common = os.path.join(path, "common.pt")
+    common = os.path.join(path, mcore_compat.COMMON_PT)
+    if os.path.isfile(common):
+        return common
+    if metadata is None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(path).read_metadata()
+    if mcore_compat.COMMON_STATE_ITEM not in metadata.state_dict_metadata:
+        raise CheckpointError(f"--load: {common} is missing (and {path}/.metadata has no "
+                              f"{mcore_compat.COMMON_STATE_ITEM} item)")
+    if not mcore_compat.common_state_in_torch_dist():
+        from megatron.core.package_info import __version__
+
+        raise CheckpointError(
+            f"--load: {path} was saved by megatron-core 0.19 or newer (its common state is inside "
+            f"the torch_dist files, there is no {mcore_compat.COMMON_PT}); this run has "
+            f"megatron-core {__version__}: install megatron-core 0.19 or newer to load it")
+    shards = {i.relative_path for k, i in metadata.storage_data.items()
+              if k.fqn == mcore_compat.COMMON_STATE_ITEM}
+    return os.path.join(path, min(shards)) + f" ({mcore_compat.COMMON_STATE_ITEM})"
+
+
+def read_saved_args(path: str) -> dict:
+    """The flags the checkpoint was saved with (``args`` of its common state, which is
+    ``common.pt`` or, from megatron-core 0.19, an object in the torch_dist files)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_oases import mcore_compat
+
+    where = common_state_location(path)
     try:
-        state = torch.load(common, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note that no process group exists (yet)
+            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
+            state = mcore_compat.load_common_state(path)
         return dict(state["args"])
-    except Exception:  # noqa: BLE001 - unpickling errors have many types
-        raise CheckpointError(f"--load: {common} is corrupt or was not written by "
+    # Unpickling errors have many types; torch's reader wraps them in CheckpointException,
+    # a BaseException.
+    except (Exception, CheckpointException):  # noqa: BLE001
+        raise CheckpointError(f"--load: {where} is corrupt or was not written by "
                               "megatron-oases train") from None
 
 
@@ -203,7 +239,7 @@ def should_save(args, iteration: int) -> bool:
 
 
 def _plain_args(args) -> dict:
-    """The run's flags as plain values (``common.pt`` is read with ``weights_only``)."""
+    """The run's flags as plain values (the common state is read with ``weights_only``)."""
     import torch.distributed as dist
 
     def plain(v):
@@ -235,7 +271,7 @@ def _rng_state(dp_group):
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    np_state = np.random.get_state()  # its key array as a tensor: common.pt loads weights_only
+    np_state = np.random.get_state()  # its key array as a tensor: objects load weights_only
     state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
              "np_rng_state": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                               *np_state[2:]),
@@ -319,7 +355,7 @@ def save_checkpoint(tr, iteration: int) -> str:
     with writer_in_this_rank():
         dist_checkpointing().save(state, tmp)
     _maybe_crash(iteration)
-    dist.barrier()  # every rank's shards, common.pt and the metadata are written
+    dist.barrier()  # every rank's shards, the common state and the metadata are written
     if _rank0():
         _publish(tmp, final, root, iteration, token[0])
     dist.barrier()

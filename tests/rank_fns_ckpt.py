@@ -33,3 +33,31 @@ def train(argv: list[str]) -> dict:
     _, records = run(args)
     return {"rank": int(os.environ["RANK"]),
             "losses": {r["iteration"]: r["lm_loss"] for r in records}}
+
+
+def megatron_save_load(path: str) -> list:
+    """Megatron's own ``dist_checkpointing.save`` / ``load`` on a CPU rank, with the CPU layer
+    installed and nothing of ``runtime.dist_ckpt`` but its daemon-flag context: the layer alone
+    must reach the torch_dist writer, including the modules Megatron imports only at the first
+    save (0.19: ``state_dict_saver``, whose ``torch.cuda.current_device()`` would fail here)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_oases.runtime.cpu_compat import install_cpu_compat
+    from megatron_oases.runtime.dist_ckpt import writer_in_this_rank
+
+    os.makedirs(path)
+    dist.init_process_group("gloo")
+    install_cpu_compat()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    def state(weight):
+        return {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0),
+                "obj": ShardedObject("obj", {"step": 3}, (1,), (0,), replica_id=0),
+                "iteration": 3}
+
+    with writer_in_this_rank():
+        dist_checkpointing.save(state(torch.arange(4.0)), path)
+    loaded = dist_checkpointing.load(state(torch.zeros(4)), path)
+    return [loaded["w"].tolist(), loaded["obj"], loaded["iteration"]]

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_oases.checkpoint import CRASH_ENV, TRACKER
 from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
-from tests.rank_fns_ckpt import LAYOUTS, MODEL, train
+from tests.rank_fns_ckpt import LAYOUTS, MODEL, megatron_save_load, train
 
 pytest.importorskip("psutil", reason="Megatron's torch_dist checkpoint writer needs psutil")
 
@@ -155,16 +155,74 @@ def good_ckpt(tmp_path_factory, tmp_path):
     return _copy_at(r["ckpt"], 3, tmp_path / "ckpt"), r["argv"]
 
 
+def _common_state(it: str):
+    """Where the checkpoint in ``it`` keeps its common state: ``("file", common.pt)`` (saved by
+    megatron-core up to 0.18) or ``("item", shard file, offset, length)`` (the torch_dist
+    ``common_state`` object of 0.19 on). Read from the files, so the damage tests below need
+    no version check."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_oases.mcore_compat import COMMON_PT, COMMON_STATE_ITEM
+
+    if os.path.isfile(os.path.join(it, COMMON_PT)):
+        return ("file", os.path.join(it, COMMON_PT))
+    storage = FileSystemReader(it).read_metadata().storage_data
+    (info,) = [v for k, v in storage.items() if k.fqn == COMMON_STATE_ITEM]
+    return ("item", os.path.join(it, info.relative_path), info.offset, info.length)
+
+
+def _drop_common_state(it: str) -> None:
+    """Delete ``common.pt``, or the ``common_state`` object from ``.metadata``."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_oases.mcore_compat import COMMON_STATE_ITEM
+
+    where = _common_state(it)
+    if where[0] == "file":
+        os.remove(where[1])
+        return
+    metadata = FileSystemReader(it).read_metadata()
+    del metadata.state_dict_metadata[COMMON_STATE_ITEM]
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items()
+                             if k.fqn != COMMON_STATE_ITEM}
+    with open(os.path.join(it, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _garble_common_state(it: str) -> str:
+    """Overwrite the common state's bytes (same length: every size check still passes); returns
+    the file's name."""
+    where = _common_state(it)
+    with open(where[1], "r+b") as f:
+        if where[0] == "file":
+            f.truncate(0)
+            f.write(b"not a pickle")
+        else:
+            f.seek(where[2])
+            f.write(b"\0" * where[3])
+    return os.path.basename(where[1])
+
+
 @pytest.mark.parametrize("damage, names", [
     ("drop .metadata", ".metadata"), ("garble .metadata", ".metadata"),
-    ("drop shard", "__1_0.distcp"), ("truncate shard", "__0_1.distcp"),
-    ("drop metadata.json", "metadata.json"), ("drop common.pt", "common.pt"),
+    ("drop shard", "last shard"), ("truncate shard", "first shard"),
+    ("drop metadata.json", "metadata.json"), ("drop common state", "common.pt"),
+    ("garble common state", "its file"),
     ("latest names missing dir", "iter_0000009"), ("garble latest", TRACKER),
 ])
 def test_damaged_checkpoint_is_refused_in_one_line(good_ckpt, damage, names, capsys):
     ckpt, argv = good_ckpt
     it = os.path.join(ckpt, "iter_0000003")
-    if damage.startswith("drop"):
+    if names.endswith(" shard"):  # file names differ between releases (writer threads per rank)
+        shards = sorted(f for f in os.listdir(it) if f.endswith(".distcp"))
+        names = shards[0] if names == "first shard" else shards[-1]
+    if damage == "drop common state":
+        _drop_common_state(it)
+    elif damage == "garble common state":
+        names = _garble_common_state(it)
+    elif damage.startswith("drop"):
         os.remove(os.path.join(it, names))
     elif damage == "garble .metadata":
         with open(os.path.join(it, names), "wb") as f:
@@ -179,6 +237,66 @@ def test_damaged_checkpoint_is_refused_in_one_line(good_ckpt, damage, names, cap
             f.write("three")
     err = _main_error(argv + ["--nproc-per-node", "4", "--load", ckpt], capsys)
     assert names in err and "--load" in err, err
+
+
+def test_checkpoint_of_a_newer_megatron_core_is_refused_in_one_line(good_ckpt, capsys):
+    """Before 0.19 a checkpoint without ``common.pt`` whose ``.metadata`` names the
+    ``common_state`` object was saved by 0.19 or newer: refused, saying to upgrade. (Built here
+    from a checkpoint of this release: the item points at bytes that are never read.)"""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from megatron_oases import mcore_compat
+
+    if mcore_compat.common_state_in_torch_dist():
+        pytest.skip("this megatron-core (0.19+) reads the common_state object")
+    ckpt, argv = good_ckpt
+    it = os.path.join(ckpt, "iter_0000003")
+    metadata = FileSystemReader(it).read_metadata()
+    item = mcore_compat.COMMON_STATE_ITEM
+    metadata.state_dict_metadata[item] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(item)] = next(iter(metadata.storage_data.values()))
+    with open(os.path.join(it, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    os.remove(os.path.join(it, mcore_compat.COMMON_PT))
+    err = _main_error(argv + ["--nproc-per-node", "4", "--load", ckpt], capsys)
+    assert "megatron-core 0.19 or newer" in err and "--load" in err, err
+
+
+def test_megatron_save_on_cpu_ranks_after_the_cpu_layer(tmp_path):
+    """Megatron's own torch_dist save and load on a CPU rank once the CPU layer is installed
+    (what tests/test_atp_checkpoint.py and the Megatron-LM entry do): from 0.19 the writer's
+    ``state_dict_saver`` is imported only at the first save, and its
+    ``torch.cuda.current_device()`` failed ("Cannot re-initialize CUDA in forked subprocess")."""
+    (got,) = run_on_ranks(megatron_save_load, 1, args=(str(tmp_path / "c"),), timeout_s=TIMEOUT)
+    assert got == [[0.0, 1.0, 2.0, 3.0], {"step": 3}, 3], got
+
+
+LEGACY = os.path.join(os.path.dirname(__file__), "data", "ckpt_mcore_0.16.1")
+
+
+def test_mcore_0_16_checkpoint_resumes(tmp_path):
+    """A user upgrading mid-training: the checkpoint saved by megatron-core 0.16.1 (with its
+    ``common.pt``; tests/data/README.md) resumes with the uninterrupted run's losses of 0.19.2."""
+    from megatron_oases import mcore_compat
+
+    if not mcore_compat.at_least(0, 17):
+        pytest.skip("the fixture was saved by this release (0.16); same-release resumes are "
+                    "test_killed_save_keeps_previous_and_resume_matches")
+    with open(LEGACY + ".json", encoding="utf-8") as f:
+        ref = json.load(f)
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(LEGACY, ckpt)
+    got = run_on_ranks(train, ref["ranks"], args=(ref["argv"].split() + [
+        "--train-iters", str(ref["train_iters"]), "--load", ckpt],), timeout_s=TIMEOUT)[-1]["losses"]
+    want = {int(k): v for k, v in ref["uninterrupted_megatron_core_0.19.2"].items()}
+    assert sorted(got) == list(range(ref["saved_at"] + 1, ref["train_iters"] + 1)), got
+    diffs = {it: _rel(got[it], want[it]) for it in got}
+    print(f"0.16.1 checkpoint resumed on {mcore_compat.mcore_version()}: max rel diff "
+          f"{max(diffs.values()):.3g} {diffs}")
+    assert max(diffs.values()) <= RESUME_TOL, (got, want)
 
 
 def test_intact_copy_passes_validation(good_ckpt):

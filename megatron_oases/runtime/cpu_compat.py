@@ -51,7 +51,14 @@ PATCHED_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.module",
     "megatron.core.models.gpt.gpt_model",
+    # dist-checkpoint: the torch_dist writer synchronizes and allocates its failure flag on
+    # ``torch.cuda.current_device()`` (state_dict_saver). From 0.19 the torch strategy imports
+    # state_dict_saver lazily, at its first save, after the layer was installed: imported here,
+    # it gets the proxy on every release (runtime/dist_ckpt.py proxies any later one).
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
