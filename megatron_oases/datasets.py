@@ -145,7 +145,7 @@ def validate_data_args(args: argparse.Namespace) -> None:
     if args.data_path:
         prefixes, _ = parse_blend(args.data_path)
         for prefix in prefixes:
-            _check_prefix(prefix)
+            _check_prefix(prefix, args.vocab_size)
         split = parse_split(args.split if args.split is not None else DEFAULT_SPLIT)
         if split[0] == 0:
             raise ConfigError(f"--split {args.split} gives the training split no documents; "
@@ -172,8 +172,15 @@ def _check_helpers() -> None:
             from None
 
 
-def _check_prefix(prefix: str) -> None:
-    """Both files exist and the .idx is a Megatron index (its 9-byte header)."""
+SCAN_BYTES = 32 * 2**20
+"""Token-id scan before start-up (``_check_token_ids``): a .bin up to this size is read whole; a
+larger one in ``SCAN_WINDOWS`` windows spread evenly over it that add up to this size."""
+SCAN_WINDOWS = 32
+
+
+def _check_prefix(prefix: str, vocab_size: int) -> None:
+    """Both files exist, the .idx is a Megatron index whose size matches its header, the .bin
+    holds every byte the .idx points to, and the token ids a bounded scan reads are < vocab."""
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
 
     missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
@@ -185,6 +192,87 @@ def _check_prefix(prefix: str) -> None:
     if header != _INDEX_HEADER:
         raise ConfigError(f"--data-path {prefix}: {prefix}.idx is not a Megatron index file "
                           "(bad header); rebuild it with preprocess_data.py or IndexedDatasetBuilder")
+    dtype, tokens = _check_index_sizes(prefix)
+    _check_token_ids(prefix, dtype, tokens, vocab_size)
+
+
+def _check_index_sizes(prefix: str):
+    """Read the .idx as Megatron's ``_IndexReader`` does (version 1, a token type code, sequence
+    and document counts, then int32 lengths, int64 byte pointers and int64 document indices) and
+    compare the file sizes with it: an .idx cut short, or a .bin shorter than the bytes its last
+    sequence ends at (a copy cut short), would otherwise fail on every rank after start-up, once
+    Megatron has written its index cache. Returns (token dtype, tokens the .bin holds)."""
+    import struct
+
+    import numpy
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    rebuild = "rebuild the pair (preprocess_data.py / IndexedDatasetBuilder) or copy it again"
+    fixed = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, two counts
+    idx_bytes = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        f.seek(len(_INDEX_HEADER))
+        head = f.read(fixed - len(_INDEX_HEADER))
+        if len(head) < fixed - len(_INDEX_HEADER):
+            raise ConfigError(f"--data-path {prefix}: {idx} is {idx_bytes} bytes, shorter than "
+                              f"Megatron's {fixed}-byte index header (truncated); {rebuild}")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head)
+        if version != 1:
+            raise ConfigError(f"--data-path {prefix}: {idx} has index version {version}, Megatron "
+                              f"reads version 1; {rebuild}")
+        try:
+            dtype = DType.dtype_from_code(code)
+        except (KeyError, ValueError):
+            raise ConfigError(f"--data-path {prefix}: {idx} names token type code {code}, which "
+                              f"Megatron does not know; {rebuild}") from None
+        want = fixed + sequences * (4 + 8) + documents * 8
+        if idx_bytes != want:
+            raise ConfigError(f"--data-path {prefix}: {idx} is {idx_bytes} bytes but its header "
+                              f"({sequences} sequences, {documents} documents) needs {want} "
+                              f"(truncated or damaged); {rebuild}")
+        if sequences == 0:
+            return dtype, 0
+        f.seek(fixed + (sequences - 1) * 4)
+        last_length = int(numpy.frombuffer(f.read(4), dtype=numpy.int32)[0])
+        f.seek(fixed + sequences * 4 + (sequences - 1) * 8)
+        last_pointer = int(numpy.frombuffer(f.read(8), dtype=numpy.int64)[0])
+    size = numpy.dtype(dtype).itemsize
+    end = last_pointer + last_length * size
+    bin_bytes = os.path.getsize(bin_)
+    if bin_bytes < end:
+        raise ConfigError(f"--data-path {prefix}: {bin_} is {bin_bytes} bytes but {idx} indexes "
+                          f"{end} ({sequences} sequences of {numpy.dtype(dtype).name} tokens): "
+                          f"the .bin is truncated or belongs to another index; {rebuild}")
+    return dtype, end // size
+
+
+def _check_token_ids(prefix: str, dtype, tokens: int, vocab_size: int) -> None:
+    """Token ids in [0, --vocab-size), by a bounded scan before start-up: a .bin of up to
+    ``SCAN_BYTES`` whole, a larger one in ``SCAN_WINDOWS`` evenly spread windows (one second or
+    so even on a network file system, whatever the corpus size). A tokenizer that does not match
+    ``--vocab-size`` puts large ids everywhere, so the windows find it; an id they miss still
+    stops the run when a batch holds it (``MegatronData._batches``, naming --vocab-size)."""
+    import numpy
+
+    dtype = numpy.dtype(dtype)
+    if dtype.kind == "u" and numpy.iinfo(dtype).max < vocab_size:
+        return  # no id of this type can reach the vocabulary size
+    per_window = max(SCAN_BYTES // SCAN_WINDOWS // dtype.itemsize, 1)
+    if tokens * dtype.itemsize <= SCAN_BYTES:
+        starts, count = [0], tokens
+    else:
+        step = (tokens - per_window) / (SCAN_WINDOWS - 1)
+        starts, count = [int(i * step) for i in range(SCAN_WINDOWS)], per_window
+    for start in starts:
+        ids = numpy.fromfile(prefix + ".bin", dtype=dtype, count=count,
+                             offset=start * dtype.itemsize)
+        bad = numpy.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            at = int(bad[0])
+            raise ConfigError(f"--data-path {prefix}: {prefix}.bin holds token id {ids[at]} "
+                              f"(token {start + at}) outside [0, --vocab-size {vocab_size}); pass "
+                              "the vocabulary size of the data's tokenizer as --vocab-size")
 
 
 def _check_split_documents(prefix: str, split: list[float], split_flag: str,

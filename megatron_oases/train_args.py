@@ -6,9 +6,10 @@ the fix (``ConfigError``). Later issues add ``--tp-backend atp|3d`` and ``--sche
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.parallel.dims import ConfigError, ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
                                        mesh_search_shape, run_config)
 
@@ -227,7 +228,9 @@ def _check_model_features(args: argparse.Namespace) -> None:
     """Llama-family flags: meaningful values and combinations (one line naming the flag)."""
     check_gqa_flags(args, ConfigError)
     groups = query_groups(args)
-    if groups < 1 or args.num_attention_heads % groups:
+    if groups < 1:
+        raise ConfigError(f"--num-query-groups must be >= 1 (got {groups})")
+    if args.num_attention_heads % groups:
         raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads "
                           f"{args.num_attention_heads}")
     if not 0.0 < args.rotary_percent <= 1.0:
@@ -258,7 +261,9 @@ def virtual_stages_of(per_vstage: int, num_layers: int, pp: int) -> int:
     """Virtual stages per rank for ``--num-layers-per-virtual-pipeline-stage per_vstage``; one
     line naming the flag when it does not divide a pipeline stage's layers."""
     per_stage = num_layers // max(pp, 1)
-    if per_vstage < 1 or per_stage % per_vstage != 0:
+    if per_vstage < 1:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage must be >= 1 (got {per_vstage})")
+    if per_stage % per_vstage != 0:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} must divide "
                           f"the {per_stage} layers of each pipeline stage")
     return per_stage // per_vstage
@@ -273,14 +278,57 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
     per_stage = per_vstage * vp
     if vp == 1:
         # One virtual stage is no interleaving, and Megatron's interleaved schedule then fails.
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers "
-                          f"of each pipeline stage (one virtual stage: no interleaving); use a "
-                          f"proper divisor of {per_stage} or drop the flag")
+        what = (f"--num-layers-per-virtual-pipeline-stage {per_vstage} equals the layers of each "
+                f"pipeline stage (one virtual stage: no interleaving)")
+        divisors = [d for d in range(1, per_stage) if per_stage % d == 0]
+        if not divisors:  # one layer per stage: nothing to interleave
+            raise ConfigError(f"{what}; a stage of {per_stage} layer cannot be split into virtual "
+                              f"stages, so drop the flag (or give each stage more layers: more "
+                              f"--num-layers or a smaller --pipeline-model-parallel-size)")
+        choices = ", ".join(f"{d} ({per_stage // d} virtual stages)" for d in divisors)
+        raise ConfigError(f"{what}; use {'one of ' if len(divisors) > 1 else ''}{choices} or "
+                          f"drop the flag")
     return vp
+
+
+MIN_LOSS_SCALE = 1.0
+"""Megatron's minimum dynamic loss scale (``OptimizerConfig.min_loss_scale``'s default, which the
+trainer keeps: it has no ``--min-loss-scale``); a test checks the two agree."""
+
+
+def _check_loss_scale(args: argparse.Namespace) -> None:
+    """``--loss-scale`` and ``--initial-loss-scale``: the ranges Megatron's grad scalers assert
+    (``ConstantGradScaler``: scale > 0; ``DynamicGradScaler``: initial scale >= the minimum loss
+    scale > 0), and only where the flag takes effect (``get_megatron_optimizer``: a constant
+    scale with --fp16, --bf16 or the distributed optimizer, the dynamic one with --fp16 alone)."""
+    scale, initial = args.loss_scale, args.initial_loss_scale
+    if scale is not None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"--loss-scale must be a finite number > 0 (got {scale}); drop it "
+                              f"for --fp16's dynamic loss scaling")
+        if not (args.fp16 or args.bf16 or args.use_distributed_optimizer):
+            raise ConfigError(f"--loss-scale {scale} has no effect in fp32 training (Megatron "
+                              f"scales the loss with --fp16, --bf16 or --use-distributed-optimizer "
+                              f"only); add --fp16 or drop it")
+    if initial == DEFAULTS.initial_loss_scale:
+        return
+    floor = MIN_LOSS_SCALE
+    if not (math.isfinite(initial) and initial >= floor):
+        raise ConfigError(f"--initial-loss-scale must be a finite number >= {floor}, Megatron's "
+                          f"minimum loss scale (got {initial}); e.g. 65536, or drop it for 2^32")
+    if not args.fp16:
+        raise ConfigError(f"--initial-loss-scale {initial} starts --fp16's dynamic loss scaling "
+                          f"and has no effect without it; add --fp16 or drop it")
+    if scale is not None:
+        raise ConfigError(f"--initial-loss-scale {initial} has no effect with --loss-scale "
+                          f"{scale} (a constant scale); drop one of them")
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
     """Check every flag and combination; returns the validated ``ParallelDims``."""
+    check_sizes(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                num_layers=args.num_layers, hidden_size=args.hidden_size,
+                num_attention_heads=args.num_attention_heads)  # before deriving from them
     if args.ffn_hidden_size is None:  # Megatron-LM's defaults
         args.ffn_hidden_size = megatron_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.max_position_embeddings is None:
@@ -304,6 +352,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
                           f"than --seq-length {args.seq_length}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    _check_loss_scale(args)
     if args.gradient_accumulation_fusion:
         from megatron.core.tensor_parallel import layers
 

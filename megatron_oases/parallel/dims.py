@@ -12,6 +12,19 @@ class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the flag and the fix."""
 
 
+def check_sizes(*, tp: int, pp: int, num_layers: int, hidden_size: int,
+                num_attention_heads: int) -> None:
+    """The degrees and model sizes ``ParallelDims`` splits are >= 1. Validation calls it before
+    it derives anything from them (the default ``--ffn-hidden-size`` 4 x hidden, the query groups
+    from the heads), so a bad size is named as the flag the user gave."""
+    for flag, value in (("--tensor-model-parallel-size", tp),
+                        ("--pipeline-model-parallel-size", pp),
+                        ("--num-layers", num_layers), ("--hidden-size", hidden_size),
+                        ("--num-attention-heads", num_attention_heads)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """Degrees of parallelism and the model shape facts that must divide by them."""
@@ -30,12 +43,8 @@ class ParallelDims:
     ffn_hidden_size: int | None = None
 
     def __post_init__(self):
-        for flag, value in (("--tensor-model-parallel-size", self.tp),
-                            ("--pipeline-model-parallel-size", self.pp),
-                            ("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
-                            ("--num-attention-heads", self.num_attention_heads)):
-            if value < 1:
-                raise ConfigError(f"{flag} must be >= 1 (got {value})")
+        check_sizes(tp=self.tp, pp=self.pp, num_layers=self.num_layers,
+                    hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads)
         if self.world_size % (self.tp * self.pp) != 0:
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
