@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# Apply megatron_oases' patch set to a Megatron-LM checkout (tag core_v0.16.1), so that the
-# checkout's own pretrain_gpt.py accepts --tp-backend, --schedule, ... (docs/megatron_lm.md).
+# Apply megatron_oases' patch set to a Megatron-LM checkout, so that the checkout's own
+# pretrain_gpt.py accepts --tp-backend, --schedule, ... (docs/megatron_lm.md).
 #
 #   scripts/apply_patches.sh [--check | --revert] PATH
 #
-# Idempotent: patches already applied are skipped. Refuses (exit 1, nothing changed) a checkout
-# of another release, and a file that is neither the upstream one nor our patched one.
+# The patch set follows the checkout's release (megatron/core/package_info.py): core_v0.16.1,
+# core_v0.17.x, core_v0.18.x or core_v0.19.x under patches/. Idempotent: patches already applied
+# are skipped. Refuses (exit 1, nothing changed) another release, a git checkout away from that
+# release's tags, and a file that is neither the upstream one nor our patched one.
 # --check reports what would happen; --revert removes the patches again. Needs git (git apply).
 set -euo pipefail
 
-TAG="core_v0.16.1"
-VERSION="0.16.1"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PATCH_DIR="${PATCH_DIR:-$HERE/patches/$TAG}"
+SUPPORTED="core_v0.16.1, core_v0.17.x, core_v0.18.x, core_v0.19.x"
 PROG="apply_patches.sh"
 
 die() { echo "$PROG: error: $*" >&2; exit "${2:-1}"; }
-usage() { echo "usage: $PROG [--check | --revert] PATH  (PATH: a Megatron-LM checkout at $TAG)" >&2; exit 2; }
+usage() { echo "usage: $PROG [--check | --revert] PATH  (PATH: a Megatron-LM checkout at $SUPPORTED)" >&2; exit 2; }
 
 mode=apply
 case "${1:-}" in
     --check) mode=check; shift ;;
     --revert) mode=revert; shift ;;
-    -h|--help) sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
 esac
 [[ $# -eq 1 ]] || usage
 command -v git >/dev/null || die "git is needed (git apply); install git"
@@ -31,15 +31,20 @@ ROOT="$(cd "$1" && pwd)"
 [[ -f "$ROOT/pretrain_gpt.py" && -f "$ROOT/megatron/core/package_info.py" ]] \
     || die "$ROOT is not a Megatron-LM checkout (pretrain_gpt.py or megatron/core/package_info.py missing)"
 
-# Release check: the version in package_info.py, and HEAD when the checkout knows the tag.
+# Release check: the version in package_info.py picks the patch set (TAG) and the tags HEAD may
+# be at (TAG_GLOB); in a git checkout that has such tags, HEAD must be at one of them.
 found="$(sed -n -E 's/^(MAJOR|MINOR|PATCH) *= *([0-9]+).*/\2/p' "$ROOT/megatron/core/package_info.py" | paste -sd. -)"
-[[ "$found" == "$VERSION" ]] \
-    || die "$ROOT is Megatron-Core ${found:-unknown}, these patches are for $TAG; run: git -C $ROOT checkout $TAG"
+case "$found" in
+    0.16.1) TAG=core_v0.16.1; TAG_GLOB=core_v0.16.1 ;;
+    0.17.*|0.18.*|0.19.*) TAG="core_v${found%.*}.x"; TAG_GLOB="core_v${found%.*}.*" ;;
+    *) die "$ROOT is Megatron-Core ${found:-unknown}; these patches are for $SUPPORTED; run: git -C $ROOT checkout core_v0.19.0" ;;
+esac
+PATCH_DIR="${PATCH_DIR:-$HERE/patches/$TAG}"
 if [[ -e "$ROOT/.git" ]]; then
-    tag_commit="$(git -C "$ROOT" rev-parse -q --verify "refs/tags/$TAG^{commit}" 2>/dev/null || true)"
-    head_commit="$(git -C "$ROOT" rev-parse -q --verify HEAD 2>/dev/null || true)"
-    if [[ -n "$tag_commit" && "$head_commit" != "$tag_commit" ]]; then
-        die "$ROOT is at $(git -C "$ROOT" describe --tags --always HEAD 2>/dev/null || echo "$head_commit"), not $TAG; run: git -C $ROOT checkout $TAG"
+    release_tags="$(git -C "$ROOT" tag -l "$TAG_GLOB" 2>/dev/null || true)"
+    at_tag="$(git -C "$ROOT" tag --points-at HEAD -l "$TAG_GLOB" 2>/dev/null || true)"
+    if [[ -n "$release_tags" && -z "$at_tag" ]]; then
+        die "$ROOT is at $(git -C "$ROOT" describe --tags --always HEAD 2>/dev/null || echo HEAD), not $TAG; run: git -C $ROOT checkout $(echo "$release_tags" | tail -n 1)"
     fi
 fi
 

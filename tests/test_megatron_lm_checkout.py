@@ -1,16 +1,19 @@
-"""Against a real Megatron-LM checkout (MEGATRON_LM_PATH, tag core_v0.16.1); skipped without one.
+"""Against a real Megatron-LM checkout (MEGATRON_LM_PATH, a supported tag of the installed
+megatron-core's release); skipped without one.
 
 * the upstream signatures our entry and patch rely on are unchanged;
 * Megatron-LM's own ``parse_args`` with our ``extra_args_provider`` takes and validates our flags;
 * our model provider builds a GPTModel for every backend / schedule from those args on CPU
   (2 gloo ranks; process groups set up here: ``initialize_megatron`` asserts CUDA);
 * ``python -m megatron_oases.pretrain_gpt`` answers --help and bad flags before needing CUDA;
-* without CUDA, Megatron-LM's own ``pretrain`` trains through our entry on gloo ranks
-  (torchrun): stock, ``--schedule oases``, ATP and ``--oases-plan`` give the stock losses,
-  ``--save``/``--load`` resumes with them, 3-D trains on 8 ranks; the upstream functions
+* without CUDA, a Llama-style model trains through Megatron-LM's own ``pretrain`` on gloo ranks
+  with the stock losses (the other training runs, which also run without a checkout from 0.17,
+  are in ``tests/test_megatron_lm_wheel.py``); the upstream functions
   ``runtime.cpu_training_compat`` wraps are pinned;
-* ``scripts/apply_patches.sh`` applies idempotently, refuses other files / releases, and the
-  patched ``pretrain_gpt.py`` hands our providers to ``pretrain``.
+* ``scripts/apply_patches.sh`` applies each tag's patch set to that tag's ``pretrain_gpt.py``
+  (core_v0.16.1, 0.17.1, 0.18.2, 0.19.0, read from the checkout's git history) idempotently,
+  refuses other files / releases / commits, and the patched ``pretrain_gpt.py`` of the checkout
+  hands our providers to ``pretrain``.
 
 Megatron-LM's ``validate_args`` reads the GPU architecture when TP > 1; the CPU runs replace
 that one function (``get_device_arch_version``) and set CUDA_DEVICE_MAX_CONNECTIONS=1.
@@ -32,15 +35,9 @@ import pytest
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
 pytestmark = pytest.mark.skipif(
     not CHECKOUT or not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")),
-    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (tag core_v0.16.1)")
+    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (the installed release's tag)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
-        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
-        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
-        "--transformer-impl local --use-cpu-initialization --no-bias-gelu-fusion "
-        "--no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
-        "--no-gradient-accumulation-fusion --no-rope-fusion").split()
+from tests.test_megatron_lm_wheel import PLAN, ROOT, TINY, losses_of, needs_cpu, train  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -293,20 +290,6 @@ def _provider_rank(argv, world):
             "grads": all(p.grad is not None for p in model.parameters() if p.requires_grad)}
 
 
-def _plan_file() -> str:
-    import json
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix="oases-plan-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": 2,
-                   "num_layers": 2, "degrees": [1, 1, 2, 2]}, f)
-    return path
-
-
-PLAN = _plan_file()
-
-
 @pytest.mark.parametrize("extra, layer, block", [
     ([], "TransformerLayer", "TransformerBlock"),  # stock: Megatron-LM's own gpt_builder
     (["--oases-plan", PLAN], "PlannedTransformerLayer", "TransformerBlock"),
@@ -374,47 +357,86 @@ def _sha(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def test_apply_patches_idempotent_and_revertible(tmp_path):
-    tree = _copy_checkout(str(tmp_path / "mlm"))
+TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+"""One tag per supported release; each gets its release's patch set (patches/README.md)."""
+
+
+def _patch_set(version: str) -> str:
+    """patches/<set> for a package_info version: core_v0.16.1 or core_v0.MINOR.x."""
+    return "core_v0.16.1" if version == "0.16.1" else "core_v" + version.rsplit(".", 1)[0] + ".x"
+
+
+def _tag_tree(dst, tag):
+    """``tag``'s pretrain_gpt.py and package_info.py (from the checkout's git history) in dst."""
+    for path in ("pretrain_gpt.py", "megatron/core/package_info.py"):
+        proc = subprocess.run(["git", "-C", CHECKOUT, "show", f"{tag}:{path}"],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode:
+            pytest.skip(f"the checkout's git history has no {tag}:{path} (a shallow clone?); "
+                        f"fetch the tags: git -C {CHECKOUT} fetch --tags")
+        os.makedirs(os.path.dirname(os.path.join(dst, path)) or dst, exist_ok=True)
+        with open(os.path.join(dst, path), "w") as f:
+            f.write(proc.stdout)
+    return dst
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_apply_patches_idempotent_and_revertible(tmp_path, tag):
+    from megatron_oases.megatron_lm.checkout import checkout_version
+
+    tree = _tag_tree(str(tmp_path / "mlm"), tag)
     target = os.path.join(tree, "pretrain_gpt.py")
     upstream = _sha(target)
-    assert "would apply" in _apply("--check", tree).stdout
+    check = _apply("--check", tree)
+    assert check.returncode == 0 and "would apply" in check.stdout, check.stderr
     first = _apply(tree)
     assert first.returncode == 0 and "applied" in first.stdout, first.stderr
     patched = _sha(target)
-    assert patched != upstream and "wrap_entry" in open(target).read()
+    text = open(target).read()
+    assert patched != upstream and "wrap_entry" in text
+    assert f"patches/{_patch_set(checkout_version(__import__('pathlib').Path(tree)))}" in text
+    if tag >= "core_v0.19":  # the provider is a keyword, and it builds only non-stock runs
+        assert "model_provider=gpt_model_provider" in text and ".uses_stock(args)" in text
     again = _apply(tree)
     assert again.returncode == 0 and "already applied" in again.stdout and _sha(target) == patched
     assert _apply("--revert", tree).returncode == 0 and _sha(target) == upstream
 
 
 def test_apply_patches_refuses_other_files_and_releases(tmp_path):
+    import re
+
     tree = _copy_checkout(str(tmp_path / "mlm"))
     target = os.path.join(tree, "pretrain_gpt.py")
-    text = open(target).read().replace("partial(model_provider, gpt_builder)", "my_provider")
+    text = open(target).read().replace("inprocess_restart.maybe_wrap_for_inprocess_restart(",
+                                       "my_restart_wrapper(")
     open(target, "w").write(text)
     proc = _apply(tree)
-    assert proc.returncode == 1 and "neither core_v0.16.1's nor patched" in proc.stderr
+    assert proc.returncode == 1 and "nor patched" in proc.stderr, proc.stderr
     assert open(target).read() == text  # untouched
     info = os.path.join(tree, "megatron/core/package_info.py")
-    release = open(info).read().replace("PATCH = 1", "PATCH = 0")
+    release = re.sub(r"^MINOR = \d+", "MINOR = 15", open(info).read(), flags=re.M)
     open(info, "w").write(release)
     proc = _apply(tree)
-    assert proc.returncode == 1 and "is Megatron-Core 0.16.0" in proc.stderr
+    assert proc.returncode == 1 and "is Megatron-Core 0.15." in proc.stderr
     assert _apply().returncode == 2 and _apply(str(tmp_path / "missing")).returncode == 1
 
 
 def test_apply_patches_checks_the_git_tag(tmp_path):
+    from pathlib import Path
+
+    from megatron_oases.megatron_lm.checkout import checkout_version
+
     tree = _copy_checkout(str(tmp_path / "mlm"))
+    version = checkout_version(Path(tree))
     git = ["git", "-C", tree, "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git[:3], "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "upstream"], check=True)
-    subprocess.run([*git, "tag", "core_v0.16.1"], check=True)
+    subprocess.run([*git, "tag", f"core_v{version}"], check=True)
     assert _apply(tree).returncode == 0
     subprocess.run([*git, "commit", "-qam", "local change"], check=True)
     proc = _apply(tree)
-    assert proc.returncode == 1 and "not core_v0.16.1" in proc.stderr
+    assert proc.returncode == 1 and f"not {_patch_set(version)}" in proc.stderr, proc.stderr
 
 
 def _run_patched_main(path, argv):
@@ -437,18 +459,30 @@ def _run_patched_main(path, argv):
     return seen
 
 
-def test_patched_pretrain_gpt_hands_over_our_providers(tmp_path, stock):
+def test_patched_pretrain_gpt_hands_over_our_providers(tmp_path, stock, monkeypatch):
+    """The checkout's patched ``__main__`` passes our model provider (positional before 0.19,
+    ``model_provider=`` from 0.19) and our flags: as ``extra_args_provider`` to ``pretrain``
+    (0.16-0.17), or parsed by ``parse_and_validate_args`` before ``pretrain`` (0.18+)."""
+    import argparse
+
     from megatron_oases.megatron_lm.model_provider import ModelProvider
 
     tree = _copy_checkout(str(tmp_path / "mlm"))
     assert _apply(tree).returncode == 0
+    monkeypatch.setenv("WORLD_SIZE", "1")
     seen = _run_patched_main(os.path.join(tree, "pretrain_gpt.py"), TINY)
-    provider = seen["args"][1]
+    args, kwargs = seen["args"], seen["kwargs"]
+    provider = kwargs.get("model_provider") or next(
+        a for a in args if isinstance(a, ModelProvider))
     assert isinstance(provider, ModelProvider) and provider.stock is not None
-    import argparse
+    if "extra_args_provider" in kwargs:  # pretrain parses the args itself
+        parser = kwargs["extra_args_provider"](argparse.ArgumentParser(allow_abbrev=False))
+        assert any("--schedule" in a.option_strings for a in parser._actions)
+    else:  # the script parsed them, with our flags, and built the config container from them
+        from megatron.training import get_args
 
-    parser = seen["kwargs"]["extra_args_provider"](argparse.ArgumentParser(allow_abbrev=False))
-    assert any("--schedule" in a.option_strings for a in parser._actions)
+        assert get_args().tp_backend == "megatron" and provider.uses_stock(get_args())
+        assert "args_defaults" not in kwargs and not isinstance(args[0], type(provider))
 
 
 def test_model_provider_builds_3d_from_megatron_args(on_ranks):
@@ -508,50 +542,8 @@ def test_model_provider_builds_llama_3d_from_megatron_args(on_ranks):
 
 
 # ---- megatron.training.pretrain on CPU (runtime.cpu_training_compat) --------------------------
-CPU_TRAIN = TINY + ["--distributed-backend", "gloo", "--distributed-timeout-minutes", "2",
-                    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-                    "--hidden-dropout", "0", "--attention-dropout", "0"]
-needs_cpu = pytest.mark.skipif(__import__("torch").cuda.is_available(),
-                               reason="the CPU training layer is only installed without CUDA")
-
-
-def _torchrun(nproc, argv, timeout_s=300):
-    """``torchrun --standalone --nproc-per-node nproc -m megatron_oases.pretrain_gpt argv``;
-    the whole process group is killed at the deadline. Returns (returncode, stdout+stderr)."""
-    import signal
-
-    env = {**os.environ, "MEGATRON_LM_PATH": CHECKOUT, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "megatron_oases.pretrain_gpt", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"pretrain on {nproc} ranks passed its {timeout_s}s deadline:\n{out[-3000:]}")
-    return proc.returncode, out
-
-
-def _losses(log):
-    """{iteration: reported lm loss} from Megatron-LM's log lines."""
-    import re
-
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|", log)}
-
-
-def _train(nproc, extra, iters, timeout_s=300):
-    rc, log = _torchrun(nproc, CPU_TRAIN + ["--train-iters", str(iters)] + extra, timeout_s)
-    assert rc == 0, log[-4000:]
-    losses = _losses(log)
-    assert losses and max(losses) == iters, log[-3000:]
-    assert all(math.isfinite(v) for v in losses.values())
-    return losses, log
+# The training runs themselves (stock, Oases, ATP, plans, 3-D, resume) are in
+# tests/test_megatron_lm_wheel.py, which uses this checkout when MEGATRON_LM_PATH is set.
 
 
 def test_cpu_training_layer_pins_the_upstream_code_it_wraps(stock):
@@ -636,33 +628,6 @@ def test_prebuilt_dataset_helpers_skip_make(stock):
     assert dutils.compile_helpers.__wrapped_original__.__module__ == dutils.__name__
 
 
-@needs_cpu
-def test_pretrain_one_rank_cpu():
-    losses, log = _train(1, [], 10)
-    assert "lm loss" in log and len(losses) == 10
-    assert "after training is done" in log
-
-
-@pytest.fixture(scope="module")
-def stock_tp2_losses():
-    if __import__("torch").cuda.is_available():
-        pytest.skip("the CPU training layer is only installed without CUDA")
-    return _train(2, ["--tensor-model-parallel-size", "2"], 6)[0]
-
-
-@needs_cpu
-@pytest.mark.parametrize("extra", [
-    ["--schedule", "oases"],
-    ["--tp-backend", "atp", "--atp-mesh", "1,2"],
-    ["--oases-plan", PLAN],
-], ids=["oases", "atp-1x2", "plan"])
-def test_pretrain_tp2_matches_stock_cpu(stock_tp2_losses, extra):
-    losses, _ = _train(2, ["--tensor-model-parallel-size", "2"] + extra, 6)
-    assert losses.keys() == stock_tp2_losses.keys()
-    for k, v in losses.items():
-        assert v == pytest.approx(stock_tp2_losses[k], rel=1e-5), (k, losses, stock_tp2_losses)
-
-
 LLAMA = ["--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--normalization", "RMSNorm", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--qk-layernorm", "--no-bias-swiglu-fusion"]
@@ -674,41 +639,12 @@ def test_pretrain_llama_tp2_oases_and_plan_match_stock_cpu():
     Megatron-LM's own loop: stock TP 2, --schedule oases, --oases-plan and ATP (1,2) log the same
     losses."""
     tp2 = ["--tensor-model-parallel-size", "2"] + LLAMA
-    stock, _ = _train(2, tp2, 4)
+    stock, _ = train(2, tp2, 4)
     for extra in (["--schedule", "oases"], ["--oases-plan", PLAN],
                   ["--tp-backend", "atp", "--atp-mesh", "1,2"]):
-        losses, _ = _train(2, tp2 + extra, 4)
+        losses, _ = train(2, tp2 + extra, 4)
         for k, v in losses.items():
             assert v == pytest.approx(stock[k], rel=1e-5), (extra, k, losses, stock)
-
-
-@needs_cpu
-def test_pretrain_save_then_load_resumes_cpu(stock_tp2_losses, tmp_path):
-    """ATP through Megatron-LM's checkpointing: save at 3, resume from 3 -> the stock losses.
-
-    Megatron-LM logs a run's first iteration without resetting its loss sum, so the second line
-    after a (re)start reports the mean of both iterations (upstream behaviour, also at 2 here).
-    """
-    ckpt = str(tmp_path / "ckpt")
-    atp = ["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2"]
-    saved, log = _train(2, atp + ["--save", ckpt, "--save-interval", "3"], 6)
-    assert "successfully saved checkpoint from iteration       3" in log
-    resumed, log = _train(2, atp + ["--load", ckpt, "--ckpt-step", "3"], 6)
-    assert "successfully loaded checkpoint" in log and sorted(resumed) == [4, 5, 6]
-    ref = stock_tp2_losses
-    assert resumed[4] == pytest.approx(ref[4], rel=1e-5)
-    assert resumed[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=1e-5)  # see docstring
-    assert resumed[6] == pytest.approx(ref[6], rel=1e-5)
-
-
-@needs_cpu
-def test_pretrain_3d_eight_ranks_cpu():
-    """The cube through Megatron-LM's ``pretrain`` logs stock TP 8's losses (same CPU init)."""
-    tp8 = ["--tensor-model-parallel-size", "8", "--num-attention-heads", "8",
-           "--micro-batch-size", "4", "--global-batch-size", "4"]
-    cube, _ = _train(8, tp8 + ["--tp-backend", "3d"], 2, timeout_s=540)
-    stock, _ = _train(8, tp8, 2, timeout_s=540)
-    assert cube == pytest.approx(stock, rel=1e-5)
 
 
 def _doc_blocks(path: str, heading: str, count: int) -> list[str]:
@@ -730,11 +666,17 @@ def test_docs_cpu_commands_run_as_written(tmp_path):
     and the resume logs iterations after 5."""
     import signal
 
+    import re
+
+    from megatron.core.package_info import __version__ as installed
+
     install, run = _doc_blocks(os.path.join(ROOT, "docs", "megatron_lm.md"),
                                "## On a CPU machine (gloo)", 2)
-    clone = "git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM\n"
-    assert install.startswith("python3 -m venv ") and install.endswith(clone)
-    install = install.replace("/path/to/megatron_oases", ROOT).replace(clone, "")
+    clone = re.search(r"git clone -b core_v\S+ https://github.com/NVIDIA/Megatron-LM.*\n$", install)
+    assert install.startswith("python3 -m venv ") and clone, install
+    assert "megatron-core==0.19.2" in install  # the default; this machine's release replaces it
+    install = install.replace("/path/to/megatron_oases", ROOT).replace(clone.group(), "")
+    install = install.replace("megatron-core==0.19.2", f"megatron-core=={installed}")
     assert run.startswith("export MEGATRON_LM_PATH=") and run.count("torchrun") == 4
     run = run.replace(run.splitlines()[0], f"export MEGATRON_LM_PATH={CHECKOUT}", 1)
     script = "set -euo pipefail\n" + install + run
@@ -756,4 +698,4 @@ def test_docs_cpu_commands_run_as_written(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "successfully saved checkpoint from iteration       5" in out
     assert "successfully loaded checkpoint" in out
-    assert max(_losses(out)) == 10
+    assert max(losses_of(out)) == 10
