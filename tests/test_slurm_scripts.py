@@ -208,7 +208,7 @@ CHECKOUT = os.environ.get("MEGATRON_LM_PATH", "")
 
 
 @pytest.mark.skipif(not CHECKOUT or not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")),
-                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (tag core_v0.16.1)")
+                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_PATH (the installed release's tag)")
 def test_printed_commands_pass_megatron_lm_validation(monkeypatch):
     from megatron_oases.megatron_lm.checkout import import_stock_pretrain_gpt
     from megatron_oases.megatron_lm.pretrain_gpt import entry_objects

@@ -85,18 +85,39 @@ GATED = {
         "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
         "moe_token_drop_policy", "moe_layer_recompute", "moe_permute_fusion", "moe_router_fusion",
         "moe_apply_probs_on_input", "moe_latent_size", "moe_deepep_num_sms",
-        "moe_hybridep_num_sms", "use_fused_weighted_squared_relu")},
+        "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
+        # megatron-core 0.17-0.19
+        "expert_tensor_parallel_num_weight_shards", "overlap_dispatch_backward_with_experts_wgrad",
+        "high_priority_a2a_comm_stream", "use_grouped_gemm_for_shared_expert",
+        "moe_shared_expert_glu_interleave_size", "moe_router_quantile_balancing_ema",
+        "moe_router_force_biased", "moe_single_grouped_weight", "moe_single_grouped_bias",
+        "moe_permute_fusion_into_hybridep", "moe_hybridep_pad_uneven_dispatch_inputs",
+        "moe_pad_experts_for_cuda_graph_inference", "moe_flex_dispatcher_num_sms",
+        "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+        "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape", "moe_ncclep_zero_copy",
+        "moe_mlp_glu_interleave_size", "moe_expert_rank_capacity_factor", "moe_paged_stash",
+        "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
+        "moe_paged_stash_buffer_size_factor_cpu")},
     **{name: "experimental_attention_variant" for name in (
         "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
         "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "linear_attention_freq",
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-        "linear_num_key_heads", "linear_num_value_heads")},
+        "linear_num_key_heads", "linear_num_value_heads", "dsa_indexer_topk_freq",
+        "dsa_indexer_skip_topk_offset", "dsa_kernel_backend", "dsa_indexer_rope_interleaved",
+        "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "dsa_indexer_k_norm_epsilon",
+        "dsa_indexer_k_norm_fp32")},
     **{name: "fp8" for name in (
         "fp8_recipe", "fp8_quantizer_factory", "fp8_margin", "fp8_interval",
         "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16",
-        "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_param_gather")},
+        "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_param_gather",
+        "fp8_output_proj")},
     **{name: "fp4" for name in ("fp4_recipe", "fp4_param", "fp4_quantizer_factory")},
-    **{name: "mtp_num_layers" for name in ("mtp_loss_scaling_factor", "mtp_standalone")},
+    **{name: "mtp_num_layers" for name in ("mtp_loss_scaling_factor", "mtp_standalone",
+                                           "mtp_use_repeated_layer", "mtp_detach_heads",
+                                           "mtp_hybrid_override_pattern")},
+    **{name: "use_mup" for name in ("mup_width_mult", "mup_base_hidden_size", "mup_embedding_mult",
+                                    "mup_output_mult", "mup_base_head_dim",
+                                    "mup_attn_scale_power")},
     **{name: "context_parallel_size" for name in (
         "hierarchical_context_parallel_sizes", "max_seqlen_per_dp_cp_rank",
         "hybrid_context_parallel", "cp_comm_type")},
@@ -105,13 +126,19 @@ GATED = {
         "attention_backend", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag",
         "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs",
         "tp_comm_bootstrap_backend", "symmetric_ar_type", "log_max_attention_logit",
-        "use_kitchen_attention", "kitchen_attention_backend", "init_model_with_meta_device")},
-    **{name: "cuda_graph_impl" for name in ("cuda_graph_warmup_steps", "cuda_graph_scope")},
+        "use_kitchen_attention", "kitchen_attention_backend", "init_model_with_meta_device",
+        "flash_attention_version", "fused_residual_rmsnorm", "use_transformer_engine_op_fuser",
+        "use_grouped_gemm_for_dense_mlp")},
+    **{name: "cuda_graph_impl" for name in ("cuda_graph_warmup_steps", "cuda_graph_scope",
+                                            "cuda_graph_modules")},
+    **{name: "cpu_offloading_num_layers" for name in ("cpu_offloading_retain_pinned_cpu_buffers",)},
     **{name: "defer_embedding_wgrad_compute" for name in ("wgrad_deferral_limit",)},
     **{name: "qk_clip" for name in ("qk_clip_alpha", "qk_clip_threshold")},
     **{name: "window_size" for name in ("window_attn_skip_freq",)},
-    **{name: "fine_grained_activation_offloading" for name in ("offload_modules",
-                                                               "min_offloaded_tensor_size")},
+    **{name: "fine_grained_activation_offloading" for name in (
+        "offload_modules", "min_offloaded_tensor_size", "delay_offload_until_cuda_graph",
+        "delta_offload_bytes_across_pp_ranks", "activation_offload_fraction",
+        "fine_grained_offloading_max_inflight_offloads")},
 }
 """Options read only while another option is on; that option is refused for our builds (or, for
 ``transformer_impl``, must be ``local``), so these have no effect on stock's local layers either."""
@@ -120,7 +147,10 @@ INERT = frozenset({
     "apply_residual_connection_post_layernorm", "is_hybrid_model", "mamba_state_dim",
     "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "use_mamba_mem_eff_path",
     "mlp_chunks_for_prefill", "flash_decode", "inference_rng_tracker",
-    "inference_fuse_tp_communication",
+    "inference_fuse_tp_communication", "inference_cuda_graph_scope", "nccl_all_reduce_for_prefill",
+    "inference_disable_triton_nvls_kernels", "inference_grouped_gemm_backend",
+    "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type",
+    "mamba_training_ssm_states_dtype",
 })
 """Megatron-Core 0.16's GPT model does not read them in training (Mamba, inference-only, or no
 reader at all): stock ignores them as our builds do."""
@@ -178,6 +208,10 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "enable_cuda_graph": ("--enable-cuda-graph", ALL),
     "external_cuda_graph": ("--external-cuda-graph", ALL),
     "cuda_graph_impl": ("--cuda-graph-impl", ALL),
+    # megatron-core 0.17-0.19: weight sharding beyond TP (GTP), MuP scaling, MLP chunking.
+    "tensor_parallel_num_weight_shards": ("--tensor-parallel-num-weight-shards", ALL),
+    "use_mup": ("--use-mup", ALL),
+    "mlp_chunks_for_training": ("--mlp-chunks-for-training", ALL),
 }
 """``dest: (flag, builds that refuse it)``: refused when the run uses one of those builds and the
 option differs from Megatron-LM's default."""
@@ -204,6 +238,9 @@ NOT_FLAGS = frozenset({
     "cuda_graph_retain_backward_graph", "disable_parameter_transpose_cache",
     "inference_sampling_seed", "use_inference_optimized_layers", "heterogeneous_block_specs",
     "hetereogenous_dist_checkpoint", "quant_recipe",
+    # megatron-core 0.17-0.19: derived by Megatron or set by its training loop
+    "gtp_weight_remat_size", "expert_gtp_weight_remat_size", "moe_grad_scale_func",
+    "mtp_grad_scale_func", "experimental_attention_variant_loss_scale_func",
 })
 """``TransformerConfig`` fields Megatron-LM has no flag for: set from other args (mapped above:
 ``gated_linear_unit`` from ``swiglu``, ``persist_layer_norm`` from ``no_persist_layer_norm``, ...)

@@ -5,8 +5,9 @@
 # Paths
 #   OASES_ROOT        this repository (default: $SLURM_SUBMIT_DIR under sbatch, so submit from the
 #                     repository root; the script's own checkout otherwise)
-#   MEGATRON_LM_PATH  Megatron-LM checkout at tag core_v0.16.1 (default: Megatron-LM next to
-#                     OASES_ROOT)
+#   MEGATRON_LM_PATH  Megatron-LM checkout at the installed megatron-core's release (core_v0.16.1,
+#                     core_v0.17.x ... core_v0.19.x; default: Megatron-LM next to OASES_ROOT); the
+#                     stock variant runs its pretrain_gpt.py
 #   PYTHON            python on the compute nodes (default: python); TORCHRUN (default: torchrun)
 #   RESULTS_DIR       where logs go (default: $OASES_ROOT/results/<family>-<job id or time>)
 # Cluster
@@ -69,7 +70,7 @@ oases_setup() {
     else
         [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] || {
             echo "error: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py; set it to a" \
-                 "Megatron-LM checkout at core_v0.16.1" >&2; exit 2; }
+                 "Megatron-LM checkout of the installed megatron-core's release (e.g. core_v0.19.0)" >&2; exit 2; }
         # PYTHONPATH finds the code, not its dependencies: check them once, before any srun
         "$PYTHON" -c "import megatron_oases, six, einops, pydantic, regex" 2>/dev/null || {
             echo "error: $PYTHON cannot import megatron_oases and what Megatron-LM's" \
