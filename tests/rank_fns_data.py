@@ -24,6 +24,25 @@ def make_token_dataset(prefix: str, *, num_docs: int, vocab_size: int, seed: int
     builder.finalize(prefix + ".idx")
 
 
+def write_documents(prefix: str, docs: list[list[int]], *, vocab_size: int) -> None:
+    """Write PREFIX.bin/.idx holding ``docs`` as given (any ids, e.g. out of range), with the
+    token type ``IndexedDatasetBuilder`` picks for ``vocab_size``."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(vocab_size))
+    for doc in docs:
+        builder.add_item(torch.tensor(doc, dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def truncate(path: str, drop: int) -> None:
+    """Cut the last ``drop`` bytes off ``path`` (a copy that stopped short)."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - drop)
+
+
 def train_records(argv: list[str]):
     """Train with the reference trainer; the last rank's records (losses and validation)."""
     from megatron_oases.train import run

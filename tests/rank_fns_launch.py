@@ -76,3 +76,27 @@ def stop_rank_one_mid_training(argv: list[str]) -> float:
     start = time.monotonic()
     train_step(tr, 2)
     return time.monotonic() - start
+
+
+def rendezvous_port() -> dict:
+    """The rendezvous as the trainer does it (``init_distributed``): whether MASTER_PORT was
+    already bound when this rank started (another bind of it is refused), and a sum over ranks."""
+    import errno
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_oases.runtime import init_distributed, init_runtime
+
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            held = False
+        except OSError as exc:
+            held = exc.errno == errno.EADDRINUSE
+    init_distributed(init_runtime("cpu"), timeout_s=60)
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    return {"port": port, "held": held, "sum": float(total)}

@@ -1,14 +1,17 @@
 """Table of invalid launches: each exits 2 with one line naming the flag, before any process
-group exists, and leaves nothing behind (issue 20's list and more)."""
+group exists, and leaves nothing behind (issue 20's list and more; issue 37: loss scales, data
+files that do not match their index or --vocab-size, messages that named another flag)."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_oases.train import main
+from tests.rank_fns_data import make_token_dataset, truncate, write_documents
 
 BASE = ["--nproc-per-node", "1", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4"]
@@ -51,12 +54,25 @@ CASES = [
     ("ffn-tp", TP2 + ["--ffn-hidden-size", "33"], "--ffn-hidden-size 33 is not divisible"),
     ("layers-pp", PP2 + ["--num-layers", "3"], "--num-layers 3 is not divisible"),
     ("vp-not-divisor", PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3 must divide"),
-    ("vp-equals-stage", PP2 + ["--num-layers-per-virtual-pipeline-stage", "2"], "--num-layers-per-virtual-pipeline-stage 2 equals the layers"),
+    ("vp-equals-stage", PP2 + ["--num-layers-per-virtual-pipeline-stage", "2"],
+     "--num-layers-per-virtual-pipeline-stage 2 equals the layers of each pipeline stage (one virtual stage: no interleaving); use 1 (2 virtual stages) or drop the flag"),
+    ("vp-equals-one-layer-stage", PP2 + ["--num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "a stage of 1 layer cannot be split into virtual stages, so drop the flag"),
+    ("vp-0", PP2 + ["--num-layers-per-virtual-pipeline-stage", "0"], "error: --num-layers-per-virtual-pipeline-stage must be >= 1 (got 0)"),
     ("vp-without-pp", ["--num-layers-per-virtual-pipeline-stage", "2"], "needs --pipeline-model-parallel-size >= 2"),
     ("gbs-split", ["--nproc-per-node", "2", "--global-batch-size", "6"], "--global-batch-size 6 is not divisible"),
     ("interleaved-microbatches", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], "multiple of --pipeline-model-parallel-size 2"),
     ("max-pos", ["--max-position-embeddings", "8", "--seq-length", "16"], "--max-position-embeddings 8 is smaller"),
     ("bf16-fp16", ["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    # loss scales: Megatron's grad scalers assert them on every rank (issue 37)
+    ("fp16-loss-scale-neg", ["--fp16", "--loss-scale", "-1"], "--loss-scale must be a finite number > 0 (got -1.0)"),
+    ("fp16-loss-scale-0", ["--fp16", "--loss-scale", "0"], "--loss-scale must be a finite number > 0 (got 0.0)"),
+    ("bf16-loss-scale-inf", ["--bf16", "--loss-scale", "inf"], "--loss-scale must be a finite number > 0 (got inf)"),
+    ("loss-scale-fp32", ["--loss-scale", "8"], "--loss-scale 8.0 has no effect in fp32 training"),
+    ("fp16-initial-loss-scale-0", ["--fp16", "--initial-loss-scale", "0"], "--initial-loss-scale must be a finite number >= 1.0, Megatron's minimum loss scale (got 0.0)"),
+    ("fp16-initial-loss-scale-below-min", ["--fp16", "--initial-loss-scale", "0.5"], "--initial-loss-scale must be a finite number >= 1.0"),
+    ("initial-loss-scale-bf16", ["--bf16", "--initial-loss-scale", "1024"], "--initial-loss-scale 1024.0 starts --fp16's dynamic loss scaling and has no effect without it"),
+    ("initial-and-constant-loss-scale", ["--fp16", "--loss-scale", "8", "--initial-loss-scale", "1024"], "--initial-loss-scale 1024.0 has no effect with --loss-scale 8.0"),
     ("recompute-method", ["--recompute-granularity", "full"], "--recompute-method"),
     ("recompute-method-alone", ["--recompute-method", "uniform"], "need --recompute-granularity full"),
     ("recompute-layers-0", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"], "--recompute-num-layers must be >= 1"),
@@ -81,6 +97,11 @@ CASES = [
     ("sp-tp1", ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     # Llama-family flags (issue 19)
     ("gqa-groups-without-gqa", ["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    # the flag the user gave, not one derived from it (issue 37)
+    ("hidden-neg", ["--hidden-size", "-64"], "error: --hidden-size must be >= 1 (got -64)"),
+    ("heads-0", ["--num-attention-heads", "0"], "error: --num-attention-heads must be >= 1 (got 0)"),
+    ("gqa-groups-neg", ["--group-query-attention", "--num-query-groups", "-2"], "error: --num-query-groups must be >= 1 (got -2)"),
+    ("gqa-groups-0", ["--group-query-attention", "--num-query-groups", "0"], "error: --num-query-groups must be >= 1 (got 0)"),
     ("gqa-groups-not-dividing-heads", ["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
     ("gqa-groups-tp", TP4 + ["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2 must be divisible by the --tensor-model-parallel-size 4"),
     ("rotary-percent-0", ["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
@@ -124,4 +145,76 @@ def test_invalid_launch_one_line_exit_2_no_process_group(extra, needle, capsys, 
 
 
 def test_table_has_at_least_40_launches():
-    assert len(CASES) >= 40
+    assert len(CASES) + len(DATA_CASES) >= 40
+
+
+def test_min_loss_scale_is_megatrons():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_oases.train_args import MIN_LOSS_SCALE
+
+    assert MIN_LOSS_SCALE == OptimizerConfig.min_loss_scale
+
+
+# --data-path files that start every rank today and fail there, after Megatron has written its
+# index cache beside them (issue 37). Vocabulary 256, eod 255; "wide" was written for 512 ids.
+DATA_CASES = [
+    ("bin-truncated", "cut_bin", [], "cut_bin.bin is 31290 bytes but {d}/cut_bin.idx indexes 31300 (300 sequences of uint16 tokens): the .bin is truncated"),
+    ("idx-truncated", "cut_idx", [], "cut_idx.idx is 6034 bytes but its header (300 sequences, 301 documents) needs 6042"),
+    ("idx-header-only", "stub", [], "stub.idx is 20 bytes, shorter than Megatron's 34-byte index header"),
+    ("ids-over-vocab", "wide", [], "wide.bin holds token id 261 (token 0) outside [0, --vocab-size 256)"),
+    ("ids-over-vocab-blend", "0.5 good 0.5 wide", [], "wide.bin holds token id 261"),
+    # a .bin past the scan bound is read in evenly spread windows; the last one ends the file
+    ("ids-over-vocab-windowed", "last_bad", ["SCAN_BYTES=1024"], "last_bad.bin holds token id 300 (token 15299) outside [0, --vocab-size 256)"),
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_data")
+    good = str(d / "good")
+    make_token_dataset(good, num_docs=300, vocab_size=256, seed=0)
+    make_token_dataset(str(d / "wide"), num_docs=300, vocab_size=512, seed=0)
+    for name in ("cut_bin", "cut_idx", "stub"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(good + ext, str(d / name) + ext)
+    truncate(str(d / "cut_bin.bin"), 10)
+    truncate(str(d / "cut_idx.idx"), 8)
+    truncate(str(d / "stub.idx"), os.path.getsize(str(d / "stub.idx")) - 20)
+    write_documents(str(d / "last_bad"), [[1] * 99 + [255]] * 152 + [[1] * 99 + [300]],
+                    vocab_size=512)
+    return d
+
+
+@pytest.mark.parametrize("path, patch, needle", [c[1:] for c in DATA_CASES],
+                         ids=[c[0] for c in DATA_CASES])
+def test_bad_data_one_line_exit_2_nothing_written(path, patch, needle, data_dir, capsys, tmp_path,
+                                                  monkeypatch):
+    from megatron_oases import datasets
+
+    for assignment in patch:
+        name, value = assignment.split("=")
+        monkeypatch.setattr(datasets, name, int(value))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(data_dir))
+    paths = [w if w[0].isdigit() else str(data_dir / w) for w in path.split()]
+    assert _run(BASE + ["--vocab-size", "256", "--data-path", *paths]) == 2
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.err
+    assert needle.format(d=data_dir) in lines[0], lines[0]
+    assert lines[0].startswith(f"megatron-oases train: error: --data-path {data_dir}/")
+    assert not dist.is_initialized()
+    assert sorted(os.listdir(data_dir)) == before  # no index cache beside the data
+    assert os.listdir(tmp_path) == []
+
+
+def test_good_data_passes_the_checks(data_dir):
+    """The checks refuse only what is wrong: the intact file at its vocabulary, and the wide one
+    at 512, pass (here without starting a run)."""
+    from megatron_oases.train_args import build_parser, validate_args
+
+    for prefix, vocab in (("good", "256"), ("wide", "512")):
+        args = build_parser().parse_args(BASE + ["--vocab-size", vocab, "--data-path",
+                                                 str(data_dir / prefix)])
+        validate_args(args, 1, cuda=False)

@@ -4,7 +4,8 @@ Used by the tests (multi-rank parity on a 2-core machine), by ``megatron-oases t
 --nproc-per-node`` and by benchmarks. Without CUDA, ranks start from a forkserver that has imported
 torch and Megatron once, so N ranks do not pay N imports; with CUDA each rank is a fresh
 interpreter (``start_method``). The first failing rank takes the others down
-with it. Two kinds of deadline: ``timeout_s`` bounds the whole run (tests: a hang fails in
+with it. The launcher hosts the rendezvous store itself (``_rendezvous_store``), so no other
+process can take its port before the ranks connect. Two kinds of deadline: ``timeout_s`` bounds the whole run (tests: a hang fails in
 seconds), ``stall_timeout_s`` bounds the time since a rank last called ``report_progress()``
 (training: a healthy run may last days, a rank that stops making progress is named).
 """
@@ -34,10 +35,32 @@ class RankFailure(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port that is free right now on 127.0.0.1."""
+    """A TCP port that is free right now on 127.0.0.1.
+
+    Only right now: the probe socket is closed on return, and another process may bind the port
+    before the caller does (EADDRINUSE). ``run_on_ranks`` therefore does not use it; it binds
+    its rendezvous port once and holds it (``_rendezvous_store``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rendezvous_store():
+    """The run's rendezvous ``TCPStore``, hosted by the launcher, as torchrun's agent hosts it.
+
+    Rank 0 used to start the store on a port ``free_port()`` had probed and released, and on a
+    busy machine another process sometimes took the port in between (EADDRINUSE, about once in
+    200 launches), or worse, ranks 1.. joined a foreign store on it. Here the kernel picks the
+    port (port 0) and the bind happens before any rank exists; the launcher holds it until the
+    run ends. The ranks connect as clients: with ``TORCHELASTIC_USE_AGENT_STORE=True`` torch's
+    ``env://`` rendezvous starts no server, on rank 0 either. The store outlives a rank's process
+    group, so a rank must not destroy its default group and create another over ``env://``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                         wait_for_workers=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +94,9 @@ def _rank_main(fn, args, kwargs, env: _RankEnv, results, progress):
     os.environ.update({
         "RANK": str(env.rank), "LOCAL_RANK": str(env.rank), "WORLD_SIZE": str(env.world_size),
         "LOCAL_WORLD_SIZE": str(env.world_size), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(env.master_port), **env.extra_env,
+        "MASTER_PORT": str(env.master_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the launcher hosts the store (_rendezvous_store)
+        **env.extra_env,
     })
     try:
         import torch
@@ -110,7 +135,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of per-rank results.
 
     Each rank sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and
-    must itself call ``init_process_group`` (e.g. through ``megatron_oases.runtime.init_distributed``).
+    must itself call ``init_process_group`` (e.g. through ``megatron_oases.runtime.init_distributed``),
+    once: MASTER_PORT is the launcher's own store (``_rendezvous_store``), bound before any rank
+    starts, as under torchrun.
     ``fn`` must be importable (module level). ``timeout_s`` (None: none) bounds the whole run;
     ``stall_timeout_s`` (None: none) fails the run when a rank has not called
     ``report_progress()`` for that long (its start counts as progress; starting may take
@@ -124,7 +151,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     results = ctx.Queue()
     # Until a rank starts (forkserver start-up, imports) it gets _START_S on top of the stall.
     progress = ctx.Array("d", [time.monotonic() + _START_S] * world_size, lock=False)
-    port = free_port()
+    store = _rendezvous_store()  # held until the ranks are gone (the finally below)
+    port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = []
     for rank in range(world_size):
@@ -176,6 +204,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+        del store  # the ranks are gone: release the port
 
 
 def _process_state(pid: int) -> str:
