@@ -331,6 +331,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
                 num_attention_heads=args.num_attention_heads)  # before deriving from them
     if args.ffn_hidden_size is None:  # Megatron-LM's defaults
         args.ffn_hidden_size = megatron_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size < 1:  # --swiglu rounds 4h x 2/3 down to a multiple of 64
+            raise ConfigError(f"--swiglu with --hidden-size {args.hidden_size} gives Megatron-LM's "
+                              f"default FFN size int(4h x 2/3 / 64) x 64 = 0; pass "
+                              f"--ffn-hidden-size or a --hidden-size of at least 24")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _check_ranges(args)

@@ -99,6 +99,7 @@ CASES = [
     ("gqa-groups-without-gqa", ["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
     # the flag the user gave, not one derived from it (issue 37)
     ("hidden-neg", ["--hidden-size", "-64"], "error: --hidden-size must be >= 1 (got -64)"),
+    ("swiglu-small-hidden", ["--swiglu", "--hidden-size", "16"], "error: --swiglu with --hidden-size 16 gives Megatron-LM's default FFN size int(4h x 2/3 / 64) x 64 = 0"),
     ("heads-0", ["--num-attention-heads", "0"], "error: --num-attention-heads must be >= 1 (got 0)"),
     ("gqa-groups-neg", ["--group-query-attention", "--num-query-groups", "-2"], "error: --num-query-groups must be >= 1 (got -2)"),
     ("gqa-groups-0", ["--group-query-attention", "--num-query-groups", "0"], "error: --num-query-groups must be >= 1 (got 0)"),
