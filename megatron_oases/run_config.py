@@ -189,11 +189,14 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
 
 
 def check_gqa_flags(args, error: type[Exception] = ValueError) -> None:
-    """Refuse ``--num-query-groups`` without ``--group-query-attention`` with ``error`` (each
-    caller's one-line error class), for parsers whose default is None (ours; Megatron-LM's is 1)."""
+    """Refuse ``--num-query-groups`` without ``--group-query-attention``, or below 1, with
+    ``error`` (each caller's one-line error class), for parsers whose default is None (ours;
+    Megatron-LM's is 1). Callers check that the groups divide the heads after this."""
     if args.num_query_groups is not None and not args.group_query_attention:
         raise error("--num-query-groups needs --group-query-attention (without it every head has "
                     "its own keys and values); add it or drop --num-query-groups")
+    if args.num_query_groups is not None and args.num_query_groups < 1:
+        raise error(f"--num-query-groups must be >= 1 (got {args.num_query_groups})")
 
 
 def gqa_groups(args) -> int | None:

@@ -227,9 +227,7 @@ def query_groups(args: argparse.Namespace) -> int:
 def _check_model_features(args: argparse.Namespace) -> None:
     """Llama-family flags: meaningful values and combinations (one line naming the flag)."""
     check_gqa_flags(args, ConfigError)
-    groups = query_groups(args)
-    if groups < 1:
-        raise ConfigError(f"--num-query-groups must be >= 1 (got {groups})")
+    groups = query_groups(args)  # >= 1: check_gqa_flags, and the heads' check_sizes
     if args.num_attention_heads % groups:
         raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads "
                           f"{args.num_attention_heads}")
