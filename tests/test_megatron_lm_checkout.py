@@ -96,9 +96,22 @@ def test_upstream_signatures_we_rely_on(stock):
     from megatron.training.training import get_model
 
     params = inspect.signature(pretrain).parameters
+    # mcore_compat.run_pretrain's two calls: the args parsed by pretrain (0.16-0.17), or by
+    # parse_and_validate_args and handed over in a config container (0.18+)
+    parsed_inside = ("extra_args_provider", "args_defaults")
+    if "cfg_container" in params:
+        assert list(params)[0] == "cfg_container" and not set(parsed_inside) & set(params)
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        assert {"extra_args_provider", "args_defaults"} <= set(
+            inspect.signature(parse_and_validate_args).parameters)
+        assert list(inspect.signature(pretrain_cfg_container_from_args).parameters)[:2] == [
+            "args", "model_cfg"]
+    else:
+        assert set(parsed_inside) <= set(params)
     for name in ("train_valid_test_dataset_provider", "model_provider", "model_type",
-                 "forward_step_func", "extra_args_provider", "args_defaults",
-                 "get_embedding_ranks", "store"):
+                 "forward_step_func", "get_embedding_ranks", "store"):
         assert name in params, name
     assert list(inspect.signature(parse_args).parameters) == ["extra_args_provider",
                                                               "ignore_unknown_args"]
@@ -552,8 +565,8 @@ def test_cpu_training_layer_pins_the_upstream_code_it_wraps(stock):
     import megatron.training.initialize as initialize
     import megatron.training.training as training
     from megatron.core.datasets import utils as dutils
-    from megatron.legacy import fused_kernels
 
+    from megatron_oases import mcore_compat
     from megatron_oases.runtime import cpu_training_compat as ctc
 
     init = initialize.initialize_megatron
@@ -565,10 +578,14 @@ def test_cpu_training_layer_pins_the_upstream_code_it_wraps(stock):
     assert "mpu.initialize_model_parallel(" in dist
     assert "if torch.cuda.device_count() > 0:" in inspect.getsource(initialize._set_random_seed)
     deps = inspect.getsource(initialize._compile_dependencies)
-    assert "fused_kernels.load(args)" in deps and "compile_helpers()" in deps
-    load = inspect.getsource(fused_kernels.load)
-    assert "_get_cuda_bare_metal_version(" in load
-    assert load.count("_cpp_extention_load_helper(") == 1  # defined, never called: builds nothing
+    assert "compile_helpers()" in deps
+    assert ("fused_kernels.load(args)" in deps) == mcore_compat.initialize_loads_fused_kernels()
+    if mcore_compat.initialize_loads_fused_kernels():
+        from megatron.legacy import fused_kernels
+
+        load = inspect.getsource(fused_kernels.load)
+        assert "_get_cuda_bare_metal_version(" in load
+        assert load.count("_cpp_extention_load_helper(") == 1  # defined, never called
     assert "get_device_arch_version() < 10" in inspect.getsource(arguments.validate_args)
     compile_helpers = getattr(dutils.compile_helpers, "__wrapped_original__",
                               dutils.compile_helpers)
@@ -596,6 +613,12 @@ def test_cpu_training_layer_is_scoped(stock):
     assert training.torch.cuda.memory_reserved() == 0
     assert arguments.get_device_arch_version() == 0
     assert training.initialize_megatron.__cpu_compat_wrapped__ is initialize.initialize_megatron
+    from megatron_oases import mcore_compat
+
+    if not mcore_compat.initialize_loads_fused_kernels():
+        assert not hasattr(initialize, "fused_kernels")
+        assert install_cpu_training_compat()  # idempotent
+        return
     from megatron.legacy import fused_kernels
 
     assert initialize.fused_kernels.load(None) is None  # no nvcc probe on CPU
