@@ -5,7 +5,9 @@ plan): train 6 iterations saving every 3, with one rank killed inside the save o
 (after its shards, before the rename). The iteration-3 checkpoint must stay the one that loads;
 resuming from it must reproduce iterations 4-6 of the killed run (rel <= 1e-6). Then: loading
 into another layout, --no-load-rng, and damaged checkpoints refused in one line before any
-process group.
+process group. Across megatron-core releases: the common state is ``common.pt`` up to 0.18 and an
+object inside the torch_dist files from 0.19 (the damage tests find it in the files), a 0.16.1
+checkpoint (tests/data) resumes on 0.17+, and Megatron's own save runs on CPU ranks.
 """
 from __future__ import annotations
 

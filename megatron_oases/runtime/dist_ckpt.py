@@ -14,8 +14,10 @@ def dist_checkpointing():
     """Megatron's ``dist_checkpointing``, with the CPU layer's ``torch`` proxy when it is active.
 
     ``cpu_compat`` gives the proxy (CUDA devices -> CPU, no-op synchronize) to the Megatron
-    modules loaded when it is installed; the checkpoint strategies load later, so they get it
-    here (the torch_dist saver allocates a flag on ``torch.cuda.current_device()``).
+    modules loaded when it is installed, the torch_dist writer's among them (its saver allocates
+    a flag on ``torch.cuda.current_device()``; from 0.19 Megatron imports that module only at
+    the first save, so ``cpu_compat`` imports it itself). Any ``dist_checkpointing`` module
+    loaded after the layer (another strategy, a reader) gets the proxy here.
     """
     import torch
     from megatron.core import dist_checkpointing as dcp
