@@ -136,9 +136,11 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="bf16 params (Float16Module), fp32 main params and gradient reduction")
     g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling")
     g.add_argument("--loss-scale", type=float, default=DEFAULTS.loss_scale,
-                   help="--fp16: constant loss scale (default: dynamic)")
+                   help="constant loss scale > 0 (--fp16; Megatron also applies it with --bf16 "
+                        "or --use-distributed-optimizer); default: dynamic under --fp16")
     g.add_argument("--initial-loss-scale", type=float, default=DEFAULTS.initial_loss_scale,
-                   help="--fp16: initial dynamic loss scale (Megatron's default 2^32)")
+                   help="--fp16 without --loss-scale: initial dynamic loss scale, >= 1 "
+                        "(Megatron's minimum loss scale; default 2^32)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=DEFAULTS.gradient_accumulation_fusion,
                    help="Megatron's fused weight-gradient accumulation into main_grad (needs "
