@@ -45,7 +45,10 @@ them was saved with these values."""
 LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
                 "oases_layer_degrees")
-_NO_PROCESS_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
+_TORCH_READER_NOTES = ("torch.distributed is disabled, unavailable or uninitialized",
+                       "The argument order of load has been changed")
+"""torch's notes when the common state is read (``no_dist``, before any process group, and from
+0.19 inside Megatron's load too): nothing for the user to act on."""
 _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor instead",
                        "`torch.distributed.all_gather_into_tensor` is deprecated")
 
@@ -201,8 +204,9 @@ def read_saved_args(path: str) -> dict:
 
     where = common_state_location(path)
     try:
-        with warnings.catch_warnings():  # torch's note that no process group exists (yet)
-            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
+        with warnings.catch_warnings():
+            for message in _TORCH_READER_NOTES:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
             state = mcore_compat.load_common_state(path)
         return dict(state["args"])
     # Unpickling errors have many types; torch's reader wraps them in CheckpointException,
@@ -427,6 +431,8 @@ def load_checkpoint(tr) -> int:
     with warnings.catch_warnings():  # torch's deprecation notes on Megatron's reader calls
         for message in _TORCH_DEPRECATIONS:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        for message in _TORCH_READER_NOTES:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
         loaded = dist_checkpointing().load(state, path)
     for i, chunk in enumerate(tr.model):
         _unwrap(chunk).load_state_dict(loaded["model" if len(tr.model) == 1 else f"model{i}"])

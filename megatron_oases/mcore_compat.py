@@ -254,7 +254,6 @@ def load_common_state(path: str) -> dict:
     0.19+: Megatron's ``load_common_state_dict`` (reads ``common.pt`` when present, else the
     ``common_state`` object; its deprecation line for the legacy file is dropped). Before: the
     ``common.pt`` file (``weights_only``: plain values and tensors only)."""
-    import logging
     import os
 
     import torch
@@ -262,13 +261,30 @@ def load_common_state(path: str) -> dict:
     if not common_state_in_torch_dist():
         return torch.load(os.path.join(path, COMMON_PT), map_location="cpu", weights_only=True)
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-    from megatron.core.dist_checkpointing.strategies import common
 
-    logger = logging.getLogger(common.__name__)
-    if not any(getattr(f, "oases_legacy_common", False) for f in logger.filters):
-        def drop(record: logging.LogRecord) -> bool:
-            return "load_common is deprecated" not in record.getMessage()
-
-        drop.oases_legacy_common = True
-        logger.addFilter(drop)
+    _drop_ckpt_log_line("megatron.core.dist_checkpointing.strategies.common",
+                        "load_common is deprecated")
     return load_common_state_dict(path)
+
+
+def quiet_sync_save_deprecation() -> None:
+    """0.19's synchronous torch_dist save runs through Megatron's own async machinery and logs,
+    once per rank, that "MCore's async save is deprecated" (use NVRx): our saves are synchronous,
+    so the line is noise; drop it (and only it). Idempotent; nothing logs it before 0.19."""
+    _drop_ckpt_log_line("megatron.core.dist_checkpointing.strategies.torch",
+                        "MCore's async save is deprecated")
+
+
+def _drop_ckpt_log_line(logger_name: str, text: str) -> None:
+    """Filter log records containing ``text`` out of ``logger_name`` (once per pair)."""
+    import logging
+
+    logger = logging.getLogger(logger_name)
+    if any(getattr(f, "oases_drops", None) == text for f in logger.filters):
+        return
+
+    def drop(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    drop.oases_drops = text
+    logger.addFilter(drop)

@@ -24,8 +24,10 @@ def dist_checkpointing():
     from megatron.core.dist_checkpointing.strategies import (  # noqa: F401 - loaded for the proxy
         async_utils, filesystem_async, state_dict_saver, torch as torch_strategy)
 
+    from megatron_oases.mcore_compat import quiet_sync_save_deprecation
     from megatron_oases.runtime.cpu_compat import cpu_compat_installed
 
+    quiet_sync_save_deprecation()
     if cpu_compat_installed():
         proxy = sys.modules["megatron.core.utils"].torch
         for name, module in list(sys.modules.items()):
