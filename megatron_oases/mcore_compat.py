@@ -101,16 +101,8 @@ def quiet_gpt_model_deprecation() -> None:
     """0.19 logs "GPTModel IS DEPRECATED ... HybridModel" for every model chunk built. Megatron-LM's
     own ``pretrain_gpt.py`` (``gpt_builders``) still builds ``GPTModel`` at core_v0.19.0, and so do
     we (the stock baseline must be the model users train), so the line is noise: drop it (and
-    only it) from Megatron's ``gpt_model`` logger. Idempotent; a no-op before 0.19."""
-    import logging
-
-    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
-    if not any(getattr(f, "oases_gpt_deprecation", False) for f in logger.filters):
-        def drop(record: logging.LogRecord) -> bool:
-            return _GPT_MODEL_DEPRECATION not in record.getMessage()
-
-        drop.oases_gpt_deprecation = True
-        logger.addFilter(drop)
+    only it) from Megatron's ``gpt_model`` logger. Idempotent; nothing logs it before 0.19."""
+    _drop_log_line("megatron.core.models.gpt.gpt_model", _GPT_MODEL_DEPRECATION)
 
 
 # --- Megatron-LM's training entry (megatron.training.pretrain) --------------------------------
@@ -262,7 +254,7 @@ def load_common_state(path: str) -> dict:
         return torch.load(os.path.join(path, COMMON_PT), map_location="cpu", weights_only=True)
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
-    _drop_ckpt_log_line("megatron.core.dist_checkpointing.strategies.common",
+    _drop_log_line("megatron.core.dist_checkpointing.strategies.common",
                         "load_common is deprecated")
     return load_common_state_dict(path)
 
@@ -271,11 +263,11 @@ def quiet_sync_save_deprecation() -> None:
     """0.19's synchronous torch_dist save runs through Megatron's own async machinery and logs,
     once per rank, that "MCore's async save is deprecated" (use NVRx): our saves are synchronous,
     so the line is noise; drop it (and only it). Idempotent; nothing logs it before 0.19."""
-    _drop_ckpt_log_line("megatron.core.dist_checkpointing.strategies.torch",
+    _drop_log_line("megatron.core.dist_checkpointing.strategies.torch",
                         "MCore's async save is deprecated")
 
 
-def _drop_ckpt_log_line(logger_name: str, text: str) -> None:
+def _drop_log_line(logger_name: str, text: str) -> None:
     """Filter log records containing ``text`` out of ``logger_name`` (once per pair)."""
     import logging
 

@@ -67,7 +67,8 @@ def test_gpt_model_deprecation_is_dropped_and_nothing_else(caplog):
     mc.quiet_gpt_model_deprecation()
     mc.quiet_gpt_model_deprecation()  # idempotent
     logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
-    assert sum(getattr(f, "oases_gpt_deprecation", False) for f in logger.filters) == 1
+    assert sum(getattr(f, "oases_drops", None) == "GPTModel IS DEPRECATED"
+               for f in logger.filters) == 1
     with caplog.at_level(logging.WARNING, logger=logger.name):
         logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
         logger.warning("something else")
