@@ -155,6 +155,13 @@ class RunConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     ckpt_format: str = "torch_dist"
+    # -- preemption and time limits (runtime/exit_signal.py)
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"
+    """A name of ``exit_signal.EXIT_SIGNALS`` (Megatron-LM's namespace holds a ``signal.Signals``)."""
+    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = None
+    dist_ckpt_optim_fully_reshardable: bool | None = None  # None: yes (checkpoint.py)
     # -- Megatron-LM's own options
     megatron_lm: MegatronLMOptions = dataclasses.field(default_factory=MegatronLMOptions)
 

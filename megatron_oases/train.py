@@ -192,10 +192,14 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
 
+    from megatron_oases.runtime.exit_signal import ExitConditions, slow_save_for_tests
+
+    exits = ExitConditions(args)  # first: a signal during start-up stops after iteration one
     tr = setup(args)
     from megatron_oases import checkpoint
 
     first = checkpoint.load_checkpoint(tr) + 1 if args.load else 1
+    exits.begin(tr.runtime.device)
     report_progress()
     flops = gpt_flops_per_iteration(
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
@@ -239,8 +243,17 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
             if json_file:
                 json_file.write(json.dumps(rec) + "\n")
                 json_file.flush()
-            if checkpoint.should_save(args, it):
-                checkpoint.save_checkpoint(tr, it)
+            stop = exits.reason(it, tr.runtime.device) if exits.active else None
+            if checkpoint.should_save(args, it) or (stop and args.save):
+                if stop:
+                    with slow_save_for_tests(checkpoint):
+                        checkpoint.save_checkpoint(tr, it)
+                else:
+                    checkpoint.save_checkpoint(tr, it)
+            if stop:
+                if torch.distributed.get_rank() == 0:
+                    print(f" {stop}", flush=True)
+                break
     finally:
         if json_file:
             json_file.close()
@@ -249,6 +262,18 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
 
 def _spawned_rank(args: argparse.Namespace) -> None:
     run(args)
+
+
+def _ended_by_signal(args: argparse.Namespace, signals: tuple[int, ...]) -> str:
+    """The launcher's one line when its ranks died of a signal it forwarded to them."""
+    import signal
+
+    name = signal.Signals(signals[-1]).name
+    if not args.exit_signal_handler or name != args.exit_signal:
+        return (f"the ranks ended on {name} without saving (--exit-signal-handler --save DIR makes "
+                f"them finish the iteration, save and exit 0)")
+    return (f"a second {name} ended the ranks at once; a save in progress was abandoned and the "
+            f"previous checkpoint in {args.save} is the one that loads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if note and os.environ.get("RANK", "0") == "0":
         print(f"{parser.prog}: {note}", flush=True)
     if args.nproc_per_node is not None and "RANK" not in os.environ:
+        from megatron_oases.runtime import exit_signal
         from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
 
         from megatron_oases.runtime.device import detect_runtime
@@ -280,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             # No bound on the run's length: a rank that makes no progress (an iteration) for
             # --dist-timeout + 60 s ends it, named; a hung collective raises after --dist-timeout.
             run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,), timeout_s=None,
-                         stall_timeout_s=args.dist_timeout + 60)
+                         stall_timeout_s=args.dist_timeout + 60, env=exit_signal.launcher_env(),
+                         forward_signals=exit_signal.forwarded_signals(args))
         except RankFailure as exc:
+            if exc.signals and not exc.tracebacks:  # the ranks died of a signal we forwarded
+                print(f"{parser.prog}: {_ended_by_signal(args, exc.signals)}", file=sys.stderr)
+                return 128 + exc.signals[-1]
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1
         return 0

@@ -162,6 +162,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     from megatron_oases.checkpoint import add_checkpoint_args
 
     add_checkpoint_args(p)
+    from megatron_oases.runtime.exit_signal import add_exit_args
+
+    add_exit_args(p)
     return p
 
 
@@ -388,6 +391,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
     from megatron_oases.checkpoint import validate_checkpoint_args
 
     validate_checkpoint_args(args)
+    from megatron_oases.runtime.exit_signal import validate_exit_args
+
+    validate_exit_args(args)
 
     from megatron_oases.datasets import validate_data_args
 

@@ -11,6 +11,7 @@ seconds), ``stall_timeout_s`` bounds the time since a rank last called ``report_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -18,6 +19,7 @@ import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -31,7 +33,15 @@ _START_S = 120.0
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised, or the run passed its deadline; carries per-rank tracebacks."""
+    """One or more ranks raised, or the run passed its deadline; carries per-rank tracebacks.
+
+    ``tracebacks``: whether any rank reported one (it raised, rather than being killed);
+    ``signals``: the signals the launcher forwarded to the ranks (``forward_signals``), in order."""
+
+    def __init__(self, message: str, *, tracebacks: bool = False, signals: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.tracebacks = tracebacks
+        self.signals = signals
 
 
 def free_port() -> int:
@@ -131,7 +141,8 @@ def start_method() -> str:
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs=None,
                  timeout_s: float | None = 120.0, env: dict | None = None,
-                 stall_timeout_s: float | None = None) -> list[Any]:
+                 stall_timeout_s: float | None = None,
+                 forward_signals: Sequence[int] = ()) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of per-rank results.
 
     Each rank sees the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) and
@@ -143,6 +154,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     ``report_progress()`` for that long (its start counts as progress; starting may take
     ``_START_S`` more). Raises ``RankFailure``
     with every rank's traceback and the state of the ranks that had not finished.
+
+    ``forward_signals``: signals the launcher passes on to every live rank instead of acting on
+    them (from the main thread only), as torchrun's agent does: a scheduler's SIGTERM reaches the
+    ranks, whose ``--exit-signal-handler`` saves and exits cleanly, and a launcher killed by it
+    cannot leave its ranks running. Handlers are restored when the run ends.
     """
     method = start_method()
     ctx = mp.get_context(method)
@@ -155,6 +171,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     port = store.port
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = []
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in forward_signals}
     for rank in range(world_size):
         renv = _RankEnv(rank, world_size, port, threads, dict(env or {}))
         p = ctx.Process(target=_rank_main, daemon=True, name=f"rank{rank}",
@@ -165,7 +193,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     got: dict[int, tuple[str, Any]] = {}
 
     def fail(headline: str) -> RankFailure:
-        return RankFailure(_report(headline, got) + _states(procs, progress, got))
+        return RankFailure(_report(headline, got) + _states(procs, progress, got),
+                           tracebacks=any(s == "error" for s, _ in got.values()),
+                           signals=tuple(forwarded))
 
     try:
         while len(got) < world_size:
@@ -205,6 +235,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
                 p.kill()
                 p.join(timeout=5.0)
         del store  # the ranks are gone: release the port
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _process_state(pid: int) -> str:

@@ -1,0 +1,207 @@
+"""Preemption and time limits: Megatron-LM's ``--exit-signal-handler``, ``--exit-signal``,
+``--exit-duration-in-mins`` and ``--exit-interval`` for the reference trainer.
+
+Same names and meaning as Megatron-LM (``megatron/training/training.py``,
+``checkpoint_and_decide_exit``): after an iteration, every rank stops when the signal has reached
+any rank, when any rank's time since the program started exceeds the duration, or when the
+iteration is a multiple of the interval; it saves a checkpoint first (with ``--save``) and the run
+exits 0. The decision is one collective (a MAX all-reduce of the per-rank flags, as Megatron's
+``DistributedSignalHandler.signals_received`` all-gathers them), so no rank stops alone and
+leaves its peers blocked in the next iteration's collectives.
+
+The handler is ours, not Megatron's ``dist_signal_handler.DistributedSignalHandler``: that class
+ships in ``megatron.training``, which the megatron-core 0.16 wheel lacks, and it ignores a
+second signal, whereas here a second signal means "stop now" (``_Handler``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+
+from megatron_oases.parallel.dims import ConfigError
+
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+"""Signals ``--exit-signal`` takes: those a scheduler or a user sends to ask a job to end. The
+rest either cannot be caught (SIGKILL, SIGSTOP) or are not termination requests (job control,
+SIGCHLD, faults), so a handler for them would never be what the user meant."""
+REPEAT_GRACE_S = 1.0
+"""A repeat of the signal within this many seconds of the first is the same notice delivered
+twice, not a second request: a signal sent to a whole process group (``kill -- -PGID``, GNU
+``timeout``, SLURM signalling every process of a step) reaches each rank directly and again
+through its launcher (ours or torchrun), milliseconds apart."""
+START_ENV = "MEGATRON_OASES_START_TIME"
+"""Set by ``megatron-oases train --nproc-per-node`` for its ranks: the launcher's start (epoch
+seconds), where ``--exit-duration-in-mins`` counts from, as Megatron-LM counts from its
+program's start."""
+SLOW_SAVE_ENV = "MEGATRON_OASES_TEST_SLOW_EXIT_SAVE"
+"""Test-only: SECONDS that each rank sleeps inside the save a stop triggers, after its shards are
+written and before the checkpoint is published, so a test can send a second signal mid-save."""
+_IMPORTED_AT = time.time()
+
+
+def add_exit_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_oases.run_config import DEFAULTS
+
+    g = parser.add_argument_group(
+        "preemption and time limits (Megatron-LM's flags; docs/checkpoints.md#preemption)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (SIGTERM), every rank finishes the current iteration, "
+                        "saves a checkpoint to --save and the run exits 0 (needs --save); a second "
+                        "signal ends it at once and the previous checkpoint stays the one that loads")
+    g.add_argument("--exit-signal", default=DEFAULTS.exit_signal, metavar="NAME",
+                   help=f"the signal --exit-signal-handler catches: {', '.join(EXIT_SIGNALS)}")
+    g.add_argument("--exit-duration-in-mins", type=float, default=DEFAULTS.exit_duration_in_mins,
+                   metavar="M", help="stop (saving with --save) after the first iteration that ends "
+                                     "more than M minutes after the program started")
+    g.add_argument("--exit-interval", type=int, default=DEFAULTS.exit_interval, metavar="N",
+                   help="stop (saving with --save) after an iteration that is a multiple of N")
+
+
+def validate_exit_args(args: argparse.Namespace) -> None:
+    """The exit flags, before any process group: each refused where it would do nothing."""
+    from megatron_oases.run_config import run_config
+
+    cfg = run_config(args)
+    if cfg.exit_signal not in EXIT_SIGNALS:
+        raise ConfigError(f"--exit-signal {cfg.exit_signal}: not a signal --exit-signal-handler can "
+                          f"catch as a request to stop; use one of {', '.join(EXIT_SIGNALS)}")
+    if cfg.exit_signal != "SIGTERM" and not cfg.exit_signal_handler:
+        raise ConfigError(f"--exit-signal {cfg.exit_signal} has no effect without "
+                          f"--exit-signal-handler; add it or drop --exit-signal")
+    if cfg.exit_signal_handler and cfg.save is None:
+        # Megatron-LM would only exit, losing the work since the last checkpoint.
+        raise ConfigError("--exit-signal-handler saves a checkpoint before exiting and needs "
+                          "--save DIR (pass --load DIR too, so a resubmitted job resumes)")
+    if cfg.exit_duration_in_mins is not None and not cfg.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins must be > 0 (got {cfg.exit_duration_in_mins})")
+    if cfg.exit_interval is not None:
+        if cfg.exit_interval < 1:
+            raise ConfigError(f"--exit-interval must be >= 1 (got {cfg.exit_interval})")
+        if cfg.exit_interval >= cfg.train_iters:
+            raise ConfigError(f"--exit-interval {cfg.exit_interval} never stops training before "
+                              f"--train-iters {cfg.train_iters} ends it; lower it or drop it")
+
+
+def launcher_env() -> dict:
+    """What ``megatron-oases train --nproc-per-node`` passes its ranks: its own start time."""
+    return {START_ENV: repr(_IMPORTED_AT)}
+
+
+def forwarded_signals(args) -> tuple[int, ...]:
+    """Signals the local launcher forwards to its ranks instead of dying of them: SIGTERM always
+    (a launcher killed by it would leave its ranks running without their rendezvous host), and
+    the ``--exit-signal`` of a run with ``--exit-signal-handler``."""
+    from megatron_oases.run_config import run_config
+
+    cfg = run_config(args)
+    sigs = [signal.SIGTERM]
+    if cfg.exit_signal_handler:
+        sigs.append(signal.Signals[cfg.exit_signal])
+    return tuple(dict.fromkeys(sigs))
+
+
+class _Handler:
+    """The rank's handler: the first signal (and its repeats within ``REPEAT_GRACE_S``) only
+    sets a flag that the next end-of-iteration collective reads; a later one restores the default
+    action and re-raises it, so the rank ends at once. If that happens in the middle of the save
+    the first signal asked for, the save is never published and the previous checkpoint stays
+    the one that loads (``checkpoint.save_checkpoint`` is atomic)."""
+
+    def __init__(self, sig: signal.Signals):
+        self.sig = sig
+        self.first_at: float | None = None
+        self.previous = signal.signal(sig, self)
+
+    @property
+    def received(self) -> bool:
+        return self.first_at is not None
+
+    def __call__(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            return
+        if now - self.first_at < REPEAT_GRACE_S:
+            return  # the same notice, delivered twice
+        if os.environ.get("RANK", "0") == "0":  # os.write: print() is not reentrant
+            os.write(2, f"second {self.sig.name}: ending now without finishing the save in "
+                        f"progress; the previous checkpoint stays the one that loads\n".encode())
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+class ExitConditions:
+    """Per rank: installs the handler (``--exit-signal-handler``) and decides, after each
+    iteration and together with every other rank, whether training stops there."""
+
+    def __init__(self, args):
+        from megatron_oases.run_config import run_config
+
+        cfg = run_config(args)
+        self.cfg = cfg
+        self.handler = _Handler(signal.Signals[cfg.exit_signal]) if cfg.exit_signal_handler else None
+        self.start = float(os.environ.get(START_ENV, _IMPORTED_AT))
+
+    @property
+    def active(self) -> bool:
+        return any((self.handler, self.cfg.exit_duration_in_mins, self.cfg.exit_interval))
+
+    def begin(self, device) -> None:
+        """After the process groups exist: the program's start is the earliest rank's (as
+        Megatron-LM takes the minimum over ranks)."""
+        if self.cfg.exit_duration_in_mins:
+            import torch
+
+            t = torch.tensor([self.start], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            self.start = float(t.item())
+
+    def reason(self, iteration: int, device) -> str | None:
+        """Why training stops after ``iteration`` (the same on every rank), or None. Collective
+        on the default group when a signal handler or a duration is set."""
+        minutes = (time.time() - self.start) / 60.0
+        if self.handler or self.cfg.exit_duration_in_mins:
+            import torch
+
+            flags = torch.tensor(
+                [int(bool(self.handler and self.handler.received)),
+                 int(bool(self.cfg.exit_duration_in_mins)
+                     and minutes > self.cfg.exit_duration_in_mins)],
+                dtype=torch.int32, device=device)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            signalled, overtime = (bool(v) for v in flags.tolist())
+            if signalled:
+                return f"exiting program after receiving {self.cfg.exit_signal}"
+            if overtime:
+                return (f"exiting program after {minutes:.2f} minutes "
+                        f"(--exit-duration-in-mins {self.cfg.exit_duration_in_mins:g})")
+        if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
+            return f"exiting program at iteration {iteration} (--exit-interval {self.cfg.exit_interval})"
+        return None
+
+
+@contextlib.contextmanager
+def slow_save_for_tests(checkpoint_module):
+    """``SLOW_SAVE_ENV``: pause inside the save at the point ``checkpoint``'s crash hook uses
+    (shards written, nothing published). Does nothing when the variable is unset."""
+    seconds = os.environ.get(SLOW_SAVE_ENV)
+    if not seconds:
+        yield
+        return
+    original = checkpoint_module._maybe_crash
+
+    def slow(iteration):
+        print(f"{SLOW_SAVE_ENV}: pausing {seconds} s inside the save of iteration {iteration}",
+              file=sys.stderr, flush=True)
+        time.sleep(float(seconds))
+        original(iteration)
+
+    checkpoint_module._maybe_crash = slow
+    try:
+        yield
+    finally:
+        checkpoint_module._maybe_crash = original

@@ -1,0 +1,257 @@
+"""Preemption and time limits (Megatron-LM's --exit-signal-handler, --exit-signal,
+--exit-duration-in-mins, --exit-interval; megatron_oases/runtime/exit_signal.py).
+
+The signal tests run ``megatron-oases train --nproc-per-node 4`` (TP2 x DP2) as a subprocess and
+signal the launcher, as a scheduler signals the job: it must forward the signal, the ranks must
+finish the iteration, save and exit 0, and the same command (no flag changed) must resume with
+the uninterrupted run's losses. The time limits run one rank as torchrun starts it (no spawn: half
+the imports). Deadlines are generous: 2 shared cores.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from megatron_oases.runtime.exit_signal import REPEAT_GRACE_S, SLOW_SAVE_ENV
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
+         "--global-batch-size", "16", "--seed", "11", "--lr", "3e-3"]
+FOUR_RANKS = ["--nproc-per-node", "4", "--tensor-model-parallel-size", "2"]
+ITERS = 8
+DEADLINE_S = 400  # start-up of 4 ranks on 2 loaded cores takes 15-60 s
+
+
+def _cli() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "megatron-oases")
+    if os.path.exists(script):
+        return [script, "train"]
+    return [sys.executable, "-m", "megatron_oases.train"]
+
+
+class Run:
+    """A training subprocess whose merged output is read line by line as it comes."""
+
+    def __init__(self, args: list[str], env: dict | None = None, cwd: str | None = None):
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **(env or {})}, cwd=cwd)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = DEADLINE_S) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n"
+                                     + "".join(self.lines[-40:])) from None
+            if line is None:
+                raise AssertionError(f"exited ({self.proc.wait()}) before a line matching "
+                                     f"{pattern!r}:\n" + "".join(self.lines[-60:]))
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def finish(self, timeout: float = DEADLINE_S) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("did not exit in time:\n" + "".join(self.lines[-40:])) from None
+        while (line := self._queue.get(timeout=30)) is not None:
+            self.lines.append(line)
+        return rc
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r" iteration\s+(\d+)/\s*\d+ \| lm loss: (\S+) \|", out)}
+
+
+def tracker(d) -> int:
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt"), encoding="utf-8") as f:
+        return int(f.read())
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]):
+    assert got, "no iteration lines"
+    for it, loss in got.items():
+        assert abs(loss - want[it]) <= 1e-6 * abs(want[it]), (it, loss, want[it])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    run = Run(_cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS)])
+    assert run.finish() == 0, run.out[-3000:]
+    out = losses(run.out)
+    assert sorted(out) == list(range(1, ITERS + 1))
+    return out
+
+
+def test_sigterm_mid_iteration_saves_exits_0_and_the_same_command_resumes(tmp_path, uninterrupted):
+    """SIGTERM to the launcher after the first iteration: every rank finishes the iteration it is
+    in, saves, and the run exits 0; the same command resumes from that checkpoint and its losses
+    are the uninterrupted run's."""
+    d = str(tmp_path / "ck")
+    cmd = _cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--save", d, "--load", d,
+                                         "--exit-signal-handler"]
+    first = Run(cmd)
+    first.wait_for(r"^ iteration\s+1/")
+    sent = time.monotonic()
+    first.proc.send_signal(signal.SIGTERM)
+    rc = first.finish()
+    exit_s = time.monotonic() - sent
+    assert rc == 0, first.out[-3000:]
+    stopped = tracker(d)
+    print(f"SIGTERM after iteration 1: saved iteration {stopped}, exit 0 after {exit_s:.2f} s")
+    assert 1 <= stopped <= 3, first.out  # the iteration in progress (lines lag on a busy host)
+    assert f" saving checkpoint at iteration {stopped} to {d}" in first.out
+    assert " exiting program after receiving SIGTERM" in first.out
+    assert max(losses(first.out)) == stopped and exit_s < 120
+    assert_same_losses(losses(first.out), uninterrupted)
+
+    second = Run(cmd)  # resubmitted: no flag changed
+    assert second.finish() == 0, second.out[-3000:]
+    assert f" loaded checkpoint from {d} at iteration {stopped}" in second.out
+    resumed = losses(second.out)
+    assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
+    assert_same_losses(resumed, uninterrupted)
+    assert tracker(d) == ITERS
+
+
+def test_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
+    """A second SIGTERM while the ranks save (held inside the save by a test hook: shards
+    written, nothing published) ends them at once; the checkpoint of the previous save stays the
+    one that loads, and resuming from it gives the uninterrupted losses."""
+    d = str(tmp_path / "ck")
+    cmd = _cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--save", d, "--load", d,
+                                         "--save-interval", "2", "--exit-signal-handler"]
+    run = Run(cmd, env={SLOW_SAVE_ENV: "120"})
+    run.wait_for(f" saving checkpoint at iteration 2 to {re.escape(d)}")
+    run.wait_for(r"^ iteration\s+3/")
+    first = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    line = run.wait_for(f"{SLOW_SAVE_ENV}: pausing")
+    saving = int(line.split()[-1])
+    time.sleep(max(0.0, first + REPEAT_GRACE_S + 0.5 - time.monotonic()))
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.finish(timeout=120)
+    assert rc == 128 + signal.SIGTERM, run.out[-3000:]
+    assert "a second SIGTERM ended the ranks at once" in run.out, run.out[-3000:]
+    assert tracker(d) == 2 and saving > 2
+    assert not os.path.exists(os.path.join(d, f"iter_{saving:07d}"))
+    assert any(n.startswith(f"iter_{saving:07d}.tmp-") for n in os.listdir(d)), os.listdir(d)
+
+    again = Run(cmd)
+    assert again.finish() == 0, again.out[-3000:]
+    assert f" loaded checkpoint from {d} at iteration 2" in again.out
+    resumed = losses(again.out)
+    assert sorted(resumed) == list(range(3, ITERS + 1))
+    assert_same_losses(resumed, uninterrupted)
+
+
+def test_sigterm_without_the_handler_ends_the_ranks_and_says_so(tmp_path):
+    """Without --exit-signal-handler the launcher still forwards SIGTERM (a launcher killed by
+    it would leave its ranks running); the ranks end, and the launcher says nothing was saved."""
+    run = Run(_cli() + ["--nproc-per-node", "2"] + MODEL + ["--train-iters", "200"])
+    run.wait_for(r"^ iteration\s+1/")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 128 + signal.SIGTERM
+    assert "the ranks ended on SIGTERM without saving" in run.out, run.out[-3000:]
+
+
+def _one_rank(args: list[str]) -> subprocess.CompletedProcess:
+    from megatron_oases.runtime.spawn import free_port
+
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    return subprocess.run([sys.executable, "-m", "megatron_oases.train", *MODEL, *args],
+                          capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+
+
+def test_exit_interval_stops_saves_and_the_same_command_goes_on(tmp_path):
+    d = str(tmp_path / "ck")
+    cmd = ["--train-iters", "6", "--exit-interval", "2", "--save", d, "--load", d]
+    one = _one_rank(cmd)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert sorted(losses(one.stdout)) == [1, 2] and tracker(d) == 2
+    assert " exiting program at iteration 2 (--exit-interval 2)" in one.stdout
+    two = _one_rank(cmd)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert sorted(losses(two.stdout)) == [3, 4] and tracker(d) == 4
+
+
+def test_exit_duration_stops_after_the_iteration_and_saves(tmp_path):
+    d = str(tmp_path / "ck")
+    run = _one_rank(["--train-iters", "6", "--exit-duration-in-mins", "0.0001", "--save", d])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(losses(run.stdout)) == [1] and tracker(d) == 1
+    assert re.search(r" exiting program after \d+\.\d\d minutes \(--exit-duration-in-mins 0.0001\)",
+                     run.stdout), run.stdout
+    nosave = _one_rank(["--train-iters", "6", "--exit-duration-in-mins", "0.0001"])
+    assert nosave.returncode == 0 and sorted(losses(nosave.stdout)) == [1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--exit-signal-handler"], "--exit-signal-handler saves a checkpoint before exiting and needs "
+                                "--save DIR"),
+    (["--exit-signal", "SIGUSR1"], "--exit-signal SIGUSR1 has no effect without "
+                                   "--exit-signal-handler"),
+    (["--exit-signal-handler", "--save", "{d}", "--exit-signal", "SIGKILL"],
+     "--exit-signal SIGKILL: not a signal --exit-signal-handler can catch"),
+    (["--exit-interval", "0"], "--exit-interval must be >= 1 (got 0)"),
+    (["--exit-interval", "10"], "--exit-interval 10 never stops training before --train-iters 10"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0 (got 0.0)"),
+], ids=["handler-without-save", "signal-without-handler", "uncatchable", "interval-0",
+        "interval-past-the-end", "duration-0"])
+def test_bad_exit_flags_are_refused_in_one_line_before_start_up(flags, message, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from megatron_oases.train import main
+
+    flags = [f.format(d=tmp_path / "ck") for f in flags]
+    assert main(["--nproc-per-node", "2", *MODEL, "--train-iters", "10", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megatron-oases train: error: {message}"), err
+    assert not dist.is_initialized() and not (tmp_path / "ck").exists()
+
+
+def test_the_second_signal_within_the_grace_is_the_same_notice(monkeypatch):
+    """A signal sent to a whole process group reaches a rank directly and through its launcher
+    milliseconds apart: one notice. A later one ends the rank (the default action, re-raised)."""
+    from megatron_oases.runtime import exit_signal
+
+    killed = []
+    monkeypatch.setattr(exit_signal.os, "kill", lambda pid, sig: killed.append(sig))
+    handler = exit_signal._Handler(signal.SIGUSR2)
+    try:
+        clock = iter([100.0, 100.0 + REPEAT_GRACE_S / 2, 100.0 + REPEAT_GRACE_S + 0.1])
+        monkeypatch.setattr(exit_signal.time, "monotonic", lambda: next(clock))
+        handler(signal.SIGUSR2, None)
+        assert handler.received and not killed
+        handler(signal.SIGUSR2, None)
+        assert not killed
+        handler(signal.SIGUSR2, None)
+        assert killed == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR2, handler.previous)
