@@ -230,3 +230,110 @@ def test_printed_commands_pass_megatron_lm_validation(monkeypatch):
                 margs.validate_args(parsed, {"tokenizer_type": "GPT2BPETokenizer"})
             checked += 1
     assert checked > 50
+
+
+# ---- preemption: SIGTERM before the time limit, save, resume on resubmission ---------------
+def test_every_script_asks_for_sigterm_before_its_time_limit():
+    """Each sbatch asks SLURM for SIGTERM to the batch shell ahead of --time (the ``B:`` form,
+    commented), among its #SBATCH lines, and the dry run prints the request."""
+    for s in SBATCH:
+        lines = open(s).read().splitlines()
+        head = lines[:next(i for i, ln in enumerate(lines[1:], 1) if not ln.startswith("#"))]
+        request = [ln for ln in head if ln.startswith("#SBATCH --signal=")]
+        assert len(request) == 1, s
+        m = re.fullmatch(r"#SBATCH --signal=B:TERM@(\d+)", request[0])
+        assert m and int(m.group(1)) >= 60, (s, request)
+        i = head.index(request[0])
+        assert "before --time runs out" in head[i + 1], s  # says why
+    for script, env in CASES:
+        out = dry_run(script, env).stdout
+        assert "# preemption: #SBATCH --signal=B:TERM@300: SIGTERM before the time limit" in out
+
+
+def test_dry_run_with_ckpt_dir_saves_and_loads_the_same_directory(tmp_path):
+    """CKPT_DIR: every run gets Megatron-LM's --save = --load (its own directory), a
+    --save-interval and --exit-signal-handler, and appends to its log."""
+    ck = tmp_path / "ck"
+    proc = dry_run("single_node", {"GPUS_PER_NODE": "4", "CKPT_DIR": str(ck),
+                                   "VARIANTS": "stock oases", "RESULTS_DIR": str(tmp_path / "r")})
+    assert proc.returncode == 0, proc.stderr
+    assert f"checkpoints in {ck}/<case>/<variant>" in proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 2 and not ck.exists()
+    for line, variant in zip(lines, ("stock", "oases")):
+        assert " >> " in line
+        _, args = training_args(shlex.split(line.split(" >> ")[0]))
+        save, load = args[args.index("--save") + 1], args[args.index("--load") + 1]
+        assert save == load == f"{ck}/custom/{variant}"
+        assert "--exit-signal-handler" in args and "--save-interval" in args
+
+
+def _stand_ins(tmp_path):
+    """srun and torchrun stand-ins: the 'training' resumes from --load's latest iteration, prints
+    an iteration line every 0.1 s and, on SIGTERM (or at the end), saves the iteration it
+    reached to --save and exits 0, as Megatron-LM's --exit-signal-handler does."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\nwhile [ \"${1#--}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n")
+    (fake / "torchrun").write_text(r"""#!/bin/bash
+prev=; for a in "$@"; do
+  case "$prev" in --save) save=$a;; --load) load=$a;; --train-iters) iters=$a;; esac; prev=$a; done
+it=$(cat "$load/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+echo "resumed at $it"
+save_and_exit() { mkdir -p "$save"; echo "$it" > "$save/latest_checkpointed_iteration.txt"; echo "saved $it"; exit 0; }
+trap save_and_exit TERM
+while [ "$it" -lt "$iters" ]; do
+  it=$((it + 1)); echo " iteration $it/$iters | elapsed time per iteration (ms): 100.0 |"
+  sleep 0.1 & wait $!
+done
+save_and_exit
+""")
+    for f in ("srun", "torchrun"):
+        (fake / f).chmod(0o755)
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("")
+    for dep in ("six", "einops", "pydantic", "regex"):
+        (mlm / f"{dep}.py").write_text("")
+    return fake, mlm
+
+
+def test_sigterm_to_the_batch_shell_saves_stops_and_a_resubmission_resumes(tmp_path):
+    """SIGTERM to the batch shell (what --signal=B:TERM asks for): the running run gets it, saves
+    and exits 0, no further run starts; the same job submitted again skips nothing it has not
+    finished, resumes the interrupted run from its checkpoint and then runs the rest."""
+    import signal
+    import time
+
+    fake, mlm = _stand_ins(tmp_path)
+    res, ck = tmp_path / "res", tmp_path / "ck"
+    env = clean_env(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", MEGATRON_LM_PATH=str(mlm),
+                    RESULTS_DIR=str(res), CKPT_DIR=str(ck), NNODES="1", GPUS_PER_NODE="2",
+                    PYTHON=sys.executable, MODELS="1024", VARIANTS="stock oases", TRAIN_ITERS="60")
+    script = os.path.join(SLURM, "oases_models.sbatch")
+    job = subprocess.Popen(["bash", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    log = res / "h1024" / "stock.log"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and " iteration 5/" in log.read_text()):
+        assert time.monotonic() < deadline and job.poll() is None, "the first run did not start"
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    stopped = int((ck / "h1024" / "stock" / "latest_checkpointed_iteration.txt").read_text())
+    assert 5 <= stopped < 60 and f"saved {stopped}" in log.read_text()
+    assert "skip h1024/oases: stopping after SIGTERM" in err
+    assert not (res / "h1024" / "oases.log").exists()
+    status = (res / "status.txt").read_text()
+    assert "h1024 stock exit=0 (stopped by SIGTERM; resumes when resubmitted)" in status
+
+    again = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=180)
+    assert again.returncode == 0, again.stderr
+    text = log.read_text()
+    assert f"resumed at {stopped}" in text and text.count(" iteration 60/60 ") == 1
+    assert "resumed at 0" in (res / "h1024" / "oases.log").read_text()
+    third = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=180)
+    assert "skip h1024/stock: finished in an earlier job" in third.stderr
+    assert "skip h1024/oases: finished in an earlier job" in third.stderr

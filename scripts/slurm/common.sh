@@ -22,6 +22,18 @@
 #   VARIANTS          runs per case; names: stock, megatron, oases, oases-no-cross-pass,
 #                     oases-no-fine-grained-recompute, atp-auto, atp-D1xD2[-cK], 3d
 #   DRY_RUN=1         print the exact srun/torchrun command lines instead of running them
+# Preemption (docs/checkpoints.md#preemption-and-time-limits)
+#   CKPT_DIR          checkpoint root (default: none, no checkpoints): each run saves to and
+#                     resumes from CKPT_DIR/<case>/<variant> with Megatron-LM's --save = --load,
+#                     --save-interval SAVE_INTERVAL (default TRAIN_ITERS) and --exit-signal-handler.
+#                     Every sbatch asks for SIGTERM before its time limit (#SBATCH --signal=B:TERM@300);
+#                     the trap below forwards it to the running srun, whose ranks finish the
+#                     iteration, save and exit 0, and no further run starts. Resubmit the same
+#                     command with the same CKPT_DIR (and RESULTS_DIR, to keep one log per run:
+#                     a resumed run appends to its log): finished runs are skipped, the
+#                     interrupted one resumes from its latest checkpoint, no flag changed.
+#                     TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's wait before it SIGKILLs the ranks
+#                     it forwarded SIGTERM to; default 30 s) is raised to 300 s for the save.
 # NCCL (exported with these defaults; site-specific ones are passed through only when set)
 #   NCCL_DEBUG=WARN, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, NCCL_IB_TIMEOUT=22;
 #   NCCL_SOCKET_IFNAME (e.g. ib0), NCCL_IB_HCA (e.g. mlx5), NCCL_P2P_DISABLE=1 (PCIe-only runs,
@@ -54,7 +66,14 @@ oases_setup() {
     EXTRA_ARGS="${EXTRA_ARGS:-}"
     TOPOLOGY="${TOPOLOGY:-}"
     DRY_RUN="${DRY_RUN:-0}"
+    CKPT_DIR="${CKPT_DIR:-}"
+    SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
     RUN_INDEX=0
+    STOPPING=0
+    RUN_PID=
+    SIGNAL_REQUEST="$(grep -m 1 '^#SBATCH --signal=' "$0" 2>/dev/null | cut -c 9-)"
+    [[ -n "$CKPT_DIR" ]] && export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
+    trap on_preemption TERM
 
     export CUDA_DEVICE_MAX_CONNECTIONS=1
     export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -67,6 +86,9 @@ oases_setup() {
         echo "# DRY_RUN=1 $FAMILY: $NNODES node(s) x $GPUS_PER_NODE GPUs, results in $RESULTS_DIR"
         echo "# env: CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS NCCL_DEBUG=$NCCL_DEBUG" \
              "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING PYTHONPATH=$PYTHONPATH"
+        local saves="no CKPT_DIR: nothing is saved"
+        [[ -n "$CKPT_DIR" ]] && saves="checkpoints in $CKPT_DIR/<case>/<variant> (--save = --load: a resubmitted job resumes)"
+        echo "# preemption: #SBATCH ${SIGNAL_REQUEST:-(no --signal request)}: SIGTERM before the time limit; $saves"
     else
         [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] || {
             echo "error: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py; set it to a" \
@@ -84,6 +106,16 @@ oases_setup() {
             env | grep -E '^(NCCL_|CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_)' | sort
         } > "$RESULTS_DIR/env.txt"
     fi
+}
+
+# SIGTERM (#SBATCH --signal=B:TERM@...): forward it to the running srun, which passes it to its
+# tasks (Megatron-LM's --exit-signal-handler saves and exits 0 with CKPT_DIR), and start no
+# further run.
+on_preemption() {
+    STOPPING=1
+    echo "[$(date +%T)] SIGTERM: ${RUN_PID:+the running run ${CKPT_DIR:+saves and }stops; }no further runs start" >&2
+    [[ -n "$RUN_PID" ]] && kill -TERM "$RUN_PID" 2>/dev/null
+    return 0
 }
 
 # Our flags for a variant name (empty for stock and megatron).
@@ -132,7 +164,20 @@ launcher() {
 run_variant() {
     local case_name="$1" variant="$2"; shift 2
     local flags; flags="$(variant_flags "$variant")" || return 0
+    [[ "$STOPPING" == 1 ]] && { echo "skip $case_name/$variant: stopping after SIGTERM" >&2; return 0; }
     local port=$((MASTER_PORT + RUN_INDEX)); RUN_INDEX=$((RUN_INDEX + 1))
+    local -a ckpt=() redirect=(">")
+    if [[ -n "$CKPT_DIR" ]]; then
+        local dir="$CKPT_DIR/$case_name/$variant"
+        local done_iter; done_iter="$(cat "$dir/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)"
+        if [[ "$done_iter" =~ ^[0-9]+$ ]] && (( done_iter >= TRAIN_ITERS )); then
+            echo "skip $case_name/$variant: finished in an earlier job ($dir at iteration $done_iter)" >&2
+            return 0
+        fi
+        # Megatron-LM's resume-if-present: --load of a directory without a checkpoint starts fresh.
+        ckpt=(--save "$dir" --load "$dir" --save-interval "$SAVE_INTERVAL" --exit-signal-handler)
+        redirect=(">>")
+    fi
     launcher "$port"
     local -a entry
     if [[ "$variant" == stock ]]; then
@@ -146,9 +191,9 @@ run_variant() {
                   --eval-iters 0 --mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE"
                   --lr 1e-4 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0
                   --transformer-impl "$TRANSFORMER_IMPL" --distributed-backend nccl
-                  $EXTRA_ARGS $flags)
+                  $EXTRA_ARGS $flags "${ckpt[@]}")
     local log="$RESULTS_DIR/$case_name/$variant.log"
-    local line; line="$(shell_words "${cmd[@]}") > $(shell_words "$log") 2>&1"
+    local line; line="$(shell_words "${cmd[@]}") ${redirect[0]} $(shell_words "$log") 2>&1"
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "$line"
         return 0
@@ -156,9 +201,16 @@ run_variant() {
     mkdir -p "$RESULTS_DIR/$case_name"
     echo "$line" >> "$RESULTS_DIR/commands.sh"
     echo "[$(date +%T)] $case_name/$variant"
-    "${cmd[@]}" > "$log" 2>&1
-    local rc=$?
-    echo "$case_name $variant exit=$rc" >> "$RESULTS_DIR/status.txt"
+    # In the background: bash runs a trap only between commands, so a foreground srun would
+    # keep the SIGTERM from being forwarded until it ended.
+    if [[ -n "$CKPT_DIR" ]]; then "${cmd[@]}" >> "$log" 2>&1 & else "${cmd[@]}" > "$log" 2>&1 & fi
+    RUN_PID=$!
+    local rc
+    wait "$RUN_PID"; rc=$?
+    while (( rc > 128 )) && kill -0 "$RUN_PID" 2>/dev/null; do wait "$RUN_PID"; rc=$?; done
+    RUN_PID=
+    local note=""; [[ "$STOPPING" == 1 ]] && note=" (stopped by SIGTERM${CKPT_DIR:+; resumes when resubmitted})"
+    echo "$case_name $variant exit=$rc$note" >> "$RESULTS_DIR/status.txt"
     [[ $rc == 0 ]] || echo "[$(date +%T)] $case_name/$variant failed (exit $rc), see $log" >&2
     return 0
 }
