@@ -4,7 +4,11 @@ Layout as Megatron-LM: ``DIR/iter_0000003/`` written by Megatron's ``dist_checkp
 (torch_dist) and ``DIR/latest_checkpointed_iteration.txt``. The state is Megatron's
 ``sharded_state_dict`` of the model chunks and the optimizer, so any layout, backend or schedule
 can load any other's checkpoint of the same model; plus the iteration, the run's flags and the
-per-rank RNG states (Megatron-LM's ``rng_state`` ShardedObject).
+per-rank RNG states (Megatron-LM's ``rng_state`` ShardedObject). The distributed optimizer's
+state is saved in Megatron's ``fully_reshardable`` format by default, which any layout loads,
+with or without the distributed optimizer; its ``dp_reshardable`` format
+(``--no-dist-ckpt-optim-fully-reshardable``) loads only into the same layout, and a load that
+cannot work is refused before start-up.
 
 A save is atomic: every rank writes into ``DIR/iter_N.tmp-TOKEN``; only after a barrier (all
 shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and then replace the
@@ -54,7 +58,17 @@ _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor in
 
 
 _DEFAULTS = {"save": None, "save_interval": None, "load": None, "no_load_optim": False,
-             "no_load_rng": False, "ckpt_format": "torch_dist"}
+             "no_load_rng": False, "ckpt_format": "torch_dist",
+             "dist_ckpt_optim_fully_reshardable": None}
+
+# How the optimizer state of a checkpoint is laid out: the plain (non-distributed) optimizer's,
+# or one of the distributed optimizer's ``distrib_optim_sharding_type``s.
+PLAIN = "plain"
+FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
+_FORMAT_NAMES = {PLAIN: "the plain (non-distributed) optimizer's",
+                 FULLY_RESHARDABLE: "the distributed optimizer's fully reshardable",
+                 DP_RESHARDABLE: "the distributed optimizer's dp_reshardable"}
 
 
 class CheckpointError(ConfigError):
@@ -74,6 +88,14 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
     g.add_argument("--ckpt-format", default=DEFAULTS.ckpt_format, metavar="FORMAT",
                    help="torch_dist (the only format)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="with --use-distributed-optimizer and --save: save the optimizer state in "
+                        "Megatron's fully reshardable format (the default here: it resumes at any "
+                        "DP/TP/PP size, backend and schedule, and with or without the distributed "
+                        "optimizer); --no-dist-ckpt-optim-fully-reshardable saves Megatron-LM's "
+                        "default dp_reshardable format instead (faster to save, but it resumes "
+                        "only into the same layout with --use-distributed-optimizer)")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -99,10 +121,19 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             raise ConfigError(f"--save {args.save}: {parent} is not a writable directory")
+    if args.dist_ckpt_optim_fully_reshardable is not None:
+        flag = ("--" if args.dist_ckpt_optim_fully_reshardable else "--no-") + \
+            "dist-ckpt-optim-fully-reshardable"
+        if not args.use_distributed_optimizer or args.save is None:
+            raise ConfigError(f"{flag} chooses how --save writes the distributed optimizer's "
+                              "state: it needs --use-distributed-optimizer and --save DIR; drop it")
     if args.load is not None:
         found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
         if found is not None:
-            check_same_model(read_saved_args(found[1]), args, found[1])
+            state = read_common_state(found[1])
+            check_same_model(dict(state["args"]), args, found[1])
+            if not args.no_load_optim:
+                check_optimizer_loads(state, args, found[1], _world_size(args))
 
 
 def _auto_resume(args) -> bool:
@@ -198,6 +229,12 @@ def common_state_location(path: str, metadata=None) -> str:
 def read_saved_args(path: str) -> dict:
     """The flags the checkpoint was saved with (``args`` of its common state, which is
     ``common.pt`` or, from megatron-core 0.19, an object in the torch_dist files)."""
+    return dict(read_common_state(path)["args"])
+
+
+def read_common_state(path: str) -> dict:
+    """The checkpoint's common state (iteration, ``args``, Megatron's ``content_metadata``...),
+    refused in one line when it is missing or corrupt."""
     from torch.distributed.checkpoint import CheckpointException
 
     from megatron_oases import mcore_compat
@@ -208,7 +245,8 @@ def read_saved_args(path: str) -> dict:
             for message in _TORCH_READER_NOTES:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
             state = mcore_compat.load_common_state(path)
-        return dict(state["args"])
+        dict(state["args"])
+        return state
     # Unpickling errors have many types; torch's reader wraps them in CheckpointException,
     # a BaseException.
     except (Exception, CheckpointException):  # noqa: BLE001
@@ -236,13 +274,75 @@ def check_same_model(saved: dict, args, path: str) -> None:
             "--vocab-size / --make-vocab-size-divisible-by so both pad alike")
 
 
+def _world_size(args) -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if getattr(args, "nproc_per_node", None) is None and "WORLD_SIZE" not in os.environ:
+        return getattr(args, "world_size", 1)
+    from megatron_oases.train_args import world_size_of
+
+    return world_size_of(args)
+
+
+def saved_optimizer_format(state: dict) -> str:
+    """How the checkpoint's optimizer state is laid out: ``plain``, or the distributed optimizer's
+    ``distrib_optim_sharding_type`` that Megatron's ``content_metadata`` records. Checkpoints of
+    the distributed optimizer without that metadata were saved dp_reshardable (before
+    ``--dist-ckpt-optim-fully-reshardable``)."""
+    if not dict(state["args"]).get("use_distributed_optimizer"):
+        return PLAIN
+    return (state.get("content_metadata") or {}).get("distrib_optim_sharding_type", DP_RESHARDABLE)
+
+
+def _optimizer_layout(flags: dict) -> tuple:
+    """What Megatron's dp_reshardable state depends on: the ranks' parameter buckets, which
+    follow the layout and the DDP bucketing (``--overlap-grad-reduce``)."""
+    return _layout(flags) + (("overlap_grad_reduce", bool(flags.get("overlap_grad_reduce"))),)
+
+
+def check_optimizer_loads(state: dict, args, path: str, world_size: int) -> None:
+    """Refuse, before start-up, an optimizer state this run cannot load.
+
+    The plain optimizer's state and the distributed optimizer's ``fully_reshardable`` state are
+    both keyed by the model's sharded tensors (``optimizer.state.exp_avg.<param>``), so either
+    loads into any layout, with or without the distributed optimizer. ``dp_reshardable`` state
+    is one flat tensor per parameter bucket of each data-parallel group: it loads only into the
+    same layout with the distributed optimizer (Megatron-LM refuses it at another TP/PP size
+    too)."""
+    fmt = saved_optimizer_format(state)
+    if fmt != DP_RESHARDABLE:
+        return
+    saved = dict(state["args"])
+    run = dict(_plain_args(args, world_size))
+    if args.use_distributed_optimizer and _optimizer_layout(saved) == _optimizer_layout(run):
+        return
+
+    def describe(flags, distributed):
+        tp = flags.get("tensor_model_parallel_size") or 1
+        pp = flags.get("pipeline_model_parallel_size") or 1
+        words = [f"TP{tp} PP{pp} DP{(flags.get('world_size') or 1) // (tp * pp)}"]
+        words += [f"{k}={flags[k]}" for k in ("tp_backend", "atp_mesh", "oases_layer_degrees",
+                                              "num_layers_per_virtual_pipeline_stage",
+                                              "overlap_grad_reduce") if flags.get(k)]
+        return ("distributed" if distributed else "plain") + " optimizer, " + " ".join(words)
+
+    raise CheckpointError(
+        f"--load {path}: its optimizer state is in {_FORMAT_NAMES[fmt]} format "
+        f"({describe(saved, True)}), which loads only into that same layout with "
+        f"--use-distributed-optimizer; this run is {describe(run, args.use_distributed_optimizer)}. "
+        "Add --no-load-optim to load the model only (the optimizer starts fresh), or resume in the "
+        "saved layout and save again with --dist-ckpt-optim-fully-reshardable")
+
+
 def should_save(args, iteration: int) -> bool:
     return args.save is not None and (
         iteration == args.train_iters
         or (args.save_interval is not None and iteration % args.save_interval == 0))
 
 
-def _plain_args(args) -> dict:
+def _plain_args(args, world_size: int | None = None) -> dict:
     """The run's flags as plain values (the common state is read with ``weights_only``)."""
     import torch.distributed as dist
 
@@ -252,7 +352,7 @@ def _plain_args(args) -> dict:
         return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
 
     out = {k: plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_")}
-    out["world_size"] = dist.get_world_size()
+    out["world_size"] = dist.get_world_size() if world_size is None else world_size
     return out
 
 
@@ -308,20 +408,37 @@ def _set_rng_state(states: list, dp_rank: int) -> None:
     torch.set_rng_state(state["torch_rng_state"])
 
 
-def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool) -> dict:
+def _content_metadata(tr, saved_format: str | None = None) -> dict:
+    """Megatron's ``sharded_state_dict`` metadata, which ``save`` also records in the checkpoint
+    (``content_metadata``, as Megatron-LM does).
+
+    Per-layer keys (Megatron's ``non_homogeneous_layers``): a per-block plan gives layers
+    different TP degrees, so their shards cannot stack on one key with a layer axis; every
+    layout uses the same keys, so checkpoints stay interchangeable. No ChainedOptimizer prefix:
+    the optimizer keys then depend on the parameters only, not on the optimizer grouping. The
+    distributed optimizer saves ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``,
+    the default) or ``dp_reshardable``, and loads the format the checkpoint names; from a plain
+    optimizer's checkpoint it loads through ``fully_reshardable``, whose tensors carry the same
+    keys."""
+    metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
+    if tr.args.use_distributed_optimizer:
+        if saved_format is None:  # saving
+            fully = tr.args.dist_ckpt_optim_fully_reshardable is not False
+            metadata["distrib_optim_sharding_type"] = FULLY_RESHARDABLE if fully else DP_RESHARDABLE
+        else:
+            metadata["distrib_optim_sharding_type"] = \
+                FULLY_RESHARDABLE if saved_format == PLAIN else saved_format
+    return metadata
+
+
+def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool,
+                   metadata: dict) -> dict:
     """Megatron-LM's checkpoint dict: ``model`` (or ``model0``, ``model1``.. per virtual stage),
     ``optimizer``, ``rng_state``, ``iteration``, ``args``, ``checkpoint_version``."""
     from megatron.core import parallel_state as ps
 
     from megatron_oases.parallel.layout import _unwrap
 
-    # Per-layer keys (Megatron's ``non_homogeneous_layers``): a per-block plan gives layers
-    # different TP degrees, so their shards cannot stack on one key with a layer axis; every
-    # layout uses the same keys, so checkpoints stay interchangeable. No ChainedOptimizer prefix:
-    # the optimizer keys then depend on the parameters only, not on the optimizer grouping.
-    metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
-    if tr.args.use_distributed_optimizer:  # Megatron-LM's default format for its optimizer state
-        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
              "args": _plain_args(tr.args)}
     for i, chunk in enumerate(tr.model):
@@ -355,9 +472,11 @@ def save_checkpoint(tr, iteration: int) -> str:
         print(f" saving checkpoint at iteration {iteration} to {root}", flush=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False)
+    metadata = _content_metadata(tr)
+    state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False,
+                           metadata=metadata)
     with writer_in_this_rank():
-        dist_checkpointing().save(state, tmp)
+        dist_checkpointing().save(state, tmp, content_metadata=metadata)
     _maybe_crash(iteration)
     dist.barrier()  # every rank's shards, the common state and the metadata are written
     if _rank0():
@@ -418,8 +537,12 @@ def load_checkpoint(tr) -> int:
             print(f" no checkpoint in {args.load} yet; starting from iteration 0", flush=True)
         return 0
     iteration, path = found
-    saved = read_saved_args(path)
+    common = read_common_state(path)
+    saved = dict(common["args"])
     check_same_model(saved, args, path)
+    saved_format = saved_optimizer_format(common)
+    if not args.no_load_optim:
+        check_optimizer_loads(common, args, path, dist.get_world_size())
     same_layout = _layout(saved) == _layout(_plain_args(args))
     load_optim = not args.no_load_optim
     load_rng = not args.no_load_rng and same_layout
@@ -427,7 +550,14 @@ def load_checkpoint(tr) -> int:
         other = ", ".join(f"{k}={v}" for k, v in _layout(saved) if v is not None)
         print(f" {path} was saved with another layout ({other}); its RNG states are per rank "
               "and are not loaded", flush=True)
-    state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True)
+    metadata = _content_metadata(tr, saved_format)
+    state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True,
+                           metadata=metadata)
+    crossing = load_optim and (saved_format == PLAIN) == bool(args.use_distributed_optimizer)
+    if crossing:
+        from megatron_oases.runtime.dist_ckpt import optimizer_state_from_other_kind
+
+        convert = optimizer_state_from_other_kind(tr.optimizer, state, saved)
     with warnings.catch_warnings():  # torch's deprecation notes on Megatron's reader calls
         for message in _TORCH_DEPRECATIONS:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
@@ -441,7 +571,13 @@ def load_checkpoint(tr) -> int:
 
         from megatron_oases.runtime.dist_ckpt import restore_adam_steps
 
-        with torch.no_grad():  # the distributed optimizer copies into its (grad-requiring) main params
+        if crossing:
+            loaded["optimizer"] = convert(loaded["optimizer"])
+
+        from megatron_oases.runtime.dist_ckpt import adam_step_out_of_the_way
+
+        # the distributed optimizer copies into its (grad-requiring) main params
+        with torch.no_grad(), adam_step_out_of_the_way(tr.optimizer):
             tr.optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps(tr.optimizer, loaded["optimizer"])
     elif args.bf16 or args.fp16:

@@ -161,6 +161,7 @@ class RunConfig:
     """A name of ``exit_signal.EXIT_SIGNALS`` (Megatron-LM's namespace holds a ``signal.Signals``)."""
     exit_duration_in_mins: float | None = None
     exit_interval: int | None = None
+    dist_ckpt_optim_fully_reshardable: bool | None = None  # None: yes (checkpoint.py)
     # -- Megatron-LM's own options
     megatron_lm: MegatronLMOptions = dataclasses.field(default_factory=MegatronLMOptions)
 

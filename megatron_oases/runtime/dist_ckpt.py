@@ -141,3 +141,137 @@ def restore_adam_steps(optimizer, loaded: dict) -> None:
     for opt in dist_opts:
         for state in opt.optimizer.state.values():
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def optimizer_state_from_other_kind(optimizer, state: dict, saved_args: dict):
+    """Let the optimizer load a checkpoint of the other kind: the plain (non-distributed)
+    optimizer's state into the distributed optimizer, or the distributed optimizer's
+    ``fully_reshardable`` state into the plain one. Returns the function that turns the loaded
+    ``optimizer`` entry into what this optimizer's ``load_state_dict`` takes.
+
+    Both formats key Adam's moments by the model's sharded tensors
+    (``optimizer.state.exp_avg.<param key>``), so the moments load as they are. They differ in:
+
+    - the fp32 main parameters: ``optimizer.state.param.<key>`` in the distributed format,
+      ``optimizer.state.fp32_param.<key>`` for the plain mixed-precision optimizer, and nothing
+      for a plain fp32 optimizer, whose main parameters are the model weights (the model load
+      fills them; the distributed optimizer then takes them from the model parameters);
+    - the step and the hyperparameters, which are common state: per ``param_group`` in the
+      distributed format (``optimizer.param_groups[i].step``), ``state.common_step`` in the plain
+      one. The loaded ``param_groups`` are the checkpoint's; they are paired with this
+      optimizer's groups by Megatron's ``param_group_identifier_keys``, as its own loads do.
+
+    ``state`` is the sharded state dict about to be loaded; its optimizer keys are rewritten here.
+    """
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject,
+                                                          ShardedTensor, ShardedTensorFactory)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) != 1:
+        raise RuntimeError(f"--load: converting between the plain and the distributed optimizer's "
+                           f"checkpoint needs one optimizer, this run chains {len(opts)}; add "
+                           "--no-load-optim")
+    (opt,) = opts
+    to_distributed = isinstance(opt, DistributedOptimizer)
+    saved_mixed = bool(saved_args.get("bf16") or saved_args.get("fp16"))
+    model_data = {}
+
+    def collect(x):
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)):
+            model_data[x.key] = x.data
+        return x
+
+    for name, sub in state.items():
+        if name.startswith("model"):
+            dict_list_map_inplace(collect, sub)
+    main, fp32 = "optimizer.state.param.", "optimizer.state.fp32_param."
+
+    def rekey(x):
+        if not isinstance(x, (ShardedTensor, ShardedTensorFactory)):
+            return x
+        if to_distributed and x.key.startswith(main):
+            if not saved_mixed:  # the model weights are the main parameters
+                return LocalNonpersistentObject(model_data[x.key[len(main):]])
+            x.key = fp32 + x.key[len(main):]
+        elif not to_distributed and x.key.startswith(fp32):
+            x.key = main + x.key[len(fp32):]
+        return x
+
+    dict_list_map_inplace(rekey, state["optimizer"])
+    own = opt.state_dict()
+
+    def ident(group):
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+    def convert(loaded: dict) -> dict:
+        if to_distributed:  # from the plain optimizer's state
+            inner = loaded["optimizer"] if saved_mixed else loaded
+            step = inner["state"]["common_step"]
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
+            for g in groups:
+                g["step"] = float(step)
+            out = {"optimizer": {"param_groups": groups}, "param_state": loaded["param_state"],
+                   "param_state_sharding_type": "fully_reshardable"}
+        else:  # from the distributed optimizer's fully_reshardable state
+            saved_groups = {ident(g): g for g in loaded["optimizer"]["param_groups"]}
+            (step,) = {g["step"] for g in saved_groups.values()}
+            mine = own["optimizer"] if "optimizer" in own else own
+            groups = [{**{k: v for k, v in saved_groups.get(ident(g), g).items()
+                          if k not in ("params", "step")}, "params": g["params"]}
+                      for g in mine["param_groups"]]
+            moments = loaded["optimizer"]["state"] if "optimizer" in own else loaded["state"]
+            inner = {"state": {**{i: dict(s) for i, s in moments.items() if i != "common_step"},
+                               "common_step": torch.tensor(float(step), dtype=torch.float32)},
+                     "param_groups": groups}
+            out = {"optimizer": inner, "fp32_from_fp16_params": loaded["fp32_from_fp16_params"]} \
+                if "optimizer" in own else inner
+        if "grad_scaler" in own:
+            out["grad_scaler"] = loaded.get("grad_scaler") or own["grad_scaler"]
+        return out
+
+    return convert
+
+
+@contextlib.contextmanager
+def adam_step_out_of_the_way(optimizer):
+    """Let Megatron's distributed optimizer load ``fully_reshardable`` state into
+    ``torch.optim.Adam``.
+
+    Without Apex or Transformer Engine the inner Adam keeps a ``step`` tensor in each parameter's
+    state, and ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies into every
+    tensor of that state from the loaded tensors, which never hold ``step`` (it is common state):
+    ``KeyError: 'step'`` on megatron-core 0.16.1 and 0.19.2. The step is taken out of the state
+    around each call and put back; ``restore_adam_steps`` then sets it from the checkpoint. GPU
+    runs with Apex / TE keep no such tensor and are left alone.
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    opts = [] if HAVE_APEX_OR_TE else [
+        o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(o, DistributedOptimizer)]
+
+    def wrap(opt):
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+        return set_states
+
+    for opt in opts:
+        opt._set_main_param_and_optimizer_states = wrap(opt)
+    try:
+        yield
+    finally:
+        for opt in opts:
+            del opt._set_main_param_and_optimizer_states
