@@ -47,7 +47,7 @@ def add_exit_args(parser: argparse.ArgumentParser) -> None:
     from megatron_oases.run_config import DEFAULTS
 
     g = parser.add_argument_group(
-        "preemption and time limits (Megatron-LM's flags; docs/checkpoints.md#preemption)")
+        "preemption and time limits (Megatron-LM's flags; docs/checkpoints.md#preemption-and-time-limits)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (SIGTERM), every rank finishes the current iteration, "
                         "saves a checkpoint to --save and the run exits 0 (needs --save); a second "
