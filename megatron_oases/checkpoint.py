@@ -245,7 +245,7 @@ def read_common_state(path: str) -> dict:
             for message in _TORCH_READER_NOTES:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
             state = mcore_compat.load_common_state(path)
-        dict(state["args"])
+        state["args"] = dict(state["args"])  # a common state without flags is not ours
         return state
     # Unpickling errors have many types; torch's reader wraps them in CheckpointException,
     # a BaseException.
