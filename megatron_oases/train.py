@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                          stall_timeout_s=args.dist_timeout + 60, env=exit_signal.launcher_env(),
                          forward_signals=exit_signal.forwarded_signals(args))
         except RankFailure as exc:
-            if exc.signals and not exc.tracebacks:  # the ranks died of a signal we forwarded
+            if exc.killed_by and exc.killed_by <= set(exc.signals) and not exc.tracebacks:
+                # the ranks died of a signal the launcher forwarded: one line, not a report
                 print(f"{parser.prog}: {_ended_by_signal(args, exc.signals)}", file=sys.stderr)
                 return 128 + exc.signals[-1]
             print(f"{parser.prog}: {exc}", file=sys.stderr)

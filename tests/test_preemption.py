@@ -9,6 +9,7 @@ the imports). Deadlines are generous: 2 shared cores.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -88,22 +89,32 @@ def losses(out: str) -> dict[int, float]:
             for m in re.finditer(r" iteration\s+(\d+)/\s*\d+ \| lm loss: (\S+) \|", out)}
 
 
+def json_losses(path) -> dict[int, float]:
+    """Full-precision losses of ``--log-json`` (the printed ones have 7 digits)."""
+    with open(path, encoding="utf-8") as f:
+        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, f)}
+
+
 def tracker(d) -> int:
     with open(os.path.join(d, "latest_checkpointed_iteration.txt"), encoding="utf-8") as f:
         return int(f.read())
 
 
-def assert_same_losses(got: dict[int, float], want: dict[int, float]):
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> float:
+    """Each of ``got`` within 1e-6 (relative) of ``want``; returns the largest difference."""
     assert got, "no iteration lines"
     for it, loss in got.items():
         assert abs(loss - want[it]) <= 1e-6 * abs(want[it]), (it, loss, want[it])
+    return max(abs(loss - want[it]) for it, loss in got.items())
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
-    run = Run(_cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS)])
+def uninterrupted(tmp_path_factory):
+    """Losses of the uninterrupted run, full precision (``--log-json``)."""
+    log = tmp_path_factory.mktemp("uninterrupted") / "log.jsonl"
+    run = Run(_cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--log-json", str(log)])
     assert run.finish() == 0, run.out[-3000:]
-    out = losses(run.out)
+    out = json_losses(log)
     assert sorted(out) == list(range(1, ITERS + 1))
     return out
 
@@ -112,9 +123,9 @@ def test_sigterm_mid_iteration_saves_exits_0_and_the_same_command_resumes(tmp_pa
     """SIGTERM to the launcher after the first iteration: every rank finishes the iteration it is
     in, saves, and the run exits 0; the same command resumes from that checkpoint and its losses
     are the uninterrupted run's."""
-    d = str(tmp_path / "ck")
+    d, log = str(tmp_path / "ck"), tmp_path / "log.jsonl"
     cmd = _cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--save", d, "--load", d,
-                                         "--exit-signal-handler"]
+                                         "--exit-signal-handler", "--log-json", str(log)]
     first = Run(cmd)
     first.wait_for(r"^ iteration\s+1/")
     sent = time.monotonic()
@@ -128,14 +139,16 @@ def test_sigterm_mid_iteration_saves_exits_0_and_the_same_command_resumes(tmp_pa
     assert f" saving checkpoint at iteration {stopped} to {d}" in first.out
     assert " exiting program after receiving SIGTERM" in first.out
     assert max(losses(first.out)) == stopped and exit_s < 120
-    assert_same_losses(losses(first.out), uninterrupted)
+    assert sorted(json_losses(log)) == list(range(1, stopped + 1))
+    assert_same_losses(json_losses(log), uninterrupted)
 
     second = Run(cmd)  # resubmitted: no flag changed
     assert second.finish() == 0, second.out[-3000:]
     assert f" loaded checkpoint from {d} at iteration {stopped}" in second.out
-    resumed = losses(second.out)
+    resumed = json_losses(log)
     assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
-    assert_same_losses(resumed, uninterrupted)
+    diff = assert_same_losses(resumed, uninterrupted)
+    print(f"resumed iterations {stopped + 1}-{ITERS}: largest loss difference {diff:.3g}")
     assert tracker(d) == ITERS
 
 
@@ -143,9 +156,10 @@ def test_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path, 
     """A second SIGTERM while the ranks save (held inside the save by a test hook: shards
     written, nothing published) ends them at once; the checkpoint of the previous save stays the
     one that loads, and resuming from it gives the uninterrupted losses."""
-    d = str(tmp_path / "ck")
+    d, log = str(tmp_path / "ck"), tmp_path / "log.jsonl"
     cmd = _cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--save", d, "--load", d,
-                                         "--save-interval", "2", "--exit-signal-handler"]
+                                         "--save-interval", "2", "--exit-signal-handler",
+                                         "--log-json", str(log)]
     run = Run(cmd, env={SLOW_SAVE_ENV: "120"})
     run.wait_for(f" saving checkpoint at iteration 2 to {re.escape(d)}")
     run.wait_for(r"^ iteration\s+3/")
@@ -165,9 +179,10 @@ def test_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path, 
     again = Run(cmd)
     assert again.finish() == 0, again.out[-3000:]
     assert f" loaded checkpoint from {d} at iteration 2" in again.out
-    resumed = losses(again.out)
+    resumed = json_losses(log)
     assert sorted(resumed) == list(range(3, ITERS + 1))
-    assert_same_losses(resumed, uninterrupted)
+    diff = assert_same_losses(resumed, uninterrupted)
+    print(f"resumed from iteration 2 after the second SIGTERM: largest loss difference {diff:.3g}")
 
 
 def test_sigterm_without_the_handler_ends_the_ranks_and_says_so(tmp_path):

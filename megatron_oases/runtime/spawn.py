@@ -36,12 +36,15 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, or the run passed its deadline; carries per-rank tracebacks.
 
     ``tracebacks``: whether any rank reported one (it raised, rather than being killed);
-    ``signals``: the signals the launcher forwarded to the ranks (``forward_signals``), in order."""
+    ``signals``: the signals the launcher forwarded to the ranks (``forward_signals``), in order;
+    ``killed_by``: the signals that ended the ranks which had died when the run failed."""
 
-    def __init__(self, message: str, *, tracebacks: bool = False, signals: tuple[int, ...] = ()):
+    def __init__(self, message: str, *, tracebacks: bool = False, signals: tuple[int, ...] = (),
+                 killed_by: frozenset[int] = frozenset()):
         super().__init__(message)
         self.tracebacks = tracebacks
         self.signals = signals
+        self.killed_by = killed_by
 
 
 def free_port() -> int:
@@ -195,7 +198,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence = (), k
     def fail(headline: str) -> RankFailure:
         return RankFailure(_report(headline, got) + _states(procs, progress, got),
                            tracebacks=any(s == "error" for s, _ in got.values()),
-                           signals=tuple(forwarded))
+                           signals=tuple(forwarded),
+                           killed_by=frozenset(-p.exitcode for p in procs
+                                               if p.exitcode is not None and p.exitcode < 0))
 
     try:
         while len(got) < world_size:
