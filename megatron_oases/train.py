@@ -272,6 +272,9 @@ def _ended_by_signal(args: argparse.Namespace, signals: tuple[int, ...]) -> str:
     if not args.exit_signal_handler or name != args.exit_signal:
         return (f"the ranks ended on {name} without saving (--exit-signal-handler --save DIR makes "
                 f"them finish the iteration, save and exit 0)")
+    if signals.count(signals[-1]) == 1:  # it reached a rank before its handler was installed
+        return (f"the ranks ended on {name} while starting, before they could catch it; nothing "
+                f"was saved")
     return (f"a second {name} ended the ranks at once; a save in progress was abandoned and the "
             f"previous checkpoint in {args.save} is the one that loads")
 

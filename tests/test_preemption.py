@@ -270,3 +270,15 @@ def test_the_second_signal_within_the_grace_is_the_same_notice(monkeypatch):
         assert killed == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR2, handler.previous)
+
+
+def test_the_launchers_line_names_what_ended_the_ranks():
+    from megatron_oases.train import _ended_by_signal
+    from megatron_oases.train_args import build_parser
+
+    plain = build_parser().parse_args([])
+    handled = build_parser().parse_args(["--exit-signal-handler", "--save", "ck"])
+    term = int(signal.SIGTERM)
+    assert "without saving" in _ended_by_signal(plain, (term,))
+    assert "while starting" in _ended_by_signal(handled, (term,))
+    assert "a second SIGTERM ended the ranks at once" in _ended_by_signal(handled, (term, term))
