@@ -13,7 +13,7 @@ setup(
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.20",  # megatron_oases/mcore_compat.py bridges the releases
-        "pulp>=2.7",
+        "pulp>=2.7,<4",  # PuLP 4 no longer bundles CBC, the planner's default solver
         "pyyaml>=6",
         "numpy",
         "psutil",  # Megatron's torch_dist checkpoint writer

@@ -9,5 +9,5 @@ MCORE="${MCORE:-0.19.2}"
 PYV="${PYV:-3.12}"
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" -d .whl \
-    "megatron-core==$MCORE" pulp
+    "megatron-core==$MCORE" "pulp<4"
 ls -l .whl

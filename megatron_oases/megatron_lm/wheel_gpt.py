@@ -45,8 +45,11 @@ UNSUPPORTED = (
 
 def refusal(args) -> str | None:
     """The one-line reason this run needs a Megatron-LM checkout, or None."""
+    from megatron_oases.run_config import options_present
+
+    present = options_present(args, [dest for dest, _, _ in UNSUPPORTED])
     for dest, flag, what in UNSUPPORTED:
-        if getattr(args, dest, None):
+        if present.get(dest):
             return (f"{flag} ({what}) needs Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_PATH "
                     f"to a checkout of the installed release, or drop {flag}")
     return None

@@ -145,7 +145,7 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
         for b in xv:
             prob += pulp.lpSum(e[a, b] for a in xu if (a, b) in e) == xv[b], f"col_{v}_{b}"
         obj += [(var, float(p.edge[v, a, b])) for (a, b), var in e.items()]
-    prob += pulp.LpAffineExpression(obj)
+    prob += _weighted_sum(obj)
     if p.budget is not None:
         z = var("z_peak", lowBound=0)
         scale = 1.0 / GiB  # keep coefficients near 1 for the solver
@@ -157,7 +157,7 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
             seen.add((gid[v], row))
             prob += z >= pulp.lpSum(float(p.peak[v, a]) * scale * var for a, var in x[gid[v]].items()), f"peak_{v}"
         terms = [(var, float(p.mem[groups[j], a].sum()) * scale) for j, xs in enumerate(x) for a, var in xs.items()]
-        prob += pulp.LpAffineExpression(terms) + z <= (p.budget - p.mem_const) * scale, "memory"
+        prob += _weighted_sum(terms) + z <= (p.budget - p.mem_const) * scale, "memory"
     slv, slv_name = _solver(solver, time_limit)
     t1 = time.perf_counter()
     prob.solve(slv)
@@ -173,3 +173,11 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
     t, m = evaluate(p, assign)
     return Solution(assignment=tuple(assign), time_ms=t, memory_bytes=m, solver=slv_name, status=status,
                     build_s=t1 - t0, solve_s=t2 - t1)
+
+
+def _weighted_sum(terms):
+    """sum(coef * var) for ``(var, coef)`` pairs, in a form every PuLP release builds (PuLP 4
+    no longer takes a list of pairs in ``LpAffineExpression``)."""
+    import pulp
+
+    return pulp.lpSum(coef * var for var, coef in terms)
