@@ -54,6 +54,8 @@ def _one_rank_group():
 
     from megatron_oases.runtime.spawn import free_port
 
+    # A group of its own: not the launcher's store (runtime/spawn.py hosts that one for the run).
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
