@@ -476,13 +476,32 @@ def save_checkpoint(tr, iteration: int) -> str:
     state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False,
                            metadata=metadata)
     with writer_in_this_rank():
-        dist_checkpointing().save(state, tmp, content_metadata=metadata)
+        dist_checkpointing().save(state, tmp, _fully_parallel_save_strategy(),
+                                  content_metadata=metadata)
     _maybe_crash(iteration)
     dist.barrier()  # every rank's shards, the common state and the metadata are written
     if _rank0():
         _publish(tmp, final, root, iteration, token[0])
     dist.barrier()
     return final
+
+
+def _fully_parallel_save_strategy():
+    """Megatron-LM's default save strategy (``--ckpt-fully-parallel-save``, on unless
+    ``--no-ckpt-fully-parallel-save``): torch_dist, with the writing of tensors that several
+    data-parallel ranks hold (the model weights; in the distributed optimizer's
+    ``fully_reshardable`` format the gathered optimizer state too) spread over those ranks
+    instead of all falling to DP rank 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+
+    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
+
+    dist_checkpointing()  # the CPU layer's torch proxy for the modules just imported
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _maybe_crash(iteration: int) -> None:
