@@ -331,7 +331,8 @@ def check_optimizer_loads(state: dict, args, path: str, world_size: int) -> None
     raise CheckpointError(
         f"--load {path}: its optimizer state is in {_FORMAT_NAMES[fmt]} format "
         f"({describe(saved, True)}), which loads only into that same layout with "
-        f"--use-distributed-optimizer; this run is {describe(run, args.use_distributed_optimizer)}. "
+        "--use-distributed-optimizer; this run is "
+        f"{describe(run, args.use_distributed_optimizer)}. "
         "Add --no-load-optim to load the model only (the optimizer starts fresh), or resume in the "
         "saved layout and save again with --dist-ckpt-optim-fully-reshardable")
 

@@ -259,7 +259,8 @@ def adam_step_out_of_the_way(optimizer):
 
         def set_states(model_param, tensors):
             group_index, group_order = opt.model_param_group_index_map[model_param]
-            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state[main_param]
             step = state.pop("step", None)
             try:
                 original(model_param, tensors)
