@@ -102,8 +102,9 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def validate_checkpoint_args(args: argparse.Namespace) -> None:
-    """Checkpoint flags, and the checkpoint ``--load`` names, before any process group."""
+def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
+    """Checkpoint flags, and the checkpoint ``--load`` names, before any process group
+    (``world_size``: the ranks this run will have, as ``train_args.validate_args`` has it)."""
     for name, default in _DEFAULTS.items():  # Namespaces built by hand (sim, tests) lack them
         if not hasattr(args, name):
             setattr(args, name, default)
@@ -133,7 +134,7 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
             state = read_common_state(found[1])
             check_same_model(dict(state["args"]), args, found[1])
             if not args.no_load_optim:
-                check_optimizer_loads(state, args, found[1], _world_size(args))
+                check_optimizer_loads(state, args, found[1], world_size)
 
 
 def _auto_resume(args) -> bool:
@@ -272,18 +273,6 @@ def check_same_model(saved: dict, args, path: str) -> None:
             f"--load: {path} has a vocabulary padded to {theirs}, this run pads to {ours} "
             "(--vocab-size rounded up as megatron_oases.vocab.padded_vocab_size does); set "
             "--vocab-size / --make-vocab-size-divisible-by so both pad alike")
-
-
-def _world_size(args) -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    if getattr(args, "nproc_per_node", None) is None and "WORLD_SIZE" not in os.environ:
-        return getattr(args, "world_size", 1)
-    from megatron_oases.train_args import world_size_of
-
-    return world_size_of(args)
 
 
 def saved_optimizer_format(state: dict) -> str:

@@ -390,7 +390,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
         check_topology(args.topology)
     from megatron_oases.checkpoint import validate_checkpoint_args
 
-    validate_checkpoint_args(args)
+    validate_checkpoint_args(args, world_size)
     from megatron_oases.runtime.exit_signal import validate_exit_args
 
     validate_exit_args(args)
