@@ -35,6 +35,10 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 CRASH_ENV = "MEGATRON_OASES_TEST_CRASH_IN_SAVE"
 """Test-only: ``"RANK:ITERATION"`` makes that rank ``os._exit`` inside that save, after its shards
 and the metadata were written and before the rename (the crash the atomic save must survive)."""
+PAUSE_ENV = "MEGATRON_OASES_TEST_PAUSE_IN_SAVE"
+"""Test-only: ``"FROM_ITERATION:SECONDS"`` makes every rank sleep at the same point of each save
+of that iteration or later (shards written, nothing published), so a test can signal the run
+mid-save (tests/test_preemption.py)."""
 # Flags that shape the parameters: a checkpoint loads only into the same model.
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights",
@@ -497,6 +501,11 @@ def _fully_parallel_save_strategy():
 def _maybe_crash(iteration: int) -> None:
     import torch.distributed as dist
 
+    since, _, pause = os.environ.get(PAUSE_ENV, "").partition(":")
+    if pause and iteration >= int(since):
+        print(f"{PAUSE_ENV}: pausing {pause} s inside the save of iteration {iteration}",
+              file=sys.stderr, flush=True)
+        time.sleep(float(pause))
     if os.environ.get(CRASH_ENV) == f"{dist.get_rank()}:{iteration}":
         print(f"{CRASH_ENV}: rank exits during the save of iteration {iteration}",
               file=sys.stderr, flush=True)

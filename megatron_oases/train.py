@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
 
-    from megatron_oases.runtime.exit_signal import ExitConditions, slow_save_for_tests
+    from megatron_oases.runtime.exit_signal import ExitConditions
 
     exits = ExitConditions(args)  # first: a signal during start-up stops after iteration one
     tr = setup(args)
@@ -245,11 +245,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                 json_file.flush()
             stop = exits.reason(it, tr.runtime.device) if exits.active else None
             if checkpoint.should_save(args, it) or (stop and args.save):
-                if stop:
-                    with slow_save_for_tests(checkpoint):
-                        checkpoint.save_checkpoint(tr, it)
-                else:
-                    checkpoint.save_checkpoint(tr, it)
+                checkpoint.save_checkpoint(tr, it)
             if stop:
                 if torch.distributed.get_rank() == 0:
                     print(f" {stop}", flush=True)

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from megatron_oases.runtime.exit_signal import REPEAT_GRACE_S, SLOW_SAVE_ENV
+from megatron_oases.checkpoint import PAUSE_ENV
+from megatron_oases.runtime.exit_signal import REPEAT_GRACE_S
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
@@ -160,12 +161,12 @@ def test_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path, 
     cmd = _cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--save", d, "--load", d,
                                          "--save-interval", "2", "--exit-signal-handler",
                                          "--log-json", str(log)]
-    run = Run(cmd, env={SLOW_SAVE_ENV: "120"})
+    run = Run(cmd, env={PAUSE_ENV: "3:120"})  # saves after iteration 2's
     run.wait_for(f" saving checkpoint at iteration 2 to {re.escape(d)}")
     run.wait_for(r"^ iteration\s+3/")
     first = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
-    line = run.wait_for(f"{SLOW_SAVE_ENV}: pausing")
+    line = run.wait_for(f"{PAUSE_ENV}: pausing")
     saving = int(line.split()[-1])
     time.sleep(max(0.0, first + REPEAT_GRACE_S + 0.5 - time.monotonic()))
     run.proc.send_signal(signal.SIGTERM)

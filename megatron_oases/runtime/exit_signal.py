@@ -16,10 +16,8 @@ second signal, whereas here a second signal means "stop now" (``_Handler``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
-import sys
 import time
 
 from megatron_oases.parallel.dims import ConfigError
@@ -37,9 +35,6 @@ START_ENV = "MEGATRON_OASES_START_TIME"
 """Set by ``megatron-oases train --nproc-per-node`` for its ranks: the launcher's start (epoch
 seconds), where ``--exit-duration-in-mins`` counts from, as Megatron-LM counts from its
 program's start."""
-SLOW_SAVE_ENV = "MEGATRON_OASES_TEST_SLOW_EXIT_SAVE"
-"""Test-only: SECONDS that each rank sleeps inside the save a stop triggers, after its shards are
-written and before the checkpoint is published, so a test can send a second signal mid-save."""
 _IMPORTED_AT = time.time()
 
 
@@ -182,26 +177,3 @@ class ExitConditions:
         if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
             return f"exiting program at iteration {iteration} (--exit-interval {self.cfg.exit_interval})"
         return None
-
-
-@contextlib.contextmanager
-def slow_save_for_tests(checkpoint_module):
-    """``SLOW_SAVE_ENV``: pause inside the save at the point ``checkpoint``'s crash hook uses
-    (shards written, nothing published). Does nothing when the variable is unset."""
-    seconds = os.environ.get(SLOW_SAVE_ENV)
-    if not seconds:
-        yield
-        return
-    original = checkpoint_module._maybe_crash
-
-    def slow(iteration):
-        print(f"{SLOW_SAVE_ENV}: pausing {seconds} s inside the save of iteration {iteration}",
-              file=sys.stderr, flush=True)
-        time.sleep(float(seconds))
-        original(iteration)
-
-    checkpoint_module._maybe_crash = slow
-    try:
-        yield
-    finally:
-        checkpoint_module._maybe_crash = original
