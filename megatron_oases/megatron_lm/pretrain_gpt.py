@@ -47,16 +47,15 @@ def stock_module():
     from megatron_oases import mcore_compat
     from megatron_oases.megatron_lm.checkout import ENV, import_stock_pretrain_gpt
 
-    if not os.environ.get(ENV):
+    checkout = bool(os.environ.get(ENV))
+    if not checkout:
         import warnings
 
-        with warnings.catch_warnings():  # megatron.core's import-time notes (Apex, TE): the
+        with warnings.catch_warnings():  # megatron.core's import-time notes (Apex, TE): an
             warnings.simplefilter("ignore")  # error below is then the only line
-            in_wheel = mcore_compat.megatron_training_in_wheel()
-        if not in_wheel:
-            import_stock_pretrain_gpt()  # ConfigError: set MEGATRON_LM_PATH (0.16)
-    if os.environ.get(ENV):
-        return import_stock_pretrain_gpt()  # ConfigError: not a (supported) checkout
+            checkout = not mcore_compat.megatron_training_in_wheel()
+    if checkout:  # ConfigError: not a (supported) checkout, or 0.16 without one
+        return import_stock_pretrain_gpt()
     from megatron_oases.megatron_lm import wheel_gpt
 
     return wheel_gpt
