@@ -155,6 +155,10 @@ class RunConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     ckpt_format: str = "torch_dist"
+    ckpt_step: int | None = None
+    """Load this iteration of ``load`` instead of the latest (Megatron-LM's ``--ckpt-step``)."""
+    verify_integrity: bool = True
+    """Checksum manifest written at save, checked before a load starts (runtime/ckpt_manifest.py)."""
     # -- preemption and time limits (runtime/exit_signal.py)
     exit_signal_handler: bool = False
     exit_signal: str = "SIGTERM"
