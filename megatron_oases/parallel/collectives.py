@@ -118,6 +118,43 @@ _WATCHED = {
 _WATCH = {"installed": False, "timed": False, "depth": 0}
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchedCall:
+    """One watched ``torch.distributed`` collective on a group of 2+ ranks, as a replacement
+    (``replace_watched_collectives``) sees it."""
+
+    kind: str
+    """all_reduce | all_gather | reduce_scatter | broadcast | reduce | all_to_all."""
+    group: object
+    """The call's process group (None: the world)."""
+    group_size: int
+    payload_bytes: int
+    """As ``CommRecord.payload_bytes``."""
+    tensors: tuple
+    """Every tensor argument of the call (a replacement that runs elsewhere keeps them alive)."""
+    async_op: bool
+
+
+_REPLACE: list = []
+
+
+@contextlib.contextmanager
+def replace_watched_collectives(fn):
+    """Benchmark only: while active, every collective ``watch_torch_distributed`` sees on a group
+    of 2+ ranks runs ``fn(WatchedCall)`` instead, and the call returns what ``fn`` returns (a work
+    handle for ``async_op``, else None); counters still record it. The one-GPU overlap benchmark
+    (``megatron_oases.bench_standin``) puts stand-ins of known duration there, for Megatron's own
+    collectives and ours alike. Needs ``watch_torch_distributed`` installed."""
+    if not _WATCH["installed"]:
+        raise RuntimeError("replace_watched_collectives needs watch_torch_distributed() installed "
+                           "first (before Megatron is imported)")
+    _REPLACE.append(fn)
+    try:
+        yield
+    finally:
+        _REPLACE.remove(fn)
+
+
 class _TimedWork:
     """An async handle whose ``wait()`` counts as time blocked in communication."""
 
@@ -159,19 +196,28 @@ def watch_torch_distributed(*, timed: bool = False) -> None:
 
         def watched(*args, **kwargs):
             ours, _RECORDED_NEXT[0] = _RECORDED_NEXT[0], False
-            if not CommCounter._active or _WATCH["depth"]:
+            if not (CommCounter._active or _REPLACE) or _WATCH["depth"]:
                 return orig(*args, **kwargs)
-            if not ours:
-                try:
-                    bound = sig.bind_partial(*args, **kwargs).arguments
-                    group = bound.get("group")
-                    t = bound[list(sig.parameters)[idx]]
-                    n = dist.get_world_size(group)
-                    if n > 1:
-                        _record(kind, n, sum(x.numel() * x.element_size() for x in (t if many else [t])))
+            call = None
+            try:
+                bound = sig.bind_partial(*args, **kwargs).arguments
+                group = bound.get("group")
+                t = bound[list(sig.parameters)[idx]]
+                n = dist.get_world_size(group)
+                if n > 1:
+                    size = sum(x.numel() * x.element_size() for x in (t if many else [t]))
+                    tensors = tuple(x for v in bound.values()
+                                    for x in (v if isinstance(v, (list, tuple)) else [v])
+                                    if isinstance(x, torch.Tensor))
+                    call = WatchedCall(kind, group, n, size, tensors, bool(bound.get("async_op")))
+                    if not ours:
+                        _record(kind, n, size)
                         _RECORDED_NEXT[0] = False
-                except Exception:  # noqa: BLE001 - counting must never break training
-                    pass
+            except Exception:  # noqa: BLE001 - counting must never break training
+                if _REPLACE:
+                    raise
+            if _REPLACE and call is not None:
+                return _REPLACE[-1](call)
             _WATCH["depth"] += 1  # a collective calling another is one call
             t0 = time.perf_counter()
             try:

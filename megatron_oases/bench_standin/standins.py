@@ -1,0 +1,222 @@
+"""Stand-ins for TP collectives: a kernel of priced duration with NCCL's stream semantics.
+
+Each watched collective (``parallel.collectives.replace_watched_collectives``) becomes:
+record an event on the current stream; the group's side ("communication") stream waits on it;
+the stand-in kernel runs on that side stream; a sync call then makes the current stream wait
+for its done event, an ``async_op`` call returns a handle whose ``wait()`` does. That is what
+ProcessGroupNCCL does with its own stream, so stock Megatron (sync all-reduces on the critical
+path; its async input-gradient all-reduce beside the weight-gradient GEMM) and the Oases executor
+(async handles, waited when needed) get the same treatment. The handle keeps the call's tensors
+alive until ``wait()`` (what NCCL does without ``recordStream``), so the caching allocator cannot
+hand their memory to the current stream while the side stream may still run.
+
+Two kernels bracket what NCCL does to the other stream's compute:
+
+* ``sleep``: ``torch.cuda._sleep`` (a spin on the SM clock, one block): leaves the SMs and the
+  memory bandwidth free, so it measures the overlap the schedule allows (no contention);
+* ``copy``: device-to-device copies of the collective's bytes, repeated to fill the duration at
+  the calibrated copy rate: uses memory bandwidth (and SMs) for the whole duration, more than
+  NCCL does at a link's rate, so it bounds contention from above.
+
+Durations are priced by ``pricing.DeviceModel.collective_ms`` (the project's ring formula) on a
+one-level topology of the chosen link. On CPU (tests) there are no streams: the runtime's no-op
+streams and events make the same code run the stand-in synchronously (``time.sleep`` / a tensor
+copy): the mechanics are tested there, not the overlap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import torch
+
+KINDS = ("sleep", "copy")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """The emulated TP link the stand-ins are priced on."""
+
+    GBps: float
+    """Link bandwidth per rank, GB/s (the topology level's p2p and group bandwidth)."""
+    latency_us: float = 5.0
+    """One-way latency per ring step, microseconds."""
+
+    def __post_init__(self) -> None:
+        if not self.GBps > 0 or self.latency_us < 0:
+            raise ValueError(f"link: bandwidth must be > 0 GB/s and latency >= 0 us "
+                             f"(got {self.GBps}, {self.latency_us})")
+
+    def collective_ms(self, kind: str, payload_bytes: float, group_size: int) -> float:
+        """The collective's time on a ring of ``group_size`` ranks over this link."""
+        return _device_model(self, group_size).collective_ms(kind, payload_bytes, tuple(range(group_size)))
+
+
+@functools.lru_cache(maxsize=16)
+def _device_model(link: Link, n: int):
+    from megatron_oases.pricing.device_model import device_model
+    from megatron_oases.topology import Level, Topology
+
+    level = Level(name="standin", size=n, scope="intra_node", p2p_bandwidth_GBps=link.GBps,
+                  group_bandwidth_GBps=link.GBps, latency_us=link.latency_us)
+    # The GPU entry is not read: only collectives are priced here.
+    return device_model(Topology(name="standin", levels=(level,)), gpu="h100-sxm")
+
+
+def link_matching(target_ms: float, calls, latency_us: float) -> Link:
+    """The link on which ``calls`` ((kind, group size, payload bytes) of one step) take
+    ``target_ms`` in all (bisection on the bandwidth: the price falls as it rises)."""
+    def total(gbps):
+        link = Link(GBps=gbps, latency_us=latency_us)
+        return sum(link.collective_ms(k, b, n) for k, n, b in calls)
+
+    if not calls or total(1e9) >= target_ms:
+        raise ValueError(f"no link speed makes the step's {len(calls)} stand-ins take {target_ms:.3f} ms "
+                         f"(latency alone: {total(1e9) if calls else 0:.3f} ms); lower --latency-us")
+    lo, hi = 1e-6, 1e9
+    for _ in range(200):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if total(mid) > target_ms else (lo, mid)
+    return Link(GBps=hi, latency_us=latency_us)
+
+
+# ---- timing and calibration ------------------------------------------------------------------
+def time_ms(rt, fn) -> float:
+    """Time of ``fn()`` on the device: CUDA events after a synchronize, the wall clock on CPU."""
+    rt.synchronize()
+    start, end = rt.event(enable_timing=True), rt.event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    rt.synchronize()
+    return start.elapsed_time(end) if rt.is_cuda else (time.perf_counter() - t0) * 1e3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What the stand-in kernels need, measured on this device at start-up."""
+
+    sleep_cycles_per_ms: float | None
+    """``torch.cuda._sleep`` cycles per millisecond (CUDA only; a slope of two lengths, so the
+    launch cost drops out)."""
+    copy_GBps: float
+    """Bytes a device-to-device ``copy_`` of ``scratch_bytes`` moves per second, /1e9."""
+    scratch_bytes: int
+
+
+def calibrate(rt, scratch_bytes: int, reps: int = 5) -> tuple[Calibration, torch.Tensor, torch.Tensor]:
+    """Measure the sleep and copy rates; returns them and the two scratch buffers."""
+    src = torch.empty(scratch_bytes, dtype=torch.uint8, device=rt.device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    med = lambda fn: statistics.median(time_ms(rt, fn) for _ in range(reps))  # noqa: E731
+    med(lambda: dst.copy_(src))  # warm-up
+    copy_ms = med(lambda: dst.copy_(src))
+    cycles = None
+    if rt.is_cuda:
+        short, long_ = 2_000_000, 20_000_000
+        t_short, t_long = med(lambda: torch.cuda._sleep(short)), med(lambda: torch.cuda._sleep(long_))
+        cycles = (long_ - short) / max(t_long - t_short, 1e-6)
+    return Calibration(sleep_cycles_per_ms=cycles, copy_GBps=scratch_bytes / max(copy_ms, 1e-6) / 1e6,
+                       scratch_bytes=scratch_bytes), src, dst
+
+
+# ---- the stand-ins ---------------------------------------------------------------------------------
+class StandInWork:
+    """The async handle: ``wait()`` makes the current stream wait for the stand-in (the host does
+    not block), then lets the call's tensors go."""
+
+    def __init__(self, done, keep: tuple):
+        self._done, self._keep = done, keep
+
+    def wait(self, timeout=None) -> bool:
+        self._done.wait()
+        self._keep = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.query()
+
+    def is_success(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+    """One stand-in as issued in a step."""
+
+    kind: str
+    group_size: int
+    payload_bytes: int
+    ms: float
+    async_op: bool
+    group: object = dataclasses.field(compare=False, repr=False)
+
+
+class StandIns:
+    """The replacement for ``replace_watched_collectives``: each call runs a ``kernel`` stand-in
+    (``sleep`` or ``copy``) of its priced duration on its group's side stream; ``issued`` lists
+    them (``clear()`` between steps)."""
+
+    def __init__(self, rt, kernel: str, link: Link, cal: Calibration, scratch: tuple[torch.Tensor, torch.Tensor]):
+        if kernel not in KINDS:
+            raise ValueError(f"stand-in kind must be one of {', '.join(KINDS)} (got {kernel!r})")
+        if kernel == "sleep" and rt.is_cuda and not cal.sleep_cycles_per_ms:
+            raise ValueError("sleep stand-ins need the calibrated cycles per ms")
+        self.rt, self.kernel, self.link, self.cal = rt, kernel, link, cal
+        self._src, self._dst = scratch
+        self._streams: dict[int, object] = {}
+        self.issued: list[Issued] = []
+
+    def clear(self) -> None:
+        self.issued = []
+
+    def __call__(self, call) -> StandInWork | None:
+        ms = self.link.collective_ms(call.kind, call.payload_bytes, call.group_size)
+        self.issued.append(Issued(call.kind, call.group_size, call.payload_bytes, ms, call.async_op, call.group))
+        return self.launch(call.group, ms, call.payload_bytes, call.tensors, call.async_op)
+
+    def launch(self, group, ms: float, payload_bytes: int, keep: tuple = (), async_op: bool = True):
+        """Run one stand-in on ``group``'s side stream after the current stream's work so far."""
+        side = self._streams.get(id(group))
+        if side is None:
+            side = self._streams[id(group)] = self.rt.stream()
+        ready = self.rt.event()
+        ready.record()
+        side.wait_event(ready)
+        with self.rt.use_stream(side):
+            self._run(ms, payload_bytes)
+            done = self.rt.event()
+            done.record()
+        work = StandInWork(done, keep)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _run(self, ms: float, payload_bytes: int) -> None:
+        if ms <= 0:
+            return
+        if self.kernel == "sleep":
+            if self.rt.is_cuda:
+                torch.cuda._sleep(max(1, int(ms * self.cal.sleep_cycles_per_ms)))
+            else:
+                time.sleep(ms / 1e3)
+            return
+        # copy: the collective's bytes (at most the scratch; at least 1/16 of the total, to bound
+        # the launches), repeated until the calibrated rate has filled the duration
+        total = int(ms * self.cal.copy_GBps * 1e6)
+        chunk = max(1, min(self.cal.scratch_bytes, max(payload_bytes, total // 16)))
+        while total > 0:
+            m = min(chunk, total)
+            self._dst[:m].copy_(self._src[:m])
+            total -= m
+
+    def replay(self, issued: list[Issued]) -> None:
+        """The stand-ins of a step back to back, without compute (the stand-in-only time)."""
+        works = [self.launch(i.group, i.ms, i.payload_bytes) for i in issued]
+        for w in works:
+            w.wait()
