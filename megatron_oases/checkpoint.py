@@ -15,8 +15,9 @@ shards and the metadata are on disk) does rank 0 rename it to ``iter_N`` and the
 latest file (tmp file + ``os.replace``). A crash before that leaves the previous checkpoint as
 the one that loads; ``*.tmp-*`` directories are never read. ``--load`` checks the latest file,
 the directory, ``metadata.json``, ``.metadata``, every shard file it names and the common state
-(``common.pt`` up to megatron-core 0.18, an object inside the shard files from 0.19) before any
-process group exists, and refuses a damaged checkpoint in one line.
+(``common.pt`` up to megatron-core 0.18, an object inside the shard files from 0.19) and, with
+``integrity.json`` (written by the save, last), every file's checksum before any process group
+exists, and refuses a damaged checkpoint in one line (``runtime/ckpt_manifest.py``).
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor in
 
 
 _DEFAULTS = {"save": None, "save_interval": None, "load": None, "no_load_optim": False,
-             "no_load_rng": False, "ckpt_format": "torch_dist",
-             "dist_ckpt_optim_fully_reshardable": None}
+             "no_load_rng": False, "ckpt_format": "torch_dist", "ckpt_step": None,
+             "verify_integrity": True, "dist_ckpt_optim_fully_reshardable": None}
 
 # How the optimizer state of a checkpoint is laid out: the plain (non-distributed) optimizer's,
 # or one of the distributed optimizer's ``distrib_optim_sharding_type``s.
@@ -90,6 +91,14 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true",
                    help="load the model only; the optimizer starts fresh")
     g.add_argument("--no-load-rng", action="store_true", help="keep this run's RNG seeds")
+    g.add_argument("--ckpt-step", type=int, metavar="N",
+                   help="load iteration N of --load instead of the latest")
+    g.add_argument("--verify-integrity", action=argparse.BooleanOptionalAction,
+                   default=DEFAULTS.verify_integrity,
+                   help="write Megatron's integrity.json (SHA-256 of each file) as the last step of "
+                        "--save, and check it before --load starts anything (on by default here). "
+                        "The check reads the whole checkpoint once, about 1 GB/s per core; "
+                        "--no-verify-integrity skips both, e.g. for very large checkpoints")
     g.add_argument("--ckpt-format", default=DEFAULTS.ckpt_format, metavar="FORMAT",
                    help="torch_dist (the only format)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action=argparse.BooleanOptionalAction,
@@ -132,9 +141,13 @@ def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
         if not args.use_distributed_optimizer or args.save is None:
             raise ConfigError(f"{flag} chooses how --save writes the distributed optimizer's "
                               "state: it needs --use-distributed-optimizer and --save DIR; drop it")
+    if args.ckpt_step is not None and args.load is None:
+        raise ConfigError("--ckpt-step needs --load DIR")
     if args.load is not None:
-        found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+        found = find_checkpoint(args.load, missing_ok=_auto_resume(args), step=args.ckpt_step)
         if found is not None:
+            if args.verify_integrity and not _process_group():  # verified once, by the launcher
+                _verify_integrity(args.load, *found)
             state = read_common_state(found[1])
             check_same_model(dict(state["args"]), args, found[1])
             if not args.no_load_optim:
@@ -146,17 +159,25 @@ def _auto_resume(args) -> bool:
     return args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
 
 
-def find_checkpoint(root: str, *, missing_ok: bool = False) -> tuple[int, str] | None:
-    """``(iteration, directory)`` of the checkpoint ``root``'s latest file names, checked for
-    completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
+def find_checkpoint(root: str, *, missing_ok: bool = False,
+                    step: int | None = None) -> tuple[int, str] | None:
+    """``(iteration, directory)`` of the checkpoint ``root``'s latest file names (or of iteration
+    ``step``), checked for completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
+    if step is not None:
+        path = iteration_dir(root, step)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--ckpt-step {step}: {path} is missing (saved in {root}: "
+                                  f"{', '.join(map(str, _iterations(root))) or 'none'})")
+        check_checkpoint_files(path, f"--ckpt-step {step}")
+        return step, path
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
-        done = [d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                if d.startswith("iter_") and ".tmp-" not in d]
+        done = _iterations(root)
         if missing_ok and not done:
             return None  # nothing saved yet (temporary directories of killed saves do not count)
         raise CheckpointError(f"--load {root}: no {tracker}" + (
-            f" (but {max(done)} is there: write its iteration into it)" if done else ""))
+            f" (but {os.path.basename(iteration_dir(root, done[0]))} is there: write its "
+            "iteration into it)" if done else ""))
     try:
         with open(tracker, encoding="utf-8") as f:
             iteration = int(f.read().strip())
@@ -165,6 +186,44 @@ def find_checkpoint(root: str, *, missing_ok: bool = False) -> tuple[int, str] |
     path = iteration_dir(root, iteration)
     check_checkpoint_files(path, tracker)
     return iteration, path
+
+
+def _iterations(root: str) -> list[int]:
+    """The iterations saved in ``root``, latest first (not the ``.tmp-``/``.old-`` directories of
+    interrupted saves)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(d[5:]) for d in names if d.startswith("iter_") and d[5:].isdigit()),
+                  reverse=True)
+
+
+def _process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def _verify_integrity(root: str, iteration: int, path: str) -> None:
+    """Each file of the checkpoint against its ``integrity.json`` (``runtime/ckpt_manifest.py``),
+    before any process group; a checkpoint without one (saved before megatron-oases wrote it, by
+    Megatron-LM without ``--verify-integrity``, or with ``--no-verify-integrity``) loads with a
+    note. Run by the launcher only: its ranks meet a checkpoint already verified."""
+    from megatron_oases.runtime import ckpt_manifest
+
+    if not ckpt_manifest.has_manifest(path):
+        if os.environ.get("RANK", "0") == "0":
+            print(f" --load: {path} has no {ckpt_manifest.MANIFEST} (saved without checksums): "
+                  "its files are not verified", flush=True)
+        return
+    bad = ckpt_manifest.first_mismatch(path)
+    if bad is None:
+        return
+    older = ", ".join(str(i) for i in _iterations(root) if i < iteration)
+    fix = f" or load an older iteration with --ckpt-step N (saved here: {older})" if older \
+        else " (no older iteration is saved here)"
+    if bad[0].endswith(ckpt_manifest.MANIFEST):
+        fix += ", or load it unverified with --no-verify-integrity"
+    raise CheckpointError(f"--load {root}: {bad[0]} {bad[1]}; restore it from a copy of the "
+                          f"checkpoint{',' if older else ''}{fix}")
 
 
 def check_checkpoint_files(path: str, tracker: str = "") -> None:
@@ -358,50 +417,6 @@ def _rank0() -> bool:
     return __import__("torch.distributed").distributed.get_rank() == 0
 
 
-def _rng_state(dp_group):
-    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank
-    (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker)."""
-    import random
-
-    import numpy as np
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    np_state = np.random.get_state()  # its key array as a tensor: objects load weights_only
-    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
-             "np_rng_state": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                              *np_state[2:]),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    states = [None] * torch.distributed.get_world_size(dp_group)
-    torch.distributed.all_gather_object(states, state, group=dp_group)
-    return ShardedObject("rng_state", states, (ps.get_pipeline_model_parallel_world_size(),
-                                               ps.get_tensor_model_parallel_world_size()),
-                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-
-
-def _set_rng_state(states: list, dp_rank: int) -> None:
-    import random
-
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
-
-    state = states[dp_rank] if len(states) > dp_rank else states[0]
-    version, internal, gauss = state["random_rng_state"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["np_rng_state"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-    if torch.cuda.is_available() and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-
-
 def _content_metadata(tr, saved_format: str | None = None) -> dict:
     """Megatron's ``sharded_state_dict`` metadata, which ``save`` also records in the checkpoint
     (``content_metadata``, as Megatron-LM does).
@@ -447,7 +462,9 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
         state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                              metadata=metadata)
     if rng:
-        state["rng_state"] = _rng_state(ps.get_data_parallel_group(with_context_parallel=True))
+        from megatron_oases.runtime.dist_ckpt import rng_state
+
+        state["rng_state"] = rng_state(ps.get_data_parallel_group(with_context_parallel=True))
     return state
 
 
@@ -455,7 +472,9 @@ def save_checkpoint(tr, iteration: int) -> str:
     """Save into ``--save``/iter_N atomically (see module docstring); returns that directory."""
     import torch.distributed as dist
 
-    from megatron_oases.runtime.dist_ckpt import dist_checkpointing, writer_in_this_rank
+    from megatron_oases.runtime import ckpt_manifest
+    from megatron_oases.runtime.dist_ckpt import (dist_checkpointing,
+                                                  fully_parallel_save_strategy, writer_in_this_rank)
 
     root = os.path.abspath(tr.args.save)
     final = iteration_dir(root, iteration)
@@ -470,32 +489,16 @@ def save_checkpoint(tr, iteration: int) -> str:
     state = _sharded_state(tr, iteration, optimizer=True, rng=True, is_loading=False,
                            metadata=metadata)
     with writer_in_this_rank():
-        dist_checkpointing().save(state, tmp, _fully_parallel_save_strategy(),
+        dist_checkpointing().save(state, tmp, fully_parallel_save_strategy(),
                                   content_metadata=metadata)
     _maybe_crash(iteration)
     dist.barrier()  # every rank's shards, the common state and the metadata are written
+    if tr.args.verify_integrity:  # last: a save that stops before it publishes nothing
+        ckpt_manifest.write_manifest(tmp)
     if _rank0():
         _publish(tmp, final, root, iteration, token[0])
     dist.barrier()
     return final
-
-
-def _fully_parallel_save_strategy():
-    """Megatron-LM's default save strategy (``--ckpt-fully-parallel-save``, on unless
-    ``--no-ckpt-fully-parallel-save``): torch_dist, with the writing of tensors that several
-    data-parallel ranks hold (the model weights; in the distributed optimizer's
-    ``fully_reshardable`` format the gathered optimizer state too) spread over those ranks
-    instead of all falling to DP rank 0."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelSaveStrategyWrapper)
-
-    from megatron_oases.runtime.dist_ckpt import dist_checkpointing
-
-    dist_checkpointing()  # the CPU layer's torch proxy for the modules just imported
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
-                                            ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _maybe_crash(iteration: int) -> None:
@@ -549,7 +552,7 @@ def load_checkpoint(tr) -> int:
     from megatron_oases.runtime.dist_ckpt import dist_checkpointing
 
     args = tr.args
-    found = find_checkpoint(args.load, missing_ok=_auto_resume(args))
+    found = find_checkpoint(args.load, missing_ok=_auto_resume(args), step=args.ckpt_step)
     if found is None:
         if _rank0():
             print(f" no checkpoint in {args.load} yet; starting from iteration 0", flush=True)
@@ -601,7 +604,9 @@ def load_checkpoint(tr) -> int:
     elif args.bf16 or args.fp16:
         tr.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     if load_rng:
-        _set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
+        from megatron_oases.runtime.dist_ckpt import set_rng_state
+
+        set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
     dist.barrier()
     if _rank0():
         print(f" loaded checkpoint from {os.path.abspath(args.load)} at iteration {iteration}"

@@ -2,7 +2,7 @@
 and with parameters that are empty on some ranks.
 
 Used by ``megatron_oases.checkpoint``; nothing here changes the format (files and metadata are
-Megatron's own).
+Megatron's own): the save strategy and Megatron-LM's ``rng_state`` object are here too.
 """
 from __future__ import annotations
 
@@ -276,3 +276,63 @@ def adam_step_out_of_the_way(optimizer):
     finally:
         for opt in opts:
             del opt._set_main_param_and_optimizer_states
+
+
+def fully_parallel_save_strategy():
+    """Megatron-LM's default save strategy (``--ckpt-fully-parallel-save``, on unless
+    ``--no-ckpt-fully-parallel-save``): torch_dist, with the writing of tensors that several
+    data-parallel ranks hold (the model weights; in the distributed optimizer's
+    ``fully_reshardable`` format the gathered optimizer state too) spread over those ranks
+    instead of all falling to DP rank 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+
+    dist_checkpointing()  # the CPU layer's torch proxy for the modules just imported
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def rng_state(dp_group):
+    """Megatron-LM's ``rng_state`` ShardedObject: this (PP, TP) rank's states, one per DP rank
+    (Python, NumPy, torch CPU, CUDA, Megatron's model-parallel tracker)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    np_state = np.random.get_state()  # its key array as a tensor: objects load weights_only
+    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
+             "np_rng_state": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                              *np_state[2:]),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    states = [None] * torch.distributed.get_world_size(dp_group)
+    torch.distributed.all_gather_object(states, state, group=dp_group)
+    return ShardedObject("rng_state", states, (ps.get_pipeline_model_parallel_world_size(),
+                                               ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def set_rng_state(states: list, dp_rank: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    state = states[dp_rank] if len(states) > dp_rank else states[0]
+    version, internal, gauss = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["np_rng_state"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
