@@ -5,7 +5,7 @@ from .atp_2d import atp_2d_gpt_layer
 from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
 from .megatron_1d import megatron_1d_gpt_layer
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
-from .saved import layer_saved_bytes
+from .saved import layer_saved_bytes, logsumexp_bytes
 
 BACKENDS = ("megatron", "atp", "3d")
 
@@ -123,9 +123,9 @@ def block_param_tensors(kind: str, tensors: tuple[int, ...]) -> tuple[int, ...]:
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                            mesh: tuple[int, int] | None, hidden_dropout: bool = True,
                            attention_dropout: bool = True, variant: LayerVariant = GPT2,
-                           recompute_core_attention: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, unfused attention,
-    stock schedule; CUDA kernels).
+                           recompute_core_attention: bool = False, fused_attention: bool = False) -> float:
+    """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
+    CUDA kernels).
 
     Megatron 1-D: the measured inventory of Megatron's local layer (``describe.saved``; with
     dropout, e = 2, f = 4h: Korthikanti et al. 2022's sbh(10 + 24/t) + 5 a s^2 b / t plus norm
@@ -133,23 +133,28 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     ATP and 3-D (Korthikanti's terms, not measured; the variant's MLP keeps
     ``mlp_saved_per_ffn`` x ffn): ATP shards norms and residual-side tensors
     by d2, the proj input by d1, the FFN by d1, heads by d1 * d2; under 3-D every saved tensor is
-    a rank's own block, 1/t of the TP-1 layer's.
+    a rank's own block, 1/t of the TP-1 layer's. ``fused_attention`` (``describe.core_attention``):
+    Megatron 1-D from the inventory; ATP and 3-D drop Korthikanti's s^2 term for the fused
+    kernel's logsumexp (its output is the context already counted; CUDA kernels: no dropout
+    fallback).
     """
     tok = b * s
     if backend == "megatron" or mesh is None and backend == "atp":
         return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
                                  attention_dropout=attention_dropout, variant=variant,
-                                 recompute_core_attention=recompute_core_attention)
+                                 recompute_core_attention=recompute_core_attention, fused_attention=fused_attention)
     if recompute_core_attention:
         raise ModelingError(f"selective recompute is described for --tp-backend megatron only (got {backend})")
     mlp = variant.mlp_saved_per_ffn * f
+    n = t if backend == "3d" else mesh[0] * mesh[1] if mesh is not None else 0
+    # Korthikanti's s^2 term (softmax output, dropped-out probabilities, dropout mask) or the fused
+    # kernel's statistics, on the rank's a / n heads
+    core = logsumexp_bytes(b=b, s=s, heads=a / n) if fused_attention else a * s * s * b / n * (2 * e + 1)
     if backend == "3d":
-        return (tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) + a * s * s * b * (2 * e + 1)) / t
+        return tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) / t + core
     if backend == "atp" and mesh is not None:
         d1, d2 = mesh
-        n = d1 * d2
-        return (tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + mlp / d1) + 2 * h / d2)
-                + a * s * s * b / n * (2 * e + 1))
+        return tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + mlp / d1) + 2 * h / d2) + core
     raise ModelingError(f"no activation model for backend {backend!r}")
 
 

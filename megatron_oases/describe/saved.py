@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .core_attention import keeps_scores
 from .ops import GPT2, LayerVariant
 
 
@@ -65,10 +66,18 @@ class Kernels:
     rms_norm_keeps_normalized: bool = False
     """torch's RMSNorm on CPU is composite and also keeps the normalised input (e h a token);
     CUDA's fused kernel keeps the input and the statistic only (assumed: not measured here)."""
+    fused_attention_dropout: bool = True
+    """The fused attention has a kernel with dropout (CUDA's flash / efficient / cuDNN draw it from
+    a philox seed); on CPU torch's SDPA falls back to its math kernel, which keeps the scores
+    (``describe.core_attention``)."""
+    fused_attention_rng: int = 0
+    """Bytes of the philox seed and offset a fused attention call saves (CUDA flash: 24, not
+    measured; CPU: none, measured)."""
 
 
-CUDA_KERNELS = Kernels(dropout_mask=1, norm_stat=4, rng_state=16)
-CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056, rms_norm_keeps_normalized=True)
+CUDA_KERNELS = Kernels(dropout_mask=1, norm_stat=4, rng_state=16, fused_attention_rng=24)
+CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056, rms_norm_keeps_normalized=True,
+                      fused_attention_dropout=False)
 
 _NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
 BLOCKS = ("attention", "mlp")
@@ -79,10 +88,13 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
                       hidden_dropout: bool = True, attention_dropout: bool = True,
                       softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      gathered_input: bool = False, recompute_core_attention: bool = False) -> float:
+                      gathered_input: bool = False, recompute_core_attention: bool = False,
+                      fused_attention: bool = False) -> float:
     """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
     ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
     backward without recompute (stock schedule).
+
+    ``fused_attention``: the core attention is a fused kernel (``core_attention_bytes``).
 
     ``sequence_parallel``: the norm (input, statistics), the column linear's input and the hidden
     dropout mask are on this rank's s/t tokens; ``gathered_input``: the column linear keeps its
@@ -102,19 +114,67 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     hidden_mask = chunk * h * mask if hidden_dropout else 0
     if block == "mlp":
         return norm + column_input + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
-    probs = b * a * s * s / t
-    # Softmax keeps its output (fp32 by Megatron's default attention_softmax_in_fp32); the
-    # attention-over-V GEMM keeps its input in e bytes: the dropped-out probabilities, or the
-    # softmax output itself (or its cast to e bytes) without attention dropout.
-    soft = 4 if softmax_in_fp32 else e
-    gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
     if recompute_core_attention:
         attention = rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant) + SELECTIVE_MASK_TYPE_BYTES
         qkv = _checkpoint_inputs_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
     else:
-        attention = soft * probs + gemm_input * probs + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
-        qkv = tok * e * 3 * h / t + _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+        qkv, attention = core_attention_bytes(b=b, s=s, h=h, a=a, t=t, e=e, attention_dropout=attention_dropout,
+                                              softmax_in_fp32=softmax_in_fp32, kernels=kernels, variant=variant,
+                                              fused_attention=fused_attention)
     return norm + column_input + qkv + tok * e * h / t + attention + hidden_mask  # + proj's input
+
+
+def core_attention_bytes(*, b: int, s: int, h: int, a: int, t: int, e: int, attention_dropout: bool,
+                         softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
+                         variant: LayerVariant = GPT2, fused_attention: bool = False) -> tuple[float, float]:
+    """(Q, K and V as kept, what the core attention keeps beyond them and its output, the context
+    the proj reads) for one call on ``b`` samples without recompute.
+
+    Megatron's local attention keeps the queries and the keys and values repeated to the heads
+    (``_rope_qk_norm_bytes`` on top) and the s x s tensors (``score_bytes``, with its causal
+    mask). A fused kernel (``describe.core_attention``) keeps its inputs as the checkpoint of
+    selective recompute does (``_checkpoint_inputs_bytes``: the groups' keys and values, not
+    repeated), its output (the context, counted by the caller) and logsumexp; on a device without
+    a fused kernel for dropout, torch's math kernel instead (``_sdpa_math_bytes``)."""
+    tok = b * s
+    fused_scores = fused_attention and keeps_scores(fused_attention=True, attention_dropout=attention_dropout,
+                                                    fused_dropout=kernels.fused_attention_dropout)
+    if fused_scores:
+        return _sdpa_math_bytes(b=b, s=s, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    if fused_attention:
+        qkv = _checkpoint_inputs_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+        return qkv, logsumexp_bytes(b=b, s=s, heads=a / t) + per_call_bytes(
+            s=s, h=h, a=a, e=e, variant=variant, fused_attention=True, kernels=kernels)
+    qkv = tok * e * 3 * h / t + _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    scores = score_bytes(b=b, s=s, a=a, t=t, e=e, attention_dropout=attention_dropout,
+                         softmax_in_fp32=softmax_in_fp32, kernels=kernels)
+    return qkv, scores + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
+
+
+def score_bytes(*, b: int, s: int, a: int, t: int, e: int, attention_dropout: bool, softmax_in_fp32: bool = True,
+                kernels: Kernels = CUDA_KERNELS) -> float:
+    """The s x s tensors Megatron's local core attention keeps per call on ``b`` samples, besides
+    the causal mask it builds (``per_call_bytes``): the softmax output (fp32 by Megatron's default
+    ``attention_softmax_in_fp32``) and the attention-over-V GEMM's input in e bytes: the dropped-out
+    probabilities and the dropout mask, or without attention dropout the softmax output itself (or
+    its cast to e bytes)."""
+    probs = b * a * s * s / t
+    mask = e if kernels.dropout_mask is None else kernels.dropout_mask
+    soft = 4 if softmax_in_fp32 else e
+    gemm_input = (mask + e) if attention_dropout else (e if soft != e else 0)
+    return (soft + gemm_input) * probs
+
+
+def logsumexp_bytes(*, b: int, s: int, heads: float) -> float:
+    """A fused attention's softmax statistics: one fp32 logsumexp per query head and token (flash
+    on CUDA and CPU; the efficient kernel pads s to a multiple of 32, not modeled)."""
+    return 4 * b * heads * s
+
+
+def _sdpa_math_bytes(*, b: int, s: int, h: int, a: int, t: int, e: int, kernels: Kernels,
+                     variant: LayerVariant) -> tuple[float, float]:
+    """torch's math kernel (SDPA with dropout on CPU): placeholder until measured."""
+    raise NotImplementedError("SDPA's math kernel (dropout on CPU) is not described yet")
 
 
 def _norm_beyond_input(rows: float, width: int, *, e: int, kernels: Kernels, variant: LayerVariant) -> float:
@@ -169,10 +229,13 @@ def _qk_norm_beyond_input(*, tok: int, h: int, a: int, t: int, e: int, kernels: 
                               variant=variant)
 
 
-def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
+def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2, fused_attention: bool = False,
+                   kernels: Kernels = CUDA_KERNELS) -> float:
     """What an attention call keeps whatever its batch size, built anew by every call (so once per
-    Oases sub-batch): the causal mask (s^2 bools) and RoPE's tables (``rope_table_bytes``)."""
-    return s * s + rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant)
+    Oases sub-batch): the local attention's causal mask (s^2 bools; a fused kernel masks inside,
+    ``is_causal``, and keeps its philox state instead) and RoPE's tables (``rope_table_bytes``)."""
+    mask = kernels.fused_attention_rng if fused_attention else s * s
+    return mask + rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant)
 
 
 def rope_table_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2) -> float:
@@ -191,13 +254,14 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      recompute_core_attention: bool = False) -> float:
+                      recompute_core_attention: bool = False, fused_attention: bool = False) -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
     (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
     collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens.
-    ``recompute_core_attention``: Megatron's selective recompute (stock schedule only)."""
+    ``recompute_core_attention``: Megatron's selective recompute (stock schedule only).
+    ``fused_attention``: a fused core attention (``core_attention_bytes``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
@@ -219,12 +283,13 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, kernels=k, variant=variant,
               sequence_parallel=sp, gathered_input=sp and oases)
-    kw_attn = dict(kw, recompute_core_attention=recompute_core_attention)
+    kw_attn = dict(kw, recompute_core_attention=recompute_core_attention, fused_attention=fused_attention)
     kept = block_saved_bytes("attention", **kw_attn) + block_saved_bytes("mlp", **kw)
     # per block, what the executor keeps at its collectives: the all-reduce's output (in place);
     # under SP the all-gather's input chunk, the reduce-scatter's input (whole) and output chunk
     boundary = hidden + 2 * hidden / t if sp else hidden
-    extra = oases_kept_beyond_stock(boundary, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches)
+    extra = oases_kept_beyond_stock(boundary, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
+                                    fused_attention=fused_attention, kernels=k)
     return kept + (extra if oases else 0)
 
 
@@ -236,7 +301,8 @@ def sp_recomputed_bytes(hidden_state_bytes: float, *, t: int, fine_grained: bool
 
 
 def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,
-                            variant: LayerVariant = GPT2, sub_batches: int = 2) -> float:
+                            variant: LayerVariant = GPT2, sub_batches: int = 2, fused_attention: bool = False,
+                            kernels: Kernels = CUDA_KERNELS) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
     per block the step boundaries at its collectives that autograd does not keep
     (``hidden_state_bytes`` each: the all-reduce's output; under sequence parallelism the
@@ -244,4 +310,5 @@ def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int
     measured: backward needs none of them, so the executor could drop them) and, per further
     sub-batch, what each attention call builds anew (``per_call_bytes``: the causal mask, RoPE's
     tables)."""
-    return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
+    return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(
+        s=s, h=h, a=a, e=e, variant=variant, fused_attention=fused_attention, kernels=kernels)

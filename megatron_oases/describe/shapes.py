@@ -69,6 +69,11 @@ class GPTShape:
     """GPT-2's layer, or the Llama-family flags (``--group-query-attention --num-query-groups``,
     ``--swiglu``, ``--normalization``, ``--disable-bias-linear``, ``--position-embedding-type rope``,
     ``--rotary-percent``, ``--qk-layernorm``); ``variant_from_flags`` maps the flags."""
+    fused_attention: bool = False
+    """The core attention is a fused kernel that keeps no s x s tensor (SDPA on our builds with
+    ``--attention-backend flash|fused|auto``, ``--use-flash-attn``, Transformer Engine's default):
+    ``describe.core_attention.fused_attention_of`` maps the flags. The saved-bytes inventory, the
+    simulator's memory and time and the planner's memory read it."""
     grad_reduce_bytes: int = 4
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
     ``megatron-oases train`` always; Megatron-LM under bf16 or with
@@ -89,6 +94,8 @@ class GPTShape:
         for name in ("hidden_dropout", "attention_dropout"):
             if not _fraction(getattr(self, name)):
                 raise self.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)!r})")
+        if not isinstance(self.fused_attention, bool):
+            raise self.error(f"fused_attention must be a bool (got {self.fused_attention!r})")
         if self.grad_reduce_bytes not in (2, 4):
             raise self.error(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
         if not isinstance(self.variant, LayerVariant):

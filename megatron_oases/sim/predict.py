@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..describe.core_attention import fused_attention_of
 from ..describe.shapes import GPTShape, variant_from_flags
 from ..run_config import RunConfig, dtype_name, run_config
 from ..topology import Topology
@@ -56,7 +57,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      seq_length=cfg.seq_length, padded_vocab_size=padded_vocab_size(cfg),
                      micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
                      tied_embeddings=not cfg.untie_embeddings_and_output_weights,
-                     hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant)
+                     hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant,
+                     fused_attention=_fused_attention(cfg))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -71,6 +73,14 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
                         block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel))
     return model, strategy
+
+
+def _fused_attention(cfg: RunConfig) -> bool:
+    """Whether the trainer run's core attention is fused (``describe.core_attention``): its
+    ``--attention-backend`` (issue 34; a config without the field runs Megatron's local attention)."""
+    backend = getattr(cfg, "attention_backend", None)  # until RunConfig.attention_backend lands
+    return fused_attention_of(attention_backend=backend, transformer_impl=cfg.megatron_lm.transformer_impl,
+                              error=SimError)
 
 
 def _plan_degrees(cfg: RunConfig) -> tuple[int, ...] | None:
@@ -116,5 +126,5 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     model, strategy = sim_inputs_from_train_args(args, world_size)
     topo = _topology(topology or run_config(args).topology, strategy.world_size)
     dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
-                     bytes_per_element=model.bytes_per_element)
+                     bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention)
     return simulate(model, strategy, dm, memory_limit_GB=0)

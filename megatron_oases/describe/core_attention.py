@@ -1,0 +1,74 @@
+"""Which core attention a layer runs, named once: Megatron's local ``DotProductAttention`` (the
+s x s scores materialised, softmax and dropout on them, a causal mask built per call) or a fused
+kernel that keeps no s x s tensor (torch's ``scaled_dot_product_attention`` on our builds,
+Transformer Engine's flash / fused attention on Megatron-LM's). The saved-bytes inventory
+(``describe.saved``), hence the simulator's memory and the planner's memory constraint, and the
+device model's attention price read the one boolean this module derives from the flags.
+
+Megatron-LM's flags and what they mean for the core attention:
+
+* ``--attention-backend {flash,fused,unfused,local,auto}`` (Megatron-LM's vocabulary). With
+  ``--transformer-impl transformer_engine`` Megatron-Core maps it to TE's ``NVTE_*_ATTN``
+  variables: flash, fused and auto (TE picks flash or cuDNN fused) keep no scores; unfused (TE's
+  ``UnfusedDotProductAttention``) and local (Megatron's ``DotProductAttention``) do. With
+  ``--transformer-impl local`` stock Megatron-LM always runs ``DotProductAttention``; our builds
+  (issue 34: ``layers/core_attention.py``) run SDPA for flash, fused and auto and Megatron's
+  module for unfused and local.
+* Not given: Transformer Engine's default (auto: fused) with ``transformer_engine``; Megatron's
+  local layer (unfused) with ``local``, unless ``--use-flash-attn`` (Megatron-LM's older flag for
+  the flash-attn package) is set.
+
+What a fused kernel keeps instead of the scores (per call, for backward; ``describe.saved``
+prices it):
+
+* CPU, measured (torch 2.13, ``tests/test_saved_bytes_budget.py`` and ``scripts``-free probes
+  with saved-tensor hooks): without dropout torch picks ``_scaled_dot_product_flash_attention_for_cpu``
+  for fp32 and bf16, causal or not, with or without ``enable_gqa``; it saves q, k, v as given
+  (views of QKV's output in Megatron's ``[s, b, np, d]`` layout; the keys and values of the
+  groups, not repeated, under ``enable_gqa``), its output (allocated in the query's layout, so the
+  context the output projection reads is a view of it: no second copy) and logsumexp
+  ``[b, np, s]`` in fp32 (the computation dtype, also under bf16); no mask under ``is_causal``.
+  With dropout it falls back to the math kernel, which materialises the scores (its softmax
+  output, dropout mask and dropped-out probabilities, in fp32 on CPU even for bf16):
+  ``Kernels.fused_attention_dropout`` is False there.
+* CUDA, not measured (from torch's meta registrations, ``torch/_meta_registrations.py``, and
+  its SDPA priority order flash > efficient > math > cuDNN): flash (fp16 / bf16, head dim <= 256,
+  sm80+) saves q, k, v, its output (``empty_like`` the query), logsumexp ``[b, np, s]`` fp32 and
+  the philox seed ``[2]`` and offset ``[]`` (uint64: 24 bytes; dropout is redrawn from them in
+  backward, no mask kept); the memory-efficient kernel (fp32 too) the same with logsumexp padded to
+  ``ceil(s / 32) * 32`` and a ``[b, s, np, d]`` output (a copy for the context), seed and offset
+  int64 (16 bytes); cuDNN logsumexp ``[b, np, s, 1]`` fp32, seed and offset int64. Under
+  ``enable_gqa`` flash and math take the groups' keys and values unrepeated. ``CUDA_KERNELS``
+  assumes flash (bf16 training).
+"""
+from __future__ import annotations
+
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+"""Megatron-LM's ``--attention-backend`` values (``AttnBackend``)."""
+FUSED_BACKENDS = ("flash", "fused", "auto")
+"""The values that run a fused kernel (no s x s tensor kept): SDPA on our builds, TE's on Megatron-LM's."""
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def fused_attention_of(*, attention_backend: str | None = None, transformer_impl: str = "local",
+                       use_flash_attn: bool = False, error: type[Exception] = ValueError) -> bool:
+    """Whether the flags run a fused core attention (see the module docstring); ``None``: the
+    flag was not given. Contradictions are one line naming the flags."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise error(f"--transformer-impl must be local or transformer_engine (got {transformer_impl!r})")
+    if attention_backend is None:
+        return use_flash_attn or transformer_impl == "transformer_engine"
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise error(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} (got {attention_backend!r})")
+    fused = attention_backend in FUSED_BACKENDS
+    if use_flash_attn and not fused:
+        raise error(f"--use-flash-attn contradicts --attention-backend {attention_backend}; give one")
+    return fused
+
+
+def keeps_scores(*, fused_attention: bool, attention_dropout: bool, fused_dropout: bool) -> bool:
+    """Whether the core attention keeps s x s tensors for backward: always under Megatron's local
+    attention; under a fused kernel only where the device has no fused kernel for dropout
+    (``fused_dropout``: ``Kernels.fused_attention_dropout``; on CPU torch falls back to its math
+    kernel when dropout is on)."""
+    return not fused_attention or (attention_dropout and not fused_dropout)
