@@ -1,0 +1,98 @@
+"""The one-GPU overlap benchmark (megatron_oases/bench_standin/, scripts/bench_gpu_overlap.py) on
+CPU: stand-ins run synchronously there, so the mechanics are tested (pricing, handles, counts,
+the whole script end to end), not the overlap. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_oases.bench_standin.standins import Link, StandIns, calibrate, link_matching
+from megatron_oases.parallel.collectives import WatchedCall
+from megatron_oases.runtime.device import detect_runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+L, B, S, H, HEADS = 2, 2, 16, 32, 4  # layers, micro-batch, sequence, hidden, heads (fp32)
+TP = 2
+
+
+def test_link_prices_with_the_ring_formula_and_matches_a_target():
+    link = Link(GBps=100.0, latency_us=5.0)
+    # all-reduce of 1 GB on 2 ranks: 2 (n-1)/n S / B = 10 ms, + 2 (n-1) steps of 5 us
+    assert link.collective_ms("all_reduce", 1e9, 2) == pytest.approx(10.01)
+    assert link.collective_ms("all_gather", 1e9, 4) == pytest.approx(7.5 + 0.015)
+    calls = [("all_reduce", 2, 64 << 20)] * 6 + [("all_reduce", 2, 128)] * 3
+    found = link_matching(12.0, calls, latency_us=5.0)
+    assert sum(found.collective_ms(k, b, n) for k, n, b in calls) == pytest.approx(12.0, rel=1e-6)
+    with pytest.raises(ValueError, match="latency"):
+        link_matching(0.01, calls, latency_us=5.0)  # 9 x 10 us of latency alone exceed it
+
+
+@pytest.mark.parametrize("kind", ["sleep", "copy"])
+def test_stand_ins_follow_the_call_and_return_handles(kind):
+    """A sync call returns None (waited at once), an async one a handle that keeps the call's
+    tensors until ``wait()``; each is priced and listed; the replay runs them again."""
+    import torch
+
+    rt = detect_runtime("cpu")
+    cal, *scratch = calibrate(rt, 1 << 16, reps=1)
+    stand = StandIns(rt, kind, Link(GBps=1.0, latency_us=0.0), cal, tuple(scratch))
+    x = torch.ones(256)
+    assert stand(WatchedCall("all_reduce", None, 2, 1024, (x,), False)) is None
+    work = stand(WatchedCall("all_gather", None, 2, 2048, (x,), True))
+    assert work._keep == (x,) and work.wait() is True and work._keep == ()
+    assert [(i.kind, i.payload_bytes, i.async_op) for i in stand.issued] == [
+        ("all_reduce", 1024, False), ("all_gather", 2048, True)]
+    assert [i.ms for i in stand.issued] == pytest.approx([1024e-6, 1024e-6])  # (n-1)/n factors
+    stand.replay(stand.issued)
+    assert torch.equal(x, torch.ones(256))  # a stand-in moves no data of the call
+
+
+def _described(schedule: str) -> list[tuple[str, int]]:
+    """(kind, payload bytes) of one step's TP collectives by the descriptions: the layers' (per
+    sub-batch under Oases) and the head's; Megatron's vocab-parallel cross-entropy issues the
+    described per-token fp32 reductions (``loss.ar``) as three all-reduces of equal size."""
+    from megatron_oases.describe.head import head_ops
+    from megatron_oases.describe.registry import layer_description
+    from megatron_oases.schedules.oases.options import OasesOptions
+
+    subs = OasesOptions(recompute=False).sub_batches if schedule == "oases" else 1
+    layer = layer_description(backend="megatron", mesh=None, micro_batch=B // subs, seq=S, hidden=H,
+                              heads=HEADS, ffn=4 * H, tp=TP, bytes_per_element=4, schedule=schedule)
+    out = [(c.kind, c.payload_bytes) for p in ("forward", "backward") for c in layer.collectives(p)] * L * subs
+    head = head_ops(b=B, s=S, h=H, v=1024, t=TP, e=4, first=True, last=True)
+    for c in (*head.pre_forward, *head.post_forward, *head.pre_backward, *head.post_backward):
+        if hasattr(c, "payload_bytes"):
+            out += [(c.kind, c.payload_bytes // 3)] * 3 if c.name == "loss.ar" else [(c.kind, c.payload_bytes)]
+    return sorted(out)
+
+
+def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_overlap.py"), "--tp", str(TP),
+           "--steps", "1", "--warmup", "1", "--out", str(out), "--",
+           "--device", "cpu", "--num-layers", str(L), "--hidden-size", str(H),
+           "--num-attention-heads", str(HEADS), "--seq-length", str(S), "--micro-batch-size", str(B)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stock / Oases with copy stand-ins" in proc.stdout and "meaningless" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["link"]["chosen_by"] == "--match-compute" and res["link"]["GBps"] > 0
+    for schedule in ("default", "oases"):
+        r = res["schedules"][schedule]
+        assert r["recompute"] == "none"
+        for kind in ("sleep", "copy"):
+            issued = r[kind]["issued"]
+            # one stand-in per TP collective, as the layer and head descriptions name them
+            assert r[kind]["standins_per_step"] == r["collectives_per_step"] == len(issued)
+            assert sorted((k, b) for k, n, b, _ in issued) == _described(schedule)
+            assert {n for _, n, _, _ in issued} == {TP}
+            # async: Megatron's input-gradient all-reduces of the column linears (QKV, fc1 and
+            # the output layer) in stock; every layer collective under the Oases executor
+            n_async = sum(a for *_, a in issued)
+            assert n_async == (2 * L + 1 if schedule == "default" else len(issued) - 4)
+            assert r[kind]["with_standins"]["ms"] > 0 and r[kind]["standins_only"]["ms"] > 0
