@@ -9,6 +9,14 @@
 # Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
 # to $OUT/check.log, one line per step to $OUT/summary.txt, JSON results into $OUT/results.tar.gz:
 #   env       GPU, torch, megatron-core
+#   attn      scripts/attention_parity.py: the fused (SDPA) core attention against Megatron's local
+#             one on CUDA, fp32 and bf16, at hidden 4096, sequence 4096 (errors, kernel times)
+#   mfu       the trainer at TP 1, hidden 4096, sequence 4096, 32 heads, 4 layers, bf16: stock and
+#             Oases, each with --attention-backend auto (SDPA) and local; model-FLOPs utilisation
+#             against the card's dense bf16 peak in the compare step
+#   overlap   scripts/bench_gpu_overlap.py: rank 0 of a TP-2 layer on this GPU, every collective
+#             replaced by a stand-in (sleep and copy kernels) of a duration matched to compute
+#   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
 #   tp2-*     with 8 GPUs: stock vs Oases TP 2 (fp32), Oases with sequence parallelism, ATP (2,2)
@@ -19,8 +27,9 @@
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
-# STEPS picks steps (default: "env train compare measure pytest sim"); MEASURE adds flags to
-# gpu_measure.py, PYTESTS replaces the test files, SIM_MODEL the sim step's model flags.
+# STEPS picks steps (default: "env attn mfu overlap fusion sim compare"; the earlier checks are
+# "train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
+# files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its schedules.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-330}
@@ -37,7 +46,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-want() { [[ " ${STEPS:-env train compare measure pytest sim} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-env attn mfu overlap fusion sim compare} " == *" $1 "* ]]; }
 left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
   local name=$1 limit=$2; shift 2
@@ -56,10 +65,30 @@ TRAIN=($PY -m megatron_oases.cli train --num-layers 2 --hidden-size 256 --num-at
   --global-batch-size 8 --train-iters 4 --seed 1234 --dist-timeout 60)
 train() {  # train NAME NPROC DEVICE FLAGS...
   local name=$1 n=$2 dev=$3; shift 3
-  step "$name" 90 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/$name.json" "$@"
+  step "$name" 120 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/run-$name.json" "$@"
 }
 
 want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; import sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+
+# The issue-34 model: TP 1, hidden 4096, sequence 4096, bf16, 4 layers (micro-batch 2: Oases
+# splits it in two sub-batches).
+# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_ARGS and FUSION_ARGS at small shapes runs every
+# step on CPU (how the script is tested before a lease; the numbers then mean nothing).
+DEVICE=${DEVICE:-cuda}
+if [ -n "${MFU_FLAGS:-}" ]; then read -r -a MFU_MODEL <<<"$MFU_FLAGS"; else
+MFU_MODEL=(--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
+  --max-position-embeddings 4096 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4
+  --bf16 --train-iters 6); fi
+want attn && step attn 60 $PY scripts/attention_parity.py --device "$DEVICE" ${ATTN_ARGS:---hidden 4096 --seq 4096 --heads 32} --out "$OUT/json/attention_parity.json"
+if want mfu; then
+  for sched in default oases; do
+    for backend in auto local; do
+      train "mfu-$sched-$backend" 1 "$DEVICE" "${MFU_MODEL[@]}" --schedule "$sched" --attention-backend "$backend"
+    done
+  done
+fi
+want overlap && step overlap 150 $PY scripts/bench_gpu_overlap.py --device "$DEVICE" ${OVERLAP_ARGS:-} --out "$OUT/json/overlap_standin.json"
+want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"
 
 RECOMP=(--recompute-granularity full --recompute-method uniform)
 if want train; then
@@ -81,35 +110,21 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" -g
 fi
 fi
 
-want compare && step compare 30 $PY - "$OUT/json" <<'EOF'
-import json, os, sys
-d = sys.argv[1]
-runs = {f[:-5]: [json.loads(l) for l in open(os.path.join(d, f)) if l.strip()] for f in sorted(os.listdir(d)) if f.endswith(".json")}
-for name, rs in runs.items():
-    print(f"{name:16s} losses {[round(r['lm_loss'], 6) for r in rs]} step_ms {[round(r['step_ms'], 1) for r in rs]}")
-pairs = [("tp1-oases", "tp1-stock"), ("tp1-stock-cpu", "tp1-stock"), ("tp1-oases-bf16", "tp1-stock-bf16"),
-         ("tp2-stock", "tp1-stock"), ("tp2-oases", "tp2-stock"), ("tp2-oases-sp", "tp2-stock"),
-         ("tp4-stock", "tp1-stock"), ("tp4-atp22", "tp4-stock"), ("tp8-3d", "tp1-stock")]
-for a, b in pairs:
-    if a in runs and b in runs and runs[a] and runs[b]:
-        diff = max(abs(x["lm_loss"] - y["lm_loss"]) / abs(y["lm_loss"]) for x, y in zip(runs[a], runs[b]))
-        print(f"max relative loss difference {a} vs {b}: {diff:.2e}")
-EOF
-
 want measure && step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
 want pytest && step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
-if want sim; then
-  read -r -a SIMF <<<"${SIM_MODEL:---num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8 --bf16}"
-  SIMF+=(--train-iters 8 --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-cuda}")
-  for sched in default oases; do
+if want sim; then  # profile the mfu model's events, predict its step, compare with its mfu run
+  if [ -n "${SIM_MODEL:-}" ]; then read -r -a SIMF <<<"$SIM_MODEL"; else SIMF=("${MFU_MODEL[@]}"); fi
+  SIMF+=(--attention-backend auto --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-$DEVICE}")
+  for sched in ${SIM_SCHEDULES:-default oases}; do
     step "sim-profile-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$sched.json" --reps 10 -- "${SIMF[@]}" --schedule "$sched"
-    step "sim-train-$sched" 120 $PY -m megatron_oases.cli train "${SIMF[@]}" --schedule "$sched" --log-json "$OUT/json/sim-train-$sched.json"
+    if [ -n "${SIM_MODEL:-}" ] || [ ! -s "$OUT/json/run-mfu-$sched-auto.json" ]; then
+      step "sim-train-$sched" 120 $PY -m megatron_oases.cli train "${SIMF[@]}" --schedule "$sched" --log-json "$OUT/json/run-sim-$sched.json"
+    fi
     step "sim-predict-$sched" 60 $PY -m megatron_oases.cli sim --predict --profile "$OUT/json/prof-$sched.json" -- "${SIMF[@]}" --schedule "$sched"
     sed -n "/=== sim-predict-$sched/,\$p" "$LOG" | grep -m1 "predicted step time" | sed "s/^/$sched: /" >>"$SUMMARY"
-    $PY -c "import json, statistics, sys; r = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if l.strip()][2:]; print(sys.argv[2] + ': measured step (median of iterations 3-8): %.1f ms' % statistics.median(r))" \
-      "$OUT/json/sim-train-$sched.json" "$sched" >>"$SUMMARY" 2>>"$LOG"
   done
 fi
+want compare && step compare 30 $PY scripts/gpu_compare.py "$OUT/json"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
 echo "--- summary (elapsed $(( $(date +%s) - T0 ))s)"; cat "$SUMMARY"
-grep -E "^(max relative|tp|  )|losses" "$LOG" | tail -n 40
+sed -n '/^=== compare/,$p' "$LOG" | tail -n 60
