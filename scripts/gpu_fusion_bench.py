@@ -63,8 +63,10 @@ def fwd_bwd(fn, *inputs):
     return step
 
 
-def cases(tokens: int, hidden: int, heads: int, seq: int, batch: int, dtype, device):
-    """name -> (variant -> step callable) for every case."""
+def cases(tokens: int, hidden: int, heads: int, seq: int, batch: int, dtype, device,
+          compiled: bool = True):
+    """name -> (variant -> step callable) for every case; each case's eager form is also
+    compiled with ``torch.compile`` unless ``compiled=False`` (a quick test of the script)."""
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
     from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
@@ -72,34 +74,16 @@ def cases(tokens: int, hidden: int, heads: int, seq: int, batch: int, dtype, dev
     def rand(*shape):
         return torch.randn(*shape, device=device, dtype=dtype)
 
-    ffn = 4 * hidden
-    y, b = rand(tokens, ffn), rand(ffn)
-    gelu_eager = lambda y, b: F.gelu(y + b)  # noqa: E731
-    out = {"bias_gelu": {"eager": fwd_bwd(gelu_eager, y, b),
-                         "megatron_fused": fwd_bwd(bias_gelu_impl, y, b),
-                         "compiled": fwd_bwd(torch.compile(gelu_eager), y, b)}}
-
-    y2, b2 = rand(tokens, 2 * ffn), rand(2 * ffn)
-
     def swiglu_eager(y, b):
         a, g = torch.chunk(y + b, 2, dim=-1)
         return F.silu(a) * g
-    out["swiglu"] = {"eager": fwd_bwd(swiglu_eager, y2, b2),
-                     "megatron_fused": fwd_bwd(bias_swiglu_impl, y2, b2),
-                     "compiled": fwd_bwd(torch.compile(swiglu_eager), y2, b2)}
-
-    x, bias, res = rand(seq, batch, hidden), rand(hidden), rand(seq, batch, hidden)
 
     def bda_eager(x, bias, res):
         return res + F.dropout(x + bias, p=0.1, training=True)
 
     def bda_megatron(x, bias, res):
         return bias_dropout_add_fused_train((x, bias), res, 0.1)
-    out["bias_dropout_add"] = {"eager": fwd_bwd(bda_eager, x, bias, res),
-                               "megatron_fused": fwd_bwd(bda_megatron, x, bias, res),
-                               "compiled": fwd_bwd(torch.compile(bda_eager), x, bias, res)}
 
-    scores = rand(batch, heads, seq, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)
     scale = 1.0 / (hidden // heads) ** 0.5
 
@@ -108,15 +92,28 @@ def cases(tokens: int, hidden: int, heads: int, seq: int, batch: int, dtype, dev
 
     def softmax_input_dtype(s):
         return torch.softmax((s * scale).masked_fill(mask, -10000.0), dim=-1)
-    out["softmax"] = {"eager_fp32": fwd_bwd(softmax_fp32, scores),
-                      "eager_input_dtype": fwd_bwd(softmax_input_dtype, scores),
-                      "compiled_fp32": fwd_bwd(torch.compile(softmax_fp32), scores)}
 
-    h = rand(tokens, hidden)
-    ln = torch.nn.LayerNorm(hidden, device=device, dtype=dtype)
-    rms = torch.nn.RMSNorm(hidden, device=device, dtype=dtype)
-    out["layer_norm"] = {"eager": fwd_bwd(ln, h), "compiled": fwd_bwd(torch.compile(ln), h)}
-    out["rms_norm"] = {"eager": fwd_bwd(rms, h), "compiled": fwd_bwd(torch.compile(rms), h)}
+    ffn = 4 * hidden
+    seq_major = (seq, batch, hidden)
+    table = {  # name: (inputs, {variant: fn}); the first variant is the eager reference
+        "bias_gelu": ((rand(tokens, ffn), rand(ffn)),
+                      {"eager": lambda y, b: F.gelu(y + b), "megatron_fused": bias_gelu_impl}),
+        "swiglu": ((rand(tokens, 2 * ffn), rand(2 * ffn)),
+                   {"eager": swiglu_eager, "megatron_fused": bias_swiglu_impl}),
+        "bias_dropout_add": ((rand(*seq_major), rand(hidden), rand(*seq_major)),
+                             {"eager": bda_eager, "megatron_fused": bda_megatron}),
+        "softmax": ((rand(batch, heads, seq, seq),),
+                    {"eager_fp32": softmax_fp32, "eager_input_dtype": softmax_input_dtype}),
+        "layer_norm": ((rand(tokens, hidden),),
+                       {"eager": torch.nn.LayerNorm(hidden, device=device, dtype=dtype)}),
+        "rms_norm": ((rand(tokens, hidden),),
+                     {"eager": torch.nn.RMSNorm(hidden, device=device, dtype=dtype)}),
+    }
+    out = {}
+    for name, (inputs, variants) in table.items():
+        if compiled:
+            variants["compiled"] = torch.compile(next(iter(variants.values())))
+        out[name] = {v: fwd_bwd(fn, *inputs) for v, fn in variants.items()}
     return out
 
 
@@ -130,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     p.add_argument("--out", default=None, help="JSON file for the results")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -137,7 +135,7 @@ def main(argv=None) -> int:
     timer = _timer(device)
     rows = []
     for name, variants in cases(a.seq * a.micro_batch, a.hidden, a.heads, a.seq, a.micro_batch,
-                                dtype, device).items():
+                                dtype, device, compiled=not a.no_compile).items():
         for variant, step in variants.items():
             try:
                 for _ in range(a.warmup):

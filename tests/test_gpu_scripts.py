@@ -37,3 +37,27 @@ def test_gpu_check_script_parses():
     out = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
+
+
+def test_fusion_bench_runs_on_cpu(tmp_path):
+    fb = load_script("scripts/gpu_fusion_bench.py")
+    out = tmp_path / "fusion.json"
+    assert fb.main(["--device", "cpu", "--hidden", "32", "--heads", "2", "--seq", "16",
+                    "--reps", "1", "--warmup", "1", "--no-compile", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["case"], r["variant"]) for r in rows if "ms_fwd_bwd" in r} >= {
+        ("bias_gelu", "eager"), ("swiglu", "megatron_fused"), ("softmax", "eager_fp32"),
+        ("bias_dropout_add", "megatron_fused"), ("rms_norm", "eager")}
+
+
+def test_gpu_compare_reads_trainer_logs_and_prices_mfu(tmp_path):
+    gc = load_script("scripts/gpu_compare.py")
+    for name, loss in (("mfu-default-auto", 7.0), ("mfu-oases-auto", 7.0007)):
+        (tmp_path / f"run-{name}.json").write_text("\n".join(json.dumps(
+            {"iteration": i, "lm_loss": loss, "step_ms": 100.0, "tflops_per_rank": 494.5,
+             "peak_mem_mb": 1.0}) for i in (1, 2, 3)) + "\n")
+    (tmp_path / "fusion.json").write_text("{}")  # other JSON beside the logs is not a run
+    assert gc.main([str(tmp_path), "NVIDIA H100 80GB HBM3"]) == 0
+    out = json.loads((tmp_path / "compare.json").read_text())
+    assert abs(out["runs"]["mfu-default-auto"]["mfu"] - 0.5) < 1e-9
+    assert abs(out["pairs"]["mfu-oases-auto vs mfu-default-auto"]["max_rel_loss_diff"] - 1e-4) < 1e-9
