@@ -27,9 +27,12 @@
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
-# STEPS picks steps (default: "env attn mfu overlap fusion sim compare"; the earlier checks are
-# "train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
-# files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its schedules.
+#   sim-sizes the same at hidden 512, 1024, 2048 (sequence 2048), host-bound to GEMM-bound; the
+#             SM and memory clocks are read before each model (summary.txt)
+# STEPS picks steps (default: "env attn mfu overlap sim sim-sizes compare"; the others are
+# "fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
+# files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
+# schedules, SIM_HIDDEN the sim-sizes list.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-330}
@@ -46,7 +49,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-want() { [[ " ${STEPS:-env attn mfu overlap fusion sim compare} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-env attn mfu overlap sim sim-sizes compare} " == *" $1 "* ]]; }
 left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
   local name=$1 limit=$2; shift 2
@@ -112,19 +115,34 @@ fi
 
 want measure && step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
 want pytest && step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
-if want sim; then  # profile the mfu model's events, predict its step, compare with its mfu run
-  if [ -n "${SIM_MODEL:-}" ]; then read -r -a SIMF <<<"$SIM_MODEL"; else SIMF=("${MFU_MODEL[@]}"); fi
-  SIMF+=(--attention-backend auto --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-$DEVICE}")
-  for sched in ${SIM_SCHEDULES:-default oases}; do
-    step "sim-profile-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$sched.json" --reps 10 -- "${SIMF[@]}" --schedule "$sched"
-    if [ -n "${SIM_MODEL:-}" ] || [ ! -s "$OUT/json/run-mfu-$sched-auto.json" ]; then
-      step "sim-train-$sched" 120 $PY -m megatron_oases.cli train "${SIMF[@]}" --schedule "$sched" --log-json "$OUT/json/run-sim-$sched.json"
+clocks() { nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null | sed "s/^/clocks $1: /" >>"$SUMMARY"; }
+sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, train it, predict its step
+  local name=$1 scheds=$2; shift 2
+  local f=("$@" --attention-backend auto --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-$DEVICE}")
+  for sched in $scheds; do
+    clocks "sim-$name-$sched"
+    step "sim-profile-$name-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$name-$sched.json" --reps 10 -- "${f[@]}" --schedule "$sched"
+    if [ "$name" != mfu ] || [ ! -s "$OUT/json/run-mfu-$sched-auto.json" ]; then
+      step "sim-train-$name-$sched" 120 $PY -m megatron_oases.cli train "${f[@]}" --schedule "$sched" --log-json "$OUT/json/run-sim-$name-$sched.json"
     fi
-    step "sim-predict-$sched" 60 $PY -m megatron_oases.cli sim --predict --profile "$OUT/json/prof-$sched.json" -- "${SIMF[@]}" --schedule "$sched"
-    sed -n "/=== sim-predict-$sched/,\$p" "$LOG" | grep -m1 "predicted step time" | sed "s/^/$sched: /" >>"$SUMMARY"
+    step "sim-predict-$name-$sched" 60 $PY -m megatron_oases.cli sim --predict --profile "$OUT/json/prof-$name-$sched.json" -- "${f[@]}" --schedule "$sched"
+    sed -n "/=== sim-predict-$name-$sched/,\$p" "$LOG" | grep -m1 "predicted step time" | sed "s/^/$name $sched: /" >>"$SUMMARY"
   done
+}
+# The simulator against this card (issue 35): the mfu model (GEMM-bound), then smaller ones down
+# to host-bound; SIM_MODEL replaces the list with one model's flags.
+if want sim; then
+  if [ -n "${SIM_MODEL:-}" ]; then read -r -a SIMF <<<"$SIM_MODEL"; sim_model custom "${SIM_SCHEDULES:-default oases}" "${SIMF[@]}"
+  else sim_model mfu "${SIM_SCHEDULES:-default oases}" "${MFU_MODEL[@]}"; fi
 fi
 want compare && step compare 30 $PY scripts/gpu_compare.py "$OUT/json"
+if want sim-sizes; then
+  for h in ${SIM_HIDDEN:-512 1024 2048}; do
+    sim_model "h$h" "${SIM_SCHEDULES:-default oases}" --num-layers 4 --hidden-size "$h" --num-attention-heads $((h / 128 > 4 ? h / 128 : 4)) \
+      --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4 --bf16 --train-iters 8
+  done
+  want compare && step compare-2 30 $PY scripts/gpu_compare.py "$OUT/json"
+fi
 tar -czf "$OUT/results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
 echo "--- summary (elapsed $(( $(date +%s) - T0 ))s)"; cat "$SUMMARY"
 sed -n '/^=== compare/,$p' "$LOG" | tail -n 60
