@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "compute-only step time")
     p.add_argument("--latency-us", type=float, default=5.0, help="link latency per ring step (default 5)")
     p.add_argument("--scratch-mb", type=float, default=None,
-                   help="copy stand-ins' scratch buffers, MiB each (default 256 on CUDA, 4 on CPU)")
+                   help="copy stand-ins' scratch buffers, MiB each (default 1024 on CUDA, 4 on CPU)")
     p.add_argument("--optimizer-step", action="store_true",
                    help="time the optimizer step too (it synchronises the host: found-inf, grad norm)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -132,7 +132,7 @@ class Bench:
         calls = [(r.kind, r.group_size, r.payload_bytes) for r in counted.records if r.group_size > 1]
         res["collectives_per_step"] = len(calls)
         if self.cal is None:
-            mib = a.scratch_mb if a.scratch_mb is not None else (256 if rt.is_cuda else 4)
+            mib = a.scratch_mb if a.scratch_mb is not None else (1024 if rt.is_cuda else 4)
             self.cal, *self.scratch = calibrate(rt, int(mib * 2**20))
         if self.link is None:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
