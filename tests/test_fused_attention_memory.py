@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_oases.describe.core_attention import fused_attention_of
+from megatron_oases.describe.core_attention import core_attention_of
 from megatron_oases.describe.saved import CUDA_KERNELS, layer_saved_bytes
 from megatron_oases.plan.memory import block_memory
 from megatron_oases.plan.model import PlanModel
@@ -22,23 +22,24 @@ LLAMA2_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-he
               "--tp", "8", "--pp", "8", "--global-batch-size", "64"]
 
 
-@pytest.mark.parametrize("flags, fused", [
-    (dict(), False),
-    (dict(use_flash_attn=True), True),
-    (dict(transformer_impl="transformer_engine"), True),
-    (dict(attention_backend="auto"), True),
-    (dict(attention_backend="flash"), True),
-    (dict(attention_backend="fused", transformer_impl="transformer_engine"), True),
-    (dict(attention_backend="unfused", transformer_impl="transformer_engine"), False),
-    (dict(attention_backend="local"), False),
+@pytest.mark.parametrize("flags, kind", [
+    (dict(), "local"),
+    (dict(use_flash_attn=True), "fused"),
+    (dict(transformer_impl="transformer_engine"), "fused"),
+    (dict(attention_backend="auto"), "fused"),
+    (dict(attention_backend="flash"), "fused"),
+    (dict(attention_backend="fused", transformer_impl="transformer_engine"), "fused"),
+    (dict(attention_backend="unfused"), "unfused"),  # our builds: SDPA's math kernel
+    (dict(attention_backend="unfused", transformer_impl="transformer_engine"), "local"),
+    (dict(attention_backend="local"), "local"),
 ])
-def test_the_flags_that_run_a_fused_attention(flags, fused):
-    assert fused_attention_of(**flags) is fused
+def test_the_flags_that_run_a_fused_attention(flags, kind):
+    assert core_attention_of(**flags) == kind
 
 
 def test_contradicting_attention_flags_are_refused_in_one_line(capsys):
     with pytest.raises(ValueError, match="--use-flash-attn contradicts --attention-backend unfused"):
-        fused_attention_of(attention_backend="unfused", use_flash_attn=True)
+        core_attention_of(attention_backend="unfused", use_flash_attn=True)
     small = ["--topology", "local", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "32", "--micro-batch-size", "1"]
     assert sim_main(small + ["--use-flash-attn", "--attention-backend", "local"]) == 2
@@ -70,7 +71,7 @@ def test_llama2_70b_peak_drops_by_what_the_local_attention_keeps():
     micro-batches of 10 layers; without fused attention 113.5 GB (infeasible on 80 GB), with it
     51.9 GB. Every flag that selects the fused kernel gives the same peak."""
     local, strategy, _, unfused = _llama2_70b()
-    assert not local.fused_attention
+    assert local.core_attention == "local"
     per_layer = _dropped_per_layer(b=1, s=4096, h=8192, a=64, g=8, t=8, e=2)
     for flags in (["--attention-backend", "flash"], ["--use-flash-attn"], ["--transformer-impl", "transformer_engine"]):
         model, _, dm, fused = _llama2_70b(*flags)
@@ -91,11 +92,12 @@ def test_the_planner_and_the_simulator_read_the_same_bytes():
     fields.pop("tied_embeddings")
     per_layer = {}
     for fused in (False, True):
-        m = PlanModel(**{**fields, "fused_attention": fused}, tp=8, recompute=False, sub_batches=1)
+        m = PlanModel(**{**fields, "core_attention": "fused" if fused else "local"}, tp=8, recompute=False,
+                      sub_batches=1)
         planned = sum(block_memory(m, kind, 1, 8)[0] for kind in ("attention", "mlp"))
         layer = layer_saved_bytes(b=1, s=4096, h=8192, a=64, f=28672, t=8, e=2, hidden_dropout=False,
                                   attention_dropout=False, kernels=CUDA_KERNELS, variant=model.variant,
-                                  fused_attention=fused)
+                                  core_attention="fused" if fused else "local")
         assert planned == pytest.approx(layer, rel=1e-12)
         per_layer[fused] = planned
     assert per_layer[False] - per_layer[True] == pytest.approx(
@@ -112,5 +114,5 @@ def test_fused_attention_never_keeps_more(mode):
     model = dataclasses.replace(model, micro_batch_size=2)  # the Oases schedule splits it in two
     s = dataclasses.replace(strategy, num_microbatches=32, **mode)
     unfused = simulate(model, s, dm)
-    fused = simulate(dataclasses.replace(model, fused_attention=True), s, dm)
+    fused = simulate(dataclasses.replace(model, core_attention="fused"), s, dm)
     assert all(f.activations < u.activations for u, f in zip(unfused.memory, fused.memory, strict=True))

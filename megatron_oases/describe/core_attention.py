@@ -1,9 +1,10 @@
 """Which core attention a layer runs, named once: Megatron's local ``DotProductAttention`` (the
 s x s scores materialised, softmax and dropout on them, a causal mask built per call) or a fused
 kernel that keeps no s x s tensor (torch's ``scaled_dot_product_attention`` on our builds,
-Transformer Engine's flash / fused attention on Megatron-LM's). The saved-bytes inventory
-(``describe.saved``), hence the simulator's memory and the planner's memory constraint, and the
-device model's attention price read the one boolean this module derives from the flags.
+Transformer Engine's flash / fused attention on Megatron-LM's), or SDPA's math kernel. The
+saved-bytes inventory (``describe.saved``), hence the simulator's memory and the planner's memory
+constraint, and the device model's attention price read the one kind this module derives from
+the flags (``GPTShape.core_attention``).
 
 Megatron-LM's flags and what they mean for the core attention:
 
@@ -12,8 +13,8 @@ Megatron-LM's flags and what they mean for the core attention:
   variables: flash, fused and auto (TE picks flash or cuDNN fused) keep no scores; unfused (TE's
   ``UnfusedDotProductAttention``) and local (Megatron's ``DotProductAttention``) do. With
   ``--transformer-impl local`` stock Megatron-LM always runs ``DotProductAttention``; our builds
-  (issue 34: ``layers/core_attention.py``) run SDPA for flash, fused and auto and Megatron's
-  module for unfused and local.
+  (issue 34: ``layers/core_attention.py``) run SDPA: its fused kernels for flash, fused and auto,
+  its math kernel for unfused (the scores materialised), and Megatron's module for local.
 * Not given: Transformer Engine's default (auto: fused) with ``transformer_engine``; Megatron's
   local layer (unfused) with ``local``, unless ``--use-flash-attn`` (Megatron-LM's older flag for
   the flash-attn package) is set.
@@ -45,30 +46,43 @@ from __future__ import annotations
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 """Megatron-LM's ``--attention-backend`` values (``AttnBackend``)."""
-FUSED_BACKENDS = ("flash", "fused", "auto")
-"""The values that run a fused kernel (no s x s tensor kept): SDPA on our builds, TE's on Megatron-LM's."""
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+CORE_ATTENTIONS = ("local", "unfused", "fused")
+"""What a layer's core attention is: Megatron's ``DotProductAttention`` (``local``); torch's SDPA
+math kernel (``unfused``: our builds' ``--attention-backend unfused``, and what a fused kernel
+falls back to where the device has none for the case); a fused kernel (``fused``)."""
 
 
-def fused_attention_of(*, attention_backend: str | None = None, transformer_impl: str = "local",
-                       use_flash_attn: bool = False, error: type[Exception] = ValueError) -> bool:
-    """Whether the flags run a fused core attention (see the module docstring); ``None``: the
-    flag was not given. Contradictions are one line naming the flags."""
+def core_attention_of(*, attention_backend: str | None = None, transformer_impl: str = "local",
+                      use_flash_attn: bool = False, error: type[Exception] = ValueError) -> str:
+    """The ``CORE_ATTENTIONS`` kind the flags run (see the module docstring); ``attention_backend``
+    None: the flag was not given. Transformer Engine's unfused attention is priced as Megatron's
+    local one (not measured). Contradictions are one line naming the flags."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise error(f"--transformer-impl must be local or transformer_engine (got {transformer_impl!r})")
     if attention_backend is None:
-        return use_flash_attn or transformer_impl == "transformer_engine"
+        return "fused" if use_flash_attn or transformer_impl == "transformer_engine" else "local"
     if attention_backend not in ATTENTION_BACKENDS:
         raise error(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} (got {attention_backend!r})")
-    fused = attention_backend in FUSED_BACKENDS
-    if use_flash_attn and not fused:
+    if use_flash_attn and attention_backend in ("unfused", "local"):
         raise error(f"--use-flash-attn contradicts --attention-backend {attention_backend}; give one")
-    return fused
+    if attention_backend == "unfused":
+        return "local" if transformer_impl == "transformer_engine" else "unfused"
+    return "local" if attention_backend == "local" else "fused"
 
 
-def keeps_scores(*, fused_attention: bool, attention_dropout: bool, fused_dropout: bool) -> bool:
-    """Whether the core attention keeps s x s tensors for backward: always under Megatron's local
-    attention; under a fused kernel only where the device has no fused kernel for dropout
-    (``fused_dropout``: ``Kernels.fused_attention_dropout``; on CPU torch falls back to its math
-    kernel when dropout is on)."""
-    return not fused_attention or (attention_dropout and not fused_dropout)
+def attention_kernel(core_attention: str, *, attention_dropout: bool, fused_dropout: bool) -> str:
+    """The kernel that runs (a ``CORE_ATTENTIONS`` kind): a fused core attention falls back to
+    SDPA's math kernel (``unfused``) when dropout is on and the device has no fused kernel with
+    dropout (``fused_dropout``: ``Kernels.fused_attention_dropout``; False on CPU)."""
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {core_attention!r})")
+    if core_attention == "fused" and attention_dropout and not fused_dropout:
+        return "unfused"
+    return core_attention
+
+
+def keeps_scores(kernel: str) -> bool:
+    """Whether the core attention ``kernel`` (``attention_kernel``'s) keeps s x s tensors for
+    backward: every kernel but a fused one."""
+    return kernel != "fused"

@@ -5,7 +5,8 @@ from .atp_2d import atp_2d_gpt_layer
 from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
 from .megatron_1d import megatron_1d_gpt_layer
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
-from .saved import layer_saved_bytes, logsumexp_bytes
+from .core_attention import attention_kernel, keeps_scores
+from .saved import CUDA_KERNELS, layer_saved_bytes, logsumexp_bytes
 
 BACKENDS = ("megatron", "atp", "3d")
 
@@ -123,7 +124,7 @@ def block_param_tensors(kind: str, tensors: tuple[int, ...]) -> tuple[int, ...]:
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
                            mesh: tuple[int, int] | None, hidden_dropout: bool = True,
                            attention_dropout: bool = True, variant: LayerVariant = GPT2,
-                           recompute_core_attention: bool = False, fused_attention: bool = False) -> float:
+                           recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
     CUDA kernels).
 
@@ -133,23 +134,24 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
     ATP and 3-D (Korthikanti's terms, not measured; the variant's MLP keeps
     ``mlp_saved_per_ffn`` x ffn): ATP shards norms and residual-side tensors
     by d2, the proj input by d1, the FFN by d1, heads by d1 * d2; under 3-D every saved tensor is
-    a rank's own block, 1/t of the TP-1 layer's. ``fused_attention`` (``describe.core_attention``):
-    Megatron 1-D from the inventory; ATP and 3-D drop Korthikanti's s^2 term for the fused
-    kernel's logsumexp (its output is the context already counted; CUDA kernels: no dropout
-    fallback).
+    a rank's own block, 1/t of the TP-1 layer's. ``core_attention`` (``describe.core_attention``):
+    Megatron 1-D from the inventory; ATP and 3-D keep Korthikanti's s^2 term where the kernel
+    keeps scores, else the fused kernel's logsumexp (its output is the context already counted).
     """
     tok = b * s
     if backend == "megatron" or mesh is None and backend == "atp":
         return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
                                  attention_dropout=attention_dropout, variant=variant,
-                                 recompute_core_attention=recompute_core_attention, fused_attention=fused_attention)
+                                 recompute_core_attention=recompute_core_attention, core_attention=core_attention)
     if recompute_core_attention:
         raise ModelingError(f"selective recompute is described for --tp-backend megatron only (got {backend})")
     mlp = variant.mlp_saved_per_ffn * f
     n = t if backend == "3d" else mesh[0] * mesh[1] if mesh is not None else 0
     # Korthikanti's s^2 term (softmax output, dropped-out probabilities, dropout mask) or the fused
     # kernel's statistics, on the rank's a / n heads
-    core = logsumexp_bytes(b=b, s=s, heads=a / n) if fused_attention else a * s * s * b / n * (2 * e + 1)
+    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
+                              fused_dropout=CUDA_KERNELS.fused_attention_dropout)
+    core = a * s * s * b / n * (2 * e + 1) if keeps_scores(kernel) else logsumexp_bytes(b=b, s=s, heads=a / n)
     if backend == "3d":
         return tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) / t + core
     if backend == "atp" and mesh is not None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .core_attention import keeps_scores
+from .core_attention import attention_kernel
 from .ops import GPT2, LayerVariant
 
 
@@ -89,12 +89,13 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
                       softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                       gathered_input: bool = False, recompute_core_attention: bool = False,
-                      fused_attention: bool = False) -> float:
+                      core_attention: str = "local") -> float:
     """Bytes the ``block`` (``"attention"``: input norm to the proj all-reduce's dropout-add;
     ``"mlp"``: pre-MLP norm to the fc2 all-reduce's dropout-add) of a TP-``t`` layer keeps for
     backward without recompute (stock schedule).
 
-    ``fused_attention``: the core attention is a fused kernel (``core_attention_bytes``).
+    ``core_attention``: Megatron's local attention, SDPA's math kernel or a fused kernel
+    (``describe.core_attention``; ``core_attention_bytes``).
 
     ``sequence_parallel``: the norm (input, statistics), the column linear's input and the hidden
     dropout mask are on this rank's s/t tokens; ``gathered_input``: the column linear keeps its
@@ -120,35 +121,38 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     else:
         qkv, attention = core_attention_bytes(b=b, s=s, h=h, a=a, t=t, e=e, attention_dropout=attention_dropout,
                                               softmax_in_fp32=softmax_in_fp32, kernels=kernels, variant=variant,
-                                              fused_attention=fused_attention)
+                                              core_attention=core_attention)
     return norm + column_input + qkv + tok * e * h / t + attention + hidden_mask  # + proj's input
 
 
 def core_attention_bytes(*, b: int, s: int, h: int, a: int, t: int, e: int, attention_dropout: bool,
                          softmax_in_fp32: bool = True, kernels: Kernels = CUDA_KERNELS,
-                         variant: LayerVariant = GPT2, fused_attention: bool = False) -> tuple[float, float]:
+                         variant: LayerVariant = GPT2, core_attention: str = "local") -> tuple[float, float]:
     """(Q, K and V as kept, what the core attention keeps beyond them and its output, the context
-    the proj reads) for one call on ``b`` samples without recompute.
+    the proj reads) for one call on ``b`` samples without recompute, per kernel
+    (``describe.core_attention.attention_kernel``).
 
-    Megatron's local attention keeps the queries and the keys and values repeated to the heads
-    (``_rope_qk_norm_bytes`` on top) and the s x s tensors (``score_bytes``, with its causal
-    mask). A fused kernel (``describe.core_attention``) keeps its inputs as the checkpoint of
-    selective recompute does (``_checkpoint_inputs_bytes``: the groups' keys and values, not
-    repeated), its output (the context, counted by the caller) and logsumexp; on a device without
-    a fused kernel for dropout, torch's math kernel instead (``_sdpa_math_bytes``)."""
+    ``local`` (Megatron's ``DotProductAttention``): the queries and the keys and values repeated
+    to the heads (``_rope_qk_norm_bytes`` on top), the s x s tensors (``score_bytes``) and the
+    causal mask it builds. ``fused``: its inputs as the checkpoint of selective recompute keeps
+    them (``_checkpoint_inputs_bytes``: the groups' keys and values, not repeated), its output
+    (the context, counted by the caller) and logsumexp (``logsumexp_bytes``). ``unfused`` (SDPA's
+    math kernel): ``_sdpa_math_bytes``."""
+    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
+                              fused_dropout=kernels.fused_attention_dropout)
     tok = b * s
-    fused_scores = fused_attention and keeps_scores(fused_attention=True, attention_dropout=attention_dropout,
-                                                    fused_dropout=kernels.fused_attention_dropout)
-    if fused_scores:
-        return _sdpa_math_bytes(b=b, s=s, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
-    if fused_attention:
+    per_call = per_call_bytes(s=s, h=h, a=a, e=e, variant=variant, core_attention=kernel, kernels=kernels)
+    if kernel == "unfused":
+        qkv, kept = _sdpa_math_bytes(b=b, s=s, h=h, a=a, t=t, e=e, attention_dropout=attention_dropout,
+                                     kernels=kernels, variant=variant)
+        return qkv, kept + per_call
+    if kernel == "fused":
         qkv = _checkpoint_inputs_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
-        return qkv, logsumexp_bytes(b=b, s=s, heads=a / t) + per_call_bytes(
-            s=s, h=h, a=a, e=e, variant=variant, fused_attention=True, kernels=kernels)
+        return qkv, logsumexp_bytes(b=b, s=s, heads=a / t) + per_call
     qkv = tok * e * 3 * h / t + _rope_qk_norm_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
     scores = score_bytes(b=b, s=s, a=a, t=t, e=e, attention_dropout=attention_dropout,
                          softmax_in_fp32=softmax_in_fp32, kernels=kernels)
-    return qkv, scores + per_call_bytes(s=s, h=h, a=a, e=e, variant=variant)
+    return qkv, scores + per_call
 
 
 def score_bytes(*, b: int, s: int, a: int, t: int, e: int, attention_dropout: bool, softmax_in_fp32: bool = True,
@@ -171,10 +175,31 @@ def logsumexp_bytes(*, b: int, s: int, heads: float) -> float:
     return 4 * b * heads * s
 
 
-def _sdpa_math_bytes(*, b: int, s: int, h: int, a: int, t: int, e: int, kernels: Kernels,
-                     variant: LayerVariant) -> tuple[float, float]:
-    """torch's math kernel (SDPA with dropout on CPU): placeholder until measured."""
-    raise NotImplementedError("SDPA's math kernel (dropout on CPU) is not described yet")
+SDPA_MATH_BYTES = 4
+"""SDPA's math kernel computes in fp32 whatever the inputs' dtype (torch's default
+``allow_fp16_bf16_reduction_math_sdp(False)`` upcasts fp16 / bf16; measured on CPU, assumed on CUDA)."""
+
+
+def _sdpa_math_bytes(*, b: int, s: int, h: int, a: int, t: int, e: int, attention_dropout: bool,
+                     kernels: Kernels, variant: LayerVariant) -> tuple[float, float]:
+    """(Q, K and V as kept, the scores) of SDPA's math kernel, in ``SDPA_MATH_BYTES`` elements
+    (measured on CPU): the scaled queries and the scaled keys repeated to the heads; the values as
+    given (a view of QKV's output, whose storage stays) when they need neither a cast nor a
+    repeat, else their fp32 copy; the softmax output and, with dropout, its mask and the
+    dropped-out probabilities (the mask as a float tensor), b a s^2 / t each. Neither RoPE's
+    rotated queries and keys nor a causal mask are kept. QK-norm keeps its statistics and its
+    input (a view of QKV's output)."""
+    c, tok = SDPA_MATH_BYTES, b * s
+    heads = c * tok * h / t  # one fp32 tensor of the rank's query heads
+    grouped = (variant.query_groups or a) != a
+    values_as_given = e == c and not grouped
+    qkv_output = e * tok * variant.qkv_rows(h, a) / t
+    kept = 2 * heads + (0 if values_as_given else heads)
+    if values_as_given or variant.qk_norm:
+        kept += qkv_output
+    if variant.qk_norm:
+        kept += _qk_norm_beyond_input(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
+    return kept, (3 if attention_dropout else 1) * c * b * a * s * s / t
 
 
 def _norm_beyond_input(rows: float, width: int, *, e: int, kernels: Kernels, variant: LayerVariant) -> float:
@@ -229,12 +254,13 @@ def _qk_norm_beyond_input(*, tok: int, h: int, a: int, t: int, e: int, kernels: 
                               variant=variant)
 
 
-def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2, fused_attention: bool = False,
+def per_call_bytes(*, s: int, h: int, a: int, e: int, variant: LayerVariant = GPT2, core_attention: str = "local",
                    kernels: Kernels = CUDA_KERNELS) -> float:
     """What an attention call keeps whatever its batch size, built anew by every call (so once per
-    Oases sub-batch): the local attention's causal mask (s^2 bools; a fused kernel masks inside,
-    ``is_causal``, and keeps its philox state instead) and RoPE's tables (``rope_table_bytes``)."""
-    mask = kernels.fused_attention_rng if fused_attention else s * s
+    Oases sub-batch): RoPE's tables (``rope_table_bytes``) and the local attention's causal mask
+    (s^2 bools); SDPA masks inside (``is_causal``): a fused kernel keeps its philox state instead,
+    the math kernel nothing. ``core_attention``: the kernel that runs (``attention_kernel``)."""
+    mask = {"local": s * s, "fused": kernels.fused_attention_rng}.get(core_attention, 0)
     return mask + rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant)
 
 
@@ -254,14 +280,14 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      recompute_core_attention: bool = False, fused_attention: bool = False) -> float:
+                      recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
     (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
     collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens.
     ``recompute_core_attention``: Megatron's selective recompute (stock schedule only).
-    ``fused_attention``: a fused core attention (``core_attention_bytes``)."""
+    ``core_attention``: ``describe.core_attention.CORE_ATTENTIONS`` (``core_attention_bytes``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
@@ -283,13 +309,13 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     kw = dict(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, kernels=k, variant=variant,
               sequence_parallel=sp, gathered_input=sp and oases)
-    kw_attn = dict(kw, recompute_core_attention=recompute_core_attention, fused_attention=fused_attention)
+    kw_attn = dict(kw, recompute_core_attention=recompute_core_attention, core_attention=core_attention)
     kept = block_saved_bytes("attention", **kw_attn) + block_saved_bytes("mlp", **kw)
     # per block, what the executor keeps at its collectives: the all-reduce's output (in place);
     # under SP the all-gather's input chunk, the reduce-scatter's input (whole) and output chunk
     boundary = hidden + 2 * hidden / t if sp else hidden
     extra = oases_kept_beyond_stock(boundary, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
-                                    fused_attention=fused_attention, kernels=k)
+                                    core_attention=core_attention, attention_dropout=attention_dropout, kernels=k)
     return kept + (extra if oases else 0)
 
 
@@ -301,14 +327,16 @@ def sp_recomputed_bytes(hidden_state_bytes: float, *, t: int, fine_grained: bool
 
 
 def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,
-                            variant: LayerVariant = GPT2, sub_batches: int = 2, fused_attention: bool = False,
-                            kernels: Kernels = CUDA_KERNELS) -> float:
+                            variant: LayerVariant = GPT2, sub_batches: int = 2, core_attention: str = "local",
+                            attention_dropout: bool = False, kernels: Kernels = CUDA_KERNELS) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
     per block the step boundaries at its collectives that autograd does not keep
     (``hidden_state_bytes`` each: the all-reduce's output; under sequence parallelism the
     all-gather's input chunk, the reduce-scatter's whole input and its output chunk, h + 2h/t,
     measured: backward needs none of them, so the executor could drop them) and, per further
     sub-batch, what each attention call builds anew (``per_call_bytes``: the causal mask, RoPE's
-    tables)."""
+    tables; under ``core_attention`` and ``attention_dropout``'s kernel)."""
+    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
+                              fused_dropout=kernels.fused_attention_dropout)
     return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(
-        s=s, h=h, a=a, e=e, variant=variant, fused_attention=fused_attention, kernels=kernels)
+        s=s, h=h, a=a, e=e, variant=variant, core_attention=kernel, kernels=kernels)

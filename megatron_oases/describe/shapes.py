@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from .core_attention import CORE_ATTENTIONS
 from .ops import GPT2, LayerVariant, ModelingError
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -69,10 +70,12 @@ class GPTShape:
     """GPT-2's layer, or the Llama-family flags (``--group-query-attention --num-query-groups``,
     ``--swiglu``, ``--normalization``, ``--disable-bias-linear``, ``--position-embedding-type rope``,
     ``--rotary-percent``, ``--qk-layernorm``); ``variant_from_flags`` maps the flags."""
-    fused_attention: bool = False
-    """The core attention is a fused kernel that keeps no s x s tensor (SDPA on our builds with
-    ``--attention-backend flash|fused|auto``, ``--use-flash-attn``, Transformer Engine's default):
-    ``describe.core_attention.fused_attention_of`` maps the flags. The saved-bytes inventory, the
+    core_attention: str = "local"
+    """The core attention (``describe.core_attention.CORE_ATTENTIONS``): Megatron's local
+    ``DotProductAttention`` (the s x s scores kept), ``unfused`` (SDPA's math kernel, our builds'
+    ``--attention-backend unfused``) or ``fused`` (a kernel that keeps no s x s tensor: SDPA with
+    ``--attention-backend flash|fused|auto`` on our builds, ``--use-flash-attn``, Transformer
+    Engine's default); ``core_attention_of`` maps the flags. The saved-bytes inventory, the
     simulator's memory and time and the planner's memory read it."""
     grad_reduce_bytes: int = 4
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
@@ -94,8 +97,8 @@ class GPTShape:
         for name in ("hidden_dropout", "attention_dropout"):
             if not _fraction(getattr(self, name)):
                 raise self.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)!r})")
-        if not isinstance(self.fused_attention, bool):
-            raise self.error(f"fused_attention must be a bool (got {self.fused_attention!r})")
+        if self.core_attention not in CORE_ATTENTIONS:
+            raise self.error(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {self.core_attention!r})")
         if self.grad_reduce_bytes not in (2, 4):
             raise self.error(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
         if not isinstance(self.variant, LayerVariant):
@@ -109,6 +112,11 @@ class GPTShape:
     def bytes_per_element(self) -> int:
         """Bytes of one activation / weight element (``dtype``'s)."""
         return DTYPES[self.dtype]
+
+    @property
+    def fused_attention(self) -> bool:
+        """A fused core attention (the device model then prices the scores on chip)."""
+        return self.core_attention == "fused"
 
     @property
     def grad_dtype(self) -> str:

@@ -19,12 +19,12 @@ def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -
     local layer split at its all-reduces (``describe.saved.block_saved_bytes``: attention keeps
     LN1 and QKV inputs, Q, K, V, the proj input, softmax output, causal mask and, with dropout,
     its masks; MLP keeps LN2 and fc1 inputs, GeLU and fc2 inputs and its dropout mask). Under a
-    fused core attention (``GPTShape.fused_attention``) no s x s tensor, as ``sim.memory``."""
+    fused core attention (``GPTShape.core_attention``) no s x s tensor, as ``sim.memory``."""
     return block_saved_bytes(kind, b=samples, s=m.seq_length, h=m.hidden_size,
                              a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
                              e=m.bytes_per_element, hidden_dropout=m.hidden_dropout > 0,
                              attention_dropout=m.attention_dropout > 0, variant=m.variant,
-                             fused_attention=m.fused_attention)
+                             core_attention=m.core_attention)
 
 
 def _sp_block_memory(m: PlanModel, samples: int, degree: int) -> float:
@@ -35,7 +35,7 @@ def _sp_block_memory(m: PlanModel, samples: int, degree: int) -> float:
                               b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                               f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
                               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-                              variant=m.variant, sequence_parallel=True, fused_attention=m.fused_attention)
+                              variant=m.variant, sequence_parallel=True, core_attention=m.core_attention)
     return layer / 2
 
 
@@ -57,5 +57,6 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     if m.sub_batches == 2 and degree > 1:  # the Oases executor's step boundary, one per block
         full += oases_kept_beyond_stock(one, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                         e=m.bytes_per_element, variant=m.variant,
-                                        fused_attention=m.fused_attention) / 2
+                                        core_attention=m.core_attention,
+                                        attention_dropout=m.attention_dropout > 0) / 2
     return full, 2 * one

@@ -16,7 +16,7 @@ import sys
 
 from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
-from ..describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, fused_attention_of
+from ..describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, core_attention_of
 from ..describe.ops import LayerVariant
 from ..describe.shapes import GPTShape, variant_from_flags
 from ..describe.registry import BACKENDS
@@ -121,8 +121,9 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help="transformer_engine: Megatron-Core's TE layer, whose attention is fused (as --use-flash-attn)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="Megatron-LM's: flash, fused, auto run a fused kernel (SDPA on our builds, TE's with "
-                        "transformer_engine); unfused, local keep the s x s scores. Not given: fused with "
-                        "transformer_engine or --use-flash-attn, else Megatron's local (unfused) attention")
+                        "transformer_engine); unfused (SDPA's math kernel on our builds) and local keep the "
+                        "s x s scores. Not given: fused with transformer_engine or --use-flash-attn, else "
+                        "Megatron's local attention")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (--tp-backend megatron): all-gathers and "
                         "reduce-scatters instead of all-reduces, norms and residual on s/t tokens")
@@ -171,9 +172,9 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
                     tied_embeddings=not a.untie_embeddings_and_output_weights,
                     hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
                     variant=_variant(a),
-                    fused_attention=fused_attention_of(attention_backend=a.attention_backend,
-                                                       transformer_impl=a.transformer_impl,
-                                                       use_flash_attn=a.use_flash_attn, error=SimError),
+                    core_attention=core_attention_of(attention_backend=a.attention_backend,
+                                                     transformer_impl=a.transformer_impl,
+                                                     use_flash_attn=a.use_flash_attn, error=SimError),
                     grad_reduce_bytes=2 if dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32 else 4)
 
 

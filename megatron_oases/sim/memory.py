@@ -12,7 +12,7 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   its backward, one layer's full activations exist on top (the working set). Under selective
   recompute each layer keeps its inventory without the core attention's s^2 tensors, which one
   layer at a time has again while its backward runs. A fused core attention
-  (``GPTShape.fused_attention``: ``--use-flash-attn``, ``--attention-backend flash|fused|auto``,
+  (``GPTShape.core_attention``: ``--use-flash-attn``, ``--attention-backend flash|fused|auto``,
   Transformer Engine) keeps no s x s tensor: the same inventory functions leave those terms out
   (``describe.saved.core_attention_bytes``), so the planner's memory constraint sees the same bytes.
 * The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
@@ -63,7 +63,7 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, mesh=s.mesh)
     layer_kw = dict(a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
                     attention_dropout=m.attention_dropout > 0, variant=m.variant,
-                    fused_attention=m.fused_attention, **kw)
+                    core_attention=m.core_attention, **kw)
     full = layer_activation_bytes(s.backend, **layer_kw)
     if s.selective_recompute:  # a layer keeps no s^2 tensor; one layer's core attention exists at a time
         if s.sequence_parallel:
@@ -78,7 +78,8 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
-                                     e=m.bytes_per_element, variant=m.variant, fused_attention=m.fused_attention)
+                                     e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,
+                                     attention_dropout=m.attention_dropout > 0)
     kept = full + (beyond if oases else 0.0)
     if s.sequence_parallel:
         full, saved, kept = _sp_layer_bytes(m, s)
@@ -100,7 +101,7 @@ def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
     kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size,
               t=s.tp, e=m.bytes_per_element,
               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-              variant=m.variant, sequence_parallel=True, fused_attention=m.fused_attention)
+              variant=m.variant, sequence_parallel=True, core_attention=m.core_attention)
     schedule = "oases" if s.overlap == "oases" else "stock"
     if s.selective_recompute:  # (stock inventory, -, kept with the core attention checkpointed)
         return layer_saved_bytes(**kw), 0.0, layer_saved_bytes(recompute_core_attention=True, **kw)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..describe.core_attention import fused_attention_of
+from ..describe.core_attention import core_attention_of
 from ..describe.shapes import GPTShape, variant_from_flags
 from ..run_config import RunConfig, dtype_name, run_config
 from ..topology import Topology
@@ -58,7 +58,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
                      tied_embeddings=not cfg.untie_embeddings_and_output_weights,
                      hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant,
-                     fused_attention=_fused_attention(cfg))
+                     core_attention=_core_attention(cfg))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -75,11 +75,11 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     return model, strategy
 
 
-def _fused_attention(cfg: RunConfig) -> bool:
-    """Whether the trainer run's core attention is fused (``describe.core_attention``): its
+def _core_attention(cfg: RunConfig) -> str:
+    """The trainer run's core attention (``describe.core_attention``) from its
     ``--attention-backend`` (issue 34; a config without the field runs Megatron's local attention)."""
     backend = getattr(cfg, "attention_backend", None)  # until RunConfig.attention_backend lands
-    return fused_attention_of(attention_backend=backend, transformer_impl=cfg.megatron_lm.transformer_impl,
+    return core_attention_of(attention_backend=backend, transformer_impl=cfg.megatron_lm.transformer_impl,
                               error=SimError)
 
 
