@@ -115,17 +115,33 @@ class Bench:
         from megatron.core import parallel_state as ps
 
         from megatron_oases import train as T
-        from megatron_oases.bench_standin.standins import StandIns, calibrate, link_matching
-        from megatron_oases.parallel.collectives import CommCounter, replace_watched_collectives
 
-        a = self.a
-        tr = T.setup(trainer_args(self.rest, a.tp, schedule))
-        rt = tr.runtime
-        if tr.model and len(tr.model) != 1:
+        tr = T.setup(trainer_args(self.rest, self.a.tp, schedule))
+        if len(tr.model) != 1:
             raise SystemExit("bench_gpu_overlap.py: one process is one pipeline stage; drop the "
                              "virtual pipeline flags")
+        rt = tr.runtime
+        try:
+            return self._measure(tr)
+        finally:
+            tr = None
+            ps.destroy_model_parallel()
+            gc.collect()
+            if rt.is_cuda:
+                import torch
+
+                torch.cuda.empty_cache()
+
+    def _measure(self, tr) -> dict:
+        from megatron_oases.bench_standin.standins import StandIns, calibrate, link_matching
+        from megatron_oases.parallel.collectives import CommCounter
+
+        a, rt = self.a, tr.runtime
         batches = tr.data.train_batches(1)
-        step = lambda: _step(tr, batches, a.optimizer_step)  # noqa: E731
+
+        def step():
+            _step(tr, batches, a.optimizer_step)
+
         res = {"recompute": _recompute(tr.args), "compute": _summary(_timed(rt, step, a.warmup, a.steps))}
         with CommCounter() as counted:
             step()
@@ -137,25 +153,24 @@ class Bench:
         if self.link is None:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
         for kind in self.kinds:
-            stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
-            with replace_watched_collectives(stand):
-                with_ = _timed(rt, step, a.warmup, a.steps, before=stand.clear)
-            issued = list(stand.issued)
-            alone = _timed(rt, lambda: stand.replay(issued), 1, a.steps)
-            res[kind] = {"with_standins": _summary(with_), "standins_only": _summary(alone),
-                         "priced_ms": sum(i.ms for i in issued), "standins_per_step": len(issued),
-                         "issued": [[i.kind, i.group_size, i.payload_bytes, i.async_op] for i in issued]}
+            res[kind] = self._with_standins(rt, step, StandIns(rt, kind, self.link, self.cal, tuple(self.scratch)))
             bound = max(res["compute"]["ms"], res[kind]["standins_only"]["ms"])
             res[kind]["vs_max_compute_standin"] = res[kind]["with_standins"]["ms"] / bound
         res["peak_mem_mb"] = rt.max_memory_allocated() / 2**20
-        del tr, step, batches
-        ps.destroy_model_parallel()
-        gc.collect()
-        if rt.is_cuda:
-            import torch
-
-            torch.cuda.empty_cache()
         return res
+
+    def _with_standins(self, rt, step, stand) -> dict:
+        """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone."""
+        from megatron_oases.parallel.collectives import replace_watched_collectives
+
+        a = self.a
+        with replace_watched_collectives(stand):
+            with_ = _timed(rt, step, a.warmup, a.steps, before=stand.clear)
+        issued = list(stand.issued)
+        alone = _timed(rt, lambda: stand.replay(issued), 1, a.steps)
+        return {"with_standins": _summary(with_), "standins_only": _summary(alone),
+                "priced_ms": sum(i.ms for i in issued), "standins_per_step": len(issued),
+                "issued": [[i.kind, i.group_size, i.payload_bytes, i.async_op] for i in issued]}
 
     def run(self) -> dict:
         import torch
