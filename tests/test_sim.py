@@ -1,6 +1,7 @@
 """Simulator: device-model formulas, profile override, event dedup, timeline invariants, scale."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model, gemm_efficiency
+from megatron_oases.pricing.stack import LOCAL
 from megatron_oases.describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
@@ -148,10 +150,13 @@ def test_timeline_invariants(strat: Strategy):
     assert 0 < r.mfu < 1 and 0 <= r.bubble_fraction < 1
 
 
+no_host = dataclasses.replace(LOCAL, dispatch_us=0.0, layer_framework_us=0.0)
+
+
 @pytest.mark.parametrize("tp,pp,mb", [(2, 1, 2), (4, 2, 4), (8, 2, 2), (8, 1, 8)])
 def test_oases_never_slower_with_linear_costs(tp: int, pp: int, mb: int):
     """With costs linear in batch (no GEMM overhead, no dispatch floor, no latency) halving is free, so overlap only helps."""
-    dm = device_model(topo(lat=0.0), gemm_half_ms=0.0, dispatch_us=0.0, layer_framework_us=0.0)  # no host floor either
+    dm = device_model(topo(lat=0.0), gemm_half_ms=0.0, stack=no_host)  # no host floor either
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
                      micro_batch_size=mb)
     times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, overlap=ov),

@@ -4,10 +4,13 @@ dispatch floor, the fused-attention path, the measured GEMM ceilings, TP communi
 overrides every event."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_oases.describe.ops import Compute
 from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model
+from megatron_oases.pricing.stack import LOCAL, SoftwareStack
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.events import Strategy, build_stage_events, stage_layers, unique_events
 from megatron_oases.sim.timeline import simulate
@@ -23,8 +26,13 @@ def topo(per_node: int = 8, nodes: int = 1) -> Topology:
     return Topology(name="t", levels=tuple(lv), device="a100-80gb")
 
 
+def host(dispatch_us: float, layer_framework_us: float) -> SoftwareStack:
+    """The local stack with other host costs."""
+    return dataclasses.replace(LOCAL, dispatch_us=dispatch_us, layer_framework_us=layer_framework_us)
+
+
 def test_tiny_workload_gets_the_dispatch_floor():
-    dm = device_model(topo(), dispatch_us=5.0, layer_framework_us=20.0)
+    dm = device_model(topo(), stack=host(5.0, 20.0))
     tiny = Compute(name="attention", gemm_flops=1e3, elementwise_bytes=1e3, kernels=12)
     assert dm.gpu_compute_ms(tiny) < 0.06
     assert dm.compute_ms(tiny) == pytest.approx((12 * 5.0 + 20.0) / 1e3)
@@ -35,12 +43,12 @@ def test_tiny_workload_gets_the_dispatch_floor():
 
 
 def test_a_profile_overrides_the_floor():
-    dm = device_model(topo(), dispatch_us=50.0, layer_framework_us=0.0)
+    dm = device_model(topo(), stack=host(50.0, 0.0))
     key = "compute:attention[x]"
     tiny = Compute(name="attention", gemm_flops=1e3, kernels=12)
     assert dm.price(key, tiny, kind="compute") == pytest.approx(0.6)
     prof = ProfileDB(device="gpu", events_ms={key: 0.002})
-    assert device_model(topo(), dispatch_us=50.0, layer_framework_us=0.0, profile=prof).price(key, tiny, kind="compute") == 0.002
+    assert device_model(topo(), stack=host(50.0, 0.0), profile=prof).price(key, tiny, kind="compute") == 0.002
 
 
 def test_measured_gemm_ceilings_and_fused_attention():
@@ -84,32 +92,3 @@ def test_uneven_first_and_last_stages():
     assert simulate(m, s, device_model(topo())).iteration_ms > 0
     with pytest.raises(SimError, match="do not split"):
         build_stage_events(_model(layers=23), s, topo())
-
-
-def test_host_cost_defaults_are_the_h200_measurements():
-    """``dispatch_us`` and ``layer_framework_us`` come from the measurements checked in under
-    examples/gpu/h200-2026-11-26/ (``scripts/gpu_measure.py --what dispatch tiny``, two runs):
-    the mean eager-kernel issue time, and the mean of each multi-kernel layer event's host time
-    beyond its kernels x that (h100-1.7B's events at hidden 256, sequence 256)."""
-    import json
-    import os
-    import statistics
-
-    from megatron_oases.pricing.device_model import DeviceModel
-
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpu",
-                        "h200-2026-11-26")
-    runs = ("run1", "run2")
-
-    def load(name):
-        with open(os.path.join(here, name), encoding="utf-8") as f:
-            return json.load(f)
-
-    dispatch = statistics.mean(load(f"gpu_dispatch_{r}.json")["dispatch"]["add_us"] for r in runs)
-    beyond = [e["measured_ms"] * 1e3 - e["kernels"] * dispatch
-              for r in runs for e in load(f"gpu_tiny_{r}.json")["tiny"]
-              if e["row"] == "h100-1.7B" and e["kernels"] > 1]
-    assert len(beyond) == 8
-    defaults = {f.name: f.default for f in DeviceModel.__dataclass_fields__.values()}
-    assert abs(defaults["dispatch_us"] - dispatch) < 0.5
-    assert abs(defaults["layer_framework_us"] - statistics.mean(beyond)) < 5.0

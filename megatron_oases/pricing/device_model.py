@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from ..describe.ops import Collective, Compute, ModelingError
 from ..topology import Topology
+from .stack import LOCAL, SoftwareStack
 
 PROFILE_FORMAT = "megatron-oases-profile/2"
 
@@ -56,6 +57,10 @@ class GpuSpec:
 #  H100 SXM 80GB   (NVIDIA H100 data sheet): 989 TF bf16 (1,979 sparse), 67 TF fp32, 3.35 TB/s.
 #  RTX 3090        (GA102 whitepaper, app. A): 71 TF fp16 tensor w/ fp32 accumulate, 35.6 TF
 #                  fp32, 936 GB/s GDDR6X, 24 GB.
+#  H200 SXM 141GB (NVIDIA H200 data sheet): 989 TF bf16 dense, 67 TF fp32, 4.8 TB/s HBM3e, 141 GB;
+#                  the H100 SXM's SM array and clocks (132 SMs), so its GEMM ceiling and flash
+#                  efficiency are the H100's (our GEMM measurements on one H200, docs/gpu.md: the
+#                  H100 GEMM model within 1-11% of 93 shapes).
 #  A10 24GB        (NVIDIA A10 Tensor Core GPU data sheet, 2021): 125 TF fp16/bf16 tensor (250
 #                  sparse), 31.2 TF fp32, 600 GB/s GDDR6, 24 GB (DistSim §6's GPU).
 #
@@ -80,6 +85,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(name="a100-80gb", tensor_tflops=312.0, fp32_tflops=19.5, hbm_GBps=2039.0, memory_GB=80.0,
             gemm_efficiency=0.869, flash_attention_efficiency=0.50, sms=108),
     GpuSpec(name="h100-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=3350.0, memory_GB=80.0,
+            gemm_efficiency=0.803, flash_attention_efficiency=0.35, sms=132),
+    GpuSpec(name="h200-sxm", tensor_tflops=989.0, fp32_tflops=67.0, hbm_GBps=4800.0, memory_GB=141.0,
             gemm_efficiency=0.803, flash_attention_efficiency=0.35, sms=132),
     GpuSpec(name="rtx-3090", tensor_tflops=71.0, fp32_tflops=35.6, hbm_GBps=936.0, memory_GB=24.0, sms=82),
     GpuSpec(name="a10-24gb", tensor_tflops=125.0, fp32_tflops=31.2, hbm_GBps=600.0, memory_GB=24.0),
@@ -296,19 +303,12 @@ class DeviceModel:
     gemm_quantization: bool = True
     """Tile and wave quantization of GEMMs whose shapes the description gives
     (``Compute.gemms``, :func:`gemm_quantization`); needs the GPU's SM count."""
-    dispatch_us: float = 9.0
-    """Host-side cost of issuing one kernel in eager PyTorch (dispatcher + CUDA launch), us. The
-    host runs ahead of the GPU, so a compute event costs max(GPU time, kernels x dispatch_us +
-    framework cost): only work too small to cover its own launches is slowed. Measured on an
-    H200 host (torch 2.11: 9.5 and 8.6 us an in-place add, two runs; ``scripts/gpu_measure.py``,
-    docs/gpu.md)."""
-    layer_framework_us: float = 660.0
-    """Host-side framework cost per compute event (module call, hooks, autograd), us, added to
-    the dispatch floor of events that launch more than one kernel. Measured: Megatron-Core's
-    local layer at hidden 256, sequence 256 on an H200 (host-bound), each of its four events
-    (attention / MLP, forward / backward) minus its kernels x ``dispatch_us``, two runs: 330 to
-    1,120 us, mean 660 (``scripts/gpu_measure.py --what tiny``, docs/gpu.md). Transformer
-    Engine's layers were not measured (not installed there)."""
+    stack: SoftwareStack = LOCAL
+    """The software stack the layers run on (``pricing.stack``): kernel counts, element-wise
+    traffic, softmax precision and host cost per kernel and per event. Default ``local``: what
+    ``megatron-oases train`` runs (no Apex), measured on an H200. The host runs ahead of the GPU,
+    so a compute event costs max(GPU time, the stack's host time): only work too small to cover
+    its own launches is slowed."""
     profile: ProfileDB | None = None
     """Measured times; when given, every event must be in it (``strict``) or falls back."""
     strict_profile: bool = True
@@ -327,10 +327,8 @@ class DeviceModel:
         return max(self.gpu_compute_ms(c), self.dispatch_floor_ms(c))
 
     def dispatch_floor_ms(self, c: Compute) -> float:
-        """Host time to issue the event's kernels: kernels x ``dispatch_us`` (+ the framework cost
-        for a multi-kernel segment)."""
-        k = max(1, c.kernels)
-        return (k * self.dispatch_us + (self.layer_framework_us if k > 1 else 0.0)) / 1e3
+        """Host time to issue the event's kernels under the stack (``SoftwareStack.host_ms``)."""
+        return self.stack.host_ms(c)
 
     def gpu_compute_ms(self, c: Compute) -> float:
         peak_per_ms = self.peak_tflops * 1e9  # FLOP per ms
@@ -338,11 +336,11 @@ class DeviceModel:
         if c.gemm_flops:
             ideal = c.gemm_flops / peak_per_ms / self.gemm_utilisation(c.gemms)
             t += ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
-        ew = c.elementwise_bytes
-        if c.attention_flops and self.fused_attention and self.bytes_per_element <= 2:
+        fused = self.fused_attention and self.bytes_per_element <= 2
+        ew = self.stack.elementwise_bytes(c, scores_on_chip=fused)
+        if c.attention_flops and fused:
             # causal: half the score blocks computed, at the fused kernel's efficiency
             t += 0.5 * c.attention_flops / (peak_per_ms * self.gpu.flash_attention_efficiency)
-            ew -= c.score_bytes
         elif c.attention_flops:
             ideal = c.attention_flops / peak_per_ms
             eff = self.attention_efficiency * gemm_efficiency(

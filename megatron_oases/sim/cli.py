@@ -16,6 +16,7 @@ import sys
 
 from ..topology import TopologyError
 from ..pricing.device_model import ProfileDB, SimError, device_model
+from ..pricing.stack import stack_of
 from ..describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, core_attention_of
 from ..describe.ops import LayerVariant
 from ..describe.shapes import GPTShape, variant_from_flags
@@ -124,6 +125,10 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                         "transformer_engine); unfused (SDPA's math kernel on our builds) and local keep the "
                         "s x s scores. Not given: fused with transformer_engine or --use-flash-attn, else "
                         "Megatron's local attention")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="Megatron-LM's: torch's softmax (fp32, dtype copies) instead of Apex's fused kernel, "
+                        "the software stack `local` (pricing/stack.py); default with --transformer-impl "
+                        "local: apex-fused")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (--tp-backend megatron): all-gathers and "
                         "reduce-scatters instead of all-reduces, norms and residual on s/t tokens")
@@ -374,7 +379,9 @@ def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
     if topo is None and not world:
         raise SimError("--topology local with --search needs --gpus")
     dm = device_model(topo or resolve_topology(a.topology, world), gpu=a.gpu, profile=profile,
-                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention)
+                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
+                      stack=stack_of(transformer_impl=a.transformer_impl,
+                                     masked_softmax_fusion=a.masked_softmax_fusion, error=SimError))
     return model, strategy, dm
 
 

@@ -20,6 +20,7 @@ from ..describe.shapes import GPTShape, variant_from_flags
 from ..run_config import RunConfig, dtype_name, run_config
 from ..topology import Topology
 from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
+from ..pricing.stack import stack_of
 from .events import Strategy, build_stage_events, unique_events
 from .profiler import ProfileSettings, profile_events, resolve_topology
 from .timeline import SimResult, simulate
@@ -125,6 +126,9 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     must be in it; the error names the missing ones)."""
     model, strategy = sim_inputs_from_train_args(args, world_size)
     topo = _topology(topology or run_config(args).topology, strategy.world_size)
+    # our builds carry no Apex: the local layer runs the ``local`` stack (pricing/stack.py)
+    stack = stack_of(transformer_impl=run_config(args).megatron_lm.transformer_impl, apex=False, error=SimError)
     dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
-                     bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention)
+                     bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
+                     stack=stack)
     return simulate(model, strategy, dm, memory_limit_GB=0)

@@ -1,0 +1,135 @@
+"""The software stack a layer runs on, as part of the device (issue 35, item 1).
+
+The same layer description costs different GPU and host time under different software: how many
+kernels a segment launches, how much element-wise traffic its unfused pieces move, the precision
+of the softmax on the s x s scores and the host's cost per kernel and per layer event. Those
+numbers belong to the stack, not to the GPU, so each ``SoftwareStack`` carries its own and none
+is shared between stacks by default. Three stacks:
+
+* ``local``: Megatron-Core's local layer without Apex (what our builds, ``megatron-oases train``
+  and the H200 measurements ran): the masked softmax falls back to torch's, which upcasts the
+  scores to fp32 and adds dtype-conversion copies; every number is measured on an H200
+  (``examples/gpu/h200-2026-11-26/``, docs/gpu.md; ``tests/test_sim_stack.py`` recomputes them).
+* ``apex-fused``: Megatron-LM with Apex's fused scaled-masked softmax (fp16 / bf16 in one
+  kernel), fused LayerNorm and the fused bias-GeLU / bias-dropout-add: the layer description's
+  element-wise bytes are this stack's (``describe.megatron_1d`` counts the fused kernels' reads
+  and writes). Its host cost per layer event was not measured (no Apex on the lent GPU):
+  fitted by leave-one-source-out cross-validation (``scripts/validate_published.py``).
+* ``transformer_engine``: Megatron-Core's TE layer (LayerNorm fused into the following GEMM,
+  GEMM epilogues, fused attention by default): fewer kernels, the description's bytes less the
+  norms' separate passes; host cost fitted as for ``apex-fused``.
+
+The core attention (fused kernel or s x s scores) is a separate axis, named once in
+``describe.core_attention``: a stack with a fused core attention drops the scores' traffic
+whatever its softmax precision. Our trainer with ``--attention-backend flash|fused|auto`` is
+therefore ``local`` with a fused core attention, not a fourth stack: its layers are still the
+local ones (unfused element-wise work, eager host cost), only the core attention is SDPA.
+
+Which stack a run is on comes from Megatron's own flags (:func:`stack_of`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..describe.ops import Compute
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SoftwareStack:
+    """Per-stack costs the device model applies to a compute event (``DeviceModel.compute_ms``)."""
+
+    name: str
+    dispatch_us: float
+    """Host time to issue one kernel (dispatcher + launch), us."""
+    layer_framework_us: float
+    """Host time per multi-kernel compute event beyond its kernels (module call, hooks,
+    autograd), us."""
+    elementwise_factor: tuple[float, float] = (1.0, 1.0)
+    """Traffic moved per byte the description counts for the non-score element-wise work
+    (norms, bias, activation, dropout, residual), (forward, backward)."""
+    score_factor: tuple[float, float] = (1.0, 1.0)
+    """The same for the s x s scores' traffic (mask, softmax, dropout on the scores), (forward,
+    backward); 1 for a fused scale-mask-softmax in the layer's dtype."""
+    kernel_factor: float = 1.0
+    """Kernels per kernel of the description's count (``describe.megatron_1d`` counts the local
+    layer's)."""
+    source: str = ""
+    """Where the numbers come from (measured on what, or fitted how)."""
+
+    def kernels(self, c: Compute) -> int:
+        """Kernels the event launches under this stack (at least one)."""
+        return max(1, round(max(1, c.kernels) * self.kernel_factor))
+
+    def elementwise_bytes(self, c: Compute, *, scores_on_chip: bool) -> float:
+        """Element-wise bytes the event moves under this stack; ``scores_on_chip``: a fused core
+        attention keeps the scores on chip (their bytes dropped). The factors apply to the layer's
+        segments, the events whose kernels the description counts (``Compute.kernels`` > 0: what
+        was measured); other events (embedding, logits, optimizer) keep their bytes."""
+        scores = 0.0 if scores_on_chip else c.score_bytes
+        if c.kernels <= 0:
+            return c.elementwise_bytes - c.score_bytes + scores
+        backward = is_backward(c)
+        rest = (c.elementwise_bytes - c.score_bytes) * self.elementwise_factor[backward]
+        return rest + scores * self.score_factor[backward]
+
+    def host_ms(self, c: Compute) -> float:
+        """Host time to issue the event: kernels x ``dispatch_us`` (+ the framework cost for a
+        multi-kernel event)."""
+        k = self.kernels(c)
+        return (k * self.dispatch_us + (self.layer_framework_us if k > 1 else 0.0)) / 1e3
+
+
+def is_backward(c: Compute) -> bool:
+    """A backward event (``describe.ops.backward_of`` names it ``<forward>.bwd``)."""
+    return c.name.endswith(".bwd")
+
+
+# ---- the stacks --------------------------------------------------------------------------------
+# local, measured on one H200 (torch 2.11, Megatron-Core 0.16.1 local layer, no Apex; docs/gpu.md):
+#  dispatch_us 42.1, layer_framework_us 287: the least-squares line through the host time of the
+#    16 host-bound layer events (hidden 256, sequence 256; 5 to 24 kernels; gpu_tiny_run{1,2}.json)
+#    against their kernel counts: inside Megatron's layer a kernel costs 42 us of host time (module
+#    calls, autograd, the launch), against 9.05 us for a bare eager add (gpu_dispatch_run{1,2}.json);
+#  elementwise_factor: the MLP events' non-GEMM kernel time (torch.profiler, gpu_kernels.json)
+#    over the description's bytes at 80% of the H200's 4,800 GB/s: forward 3.74 / 3.65 / 3.55
+#    (a100-1.7B, h100-1.7B, zb-1.5B shapes), backward 3.06 / 2.34 / 2.14;
+#  score_factor: the attention events' non-GEMM time less the non-score part (at the factor
+#    above) over the score bytes: forward 4.31 / 4.59 / 4.17, backward 3.10 / 2.94 / 3.12 (torch's
+#    fp32 softmax fallback, the dtype copies around it and the unfused mask and dropout).
+LOCAL = SoftwareStack(
+    name="local", dispatch_us=42.1, layer_framework_us=287.0, elementwise_factor=(3.65, 2.51),
+    score_factor=(4.36, 3.05),
+    source="measured on an H200 (examples/gpu/h200-2026-11-26/, docs/gpu.md): Megatron-Core's local layer "
+           "without Apex")
+
+# apex-fused and transformer_engine: the description's bytes (fused kernels); host cost per kernel
+# and per event not measured (no Apex or TE on the lent GPU): the values here are the
+# cross-validated fit of docs/sim_validation.md (median over its folds; the spread is there).
+# Kernel counts from the code paths, not measured: Apex's layer launches what the description
+# counts for the local layer less the softmax fallback's copies (the description's 12 / 5 are
+# Megatron's fused-softmax path already); TE's LayerNormLinear and LayerNormMLP fold each norm
+# into its GEMM and the bias into the GEMM epilogue (attention 12 -> 7, MLP 5 -> 3: 0.6).
+APEX_FUSED = SoftwareStack(
+    name="apex-fused", dispatch_us=9.05, layer_framework_us=0.0,
+    source="fitted (leave-one-source-out, docs/sim_validation.md); kernels and bytes: the description's")
+TRANSFORMER_ENGINE = SoftwareStack(
+    name="transformer_engine", dispatch_us=9.05, layer_framework_us=0.0, kernel_factor=0.6,
+    source="fitted (leave-one-source-out, docs/sim_validation.md); kernels from TE's fused modules")
+
+STACKS: dict[str, SoftwareStack] = {s.name: s for s in (LOCAL, APEX_FUSED, TRANSFORMER_ENGINE)}
+
+
+def stack_of(*, transformer_impl: str = "local", masked_softmax_fusion: bool = True,
+             apex: bool = True, error: type[Exception] = ValueError) -> SoftwareStack:
+    """The stack Megatron's flags run: ``--transformer-impl transformer_engine`` -> TE; the local
+    layer with Megatron's default fusions and Apex present -> ``apex-fused``; the local layer with
+    ``--no-masked-softmax-fusion`` or without Apex (``apex=False``: our trainer, whose builds carry
+    no Apex) -> ``local`` (torch's fp32 softmax). TE with ``--no-masked-softmax-fusion`` is refused:
+    TE's attention takes no such flag here."""
+    if transformer_impl == "transformer_engine":
+        if not masked_softmax_fusion:
+            raise error("--no-masked-softmax-fusion applies to --transformer-impl local only")
+        return TRANSFORMER_ENGINE
+    if transformer_impl != "local":
+        raise error(f"--transformer-impl must be local or transformer_engine (got {transformer_impl!r})")
+    return APEX_FUSED if masked_softmax_fusion and apex else LOCAL
