@@ -12,8 +12,12 @@ that unit the way the source counts it:
   s_per_iteration   the simulated iteration time
   samples_per_gpu_s global batch / (iteration time x GPUs)
 
-Prints the table (row, source, measured, predicted, error %) and the median and max |error|, and
-writes ``<out>.csv`` and ``<out>.json``.
+The constants no machine here can measure (``DeviceModel.gemm_shape_factor``, the per-event host
+cost of the ``apex-fused`` and ``transformer_engine`` stacks) are fitted by leave-one-source-out
+cross-validation (``sim.crossval``): each source is predicted by a fit on the other sources only.
+Prints the table of those held-out predictions (row, source, measured, predicted, error %), the
+median and max |error|, and the fitted constants with their spread over the folds; writes
+``<out>.csv`` and ``<out>.json`` (each row with the sources its fit saw).
 
     python scripts/validate_published.py --out /tmp/validation/published
     python scripts/validate_published.py --rows a100-1.7B h100-1.7B      # a subset
@@ -31,6 +35,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_oases.pricing.stack import stack_of  # noqa: E402
+from megatron_oases.sim import crossval  # noqa: E402
 from megatron_oases.sim.published import (iteration_flops, script_parser, selected,  # noqa: E402
                                           simulate_run, write_outputs)
 
@@ -48,13 +54,17 @@ def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
         if row["source"] not in sources or row["unit"] not in UNITS:
             raise ValueError(f"row {row['id']}: unknown source {row['source']!r} or unit {row['unit']!r}")
         base = defaults.get(row["source"], {})
-        rows.append({**base, **row, "flags": {**base.get("flags", {}), **row["flags"]}})
+        flags = {**base.get("flags", {}), **row["flags"]}
+        stack = stack_of(transformer_impl=flags.get("transformer-impl", "local"),
+                         masked_softmax_fusion=not flags.get("no-masked-softmax-fusion", False)).name
+        rows.append({**base, **row, "flags": flags, "stack": stack})
     return sources, rows
 
 
-def predict_row(row: dict, sources: dict) -> dict:
-    """Simulate one row; its prediction in the row's unit and the signed error (percent)."""
-    r = simulate_run(row["topology"], row["nodes"], row["flags"])
+def predict_row(row: dict, sources: dict, tune=None) -> dict:
+    """Simulate one row (``tune``: the device model's constants of a fold, ``sim.crossval.tune``);
+    its prediction in the row's unit and the signed error (percent)."""
+    r = simulate_run(row["topology"], row["nodes"], row["flags"], tune=tune)
     model, strategy = r.model, r.strategy
     secs = r.iteration_ms / 1e3
     if row["unit"] == "s_per_iteration":
@@ -95,17 +105,55 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cross_validate(rows: list[dict], sources: dict, *, gemm_factors=crossval.GEMM_FACTORS,
+                   host_us=crossval.HOST_US) -> tuple[list[dict], list[dict], dict]:
+    """(held-out results, folds, spread): every row simulated on the grid, each source predicted
+    by the fit on the others (``sim.crossval``). A result carries the fold's ``fit_sources``."""
+    ratios = crossval.grid_errors(rows, lambda r, t: predict_row(r, sources, t)["predicted"],
+                                  gemm_factors=gemm_factors, host_us=host_us)
+    held, folds = crossval.leave_one_source_out(rows, ratios)
+    by_id = {r["id"]: r for r in rows}
+    results = []
+    for h in held:
+        row = by_id[h["id"]]
+        res = predict_row(row, sources, crossval.tune(h["gemm_shape_factor"], h["layer_framework_us"]))
+        results.append({**res, "stack": row["stack"], "fit_sources": " ".join(h["fit_sources"]),
+                        "gemm_shape_factor": h["gemm_shape_factor"], "layer_framework_us": h["layer_framework_us"]})
+    order = {r["id"]: i for i, r in enumerate(rows)}
+    return sorted(results, key=lambda r: order[r["id"]]), folds, crossval.spread(folds)
+
+
+def format_spread(spread: dict, folds: list[dict]) -> str:
+    """The fitted constants: median and range over the folds, and each fold's values."""
+    lines = ["| constant | median | min | max | folds |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {k} | {v['median']:g} | {v['min']:g} | {v['max']:g} | {v['folds']} |" for k, v in spread.items()]
+    for f in folds:
+        hosts = ", ".join(f"{k} {v:g} us" for k, v in f["layer_framework_us"].items())
+        miss = f" (no training row for {', '.join(f['unfitted'])}: the local stack's measured host cost)" if f["unfitted"] else ""
+        lines.append(f"fold without {f['held_out']}: gemm_shape_factor {f['gemm_shape_factor']:g}; {hosts}{miss}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__.splitlines()[0], DATA, "/tmp/validation/published")
+    p.add_argument("--gemm-factors", type=float, nargs="+", default=list(crossval.GEMM_FACTORS),
+                   help="candidate gemm_shape_factor values of the fit")
+    p.add_argument("--host-us", type=float, nargs="+", default=list(crossval.HOST_US),
+                   help="candidate per-event host costs (us) of each stack")
     a = p.parse_args(argv)
     sources, rows = load_rows(a.data)
     try:
         rows = selected(rows, a.rows)
     except ValueError as e:
         p.error(str(e))
-    results = [predict_row(r, sources) for r in rows]
+    if len({r["source"] for r in rows}) < 2:
+        p.error("leave-one-source-out needs rows from at least two sources")
+    results, folds, spread = cross_validate(rows, sources, gemm_factors=tuple(a.gemm_factors),
+                                            host_us=tuple(a.host_us))
     print(format_table(results))
-    write_outputs(results, summary=error_summary(results), sources=sources, source_key="source", out=a.out)
+    print(format_spread(spread, folds))
+    summary = {**error_summary(results), "fitted": spread, "folds": folds}
+    write_outputs(results, summary=summary, sources=sources, source_key="source", out=a.out)
     print(f"wrote {a.out}.csv and {a.out}.json")
     return 0
 

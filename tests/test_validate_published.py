@@ -31,7 +31,8 @@ def test_rows_load_with_sources_and_assumptions():
 def test_script_runs_three_rows_and_writes_outputs(tmp_path, capsys):
     out = str(tmp_path / "pub")
     ids = ["a100-1.7B", "a100-175B-example", "h100-1.7B"]
-    assert _script().main(["--rows", *ids, "--out", out]) == 0
+    assert _script().main(["--rows", *ids, "--out", out, "--gemm-factors", "0.85", "1.0",
+                           "--host-us", "0", "300"]) == 0
     printed = capsys.readouterr().out
     assert "median |error|" in printed and all(i in printed for i in ids)
     with open(out + ".csv", encoding="utf-8") as f:
@@ -40,6 +41,7 @@ def test_script_runs_three_rows_and_writes_outputs(tmp_path, capsys):
     with open(out + ".json", encoding="utf-8") as f:
         data = json.load(f)
     assert data["summary"]["rows"] == 3 and data["summary"]["sources"] == 3
+    assert set(data["summary"]["fitted"]) >= {"gemm_shape_factor"} and len(data["summary"]["folds"]) == 3
     assert set(data["sources"]) == {r["source"] for r in rows}
 
 
@@ -65,3 +67,33 @@ def test_zero_bubble_row_in_samples_per_gpu_and_h100_flags(tmp_path):
     h100 = next(r for r in rows if r["id"] == "h100-70B")
     assert h100["flags"]["tp-comm-overlap"] and h100["flags"]["transformer-impl"] == "transformer_engine"
     assert script.predict_row(h100, sources)["predicted"] > 0
+
+
+def test_every_reported_row_is_held_out():
+    """Leave-one-source-out: each reported prediction comes from a fit whose training rows exclude
+    the row's source (the fit recomputed here without it gives the same constants), and the
+    reported number is the row simulated with those constants."""
+    from megatron_oases.pricing.stack import LOCAL
+    from megatron_oases.sim import crossval
+
+    script = _script()
+    sources, rows = script.load_rows()
+    ids = ["a100-1.7B", "a100-3.6B", "h100-1.7B", "h100-70B", "zb-1.5B-m24", "zb-6.2B-m24"]
+    rows = [r for r in rows if r["id"] in ids]
+    grid = {"gemm_factors": (0.85, 1.0), "host_us": (0.0, 800.0)}
+    results, folds, spread = script.cross_validate(rows, sources, **grid)
+    assert sorted(r["id"] for r in results) == sorted(ids)
+    ratios = crossval.grid_errors(rows, lambda r, t: script.predict_row(r, sources, t)["predicted"], **grid)
+    for res in results:
+        assert res["source"] not in res["fit_sources"].split()
+        train = [r for r in rows if r["source"] != res["source"]]
+        f = crossval.fit(train, ratios)
+        stack = next(r["stack"] for r in rows if r["id"] == res["id"])
+        assert res["gemm_shape_factor"] == f["gemm_shape_factor"]
+        prior = min(grid["host_us"], key=lambda h: abs(h - LOCAL.layer_framework_us))  # a stack no fold row has
+        assert res["layer_framework_us"] == f["layer_framework_us"].get(stack, prior)
+        row = next(r for r in rows if r["id"] == res["id"])
+        again = script.predict_row(row, sources, crossval.tune(res["gemm_shape_factor"], res["layer_framework_us"]))
+        assert again["predicted"] == res["predicted"]
+    assert {f["held_out"] for f in folds} == {r["source"] for r in rows}
+    assert spread["gemm_shape_factor"]["folds"] == 3

@@ -25,10 +25,14 @@ def sim_argv(topology: str, nodes: int | None, flags: dict) -> list[str]:
     return argv
 
 
-def simulate_run(topology: str, nodes: int | None, flags: dict, *, optimizer_step: bool = True) -> SimResult:
+def simulate_run(topology: str, nodes: int | None, flags: dict, *, optimizer_step: bool = True,
+                 tune=None) -> SimResult:
     """Simulate one run with the analytical device model; ``optimizer_step=False`` drops the grad
-    norm and Adam (for sources that time forward + backward only)."""
+    norm and Adam (for sources that time forward + backward only); ``tune``: a function that
+    returns the device model with other constants (the cross-validation's candidate values)."""
     model, strategy, dm = simulation_inputs(build_parser().parse_args(sim_argv(topology, nodes, flags)))
+    if tune is not None:
+        dm = tune(dm)
     if not optimizer_step:
         strategy = dataclasses.replace(strategy, optimizer_step=False)
     return simulate(model, strategy, dm)
