@@ -95,10 +95,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="load iteration N of --load instead of the latest")
     g.add_argument("--verify-integrity", action=argparse.BooleanOptionalAction,
                    default=DEFAULTS.verify_integrity,
-                   help="write Megatron's integrity.json (SHA-256 of each file) as the last step of "
-                        "--save, and check it before --load starts anything (on by default here). "
-                        "The check reads the whole checkpoint once, about 1 GB/s per core; "
-                        "--no-verify-integrity skips both, e.g. for very large checkpoints")
+                   help="write integrity.json (Megatron's: SHA-256 of each file) as the last "
+                        "step of --save and check it before --load starts anything (default "
+                        "here). The check reads the whole checkpoint once before start-up, about "
+                        "1 GB/s per core; --no-verify-integrity skips both (for huge checkpoints)")
     g.add_argument("--ckpt-format", default=DEFAULTS.ckpt_format, metavar="FORMAT",
                    help="torch_dist (the only format)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action=argparse.BooleanOptionalAction,

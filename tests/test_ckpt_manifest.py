@@ -109,10 +109,10 @@ def test_save_writes_the_manifest_last(one_rank, two_ranks):
 
 def test_megatron_reads_our_manifest(two_ranks, tmp_path):
     """Megatron-Core's own check (``load(..., verify_integrity=True)``, Megatron-LM's
-    ``--verify-integrity``, 0.19 on) accepts our manifest and finds the garbled file."""
+    ``--verify-integrity``, megatron-core 0.17 on) accepts our manifest and finds a garbled file."""
     validation = pytest.importorskip("megatron.core.dist_checkpointing.validation")
     if not hasattr(validation, "verify_integrity_manifest"):
-        pytest.skip("this megatron-core has no integrity manifest (0.19 on)")
+        pytest.skip("this megatron-core has no integrity manifest (0.17 on)")
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     it = os.path.join(_copy(two_ranks[0], tmp_path / "c"), "iter_0000004")

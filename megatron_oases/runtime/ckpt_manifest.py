@@ -6,12 +6,13 @@ every structural check of ``checkpoint.check_checkpoint_files`` and fails only i
 traceback that names neither the file nor a way out. Each file's size and digest, recorded when
 the save completes and compared in the launcher before any process group, turn that into one line.
 
-The format is Megatron-Core's integrity manifest (megatron-core 0.19 ``dist_checkpointing.save(...,
-verify_integrity=True)``, Megatron-LM's ``--verify-integrity``): ``iter_N/integrity.json`` holding
-``{"algorithm": "sha256", "files": {name: hex digest}}``, here with ``"sizes"`` added (Megatron
-ignores it; a size is checked without reading the file). So Megatron-LM with ``--verify-integrity``
-verifies our checkpoints and we verify its. SHA-256 is Megatron's choice, and with the SHA
-extensions of current CPUs it is the faster of the strong digests (docs/checkpoints.md: measured).
+The format is Megatron-Core's integrity manifest (megatron-core 0.17 on:
+``dist_checkpointing.save(..., verify_integrity=True)``, Megatron-LM's ``--verify-integrity``):
+``iter_N/integrity.json`` holding ``{"algorithm": "sha256", "files": {name: hex digest}}``, here
+with ``"sizes"`` added (Megatron ignores it; a size is checked without reading the file). So
+Megatron-LM with ``--verify-integrity`` verifies our checkpoints and we verify its. SHA-256 is
+Megatron's choice; with the SHA extensions of current CPUs it is also faster than blake2b
+(docs/checkpoints.md: measured).
 
 This module reads and writes files only; ``checkpoint.py`` decides when, and words the errors.
 """
@@ -23,14 +24,14 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-MANIFEST = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME (0.19)
+MANIFEST = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME (0.17 on)
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist's writer: __RANK_N.distcp
 
 
 def file_digest(path: str) -> str:
-    """SHA-256 of the file, streamed (hashlib releases the GIL, so threads hash files in parallel)."""
+    """SHA-256 of the file, streamed (hashlib releases the GIL: threads hash files in parallel)."""
     h = hashlib.new(ALGORITHM)
     with open(path, "rb", buffering=0) as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
