@@ -28,7 +28,7 @@ NOTE = ("loss values are meaningless: one process is rank 0 of a fake TP world, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_gpu_overlap.py", description=__doc__.split("\n\n")[0],
+        prog="bench_gpu_overlap.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
         epilog="Every other flag goes to the reference trainer (megatron-oases train --help): "
                "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, "
                "--num-layers, --bf16, --device, --recompute-granularity, ...")
