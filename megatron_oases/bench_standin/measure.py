@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Bench(a, rest).run()
     print_report(out)
     if a.out:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
     return 0
