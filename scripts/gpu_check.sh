@@ -90,7 +90,10 @@ if want mfu; then
     done
   done
 fi
-want overlap && step overlap 150 $PY scripts/bench_gpu_overlap.py --device "$DEVICE" ${OVERLAP_ARGS:-} --out "$OUT/json/overlap_standin.json"
+if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other trainer flags)
+  if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
+  step overlap 150 $PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}" --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
+fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"
 
 RECOMP=(--recompute-granularity full --recompute-method uniform)
