@@ -111,6 +111,11 @@ class RunConfig:
     num_query_groups: int | None = None
     add_bias_linear: bool = True
     qk_layernorm: bool = False
+    attention_backend: str = "auto"
+    """Megatron-LM's ``--attention-backend`` value (a name; its namespace holds an ``AttnBackend``):
+    the core attention of our builds, ``layers.core_attention.core_attention_class``. ``auto``
+    (torch's SDPA kernels) is measured faster than ``local`` (Megatron's DotProductAttention) on
+    CPU at the test and medium sizes (docs/architecture.md)."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
@@ -195,7 +200,10 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
     if isinstance(args, RunConfig):
         return args
 
-    return RunConfig(**options_present(args, FLAT_FIELDS),
+    flat = options_present(args, FLAT_FIELDS)
+    if "attention_backend" in flat:  # Megatron-LM's parser stores AttnBackend members
+        flat["attention_backend"] = getattr(flat["attention_backend"], "name", flat["attention_backend"])
+    return RunConfig(**flat,
                      megatron_lm=MegatronLMOptions(**options_present(args, MEGATRON_LM_FIELDS)))
 
 

@@ -21,8 +21,11 @@ from megatron_oases.vocab import padded_vocab_size
 def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
                                  cuda: bool) -> TransformerConfig:
     """Map the trainer's (Megatron-named) flags onto Megatron-Core's TransformerConfig."""
+    from megatron.core.transformer.enums import AttnBackend
+
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     oases = oases_runs(args)
+    cfg = run_config(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -45,6 +48,8 @@ def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
         qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        # ATP and 3-D attention pick their core attention from it (layers/core_attention.py)
+        attention_backend=AttnBackend[cfg.attention_backend],
         init_method_std=args.init_method_std,
         # The Oases schedule recomputes by itself (OasesOptions); Megatron's must stay off then.
         recompute_granularity=None if oases else args.recompute_granularity,
@@ -92,8 +97,14 @@ def layer_spec(args: argparse.Namespace | RunConfig, groups=None):
     """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
     cfg = run_config(args)
     if cfg.tp_backend == "megatron":
+        from megatron_oases.layers.core_attention import core_attention_class
+
         spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm,
                                         normalization=cfg.normalization)
+        # --attention-backend: Megatron's local spec with the run's core attention (the Oases
+        # tapes and planned layers build on this spec, so they take it too)
+        spec.submodules.self_attention.submodules.core_attention = core_attention_class(
+            cfg.attention_backend)
         if cfg.oases_layer_degrees:
             from megatron_oases.layers.planned_layer import planned_layer_spec
 

@@ -113,6 +113,10 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="normalise queries and keys per head (--normalization's kind)")
     g.add_argument("--hidden-dropout", type=float, default=DEFAULTS.hidden_dropout)
     g.add_argument("--attention-dropout", type=float, default=DEFAULTS.attention_dropout)
+    from megatron_oases.layers.core_attention import BACKEND_HELP, BACKENDS
+
+    g.add_argument("--attention-backend", choices=BACKENDS, default=DEFAULTS.attention_backend,
+                   help=BACKEND_HELP)
     g.add_argument("--init-method-std", type=float, default=DEFAULTS.init_method_std)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
@@ -359,6 +363,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> Para
                           f"than --seq-length {args.seq_length}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    from megatron_oases.layers.core_attention import check_backend
+
+    check_backend(args.attention_backend, cuda=cuda, half=args.bf16 or args.fp16)
     _check_loss_scale(args)
     if args.gradient_accumulation_fusion:
         from megatron.core.tensor_parallel import layers

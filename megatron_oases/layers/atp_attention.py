@@ -7,15 +7,16 @@ Dataflow on a ``d1 x d2`` mesh, hidden states ``[s, b, h]`` in the between-layer
 |------------------------------|----------------------|-------------------------|-------------------|
 | linear_qkv (column-first)    | [s, b, 3h/d1]        | [Shard(h), Replicate]   | f1: AR axis 2     |
 | scatter heads over axis 2    | [s, b, 3h/N]         | [Shard(h), Shard(h)]    | bwd: AG axis 2    |
-| core attention (Megatron's)  | [s, b, h/N]          | fully sharded by head   | none              |
+| core attention               | [s, b, h/N]          | fully sharded by head   | none              |
 | gather heads over axis 2     | [s, b, h/d1]         | [Shard(h), Replicate]   | fwd: AG axis 2    |
 | linear_proj (row-first)      | [s, b, h/d2]         | [Replicate, Shard(h)]   | f2: AR axis 1     |
 
 Megatron lays QKV rows out head by head (``[q_h, k_h, v_h]`` per head), so contiguous splits of
 ``out`` keep heads whole: the rank at TP position ``r = i d2 + j`` owns heads
-``[r nh/N, (r+1) nh/N)``, exactly Megatron's TP head partition. The core is Megatron's own
-``DotProductAttention`` built on the whole TP group (so heads per partition = ``nh / N``); it
-draws attention dropout under ``get_cuda_rng_tracker().fork()``. ``linear_proj``'s bias is
+``[r nh/N, (r+1) nh/N)``, exactly Megatron's TP head partition. The core is the one of
+``--attention-backend`` (``config.attention_backend``; ``layers/core_attention.py``: SDPA, or
+Megatron's ``DotProductAttention`` for ``local``) built on the whole TP group (so heads per
+partition = ``nh / N``); it draws attention dropout under ``get_cuda_rng_tracker().fork()``. ``linear_proj``'s bias is
 returned, not added, so the layer's bias-dropout-add sees ``(output, bias)`` as with Megatron.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_oases.layers import refuse_unsupported
+from megatron_oases.layers.core_attention import core_attention_class
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
@@ -68,7 +70,6 @@ class ATPSelfAttention(torch.nn.Module):
         super().__init__()
         accept_submodule_kwargs("ATPSelfAttention", megatron_kwargs)
         from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType
 
         check_megatron_config(config, mesh_groups, "ATPSelfAttention")
@@ -99,7 +100,7 @@ class ATPSelfAttention(torch.nn.Module):
         self.q_layernorm, self.k_layernorm = qk_norms(config, self.head_dim)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
-        self.core_attention = DotProductAttention(
+        self.core_attention = core_attention_class(config.attention_backend)(
             config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
             attention_type="self", pg_collection=pg_collection)
         self.linear_proj = linear_proj
@@ -125,7 +126,7 @@ class ATPSelfAttention(torch.nn.Module):
     def core(self, qkv, attention_mask=None, attention_bias=None, rotary_pos_emb=None):
         """Local math between the head split and the head gather: own groups' QKV rows
         ``[s, b, (heads + 2 groups) hd / N]`` -> context ``[s, b, h/N]`` (QK-norm, rotary
-        embeddings, Megatron's core attention; no collective)."""
+        embeddings, the core attention; no collective)."""
         query, key, value = split_own_heads(qkv, self.head_dim, self.heads_per_group,
                                             self.q_layernorm, self.k_layernorm, rotary_pos_emb,
                                             self.config)

@@ -10,22 +10,24 @@ over the input and weight directions):
 |--------------------------------|----------------------|-------------------------------|-----------------------|
 | input                          | [s, b/p^2, h/p]      | samples (x, y) / hidden (z)   |                       |
 | linear_qkv (Linear3D, y -> z)  | [s, b/p^2, 3h/p]     | samples (x, z) / heads (y)    | AG y, AG x, RS z; bias|
-| core attention (Megatron's)    | [s, b/p^2, h/p]      | nh/p heads of b/p^2 samples   | none                  |
+| core attention                 | [s, b/p^2, h/p]      | nh/p heads of b/p^2 samples   | none                  |
 | linear_proj (Linear3D, z -> y) | [s, b/p^2, h/p]      | samples (x, y) / hidden (z)   | AG z, AG x, RS y; bias|
 
 Megatron lays QKV rows out head by head (``[q_h, k_h, v_h]``), and ``linear_qkv``'s weight rows
 are split by y into contiguous blocks, so rank ``(i, j, l)`` computes heads
 ``[j nh/p, (j+1) nh/p)`` for samples block ``i p + l``: every (sample, head) pair exactly once on
-the cube. The core is Megatron's ``DotProductAttention`` built on the y group (heads per partition
-``nh / p``); it draws attention dropout under ``get_cuda_rng_tracker().fork()``, which differs per
-TP rank, so the p^3 blocks get independent masks. Biases are added inside the linears (Algorithm
-7), so ``forward`` returns ``(output, None)`` and the layer's bias-dropout-add just drops and adds.
+the cube. The core is the one of ``--attention-backend`` (``config.attention_backend``;
+``layers/core_attention.py``) built on the y group (heads per partition ``nh / p``); it draws
+attention dropout under ``get_cuda_rng_tracker().fork()``, which differs per TP rank, so the
+p^3 blocks get independent masks. Biases are added inside the linears (Algorithm 7), so
+``forward`` returns ``(output, None)`` and the layer's bias-dropout-add just drops and adds.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_oases.layers import refuse_unsupported
+from megatron_oases.layers.core_attention import core_attention_class
 from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sharded_state_dict
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.mcore_compat import accept_submodule_kwargs
@@ -108,7 +110,6 @@ class SelfAttention3D(torch.nn.Module):
         super().__init__()
         accept_submodule_kwargs("SelfAttention3D", megatron_kwargs)
         from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType
 
         groups = cube_groups
@@ -132,7 +133,7 @@ class SelfAttention3D(torch.nn.Module):
         heads.tp = groups.group("y")
         # Megatron's order (core attention, proj, then QKV), so CPU-initialised masters are the
         # same draws as stock's
-        self.core_attention = DotProductAttention(
+        self.core_attention = core_attention_class(config.attention_backend)(
             config=config, layer_number=layer_number, attn_mask_type=self.attn_mask_type,
             attention_type="self", pg_collection=heads)
         self.linear_proj = linear_3d(config, proj, config.hidden_size, groups,

@@ -12,6 +12,14 @@ Sites are visited in the same order by both sub-batches, and the first arrival d
 draws per generator happen in stock order. Attention dropout runs inside Megatron's RNG-tracker
 fork, so its draws come from the tracker's stream, as in stock.
 
+A fused attention kernel (SDPA, ``layers/core_attention.py``) draws its dropout inside the kernel,
+so no mask can be shared: each sub-batch draws its own. On CPU torch fills the mask in element
+order and the batch is the leading dim, so the sub-batches' consecutive draws are stock's draw;
+CUDA's kernels seed by (batch, head) position, so there the masks differ from stock's (same
+statistics; ``--attention-backend local`` shares stock's mask). ``kernel_rng`` keeps the generator
+state before each sub-batch's draw and restores it around the recompute's call, so recompute
+(fine-grained or full) redraws exactly the forward's mask.
+
 Masks are kept as ``bool`` (a quarter of a bf16 mask's bytes, an eighth of fp32) and applied as
 ``x * keep * 1/(1-p)`` with the scale in fp32, as CUDA's fused dropout scales: a bf16 mask of
 ``1/(1-p)`` would round the scale itself (1.109375 instead of 1.1111 at p = 0.1). The draw still
@@ -42,6 +50,8 @@ class MicroBatchMasks:
         """site -> [scaled full mask, sub-batches still to use it]; freed after the last one."""
         self._states: dict = {}
         """site -> generator state before the forward draw (for the recompute redraw)."""
+        self._kernel_states: dict = {}
+        """(site, sub-batch) -> generator state before a fused kernel's own draw (``kernel_rng``)."""
 
     def keep_mask(self, site, x: torch.Tensor, batch_dim: int, p: float, sub: int,
                   recompute: bool, last_dim_shard: tuple[int, int] = (1, 0),
@@ -74,6 +84,24 @@ class MicroBatchMasks:
         start = k * sum(self.sizes) + self.starts[sub]
         mask = entry[0].narrow(batch_dim, start, self.sizes[sub])
         return mask if n == 1 else mask.narrow(-1, j * x.shape[-1], x.shape[-1])
+
+
+    @contextlib.contextmanager
+    def kernel_draw(self, site, sub: int, recompute: bool, device):
+        """Around a kernel that draws its own dropout for sub-batch ``sub``: the forward keeps the
+        generator state; the recompute draws from that state and leaves the generator as it was."""
+        key = (site, sub)
+        if not recompute:
+            if self.redraw:
+                self._kernel_states[key] = get_rng_state(device)
+            yield
+            return
+        current = get_rng_state(device)
+        set_rng_state(self._kernel_states.pop(key), device)
+        try:
+            yield
+        finally:
+            set_rng_state(current, device)
 
 
 @dataclasses.dataclass
@@ -130,6 +158,16 @@ def dropout(x: torch.Tensor, p: float, training: bool, site, batch_dim: int,
     a = _ACTIVE[-1]
     keep = a.masks.keep_mask(site, x, batch_dim, p, a.sub, a.recompute, last_dim_shard, batch_shard)
     return apply_keep_mask(x, keep, p)
+
+
+def kernel_rng(site, device):
+    """Context for a fused kernel's own dropout draw at ``site`` (set as the SDPA core
+    attention's ``dropout_rng`` by the Oases tape): inside the executor, the sub-batch's draw is
+    kept and replayed in recompute (``MicroBatchMasks.kernel_draw``); outside it, nothing."""
+    if not _ACTIVE:
+        return contextlib.nullcontext()
+    a = _ACTIVE[-1]
+    return a.masks.kernel_draw(site, a.sub, a.recompute, device)
 
 
 class SubBatchDropout(torch.nn.Module):

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Union
 
 import torch
 
-from megatron_oases.schedules.oases.dropout import SubBatchDropout, dropout
+from megatron_oases.schedules.oases.dropout import SubBatchDropout, dropout, kernel_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,9 +247,7 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
              "fuse their own collectives)")
     _require(attn.linear_proj.skip_bias_add and mlp.linear_fc2.skip_bias_add,
              "row-parallel linears must return their bias (skip_bias_add)")
-    core = attn.core_attention
-    if isinstance(getattr(core, "attention_dropout", None), torch.nn.Dropout):
-        core.attention_dropout = SubBatchDropout(core.attention_dropout.p, (index, "attention"))
+    sub_batch_attention_dropout(attn.core_attention, index)
 
     p = layer.hidden_dropout
     proj_bias, fc2_bias = attn.linear_proj.bias, mlp.linear_fc2.bias
@@ -323,6 +322,21 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
     return steps, linears
 
 
+def sub_batch_attention_dropout(core, index: int) -> None:
+    """Attention dropout of layer ``index``'s core attention under the executor: Megatron's
+    ``DotProductAttention`` (``--attention-backend local``) applies the micro-batch's shared mask
+    (``SubBatchDropout``, stock's bits); the SDPA core draws per sub-batch inside its kernel and
+    replays each draw in recompute (``kernel_rng``)."""
+    site = (index, "attention")
+    if isinstance(getattr(core, "attention_dropout", None), torch.nn.Dropout):
+        core.attention_dropout = SubBatchDropout(core.attention_dropout.p, site)
+    elif hasattr(core, "dropout_rng"):
+        core.dropout_rng = functools.partial(kernel_rng, site)
+    elif getattr(getattr(core, "config", None), "attention_dropout", 0.0):
+        raise UnsupportedLayer(f"layer {index}: attention dropout of {type(core).__name__} cannot "
+                               "be replayed in recompute; use --attention-backend local or auto")
+
+
 def layer_tape(layer, index: int) -> LayerTape:
     """The tape of a ``TransformerLayer`` of any supported TP backend (ATP or Megatron 1-D)."""
     from megatron_oases.layers.atp_spec import ATPTransformerLayer
@@ -369,7 +383,7 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
         qkv          ln1 -> qkv_p      column-first GEMM
         qkv.g        all-reduce on axis 2 (f1) -> qkv_sum, + bias -> qkv
         heads.split  qkv -> qkv_own    own heads (bwd: all-gather on axis 2)
-        core         qkv_own -> ctx_own  Megatron's core attention
+        core         qkv_own -> ctx_own  the core attention (--attention-backend)
         heads.gather ctx_own -> ctx    all-gather on axis 2 (bwd: own chunk)
         proj.f.bwd   grad(ctx) all-reduced on axis 2
         proj         ctx -> proj_p     row-first GEMM; proj.g: all-reduce on axis 1 (f2)
@@ -397,9 +411,7 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
              "row-first linears must return their bias (skip_bias_add)")
     mg = layer.mesh_groups
     axis2, d2, j = mg.group(2), mg.mesh.d2, mg.index(2)
-    core = attn.core_attention
-    if isinstance(getattr(core, "attention_dropout", None), torch.nn.Dropout):
-        core.attention_dropout = SubBatchDropout(core.attention_dropout.p, (index, "attention"))
+    sub_batch_attention_dropout(attn.core_attention, index)
     p = layer.hidden_dropout
 
     def bda(x, bias, residual, site):
