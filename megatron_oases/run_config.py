@@ -41,6 +41,8 @@ class MegatronLMOptions:
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: Any = None
     transformer_impl: str = "local"
+    spec: Any = None
+    """Megatron-LM's ``--spec`` (a module and function name, or ``local``)."""
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     recompute_activations: bool = False

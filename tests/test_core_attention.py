@@ -12,8 +12,8 @@
   Oases without recompute (each sub-batch's kernel draw is replayed). Each sub-batch draws its own
   mask inside the kernel; on CPU torch fills a dropout mask in element order, so the two
   sub-batches' draws (leading batch dim) are stock's draw of the whole micro-batch and Oases equals
-  stock (to GEMM rounding; checked here). CUDA's kernels seed by (batch, head) position, so there
-  the masks differ from stock's (same statistics); ``--attention-backend local`` shares stock's
+  stock (to GEMM rounding; checked here). On CUDA that holds for the flash and efficient kernels,
+  not for cuDNN's (``schedules/oases/dropout.py``); ``--attention-backend local`` shares stock's
   mask on every device (tests/test_oases_schedule.py).
 """
 from __future__ import annotations

@@ -69,3 +69,40 @@ def test_builds_of():
     assert options.builds_of(argparse.Namespace(**ns)) == {"oases", "atp"}
     assert options.builds_of(argparse.Namespace(schedule="default", oases_plan="p.json",
                                                 tp_backend="megatron")) == {"plan"}
+
+
+def _backend_parser():
+    from megatron.core.transformer.enums import AttnBackend
+
+    p = megatron_like_parser()
+    # Megatron-LM's own definitions (megatron.training.arguments, 0.16-0.19)
+    p.add_argument("--attention-backend", type=lambda name: AttnBackend[name],
+                   default=AttnBackend.auto)
+    p.add_argument("--spec", type=str, default=None, nargs="*")
+    return extra_args_provider(p)
+
+
+@pytest.mark.parametrize("extra, refused", [
+    (["--attention-backend", "flash"], None),  # CPU here: torch's CPU kernels
+    (["--attention-backend", "unfused"], None),
+    (["--attention-backend", "local", "--spec", "local"], None),
+    (["--attention-backend", "local"], "add --spec local"),  # Megatron-LM would assert
+    (["--spec", "my.module", "my_spec"], "does not support --spec"),
+])
+def test_attention_backend_is_honoured_or_refused(extra, refused, capsys, monkeypatch):
+    """``--attention-backend`` picks our builds' core attention (no longer gated by
+    ``--transformer-impl``); ``--spec local`` (which Megatron-LM wants with ``local``) passes."""
+    from megatron_oases.run_config import run_config
+
+    assert options.classes()["attention_backend"] == "model"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    argv = BASE + ["--tensor-model-parallel-size", "4", "--schedule", "oases", *extra]
+    if refused is None:
+        args = _backend_parser().parse_args(argv)
+        assert run_config(args).attention_backend == (extra[1] if extra[0] != "--spec" else "auto")
+        return
+    with pytest.raises(SystemExit):
+        _backend_parser().parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and refused in err[0], err

@@ -28,12 +28,15 @@ Semantics kept from ``DotProductAttention``:
   scores by the layer number and its fp32 softmax multiplies them back, the same product; SDPA's
   kernels accumulate in fp32, so the scale is used as is.
 * GQA: query head ``i`` uses key/value group ``i // (np / ng)`` (Megatron's ``repeat_interleave``),
-  through ``enable_gqa`` (the k / v are expanded for the cuDNN / efficient kernels).
+  through ``enable_gqa``; on CUDA the k / v are expanded instead for ``fused`` and for fp32, since
+  the memory-efficient kernel has no ``enable_gqa`` (measured on an H100, torch 2.11: fp32 GQA
+  fell to the math kernel, slower than ``local``).
 * Dropout: drawn by SDPA inside the model-parallel RNG tracker's fork (not under sequence
   parallelism, where the block already forked), as ``DotProductAttention`` draws it, so Megatron's
-  recompute (``CheckpointFunction`` restores the tracker) redraws the same mask. The Oases
-  executor splits a micro-batch into sub-batches and recomputes per sub-batch: it sets
-  ``dropout_rng`` (``schedules/oases/dropout.kernel_rng``) to keep and replay each draw.
+  recompute (``CheckpointFunction`` restores the tracker) redraws the same mask (every kernel
+  redraws from a restored generator state: CPU, and CUDA's flash, efficient and cuDNN kernels on an
+  H100). The Oases executor splits a micro-batch into sub-batches and recomputes per sub-batch: it
+  sets ``dropout_rng`` (``schedules/oases/dropout.kernel_rng``) to keep and replay each draw.
 * No parameters: ``softmax_type`` other than vanilla and sliding windows need ``local``.
 """
 from __future__ import annotations
@@ -156,7 +159,9 @@ class SDPAttention(torch.nn.Module):
         causal, mask = sdpa_mask(attention_mask, mask_type, sq, key.shape[0])
         kernels = _kernel_sets()[self.kernels]["cuda" if query.is_cuda else "cpu"]
         gqa = np_ != key.shape[2]
-        if gqa and self.kernels == "fused" and query.is_cuda:  # no enable_gqa in these kernels
+        if gqa and query.is_cuda and (self.kernels == "fused" or query.dtype == torch.float32):
+            # CUDA's memory-efficient kernel (fp32's only fused one) has no enable_gqa: expand
+            # the groups as DotProductAttention does (else fp32 GQA falls to the math kernel)
             key = key.repeat_interleave(np_ // key.shape[2], dim=2)
             value = value.repeat_interleave(np_ // value.shape[2], dim=2)
             gqa = False

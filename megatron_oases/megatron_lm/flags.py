@@ -244,6 +244,7 @@ def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
         raise ConfigError(f"{what} builds torch layers, not Transformer Engine ones: pass "
                           f"--transformer-impl local (and run the stock baseline with "
                           f"--transformer-impl local too, for a comparison of TP schemes only)")
+    _check_attention_backend(cfg, what)
     pos = cfg.position_embedding_type
     if pos not in ("learned_absolute", "rope", "none"):
         raise ConfigError(f"{what} builds GPTModel through megatron_oases.specs, which supports "
@@ -261,6 +262,21 @@ def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
     if args.schedule == "oases" and mlm.tp_comm_overlap:
         raise ConfigError("--schedule oases overlaps the TP collectives itself; drop "
                           "--tp-comm-overlap (Transformer Engine's userbuffer overlap)")
+
+
+def _check_attention_backend(cfg: RunConfig, what: str) -> None:
+    """``--attention-backend`` picks our builds' core attention (``layers/core_attention``).
+    Megatron-LM's ``validate_args`` accepts ``local`` only with ``--spec local``: say so in one
+    line before it asserts; and refuse a kernel the run cannot use (flash in fp32 on CUDA)."""
+    import torch
+
+    from megatron_oases.layers.core_attention import check_backend
+
+    if cfg.attention_backend == "local" and cfg.megatron_lm.spec != ["local"]:
+        raise ConfigError(f"{what} with --attention-backend local: Megatron-LM's validate_args "
+                          f"accepts it only with --spec local (its local layer spec, which our "
+                          f"builds use); add --spec local")
+    check_backend(cfg.attention_backend, cuda=torch.cuda.is_available(), half=cfg.bf16 or cfg.fp16)
 
 
 def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:

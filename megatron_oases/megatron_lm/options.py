@@ -36,11 +36,14 @@ MODEL = frozenset({
     "max_position_embeddings", "untie_embeddings_and_output_weights", "position_embedding_type",
     "rotary_base", "rotary_percent", "rope_type", "fp16", "bf16", "params_dtype", "seed",
     "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "perform_initialization",
-    "use_cpu_initialization", "transformer_impl",
+    "use_cpu_initialization", "transformer_impl", "attention_backend",
 })
 """Honoured by every build: our layers read them from the config, or they act in Megatron's own
-modules that every build keeps (embedding, ``DotProductAttention``, norms, output layer, loss,
-Float16Module). ``transformer_impl`` and ``position_embedding_type`` are checked in ``flags``."""
+modules that every build keeps (embedding, the core attention, norms, output layer, loss,
+Float16Module). ``transformer_impl`` and ``position_embedding_type`` are checked in ``flags``;
+``attention_backend`` picks every build's core attention (``layers/core_attention.py``: SDPA
+kernels, or Megatron's ``DotProductAttention`` for ``local``), and ``flags`` refuses a value the
+run cannot honour."""
 
 SHARED = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
@@ -123,7 +126,7 @@ GATED = {
         "hybrid_context_parallel", "cp_comm_type")},
     **{name: "position_embedding_type" for name in ("mrope_section",)},
     **{name: "transformer_impl" for name in (
-        "attention_backend", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag",
+        "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag",
         "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs",
         "tp_comm_bootstrap_backend", "symmetric_ar_type", "log_max_attention_logit",
         "use_kitchen_attention", "kitchen_attention_backend", "init_model_with_meta_device",
@@ -216,6 +219,11 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
 """``dest: (flag, builds that refuse it)``: refused when the run uses one of those builds and the
 option differs from Megatron-LM's default."""
 
+ACCEPTED_VALUES = {"spec": (["local"],)}
+"""Values of a refused option that ask for what our builds do anyway: ``--spec local`` names
+Megatron's local layer spec, which our builds assemble their layers on, and Megatron-LM's
+``validate_args`` requires it with ``--attention-backend local``."""
+
 PROVIDER = frozenset({"record_memory_history", "memory_snapshot_path"})
 """Read by the checkout's ``model_provider``, which builds our models too
 (``ModelProvider`` hands it our builder in place of ``gpt_builder``)."""
@@ -290,6 +298,8 @@ def refusal(args: argparse.Namespace, defaults: dict | None, what: str) -> str |
         if not (builds & refused_by) or name not in values:
             continue
         value = values[name]
+        if any(value == ok for ok in ACCEPTED_VALUES.get(name, ())):
+            continue
         set_ = (value != defaults[name]) if defaults and name in defaults else bool(value)
         if set_:
             return (f"{what} builds its own layers and does not support {flag}; drop one of "

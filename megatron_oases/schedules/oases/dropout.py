@@ -13,10 +13,11 @@ draws per generator happen in stock order. Attention dropout runs inside Megatro
 fork, so its draws come from the tracker's stream, as in stock.
 
 A fused attention kernel (SDPA, ``layers/core_attention.py``) draws its dropout inside the kernel,
-so no mask can be shared: each sub-batch draws its own. On CPU torch fills the mask in element
-order and the batch is the leading dim, so the sub-batches' consecutive draws are stock's draw;
-CUDA's kernels seed by (batch, head) position, so there the masks differ from stock's (same
-statistics; ``--attention-backend local`` shares stock's mask). ``kernel_rng`` keeps the generator
+so no mask can be shared: each sub-batch draws its own. The batch is the kernel's leading dim, and
+torch's CPU dropout and CUDA's flash and memory-efficient kernels draw in position order, so the
+sub-batches' consecutive draws are stock's draw of the whole micro-batch (measured: CPU; flash and
+efficient on an H100, torch 2.11); cuDNN's (what ``auto`` picks for bf16 on an H100) are not (same
+statistics; ``--attention-backend local`` shares stock's mask on every device). ``kernel_rng`` keeps the generator
 state before each sub-batch's draw and restores it around the recompute's call, so recompute
 (fine-grained or full) redraws exactly the forward's mask.
 
