@@ -82,6 +82,14 @@ def attention_kernel(core_attention: str, *, attention_dropout: bool, fused_drop
     return core_attention
 
 
+def draws_in_kernel(core_attention: str) -> bool:
+    """Whether the attention dropout is drawn inside the kernel (SDPA, fused or math), so that no
+    mask can be shared between the Oases executor's sub-batches: it keeps the generator state of
+    each sub-batch's draw for the recompute (``schedules/oases/dropout.kernel_rng``; measured),
+    where Megatron's local attention draws one mask per micro-batch (one state)."""
+    return core_attention != "local"
+
+
 def keeps_scores(kernel: str) -> bool:
     """Whether the core attention ``kernel`` (``attention_kernel``'s) keeps s x s tensors for
     backward: every kernel but a fused one."""

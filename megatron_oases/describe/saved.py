@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .core_attention import attention_kernel
+from .core_attention import attention_kernel, draws_in_kernel
 from .ops import GPT2, LayerVariant
 
 
@@ -301,8 +301,9 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
             kept = sp_recomputed_bytes(hidden, t=t, fine_grained=oases and fine_grained)
         else:
             kept = hidden * (3 if oases and fine_grained else 1)
-        if oases:  # one generator state per dropout site, for the redraw
-            kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout)
+        if oases:  # one generator state per dropout site (per sub-batch where SDPA draws), for the redraw
+            draws = sub_batches if draws_in_kernel(core_attention) else 1
+            kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout * draws)
         return kept
     # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
     k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
