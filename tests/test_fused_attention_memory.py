@@ -116,3 +116,17 @@ def test_fused_attention_never_keeps_more(mode):
     unfused = simulate(model, s, dm)
     fused = simulate(dataclasses.replace(model, core_attention="fused"), s, dm)
     assert all(f.activations < u.activations for u, f in zip(unfused.memory, fused.memory, strict=True))
+
+
+@pytest.mark.parametrize("backend, kind", [("local", "local"), ("unfused", "unfused"), ("auto", "fused")])
+def test_predict_reads_the_trainers_attention_backend(backend, kind):
+    """``sim --predict`` prices the trainer run's core attention (its ``--attention-backend``)."""
+    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser as train_parser
+
+    args = train_parser().parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                      "--seq-length", "32", "--vocab-size", "256", "--micro-batch-size", "2",
+                                      "--global-batch-size", "4", "--device", "cpu", "--tensor-model-parallel-size",
+                                      "2", "--attention-backend", backend])
+    model, _ = sim_inputs_from_train_args(args, world_size=2)
+    assert model.core_attention == kind

@@ -1,6 +1,7 @@
 """What one Megatron 1-D layer keeps for backward, per micro-batch, per schedule and recompute
-mode: the inventory of tensors Megatron-Core's local layer (the spec every megatron_oases run
-uses: torch norms, unfused softmax, no flash attention) saves, counted by storage.
+mode: the inventory of tensors Megatron-Core's local layer (torch norms) saves, counted by
+storage, for each core attention (``describe.core_attention``; the first paragraphs are
+Megatron's local ``DotProductAttention``, the SDPA ones follow).
 
 Per token, a layer keeps: each norm's input (e h) and statistics (LayerNorm mean and rstd,
 RMSNorm rstd; on CPU RMSNorm also its normalised input), the QKV and fc1 inputs (e h each), Q,
@@ -43,8 +44,25 @@ s 16, h 32, 4 heads: + 10,240 bytes a layer for RoPE, + 10,240 for QK-norm, + 12
 (the rotated q and k replace the normalised ones); under the Oases schedule + 2,048 more for
 RoPE's second sub-batch. For CUDA the same torch ops run (no RoPE fusion, local spec), so the
 same inventory with ``CUDA_KERNELS``' fp32 statistics and a fused RMSNorm that keeps no
-normalised input is assumed (not measured). ``tests/test_saved_bytes_budget.py`` checks every
-number here against saved-tensor hooks.
+normalised input is assumed (not measured).
+
+Under SDPA (``--attention-backend flash|fused|auto|unfused`` on our builds; ``core_attention_bytes``)
+no causal mask is built (``is_causal``) and the kernel that runs decides the rest. A fused kernel
+(CPU flash: ``auto`` without dropout; CUDA flash, assumed) keeps its inputs as the checkpoint of
+selective recompute does (QKV's output, which V views; the rotated or normalised queries and keys
+under RoPE or QK-norm; under GQA the groups' keys and values, not repeated: ``enable_gqa``), its
+output, which is the context the proj keeps (allocated in the query's layout, so the context is
+a view), and logsumexp (4 bytes per rank head and token); no s x s tensor. Measured at TP 2,
+fp32, b 4, s 16, h 32, 4 heads, stock: 83,456 bytes a layer against the local attention's 91,392
+(Llama with GQA, RoPE on half of each head and QK-norm: 137,984 against 152,064). SDPA's math
+kernel (``unfused``, and on CPU ``auto`` with dropout, which the CPU flash kernel lacks:
+``Kernels.fused_attention_dropout``) computes in fp32: it keeps the scaled queries and keys
+(repeated to the heads), the values as given when they need no cast nor repeat (else an fp32
+copy), the fp32 softmax output and, with dropout, its fp32 mask and the dropped-out
+probabilities: 99,328 bytes without dropout, 132,096 with (the local attention 124,160, which
+keeps e-byte probabilities and masks). The Oases recompute keeps SDPA's dropout generator state
+per sub-batch (``draws_in_kernel``). ``tests/test_saved_bytes_budget.py`` checks every number
+here against saved-tensor hooks, for each of these kernels.
 """
 from __future__ import annotations
 
