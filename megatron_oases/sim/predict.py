@@ -77,10 +77,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
 
 
 def _core_attention(cfg: RunConfig) -> str:
-    """The trainer run's core attention (``describe.core_attention``) from its
-    ``--attention-backend`` (issue 34; a config without the field runs Megatron's local attention)."""
-    backend = getattr(cfg, "attention_backend", None)  # until RunConfig.attention_backend lands
-    return core_attention_of(attention_backend=backend, transformer_impl=cfg.megatron_lm.transformer_impl,
+    """The trainer run's core attention (``describe.core_attention``) from its ``--attention-backend``."""
+    return core_attention_of(attention_backend=cfg.attention_backend, transformer_impl=cfg.megatron_lm.transformer_impl,
                               error=SimError)
 
 
