@@ -125,11 +125,14 @@ def test_profile_contention_roundtrip_and_simulation(tmp_path):
     s = Strategy(tp=2, pp=2, num_microbatches=4)
     topo = local_topology(4)
     dm = device_model(topo, gpu="a100-80gb")
-    base = simulate(TINY, s, dm, memory_limit_GB=0)
     from megatron_oases.sim.timeline import price_events
 
     price = price_events(build_stage_events(TINY, s, topo), dm)
     comp = [k for k in price if k.startswith("compute:")]
+    # the base: the same prices as a profile without contention (a profile's events hold their
+    # host time, so unlike the analytical model it lets no host issue run ahead)
+    base = simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=ProfileDB(device="x", events_ms=price)),
+                    memory_limit_GB=0)
     # equal levels: contention changes nothing
     same = ProfileDB(device="x", events_ms=price, contention={k: {2: price[k], 4: price[k]} for k in comp})
     p = tmp_path / "p.json"
@@ -321,5 +324,7 @@ def test_loaded_collectives_lengthen_a_pipelined_stock_step():
         cont = {**comp, **{k: {2: price[k], 4: factor * price[k]} for k in ars}}
         return simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=ProfileDB(
             device="x", events_ms=price, contention=cont)), memory_limit_GB=0).iteration_ms
-    assert step(1.0) == pytest.approx(simulate(TINY, s, dm, memory_limit_GB=0).iteration_ms)
+    plain = ProfileDB(device="x", events_ms=price)  # the same prices without contention
+    assert step(1.0) == pytest.approx(simulate(TINY, s, device_model(topo, gpu="a100-80gb", profile=plain),
+                                               memory_limit_GB=0).iteration_ms)
     assert step(3.0) > step(1.0)

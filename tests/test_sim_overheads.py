@@ -92,3 +92,23 @@ def test_uneven_first_and_last_stages():
     assert simulate(m, s, device_model(topo())).iteration_ms > 0
     with pytest.raises(SimError, match="do not split"):
         build_stage_events(_model(layers=23), s, topo())
+
+
+def test_host_issues_ahead_of_the_gpu_across_collectives():
+    """A host-bound event's issue overlaps the collective before it (the host does not wait for an
+    async all-reduce): two events of 1 ms host, 0.1 ms GPU around a 0.6 ms all-reduce take 2 ms
+    (the host's), not 1 + 0.6 + 1; a GPU-bound template is unchanged."""
+    from megatron_oases.describe.ops import Collective
+    from megatron_oases.pricing.event import Event
+    from megatron_oases.sim.timeline import run_template
+
+    a = Event(key="compute:a", name="a", kind="compute", op=Compute(name="a", gemm_flops=1.0))
+    ar = Event(key="comm:ar", name="ar", kind="collective",
+               op=Collective(name="ar", kind="all_reduce", axis="tp", group_size=2, payload_bytes=1))
+    b = Event(key="compute:b", name="b", kind="compute", op=Compute(name="b", gemm_flops=1.0))
+    price = {"compute:a": 1.0, "comm:ar": 0.6, "compute:b": 1.0}
+    assert run_template((a, ar, b), 1, price).duration == pytest.approx(2.6)
+    host = {"compute:a": (0.1, 1.0), "compute:b": (0.1, 1.0)}
+    assert run_template((a, ar, b), 1, price, host=host).duration == pytest.approx(2.0)
+    gpu_bound = {"compute:a": (1.0, 0.1), "compute:b": (1.0, 0.1)}
+    assert run_template((a, ar, b), 1, price, host=gpu_bound).duration == pytest.approx(2.6)

@@ -450,6 +450,16 @@ class DeviceModel:
         assert isinstance(op, Collective)
         return self.collective_ms(op.kind, op.payload_bytes, ranks)
 
+    def host_split(self, key: str, op: Compute | Collective | None, *, kind: str) -> tuple[float, float] | None:
+        """(GPU ms, host ms) of an analytically priced compute event, for a timeline that lets the
+        host issue ahead of the GPU (``timeline.run_template``); None for a collective, P2P, or an
+        event the profile measured (its time already holds the host's share)."""
+        if kind != "compute" or not isinstance(op, Compute):
+            return None
+        if self.profile is not None and key in self.profile.events_ms:
+            return None
+        return self.gpu_compute_ms(op), self.dispatch_floor_ms(op)
+
     def price(self, key: str, op: Compute | Collective | None, *, kind: str, nbytes: float = 0.0,
               ranks: tuple[int, ...] = (), hidden_by: Compute | None = None) -> float:
         """Measured time when the profile has ``key``, else the analytical one; a collective

@@ -49,18 +49,36 @@ def _loss(ratios: list[float]) -> float:
     return sum(math.log(x) ** 2 for x in ratios)
 
 
+TIE = 1e-9
+"""Losses closer than this are equal: the rows cannot tell those host costs apart."""
+
+
+def prior_host_us(hosts) -> float:
+    """The grid point nearest the one measured host cost per layer event (the local stack's,
+    Megatron's eager layer on an H200; pricing/stack.py)."""
+    from ..pricing.stack import LOCAL
+
+    return min(hosts, key=lambda h: abs(h - LOCAL.layer_framework_us))
+
+
 def fit(rows: list[dict], ratios: dict[str, dict[tuple[float, float], float]]) -> dict:
     """The grid point that minimises the rows' squared log error: one GEMM factor for all rows,
-    one host cost per stack (``row["stack"]``); a stack without rows keeps None."""
+    one host cost per stack (``row["stack"]``); a stack without rows keeps None. Where a stack's
+    rows fit several host costs equally (GEMM-bound rows: the host issues ahead and its cost never
+    shows), the data say nothing, so the measured prior (``prior_host_us``) is taken among them,
+    not the grid's smallest value."""
     stacks = sorted({r["stack"] for r in rows})
     points = next(iter(ratios.values())).keys()
     gemms, hosts = sorted({g for g, _ in points}), sorted({h for _, h in points})
+    prior = prior_host_us(hosts)
     best = None
     for g in gemms:
         total, chosen = 0.0, {}
         for st in stacks:
             mine = [r["id"] for r in rows if r["stack"] == st]
-            loss, h = min((_loss([ratios[i][(g, h)] for i in mine]), h) for h in hosts)
+            losses = {h: _loss([ratios[i][(g, h)] for i in mine]) for h in hosts}
+            loss = min(losses.values())
+            h = min((h for h, v in losses.items() if v <= loss + TIE), key=lambda h: abs(h - prior))
             total += loss
             chosen[st] = h
         if best is None or total < best[0]:
@@ -73,12 +91,9 @@ def leave_one_source_out(rows: list[dict], ratios: dict[str, dict[tuple[float, f
     fold that left its source out, with that fold's training sources (``fit_sources``); a stack
     no training row informs takes the grid point nearest the host cost measured for the local
     stack (the one measured prior; stated in the fold as ``unfitted``)."""
-    from ..pricing.stack import LOCAL
-
     sources = sorted({r["source"] for r in rows})
     results, folds = [], []
-    hosts = sorted({h for _, h in next(iter(ratios.values())).keys()})
-    prior = min(hosts, key=lambda h: abs(h - LOCAL.layer_framework_us))
+    prior = prior_host_us(sorted({h for _, h in next(iter(ratios.values())).keys()}))
     for held in sources:
         train = [r for r in rows if r["source"] != held]
         if not train:

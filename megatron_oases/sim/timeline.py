@@ -117,7 +117,8 @@ class SimResult:
 
 
 def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float],
-                 overlapped: dict[str, float] | None = None) -> Template:
+                 overlapped: dict[str, float] | None = None,
+                 host: dict[str, tuple[float, float]] | None = None) -> Template:
     """Compute and comm streams, ``chains`` sub-batches; each op waits for its chain's previous op.
 
     chains=1 is the stock executor (compute waits on every collective, except that a collective
@@ -128,6 +129,15 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
     section) is the event's duration while the other stream is busy: an op progresses at
     ``1 / overlapped`` while both streams run and at ``1 / price`` alone (where ranks share
     cores, an in-flight collective and the compute slow each other down).
+
+    ``host[key]`` = (GPU ms, host ms) of an analytically priced compute event: the host issues
+    the events in program order without waiting for the GPU (collectives, async in Megatron and
+    Oases, cost it nothing), so an event ends at ``max(start + GPU, host done issuing it)`` and
+    starts no earlier than the host began issuing it. Host time thus overlaps the collectives and
+    the GPU time of earlier events instead of adding to them: a host-bound layer between two
+    all-reduces costs max(host, GPU + all-reduce), not their sum. Without ``host`` each event
+    costs its price (``max(GPU, host)``, issued on its own). Every template starts with the host
+    at its start (conservative: no run-ahead across micro-batches or pipeline sends).
     """
     ops = [("compute" if ev.kind == "compute" else "comm", ev, c) for ev in events for c in range(chains)]
     if chains > 1 and overlapped:
@@ -135,9 +145,15 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
     free = {"compute": 0.0, "comm": 0.0}
     prev = [0.0] * chains
     slots, busy = [], {"compute": 0.0, "comm": 0.0}
+    host_t = 0.0
     for stream, ev, c in ops:
         d = price[ev.key]
         start = max(free[stream], prev[c])
+        split = host.get(ev.key) if host else None
+        if split is not None:  # issued by the host from host_t on, run on the GPU when issued
+            start = max(start, host_t)
+            host_t += split[1]
+            d = max(split[0], host_t - start)
         end = start + d
         if ev.beside is not None and slots and slots[-1].chain == c and slots[-1].stream == "compute":
             # launched async before the compute's tail (its weight gradient); the next op waits for both
@@ -155,13 +171,14 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
 
 
 def run_segments(segments: tuple[tuple[tuple[Event, ...], int], ...], price: dict[str, float],
-                 overlapped: dict[str, float] | None = None) -> Template:
+                 overlapped: dict[str, float] | None = None,
+                 host: dict[str, tuple[float, float]] | None = None) -> Template:
     """A chunk's forward or backward: its segments' templates one after the other (the Oases
     executor's sub-batches join before the output layer and after the embedding)."""
     slots: list[Slot] = []
     t = compute = comm = 0.0
     for events, chains in segments:
-        seg = run_template(events, chains, price, overlapped)
+        seg = run_template(events, chains, price, overlapped, host)
         slots += [sl._replace(start=sl.start + t) for sl in seg.slots]
         t, compute, comm = t + seg.duration, compute + seg.compute_busy, comm + seg.comm_busy
     return Template(slots=tuple(slots), duration=t, compute_busy=compute, comm_busy=comm)
@@ -309,6 +326,17 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
             for k, e in uniq.items()}
 
 
+def host_splits(stages: list[StageEvents], device: DeviceModel) -> dict[str, tuple[float, float]]:
+    """(GPU ms, host ms) of each analytically priced compute event with a host cost: the templates
+    let the host issue ahead of the GPU (``run_template``); measured events keep their price."""
+    out = {}
+    for k, e in unique_events(stages).items():
+        split = device.host_split(k, e.op, kind=e.kind)
+        if split is not None and split[1] > 0:
+            out[k] = split
+    return out
+
+
 def events_done(t: Template, segments: tuple[tuple[tuple[Event, ...], int], ...], n: int) -> float:
     """When ``t`` (run from ``segments``) has finished its first ``n`` events on every sub-batch:
     the templates keep one slot per event and sub-batch, in event order."""
@@ -429,6 +457,7 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
     (the numbers are the same; a search needs no trace)."""
     stages = build_stage_events(model, strategy, device.topology)
     price = price_events(stages, device)
+    host = host_splits(stages, device)
     s = strategy
     cache: dict[tuple, Template] = {}
     overlapped = dict(device.profile.overlapped) if device.profile is not None else {}
@@ -436,7 +465,7 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
     def template(segments: tuple[tuple[tuple[Event, ...], int], ...]) -> Template:
         k = tuple((chains, *(e.key for e in evs)) for evs, chains in segments)  # middle stages share theirs
         if k not in cache:
-            cache[k] = run_segments(segments, price, overlapped)
+            cache[k] = run_segments(segments, price, overlapped, host)
         return cache[k]
     templates = tuple(tuple((template(ch.forward_segments), template(ch.backward_segments))
                             for ch in st.chunks) for st in stages)
