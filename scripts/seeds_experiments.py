@@ -96,6 +96,14 @@ def in_unit(r: SimResult, unit: str) -> float:
     return 1.0 / secs
 
 
+def topology_path(topology: str) -> str:
+    """A run's topology: a built-in name, or a YAML file next to the rows (a paper's machine that
+    only these rows use, e.g. ``topologies/atp-machine-b.yaml``)."""
+    if topology.endswith((".yaml", ".yml")):
+        return os.path.join(os.path.dirname(DATA), topology)
+    return topology
+
+
 class Simulator:
     """Simulates each named run once (rows share runs)."""
 
@@ -105,7 +113,7 @@ class Simulator:
     def result(self, name: str) -> SimResult:
         if name not in self.cache:
             run = self.runs[name]
-            self.cache[name] = simulate_run(run["topology"], run.get("nodes"), run["flags"],
+            self.cache[name] = simulate_run(topology_path(run["topology"]), run.get("nodes"), run["flags"],
                                             optimizer_step=run.get("optimizer_step", True))
         return self.cache[name]
 
