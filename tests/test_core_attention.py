@@ -193,7 +193,7 @@ def test_standard_causal_mask_is_detected_once():
     assert CA.is_standard_causal(other)
 
 
-def test_flag_mapping_and_refusals():
+def test_flag_mapping_and_refusals(cpu_runtime):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
 

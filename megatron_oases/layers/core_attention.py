@@ -49,10 +49,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS
 from megatron_oases.parallel.dims import ConfigError
-
-BACKENDS = ("flash", "fused", "unfused", "local", "auto")
-"""Megatron-LM's ``--attention-backend`` values (``AttnBackend``), all accepted by our builds."""
 
 FLAG = "--attention-backend"
 
