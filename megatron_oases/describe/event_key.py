@@ -3,7 +3,22 @@ from __future__ import annotations
 
 from typing import Union
 
+from .core_attention import CORE_ATTENTIONS
 from .ops import GPT2, LayerVariant
+
+
+def attention_tag(core_attention: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """Key suffix and dims naming the layer's core attention (``describe.core_attention``): an
+    SDPA kernel (``fused``, ``unfused``) costs other times than Megatron's local
+    ``DotProductAttention``, so their events must never share a key (a profile measured with one
+    must not price a run with the other). Megatron's local attention keeps no tag: profiles taken
+    before the kind was named were local-attention timings whatever the run's flags, and their
+    keys keep meaning that."""
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {core_attention!r})")
+    if core_attention == "local":
+        return "", ()
+    return f"_{core_attention}attn", (("attn", core_attention),)
 
 
 def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
@@ -23,12 +38,15 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
 
 def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
                 mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
-                chains: int, variant: LayerVariant = GPT2, sequence_parallel: bool = False
-                ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
+                chains: int, variant: LayerVariant = GPT2, sequence_parallel: bool = False,
+                core_attention: str = "local") -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
     the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
-    dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data. Sequence parallelism (norms and residual work on s/t tokens)
-    adds ``_sp`` and ``("sp", 1)``; other layers keep their keys."""
+    dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data.
+    Sequence parallelism (norms and residual work on s/t tokens) adds ``_sp`` and ``("sp", 1)``;
+    an SDPA core attention (``core_attention`` fused or unfused, every backend: the ATP and 3-D
+    layers take it too) ``attention_tag``'s suffix and ``("attn", kind)``; other layers keep
+    their keys."""
     mesh_tag = f"m{mesh[0]}x{mesh[1]}" if backend == "atp" else "cube" if backend == "3d" else ""
     tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
     d1, d2 = mesh if backend == "atp" and mesh else (t, 1)
@@ -39,6 +57,7 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
                  ("norm", variant.normalization), ("bias", int(variant.bias)))
         if variant.rotary or variant.qk_norm:  # earlier Llama profiles keep their dims
             dims += (("rope", variant.rotary_percent if variant.rotary else 0.0), ("qkn", int(variant.qk_norm)))
+    attn_tag, attn_dims = attention_tag(core_attention)
     sp = sequence_parallel and t > 1
-    dims += (("sp", 1),) if sp else ()
-    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}{'_sp' if sp else ''}", dims
+    dims += attn_dims + ((("sp", 1),) if sp else ())
+    return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}{attn_tag}{'_sp' if sp else ''}", dims

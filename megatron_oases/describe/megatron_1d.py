@@ -1,14 +1,35 @@
 """Megatron's 1-D TP layer, its output layer's weight gradient and Megatron's async pairings."""
 from __future__ import annotations
 
+from .core_attention import attention_kernel
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, backward_of
+from .saved import CUDA_KERNELS
+
+LOCAL_CORE_KERNELS = 5
+"""Forward kernels of Megatron's local core attention in eager PyTorch: the scores GEMM, the
+fused scale-mask-softmax, the attention dropout, the context GEMM and the context's transpose
+copy back to ``[s, b, h]`` (SDPA's math kernel, ``unfused``, launches as many: its scores GEMM,
+softmax, dropout, context GEMM and the copy out of its ``[b, np, s, d]`` output)."""
+FUSED_CORE_KERNELS = 1
+"""A fused kernel (SDPA flash / efficient / cuDNN) does all of it in one launch, dropout
+included, and writes its output in the query's layout, so the context is a view (no copy;
+``describe.core_attention``)."""
+
+
+def core_kernels(core_attention: str, *, attention_dropout: bool) -> int:
+    """Forward kernels of the core attention ``core_attention`` (``describe.core_attention``) runs
+    on CUDA (``CUDA_KERNELS``: a fused kernel keeps dropout on chip)."""
+    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
+                              fused_dropout=CUDA_KERNELS.fused_attention_dropout)
+    return FUSED_CORE_KERNELS if kernel == "fused" else LOCAL_CORE_KERNELS
 
 
 def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int,
                           tp: int, bytes_per_element: int = 4, sequence_parallel: bool = False,
                           keeps_gathered_input: bool = False,
                           variant: LayerVariant = GPT2, attention_dropout: bool = False,
-                          hidden_dropout: bool = False, recompute_core_attention: bool = False) -> LayerDescription:
+                          hidden_dropout: bool = False, recompute_core_attention: bool = False,
+                          core_attention: str = "local") -> LayerDescription:
     """Megatron's TP layer: [LN, QKV, core, proj] g [LN, fc1, act, fc2] g (g = all-reduce);
     in backward the f before each block all-reduces the input gradient. ``variant``: GQA shrinks
     QKV's output to the queries plus a key and a value per group; SwiGLU doubles fc1's output
@@ -24,7 +45,13 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
 
     ``recompute_core_attention`` (Megatron's ``--recompute-granularity selective``, its default
     ``recompute_modules`` ``core_attn``): the backward reruns the core attention's forward
-    (:func:`core_attention`, no collective) before the attention block's backward."""
+    (:func:`core_attention`, no collective) before the attention block's backward.
+
+    ``core_attention`` (``describe.core_attention.CORE_ATTENTIONS``, ``GPTShape.core_attention``):
+    the kernels the core attention launches (:func:`core_kernels`: 12 forward kernels in the
+    attention segment under Megatron's local one or SDPA's math kernel, 8 under a fused kernel).
+    The FLOPs and the score traffic are the same numbers: the device model prices a fused kernel's
+    scores on chip (``DeviceModel.fused_attention``)."""
     if hidden % tp or heads % tp or ffn % tp:
         raise ValueError(f"hidden {hidden}, heads {heads}, ffn {ffn} must be divisible by TP {tp}")
     sp = sequence_parallel and tp > 1
@@ -41,20 +68,21 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     # LN, residual, GeLU; a gated unit reads gate and up and writes their product
     ew_mlp = bytes_per_element * (4 * residual + (5 if variant.gated else 2) * b * s * f // t) + mask
     # kernels of Megatron's local layer in eager PyTorch (forward): attention = norm, QKV GEMM,
-    # bias, q/k/v split copies (3), scores GEMM, fused scale-mask-softmax, attention dropout,
-    # context GEMM, context transpose copy, proj GEMM, bias-dropout-add (12); mlp = norm, fc1
-    # GEMM, bias-activation, fc2 GEMM, bias-dropout-add (5). ``backward_of`` doubles them.
+    # bias, q/k/v split copies (3), the core attention (``core_kernels``: 5 local, 1 fused),
+    # proj GEMM, bias-dropout-add (12 local, 8 fused); mlp = norm, fc1 GEMM, bias-activation,
+    # fc2 GEMM, bias-dropout-add (5). ``backward_of`` doubles them.
+    core = core_kernels(core_attention, attention_dropout=attention_dropout)
     # GEMMs (M, N, K) on the rank's b*s tokens (the whole sequence: SP gathers it first)
     attn_gemms = ((b * s, variant.qkv_rows(h, heads) // t, h), (b * s, h, h // t))  # QKV, proj
     mlp_gemms = ((b * s, variant.fc1_rows(f) // t, h), (b * s, h, f // t))  # fc1, fc2
     attn = Compute(name="attention",
                    gemm_flops=2 * b * s * h * (variant.qkv_rows(h, heads) // t) + 2 * b * s * (h // t) * h,
                    attention_flops=4 * b * s * s * h // t, elementwise_bytes=ew_attn,
-                   score_bytes=score_bytes, kernels=12, gemms=attn_gemms)
+                   score_bytes=score_bytes, kernels=7 + core, gemms=attn_gemms)
     mlp = Compute(name="mlp", gemm_flops=2 * b * s * h * (variant.fc1_rows(f) // t) + 2 * b * s * (f // t) * h,
                   elementwise_bytes=ew_mlp, kernels=5, gemms=mlp_gemms)
     # under selective recompute the core attention's forward runs again right before its backward
-    attn_bwd = ((core_attention(b=b, s=s, hidden=h, t=t, score_bytes=score_bytes),)
+    attn_bwd = ((core_attention_recompute(b=b, s=s, hidden=h, t=t, score_bytes=score_bytes, kernels=core),)
                 if recompute_core_attention else ()) + (backward_of(attn),)
     if t == 1:
         return LayerDescription(backend="megatron", forward=(attn, mlp),
@@ -73,13 +101,16 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     return LayerDescription(backend="megatron", forward=fwd, backward=bwd)
 
 
-def core_attention(*, b: int, s: int, hidden: int, t: int, score_bytes: float) -> Compute:
-    """Megatron's core attention forward on this rank's heads (``DotProductAttention``: the
-    scores GEMM, the scaled masked softmax, its dropout, attention over V), the part of the
-    ``attention`` segment that selective recompute reruns in backward: the s^2 FLOPs and the
-    score traffic, no weight GEMM, no collective."""
+def core_attention_recompute(*, b: int, s: int, hidden: int, t: int, score_bytes: float,
+                             kernels: int = LOCAL_CORE_KERNELS - 1) -> Compute:
+    """The core attention forward on this rank's heads (``DotProductAttention``: the scores GEMM,
+    the scaled masked softmax, its dropout, attention over V; or one fused kernel), the part of
+    the ``attention`` segment that selective recompute reruns in backward: the s^2 FLOPs and the
+    score traffic, no weight GEMM, no collective. ``kernels``: :func:`core_kernels` (the local
+    one's rerun makes no context copy: 4; a fused kernel 1)."""
     return Compute(name=CORE_ATTENTION_RECOMPUTE, gemm_flops=0.0, attention_flops=4 * b * s * s * hidden // t,
-                   elementwise_bytes=score_bytes, score_bytes=score_bytes, kernels=4)
+                   elementwise_bytes=score_bytes, score_bytes=score_bytes,
+                   kernels=min(kernels, LOCAL_CORE_KERNELS - 1))
 
 
 CORE_ATTENTION_RECOMPUTE = "attention.core"

@@ -15,12 +15,14 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
                       hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                       schedule: str = "stock", attention_dropout: bool = False,
-                      hidden_dropout: bool = False, recompute_core_attention: bool = False) -> LayerDescription:
+                      hidden_dropout: bool = False, recompute_core_attention: bool = False,
+                      core_attention: str = "local") -> LayerDescription:
     """A backend's layer; ``sequence_parallel`` only on Megatron 1-D, whose Oases tape
     (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them.
     The dropouts' element-wise traffic is described for Megatron 1-D only, and so is
     ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
-    its core attention; the ATP and 3-D attention modules do not)."""
+    its core attention; the ATP and 3-D attention modules do not) and ``core_attention``'s kernel
+    count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels)."""
     if sequence_parallel and backend != "megatron":
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
     if recompute_core_attention and backend != "megatron":
@@ -32,7 +34,8 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
                                      sequence_parallel=sequence_parallel,
                                      keeps_gathered_input=schedule == "oases",
                                      attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
-                                     recompute_core_attention=recompute_core_attention)
+                                     recompute_core_attention=recompute_core_attention,
+                                     core_attention=core_attention)
     if backend == "atp":
         assert mesh is not None
         return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,

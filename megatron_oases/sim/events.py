@@ -382,7 +382,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
                               schedule="oases" if s.overlap == "oases" else "stock",
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
-                              recompute_core_attention=s.selective_recompute)
+                              recompute_core_attention=s.selective_recompute, core_attention=m.core_attention)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
@@ -527,7 +527,7 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
                        v=m.padded_vocab_size, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
-                       variant=m.variant, sequence_parallel=s.sequence_parallel)
+                       variant=m.variant, sequence_parallel=s.sequence_parallel, core_attention=m.core_attention)
 
 
 def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
@@ -578,7 +578,8 @@ def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, 
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
                               bytes_per_element=m.bytes_per_element, variant=m.variant,
-                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0)
+                              attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
+                              core_attention=m.core_attention)
     return megatron_blocks(layer)
 
 

@@ -1,8 +1,9 @@
 """Compute events of a Megatron 1-D TP layer, timed on a real Megatron-Core layer.
 
 One rank of a TP-t layer computes what a TP-1 layer with a/t heads (kv_channels h/a) and an f/t
-FFN computes, minus the collectives. So the profiler builds that TP-1 layer (local spec, the
-trainer's fusion settings, the event's dropout rates, dtype and layer variant: GQA, SwiGLU,
+FFN computes, minus the collectives. So the profiler builds that TP-1 layer (the trainer's spec,
+``specs.layer_spec``, with the event's core attention: ``dims['attn']``, see
+:data:`PROFILED_BACKEND`; the trainer's fusion settings, the event's dropout rates, dtype and layer variant: GQA, SwiGLU,
 RMSNorm, bias, QK-norm, and under RoPE the rotary table GPTModel hands its layers) on a private
 one-rank process group and times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
 dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU (one
@@ -17,7 +18,8 @@ add it follows):
   fc1, activation, fc2;
 * ``<block>.bwd``: their backward;
 * ``attention.core``: the layer's core attention forward alone (Megatron's ``DotProductAttention``
-  with grad on, as selective recompute reruns it in backward before the attention's backward);
+  or the SDPA module the run's ``--attention-backend`` selects, with grad on, as selective
+  recompute reruns it in backward before the attention's backward);
 * ``<block>.wgrad``: the weight gradient of the block's column-parallel linear (QKV / fc1) alone,
   Megatron's ``grad_output.t() @ input``: stock Megatron computes it while the input-gradient
   all-reduce is in flight (the simulator overlaps the two).
@@ -46,6 +48,20 @@ LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad
 EXECUTORS = ("stock", "oases")
 _PIECES = {"attention": ("bda", "ln1", "attention"), "mlp": ("bda_ln2", "mlp")}
 """Tape steps (``schedules.oases.tape``) behind each block event, in order."""
+PROFILED_BACKEND = {"local": "local", "unfused": "unfused", "fused": "auto"}
+"""The ``--attention-backend`` value the profiler builds for an event's core attention kind
+(``dims['attn']``, ``describe.event_key.attention_tag``; absent: ``local``). The key names the
+kind, not the flag: ``flash``, ``fused`` and ``auto`` all keep no scores and share the ``fused``
+kind, timed with ``auto`` (the trainer's default, torch's kernel choice: flash for bf16 / fp16 on
+an H100; on CPU all three run the same kernels)."""
+
+
+def core_attention_backend(d: dict) -> str:
+    """The ``--attention-backend`` an event's layer is built with (:data:`PROFILED_BACKEND`)."""
+    kind = str(d.get("attn", "local"))
+    if kind not in PROFILED_BACKEND:
+        raise SimError(f"event dims name core attention {kind!r}; known: {', '.join(PROFILED_BACKEND)}")
+    return PROFILED_BACKEND[kind]
 
 
 @contextlib.contextmanager
@@ -67,19 +83,23 @@ def single_rank_world():
 def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
     """The TP-1 TransformerLayer doing one TP-t rank's local work, on a private one-rank group."""
     import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
+    from megatron.core.transformer.enums import AttnBackend
+
+    from ..run_config import RunConfig
     from ..runtime import init_runtime
+    from ..specs import layer_spec
 
     if not dist.is_initialized():
         raise SimError("layer workloads need torch.distributed initialised (wrap them in single_rank_world())")
     init_runtime(device.type)
     h, a, f, t = (int(d[k]) for k in ("h", "a", "f", "t"))
     variant = variant_of(d)
+    backend = core_attention_backend(d)
     model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     config = TransformerConfig(
@@ -92,8 +112,10 @@ def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False)
-    spec = get_gpt_layer_local_spec(qk_layernorm=variant.qk_norm, normalization=variant.normalization)
+        gradient_accumulation_fusion=False, attention_backend=AttnBackend[backend])
+    # the trainer's spec path: Megatron's local spec with the run's core attention
+    spec = layer_spec(RunConfig(attention_backend=backend, qk_layernorm=variant.qk_norm,
+                                normalization=variant.normalization))
     layer = build_module(spec, config=config, layer_number=1,
                          pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
     return layer.to(device=device, dtype=dtype).train()

@@ -5,7 +5,8 @@ with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.layer_work
 rest run the synthetic ops below.
 Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv``, ...) maps to
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
-Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm), LayerNorm, GeLU, the
+Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm) or, when the dims name
+an SDPA core attention (``attn``), torch's SDPA, LayerNorm, GeLU, the
 residual adds. ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
 the forward's graph retained; ``logits.wgrad`` is the output layer's weight gradient alone.
 ``optimizer`` is the step's tail (zero grads, clip, AdamW as Megatron falls back to
@@ -14,6 +15,7 @@ over the stage's own parameter tensors (``sizes``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -42,9 +44,15 @@ class _Maker:
         return self.t(*shape, scale=0.02)
 
 
-def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask: torch.Tensor) -> torch.Tensor:
-    """Megatron's DotProductAttention (unfused): [s, b, heads * 3 hd] -> [s, b, heads * hd]."""
+def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask: torch.Tensor,
+                    kind: str = "local") -> torch.Tensor:
+    """The core attention of kind ``kind`` (``dims['attn']``, ``describe.event_key.attention_tag``)
+    on ``[s, b, heads * 3 hd]`` -> ``[s, b, heads * hd]``: Megatron's DotProductAttention
+    (unfused, ``local``) or torch's SDPA as ``layers.core_attention`` runs it (``fused``: torch's
+    kernel choice, as ``--attention-backend auto``; ``unfused``: its math kernel)."""
     q, k, v = qkv.view(s, b, heads, 3 * hd).split(hd, dim=-1)
+    if kind != "local":
+        return _sdpa_core(q, k, v, math_kernel=kind == "unfused")
     q = q.reshape(s, b * heads, hd).transpose(0, 1)
     k = k.reshape(s, b * heads, hd).transpose(0, 1)
     v = v.reshape(s, b * heads, hd).transpose(0, 1)
@@ -56,17 +64,29 @@ def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask
     return ctx.transpose(0, 1).reshape(s, b, heads * hd)
 
 
+def _sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, math_kernel: bool) -> torch.Tensor:
+    """SDPA, causal, on ``[s, b, heads, hd]`` views (``layers.core_attention.SDPAttention``'s call
+    without its module: the synthetic ATP / 3-D cores have no Megatron config)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s, b, heads, hd = q.shape
+    with sdpa_kernel([SDPBackend.MATH]) if math_kernel else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * hd)
+
+
 def _forward(name: str, d: dict, mk: _Maker) -> Forward:
     b, s, h, a, f, t = (int(d.get(k, 1)) for k in ("b", "s", "h", "a", "f", "t"))
     d1, d2, v = int(d.get("d1", t)), int(d.get("d2", 1)), int(d.get("v", 1))
     hd = h // a
+    kind = str(d.get("attn", "local"))
     if name in ("attention", "mlp", "atp.core") or name.startswith("logits"):
         mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
     if name == "attention":
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, wq, bq, wp = mk.w(h), mk.w(h), mk.w(3 * h // t, h), mk.w(3 * h // t), mk.w(h, h // t)
         return lambda: F.linear(_attention_core(F.linear(F.layer_norm(prev + res, (h,), lw, lb), wq, bq),
-                                                s, b, a // t, hd, mask), wp)
+                                                s, b, a // t, hd, mask, kind), wp)
     if name == "mlp":
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, w1, b1, w2 = mk.w(h), mk.w(h), mk.w(f // t, h), mk.w(f // t), mk.w(h, f // t)
@@ -113,7 +133,7 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
     if name == "atp.core":
         qkv = mk.t(s, b, 3 * h // d1)
         j = 0  # this rank's heads within the axis-2 group
-        return lambda: _attention_core(qkv[..., j * 3 * h // n:(j + 1) * 3 * h // n], s, b, a // n, hd, mask)
+        return lambda: _attention_core(qkv[..., j * 3 * h // n:(j + 1) * 3 * h // n], s, b, a // n, hd, mask, kind)
     if name == "atp.proj":
         x, wt = mk.t(s, b, h // d1), mk.w(h // d2, h // d1)
         return lambda: F.linear(x, wt)
@@ -144,7 +164,7 @@ def _cube_forward(name: str, d: dict, mk: _Maker) -> Forward:
     if name == "3d.core":
         qkv = mk.t(s, b // (p * p), 3 * h // p)
         mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
-        return lambda: _attention_core(qkv, s, b // (p * p), a // p, h // a, mask)
+        return lambda: _attention_core(qkv, s, b // (p * p), a // p, h // a, mask, str(d.get("attn", "local")))
     n_in, n_out = {"3d.qkv": (h, variant.qkv_rows(h, a)), "3d.proj": (h, h), "3d.fc1": (h, variant.fc1_rows(f)),
                    "3d.fc2": (f, h)}.get(name, (0, 0))
     if not n_in:
