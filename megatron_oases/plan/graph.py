@@ -104,7 +104,9 @@ def _megatron_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDes
     return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                                  heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
                                  bytes_per_element=m.bytes_per_element, variant=m.variant,
-                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches == 2)
+                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches == 2,
+                                 attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
+                                 core_attention=m.core_attention)
 
 
 def _megatron_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
@@ -191,6 +193,14 @@ def _atp_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshar
     return Reshard(forward=None, backward=op, ranks_backward=tuple(range(d2)))
 
 
+def _saved_flags(m: PlanModel) -> dict:
+    """What a layer's saved bytes depend on beyond its sizes, as the simulator passes it
+    (``sim.memory``): the dropout masks only where the dropout is on, the core attention's kind
+    (``GPTShape.core_attention``: no s x s tensor under a fused kernel) and the variant."""
+    return {"hidden_dropout": m.hidden_dropout > 0, "attention_dropout": m.attention_dropout > 0,
+            "core_attention": m.core_attention, "variant": m.variant}
+
+
 def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
@@ -199,7 +209,7 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
     d1, d2 = s.mesh
     e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
-                                   t=s.degree, e=e, mesh=s.mesh, variant=m.variant)
+                                   t=s.degree, e=e, mesh=s.mesh, **_saved_flags(m))
     both = {k: block_activation_bytes(m, k, samples, s.degree) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / d2
@@ -247,7 +257,7 @@ def _cube_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tup
     keeps its input block only (the cube runs the stock executor's full recompute)."""
     e, h, tok = m.bytes_per_element, m.hidden_size, samples * m.seq_length
     layer = layer_activation_bytes("3d", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads,
-                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None, variant=m.variant)
+                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None, **_saved_flags(m))
     both = {k: block_activation_bytes(m, k, samples, 1) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / s.degree

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
+from megatron_oases.describe.core_attention import core_attention_of
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
@@ -68,7 +69,10 @@ class PlanModel(GPTShape):
              "micro_batch_size": self.micro_batch_size, "tp": self.tp, "ffn_hidden_size": self.ffn_hidden_size,
              "vocab_size": self.padded_vocab_size, "dtype": self.dtype, "recompute": self.recompute,
              "sub_batches": self.sub_batches, "distributed_optimizer": self.distributed_optimizer,
-             "hidden_dropout": self.hidden_dropout, "attention_dropout": self.attention_dropout}
+             "hidden_dropout": self.hidden_dropout, "attention_dropout": self.attention_dropout,
+             # the kind's name is the --attention-backend value that maps back to it
+             # (``core_attention_of``: local, unfused, fused), so the file reads back the same model
+             "attention_backend": self.core_attention}
         d.update(variant_flags(self.variant))
         d["sequence_parallel"] = self.sequence_parallel
         return d
@@ -81,7 +85,7 @@ _ALIASES = {"vocab": "vocab_size", "tensor_model_parallel_size": "tp", "micro_ba
 
 FILE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp",
                "ffn_hidden_size", "vocab_size", "dtype", "recompute", "sub_batches", "distributed_optimizer",
-               "hidden_dropout", "attention_dropout", "num_query_groups", "swiglu", "normalization",
+               "hidden_dropout", "attention_dropout", "attention_backend", "num_query_groups", "swiglu", "normalization",
                "add_bias_linear", "position_embedding_type", "rotary_percent", "qk_layernorm", "sequence_parallel")
 """The keys of a ``--model`` file and of a plan file's ``inputs.model`` (``PlanModel.to_dict``)."""
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp")
@@ -111,4 +115,7 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
     variant = variant_from_flags(**{k: d.pop(k) for k in _VARIANT_FLAGS if k in d}, error=PlanError)
     if "vocab_size" in d:
         d["padded_vocab_size"] = d.pop("vocab_size")
+    # Megatron-LM's --attention-backend (describe.core_attention maps it); absent, as in plan files
+    # written before it was priced: Megatron's local attention (what they priced)
+    d["core_attention"] = core_attention_of(attention_backend=d.pop("attention_backend", None), error=PlanError)
     return PlanModel(**d, variant=variant)

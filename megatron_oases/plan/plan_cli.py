@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from ..describe.core_attention import ATTENTION_BACKENDS
 from ..run_config import check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="price Megatron's sequence parallelism at the uniform degree T only")
     p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="Megatron-LM's core attention (describe/core_attention.py): flash, fused, auto keep no "
+                        "s x s scores (SDPA on our builds), unfused and local do; not given: Megatron's local "
+                        "attention, as `megatron-oases sim` (megatron-oases train defaults to auto: pass it)")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="Oases fine-grained recompute (default on)")
     p.add_argument("--sub-batches", type=int, choices=(1, 2), default=None,
@@ -123,7 +128,7 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
             "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
             "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
-            "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
+            "attention_backend": a.attention_backend, "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
             "num_query_groups": _gqa_groups(a), "position_embedding_type": a.position_embedding_type,
             "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
             "sequence_parallel": a.sequence_parallel}
