@@ -104,11 +104,6 @@ def core_attention_class(backend) -> type:
     return _SDPA_CLASSES[name]
 
 
-def uses_sdpa(backend) -> bool:
-    """Whether ``backend`` runs SDPA (every value but ``local``)."""
-    return backend_name(backend) != "local"
-
-
 def _no_replay(device):
     return contextlib.nullcontext()
 
