@@ -56,8 +56,12 @@ def transformer_config_from_args(args: argparse.Namespace | RunConfig, *,
         recompute_method=None if oases else args.recompute_method,
         recompute_num_layers=None if oases else args.recompute_num_layers,
         use_cpu_initialization=not cuda,
-        # Fused kernels and TE/Apex paths need CUDA; the local spec uses torch ops.
-        bias_activation_fusion=False,
+        # Fused kernels and TE/Apex paths need CUDA; the local spec uses torch ops. On CUDA
+        # Megatron's own SwiGLU kernel (``bias_swiglu_impl``, no Apex needed) is 1.76x faster
+        # than eager on an H100 (docs/gpu.md, element-wise parts); its GeLU kernel (tanh GeLU,
+        # 0.91x), bias-dropout-add (0.46x) and torch.compile'd norms (0.35-0.39x) are slower.
+        # ATP and 3-D MLPs activate eagerly (their own ``activate``).
+        bias_activation_fusion=cuda and args.swiglu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,

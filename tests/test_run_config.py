@@ -104,3 +104,14 @@ def test_the_config_is_a_kw_only_frozen_dataclass():
     with pytest.raises(TypeError):
         RunConfig(4)  # type: ignore[misc]
     assert RunConfig(num_layers=8).num_layers == 8
+
+
+@pytest.mark.parametrize("swiglu,cuda,fused", [(True, True, True), (True, False, False),
+                                               (False, True, False)])
+def test_megatron_swiglu_kernel_only_on_cuda(swiglu, cuda, fused):
+    """Megatron's fused SwiGLU is on where it was measured faster (CUDA; docs/gpu.md); its
+    GeLU kernel (tanh GeLU, slower) stays off."""
+    from megatron_oases.specs import transformer_config_from_args
+
+    cfg = dataclasses.replace(DEFAULTS, swiglu=swiglu, ffn_hidden_size=4 * DEFAULTS.hidden_size)
+    assert transformer_config_from_args(cfg, cuda=cuda).bias_activation_fusion is fused
