@@ -1,11 +1,12 @@
 """Compute events of a Megatron 1-D TP layer, timed on a real Megatron-Core layer.
 
 One rank of a TP-t layer computes what a TP-1 layer with a/t heads (kv_channels h/a) and an f/t
-FFN computes, minus the collectives. So the profiler builds that TP-1 layer (the trainer's spec,
-``specs.layer_spec``, with the event's core attention: ``dims['attn']``, see
-:data:`PROFILED_BACKEND`; the trainer's fusion settings, the event's dropout rates, dtype and layer variant: GQA, SwiGLU,
-RMSNorm, bias, QK-norm, and under RoPE the rotary table GPTModel hands its layers) on a private
-one-rank process group and times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
+FFN computes, minus the collectives. So the profiler builds that TP-1 layer through the
+trainer's own config and spec (``specs.transformer_config_from_args``, ``specs.layer_spec``: its
+fusion settings, and the event's core attention, ``dims['attn']``, see :data:`PROFILED_BACKEND`),
+with the event's dropout rates, dtype and layer variant (GQA, SwiGLU, RMSNorm, bias, QK-norm, and
+under RoPE the rotary table GPTModel hands its layers), on a private one-rank process group, and
+times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
 dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU (one
 thread, b 4, TP-2 shapes) a real layer cost 14% more than they do at dropout 0.1 and 5% at
 dropout 0; through the Oases executor 23% and 15%.
@@ -82,40 +83,35 @@ def single_rank_world():
 
 def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
     """The TP-1 TransformerLayer doing one TP-t rank's local work, on a private one-rank group."""
+    import dataclasses
+
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
-
-    from megatron.core.transformer.enums import AttnBackend
 
     from ..run_config import RunConfig
     from ..runtime import init_runtime
-    from ..specs import layer_spec
+    from ..specs import layer_spec, transformer_config_from_args
 
     if not dist.is_initialized():
         raise SimError("layer workloads need torch.distributed initialised (wrap them in single_rank_world())")
     init_runtime(device.type)
     h, a, f, t = (int(d[k]) for k in ("h", "a", "f", "t"))
     variant = variant_of(d)
-    backend = core_attention_backend(d)
     model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
-    config = TransformerConfig(
-        num_layers=1, hidden_size=h, num_attention_heads=a // t, kv_channels=h // a, ffn_hidden_size=f // t,
-        num_query_groups=variant.query_groups // t if variant.query_groups else None,
-        gated_linear_unit=variant.gated, add_bias_linear=variant.bias,
-        activation_func=torch.nn.functional.silu if variant.gated else torch.nn.functional.gelu,
-        normalization=variant.normalization, qk_layernorm=variant.qk_norm,
-        hidden_dropout=float(d.get("hd", 0.0)), attention_dropout=float(d.get("ad", 0.0)),
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, attention_backend=AttnBackend[backend])
-    # the trainer's spec path: Megatron's local spec with the run's core attention
-    spec = layer_spec(RunConfig(attention_backend=backend, qk_layernorm=variant.qk_norm,
-                                normalization=variant.normalization))
+    # the trainer's config and spec (specs.py: its fusion choices, the run's core attention) for
+    # one layer with this rank's heads and FFN; kv_channels stays the model's h / a
+    run = RunConfig(num_layers=1, hidden_size=h, num_attention_heads=a // t, ffn_hidden_size=f // t,
+                    group_query_attention=variant.query_groups is not None,
+                    num_query_groups=variant.query_groups // t if variant.query_groups else None,
+                    swiglu=variant.gated, add_bias_linear=variant.bias, normalization=variant.normalization,
+                    qk_layernorm=variant.qk_norm, hidden_dropout=float(d.get("hd", 0.0)),
+                    attention_dropout=float(d.get("ad", 0.0)), bf16=dtype == torch.bfloat16,
+                    fp16=dtype == torch.float16, attention_backend=core_attention_backend(d))
+    config = dataclasses.replace(transformer_config_from_args(run, cuda=device.type == "cuda"), kv_channels=h // a)
+    spec = layer_spec(run)
     layer = build_module(spec, config=config, layer_number=1,
                          pg_collection=ProcessGroupCollection(tp=one, cp=one, pp=one))
     return layer.to(device=device, dtype=dtype).train()
