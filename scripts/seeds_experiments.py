@@ -28,7 +28,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
-from megatron_oases.sim.published import script_parser, selected, simulate_run, write_outputs  # noqa: E402
+from megatron_oases.sim.published import (script_parser, selected, simulate_run,  # noqa: E402
+                                          topology_path, write_outputs)
 from megatron_oases.sim.timeline import SimResult  # noqa: E402
 
 DATA = os.path.join(ROOT, "examples", "validation", "seeds_experiments.yaml")
@@ -96,14 +97,6 @@ def in_unit(r: SimResult, unit: str) -> float:
     return 1.0 / secs
 
 
-def topology_path(topology: str) -> str:
-    """A run's topology: a built-in name, or a YAML file next to the rows (a paper's machine that
-    only these rows use, e.g. ``topologies/atp-machine-b.yaml``)."""
-    if topology.endswith((".yaml", ".yml")):
-        return os.path.join(os.path.dirname(DATA), topology)
-    return topology
-
-
 class Simulator:
     """Simulates each named run once (rows share runs)."""
 
@@ -113,7 +106,7 @@ class Simulator:
     def result(self, name: str) -> SimResult:
         if name not in self.cache:
             run = self.runs[name]
-            self.cache[name] = simulate_run(topology_path(run["topology"]), run.get("nodes"), run["flags"],
+            self.cache[name] = simulate_run(topology_path(run["topology"], DATA), run.get("nodes"), run["flags"],
                                             optimizer_step=run.get("optimizer_step", True))
         return self.cache[name]
 

@@ -37,7 +37,7 @@ if ROOT not in sys.path:
 
 from megatron_oases.pricing.stack import stack_of  # noqa: E402
 from megatron_oases.sim import crossval  # noqa: E402
-from megatron_oases.sim.published import (iteration_flops, script_parser, selected,  # noqa: E402
+from megatron_oases.sim.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
                                           simulate_run, write_outputs)
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
@@ -57,7 +57,8 @@ def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
         flags = {**base.get("flags", {}), **row["flags"]}
         stack = stack_of(transformer_impl=flags.get("transformer-impl", "local"),
                          masked_softmax_fusion=not flags.get("no-masked-softmax-fusion", False)).name
-        rows.append({**base, **row, "flags": flags, "stack": stack})
+        topology = topology_path(row.get("topology", base.get("topology", "")), path)
+        rows.append({**base, **row, "flags": flags, "stack": stack, "topology": topology})
     return sources, rows
 
 

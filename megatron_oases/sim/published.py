@@ -8,10 +8,20 @@ leading ``--``; ``True`` -> the bare flag). It goes through the CLI's own mappin
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ..flops import gpt_flops_per_iteration
 from .cli import build_parser, simulation_inputs
 from .timeline import SimResult, simulate
+
+
+def topology_path(topology: str, data_file: str) -> str:
+    """A row's topology: a built-in name, or a YAML file named relative to the data file that holds
+    the row (a paper's machine that only those rows use, e.g. ``topologies/atp-machine-b.yaml``),
+    so the scripts run from any folder."""
+    if topology.endswith((".yaml", ".yml")) and not os.path.isabs(topology):
+        return os.path.join(os.path.dirname(os.path.abspath(data_file)), topology)
+    return topology
 
 
 def sim_argv(topology: str, nodes: int | None, flags: dict) -> list[str]:
