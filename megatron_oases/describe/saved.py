@@ -70,6 +70,7 @@ import dataclasses
 
 from .core_attention import attention_kernel, draws_in_kernel
 from .ops import GPT2, LayerVariant
+from .split import SUB_BATCHES, recompute_boundaries
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,7 +295,7 @@ tensor (``Attention._checkpointed_attention_forward``), which the checkpoint kee
 
 
 def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
-                      fine_grained: bool = True, sub_batches: int = 2, b: int, s: int, h: int,
+                      fine_grained: bool = True, sub_batches: int = SUB_BATCHES, b: int, s: int, h: int,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
@@ -303,7 +304,7 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
     (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
-    collective). ``sequence_parallel`` (``sp_saved_bytes``): the residual side is s/t tokens.
+    collective; ``describe.split.recompute_boundaries``). ``sequence_parallel``: the residual side is s/t tokens.
     ``recompute_core_attention``: Megatron's selective recompute (stock schedule only).
     ``core_attention``: ``describe.core_attention.CORE_ATTENTIONS`` (``core_attention_bytes``)."""
     if schedule not in SCHEDULES:
@@ -314,11 +315,8 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
         raise ValueError("selective recompute (the core attention) is Megatron's, on the stock schedule "
                          "without full recompute")
     sp = sequence_parallel and t > 1
-    if recompute:
-        if sp:
-            kept = sp_recomputed_bytes(hidden, t=t, fine_grained=oases and fine_grained)
-        else:
-            kept = hidden * (3 if oases and fine_grained else 1)
+    if recompute:  # the boundaries per recompute mode: describe.split
+        kept = hidden * recompute_boundaries(fine_grained=oases and fine_grained, sequence_parallel=sp, tp=t)
         if oases:  # one generator state per dropout site (per sub-batch where SDPA draws), for the redraw
             draws = sub_batches if draws_in_kernel(core_attention) else 1
             kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout * draws)
@@ -338,15 +336,8 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     return kept + (extra if oases else 0)
 
 
-def sp_recomputed_bytes(hidden_state_bytes: float, *, t: int, fine_grained: bool) -> float:
-    """What a layer keeps under recompute with sequence parallelism: its input chunk (1/t of a
-    hidden state); fine-grained (Oases) also the two reduce-scattered chunks and the two
-    all-gathered norm outputs (whole), so recompute issues no collective: (2 + 3/t)."""
-    return hidden_state_bytes * ((2 + 3 / t) if fine_grained else 1 / t)
-
-
 def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,
-                            variant: LayerVariant = GPT2, sub_batches: int = 2, core_attention: str = "local",
+                            variant: LayerVariant = GPT2, sub_batches: int = SUB_BATCHES, core_attention: str = "local",
                             attention_dropout: bool = False, kernels: Kernels = CUDA_KERNELS) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
     per block the step boundaries at its collectives that autograd does not keep

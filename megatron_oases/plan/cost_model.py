@@ -2,7 +2,7 @@
 
 Per block and strategy the Pricer gives, for ONE sub-batch, forward compute C, forward
 communication M, backward compute C' (recompute + dgrad + wgrad) and backward communication M'.
-With two sub-batches (``sub_batches=2``) the executor runs the blocks in lock-step: one
+With the Oases split (``sub_batches=2``, ``describe.split``) the executor runs the blocks in lock-step: one
 sub-batch's compute overlaps the other's collective, so a chain of blocks 0..N-1 costs (forward)
 
     C_0 + sum_v max(C_v, M_v) + sum_(u,v) max(C_v, M_u) + M_(N-1)
@@ -36,6 +36,7 @@ from megatron_oases.describe.ops import Collective
 from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
+from megatron_oases.describe.split import split_refusal, sub_batch_sizes
 from megatron_oases.topology import Topology
 
 from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, BlockStrategy, attention_fits, build_graph,
@@ -116,9 +117,9 @@ class CostModel:
 def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
     fam = family_of(s)
     share = m.micro_batch_size * s.degree // m.tp
-    if share % m.sub_batches == 0:
-        sub, scale = share // m.sub_batches, 1.0
-    else:  # degree 1 (no collective): price the replica's whole share, split evenly in time
+    if not split_refusal(share, m.sub_batches):
+        sub, scale = sub_batch_sizes(share, m.sub_batches)[0], 1.0
+    else:  # degree 1 (no collective, describe.split.sub_batches_at): the whole share, split evenly in time
         sub, scale = share, 1.0 / m.sub_batches
     shape, dims = event_shape(m, sub, s)
     ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
@@ -190,6 +191,8 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     dims = ParallelDims(world_size=world, tp=m.tp, num_layers=m.num_layers, hidden_size=m.hidden_size,
                         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size)
     n_micro = dims.check_batch(m.micro_batch_size, global_batch_size)
+    if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
+        raise PlanError(split_refusal(m.micro_batch_size, m.sub_batches))
     pricer = pricer or DevicePricer(topology=topology, model=m, gpu=gpu)
     strategies = candidate_strategies(m, degrees, families)
     blocks = build_graph(m)
@@ -219,7 +222,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     Mb = {kd: arr(kd, "m_bwd") for kd in BLOCK_KINDS}
     node = np.zeros((N, K))
     for v, kd in enumerate(kinds):
-        if S == 2:
+        if S > 1:  # the lock-step of the Oases split's two sub-batches (module docstring)
             f = np.maximum(C[kd], M[kd]) + (C[kd] if v == 0 else 0) + (M[kd] if v == N - 1 else 0)
             g = np.maximum(Cb[kd], Mb[kd]) + (Cb[kd] if v == N - 1 else 0) + (Mb[kd] if v == 0 else 0)
         else:
@@ -231,7 +234,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     edge = np.zeros((max(N - 1, 0), K, K))
     for v in range(N - 1):
         u_k, v_k = kinds[v], kinds[v + 1]
-        if S == 2:
+        if S > 1:
             same_f = np.maximum(C[v_k][None, :], M[u_k][:, None])
             lost_f = M[u_k][:, None] + rf + C[v_k][None, :]
             same_b = np.maximum(Cb[u_k][:, None], Mb[v_k][None, :])

@@ -4,6 +4,7 @@ model)."""
 from __future__ import annotations
 
 from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes, oases_kept_beyond_stock
+from megatron_oases.describe.split import sub_batches_at
 from .model import PlanModel
 
 
@@ -31,7 +32,7 @@ def _sp_block_memory(m: PlanModel, samples: int, degree: int) -> float:
     """Saved bytes of one block under sequence parallelism: half the SP layer's
     (``describe.saved.layer_saved_bytes``, CUDA kernels; the planner's recompute is Oases'
     fine-grained one). The working set is the same two gradients as without SP (an upper bound)."""
-    layer = layer_saved_bytes(schedule="oases" if m.sub_batches == 2 else "stock", recompute=m.recompute,
+    layer = layer_saved_bytes(schedule="oases" if m.sub_batches > 1 else "stock", recompute=m.recompute,
                               b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                               f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
                               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
@@ -54,7 +55,7 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     full = block_activation_bytes(m, kind, samples, degree)
     if m.recompute:
         return (2 if kind == "attention" else 1) * one, full + 2 * one
-    if m.sub_batches == 2 and degree > 1:  # the Oases executor's step boundary, one per block
+    if sub_batches_at(degree, oases=m.sub_batches > 1) > 1:  # the Oases executor's step boundary, one per block
         full += oases_kept_beyond_stock(one, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                         e=m.bytes_per_element, variant=m.variant,
                                         core_attention=m.core_attention,

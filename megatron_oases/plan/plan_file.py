@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.run_config import run_config
 
@@ -164,14 +165,15 @@ def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
     if cfg.sequence_parallel:
         raise ConfigError(f"{FLAG} splits the batch across replicas and cannot be combined with "
                           f"--sequence-parallel; drop one of them")
-    # Degree t: T/t replicas, each splitting its slice into 2 Oases sub-batches unless t = 1
-    # (no collective to overlap). All powers of two, so the largest need covers the others.
+    # Degree t: T/t replicas, each splitting its slice into the Oases split's sub-batches unless
+    # t = 1 (describe.split.sub_batches_at). All powers of two, so the largest need covers the others.
     degrees = {d for pair in layers for d in pair}
-    need, degree = max(((dims.tp // t) * (2 if oases and t > 1 else 1), -t) for t in degrees)
+    need, degree = max(((dims.tp // t) * sub_batches_at(t, oases=oases), -t) for t in degrees)
     degree = -degree
     if cfg.micro_batch_size % need:
         _fail(path, f"its degree-{degree} blocks split each micro-batch over {dims.tp // degree} "
-                    f"replicas" + (" and then into 2 Oases sub-batches" if need > dims.tp // degree else "")
+                    f"replicas" + (f" and then into {need // (dims.tp // degree)} Oases sub-batches"
+                                   if need > dims.tp // degree else "")
                     + f": --micro-batch-size must be a multiple of {need} "
                       f"(got {cfg.micro_batch_size})")
     args.oases_layer_degrees = layers

@@ -18,6 +18,7 @@ from ..describe.event_key import layer_shape
 from ..describe.ops import Collective, Compute
 from ..describe.planned import degree_reshard, megatron_blocks
 from ..describe.shapes import GPTShape
+from ..describe.split import split_refusal, sub_batches_at
 from ..describe.registry import (BACKENDS, MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
                                  layer_description, layer_param_tensors)
 from ..pricing.device_model import SimError
@@ -222,9 +223,10 @@ class ChunkEvents:
     chunk: int
     layers: int
     forward_segments: tuple[tuple[tuple[Event, ...], int], ...]
-    """(events, chains) in order: under oases the layers run as 2 sub-batch chains while the
-    embedding and the output layer / loss run on the whole micro-batch (1 chain), as in the
-    trainer, where only the decoder layers go through the Oases executor."""
+    """(events, chains) in order: under oases the layers run as one chain per sub-batch of the
+    Oases split (``describe.split``) while the embedding and the output layer / loss run on the
+    whole micro-batch (1 chain), as in the trainer, where only the decoder layers go through the
+    Oases executor."""
     backward_segments: tuple[tuple[tuple[Event, ...], int], ...]
     """Includes the recomputed forward of each layer before its backward when recompute is on."""
     send_forward: Event | None
@@ -306,8 +308,8 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
         if s.num_microbatches % s.pp:
             raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
                            f"of PP {s.pp}")
-    if s.overlap == "oases" and m.micro_batch_size % 2:
-        raise SimError(f"oases overlap splits a micro-batch in two; micro-batch {m.micro_batch_size} is odd")
+    if s.overlap == "oases" and split_refusal(m.micro_batch_size):
+        raise SimError(split_refusal(m.micro_batch_size))
     if s.overlap == "oases" and s.backend == "3d":
         raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
                        "tape for 3d); use overlap none with backend 3d")
@@ -347,16 +349,16 @@ def _check_plan(m: GPTShape, s: Strategy) -> None:
         raise SimError(f"--oases-plan has {len(s.block_degrees)} block degrees; {m.num_layers} layers need "
                        f"{2 * m.num_layers} (attention, mlp per layer)")
     for d in set(s.block_degrees):
-        need = s.tp // d * block_chains(s, d)
+        need = s.tp // d * block_sub_batches(s, d)
         if m.micro_batch_size % need:
             raise SimError(f"--oases-plan: degree-{d} blocks split the micro-batch {m.micro_batch_size} into {need} "
                            f"(replicas x sub-batches); --micro-batch-size must be a multiple of {need}")
 
 
-def block_chains(s: Strategy, degree: int) -> int:
-    """Sub-batches a block of ``degree`` runs: 2 under Oases, except degree 1 (no collective to
-    overlap: the executor runs its replica's share whole, ``schedules/oases/block.py``)."""
-    return 2 if s.overlap == "oases" and degree > 1 else 1
+def block_sub_batches(s: Strategy, degree: int | None = None) -> int:
+    """Sub-batches of the Oases split a block at ``degree`` runs (``describe.split.sub_batches_at``;
+    None: the stage's whole TP group, no plan); the timeline runs them as that many chains."""
+    return sub_batches_at(degree, oases=s.overlap == "oases")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -375,7 +377,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     """Per-stage event lists for stage representatives (tp rank 0, dp replica 0)."""
     check(model, strategy, topo.world_size)
     s, m = strategy, model
-    chains = 2 if s.overlap == "oases" else 1
+    chains = block_sub_batches(s)
     b, e, t, vp = m.micro_batch_size // chains, m.bytes_per_element, s.tp, s.virtual_stages
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
@@ -526,7 +528,7 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
     return layer_shape(b=b, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
                        v=m.padded_vocab_size, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
-                       attention_dropout=m.attention_dropout, chains=2 if s.overlap == "oases" else 1,
+                       attention_dropout=m.attention_dropout, chains=block_sub_batches(s),
                        variant=m.variant, sequence_parallel=s.sequence_parallel, core_attention=m.core_attention)
 
 
@@ -574,7 +576,7 @@ def _ub_gemm(name: str, m: GPTShape, t: int) -> Compute | None:
 def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, tuple]]:
     """The Megatron 1-D layer at ``degree`` on one sub-batch of its replica's share, split into
     its attention and MLP blocks (``describe.planned.megatron_blocks``)."""
-    b = m.micro_batch_size * degree // s.tp // block_chains(s, degree)
+    b = m.micro_batch_size * degree // s.tp // block_sub_batches(s, degree)
     layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
                               bytes_per_element=m.bytes_per_element, variant=m.variant,
@@ -609,14 +611,14 @@ def _planned_chunk(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int
     fwd: list[tuple] = []
     bwd: list[tuple] = []
     for i, d in enumerate(degrees):
-        chains = block_chains(s, d)
+        chains = block_sub_batches(s, d)
         ops_f, _ = _blocks_at(m, s, d)[kinds[i % 2]]
         fwd += [(_reshard_events(m, s, topo, tp_ranks, edge[i], d)[0], 1),
                 ([_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_f], chains, d)]
     fwd.append((_reshard_events(m, s, topo, tp_ranks, edge[-2], s.tp)[0], 1))
     for i in reversed(range(len(degrees))):
         d = degrees[i]
-        chains = block_chains(s, d)
+        chains = block_sub_batches(s, d)
         _, ops_b = _blocks_at(m, s, d)[kinds[i % 2]]
         bwd += [(_reshard_events(m, s, topo, tp_ranks, d, edge[i + 2])[1], 1),
                 ([_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_b], chains, d)]

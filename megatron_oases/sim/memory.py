@@ -27,6 +27,7 @@ import itertools
 from ..describe.head import head_saved_bytes
 from ..describe.registry import layer_activation_bytes, layer_input_bytes
 from ..describe.saved import layer_saved_bytes, oases_kept_beyond_stock
+from ..describe.split import recompute_boundaries
 from ..describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, Strategy
 
@@ -75,7 +76,7 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     oases = s.overlap == "oases"
-    saved = 3 * inp if (oases and s.fine_grained_recompute) else inp
+    saved = inp * recompute_boundaries(fine_grained=oases and s.fine_grained_recompute)
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                      e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,

@@ -123,8 +123,8 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
 
     chains=1 is the stock executor (compute waits on every collective, except that a collective
     with ``beside`` starts that event's time before the compute before it ends: Megatron's async
-    input-gradient all-reduce beside the weight gradient). chains=2 is Oases: the
-    compute stream alternates sub-batches, so one sub-batch's collective runs on the comm stream
+    input-gradient all-reduce beside the weight gradient). chains > 1 is Oases (one chain per
+    sub-batch of the split, ``describe.split``): the compute stream alternates sub-batches, so one sub-batch's collective runs on the comm stream
     while the other's next segment computes. ``overlapped[key]`` (a profile's ``overlapped``
     section) is the event's duration while the other stream is busy: an op progresses at
     ``1 / overlapped`` while both streams run and at ``1 / price`` alone (where ranks share

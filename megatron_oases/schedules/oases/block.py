@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer, layer_tape,
@@ -123,9 +124,9 @@ def _segments(units, options: OasesOptions) -> list[_Segment]:
         else:
             out.append((degree, groups, [tape]))
     # A degree-1 block issues no collective: nothing to overlap, so its replica's slice is not
-    # split into sub-batches (the planner prices it that way too).
-    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=1) if d == 1 else options),
-                     d, g) for d, g, t in out]
+    # split into sub-batches (describe.split.sub_batches_at; the planner prices it that way too).
+    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=sub_batches_at(d))), d, g)
+            for d, g, t in out]
 
 
 def _run_segments(segments, hidden_states, inputs: BlockInputs):

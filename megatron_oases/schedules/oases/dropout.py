@@ -1,4 +1,4 @@
-"""Dropout masks of a whole micro-batch, shared by its two sub-batches and redrawn in recompute.
+"""Dropout masks of a whole micro-batch, shared by its sub-batches and redrawn in recompute.
 
 Stock Megatron draws one dropout mask per site for the whole micro-batch. Two sub-batches that
 each drew their own would consume the generator differently (CPU bernoulli is filled in parallel

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_oases.describe.split import sub_batch_sizes
 from megatron_oases.parallel.collectives import all_gather_into as _all_gather_into
 from megatron_oases.parallel.collectives import all_reduce as _all_reduce
 from megatron_oases.parallel.collectives import comm_tag
@@ -146,7 +147,8 @@ class OasesRunner:
 
     # ----- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, inputs: BlockInputs) -> tuple[torch.Tensor, _StepState]:
-        subs = [s.contiguous() for s in torch.tensor_split(hidden_states, self.options.sub_batches, dim=1)]
+        sizes = sub_batch_sizes(hidden_states.shape[1], self.options.sub_batches)
+        subs = [s.contiguous() for s in torch.split(hidden_states, sizes, dim=1)]
         masks = MicroBatchMasks([s.shape[1] for s in subs], redraw=self.options.recompute)
         state = _StepState(len(subs), len(self.tapes), masks,
                            [dataclasses.replace(inputs, attention_mask=m)
@@ -187,7 +189,8 @@ class OasesRunner:
 
     # ----- backward ------------------------------------------------------------------------
     def backward(self, state: _StepState, grad_output: torch.Tensor) -> torch.Tensor:
-        grads = [g.contiguous() for g in torch.tensor_split(grad_output, len(state.outputs), dim=1)]
+        sizes = [x.shape[1] for x in state.outputs]
+        grads = [g.contiguous() for g in torch.split(grad_output, sizes, dim=1)]
         programs = [self._backward_program(i, g, state) for i, g in enumerate(grads)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(state.masks, i, recompute=True))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_oases.describe.split import SUB_BATCHES, split_refusal
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 from megatron_oases.run_config import DEFAULTS, RunConfig, run_config
 
@@ -36,7 +37,9 @@ class OasesOptions:
     cross_pass: bool = True
     """Interleave one sub-batch's recompute with the other's backward across layers (§3.1);
     off: a barrier between the recompute and the backward pass of every layer."""
-    sub_batches: int = 2
+    sub_batches: int = SUB_BATCHES
+    """Sub-batches of the Oases split this runner cuts its batch into (``describe.split``:
+    ``sub_batches_at`` its degree)."""
     skip_collectives: bool = False
     """Benchmark only: launch no TP collective (wrong results), for the compute-only time of
     the perfect-overlap bound."""
@@ -45,7 +48,7 @@ class OasesOptions:
 def add_oases_args(parser: argparse.ArgumentParser) -> None:
     """The ``oases`` argument group (Table 3's ablation switches)."""
     g = parser.add_argument_group(
-        "oases", "Oases schedule (--schedule oases): two sub-batches per micro-batch, "
+        "oases", f"Oases schedule (--schedule oases): {SUB_BATCHES} sub-batches per micro-batch, "
                  "fine-grained recompute, cross-pass recompute/backward overlap")
     g.add_argument("--oases-cross-pass", action=argparse.BooleanOptionalAction,
                    default=DEFAULTS.oases_cross_pass,
@@ -82,9 +85,8 @@ def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims
         raise ConfigError(f"--atp-chunks {cfg.atp_chunks} cannot be combined with --schedule "
                           f"oases: Oases overlaps the ATP collectives with the other sub-batch "
                           f"instead; use --atp-chunks 1 with it")
-    if cfg.micro_batch_size < 2:
-        raise ConfigError(f"--schedule oases splits each micro-batch into two sub-batches and "
-                          f"needs --micro-batch-size >= 2 (got {cfg.micro_batch_size})")
+    if split_refusal(cfg.micro_batch_size):
+        raise ConfigError(split_refusal(cfg.micro_batch_size))
     if cfg.sequence_parallel and cfg.tp_backend != "megatron":
         raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
                           f"only, not {cfg.tp_backend}; drop --sequence-parallel")

@@ -166,7 +166,8 @@ class LayerTape:
 
     def saved_boundaries(self, fine_grained: bool) -> tuple[str, ...]:
         """Tensors the forward keeps per layer for recompute: the input, and with fine-grained
-        recompute the output of every forward collective recompute would otherwise repeat."""
+        recompute the output of every forward collective recompute would otherwise repeat (for a
+        Megatron 1-D layer, ``describe.split.recompute_boundaries`` hidden states)."""
         outs = tuple(s.dst for s in self.recompute_steps if isinstance(s, FORWARD_COLLECTIVES))
         return (self.input,) + (outs if fine_grained else ())
 
