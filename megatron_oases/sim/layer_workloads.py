@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..describe.split import SUB_BATCHES
 from ..pricing.device_model import SimError
 
 LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad", "attention.core")
@@ -228,8 +229,9 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
     gathered = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype) for n in ("ln1", "ln2")}
 
     def dropout_scope():
-        # the executor's sub-batch 0 of a two-sub-batch micro-batch (masks drawn at full size)
-        return active_sub_batch(MicroBatchMasks([b, b]), 0, recompute=False) if oases else contextlib.nullcontext()
+        # the executor's sub-batch 0 of the Oases split (describe.split; masks drawn at full size)
+        masks = MicroBatchMasks([b] * SUB_BATCHES)
+        return active_sub_batch(masks, 0, recompute=False) if oases else contextlib.nullcontext()
 
     def forward() -> list[tuple[dict, dict]]:
         """The block's pieces in order; per piece (input leaves, outputs) for the backward."""
