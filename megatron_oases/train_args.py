@@ -9,6 +9,7 @@ import argparse
 import math
 import os
 
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.parallel.dims import ConfigError, ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
                                        mesh_search_shape, run_config)
@@ -524,13 +525,9 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         except ValueError:
             raise ConfigError(f"--atp-mesh must be D1,D2 (got {args.atp_mesh!r})") from None
         args.atp_mesh = (d1, d2)
-    d1, d2 = args.atp_mesh
-    if d1 < 1 or d2 < 1:
-        raise ConfigError(f"--atp-mesh {d1},{d2}: both mesh axes must be >= 1 (D1 x D2 = "
-                          f"--tensor-model-parallel-size {dims.tp})")
-    if d1 * d2 != dims.tp:
-        raise ConfigError(f"--atp-mesh {d1},{d2}: d1 x d2 = {d1 * d2} must equal "
-                          f"--tensor-model-parallel-size {dims.tp}")
+    refused = atp_mesh_refusal(args.atp_mesh, dims.tp)
+    if refused:
+        raise ConfigError(refused)
     if args.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
     _refuse_features(args, "--tp-backend atp", supported=(

@@ -191,13 +191,13 @@ def _one_line(excinfo, *words):
 def test_bad_mesh_sizes_one_line():
     with pytest.raises(ConfigError) as e:
         DeviceMesh(3, 2, (0, 1, 2, 3))
-    _one_line(e, "--atp-mesh 3x2", "6 ranks", "tensor-parallel group has 4")
+    _one_line(e, "--atp-mesh 3,2", "d1 x d2 = 6", "--tensor-model-parallel-size 4")
     with pytest.raises(ConfigError) as e:
         DeviceMesh(0, 4, (0, 1, 2, 3))
-    _one_line(e, "--atp-mesh 0x4")
+    _one_line(e, "--atp-mesh 0,4", "both mesh axes must be >= 1")
     with pytest.raises(ConfigError) as e:
         build_mesh_groups([[0, 1, 2, 3]], 2, 4)  # validated before any process group is made
-    _one_line(e, "--atp-mesh 2x4", "--tensor-model-parallel-size 4")
+    _one_line(e, "--atp-mesh 2,4", "--tensor-model-parallel-size 4")
     with pytest.raises(ConfigError) as e:
         build_mesh_groups([[0, 1], [1, 2]], 1, 2)
     _one_line(e, "overlap")

@@ -177,7 +177,7 @@ def test_bad_input_raises_mesh_error():
         search_mesh("fig7a", 32, M2)
     with pytest.raises(ModelingError, match="--hidden-size must be a positive integer"):
         GPTShape(hidden_size=0, num_layers=1, num_attention_heads=1, micro_batch_size=1, seq_length=1)
-    with pytest.raises(MeshError, match="not .d1, d2. pairs"):
+    with pytest.raises(MeshError, match="--atp-mesh 3,5: d1 x d2 = 15 must equal --tensor-model-parallel-size 16"):
         search_mesh("fig7a", 16, M2, meshes=[(3, 5)])
     assert isinstance(axis_bandwidth(load_topology("fig7a"), 4, 4, 1, 2), AxisBandwidth)
 

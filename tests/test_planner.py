@@ -70,8 +70,11 @@ def test_candidates_are_feasible_powers_of_two():
     assert [s.degree for s in candidate_strategies(small_model(tp=4, micro_batch_size=2))] == [4]
     with pytest.raises(PlanError, match="--degrees 3"):
         candidate_strategies(small_model(tp=4), degrees=(3,))
-    with pytest.raises(PlanError, match="power of two"):
-        small_model(tp=6, hidden_size=96, num_attention_heads=6)
+    # per-block degrees are powers of two dividing T: the megatron family needs T one; ATP does not
+    m6 = small_model(tp=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=384, micro_batch_size=6)
+    with pytest.raises(PlanError, match="--tensor-model-parallel-size 6 must be a power of two"):
+        candidate_strategies(m6)
+    assert [s.mesh for s in candidate_strategies(m6, families=("atp",))] == [(3, 2), (2, 3), (1, 6)]
 
 
 def test_reshard_groups_and_payload():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.parallel.dims import ConfigError
 
 
@@ -37,14 +38,10 @@ class DeviceMesh:
 
     def __post_init__(self):
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        if self.d1 < 1 or self.d2 < 1:
-            raise ConfigError(f"--atp-mesh {self.d1}x{self.d2}: both mesh sizes must be >= 1")
         tp = len(self.ranks)
-        if self.d1 * self.d2 != tp:
-            raise ConfigError(
-                f"--atp-mesh {self.d1}x{self.d2} has {self.d1 * self.d2} ranks but the "
-                f"tensor-parallel group has {tp} (--tensor-model-parallel-size {tp}); "
-                f"pick d1 x d2 = {tp}")
+        refused = atp_mesh_refusal((self.d1, self.d2), tp)
+        if refused:
+            raise ConfigError(refused)
         if len(set(self.ranks)) != tp:
             raise ConfigError(f"--atp-mesh {self.d1}x{self.d2}: TP group ranks {list(self.ranks)} "
                               "contain duplicates")

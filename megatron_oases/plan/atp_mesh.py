@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
+from megatron_oases.describe.ops import ring_factor
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import AllReduceCalibration, Calibration, Topology
 
@@ -112,10 +114,11 @@ class MeshChoice:
 
 # ---- search space and rank groups --------------------------------------------------------------
 def enumerate_meshes(n: int) -> list[tuple[int, int]]:
-    """All (d1, d2) with d1 * d2 == n, Megatron's (n, 1) first."""
+    """All (d1, d2) with d1 * d2 == n, Megatron's (n, 1) first: the baseline a 2-D mesh must beat
+    (``describe.atp_meshes.atp_meshes`` with ``with_1d=True``)."""
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise MeshError(f"tp must be a positive integer (got {n!r})")
-    return [(n // d2, d2) for d2 in range(1, n + 1) if n % d2 == 0]
+    return list(atp_meshes(n, with_1d=True))
 
 
 def valid_tp_sizes(topology: Topology) -> list[int]:
@@ -143,8 +146,9 @@ def check_tp(topology: Topology, tp: int) -> None:
 
 def axis_groups(tp: int, d1: int, d2: int, axis: int) -> list[list[int]]:
     """Rank groups that all-reduce together on mesh ``axis`` (1 or 2) of DeviceMesh(d1, d2)."""
-    if d1 * d2 != tp or axis not in (1, 2):
-        raise MeshError(f"DeviceMesh({d1},{d2}) axis {axis} is not a mesh of tp={tp}")
+    refused = atp_mesh_refusal((d1, d2), tp)
+    if refused or axis not in (1, 2):
+        raise MeshError(refused or f"DeviceMesh({d1},{d2}) has mesh axes 1 and 2, not {axis}")
     if axis == 2:
         return [list(range(i * d2, (i + 1) * d2)) for i in range(d1)]
     return [list(range(j, tp, d2)) for j in range(d2)]
@@ -190,8 +194,9 @@ def group_bus_bandwidths(topology: Topology, groups: Sequence[Sequence[int]]) ->
 
 
 def rabenseifner_alg_bandwidth(bus_GBps: float, n: int) -> float:
-    """Eq. 4: B = n / (2 (n - 1)) * B'; a group of one never communicates (inf)."""
-    return math.inf if n <= 1 else n / (2 * (n - 1)) * bus_GBps
+    """Eq. 4: B = n / (2 (n - 1)) * B' (the ring's all-reduce factor); a group of one never
+    communicates (inf)."""
+    return math.inf if n <= 1 else bus_GBps / ring_factor("all_reduce", n)
 
 
 def axis_bandwidth(topology: Topology, tp: int, d1: int, d2: int, axis: int) -> AxisBandwidth:
@@ -255,9 +260,11 @@ def search_mesh(topology: Topology | str, tp: int, model: GPTShape, *,
     if not 0 <= min_gain < 1:
         raise MeshError(f"min_gain must be in [0, 1) (got {min_gain!r})")
     wanted = enumerate_meshes(tp) if meshes is None else [tuple(m) for m in meshes]
-    bad = [m for m in wanted if len(m) != 2 or m[0] * m[1] != tp]
-    if bad or not wanted:
-        raise MeshError(f"meshes {bad or wanted} are not (d1, d2) pairs with d1 * d2 = tp={tp}")
+    if not wanted:
+        raise MeshError(f"no mesh to price for tp={tp}")
+    refused = next(filter(None, (atp_mesh_refusal(m, tp) for m in wanted)), "")
+    if refused:
+        raise MeshError(refused)
     costs = sorted((mesh_cost(topo, tp, d1, d2, model) for d1, d2 in wanted),
                    key=lambda c: (c.t_comm_s, c.d2))
     pick = costs[0]

@@ -10,7 +10,8 @@ Strategies. The TP group has ``T`` ranks (``--tensor-model-parallel-size``). A b
 ``d`` consecutive ranks and on ``d / T`` of the micro-batch; so per rank its GEMM FLOPs equal the
 degree-``T`` block's, its all-reduce moves ``d / T`` of the bytes on a smaller (often faster)
 group, and it holds ``T / d`` times the weights. The cost model only sees ``BlockStrategy`` objects:
-a family (``megatron`` 1-D; ``atp``, ATP's 2-D mesh ``d1 x d2 = T`` over the whole TP group)
+a family (``megatron`` 1-D; ``atp``, ATP's 2-D mesh ``d1 x d2 = T`` over the whole TP group,
+every divisor pair: ``describe/atp_meshes.py``)
 that describes the layer on its share of the batch, splits it into the two blocks, names the
 group ranks of each collective axis, reshards between two strategies and counts parameters and
 saved bytes. A family the runtime cannot place next to another (``mixes=False``: ATP layers run
@@ -23,6 +24,7 @@ import dataclasses
 from typing import Callable
 
 from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
 from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
@@ -325,10 +327,11 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
             return f"micro-batch {m.micro_batch_size}, hidden {h}, ffn {f} must divide by p^2 = {p * p}, heads {a} by p"
         return _describe_refuses(s, m)
     if s.family == "atp":
+        refused = atp_mesh_refusal(s.mesh, m.tp)
+        if refused or d != m.tp:
+            return refused or f"an ATP block covers the whole TP group: degree {d} must be T={m.tp}"
         d1, d2 = s.mesh
         h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
-        if d1 * d2 != m.tp or d != m.tp:
-            return f"mesh {d1}x{d2} must cover T={m.tp}"
         if h % d or a % d or f % d1 or h % d2:
             return f"hidden {h} and heads {a} must divide by {d}, ffn {f} by {d1}"
         if m.micro_batch_size % m.sub_batches:
@@ -370,14 +373,13 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
                          families: tuple[str, ...] = ("megatron",)) -> list[BlockStrategy]:
     """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
     ``degrees`` restricts them), then with ``"atp" in families`` every ATP mesh d1 x d2 = T
-    (d2 > 1; d2 = 1 is Megatron's layout) that can."""
+    that can (``describe.atp_meshes.atp_meshes``; d2 = 1 is the megatron family's layout)."""
     bad = [f for f in families if f not in FAMILY_NAMES]
     if bad:
         raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(FAMILY_NAMES)})")
     out = _megatron_candidates(m, degrees) if "megatron" in families else []
     if "atp" in families:
-        meshes = [BlockStrategy(degree=m.tp, family="atp", mesh=(m.tp // d2, d2))
-                  for d2 in (1 << i for i in range(1, m.tp.bit_length())) if m.tp % d2 == 0]
+        meshes = [BlockStrategy(degree=m.tp, family="atp", mesh=mesh) for mesh in atp_meshes(m.tp, with_1d=False)]
         out += [s for s in meshes if not feasible(s, m)]
     if "3d" in families and not feasible(cube := BlockStrategy(degree=m.tp, family="3d"), m):
         out.append(cube)
@@ -388,6 +390,11 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
 
 
 def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[BlockStrategy]:
+    """Per-block degrees are powers of two dividing T (the runtime's degree groups and plan files
+    hold only those), so this family needs T itself a power of two; ATP and 3-D do not."""
+    if m.tp & (m.tp - 1):
+        raise PlanError(f"--tensor-model-parallel-size {m.tp} must be a power of two for the planner's "
+                        "megatron family (block degrees are powers of two dividing it); plan --families atp")
     all_d = [1 << i for i in range(m.tp.bit_length()) if m.tp % (1 << i) == 0]
     if degrees:
         bad = [d for d in degrees if d not in all_d]

@@ -41,9 +41,6 @@ class PlanModel(GPTShape):
         super().__post_init__()
         if not is_positive_int(self.tp):
             raise PlanError(f"--tensor-model-parallel-size must be a positive integer (got {self.tp!r})")
-        if self.tp & (self.tp - 1):
-            raise PlanError(f"--tensor-model-parallel-size {self.tp} must be a power of two for the "
-                            "planner (block degrees are powers of two dividing it)")
         if self.sequence_parallel and self.seq_length % self.tp:
             raise PlanError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
                             f"--tensor-model-parallel-size {self.tp}")

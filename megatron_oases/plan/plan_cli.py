@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "vocab-size", "micro-batch-size"):
         p.add_argument(f"--{flag}", type=int, default=None)
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
-                   help="TP group size T; block degrees are powers of two dividing it")
+                   help="TP group size T; the megatron family's block degrees are powers of two dividing it")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
     p.add_argument("--group-query-attention", action="store_true", default=None)
     p.add_argument("--num-query-groups", type=int, default=None,

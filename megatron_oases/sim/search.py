@@ -14,6 +14,7 @@ import os
 from typing import Iterable, Sequence
 
 from ..pricing.device_model import DeviceModel, SimError
+from ..describe.atp_meshes import atp_meshes
 from ..describe.cube_3d import cube_side
 from ..describe.shapes import GPTShape
 from .events import Strategy, check, selective_recompute_applies
@@ -109,11 +110,6 @@ def _is_cube(tp: int) -> bool:
     return True
 
 
-def _meshes(tp: int) -> list[tuple[int, int]]:
-    """ATP meshes with a real second axis (d2 > 1); (tp, 1) is Megatron's own layer."""
-    return [(tp // d2, d2) for d2 in range(2, tp + 1) if tp % d2 == 0]
-
-
 def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     """Every point of the space, with Strategy built (or the reason it cannot be)."""
     out: list[Candidate] = []
@@ -143,7 +139,7 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
             for backend in space.backends:
                 if backend == "3d" and not _is_cube(tp):
                     continue  # the cube needs TP = p^3, p >= 2
-                meshes = _meshes(tp) if backend == "atp" else [None]
+                meshes = atp_meshes(tp, with_1d=False) if backend == "atp" else [None]
                 for mesh in meshes:
                     for overlap in space.overlaps:
                         if overlap == "oases" and backend == "3d":
