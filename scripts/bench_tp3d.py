@@ -34,6 +34,7 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import bench_atp  # noqa: E402  (its run_variant: one counted trainer launch)
+from bench_tp3d_scaling import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
 
 from megatron_oases import bench  # noqa: E402
 
@@ -41,26 +42,6 @@ from megatron_oases import bench  # noqa: E402
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
     name = f"bench-flat{world}"
     return bench.write_topology(workdir, name, bench.flat_topology_yaml(name, world, link_GBps))
-
-
-def predicted_layer_bytes(a, variant: str, mesh: tuple[int, int] | None) -> float:
-    """Wire bytes per rank per step of the transformer layers alone (fp32), from the formulas:
-    stock 4 all-reduces of M h per layer (fwd + bwd); 3-D (p-1)/p^3 (48 M h + 36 h^2) per layer
-    (four Linear3D GEMMs, fwd + bwd, docs/tp3d.md); ATP Eq. 2's all-reduces with ring factors.
-    Leaves out LayerNorm / bias / embedding / output-layer traffic."""
-    m, h, n, bpe = a.seq * a.micro_batch, a.hidden, a.tp, 4
-    per = {"stock": lambda: 4 * 2 * (n - 1) / n * m * h}
-    if variant == "stock":
-        elems = per["stock"]()
-    elif variant == "3d":
-        p = round(n ** (1 / 3))
-        elems = (p - 1) / p ** 3 * (48 * m * h + 36 * h * h)
-    else:
-        d1, d2 = mesh
-        ar = lambda d: 2 * (d - 1) / d  # noqa: E731
-        # f1 (3h/d1 on axis 2), f2 (h/d2 on axis 1), f3 (4h/d1 on axis 2), f4 (h/d2 on axis 1), x2
-        elems = 2 * m * (7 * h / d1 * ar(d2) + 2 * h / d2 * ar(d1))
-    return elems * bpe * a.layers * a.micro_batches
 
 
 def main(argv=None) -> int:
@@ -110,7 +91,9 @@ def main(argv=None) -> int:
             label = (f"atp ({m[0]},{m[1]}) c{a.atp_chunks}" + (" pick" if v == "atp" else " argmin")
                      if m else v)
             row = {"variant": label,
-                   "pred_layer_MB_per_rank": predicted_layer_bytes(a, v, m) / 1e6, **r}
+                   "pred_layer_MB_per_rank": predicted_layer_mb(a.tp, "1d" if v == "stock" else v, m,
+                                                                a.seq * a.micro_batch, a.hidden, a.layers,
+                                                                a.micro_batches), **r}
             rows.append(row)
             print(f"  {label:16s} {row['step_ms']:9.1f} ms  {row.get('wire_MB_per_rank', 0):7.2f} "
                   f"MB/rank  ({row['wall_s']} s)", flush=True)

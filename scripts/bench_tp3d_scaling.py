@@ -59,6 +59,7 @@ for _p in (ROOT, HERE):
         sys.path.insert(0, _p)
 
 from megatron_oases import bench  # noqa: E402
+from megatron_oases.describe.ops import ring_factor  # noqa: E402
 
 RANKS = (1, 2, 4, 8)
 
@@ -90,19 +91,21 @@ def variants_for(P: int, meshes: dict[int, list[tuple[int, int]]], with_3d: bool
 
 def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
                        micro_batches: int, bpe: int = 4) -> float:
-    """Wire MB per rank per step of the transformer layers alone from the docs' formulas (the
-    same as ``bench_tp3d.predicted_layer_bytes``): 1-D 4 all-reduces of M h per layer, fwd + bwd;
-    3-D (p-1)/p^3 (48 M h + 36 h^2); ATP Eq. 2 with ring factors. 0 on one rank."""
+    """Wire MB per rank per step of the transformer layers alone from the docs' formulas (also
+    ``bench_tp3d``'s prediction; fp32 by default): 1-D 4 all-reduces of M h per layer, fwd + bwd;
+    3-D (p-1)/p^3 (48 M h + 36 h^2) (four Linear3D GEMMs, fwd + bwd, docs/tp3d.md); ATP Eq. 2's
+    all-reduces (f1 3h/d1 and f3 4h/d1 on axis 2, f2 and f4 h/d2 on axis 1, x2) with the ring
+    factor. Leaves out LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
     if P == 1:
         return 0.0
+    ar = lambda d: ring_factor("all_reduce", d)  # noqa: E731
     if kind == "1d":
-        elems = 4 * 2 * (P - 1) / P * m * h
+        elems = 4 * ar(P) * m * h
     elif kind.startswith("3d"):
         p = round(P ** (1 / 3))
         elems = (p - 1) / p ** 3 * (48 * m * h + 36 * h * h)
     else:
         d1, d2 = mesh
-        ar = lambda d: 2 * (d - 1) / d  # noqa: E731
         elems = 2 * m * (7 * h / d1 * ar(d2) + 2 * h / d2 * ar(d1))
     return elems * bpe * layers * micro_batches / 1e6
 

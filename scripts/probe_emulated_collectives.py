@@ -30,6 +30,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from megatron_oases.describe.ops import ring_factor  # noqa: E402  (pure Python: the ring's bytes per rank)
+
 MARK = "PROBE_COLL "
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
@@ -233,7 +238,7 @@ def expected_ms(size: int, topo, groups: list[list[int]]) -> float:
     load: dict[tuple, float] = {}
     for g in groups:
         p = len(g)
-        per_rank = 2 * (p - 1) / p * size
+        per_rank = ring_factor("all_reduce", p) * size
         for i, r in enumerate(g):
             a, b = topo.node_of(r), topo.node_of(g[(i + 1) % p])
             keys = [("lo", a)] if a == b else [("out", a), ("in", b)]
@@ -246,7 +251,7 @@ def expected_ms(size: int, topo, groups: list[list[int]]) -> float:
 def layer_report(hidden: int, tp: int, seq: int, mbs: int, heads: int = 16) -> int:
     ms = layer_compute(hidden, tp, seq, mbs, heads, copies=tp)
     act = seq * mbs * hidden * 4                          # one fp32 activation all_reduce
-    wire = 4 * 2 * (tp - 1) / tp * act                     # 2 fwd + 2 bwd, ring bytes per rank
+    wire = 4 * ring_factor("all_reduce", tp) * act         # 2 fwd + 2 bwd, ring bytes per rank
     rate = wire / (ms / 1e3)
     print(f"hidden {hidden} TP {tp} seq {seq} mbs {mbs}: layer fwd+bwd {ms:.1f} ms per rank "
           f"({tp} ranks at once on {os.cpu_count()} cores); 4 all_reduces of {act / 2**20:.2f} MiB = "
@@ -397,7 +402,7 @@ def main() -> int:
         d = data[str(size)]
         exp = expected_ms(size, topo, groups)
         p = len(groups[0])
-        bus = 2 * (p - 1) / p * size / (d["median_ms"] / 1e3) / 1e9
+        bus = ring_factor("all_reduce", p) * size / (d["median_ms"] / 1e3) / 1e9
         rows.append({"bytes": size, **d, "expected_ms": exp, "ratio": d["median_ms"] / exp})
         label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
         print(f"{label:>9} {d['median_ms']:10.2f} {d['min_ms']:8.2f} {exp:10.2f} {d['median_ms'] / exp:6.2f} {bus:10.4f}")

@@ -40,6 +40,16 @@ class Compute:
         return self.gemm_flops + self.attention_flops
 
 
+def ring_factor(kind: str, n: int) -> float:
+    """Share of a collective's payload each of its ``n`` ranks sends with a ring algorithm:
+    ``2(n-1)/n`` for an all-reduce (a reduce-scatter then an all-gather), ``(n-1)/n`` for an
+    all-gather or a reduce-scatter (and, as the per-rank average of a pipelined chain, for the 3-D
+    broadcast / reduce). The one home of the formula: the descriptions' wire bytes, the runtime's
+    ``CommCounter``, the device model's ``collective_ms``, ATP's Eq. 4 and the profiler's scaling
+    read it. It lives here, the lowest layer, because ``describe`` may import nothing above it."""
+    return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
     """A collective on one group (``axis``) between segments."""
@@ -56,9 +66,7 @@ class Collective:
     @property
     def wire_bytes_per_rank(self) -> float:
         """Ring-algorithm bytes each rank sends (as ``CommCounter`` records them)."""
-        n = self.group_size
-        factor = 2.0 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
-        return factor * self.payload_bytes
+        return ring_factor(self.kind, self.group_size) * self.payload_bytes
 
 
 Op = Union[Compute, Collective]

@@ -22,6 +22,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_oases.describe.ops import ring_factor
+
 
 @dataclasses.dataclass(frozen=True)
 class CommRecord:
@@ -92,8 +94,7 @@ def record_collective(kind: str, payload: torch.Tensor, group) -> None:
 
 
 def _record(kind: str, n: int, size: int) -> None:
-    factor = 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-    rec = CommRecord(kind, n, size, factor * size, _TAG[-1] if _TAG else "")
+    rec = CommRecord(kind, n, size, ring_factor(kind, n) * size, _TAG[-1] if _TAG else "")
     for counter in CommCounter._active:
         counter.records.append(rec)
     if n > 1:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
-from megatron_oases.describe.ops import ring_factor
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import AllReduceCalibration, Calibration, Topology
 
@@ -194,9 +193,12 @@ def group_bus_bandwidths(topology: Topology, groups: Sequence[Sequence[int]]) ->
 
 
 def rabenseifner_alg_bandwidth(bus_GBps: float, n: int) -> float:
-    """Eq. 4: B = n / (2 (n - 1)) * B' (the ring's all-reduce factor); a group of one never
-    communicates (inf)."""
-    return math.inf if n <= 1 else bus_GBps / ring_factor("all_reduce", n)
+    """Eq. 4: B = n / (2 (n - 1)) * B'; a group of one never communicates (inf).
+
+    This is B' over ``describe.ops.ring_factor("all_reduce", n)``, written as the paper writes it:
+    dividing by the factor rounds differently in the last place and would change the picker's
+    published figures (``megatron-oases mesh --json``) by one ulp."""
+    return math.inf if n <= 1 else n / (2 * (n - 1)) * bus_GBps
 
 
 def axis_bandwidth(topology: Topology, tp: int, d1: int, d2: int, axis: int) -> AxisBandwidth:

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from ..describe.ops import Collective, Compute, ModelingError
+from ..describe.ops import Collective, Compute, ModelingError, ring_factor
 from ..topology import Topology
 from .stack import LOCAL, SoftwareStack
 
@@ -425,9 +425,9 @@ class DeviceModel:
             return 0.0
         bw, lat_us = self.ring_link(ranks)
         if kind == "all_reduce":
-            factor, steps = 2.0 * (n - 1) / n, 2 * (n - 1)
+            factor, steps = ring_factor(kind, n), 2 * (n - 1)
         elif kind in ("all_gather", "reduce_scatter"):
-            factor, steps = (n - 1) / n, n - 1
+            factor, steps = ring_factor(kind, n), n - 1
         elif kind in ("broadcast", "reduce"):  # pipelined along the ring: the root's S, n - 1 hops
             factor, steps = 1.0, n - 1
         else:

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 from ..topology import Topology
 from ..pricing.device_model import ProfileDB, SimError
 from ..pricing.event import Event, group_tag
+from ..describe.ops import ring_factor
 from ..describe.shapes import GPTShape
 from .events import Strategy, build_stage_events, unique_events
 
@@ -124,10 +125,6 @@ def profile_compute(events: Iterable[Event], settings: ProfileSettings) -> dict[
 
 
 # ---- communication -----------------------------------------------------------------------------
-def _ring_factor(kind: str, n: int) -> float:
-    return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-
-
 def _levels(tag: str) -> str:
     return tag.split(":", 1)[1]
 
@@ -163,7 +160,7 @@ def plan_comm(events: Iterable[Event], topo: Topology, nproc: int, max_bytes: in
             scale, why = nbytes / max_bytes, [f"scaled from {max_bytes} bytes"]
             nbytes = max_bytes
         if kind != "p2p" and len(g) < n:
-            scale *= _ring_factor(kind, n) / _ring_factor(kind, len(g))
+            scale *= ring_factor(kind, n) / ring_factor(kind, len(g))
             why.append(f"extrapolated from {len(g)} ranks")
         job = CommJob(kind, g, max(nbytes, 4))
         if job not in index:
