@@ -45,8 +45,9 @@ def ring_factor(kind: str, n: int) -> float:
     ``2(n-1)/n`` for an all-reduce (a reduce-scatter then an all-gather), ``(n-1)/n`` for an
     all-gather or a reduce-scatter (and, as the per-rank average of a pipelined chain, for the 3-D
     broadcast / reduce). The one home of the formula: the descriptions' wire bytes, the runtime's
-    ``CommCounter``, the device model's ``collective_ms``, ATP's Eq. 4 and the profiler's scaling
-    read it. It lives here, the lowest layer, because ``describe`` may import nothing above it."""
+    ``CommCounter``, the device model's ``collective_ms``, the profiler's scaling and the scripts
+    read it (ATP's Eq. 4, ``plan.atp_mesh.rabenseifner_alg_bandwidth``, is its inverse in the
+    paper's form). It lives here, the lowest layer, because ``describe`` may import nothing above it."""
     return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
 
 

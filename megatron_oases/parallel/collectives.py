@@ -34,7 +34,7 @@ class CommRecord:
     """Bytes of the full logical tensor (all-reduce input, all-gather output, reduce-scatter input)."""
     wire_bytes_per_rank: float
     """Bytes each rank sends with a ring algorithm: 2(n-1)/n S for all-reduce, (n-1)/n S otherwise
-    (for broadcast / reduce that is the per-rank average of a pipelined chain)."""
+    (for broadcast / reduce that is the per-rank average of a pipelined chain): ``describe.ops.ring_factor``."""
     tag: str = ""
 
 
