@@ -28,6 +28,7 @@ from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
 from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
+from megatron_oases.describe.split import split_refusal, sub_batches_at
 from megatron_oases.describe.planned import ATTENTION_FIRST_BWD, MLP_FIRST, degree_reshard, split_at
 from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
                                                 layer_param_tensors)
@@ -334,8 +335,8 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
         h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
         if h % d or a % d or f % d1 or h % d2:
             return f"hidden {h} and heads {a} must divide by {d}, ffn {f} by {d1}"
-        if m.micro_batch_size % m.sub_batches:
-            return f"micro-batch {m.micro_batch_size} does not split into {m.sub_batches} sub-batches"
+        if split_refusal(m.micro_batch_size, m.sub_batches):  # describe.split
+            return split_refusal(m.micro_batch_size, m.sub_batches)
         return _describe_refuses(s, m)
     if d < 1 or m.tp % d:
         return f"degree {d} does not divide T={m.tp}"
@@ -345,7 +346,7 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     if share % m.tp:
         return f"micro-batch {m.micro_batch_size} does not split over {m.tp // d} replicas"
     share //= m.tp
-    if d > 1 and share % m.sub_batches:
+    if split_refusal(share, sub_batches_at(d, oases=m.sub_batches > 1)):  # describe.split
         return f"a replica's {share} sample(s) do not split into {m.sub_batches} sub-batches"
     return ""
 
