@@ -41,6 +41,7 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from megatron_oases.describe.split import sub_batches_at  # noqa: E402
 from megatron_oases.bench import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402
                                   launch_ranks, loadavg, model_flags, print_table, step_stats,
                                   two_level_topology_yaml, write_topology)
@@ -78,7 +79,7 @@ def plan_model(a):
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, micro_batch_size=a.micro_batch, tp=a.tp,
                      padded_vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,
-                     sub_batches=2 if a.schedule == "oases" else 1)
+                     sub_batches=sub_batches_at(oases=a.schedule == "oases"))
 
 
 def profiled_pricer(a, m, topo, workdir: str):

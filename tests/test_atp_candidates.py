@@ -58,7 +58,6 @@ def test_every_check_refuses_3x3_at_tp8_in_the_same_words():
     assert trainer == runtime == planner == picker == groups == want
 
 
-@pytest.mark.xfail(strict=True, reason="sim/events.Strategy still states the rule itself (its owner's file)")
 def test_the_simulators_strategy_refuses_in_the_same_words():
     from megatron_oases.pricing.device_model import SimError
     from megatron_oases.sim.events import Strategy

@@ -107,7 +107,7 @@ def _megatron_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDes
     return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
                                  heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
                                  bytes_per_element=m.bytes_per_element, variant=m.variant,
-                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches == 2,
+                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches > 1,
                                  attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
                                  core_attention=m.core_attention)
 

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import core_attention_of
+from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.parallel.dims import ConfigError, ParallelDims
 
@@ -50,8 +51,9 @@ class PlanModel(GPTShape):
         if self.grad_reduce_bytes != 4:
             raise PlanError("the planner prices fp32 gradients (main grads and their reduction); "
                             "grad_reduce_bytes must be 4")
-        if self.sub_batches not in (1, 2):
-            raise PlanError(f"sub_batches must be 1 (stock executor) or 2 (Oases) (got {self.sub_batches!r})")
+        if self.sub_batches not in (1, SUB_BATCHES):
+            raise PlanError(f"sub_batches must be 1 (stock executor) or {SUB_BATCHES} (Oases) "
+                            f"(got {self.sub_batches!r})")
         ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
                      num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size)
 

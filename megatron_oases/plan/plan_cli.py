@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..describe.core_attention import ATTENTION_BACKENDS
+from ..describe.split import SUB_BATCHES
 from ..run_config import check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention, as `megatron-oases sim` (megatron-oases train defaults to auto: pass it)")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="Oases fine-grained recompute (default on)")
-    p.add_argument("--sub-batches", type=int, choices=(1, 2), default=None,
+    p.add_argument("--sub-batches", type=int, choices=(1, SUB_BATCHES), default=None,
                    help="2: Oases two-sub-batch overlap (default); 1: stock sequential executor")
     p.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
     p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")

@@ -12,6 +12,7 @@ import functools
 import math
 from typing import NamedTuple
 
+from ..describe.atp_meshes import atp_mesh_refusal
 from ..describe.head import head_ops, head_param_tensors
 from ..describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ..describe.event_key import layer_shape
@@ -97,8 +98,9 @@ class Strategy:
         if self.backend not in BACKENDS:
             raise SimError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         if self.backend == "atp":
-            if self.mesh is None or len(self.mesh) != 2 or self.mesh[0] * self.mesh[1] != self.tp:
-                raise SimError(f"ATP mesh {self.mesh} must be (d1, d2) with d1 x d2 = TP {self.tp}")
+            refused = atp_mesh_refusal(self.mesh, self.tp)
+            if refused:
+                raise SimError(refused)
             object.__setattr__(self, "mesh", (int(self.mesh[0]), int(self.mesh[1])))
         elif self.mesh is not None:
             raise SimError("a mesh needs backend 'atp'")
