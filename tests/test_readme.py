@@ -1,5 +1,5 @@
 """The README as a newcomer meets it: its two commands first (CI runs the second), every relative
-link in it and in docs/ resolving, headings included, and its picture redrawn from the committed
+link in it, in docs/ and in the other READMEs resolving, headings included, and its picture redrawn from the committed
 measurements by ``scripts/readme_chart.py``."""
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ KNOWN_BROKEN = {
 
 
 def _markdown_files() -> list:
-    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files = [os.path.join(ROOT, p) for p in ("README.md", "examples/README.md", "patches/README.md")]
+    files += sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
     return [pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_BROKEN[rel], strict=True))
             if (rel := os.path.relpath(f, ROOT)) in KNOWN_BROKEN else f for f in files]
 
