@@ -1,6 +1,6 @@
 """The README as a newcomer meets it: its two commands first (CI runs the second), every relative
-link in it, in docs/ and in the other READMEs resolving, headings included, and its picture redrawn from the committed
-measurements by ``scripts/readme_chart.py``."""
+link in it, in docs/ and in the other READMEs resolving, headings included, and its picture
+redrawn from the committed measurements by ``scripts/readme_chart.py``."""
 from __future__ import annotations
 
 import glob
