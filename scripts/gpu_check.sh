@@ -15,7 +15,11 @@
 #             Oases, each with --attention-backend auto (SDPA) and local; model-FLOPs utilisation
 #             against the card's dense bf16 peak in the compare step
 #   overlap   scripts/bench_gpu_overlap.py: rank 0 of a TP-2 layer on this GPU, every collective
-#             replaced by a stand-in (sleep and copy kernels) of a duration matched to compute
+#             replaced by a stand-in (sleep, copy and 16-block "channels" copy kernels) of a
+#             duration matched to compute; one step of each traced (json/traces/): the compute
+#             stream's idle time, while a stand-in ran vs with nothing running
+#   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware
+#             queues instead of the 1 Megatron asks for): does one queue serialise the stand-ins?
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -29,7 +33,7 @@
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
 #   sim-sizes the same at hidden 512, 1024, 2048 (sequence 2048), host-bound to GEMM-bound; the
 #             SM and memory clocks are read before each model (summary.txt)
-# STEPS picks steps (default: "env attn mfu overlap sim sim-sizes compare"; the others are
+# STEPS picks steps (default: "env attn mfu overlap overlap-conn sim sim-sizes compare"; the others are
 # "fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
 # schedules, SIM_HIDDEN the sim-sizes list.
@@ -49,7 +53,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-want() { [[ " ${STEPS:-env attn mfu overlap sim sim-sizes compare} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-env attn mfu overlap overlap-conn sim sim-sizes compare} " == *" $1 "* ]]; }
 left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
   local name=$1 limit=$2; shift 2
@@ -92,7 +96,11 @@ if want mfu; then
 fi
 if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other trainer flags)
   if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
-  step overlap 150 $PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}" --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
+  OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
+  step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
+    --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
+  want overlap-conn && step overlap-conn 120 env -u CUDA_DEVICE_MAX_CONNECTIONS "${OVB[@]}" --kinds sleep,channels \
+    --trace "$OUT/json/traces-conn8" --out "$OUT/json/overlap_standin_conn8.json" -- --device "$DEVICE" "${OVF[@]}"
 fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"
 

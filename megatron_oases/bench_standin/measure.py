@@ -13,12 +13,18 @@ reference trainer's (``train.setup`` with the trainer's own flags, ``--schedule 
 ``--match-compute`` (default) picks the link speed at which one step's stand-ins of the first
 schedule take its compute-only time (the acceptance point of issue 34: Oases within 10% of
 max(compute, stand-in) and 1.3x faster than stock); ``--link-gbps`` fixes it instead.
+
+``--trace DIR`` also records one step of each schedule and stand-in kind with ``torch.profiler``
+(``DIR/<schedule>-<kind>.json.gz``, Chrome's format) and reports where the compute stream sat
+idle in it: while a stand-in ran (exposed communication) or with nothing running (the host)
+(``trace_gaps``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 
@@ -33,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, "
                "--num-layers, --bf16, --device, --recompute-granularity, ...")
     p.add_argument("--tp", type=int, default=2, help="TP size t of the fake world (default 2)")
-    p.add_argument("--kinds", default="sleep,copy", help="stand-in kernels: sleep, copy (default both)")
+    p.add_argument("--kinds", default="sleep,copy",
+                   help="stand-in kernels: sleep, copy, channels (default sleep,copy)")
+    p.add_argument("--channels", type=int, default=None,
+                   help="thread blocks of the channels stand-in (default: standins.CHANNELS, 16)")
     p.add_argument("--schedules", default="default,oases",
                    help="schedules to time, in order (default: default,oases)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (default 5)")
@@ -48,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy stand-ins' scratch buffers, MiB each (default 1024 on CUDA, 4 on CPU)")
     p.add_argument("--optimizer-step", action="store_true",
                    help="time the optimizer step too (it synchronises the host: found-inf, grad norm)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a Chrome trace of one step per schedule and kind here, and report the "
+                        "compute stream's idle time in it")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 
@@ -133,7 +145,7 @@ class Bench:
                 torch.cuda.empty_cache()
 
     def _measure(self, tr) -> dict:
-        from megatron_oases.bench_standin.standins import StandIns, calibrate, link_matching
+        from megatron_oases.bench_standin.standins import CHANNELS, StandIns, calibrate, link_matching
         from megatron_oases.parallel.collectives import CommCounter
 
         a, rt = self.a, tr.runtime
@@ -149,28 +161,35 @@ class Bench:
         res["collectives_per_step"] = len(calls)
         if self.cal is None:
             mib = a.scratch_mb if a.scratch_mb is not None else (1024 if rt.is_cuda else 4)
-            self.cal, *self.scratch = calibrate(rt, int(mib * 2**20))
+            channels = (a.channels or CHANNELS) if "channels" in self.kinds else None
+            self.cal, *self.scratch = calibrate(rt, int(mib * 2**20), channels=channels)
         if self.link is None:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
         for kind in self.kinds:
-            res[kind] = self._with_standins(rt, step, StandIns(rt, kind, self.link, self.cal, tuple(self.scratch)))
+            stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
+            res[kind] = self._with_standins(rt, step, stand, f"{tr.args.schedule}-{kind}")
             bound = max(res["compute"]["ms"], res[kind]["standins_only"]["ms"])
             res[kind]["vs_max_compute_standin"] = res[kind]["with_standins"]["ms"] / bound
         res["peak_mem_mb"] = rt.max_memory_allocated() / 2**20
         return res
 
-    def _with_standins(self, rt, step, stand) -> dict:
-        """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone."""
+    def _with_standins(self, rt, step, stand, name: str) -> dict:
+        """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone
+        (and, with ``--trace``, one more step recorded; ``name`` names its file)."""
         from megatron_oases.parallel.collectives import replace_watched_collectives
 
         a = self.a
         with replace_watched_collectives(stand):
             with_ = _timed(rt, step, a.warmup, a.steps, before=stand.clear)
-        issued = list(stand.issued)
+            issued = list(stand.issued)
+            trace = _traced(rt, step, a.trace, name) if a.trace else None
         alone = _timed(rt, lambda: stand.replay(issued), 1, a.steps)
-        return {"with_standins": _summary(with_), "standins_only": _summary(alone),
-                "priced_ms": sum(i.ms for i in issued), "standins_per_step": len(issued),
-                "issued": [[i.kind, i.group_size, i.payload_bytes, i.async_op] for i in issued]}
+        out = {"with_standins": _summary(with_), "standins_only": _summary(alone),
+               "priced_ms": sum(i.ms for i in issued), "standins_per_step": len(issued),
+               "issued": [[i.kind, i.group_size, i.payload_bytes, i.async_op] for i in issued]}
+        if trace is not None:
+            out["trace"] = trace
+        return out
 
     def run(self) -> dict:
         import torch
@@ -186,12 +205,42 @@ class Bench:
         out["link"] = {"GBps": self.link.GBps, "latency_us": self.link.latency_us,
                        "chosen_by": "--link-gbps" if self.a.link_gbps is not None else "--match-compute"}
         out["calibration"] = {"sleep_cycles_per_ms": self.cal.sleep_cycles_per_ms,
-                              "copy_GBps": self.cal.copy_GBps, "scratch_bytes": self.cal.scratch_bytes}
+                              "copy_GBps": self.cal.copy_GBps, "scratch_bytes": self.cal.scratch_bytes,
+                              "channel_GBps": self.cal.channel_GBps, "channels": self.cal.channels}
+        out["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         sch = out["schedules"]
         if "default" in sch and "oases" in sch:
             out["stock_over_oases"] = {k: sch["default"][k]["with_standins"]["ms"] / sch["oases"][k]["with_standins"]["ms"]
                                        for k in self.kinds}
         return out
+
+
+def _traced(rt, step, trace_dir: str, name: str) -> dict:
+    """One ``step`` under ``torch.profiler``: its Chrome trace gzipped into ``trace_dir`` and the
+    compute stream's idle time in it (``trace_gaps.summarize``)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import torch
+
+    from megatron_oases.bench_standin.trace_gaps import load_trace, summarize
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if rt.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    rt.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        rt.synchronize()
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"{name}.json.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return {"file": os.path.basename(path), **summarize(load_trace(path))}
 
 
 def _link(gbps: float, latency_us: float):
@@ -227,6 +276,12 @@ def print_report(out: dict) -> None:
                        "/ max(compute, stand-ins)", "collectives"])
     for k, v in out.get("stock_over_oases", {}).items():
         print(f"stock / Oases with {k} stand-ins: {v:.3f}x")
+    from megatron_oases.bench_standin.trace_gaps import format_summary
+
+    for s, r in out["schedules"].items():
+        for k in out["kinds"]:
+            if "trace" in r[k]:
+                print(format_summary(f"trace {s} {k}", r[k]["trace"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Bench(a, rest).run()
     print_report(out)
     if a.out:
-        import os
-
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

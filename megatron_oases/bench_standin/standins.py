@@ -16,7 +16,10 @@ Two kernels bracket what NCCL does to the other stream's compute:
   memory bandwidth free, so it measures the overlap the schedule allows (no contention);
 * ``copy``: device-to-device copies of the collective's bytes, repeated to fill the duration at
   the calibrated copy rate: uses memory bandwidth (and SMs) for the whole duration, more than
-  NCCL does at a link's rate, so it bounds contention from above.
+  NCCL does at a link's rate, so it bounds contention from above;
+* ``channels``: the same copies on ``channels`` thread blocks only (``channel_copy``, Triton), as
+  NCCL runs a collective on its channels: a few SMs and the bandwidth they draw, the closer model
+  of what NCCL takes from compute. On CPU it runs as ``copy``.
 
 Durations are priced by ``pricing.DeviceModel.collective_ms`` (the project's ring formula) on a
 one-level topology of the chosen link. On CPU (tests) there are no streams: the runtime's no-op
@@ -32,7 +35,9 @@ import time
 
 import torch
 
-KINDS = ("sleep", "copy")
+KINDS = ("sleep", "copy", "channels")
+CHANNELS = 16
+"""Blocks of the ``channels`` stand-in: NCCL's channel count for a ring on an NVLink node."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,10 +110,15 @@ class Calibration:
     copy_GBps: float
     """Bytes a device-to-device ``copy_`` of ``scratch_bytes`` moves per second, /1e9."""
     scratch_bytes: int
+    channel_GBps: float | None = None
+    """The same for ``channel_copy`` on ``channels`` blocks (CUDA, when calibrated with them)."""
+    channels: int = CHANNELS
 
 
-def calibrate(rt, scratch_bytes: int, reps: int = 5) -> tuple[Calibration, torch.Tensor, torch.Tensor]:
-    """Measure the sleep and copy rates; returns them and the two scratch buffers."""
+def calibrate(rt, scratch_bytes: int, reps: int = 5,
+              channels: int | None = None) -> tuple[Calibration, torch.Tensor, torch.Tensor]:
+    """Measure the sleep and copy rates (and, on CUDA with ``channels``, the rate of a copy on
+    that many blocks); returns them and the two scratch buffers."""
     src = torch.empty(scratch_bytes, dtype=torch.uint8, device=rt.device)
     dst = torch.empty_like(src)
     src.fill_(1)
@@ -120,8 +130,15 @@ def calibrate(rt, scratch_bytes: int, reps: int = 5) -> tuple[Calibration, torch
         short, long_ = 2_000_000, 20_000_000
         t_short, t_long = med(lambda: torch.cuda._sleep(short)), med(lambda: torch.cuda._sleep(long_))
         cycles = (long_ - short) / max(t_long - t_short, 1e-6)
+    channel_GBps = None
+    if rt.is_cuda and channels:
+        from megatron_oases.bench_standin.channel_copy import channel_copy
+
+        med(lambda: channel_copy(src, dst, scratch_bytes, channels))  # compile
+        channel_GBps = scratch_bytes / max(med(lambda: channel_copy(src, dst, scratch_bytes, channels)), 1e-6) / 1e6
     return Calibration(sleep_cycles_per_ms=cycles, copy_GBps=scratch_bytes / max(copy_ms, 1e-6) / 1e6,
-                       scratch_bytes=scratch_bytes), src, dst
+                       scratch_bytes=scratch_bytes, channel_GBps=channel_GBps,
+                       channels=channels or CHANNELS), src, dst
 
 
 # ---- the stand-ins ---------------------------------------------------------------------------------
@@ -166,6 +183,8 @@ class StandIns:
             raise ValueError(f"stand-in kind must be one of {', '.join(KINDS)} (got {kernel!r})")
         if kernel == "sleep" and rt.is_cuda and not cal.sleep_cycles_per_ms:
             raise ValueError("sleep stand-ins need the calibrated cycles per ms")
+        if kernel == "channels" and rt.is_cuda and not cal.channel_GBps:
+            raise ValueError("channels stand-ins need a calibration with channels (calibrate(..., channels=N))")
         self.rt, self.kernel, self.link, self.cal = rt, kernel, link, cal
         self._src, self._dst = scratch
         self._streams: dict[int, object] = {}
@@ -206,13 +225,20 @@ class StandIns:
             else:
                 time.sleep(ms / 1e3)
             return
-        # copy: the collective's bytes (at most the scratch; at least 1/16 of the total, to bound
-        # the launches), repeated until the calibrated rate has filled the duration
-        total = int(ms * self.cal.copy_GBps * 1e6)
+        # copy / channels: the collective's bytes (at most the scratch; at least 1/16 of the total,
+        # to bound the launches), repeated until the calibrated rate has filled the duration
+        on_channels = self.kernel == "channels" and self.rt.is_cuda
+        rate = self.cal.channel_GBps if on_channels else self.cal.copy_GBps
+        total = int(ms * rate * 1e6)
         chunk = max(1, min(self.cal.scratch_bytes, max(payload_bytes, total // 16)))
         while total > 0:
             m = min(chunk, total)
-            self._dst[:m].copy_(self._src[:m])
+            if on_channels:
+                from megatron_oases.bench_standin.channel_copy import channel_copy
+
+                channel_copy(self._src, self._dst, max(m, 4), self.cal.channels)
+            else:
+                self._dst[:m].copy_(self._src[:m])
             total -= m
 
     def replay(self, issued: list[Issued]) -> None:
