@@ -59,12 +59,9 @@ def _anchors(path: str) -> set[str]:
     return out
 
 
-KNOWN_BROKEN = {
-    # line 11 links #runtime-per-layer-tp-degrees---oases-plan; the heading is now "Runtime: per-layer
-    # and per-block TP degrees (`--oases-plan`)", #runtime-per-layer-and-per-block-tp-degrees---oases-plan
-    "docs/planner.md": "a link to a renamed heading (line 11)",
-}
-"""Files with a broken link that another change must fix; strict, so the fix removes the entry."""
+KNOWN_BROKEN: dict[str, str] = {}
+"""Files with a broken link that another change must fix (file -> reason); strict xfail, so the
+fix removes the entry."""
 
 
 def _markdown_files() -> list:
