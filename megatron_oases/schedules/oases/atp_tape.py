@@ -100,7 +100,9 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
 
     x = "x_s" if layer.enters_layout else "x"
     y = "y_s" if layer.leaves_layout else "y"
-    steps = [BackwardAllGather("enter", "x", "x_s", -1, axis2)] if layer.enters_layout else []
+    # the block edge's one cut (layers/boundary.py): the hidden dim on axis 2, when d2 > 1
+    edge = layer.layout.cuts[0] if layer.layout.cuts else None
+    steps = [BackwardAllGather("enter", "x", "x_s", *edge)] if layer.enters_layout else []
     steps += _atp_norm_steps("ln1", layer.input_layernorm, x, "ln1", axis2)
     qkv_out = "qkv_sum" if qkv.bias is not None else "qkv"
     steps += [bwd_reduce(qkv, "ln1"), gemm(qkv, "ln1", "qkv_p"), fwd_reduce(qkv, "qkv_p", qkv_out)]
@@ -131,7 +133,7 @@ def atp_layer_tape(layer, index: int) -> LayerTape:
               lambda t, m: {y: bda(t["fc2_sum"], fc2.bias, t["h1"], "mlp_bda")}),
     ]
     if layer.leaves_layout:
-        steps.append(ForwardAllGather("leave", "y_s", "y", -1, axis2))
+        steps.append(ForwardAllGather("leave", "y_s", "y", *edge))
     params = tuple(prm for prm in layer.parameters() if prm.requires_grad)
     return LayerTape(steps=tuple(steps), group=None, params=params,
                      collectives_off=contextlib.nullcontext)
