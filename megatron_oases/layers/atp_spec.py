@@ -14,7 +14,7 @@ Hidden dropout: the mask of the whole ``[s, b, h]`` is drawn and this rank's axi
 """
 from __future__ import annotations
 
-from megatron_oases.layers.boundary import BlockLayout, BoundaryTransformerLayer
+from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, BoundaryTransformerLayer
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups
 
@@ -80,11 +80,6 @@ def get_gpt_layer_atp_spec(d1: int, d2: int, chunks: int = 1, *,
             pre_mlp_layernorm=ModuleSpec(module=ATPNorm, params=mesh),
             mlp=ModuleSpec(module=ATPMLP, params={**mesh, "chunks": chunks}),
             mlp_bda=bda,
-            # Same checkpoint keys as Megatron's local spec, so checkpoints and
-            # ``parallel.layout`` keys are interchangeable with --tp-backend megatron.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=MEGATRON_NORM_KEYS,
         ),
     )

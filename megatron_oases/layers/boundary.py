@@ -24,6 +24,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_oases.parallel import collectives as C
 
+MEGATRON_NORM_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+"""``sharded_state_dict_keys_map`` of a boundary backend's layer spec: its separate norms under the
+keys of Megatron's local spec (where they are fused into the column linears), so checkpoints and
+``parallel.layout`` keys are interchangeable with ``--tp-backend megatron``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:

@@ -20,7 +20,7 @@ block's random numbers only.
 """
 from __future__ import annotations
 
-from megatron_oases.layers.boundary import BlockLayout, BoundaryTransformerLayer
+from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, BoundaryTransformerLayer
 from megatron_oases.layers.linear3d import LayerNorm3D, cube_sharded_state_dict
 from megatron_oases.layers.tp3d_attention import place_cpu_masters
 from megatron_oases.parallel.cube import CubeGroups
@@ -114,10 +114,6 @@ def get_gpt_layer_3d_spec(*, cube_groups: CubeGroups | None = None, order: str =
             pre_mlp_layernorm=ModuleSpec(module=Norm3D, params=cube),
             mlp=ModuleSpec(module=MLP3D, params=cube),
             mlp_bda=bias_dropout_add_3d,
-            # Same checkpoint keys as Megatron's local spec: a 3-D checkpoint loads into stock TP.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=MEGATRON_NORM_KEYS,
         ),
     )
