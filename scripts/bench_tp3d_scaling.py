@@ -60,6 +60,8 @@ for _p in (ROOT, HERE):
 
 from megatron_oases import bench  # noqa: E402
 from megatron_oases.describe.ops import ring_factor  # noqa: E402
+from megatron_oases.layers.linear3d import predicted_gemm_bytes  # noqa: E402
+from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES  # noqa: E402
 
 RANKS = (1, 2, 4, 8)
 
@@ -91,11 +93,12 @@ def variants_for(P: int, meshes: dict[int, list[tuple[int, int]]], with_3d: bool
 
 def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
                        micro_batches: int, bpe: int = 4) -> float:
-    """Wire MB per rank per step of the transformer layers alone from the docs' formulas (also
+    """Wire MB per rank per step of the transformer layers alone from the library's formulas (also
     ``bench_tp3d``'s prediction; fp32 by default): 1-D 4 all-reduces of M h per layer, fwd + bwd;
-    3-D (p-1)/p^3 (48 M h + 36 h^2) (four Linear3D GEMMs, fwd + bwd, docs/tp3d.md); ATP Eq. 2's
-    all-reduces (f1 3h/d1 and f3 4h/d1 on axis 2, f2 and f4 h/d2 on axis 1, x2) with the ring
-    factor. Leaves out LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
+    3-D the four Linear3D GEMMs (``linear3d.predicted_gemm_bytes``, §3.1.2: one forward and two
+    backward GEMMs each, (p-1)/p^3 (48 M h + 36 h^2) in all, docs/tp3d.md); ATP Eq. 2's
+    all-reduces (``plan.atp_mesh.ATP_LAYER_ALLREDUCES``, x2) with the ring factor. Leaves out
+    LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
     if P == 1:
         return 0.0
     ar = lambda d: ring_factor("all_reduce", d)  # noqa: E731
@@ -103,10 +106,12 @@ def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
         elems = 4 * ar(P) * m * h
     elif kind.startswith("3d"):
         p = round(P ** (1 / 3))
-        elems = (p - 1) / p ** 3 * (48 * m * h + 36 * h * h)
+        gemms = ((m, h, 3 * h), (m, h, h), (m, h, 4 * h), (m, 4 * h, h))  # qkv, proj, fc1, fc2
+        elems = 3 * sum(predicted_gemm_bytes(*g, p, elem_size=1)["wire_bytes_per_rank"] for g in gemms)
     else:
-        d1, d2 = mesh
-        elems = 2 * m * (7 * h / d1 * ar(d2) + 2 * h / d2 * ar(d1))
+        d = dict(zip((1, 2), mesh))
+        elems = 2 * m * sum(width * h / d[shard] * ar(d[axis])
+                            for _, axis, width, shard in ATP_LAYER_ALLREDUCES)
     return elems * bpe * layers * micro_batches / 1e6
 
 

@@ -1,8 +1,7 @@
 """The GPT layer spec for ``--tp-backend atp``: Megatron's TransformerLayer with ATP submodules.
 
-Layout conversion. Megatron's block boundaries (embedding output, pipeline P2P buffers, the
-final layernorm and output layer) carry ``[s, b, h]`` replicated over TP. ``ATPTransformerLayer``
-converts only at the edges of its block: the *first* layer of each block (pipeline / virtual
+Layout conversion (``layers/boundary.py``). ``ATPTransformerLayer`` converts Megatron's replicated
+``[s, b, h]`` only at the edges of its block: the *first* layer of each block (pipeline / virtual
 stage) keeps its axis-2 slice of the hidden dim (``split_dim``: free in forward, an axis-2
 all-gather of dX in backward) and the *last* all-gathers it back on axis 2 (backward: keep own
 slice). In between, hidden states, residuals and the bias-dropout-add stay in the paper's
@@ -15,44 +14,25 @@ Hidden dropout: the mask of the whole ``[s, b, h]`` is drawn and this rank's axi
 """
 from __future__ import annotations
 
-from megatron.core.transformer.transformer_layer import TransformerLayer
-
-from megatron_oases.parallel import collectives as C
+from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, BoundaryTransformerLayer
 from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups
 
 
-class ATPTransformerLayer(TransformerLayer):
+class ATPTransformerLayer(BoundaryTransformerLayer):
     """Megatron's TransformerLayer that enters / leaves ``[Replicate, Shard(h)]`` at the block's
     first / last layer (``mesh_groups`` comes from the spec's params)."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
-                 pg_collection=None, vp_stage=None, *, mesh_groups: MeshGroups):
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
-        from megatron.core.utils import get_pg_rank
-
-        super().__init__(config, submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
-                         vp_stage=vp_stage)
+    def __init__(self, *args, mesh_groups: MeshGroups, **kwargs):
+        super().__init__(*args, layout=atp_layout(mesh_groups), **kwargs)
         self.mesh_groups = mesh_groups
-        pp_rank = get_pg_rank(getattr(self.pg_collection, "pp", None))
-        n_local = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        # ``layer_number`` as passed by TransformerBlock is 1-based within this block.
-        # With d2 == 1 the layout is already Megatron's: no conversion. (A size-1 split or gather
-        # would hand back its input as a view, which Megatron's pipeline schedules refuse to
-        # free: "counter-productive to free a view of another tensor".)
-        converts = mesh_groups.mesh.d2 > 1
-        self.atp_enter = converts and layer_number == 1
-        self.atp_leave = converts and layer_number == n_local
 
-    def forward(self, hidden_states, *args, **kwargs):
-        axis2 = self.mesh_groups.group(2)
-        if self.atp_enter:
-            hidden_states = C.split_dim(hidden_states, -1, axis2)  # [s, b, h] -> [s, b, h/d2]
-        output, context = super().forward(hidden_states, *args, **kwargs)
-        if self.atp_leave:
-            output = C.gather_dim(output, -1, axis2)  # back to Megatron's replicated [s, b, h]
-        return output, context
+
+def atp_layout(mesh_groups: MeshGroups) -> BlockLayout:
+    """``[s, b, h]`` -> ``[s, b, h/d2]``: the hidden dim cut on axis 2 (no cut when ``d2 == 1``,
+    where the layout is already Megatron's)."""
+    cuts = ((-1, mesh_groups.group(2)),) if mesh_groups.mesh.d2 > 1 else ()
+    return BlockLayout("atp", cuts)
 
 
 def atp_bias_dropout_add_builder(mesh_groups: MeshGroups):
@@ -100,11 +80,6 @@ def get_gpt_layer_atp_spec(d1: int, d2: int, chunks: int = 1, *,
             pre_mlp_layernorm=ModuleSpec(module=ATPNorm, params=mesh),
             mlp=ModuleSpec(module=ATPMLP, params={**mesh, "chunks": chunks}),
             mlp_bda=bda,
-            # Same checkpoint keys as Megatron's local spec, so checkpoints and
-            # ``parallel.layout`` keys are interchangeable with --tp-backend megatron.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=MEGATRON_NORM_KEYS,
         ),
     )

@@ -1,11 +1,11 @@
 """The GPT layer spec for ``--tp-backend 3d``: Megatron's TransformerLayer with 3-D submodules.
 
-Layout conversion. Megatron's block boundaries (embedding output, pipeline P2P buffers, final
-layernorm, output layer) carry ``[s, b, h]`` replicated over TP. ``TransformerLayer3D`` converts
-only at the edges of its block: the *first* layer of each block (pipeline / virtual stage) keeps
-its part, ``activation_layout("y")`` = samples block ``i p + j`` and hidden block ``l``, a local
-``[s, b/p^2, h/p]`` (``split_dim`` in x, y, z: free in forward, all-gathers of dX in backward);
-the *last* layer all-gathers it back (forward) and keeps its part of the gradient (backward).
+Layout conversion (``layers/boundary.py``). ``TransformerLayer3D`` converts Megatron's replicated
+``[s, b, h]`` only at the edges of its block: the *first* layer of each block (pipeline / virtual
+stage) keeps its part, ``activation_layout("y")`` = samples block ``i p + j`` and hidden block
+``l``, a local ``[s, b/p^2, h/p]`` (``split_dim`` in x, y, z: free in forward, all-gathers of dX
+in backward); the *last* layer all-gathers it back (forward) and keeps its part of the gradient
+(backward).
 In between, hidden states, residuals and the bias-dropout-add stay in the 3-D layout; every
 layer returns to direction y (§3.2: two exchanges per block, one in attention, one in the MLP).
 Cost per block and micro-batch: one ``[s, b, h]`` all-gather over the cube (in three steps of p
@@ -20,55 +20,27 @@ block's random numbers only.
 """
 from __future__ import annotations
 
-from megatron.core.transformer.transformer_layer import TransformerLayer
-
+from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, BoundaryTransformerLayer
 from megatron_oases.layers.linear3d import LayerNorm3D, cube_sharded_state_dict
 from megatron_oases.layers.tp3d_attention import place_cpu_masters
-from megatron_oases.parallel import collectives as C
 from megatron_oases.parallel.cube import CubeGroups
 from megatron_oases.parallel.dims import ConfigError
 
 
-def to_cube(x, groups: CubeGroups):
-    """``[s, b, h]`` replicated -> ``[s, b/p^2, h/p]`` in ``activation_layout("y")``."""
-    x = C.split_dim(x, 1, groups.x)      # samples block i (outer) ...
-    x = C.split_dim(x, 1, groups.y)      # ... then j: block i p + j
-    return C.split_dim(x, -1, groups.z)  # hidden block l
+def cube_layout(groups: CubeGroups) -> BlockLayout:
+    """``[s, b, h]`` -> ``[s, b/p^2, h/p]`` in ``activation_layout("y")``: samples block i (x,
+    outer), then j (y): block ``i p + j``; hidden block l (z)."""
+    return BlockLayout("3d", ((1, groups.x), (1, groups.y), (-1, groups.z)))
 
 
-def from_cube(x, groups: CubeGroups):
-    """Inverse of ``to_cube``: all-gather z (hidden), then y and x (samples)."""
-    x = C.gather_dim(x, -1, groups.z)
-    x = C.gather_dim(x, 1, groups.y)
-    return C.gather_dim(x, 1, groups.x)
-
-
-class TransformerLayer3D(TransformerLayer):
+class TransformerLayer3D(BoundaryTransformerLayer):
     """Megatron's TransformerLayer that enters / leaves the 3-D layout at the block's first / last
     layer (``cube_groups`` comes from the spec's params)."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
-                 pg_collection=None, vp_stage=None, *, cube_groups: CubeGroups):
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
-        from megatron.core.utils import get_pg_rank
-
-        super().__init__(config, submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
-                         vp_stage=vp_stage)
+    def __init__(self, *args, cube_groups: CubeGroups, **kwargs):
+        super().__init__(*args, layout=cube_layout(cube_groups), **kwargs)
         self.cube_groups = cube_groups
         place_cpu_masters(self)  # CPU-initialised weights: this rank's shards of the masters
-        pp_rank = get_pg_rank(getattr(self.pg_collection, "pp", None))
-        n_local = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        # ``layer_number`` as passed by TransformerBlock is 1-based within this block.
-        self.enter_cube, self.leave_cube = layer_number == 1, layer_number == n_local
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if self.enter_cube:
-            hidden_states = to_cube(hidden_states, self.cube_groups)
-        output, context = super().forward(hidden_states, *args, **kwargs)
-        if self.leave_cube:
-            output = from_cube(output, self.cube_groups)
-        return output, context
 
 
 class Norm3D(LayerNorm3D):
@@ -142,10 +114,6 @@ def get_gpt_layer_3d_spec(*, cube_groups: CubeGroups | None = None, order: str =
             pre_mlp_layernorm=ModuleSpec(module=Norm3D, params=cube),
             mlp=ModuleSpec(module=MLP3D, params=cube),
             mlp_bda=bias_dropout_add_3d,
-            # Same checkpoint keys as Megatron's local spec: a 3-D checkpoint loads into stock TP.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=MEGATRON_NORM_KEYS,
         ),
     )

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_oases.describe.split import sub_batches_at
+from megatron_oases.schedules.oases.backend_tapes import layer_tape
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
-from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer, layer_tape,
+from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer,
                                                  megatron_block_tapes)
 
 _UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_cos",
