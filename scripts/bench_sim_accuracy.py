@@ -165,9 +165,9 @@ def measure(flags: list[str], topo, a, log: str) -> dict:
 
 def run_config(name: str, a, work: str) -> dict:
     from megatron_oases.pricing.device_model import ProfileDB
-    from megatron_oases.sim.emulated_profile import profile_emulated
-    from megatron_oases.sim.events import build_stage_events, overlapped_keys, unique_events
-    from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.sim.calibrate.emulated_profile import profile_emulated
+    from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+    from megatron_oases.sim.frontends.predict import predict_train_step, sim_inputs_from_train_args
     from megatron_oases.topology import load_topology
     from megatron_oases.train_args import build_parser
 

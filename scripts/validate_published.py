@@ -36,8 +36,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_oases.pricing.stack import stack_of  # noqa: E402
-from megatron_oases.sim import crossval  # noqa: E402
-from megatron_oases.sim.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
+from megatron_oases.sim.calibrate import crossval  # noqa: E402
+from megatron_oases.sim.frontends.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
                                           simulate_run, write_outputs)
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")

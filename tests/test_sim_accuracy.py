@@ -9,14 +9,14 @@ import os
 
 import pytest
 
-from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
+from megatron_oases.sim.core.contention import block_duration, interpolate, level_prices, place_pipeline_shared
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
-from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
+from megatron_oases.sim.calibrate.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
-from megatron_oases.sim.profiler import local_topology
-from megatron_oases.sim.schedules import schedule_order
-from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
+from megatron_oases.sim.core.events import Strategy, build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.calibrate.profiler import local_topology
+from megatron_oases.sim.core.schedules import schedule_order
+from megatron_oases.sim.core.timeline import place_pipeline, run_template, simulate
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +125,7 @@ def test_profile_contention_roundtrip_and_simulation(tmp_path):
     s = Strategy(tp=2, pp=2, num_microbatches=4)
     topo = local_topology(4)
     dm = device_model(topo, gpu="a100-80gb")
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events(build_stage_events(TINY, s, topo), dm)
     comp = [k for k in price if k.startswith("compute:")]
@@ -187,7 +187,7 @@ def test_template_with_overlap_prices():
     topo = local_topology(2)
     dm = device_model(topo, gpu="a100-80gb")
     st = build_stage_events(TINY, s, topo)[0]
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events([st], dm)
     for evs in (st.forward, st.backward):
@@ -250,7 +250,7 @@ def test_bench_table_and_errors():
 def test_lockstep_and_interleaved_timing():
     """Per repetition the slowest rank, then the median; older rank files (one median per rank)
     still merge; events run in turn within a repetition and skipped ones still get ``before``."""
-    from megatron_oases.sim.emulated_profile import interleaved_ms, lockstep_ms
+    from megatron_oases.sim.calibrate.emulated_profile import interleaved_ms, lockstep_ms
 
     assert lockstep_ms([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == 3.0  # max per rep: 3, 5, 2.5
     assert lockstep_ms([2.0, 4.0]) == 4.0
@@ -264,7 +264,7 @@ def test_lockstep_and_interleaved_timing():
 def test_overlapped_collective_time_from_the_executor_s_pattern():
     """A collective launched beside one compute event, then waited for: the in-flight time the
     fluid model needs is what reproduces that run (and a merge goes through it per repetition)."""
-    from megatron_oases.sim.emulated_profile import (MAX_OVERLAP_SLOWDOWN, beside_lockstep_ms,
+    from megatron_oases.sim.calibrate.emulated_profile import (MAX_OVERLAP_SLOWDOWN, beside_lockstep_ms,
                                                      overlapped_from_beside)
 
     assert overlapped_from_beside(total=6.0, compute=9.0, plain=10.0) == 6.0  # done during the compute
@@ -314,7 +314,7 @@ def test_loaded_collectives_lengthen_a_pipelined_stock_step():
     s = Strategy(tp=2, pp=2, num_microbatches=4)
     topo = local_topology(4)
     dm = device_model(topo, gpu="a100-80gb")
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events(build_stage_events(TINY, s, topo), dm)
     comp = {k: {2: price[k], 4: price[k]} for k in price if k.startswith("compute:")}

@@ -12,19 +12,19 @@ import functools
 import math
 from typing import NamedTuple
 
-from ..describe.atp_meshes import atp_mesh_refusal
-from ..describe.head import head_ops, head_param_tensors
-from ..describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
-from ..describe.event_key import layer_shape
-from ..describe.ops import Collective, Compute
-from ..describe.planned import degree_reshard, megatron_blocks
-from ..describe.shapes import GPTShape
-from ..describe.split import split_refusal, sub_batches_at
-from ..describe.registry import (BACKENDS, MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
+from ...describe.atp_meshes import atp_mesh_refusal
+from ...describe.head import head_ops, head_param_tensors
+from ...describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
+from ...describe.event_key import layer_shape
+from ...describe.ops import Collective, Compute
+from ...describe.planned import degree_reshard, megatron_blocks
+from ...describe.shapes import GPTShape
+from ...describe.split import split_refusal, sub_batches_at
+from ...describe.registry import (BACKENDS, MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
                                  layer_description, layer_param_tensors)
-from ..pricing.device_model import SimError
-from ..pricing.event import Event, group_tag
-from ..topology import Topology
+from ...pricing.device_model import SimError
+from ...pricing.event import Event, group_tag
+from ...topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
 OVERLAPS = ("none", "oases")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..flops import gpt_flops_per_iteration
+from ...flops import gpt_flops_per_iteration
 from .cli import build_parser, simulation_inputs
-from .timeline import SimResult, simulate
+from ..core.timeline import SimResult, simulate
 
 
 def topology_path(topology: str, data_file: str) -> str:

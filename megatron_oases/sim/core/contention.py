@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from ..pricing.device_model import SimError
+from ...pricing.device_model import SimError
 from .placement import Placement
 
 

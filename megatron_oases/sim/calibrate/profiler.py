@@ -23,12 +23,12 @@ import statistics
 import time
 from typing import Any, Iterable
 
-from ..topology import Topology
-from ..pricing.device_model import ProfileDB, SimError
-from ..pricing.event import Event, group_tag
-from ..describe.ops import ring_factor
-from ..describe.shapes import GPTShape
-from .events import Strategy, build_stage_events, unique_events
+from ...topology import Topology
+from ...pricing.device_model import ProfileDB, SimError
+from ...pricing.event import Event, group_tag
+from ...describe.ops import ring_factor
+from ...describe.shapes import GPTShape
+from ..core.events import Strategy, build_stage_events, unique_events
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,7 +181,7 @@ def comm_rank_main(jobs: list[CommJob], warmup: int, reps: int, device: str | No
     import torch
     import torch.distributed as dist
 
-    from ..runtime import init_distributed, init_runtime
+    from ...runtime import init_distributed, init_runtime
 
     rt = init_runtime(device)
     init_distributed(rt)
@@ -232,7 +232,7 @@ def comm_rank_main(jobs: list[CommJob], warmup: int, reps: int, device: str | No
 
 def profile_comm(events: Iterable[Event], topo: Topology, settings: ProfileSettings
                  ) -> tuple[dict[str, float], dict[str, str]]:
-    from ..runtime.spawn import run_on_ranks
+    from ...runtime.spawn import run_on_ranks
 
     jobs, plan = plan_comm(events, topo, settings.nproc, settings.max_comm_bytes)
     if not jobs:
@@ -290,7 +290,7 @@ def local_topology(nproc: int, name: str = "local") -> Topology:
 
     Its numbers only matter for analytical fallbacks; measured events are keyed by its level name.
     """
-    from ..topology import Level
+    from ...topology import Level
 
     return Topology(name=name, device=None, levels=(Level(name=name, size=nproc, scope="intra_node",
                                                           p2p_bandwidth_GBps=10.0, group_bandwidth_GBps=10.0,
@@ -302,6 +302,6 @@ def resolve_topology(name: str | None, world: int):
     level of ``world`` ranks."""
     if name in (None, "local"):
         return local_topology(world)
-    from ..topology import load_topology
+    from ...topology import load_topology
 
     return load_topology(name)

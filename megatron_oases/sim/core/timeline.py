@@ -13,10 +13,10 @@ import dataclasses
 import operator
 from typing import NamedTuple
 
-from ..flops import gpt_flops_per_iteration
-from ..pricing.device_model import DeviceModel, SimError
-from ..pricing.event import Event
-from ..describe.shapes import GPTShape
+from ...flops import gpt_flops_per_iteration
+from ...pricing.device_model import DeviceModel, SimError
+from ...pricing.event import Event
+from ...describe.shapes import GPTShape
 from .events import GradBucket, StageEvents, Strategy, build_stage_events, unique_events
 from .contention import level_prices, place_pipeline_shared
 from .memory import GiB, StageMemory, stage_memory
