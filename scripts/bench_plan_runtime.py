@@ -98,7 +98,7 @@ def profiled_pricer(a, m, topo, workdir: str):
     path = os.path.join(workdir, "profile.json")
     if a.pricing == "emulated":
         from megatron_oases.sim.calibrate.emulated_profile import profile_emulated
-        from megatron_oases.sim.core.events import Strategy
+        from megatron_oases.sim.core.strategy import Strategy
 
         with bench_lock():
             db = profile_emulated(probe.events, topo, Strategy(tp=a.tp, num_microbatches=a.micro_batches),

@@ -60,7 +60,7 @@ def test_every_check_refuses_3x3_at_tp8_in_the_same_words():
 
 def test_the_simulators_strategy_refuses_in_the_same_words():
     from megatron_oases.pricing.device_model import SimError
-    from megatron_oases.sim.core.events import Strategy
+    from megatron_oases.sim.core.strategy import Strategy
 
     got = _raised(SimError, Strategy, tp=8, pp=1, dp=1, num_microbatches=1, backend="atp", mesh=(3, 3))
     assert got == atp_mesh_refusal((3, 3), 8)

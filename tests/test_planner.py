@@ -183,7 +183,8 @@ def test_memory_terms_agree_with_the_simulator():
 def test_event_keys_are_the_simulators():
     """The planner prices the same events (same keys) the simulator asks a profile for."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.core.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
@@ -391,7 +392,8 @@ def test_atp_plans_are_whole_model_and_win_when_memory_binds():
 
 def test_atp_event_keys_are_the_simulators():
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.core.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
@@ -410,7 +412,8 @@ def test_atp_event_keys_are_the_simulators():
 def test_cube_event_keys_are_the_simulators():
     """The 3-D family's events carry the simulator's spelling (``cube``, no executor tag)."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.core.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,

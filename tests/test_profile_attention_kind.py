@@ -182,7 +182,7 @@ def test_plan_memory_matches_the_simulator(kind, dropout, family, degree, mesh):
     the run's core attention and dropout (no dropout mask priced at dropout 0)."""
     from megatron_oases.plan.graph import BlockStrategy, family_of
     from megatron_oases.sim.core import memory as sim_memory
-    from megatron_oases.sim.core.events import Strategy
+    from megatron_oases.sim.core.strategy import Strategy
 
     m = _plan_model(core_attention=kind, hidden_dropout=dropout, attention_dropout=dropout)
     strategy = BlockStrategy(degree=degree, family=family, mesh=mesh) if mesh else \

@@ -12,7 +12,8 @@ from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, devic
 from megatron_oases.pricing.stack import LOCAL
 from megatron_oases.describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.core.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology

@@ -13,7 +13,8 @@ from megatron_oases.sim.core.contention import block_duration, interpolate, leve
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.calibrate.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology
 from megatron_oases.sim.core.schedules import schedule_order
 from megatron_oases.sim.core.timeline import place_pipeline, run_template, simulate

@@ -9,7 +9,8 @@ import pytest
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.sim.frontends.cli import sim_main
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events, layer_tensors, stage_params
+from megatron_oases.sim.core.events import build_stage_events, layer_tensors, stage_params
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.sim.core.trace import TIDS, chrome_trace
 from megatron_oases.topology import Level, Topology

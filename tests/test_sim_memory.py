@@ -9,7 +9,8 @@ from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.describe.registry import layer_activation_bytes, layer_input_bytes
 from megatron_oases.pricing.device_model import device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events
+from megatron_oases.sim.core.events import build_stage_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.memory import GiB, model_state_bytes
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology

@@ -12,7 +12,8 @@ from megatron_oases.describe.ops import Compute
 from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model
 from megatron_oases.pricing.stack import LOCAL, SoftwareStack
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events, stage_layers, unique_events
+from megatron_oases.sim.core.events import build_stage_events, stage_layers, unique_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology
 

@@ -12,7 +12,8 @@ import pytest
 from megatron_oases.describe.planned import degree_reshard
 from megatron_oases.describe.registry import block_param_tensors, layer_param_tensors
 from megatron_oases.pricing.device_model import ProfileDB, SimError
-from megatron_oases.sim.core.events import Strategy, build_stage_events, unique_events
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import ProfileSettings, local_topology
 
 TRAIN = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--hidden-size", "32",

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.core.events import Strategy, build_stage_events, unique_events
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology, needed_events, plan_comm
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology

@@ -10,7 +10,8 @@ import pytest
 
 from megatron_oases.describe.registry import layer_description
 from megatron_oases.pricing.device_model import SimError
-from megatron_oases.sim.core.events import Strategy, build_stage_events
+from megatron_oases.sim.core.events import build_stage_events
+from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology
 from tests.test_sim_plan import OASES, TINY_PROFILE, _args, _stages
 

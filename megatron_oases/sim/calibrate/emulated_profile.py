@@ -36,7 +36,7 @@ from typing import Any
 from ...topology import Topology
 from ...pricing.device_model import ProfileDB, SimError
 from ...pricing.event import Event
-from ..core.events import Strategy
+from ..core.strategy import Strategy
 
 
 # ---- planning (pure) --------------------------------------------------------------------------

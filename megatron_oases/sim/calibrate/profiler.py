@@ -28,7 +28,8 @@ from ...pricing.device_model import ProfileDB, SimError
 from ...pricing.event import Event, group_tag
 from ...describe.ops import ring_factor
 from ...describe.shapes import GPTShape
-from ..core.events import Strategy, build_stage_events, unique_events
+from ..core.events import build_stage_events, unique_events
+from ..core.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,8 @@ from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
-from .events import ChunkEvents, StageEvents, Strategy
+from .events import ChunkEvents, StageEvents
+from .strategy import Strategy
 
 GiB = float(1 << 30)
 

@@ -17,7 +17,8 @@ from ...flops import gpt_flops_per_iteration
 from ...pricing.device_model import DeviceModel, SimError
 from ...pricing.event import Event
 from ...describe.shapes import GPTShape
-from .events import GradBucket, StageEvents, Strategy, build_stage_events, unique_events
+from .events import GradBucket, StageEvents, build_stage_events, unique_events
+from .strategy import Strategy
 from .contention import level_prices, place_pipeline_shared
 from .memory import GiB, StageMemory, stage_memory
 from .placement import Placement

@@ -22,7 +22,7 @@ from ...describe.ops import LayerVariant
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
 from ...run_config import check_gqa_flags, gqa_groups
-from ..core.events import Strategy
+from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")

@@ -21,7 +21,8 @@ from ...run_config import RunConfig, dtype_name, run_config
 from ...topology import Topology
 from ...pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
 from ...pricing.stack import stack_of
-from ..core.events import Strategy, build_stage_events, unique_events
+from ..core.events import build_stage_events, unique_events
+from ..core.strategy import Strategy
 from ..calibrate.profiler import ProfileSettings, profile_events, resolve_topology
 from ..core.timeline import SimResult, simulate
 
