@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_oases.sim.core.contention import block_duration, interpolate, level_prices, place_pipeline_shared
+from megatron_oases.sim.core.contention import block_duration, interpolate, level_prices
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.sim.calibrate.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
 from megatron_oases.describe.shapes import GPTShape
@@ -17,7 +17,8 @@ from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, 
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology
 from megatron_oases.sim.core.schedules import schedule_order
-from megatron_oases.sim.core.timeline import place_pipeline, run_template, simulate
+from megatron_oases.sim.core.placement import place_pipeline
+from megatron_oases.sim.core.timeline import run_template, simulate
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ def test_shared_placement_without_contention_is_algorithm_1(pp, m, vp):
     ref, ref_end = place_pipeline(orders, fixed, p2p)
     dur = [[([f] * pp, [b] * pp) for f, b in row] for row in fixed]
     frac = [[(1.0, 1.0) for _ in range(vp)] for _ in range(pp)]
-    got, end = place_pipeline_shared(orders, dur, frac, p2p)
+    got, end = place_pipeline(orders, dur, p2p, compute_fractions=frac)
     key = lambda p: (p.stage, p.chunk, p.phase, p.micro_batch)  # noqa: E731
     assert len(got) == len(ref)
     for a, b in zip(sorted(got, key=key), sorted(ref, key=key)):
@@ -59,14 +60,14 @@ def test_shared_placement_slows_overlapping_blocks():
     dur = [[([1.0, 2.0], [1.0, 2.0])] for _ in range(2)]
     p2p = [[(0.0, 0.0)], [(0.0, 0.0)]]
     full = [[(1.0, 1.0)], [(1.0, 1.0)]]
-    place, end = place_pipeline_shared(orders, dur, full, p2p)
+    place, end = place_pipeline(orders, dur, p2p, compute_fractions=full)
     f = {(p.stage, p.phase, p.micro_batch): p for p in place}
     assert f[(0, "F", 0)].end == pytest.approx(1.0)  # alone
     # stage 0's F1 and stage 1's F0 overlap from t=1: both at half speed (D = 2) -> end at 3
     assert f[(0, "F", 1)].end == pytest.approx(3.0) and f[(1, "F", 0)].end == pytest.approx(3.0)
     # a neighbour that computes half the time slows a block by half as much
     half = [[(0.5, 0.5)], [(0.5, 0.5)]]
-    place, _ = place_pipeline_shared(orders, dur, half, p2p)
+    place, _ = place_pipeline(orders, dur, p2p, compute_fractions=half)
     f = {(p.stage, p.phase, p.micro_batch): p for p in place}
     assert f[(0, "F", 1)].end == pytest.approx(1.0 + 1.5)
     assert max(end) > 0 and all(math.isfinite(x) for x in end)
