@@ -276,10 +276,9 @@ def needed_events(model: GPTShape, strategies: Iterable[Strategy], topo: Topolog
     return out
 
 
-def profile_strategies(model: GPTShape, strategies: Iterable[Strategy], topo: Topology,
-                       settings: ProfileSettings, existing: ProfileDB | None = None) -> ProfileDB:
-    """Measure every event the strategies need (skipping those ``existing`` already has)."""
-    events = needed_events(model, strategies, topo)
+def profile_missing(events: dict[str, Event], topo: Topology, settings: ProfileSettings,
+                    existing: ProfileDB | None = None) -> ProfileDB:
+    """Measure the events ``existing`` lacks and merge them into it (``profile --merge``)."""
     if existing is not None:
         events = {k: e for k, e in events.items() if k not in existing.events_ms}
     db = profile_events(events, topo, settings)

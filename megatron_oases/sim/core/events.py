@@ -446,11 +446,6 @@ def _replica_allreduce(m: GPTShape, s: Strategy, topo: Topology, stage: int) -> 
     return tuple(out)
 
 
-def stage_params(model: GPTShape, strategy: Strategy, stage: int) -> int:
-    """Parameters one rank of ``stage`` holds (layers of all its chunks + embeddings)."""
-    return sum(stage_param_tensors(model, strategy, stage))
-
-
 def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple[ChunkEvents, ...],
                 chains: int) -> StageEvents:
     tensors = stage_param_tensors(m, s, st)

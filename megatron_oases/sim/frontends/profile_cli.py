@@ -52,7 +52,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     own, train_argv = _split(list(sys.argv[1:] if argv is None else argv))
     a = build_parser().parse_args(own)
     try:
-        from ..calibrate.profiler import ProfileSettings, needed_events, profile_events
+        from ..calibrate.profiler import ProfileSettings, needed_events, profile_missing
 
         if a.repeats < 1:
             raise SimError(f"--repeats must be at least 1 (got {a.repeats})")
@@ -115,10 +115,7 @@ def profile_main(argv: list[str] | None = None) -> int:
                 except SimError:
                     if not a.search:
                         raise  # a search keeps going: that strategy is infeasible anyway
-            if existing is not None:
-                events = {k: e for k, e in events.items() if k not in existing.events_ms}
-            db = profile_events(events, topo, ProfileSettings(nproc=nproc, **common))
-            db = existing.merged(db) if existing is not None else db
+            db = profile_missing(events, topo, ProfileSettings(nproc=nproc, **common), existing)
         db.save(a.out)
     except (SimError, TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
