@@ -178,7 +178,7 @@ def _plan_model(**kw):
 @pytest.mark.parametrize("family,degree,mesh", [("megatron", 2, None), ("atp", 4, (2, 2)), ("3d", 8, None)])
 def test_plan_memory_matches_the_simulator(kind, dropout, family, degree, mesh):
     """A block's saved bytes (no recompute, stock executor) sum to the layer's bytes the
-    simulator keeps (``sim.memory.chunk_activation_bytes`` less the head), for each family, with
+    simulator keeps (``sim.core.memory.chunk_activation_bytes`` less the head), for each family, with
     the run's core attention and dropout (no dropout mask priced at dropout 0)."""
     from megatron_oases.plan.graph import BlockStrategy, family_of
     from megatron_oases.sim.core import memory as sim_memory

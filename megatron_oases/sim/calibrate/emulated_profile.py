@@ -18,9 +18,9 @@ the thread settings the trainer's ranks get there (``OMP_NUM_THREADS = cpus // r
   lockstep). The events run in turn within each repetition (:func:`interleaved_ms`), so a burst of
   outside load spreads over all of them instead of skewing one. ``events_ms`` holds the
   all-ranks-busy time; ``ProfileDB.contention[key] = {k: ms}`` holds every level, which the
-  simulator uses for pipelines whose stages are not always busy together (``sim.contention``).
+  simulator uses for pipelines whose stages are not always busy together (``sim.core.contention``).
 
-The profiling ranks are started with ``python -m megatron_oases.sim.emulated_profile PLAN OUTDIR``;
+The profiling ranks are started with ``python -m megatron_oases.sim.calibrate.emulated_profile PLAN OUTDIR``;
 each writes ``OUTDIR/rank<r>.json``.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ trainer's own config and spec (``specs.transformer_config_from_args``, ``specs.l
 fusion settings, and the event's core attention, ``dims['attn']``, see :data:`PROFILED_BACKEND`),
 with the event's dropout rates, dtype and layer variant (GQA, SwiGLU, RMSNorm, bias, QK-norm, and
 under RoPE the rotary table GPTModel hands its layers), on a private one-rank process group, and
-times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
+times its pieces as the trainer runs them. Synthetic torch ops (``sim.calibrate.workloads``) miss
 dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU (one
 thread, b 4, TP-2 shapes) a real layer cost 14% more than they do at dropout 0.1 and 5% at
 dropout 0; through the Oases executor 23% and 15%.

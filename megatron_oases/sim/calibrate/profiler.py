@@ -1,6 +1,6 @@
 """Measure the simulator's events on this machine into a ``ProfileDB`` (DistSim §4.2).
 
-* **Compute** events run their torch ops (``sim.workloads``) on the local device: CUDA events
+* **Compute** events run their torch ops (``sim.calibrate.workloads``) on the local device: CUDA events
   on GPU, wall clock on CPU; ``warmup`` runs first, then the median of ``reps``.
 * **Collectives** run on the ranks at hand (``nproc`` gloo/NCCL ranks from
   ``runtime.spawn.run_on_ranks``), taken to be ranks ``0..nproc-1`` of ``topology``. An event's

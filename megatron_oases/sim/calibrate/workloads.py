@@ -1,7 +1,7 @@
 """The torch ops behind each compute event, so the profiler can time them on the local device.
 
 Events of a Megatron 1-D layer (``attention``, ``mlp``, their ``.bwd`` and ``.wgrad``, tagged
-with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.layer_workloads``); the
+with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.calibrate.layer_workloads``); the
 rest run the synthetic ops below.
 Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv``, ...) maps to
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,

@@ -1,7 +1,7 @@
 """Compute contention between ranks that share CPU cores (or any shared compute resource).
 
 When more ranks run on a machine than it has cores, a rank's compute slows down by how many
-ranks compute at the same moment. ``sim.emulated_profile`` measures every compute event with
+ranks compute at the same moment. ``sim.calibrate.emulated_profile`` measures every compute event with
 k ranks busy at once, for k = the ranks of 1, 2, ..., PP stages (TP peers and DP replicas compute
 together); ``ProfileDB.contention[key] = {k: ms}``.
 

@@ -567,7 +567,7 @@ def overlapped_keys(stages: list[StageEvents]) -> set[str]:
     """Keys of the events that run while the rank's other stream is busy: every forward / backward
     event of a segment whose sub-batches (chains > 1) overlap one's collectives with the other's
     compute, and stock Megatron's async input-gradient all-reduces with the weight gradients beside
-    them. ``sim.emulated_profile`` measures these also under that overlap."""
+    them. ``sim.calibrate.emulated_profile`` measures these also under that overlap."""
     keys = {ev.key for st in stages for ch in st.chunks for evs, chains in (*ch.forward_segments, *ch.backward_segments)
             if chains > 1 for ev in evs}
     return keys | {k for st in stages for ch in st.chunks for ev in ch.backward if ev.beside is not None

@@ -5,7 +5,7 @@ simulated once on a compute and a communication stream (a *template*), and the p
 (Algorithm 1) places those templates with P2P dependencies. The step ends with each stage's
 tail: DP gradient all-reduce, the tied-embedding all-reduce between first and last stage, the
 grad-norm all-reduce over TP x PP (a barrier across stages), Adam. This keeps 3,000+ GPUs under
-a second while the expanded trace (``sim.trace``) stays exact.
+a second while the expanded trace (``sim.core.trace``) stays exact.
 """
 from __future__ import annotations
 

@@ -370,7 +370,7 @@ def sim_main(argv: list[str] | None = None) -> int:
 
 def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
     """(model, strategy, device model) of parsed ``sim`` flags; the strategy is None with --search.
-    ``sim.published`` simulates published runs (``scripts/validate_published.py``,
+    ``sim.frontends.published`` simulates published runs (``scripts/validate_published.py``,
     ``scripts/seeds_experiments.py``) through this same mapping."""
     topo = _topology(a)
     strategy = None if a.search else strategy_from_args(a, topo.world_size if topo else None)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
     p.add_argument("--emulate", action="store_true",
                    help="with -- <train flags>: profile on the run's own emulated cluster (--topology or the "
-                        "trainer's; needs root): its ranks, links and CPU contention (sim.emulated_profile)")
+                        "trainer's; needs root): its ranks, links and CPU contention (sim.calibrate.emulated_profile)")
     p.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
     p.add_argument("--repeats", type=int, default=1,
                    help="with --emulate: profile this many times and keep every time's median over them "

@@ -3,7 +3,7 @@
 
 A run is a topology, an optional node count and a dict of sim flags (Megatron's names without the
 leading ``--``; ``True`` -> the bare flag). It goes through the CLI's own mapping
-(``sim.cli.simulation_inputs``), so a run here is priced exactly as ``megatron-oases sim`` prices it.
+(``sim.frontends.cli.simulation_inputs``), so a run here is priced exactly as ``megatron-oases sim`` prices it.
 """
 from __future__ import annotations
 
