@@ -97,15 +97,15 @@ def profiled_pricer(a, m, topo, workdir: str):
                      granularity="layer", grad_sync=True)
     path = os.path.join(workdir, "profile.json")
     if a.pricing == "emulated":
-        from megatron_oases.sim.emulated_profile import profile_emulated
-        from megatron_oases.sim.events import Strategy
+        from megatron_oases.sim.calibrate.emulated_profile import profile_emulated
+        from megatron_oases.sim.core.strategy import Strategy
 
         with bench_lock():
             db = profile_emulated(probe.events, topo, Strategy(tp=a.tp, num_microbatches=a.micro_batches),
                                   reps=a.profile_reps)
         db.save(path)
         return path, "compute and collectives measured on the emulated cluster, all ranks busy"
-    from megatron_oases.sim.profiler import ProfileSettings, profile_events
+    from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_events
 
     compute = {k: e for k, e in probe.events.items() if e.kind == "compute"}
     with bench_lock():

@@ -8,11 +8,11 @@ For each configuration (TP / PP / DP, stock and Oases schedule, a pipeline bubbl
               concurrently; compute with 1..PP stages' ranks busy at once (ranks outnumber the 2
               cores, so compute slows when ranks compute together: this measures that slow-down,
               and the simulator applies it by how many stages compute at each moment)
-              (``sim.emulated_profile``)
+              (``sim.calibrate.emulated_profile``)
   2. measure  ``megatron-oases train`` on the same emulated cluster: median "elapsed time per
               iteration" after the warm-up iterations, over ``--runs`` launches; profiles and
               launches alternate (the box's speed drifts by several percent within an hour)
-  3. predict  ``sim.predict.predict_train_step`` from that profile alone (with ``--profiles N``,
+  3. predict  ``sim.frontends.predict.predict_train_step`` from that profile alone (with ``--profiles N``,
               N profiles combined by per-time median, ``ProfileDB.median_of``; the spread between
               them is printed)
 
@@ -165,9 +165,9 @@ def measure(flags: list[str], topo, a, log: str) -> dict:
 
 def run_config(name: str, a, work: str) -> dict:
     from megatron_oases.pricing.device_model import ProfileDB
-    from megatron_oases.sim.emulated_profile import profile_emulated
-    from megatron_oases.sim.events import build_stage_events, overlapped_keys, unique_events
-    from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.sim.calibrate.emulated_profile import profile_emulated
+    from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+    from megatron_oases.sim.frontends.predict import predict_train_step, sim_inputs_from_train_args
     from megatron_oases.topology import load_topology
     from megatron_oases.train_args import build_parser
 

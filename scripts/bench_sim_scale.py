@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy
-from megatron_oases.sim.timeline import SimResult, simulate, summary_table
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.timeline import SimResult, simulate, summary_table
 from megatron_oases.topology import Level, Topology
 
 

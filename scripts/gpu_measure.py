@@ -42,10 +42,10 @@ for path in (ROOT, HERE):
 
 import torch  # noqa: E402
 
-from megatron_oases.sim.cli import build_parser, simulation_inputs  # noqa: E402
-from megatron_oases.sim.events import build_stage_events, unique_events  # noqa: E402
-from megatron_oases.sim.published import sim_argv  # noqa: E402
-from megatron_oases.sim.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
+from megatron_oases.sim.frontends.cli import build_parser, simulation_inputs  # noqa: E402
+from megatron_oases.sim.core.events import build_stage_events, unique_events  # noqa: E402
+from megatron_oases.sim.frontends.published import sim_argv  # noqa: E402
+from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
 from validate_published import load_rows  # noqa: E402  (the rows, read as the validation reads them)
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
@@ -188,8 +188,8 @@ def measure_kernels(rows: list[dict], device, reps: int) -> list[dict]:
     averaged over ``reps`` runs after warm-up: where an event's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_oases.sim.layer_workloads import single_rank_world
-    from megatron_oases.sim.workloads import compute_workload
+    from megatron_oases.sim.calibrate.layer_workloads import single_rank_world
+    from megatron_oases.sim.calibrate.workloads import compute_workload
 
     out = []
     for row in rows:

@@ -3,7 +3,7 @@
 Each row of ``examples/validation/seeds_experiments.yaml`` is one published number (Oases Tables
 2, 3 and 6, ATP Table 3 and §5.1, 3-D TP Tables 1 and 2, DistSim Table 2). Its runs are simulated
 with the analytical device model through ``megatron-oases sim``'s own flag mapping
-(``megatron_oases.sim.published``), converted to the paper's unit (the file's header lists them),
+(``megatron_oases.sim.frontends.published``), converted to the paper's unit (the file's header lists them),
 and a ratio row divides two runs' values. A plan row runs ``megatron-oases plan``'s solver
 (``plan.plan_cli.make_plan``) and lists its per-layer TP degrees beside the paper's pick; its
 number is the planned speedup over uniform TP.
@@ -28,9 +28,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
-from megatron_oases.sim.published import (script_parser, selected, simulate_run,  # noqa: E402
+from megatron_oases.sim.frontends.published import (script_parser, selected, simulate_run,  # noqa: E402
                                           topology_path, write_outputs)
-from megatron_oases.sim.timeline import SimResult  # noqa: E402
+from megatron_oases.sim.core.timeline import SimResult  # noqa: E402
 
 DATA = os.path.join(ROOT, "examples", "validation", "seeds_experiments.yaml")
 UNITS = ("ktokens_per_s", "busy_pct", "tflops2p40_per_gpu", "s_per_sequence", "iter_per_s")

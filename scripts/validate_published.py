@@ -3,7 +3,7 @@
 Each row of ``examples/validation/published_megatron.yaml`` is one published run: its
 configuration as ``megatron-oases sim`` flags, a topology, and the measured number in the
 source's unit. The row is simulated with the analytical device model (no profile), through the
-same flag mapping ``megatron-oases sim`` uses (``sim.published.simulate_run``), and converted to
+same flag mapping ``megatron-oases sim`` uses (``sim.frontends.published.simulate_run``), and converted to
 that unit the way the source counts it:
 
   tflops_per_gpu    FLOPs per iteration / (iteration time x GPUs), the FLOPs by Megatron's formula
@@ -14,7 +14,7 @@ that unit the way the source counts it:
 
 The constants no machine here can measure (``DeviceModel.gemm_shape_factor``, the per-event host
 cost of the ``apex-fused`` and ``transformer_engine`` stacks) are fitted by leave-one-source-out
-cross-validation (``sim.crossval``): each source is predicted by a fit on the other sources only.
+cross-validation (``sim.calibrate.crossval``): each source is predicted by a fit on the other sources only.
 Prints the table of those held-out predictions (row, source, measured, predicted, error %), the
 median and max |error|, and the fitted constants with their spread over the folds; writes
 ``<out>.csv`` and ``<out>.json`` (each row with the sources its fit saw).
@@ -36,8 +36,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_oases.pricing.stack import stack_of  # noqa: E402
-from megatron_oases.sim import crossval  # noqa: E402
-from megatron_oases.sim.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
+from megatron_oases.sim.calibrate import crossval  # noqa: E402
+from megatron_oases.sim.frontends.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
                                           simulate_run, write_outputs)
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
@@ -63,7 +63,7 @@ def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
 
 
 def predict_row(row: dict, sources: dict, tune=None) -> dict:
-    """Simulate one row (``tune``: the device model's constants of a fold, ``sim.crossval.tune``);
+    """Simulate one row (``tune``: the device model's constants of a fold, ``sim.calibrate.crossval.tune``);
     its prediction in the row's unit and the signed error (percent)."""
     r = simulate_run(row["topology"], row["nodes"], row["flags"], tune=tune)
     model, strategy = r.model, r.strategy
@@ -109,7 +109,7 @@ def format_table(results: list[dict]) -> str:
 def cross_validate(rows: list[dict], sources: dict, *, gemm_factors=crossval.GEMM_FACTORS,
                    host_us=crossval.HOST_US) -> tuple[list[dict], list[dict], dict]:
     """(held-out results, folds, spread): every row simulated on the grid, each source predicted
-    by the fit on the others (``sim.crossval``). A result carries the fold's ``fit_sources``."""
+    by the fit on the others (``sim.calibrate.crossval``). A result carries the fold's ``fit_sources``."""
     ratios = crossval.grid_errors(rows, lambda r, t: predict_row(r, sources, t)["predicted"],
                                   gemm_factors=gemm_factors, host_us=host_us)
     held, folds = crossval.leave_one_source_out(rows, ratios)

@@ -12,7 +12,7 @@ from megatron_oases.parallel.dims import ConfigError
 from megatron_oases.parallel.mesh import DeviceMesh
 from megatron_oases.plan.atp_mesh import MeshError, axis_groups, enumerate_meshes, search_mesh
 from megatron_oases.plan.graph import BlockStrategy, PlanModel, candidate_strategies, feasible
-from megatron_oases.sim.search import SearchSpace, candidates
+from megatron_oases.sim.core.search import SearchSpace, candidates
 from megatron_oases.train_args import build_parser, validate_args
 
 # 24 heads of 8, an FFN of 768 and the vocabulary split over every mesh of TP 6, 8 and 12.
@@ -60,7 +60,7 @@ def test_every_check_refuses_3x3_at_tp8_in_the_same_words():
 
 def test_the_simulators_strategy_refuses_in_the_same_words():
     from megatron_oases.pricing.device_model import SimError
-    from megatron_oases.sim.events import Strategy
+    from megatron_oases.sim.core.strategy import Strategy
 
     got = _raised(SimError, Strategy, tp=8, pp=1, dp=1, num_microbatches=1, backend="atp", mesh=(3, 3))
     assert got == atp_mesh_refusal((3, 3), 8)

@@ -9,8 +9,8 @@ from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.runtime.spawn import run_on_ranks
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology
 from tests.rank_fns_contract import layer_contract
 

@@ -8,7 +8,7 @@ from megatron_oases.describe.event_key import layer_shape
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import GPT2, LayerVariant
 from megatron_oases.describe.registry import layer_params
-from megatron_oases.sim.layer_workloads import variant_of
+from megatron_oases.sim.calibrate.layer_workloads import variant_of
 
 SHAPE = dict(micro_batch=4, seq=16, hidden=64, heads=8, ffn=256, tp=2, bytes_per_element=2)
 

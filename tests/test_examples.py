@@ -25,7 +25,7 @@ model_flags = load_script("examples/model_flags.py", "oases_model_flags")
 def test_every_model_file_parses_for_plan_train_sim_and_mesh():
     from megatron_oases.plan.graph import model_from_mapping
     from megatron_oases.plan.mesh_cli import _parser as mesh_parser
-    from megatron_oases.sim.cli import build_parser as sim_parser
+    from megatron_oases.sim.frontends.cli import build_parser as sim_parser
     from megatron_oases.train_args import build_parser as train_parser
 
     names = {os.path.basename(p)[:-5] for p in MODELS}
@@ -67,7 +67,7 @@ def test_paper_values_in_the_model_files():
 def test_paper_models_through_plan_mesh_and_sim(tmp_path, capsys):
     from megatron_oases.plan.mesh_cli import mesh_main
     from megatron_oases.plan.plan_cli import plan_main
-    from megatron_oases.sim.cli import sim_main
+    from megatron_oases.sim.frontends.cli import sim_main
 
     # Oases Table 6's models: the planner gives one degree per block of every layer
     for h, layers in [(2048, 24), (4096, 16), (8192, 8)]:

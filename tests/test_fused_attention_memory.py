@@ -12,8 +12,8 @@ from megatron_oases.describe.core_attention import core_attention_of
 from megatron_oases.describe.saved import CUDA_KERNELS, layer_saved_bytes
 from megatron_oases.plan.memory import block_memory
 from megatron_oases.plan.model import PlanModel
-from megatron_oases.sim.cli import build_parser, sim_main, simulation_inputs
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.frontends.cli import build_parser, sim_main, simulation_inputs
+from megatron_oases.sim.core.timeline import simulate
 
 LLAMA2_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--group-query-attention",
               "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--swiglu", "--normalization", "RMSNorm",
@@ -121,7 +121,7 @@ def test_fused_attention_never_keeps_more(mode):
 @pytest.mark.parametrize("backend, kind", [("local", "local"), ("unfused", "unfused"), ("auto", "fused")])
 def test_predict_reads_the_trainers_attention_backend(backend, kind):
     """``sim --predict`` prices the trainer run's core attention (its ``--attention-backend``)."""
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
     args = train_parser().parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

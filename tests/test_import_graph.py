@@ -1,10 +1,14 @@
 """The package's layering, checked on its import graph (every import statement, including those
 inside functions): no import cycles among our modules, the planner never imports the simulator,
-and the layer descriptions and pricing stay below both (../shared/design.md)."""
+the layer descriptions and pricing stay below both, and the simulator's core reaches no torch,
+runtime, trainer flags or calibration (../shared/design.md)."""
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "megatron_oases"
 
@@ -106,3 +110,52 @@ def test_descriptions_import_no_torch():
 
 def test_the_checker_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+SIM_CORE = "megatron_oases.sim.core"
+#: What the pure simulator may never reach, even through another module of ours.
+SIM_CORE_NEVER = ("megatron_oases.runtime", "megatron_oases.schedules", "megatron_oases.layers",
+                  "megatron_oases.train_args", "megatron_oases.train", "megatron_oases.specs",
+                  "megatron_oases.sim.calibrate", "megatron_oases.sim.frontends")
+
+
+def _reachable(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+def test_the_simulator_core_reaches_no_runtime_trainer_or_calibration():
+    g = import_graph()
+    core = [m for m in g if m == SIM_CORE or m.startswith(SIM_CORE + ".")]
+    assert len(core) > 5
+    bad = sorted(m for m in _reachable(g, core) for never in SIM_CORE_NEVER
+                 if m == never or m.startswith(never + "."))
+    assert bad == []
+
+
+def test_the_simulator_core_imports_no_torch_or_megatron():
+    for path in (PKG / "sim" / "core").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        assert not any(n.split(".")[0] in ("torch", "megatron") for n in names), path
+
+
+def test_calibration_does_not_import_the_front_ends():
+    assert _edges_from(import_graph(), "megatron_oases.sim.calibrate", "megatron_oases.sim.frontends") == []
+
+
+def test_importing_the_simulator_core_loads_no_torch():
+    mods = sorted(_module_name(p) for p in (PKG / "sim" / "core").rglob("*.py"))
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(PKG.parent), os.environ.get("PYTHONPATH", "")])})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,5 +1,5 @@
 """Saved-bytes budget of the Oases schedule under recompute, against the memory model's numbers
-(``describe.registry.layer_input_bytes``; ``sim.memory``: fine-grained recompute keeps each layer's
+(``describe.registry.layer_input_bytes``; ``sim.core.memory``: fine-grained recompute keeps each layer's
 input and its two forward all-reduce outputs, Megatron-style full recompute the input only;
 dropout masks are redrawn, not kept)."""
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_runtime_simulator_and_planner_agree_on_a_micro_batch(micro_batch):
     from megatron_oases.plan.cost_model import build_cost_model
     from megatron_oases.plan.graph import PlanError, PlanModel
     from megatron_oases.pricing.device_model import SimError
-    from megatron_oases.sim.events import Strategy, check
+    from megatron_oases.sim.core.strategy import Strategy, check
     from megatron_oases.topology import Level, Topology
     from megatron_oases.train_args import build_parser, validate_args
 

@@ -101,7 +101,7 @@ def _forward_only(C: dict, M: dict, **kw):
 
 def _two_stream(C: dict, M: dict, layers: int) -> float:
     from megatron_oases.pricing.event import Event
-    from megatron_oases.sim.timeline import run_template
+    from megatron_oases.sim.core.timeline import run_template
 
     evs, price = [], {}
     for _ in range(layers):
@@ -183,7 +183,8 @@ def test_memory_terms_agree_with_the_simulator():
 def test_event_keys_are_the_simulators():
     """The planner prices the same events (same keys) the simulator asks a profile for."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
@@ -214,8 +215,8 @@ def test_planner_events_can_be_profiled():
     """Every compute event the planner prices maps to the profiler's torch workload."""
     import torch
 
-    from megatron_oases.sim.layer_workloads import single_rank_world
-    from megatron_oases.sim.workloads import compute_workload
+    from megatron_oases.sim.calibrate.layer_workloads import single_rank_world
+    from megatron_oases.sim.calibrate.workloads import compute_workload
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tp=4)
@@ -391,7 +392,8 @@ def test_atp_plans_are_whole_model_and_win_when_memory_binds():
 
 def test_atp_event_keys_are_the_simulators():
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8)
@@ -410,7 +412,8 @@ def test_atp_event_keys_are_the_simulators():
 def test_cube_event_keys_are_the_simulators():
     """The 3-D family's events carry the simulator's spelling (``cube``, no executor tag)."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.events import Strategy as SimStrategy, build_stage_events, unique_events
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8,

@@ -13,8 +13,8 @@ import torch
 
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.pricing.device_model import ProfileDB, SimError
-from megatron_oases.sim.events import build_stage_events, unique_events
-from megatron_oases.sim.profiler import local_topology
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.calibrate.profiler import local_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--nproc-per-node", "1", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -24,7 +24,7 @@ ATTENTION_EVENTS = ("attention", "attention.bwd", "attention.core")
 
 
 def _run(backend: str, *extra: str):
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(TINY + ["--attention-backend", backend, *extra])
@@ -38,7 +38,7 @@ def test_event_keys_name_a_non_local_kind_and_keep_local_keys():
     assert all("attn" not in dict(e.dims) for e in local.values())
     # local keys are the ones profiles had before the kind was named (GPTShape's default kind)
     default = dataclasses.replace(local_model, core_attention="local")
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser
 
     _, s = sim_inputs_from_train_args(build_parser().parse_args(TINY + ["--attention-backend", "local"]))
@@ -79,8 +79,8 @@ def test_profiler_runs_the_run_s_core_attention(monkeypatch, backend, schedule):
     """Every event holding the core attention runs the module the trainer builds for the run's
     ``--attention-backend`` (SDPA under auto / unfused, Megatron's DotProductAttention under local),
     the Oases executor's sub-batch steps included; checked by which module ran, not by time."""
-    from megatron_oases.sim.layer_workloads import single_rank_world
-    from megatron_oases.sim.workloads import compute_workload
+    from megatron_oases.sim.calibrate.layer_workloads import single_rank_world
+    from megatron_oases.sim.calibrate.workloads import compute_workload
 
     extra = ["--tensor-model-parallel-size", "2", "--nproc-per-node", "2", *schedule] if schedule else \
         ["--recompute-granularity", "selective"]
@@ -99,7 +99,7 @@ def test_profiler_runs_the_run_s_core_attention(monkeypatch, backend, schedule):
 def test_synthetic_cores_follow_the_kind(monkeypatch):
     """ATP's and the cube's synthetic core attention run SDPA for a fused kind, as their real
     layers do (``layers.core_attention``), and Megatron's unfused core for local."""
-    from megatron_oases.sim.workloads import compute_workload
+    from megatron_oases.sim.calibrate.workloads import compute_workload
 
     spy = _Spy(monkeypatch)
     dims = {"b": 2, "s": 16, "h": 32, "a": 4, "f": 128, "t": 2, "d1": 2, "d2": 1, "v": 128, "dtype": "fp32"}
@@ -114,7 +114,7 @@ def test_synthetic_cores_follow_the_kind(monkeypatch):
 def test_a_profile_lacking_the_kind_s_events_is_refused():
     """The simulator's prediction needs every event (``predict_train_step``): a local-attention
     profile cannot price a fused-attention run; it still prices its own run."""
-    from megatron_oases.sim.predict import predict_train_step
+    from megatron_oases.sim.frontends.predict import predict_train_step
 
     local_args, _, local = _run("local")
     auto_args, _, fused = _run("auto")
@@ -130,7 +130,7 @@ def test_an_old_profile_prices_the_local_attention_run_it_measured():
     """examples/gpu/h200-2026-11-26 (profiled before the kind was named, local attention): the
     run with ``--attention-backend local`` finds every event; the same flags under ``auto`` (the
     trainer's default now) are refused rather than priced from local-attention timings."""
-    from megatron_oases.sim.predict import predict_train_step
+    from megatron_oases.sim.frontends.predict import predict_train_step
     from megatron_oases.train_args import build_parser
 
     path = ROOT / "examples/gpu/h200-2026-11-26/sim_small_prof-default.json"
@@ -178,11 +178,11 @@ def _plan_model(**kw):
 @pytest.mark.parametrize("family,degree,mesh", [("megatron", 2, None), ("atp", 4, (2, 2)), ("3d", 8, None)])
 def test_plan_memory_matches_the_simulator(kind, dropout, family, degree, mesh):
     """A block's saved bytes (no recompute, stock executor) sum to the layer's bytes the
-    simulator keeps (``sim.memory.chunk_activation_bytes`` less the head), for each family, with
+    simulator keeps (``sim.core.memory.chunk_activation_bytes`` less the head), for each family, with
     the run's core attention and dropout (no dropout mask priced at dropout 0)."""
     from megatron_oases.plan.graph import BlockStrategy, family_of
-    from megatron_oases.sim import memory as sim_memory
-    from megatron_oases.sim.events import Strategy
+    from megatron_oases.sim.core import memory as sim_memory
+    from megatron_oases.sim.core.strategy import Strategy
 
     m = _plan_model(core_attention=kind, hidden_dropout=dropout, attention_dropout=dropout)
     strategy = BlockStrategy(degree=degree, family=family, mesh=mesh) if mesh else \

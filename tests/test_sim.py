@@ -12,9 +12,10 @@ from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, devic
 from megatron_oases.pricing.stack import LOCAL
 from megatron_oases.describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
-from megatron_oases.sim.timeline import run_segments, run_template, simulate
-from megatron_oases.sim.trace import chrome_trace, timeline_events, write_chrome_trace
+from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.timeline import run_segments, run_template, simulate
+from megatron_oases.sim.core.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
 from tests.script_modules import load_script
 
@@ -246,7 +247,7 @@ def test_chrome_trace(tmp_path: Path):
 
 def test_png_timeline(tmp_path: Path):
     pytest.importorskip("matplotlib")
-    from megatron_oases.sim.trace import plot_timeline
+    from megatron_oases.sim.core.trace import plot_timeline
     r = simulate(SMALL, Strategy(tp=2, pp=2, dp=4, num_microbatches=3), device_model(topo()))
     plot_timeline(r, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
@@ -287,7 +288,7 @@ def test_shipped_topology_prices_with_its_device():
 
 
 def test_sim_main(tmp_path: Path, capsys):
-    from megatron_oases.sim.cli import sim_main
+    from megatron_oases.sim.frontends.cli import sim_main
     base = ["--topology", "2node-ib", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
             "--seq-length", "256", "--micro-batch-size", "2", "--vocab-size", "4096", "--num-microbatches", "4"]
     out = tmp_path / "t.json"

@@ -9,14 +9,16 @@ import os
 
 import pytest
 
-from megatron_oases.sim.contention import block_duration, interpolate, level_prices, place_pipeline_shared
+from megatron_oases.sim.core.contention import block_duration, interpolate, level_prices
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
-from megatron_oases.sim.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
+from megatron_oases.sim.calibrate.emulated_profile import build_plan, busy_levels, merge_rank_results, sibling_groups
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, overlapped_keys, unique_events
-from megatron_oases.sim.profiler import local_topology
-from megatron_oases.sim.schedules import schedule_order
-from megatron_oases.sim.timeline import place_pipeline, run_template, simulate
+from megatron_oases.sim.core.events import build_stage_events, overlapped_keys, unique_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.calibrate.profiler import local_topology
+from megatron_oases.sim.core.schedules import schedule_order
+from megatron_oases.sim.core.placement import place_pipeline
+from megatron_oases.sim.core.timeline import run_template, simulate
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +45,7 @@ def test_shared_placement_without_contention_is_algorithm_1(pp, m, vp):
     ref, ref_end = place_pipeline(orders, fixed, p2p)
     dur = [[([f] * pp, [b] * pp) for f, b in row] for row in fixed]
     frac = [[(1.0, 1.0) for _ in range(vp)] for _ in range(pp)]
-    got, end = place_pipeline_shared(orders, dur, frac, p2p)
+    got, end = place_pipeline(orders, dur, p2p, compute_fractions=frac)
     key = lambda p: (p.stage, p.chunk, p.phase, p.micro_batch)  # noqa: E731
     assert len(got) == len(ref)
     for a, b in zip(sorted(got, key=key), sorted(ref, key=key)):
@@ -58,14 +60,14 @@ def test_shared_placement_slows_overlapping_blocks():
     dur = [[([1.0, 2.0], [1.0, 2.0])] for _ in range(2)]
     p2p = [[(0.0, 0.0)], [(0.0, 0.0)]]
     full = [[(1.0, 1.0)], [(1.0, 1.0)]]
-    place, end = place_pipeline_shared(orders, dur, full, p2p)
+    place, end = place_pipeline(orders, dur, p2p, compute_fractions=full)
     f = {(p.stage, p.phase, p.micro_batch): p for p in place}
     assert f[(0, "F", 0)].end == pytest.approx(1.0)  # alone
     # stage 0's F1 and stage 1's F0 overlap from t=1: both at half speed (D = 2) -> end at 3
     assert f[(0, "F", 1)].end == pytest.approx(3.0) and f[(1, "F", 0)].end == pytest.approx(3.0)
     # a neighbour that computes half the time slows a block by half as much
     half = [[(0.5, 0.5)], [(0.5, 0.5)]]
-    place, _ = place_pipeline_shared(orders, dur, half, p2p)
+    place, _ = place_pipeline(orders, dur, p2p, compute_fractions=half)
     f = {(p.stage, p.phase, p.micro_batch): p for p in place}
     assert f[(0, "F", 1)].end == pytest.approx(1.0 + 1.5)
     assert max(end) > 0 and all(math.isfinite(x) for x in end)
@@ -125,7 +127,7 @@ def test_profile_contention_roundtrip_and_simulation(tmp_path):
     s = Strategy(tp=2, pp=2, num_microbatches=4)
     topo = local_topology(4)
     dm = device_model(topo, gpu="a100-80gb")
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events(build_stage_events(TINY, s, topo), dm)
     comp = [k for k in price if k.startswith("compute:")]
@@ -187,7 +189,7 @@ def test_template_with_overlap_prices():
     topo = local_topology(2)
     dm = device_model(topo, gpu="a100-80gb")
     st = build_stage_events(TINY, s, topo)[0]
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events([st], dm)
     for evs in (st.forward, st.backward):
@@ -250,7 +252,7 @@ def test_bench_table_and_errors():
 def test_lockstep_and_interleaved_timing():
     """Per repetition the slowest rank, then the median; older rank files (one median per rank)
     still merge; events run in turn within a repetition and skipped ones still get ``before``."""
-    from megatron_oases.sim.emulated_profile import interleaved_ms, lockstep_ms
+    from megatron_oases.sim.calibrate.emulated_profile import interleaved_ms, lockstep_ms
 
     assert lockstep_ms([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == 3.0  # max per rep: 3, 5, 2.5
     assert lockstep_ms([2.0, 4.0]) == 4.0
@@ -264,7 +266,7 @@ def test_lockstep_and_interleaved_timing():
 def test_overlapped_collective_time_from_the_executor_s_pattern():
     """A collective launched beside one compute event, then waited for: the in-flight time the
     fluid model needs is what reproduces that run (and a merge goes through it per repetition)."""
-    from megatron_oases.sim.emulated_profile import (MAX_OVERLAP_SLOWDOWN, beside_lockstep_ms,
+    from megatron_oases.sim.calibrate.emulated_profile import (MAX_OVERLAP_SLOWDOWN, beside_lockstep_ms,
                                                      overlapped_from_beside)
 
     assert overlapped_from_beside(total=6.0, compute=9.0, plain=10.0) == 6.0  # done during the compute
@@ -314,7 +316,7 @@ def test_loaded_collectives_lengthen_a_pipelined_stock_step():
     s = Strategy(tp=2, pp=2, num_microbatches=4)
     topo = local_topology(4)
     dm = device_model(topo, gpu="a100-80gb")
-    from megatron_oases.sim.timeline import price_events
+    from megatron_oases.sim.core.timeline import price_events
 
     price = price_events(build_stage_events(TINY, s, topo), dm)
     comp = {k: {2: price[k], 4: price[k]} for k in price if k.startswith("compute:")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_oases.sim.cli import build_parser, model_from_args, sim_main, strategy_from_args
+from megatron_oases.sim.frontends.cli import build_parser, model_from_args, sim_main, strategy_from_args
 from megatron_oases.topology import TopologyError, load_topology
 
 MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
@@ -71,8 +71,8 @@ def test_bad_nodes_is_one_line(capsys):
 def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
     """No --nproc-per-node among the trainer flags: the topology's 4 ranks give TP 2 x DP 2."""
     from megatron_oases.pricing.device_model import ProfileDB
-    from megatron_oases.sim.events import build_stage_events, unique_events
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
     train = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
@@ -89,7 +89,7 @@ def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
 
 def test_predict_maps_rope_and_qk_norm_into_the_variant():
     from megatron_oases.describe.ops import LayerVariant
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
     args = train_parser().parse_args(["--nproc-per-node", "1", "--swiglu", "--qk-layernorm", "--device", "cpu",
@@ -122,8 +122,8 @@ def test_sim_prices_llama_variants_from_flags(capsys):
 def test_fp16_gradients_reduce_in_fp16_unless_accumulated_in_fp32():
     """Megatron-LM reduces data-parallel gradients in the parameters' fp16 by default and in fp32
     under bf16 or --accumulate-allreduce-grads-in-fp32: the DP all-reduce's bytes follow."""
-    from megatron_oases.sim.cli import build_parser, simulation_inputs
-    from megatron_oases.sim.events import build_stage_events
+    from megatron_oases.sim.frontends.cli import build_parser, simulation_inputs
+    from megatron_oases.sim.core.events import build_stage_events
 
     base = ["--topology", "dgx-a100", "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8",
             "--seq-length", "128", "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
@@ -176,8 +176,8 @@ def test_selective_recompute_reruns_the_core_attention_only(capsys):
     recompute, faster than full; it keeps no s^2 tensor, so less memory than none, more than full."""
     base = ["--topology", "dgx-a100-hdr8", "--nodes", "1", *MODEL, "--tp", "8", "--global-batch-size", "8",
             "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
-    from megatron_oases.sim.cli import simulation_inputs
-    from megatron_oases.sim.timeline import simulate
+    from megatron_oases.sim.frontends.cli import simulation_inputs
+    from megatron_oases.sim.core.timeline import simulate
 
     runs = {}
     for name, flags in (("none", []), ("selective", ["--recompute-granularity", "selective"]),

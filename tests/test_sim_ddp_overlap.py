@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 
 from megatron_oases.pricing.device_model import SimError, device_model
-from megatron_oases.sim.cli import sim_main
+from megatron_oases.sim.frontends.cli import sim_main
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, layer_tensors, stage_params
-from megatron_oases.sim.timeline import simulate
-from megatron_oases.sim.trace import TIDS, chrome_trace
+from megatron_oases.sim.core.events import build_stage_events, layer_tensors, stage_param_tensors
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.timeline import simulate
+from megatron_oases.sim.core.trace import TIDS, chrome_trace
 from megatron_oases.topology import Level, Topology
 from tests.script_modules import load_script
 
@@ -81,7 +82,7 @@ def test_buckets_add_up_to_the_whole_reduction(kw):
                                 ddp_bucket_size=size)
         whole = build_stage_events(MODEL, base, t)
         for i, st in enumerate(build_stage_events(MODEL, s, t)):
-            assert sum(b.params for b in st.grad_buckets) == stage_params(MODEL, s, i)
+            assert sum(b.params for b in st.grad_buckets) == sum(stage_param_tensors(MODEL, s, i))
             assert sum(b.reduce.nbytes for b in st.grad_buckets) == whole[i].grad_allreduce.nbytes
             if s.overlap_param_gather:
                 assert sum(b.gather.nbytes for b in st.grad_buckets) == whole[i].param_allgather.nbytes
@@ -133,7 +134,7 @@ def test_3072_gpus_with_dp_overlap_keep_events_deduplicated():
 
 
 def test_predict_maps_the_trainers_overlap_grad_reduce():
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser as train_parser
 
     train = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",

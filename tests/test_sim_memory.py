@@ -9,9 +9,10 @@ from megatron_oases.describe.ops import LayerVariant
 from megatron_oases.describe.registry import layer_activation_bytes, layer_input_bytes
 from megatron_oases.pricing.device_model import device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events
-from megatron_oases.sim.memory import GiB, model_state_bytes
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.events import build_stage_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.memory import GiB, model_state_bytes
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology
 
 MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
@@ -106,7 +107,7 @@ def test_infeasible_strategies_are_marked(capsys):
     ok = simulate(MODEL, Strategy(tp=2, pp=4, num_microbatches=8), device_model(_topo()))
     assert ok.fits and ok.memory_limit_GB == 80 and 0 < ok.peak_memory_GB < 80
     assert max(x.memory_GB for x in ok.stages) == pytest.approx(ok.peak_memory_GB)
-    from megatron_oases.sim.cli import sim_main
+    from megatron_oases.sim.frontends.cli import sim_main
 
     base = ["--topology", "dgx-a100", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
             "--seq-length", "512", "--micro-batch-size", "4", "--vocab-size", "8192", "--num-microbatches", "8",

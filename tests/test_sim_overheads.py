@@ -12,8 +12,9 @@ from megatron_oases.describe.ops import Compute
 from megatron_oases.pricing.device_model import GPUS, ProfileDB, SimError, device_model
 from megatron_oases.pricing.stack import LOCAL, SoftwareStack
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, stage_layers, unique_events
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.events import build_stage_events, stage_layers, unique_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology
 
 
@@ -100,7 +101,7 @@ def test_host_issues_ahead_of_the_gpu_across_collectives():
     (the host's), not 1 + 0.6 + 1; a GPU-bound template is unchanged."""
     from megatron_oases.describe.ops import Collective
     from megatron_oases.pricing.event import Event
-    from megatron_oases.sim.timeline import run_template
+    from megatron_oases.sim.core.timeline import run_template
 
     a = Event(key="compute:a", name="a", kind="compute", op=Compute(name="a", gemm_flops=1.0))
     ar = Event(key="comm:ar", name="ar", kind="collective",

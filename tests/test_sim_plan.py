@@ -12,8 +12,9 @@ import pytest
 from megatron_oases.describe.planned import degree_reshard
 from megatron_oases.describe.registry import block_param_tensors, layer_param_tensors
 from megatron_oases.pricing.device_model import ProfileDB, SimError
-from megatron_oases.sim.events import Strategy, build_stage_events, unique_events
-from megatron_oases.sim.profiler import ProfileSettings, local_topology
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.calibrate.profiler import ProfileSettings, local_topology
 
 TRAIN = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "4",
@@ -35,7 +36,7 @@ def _args(tmp_path: Path, degrees=None, extra=(), layers: int = 2):
 
 
 def _stages(args):
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
 
     model, strategy = sim_inputs_from_train_args(args)
     return model, strategy, build_stage_events(model, strategy, local_topology(strategy.world_size))
@@ -49,7 +50,7 @@ def _varied_profile(stages) -> ProfileDB:
 
 @pytest.mark.parametrize("schedule", [[], OASES], ids=["stock", "oases"])
 def test_a_plan_predicts_from_a_profile_measured_here(tmp_path: Path, schedule):
-    from megatron_oases.sim.predict import predict_train_step, profile_train_args
+    from megatron_oases.sim.frontends.predict import predict_train_step, profile_train_args
 
     args = _args(tmp_path, [1, 2, 2, 1], schedule)
     db = profile_train_args(args, settings=TINY_PROFILE)
@@ -102,7 +103,7 @@ def test_plan_reshards_carry_the_description_s_bytes(tmp_path: Path, schedule):
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("schedule", [[], OASES], ids=["stock", "oases"])
 def test_a_uniform_plan_predicts_the_run_without_a_plan(tmp_path: Path, schedule, pp):
-    from megatron_oases.sim.predict import predict_train_step
+    from megatron_oases.sim.frontends.predict import predict_train_step
 
     extra = [*schedule, "--pipeline-model-parallel-size", str(pp), "--nproc-per-node", str(2 * pp)]
     plain = _args(tmp_path, None, extra)
@@ -113,7 +114,7 @@ def test_a_uniform_plan_predicts_the_run_without_a_plan(tmp_path: Path, schedule
 
 
 def test_plan_flags_the_simulator_does_not_model(tmp_path: Path):
-    from megatron_oases.sim.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
 
     args = _args(tmp_path, [1, 2, 2, 1], ["--recompute-granularity", "full", "--recompute-method", "uniform"])
     with pytest.raises(SimError, match="--oases-plan with --recompute-granularity full"):
@@ -125,7 +126,7 @@ def test_plan_flags_the_simulator_does_not_model(tmp_path: Path):
 def test_the_cube_profiles_and_predicts_here():
     """3-D: the cube's compute events run as a cube rank's local blocks; its collectives (lines of
     p = 2 ranks) are measured on the 2 ranks at hand."""
-    from megatron_oases.sim.predict import predict_train_step, profile_train_args
+    from megatron_oases.sim.frontends.predict import predict_train_step, profile_train_args
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args([

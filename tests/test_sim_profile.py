@@ -9,9 +9,10 @@ import pytest
 
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy, build_stage_events, unique_events
-from megatron_oases.sim.profiler import local_topology, needed_events, plan_comm
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.calibrate.profiler import local_topology, needed_events, plan_comm
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology
 
 TINY = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
@@ -45,8 +46,8 @@ def test_plan_comm_extrapolates_scales_and_names_unreachable_links():
 def test_every_compute_event_has_a_workload():
     import torch
 
-    from megatron_oases.sim.layer_workloads import single_rank_world
-    from megatron_oases.sim.workloads import compute_workload
+    from megatron_oases.sim.calibrate.layer_workloads import single_rank_world
+    from megatron_oases.sim.calibrate.workloads import compute_workload
 
     topo = local_topology(4)
     strats = [Strategy(tp=2, pp=2, num_microbatches=2, recompute=True),
@@ -71,7 +72,7 @@ def test_optimizer_events_run_on_the_stage_s_own_parameter_tensors():
     import torch
 
     from megatron_oases.describe.registry import layer_param_tensors
-    from megatron_oases.sim.layer_workloads import _tp1_layer, single_rank_world, variant_of
+    from megatron_oases.sim.calibrate.layer_workloads import _tp1_layer, single_rank_world, variant_of
 
     h, a, f, t = 32, 4, 128, 2
     qkn = {"groups": a, "gated": 0, "norm": "LayerNorm", "bias": 1, "rope": 1.0, "qkn": 1}  # + replicated q/k norms
@@ -92,8 +93,8 @@ def test_optimizer_events_run_on_the_stage_s_own_parameter_tensors():
 def test_profile_search_on_gloo_ranks_then_simulate(tmp_path: Path, capsys):
     """`megatron-oases profile --search` on 2 local ranks, then `sim --search --profile`: every
     strategy priced from measurements (strict: a missing key would be an infeasible reason)."""
-    from megatron_oases.sim.cli import sim_main
-    from megatron_oases.sim.profile_cli import profile_main
+    from megatron_oases.sim.frontends.cli import sim_main
+    from megatron_oases.sim.frontends.profile_cli import profile_main
 
     out = tmp_path / "p.json"
     model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -118,7 +119,7 @@ def test_profile_search_on_gloo_ranks_then_simulate(tmp_path: Path, capsys):
 
 
 def test_predict_maps_trainer_flags():
-    from megatron_oases.sim.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.sim.frontends.predict import predict_train_step, sim_inputs_from_train_args
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(TRAIN)
@@ -146,8 +147,8 @@ def test_predict_maps_trainer_flags():
 
 def test_profile_train_args_on_gloo_ranks(tmp_path: Path):
     """The accuracy study's path: profile exactly the trainer run's events, then predict it."""
-    from megatron_oases.sim.predict import predict_train_step, profile_train_args
-    from megatron_oases.sim.profiler import ProfileSettings
+    from megatron_oases.sim.frontends.predict import predict_train_step, profile_train_args
+    from megatron_oases.sim.calibrate.profiler import ProfileSettings
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(TRAIN)
@@ -198,8 +199,8 @@ def test_emulated_profiling_ranks_finish_and_merge(tmp_path, tp, pp):
     import sys
 
     from megatron_oases.runtime.spawn import free_port
-    from megatron_oases.sim.emulated_profile import build_plan, merge_rank_results
-    from megatron_oases.sim.events import overlapped_keys
+    from megatron_oases.sim.calibrate.emulated_profile import build_plan, merge_rank_results
+    from megatron_oases.sim.core.events import overlapped_keys
 
     s = Strategy(tp=tp, pp=pp, num_microbatches=2, overlap="oases")
     stages = build_stage_events(TINY, s, local_topology(s.world_size))
@@ -208,7 +209,7 @@ def test_emulated_profiling_ranks_finish_and_merge(tmp_path, tp, pp):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     root = str(Path(__file__).resolve().parents[1])
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "megatron_oases.sim.emulated_profile", str(tmp_path / "plan.json"),
+    procs = [subprocess.Popen([sys.executable, "-m", "megatron_oases.sim.calibrate.emulated_profile", str(tmp_path / "plan.json"),
                                str(tmp_path)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": root, "RANK": str(r), "WORLD_SIZE": str(s.world_size),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
@@ -227,7 +228,7 @@ def test_emulated_profiling_ranks_finish_and_merge(tmp_path, tp, pp):
 
 
 def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_path, capsys):
-    from megatron_oases.sim.profile_cli import profile_main
+    from megatron_oases.sim.frontends.profile_cli import profile_main
 
     train = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
              "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2",
@@ -252,8 +253,8 @@ def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
     and dims, the profiler builds that Megatron layer (QK-norm, the rotary table; under selective
     recompute its core attention with grouped keys and values alone), and the prediction prices
     it."""
-    from megatron_oases.sim.predict import predict_train_step, profile_train_args, sim_inputs_from_train_args
-    from megatron_oases.sim.profiler import ProfileSettings
+    from megatron_oases.sim.frontends.predict import predict_train_step, profile_train_args, sim_inputs_from_train_args
+    from megatron_oases.sim.calibrate.profiler import ProfileSettings
     from megatron_oases.train_args import build_parser
 
     argv = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--num-layers", "2",

@@ -7,9 +7,9 @@ import pytest
 
 from megatron_oases.pricing.device_model import device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.events import Strategy
-from megatron_oases.sim.schedules import schedule_order
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.schedules import schedule_order
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology
 
 

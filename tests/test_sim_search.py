@@ -8,8 +8,8 @@ import pytest
 
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.sim.search import COLUMNS, SearchSpace, candidates, search, search_table, write_csv
-from megatron_oases.sim.timeline import simulate
+from megatron_oases.sim.core.search import COLUMNS, SearchSpace, candidates, search, search_table, write_csv
+from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology
 
 MODEL = GPTShape(num_layers=12, hidden_size=1536, num_attention_heads=12, seq_length=1024, padded_vocab_size=51200,
@@ -57,7 +57,7 @@ def test_csv(tmp_path: Path):
 
 
 def test_cli_search(tmp_path: Path, capsys):
-    from megatron_oases.sim.cli import sim_main
+    from megatron_oases.sim.frontends.cli import sim_main
 
     out = tmp_path / "s.csv"
     argv = ["--search", "--topology", "2node-ib", "--gpus", "16", "--memory-gb", "6", "--global-batch-size", "64",

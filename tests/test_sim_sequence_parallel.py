@@ -10,8 +10,9 @@ import pytest
 
 from megatron_oases.describe.registry import layer_description
 from megatron_oases.pricing.device_model import SimError
-from megatron_oases.sim.events import Strategy, build_stage_events
-from megatron_oases.sim.profiler import local_topology
+from megatron_oases.sim.core.events import build_stage_events
+from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.calibrate.profiler import local_topology
 from tests.test_sim_plan import OASES, TINY_PROFILE, _args, _stages
 
 SP = ["--sequence-parallel"]
@@ -45,7 +46,7 @@ def test_the_simulated_step_issues_the_sp_description_s_collectives(tmp_path: Pa
 
 @pytest.mark.parametrize("schedule", [[], OASES], ids=["stock", "oases"])
 def test_a_sequence_parallel_run_profiles_and_predicts_here(tmp_path: Path, schedule):
-    from megatron_oases.sim.predict import predict_train_step, profile_train_args
+    from megatron_oases.sim.frontends.predict import predict_train_step, profile_train_args
 
     args = _args(tmp_path, None, SP + schedule)
     db = profile_train_args(args, settings=TINY_PROFILE)
@@ -62,7 +63,7 @@ def test_sequence_parallel_is_refused_off_megatron_layers_in_one_line():
 
 
 def test_sim_cli_takes_megatron_s_flag():
-    from megatron_oases.sim.cli import build_parser, strategy_from_args
+    from megatron_oases.sim.frontends.cli import build_parser, strategy_from_args
 
     a = build_parser().parse_args(["--tp", "2", "--sequence-parallel"])
     assert strategy_from_args(a, 2).sequence_parallel
@@ -71,7 +72,7 @@ def test_sim_cli_takes_megatron_s_flag():
 def test_the_memory_model_prices_the_sp_inventory():
     """The memory model prices the SP inventory (``describe.saved``): less than without SP."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.memory import chunk_activation_bytes
+    from megatron_oases.sim.core.memory import chunk_activation_bytes
 
     m = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=128,
                  micro_batch_size=4)

@@ -13,9 +13,9 @@ import pytest
 
 from megatron_oases.pricing.device_model import GPUS, SimError
 from megatron_oases.pricing.stack import APEX_FUSED, LOCAL, STACKS, TRANSFORMER_ENGINE, stack_of
-from megatron_oases.sim.cli import build_parser, simulation_inputs
-from megatron_oases.sim.events import build_stage_events, unique_events
-from megatron_oases.sim.published import sim_argv, simulate_run
+from megatron_oases.sim.frontends.cli import build_parser, simulation_inputs
+from megatron_oases.sim.core.events import build_stage_events, unique_events
+from megatron_oases.sim.frontends.published import sim_argv, simulate_run
 from tests.script_modules import load_script
 
 H200 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpu",

@@ -74,7 +74,7 @@ def test_every_reported_row_is_held_out():
     the row's source (the fit recomputed here without it gives the same constants), and the
     reported number is the row simulated with those constants."""
     from megatron_oases.pricing.stack import LOCAL
-    from megatron_oases.sim import crossval
+    from megatron_oases.sim.calibrate import crossval
 
     script = _script()
     sources, rows = script.load_rows()

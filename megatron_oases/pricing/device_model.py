@@ -160,7 +160,7 @@ def gemm_quantization(m: int, n: int, sms: int) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileDB:
-    """Measured times, event key -> ms (keys as ``sim.events`` names them). See docs/sim.md."""
+    """Measured times, event key -> ms (keys as ``sim.core.events`` names them). See docs/sim.md."""
 
     device: str
     """What the compute events ran on (``torch.cuda.get_device_name()`` or ``cpu``)."""
@@ -171,15 +171,15 @@ class ProfileDB:
     """Free-form: torch version, threads, warm-up / repetitions, topology, ranks at hand."""
     contention: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     """Optional: ms with k ranks busy at once, ``{key: {k: ms}}`` (measured by
-    ``sim.emulated_profile``). Compute events: k ranks computing, ``events_ms`` holds the
+    ``sim.calibrate.emulated_profile``). Compute events: k ranks computing, ``events_ms`` holds the
     all-ranks-busy time. A pipeline stage's collectives: its own stage's ranks plus those of other
     stages computing beside it, ``events_ms`` holds the plain time (no other stage busy). See
-    ``sim.contention``."""
+    ``sim.core.contention``."""
     overlapped: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Optional: ms of an event while the same rank's other stream is busy -- a collective while the
     rank computes, a compute event while a collective is in flight (measured by
-    ``sim.emulated_profile`` for overlapping schedules; where cores are shared, the two slow each
-    other down). The simulator prices overlapped stretches of a template with it (``sim.timeline``)."""
+    ``sim.calibrate.emulated_profile`` for overlapping schedules; where cores are shared, the two slow each
+    other down). The simulator prices overlapped stretches of a template with it (``sim.core.timeline``)."""
 
     def __post_init__(self) -> None:
         bad = [k for k, v in self.events_ms.items()

@@ -108,7 +108,7 @@ LOCAL = SoftwareStack(
 # autograd that make a kernel cost 42 us of host time there against 9 us for a bare launch; the
 # kernel count (the description's, without the fallback's copies) carries the difference. Not
 # fitted: the published table cannot tell 0 from 300 us per event for this stack (its rows are
-# GEMM-bound, the host issues ahead and never shows; sim/crossval.py takes the measured prior on
+# GEMM-bound, the host issues ahead and never shows; sim/calibrate/crossval.py takes the measured prior on
 # such ties), while host-bound runs need it (DistSim Table 2, docs/sim_seeds.md: with the bare
 # launch and 0 us the best strategy ran +125% too fast, with these -5%).
 # transformer_engine: host cost per event not measured (no TE on the lent GPU): the

@@ -5,22 +5,22 @@ simulated once on a compute and a communication stream (a *template*), and the p
 (Algorithm 1) places those templates with P2P dependencies. The step ends with each stage's
 tail: DP gradient all-reduce, the tied-embedding all-reduce between first and last stage, the
 grad-norm all-reduce over TP x PP (a barrier across stages), Adam. This keeps 3,000+ GPUs under
-a second while the expanded trace (``sim.trace``) stays exact.
+a second while the expanded trace (``sim.core.trace``) stays exact.
 """
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import NamedTuple
 
-from ..flops import gpt_flops_per_iteration
-from ..pricing.device_model import DeviceModel, SimError
-from ..pricing.event import Event
-from ..describe.shapes import GPTShape
-from .events import GradBucket, StageEvents, Strategy, build_stage_events, unique_events
-from .contention import level_prices, place_pipeline_shared
+from ...flops import gpt_flops_per_iteration
+from ...pricing.device_model import DeviceModel, SimError
+from ...pricing.event import Event
+from ...describe.shapes import GPTShape
+from .events import GradBucket, StageEvents, build_stage_events, unique_events
+from .strategy import Strategy
+from .contention import level_prices
 from .memory import GiB, StageMemory, stage_memory
-from .placement import Placement
+from .placement import Placement, place_pipeline
 from .schedules import schedule_order
 
 
@@ -251,72 +251,6 @@ def _run_template_shared(ops: list[tuple[str, Event, int]], chains: int, price: 
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
 
 
-def place_pipeline(orders: list[list[tuple[str, int, int]]], dur: list[list[tuple[float, float]]],
-                   p2p: list[list[tuple[float, float]]], *, record: bool = True) -> tuple[list[Placement], list[float]]:
-    """DistSim Algorithm 1: repeatedly run the next op of any stage whose input is ready.
-
-    Virtual stage ``g = chunk * pp + stage``; F of g waits for F of g - 1 plus its send, B of g
-    for B of g + 1 plus its send, and B of the last virtual stage for its own F. A stage's next op
-    also waits for its own send (Megatron's P2P calls wait on their requests; DistSim Algorithm 1
-    appends the send to the sender's event list). Returns the placements (when ``record``) and
-    each stage's end, including its last send.
-    """
-    pp = len(orders)
-    vp = len(dur[0])
-    last = pp * vp - 1
-    m_all = 1 + max((max(map(operator.itemgetter(2), o), default=0) for o in orders), default=0)
-    end_f = [[-1.0] * m_all for _ in range(last + 1)]  # end time per virtual stage and micro-batch
-    end_b = [[-1.0] * m_all for _ in range(last + 1)]
-    send = [p2p[g % pp][g // pp] for g in range(last + 1)]
-    pos, free, out = [0] * pp, [0.0] * pp, []
-    todo = list(range(pp - 1, -1, -1))  # stages that may be able to run their next op
-    queued = [True] * pp
-    while todo:
-        s = todo.pop()
-        queued[s] = False
-        order, ds = orders[s], dur[s]
-        n, p, fr = len(order), pos[s], free[s]  # locals: this loop runs pp x m x vp times per search strategy
-        while p < n:
-            phase, c, m = order[p]
-            g = c * pp + s
-            if phase == "F":
-                if g == 0:
-                    dep = 0.0
-                else:
-                    dep = end_f[g - 1][m]
-                    if dep < 0:
-                        break
-                    dep += send[g - 1][0]
-                start = fr if fr > dep else dep
-                end_f[g][m] = e = start + ds[c][0]
-                fr = e + send[g][0]  # Megatron waits on its sends
-                nxt = (g + 1) % pp
-            else:
-                if g == last:
-                    dep = end_f[g][m]
-                    if dep < 0:
-                        break
-                else:
-                    dep = end_b[g + 1][m]
-                    if dep < 0:
-                        break
-                    dep += send[g + 1][1]
-                start = fr if fr > dep else dep
-                end_b[g][m] = e = start + ds[c][1]
-                fr = e + send[g][1]
-                nxt = (g - 1) % pp
-            if record:
-                out.append(Placement(s, phase, m, start, e, c))
-            p += 1
-            if not queued[nxt] and nxt != s:  # the stage this op may unblock
-                queued[nxt] = True
-                todo.append(nxt)
-        pos[s], free[s] = p, fr
-    if any(pos[s] < len(orders[s]) for s in range(pp)):
-        raise SimError("pipeline schedule deadlocks: no stage can start its next micro-batch")
-    return out, free
-
-
 def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, float]:
     """Each unique event priced once (profile first, if given)."""
     uniq = unique_events(stages)
@@ -489,7 +423,7 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
                for i, st in enumerate(stages)]
         frac = [[tuple(min(1.0, x.compute_busy / x.duration) if x.duration > 0 else 0.0 for x in fb) for fb in tt]
                 for tt in templates]
-        placements, last_end = place_pipeline_shared(orders, dur, frac, p2p)
+        placements, last_end = place_pipeline(orders, dur, p2p, compute_fractions=frac)
     else:
         placements, last_end = place_pipeline(orders, [[(f.duration, b.duration) for f, b in tt] for tt in templates],
                                               p2p, record=timeline or s.overlap_grad_reduce)

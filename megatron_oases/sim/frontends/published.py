@@ -3,16 +3,16 @@
 
 A run is a topology, an optional node count and a dict of sim flags (Megatron's names without the
 leading ``--``; ``True`` -> the bare flag). It goes through the CLI's own mapping
-(``sim.cli.simulation_inputs``), so a run here is priced exactly as ``megatron-oases sim`` prices it.
+(``sim.frontends.cli.simulation_inputs``), so a run here is priced exactly as ``megatron-oases sim`` prices it.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 
-from ..flops import gpt_flops_per_iteration
+from ...flops import gpt_flops_per_iteration
 from .cli import build_parser, simulation_inputs
-from .timeline import SimResult, simulate
+from ..core.timeline import SimResult, simulate
 
 
 def topology_path(topology: str, data_file: str) -> str:

@@ -13,11 +13,11 @@ import multiprocessing
 import os
 from typing import Iterable, Sequence
 
-from ..pricing.device_model import DeviceModel, SimError
-from ..describe.atp_meshes import atp_meshes
-from ..describe.cube_3d import cube_side
-from ..describe.shapes import GPTShape
-from .events import Strategy, check, selective_recompute_applies
+from ...pricing.device_model import DeviceModel, SimError
+from ...describe.atp_meshes import atp_meshes
+from ...describe.cube_3d import cube_side
+from ...describe.shapes import GPTShape
+from .strategy import Strategy, check, selective_recompute_applies
 from .timeline import SimResult, simulate
 
 

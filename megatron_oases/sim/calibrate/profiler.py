@@ -1,6 +1,6 @@
 """Measure the simulator's events on this machine into a ``ProfileDB`` (DistSim §4.2).
 
-* **Compute** events run their torch ops (``sim.workloads``) on the local device: CUDA events
+* **Compute** events run their torch ops (``sim.calibrate.workloads``) on the local device: CUDA events
   on GPU, wall clock on CPU; ``warmup`` runs first, then the median of ``reps``.
 * **Collectives** run on the ranks at hand (``nproc`` gloo/NCCL ranks from
   ``runtime.spawn.run_on_ranks``), taken to be ranks ``0..nproc-1`` of ``topology``. An event's
@@ -23,12 +23,13 @@ import statistics
 import time
 from typing import Any, Iterable
 
-from ..topology import Topology
-from ..pricing.device_model import ProfileDB, SimError
-from ..pricing.event import Event, group_tag
-from ..describe.ops import ring_factor
-from ..describe.shapes import GPTShape
-from .events import Strategy, build_stage_events, unique_events
+from ...topology import Topology
+from ...pricing.device_model import ProfileDB, SimError
+from ...pricing.event import Event, group_tag
+from ...describe.ops import ring_factor
+from ...describe.shapes import GPTShape
+from ..core.events import build_stage_events, unique_events
+from ..core.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,7 +182,7 @@ def comm_rank_main(jobs: list[CommJob], warmup: int, reps: int, device: str | No
     import torch
     import torch.distributed as dist
 
-    from ..runtime import init_distributed, init_runtime
+    from ...runtime import init_distributed, init_runtime
 
     rt = init_runtime(device)
     init_distributed(rt)
@@ -232,7 +233,7 @@ def comm_rank_main(jobs: list[CommJob], warmup: int, reps: int, device: str | No
 
 def profile_comm(events: Iterable[Event], topo: Topology, settings: ProfileSettings
                  ) -> tuple[dict[str, float], dict[str, str]]:
-    from ..runtime.spawn import run_on_ranks
+    from ...runtime.spawn import run_on_ranks
 
     jobs, plan = plan_comm(events, topo, settings.nproc, settings.max_comm_bytes)
     if not jobs:
@@ -275,10 +276,9 @@ def needed_events(model: GPTShape, strategies: Iterable[Strategy], topo: Topolog
     return out
 
 
-def profile_strategies(model: GPTShape, strategies: Iterable[Strategy], topo: Topology,
-                       settings: ProfileSettings, existing: ProfileDB | None = None) -> ProfileDB:
-    """Measure every event the strategies need (skipping those ``existing`` already has)."""
-    events = needed_events(model, strategies, topo)
+def profile_missing(events: dict[str, Event], topo: Topology, settings: ProfileSettings,
+                    existing: ProfileDB | None = None) -> ProfileDB:
+    """Measure the events ``existing`` lacks and merge them into it (``profile --merge``)."""
     if existing is not None:
         events = {k: e for k, e in events.items() if k not in existing.events_ms}
     db = profile_events(events, topo, settings)
@@ -290,7 +290,7 @@ def local_topology(nproc: int, name: str = "local") -> Topology:
 
     Its numbers only matter for analytical fallbacks; measured events are keyed by its level name.
     """
-    from ..topology import Level
+    from ...topology import Level
 
     return Topology(name=name, device=None, levels=(Level(name=name, size=nproc, scope="intra_node",
                                                           p2p_bandwidth_GBps=10.0, group_bandwidth_GBps=10.0,
@@ -302,6 +302,6 @@ def resolve_topology(name: str | None, world: int):
     level of ``world`` ranks."""
     if name in (None, "local"):
         return local_topology(world)
-    from ..topology import load_topology
+    from ...topology import load_topology
 
     return load_topology(name)

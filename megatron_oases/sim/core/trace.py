@@ -21,7 +21,7 @@ def timeline_events(r: SimResult) -> list[dict[str, Any]]:
     last = r.strategy.pp * r.strategy.virtual_stages - 1
     for p in r.placements:
         tmpl = r.templates[p.stage][p.chunk][0 if p.phase == "F" else 1]
-        # a block stretched or shrunk by compute contention (sim.contention) scales its slots
+        # a block stretched or shrunk by compute contention (sim.core.contention) scales its slots
         k = (p.end - p.start) / tmpl.duration \
             if tmpl.duration > 0 and abs(p.end - p.start - tmpl.duration) > 1e-9 else 1.0
         for sl in tmpl.slots:

@@ -6,7 +6,7 @@ trainer's own config and spec (``specs.transformer_config_from_args``, ``specs.l
 fusion settings, and the event's core attention, ``dims['attn']``, see :data:`PROFILED_BACKEND`),
 with the event's dropout rates, dtype and layer variant (GQA, SwiGLU, RMSNorm, bias, QK-norm, and
 under RoPE the rotary table GPTModel hands its layers), on a private one-rank process group, and
-times its pieces as the trainer runs them. Synthetic torch ops (``sim.workloads``) miss
+times its pieces as the trainer runs them. Synthetic torch ops (``sim.calibrate.workloads``) miss
 dropout and Megatron's module work (bias adds, views, the RNG-tracker fork): on this CPU (one
 thread, b 4, TP-2 shapes) a real layer cost 14% more than they do at dropout 0.1 and 5% at
 dropout 0; through the Oases executor 23% and 15%.
@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..describe.split import SUB_BATCHES
-from ..pricing.device_model import SimError
+from ...describe.split import SUB_BATCHES
+from ...pricing.device_model import SimError
 
 LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad", "attention.core")
 EXECUTORS = ("stock", "oases")
@@ -91,9 +91,9 @@ def _tp1_layer(d: dict, device: torch.device, dtype: torch.dtype):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
-    from ..run_config import RunConfig
-    from ..runtime import init_runtime
-    from ..specs import layer_spec, transformer_config_from_args
+    from ...run_config import RunConfig
+    from ...runtime import init_runtime
+    from ...specs import layer_spec, transformer_config_from_args
 
     if not dist.is_initialized():
         raise SimError("layer workloads need torch.distributed initialised (wrap them in single_rank_world())")
@@ -152,7 +152,7 @@ def _with_memory_buffer(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def variant_of(d: dict):
     """The layer variant an event's dims name (``describe.event_key.layer_shape`` adds them)."""
-    from ..describe.ops import GPT2, LayerVariant
+    from ...describe.ops import GPT2, LayerVariant
 
     if "groups" not in d:
         return GPT2
@@ -206,8 +206,8 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
         return _wgrad(name, d, device, dtype)
     if name == "attention.core":
         return _core_attention(d, device, dtype)
-    from ..schedules.oases.dropout import MicroBatchMasks, active_sub_batch
-    from ..schedules.oases.tape import BlockInputs, Local, megatron_layer_tape
+    from ...schedules.oases.dropout import MicroBatchMasks, active_sub_batch
+    from ...schedules.oases.tape import BlockInputs, Local, megatron_layer_tape
 
     executor = str(d.get("exec", "stock"))
     if executor not in EXECUTORS:

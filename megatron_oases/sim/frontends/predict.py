@@ -15,24 +15,25 @@ from __future__ import annotations
 
 import argparse
 
-from ..describe.core_attention import core_attention_of
-from ..describe.shapes import GPTShape, variant_from_flags
-from ..run_config import RunConfig, dtype_name, run_config
-from ..topology import Topology
-from ..pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
-from ..pricing.stack import stack_of
-from .events import Strategy, build_stage_events, unique_events
-from .profiler import ProfileSettings, profile_events, resolve_topology
-from .timeline import SimResult, simulate
+from ...describe.core_attention import core_attention_of
+from ...describe.shapes import GPTShape, variant_from_flags
+from ...run_config import RunConfig, dtype_name, run_config
+from ...topology import Topology
+from ...pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
+from ...pricing.stack import stack_of
+from ..core.events import build_stage_events, unique_events
+from ..core.strategy import Strategy
+from ..calibrate.profiler import ProfileSettings, profile_events, resolve_topology
+from ..core.timeline import SimResult, simulate
 
 
 def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None = None
                                ) -> tuple[GPTShape, Strategy]:
     """Validate the trainer flags as the trainer does and map them to (GPTShape, Strategy)."""
-    from ..parallel.dims import ConfigError
-    from ..schedules.oases.options import oases_runs
-    from ..train_args import validate_args, world_size_of
-    from ..vocab import padded_vocab_size
+    from ...parallel.dims import ConfigError
+    from ...schedules.oases.options import oases_runs
+    from ...train_args import validate_args, world_size_of
+    from ...vocab import padded_vocab_size
 
     args = argparse.Namespace(**vars(args))  # validate_args fills defaults in place
     try:
@@ -41,7 +42,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     cfg = run_config(args)  # as validated: ffn_hidden_size, atp_mesh, plan degrees filled in
-    from ..run_config import gqa_groups
+    from ...run_config import gqa_groups
 
     rope = cfg.position_embedding_type == "rope"
     variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,

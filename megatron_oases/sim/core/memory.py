@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..describe.head import head_saved_bytes
-from ..describe.registry import layer_activation_bytes, layer_input_bytes
-from ..describe.saved import layer_saved_bytes, oases_kept_beyond_stock
-from ..describe.split import recompute_boundaries
-from ..describe.shapes import GPTShape
-from .events import ChunkEvents, StageEvents, Strategy
+from ...describe.head import head_saved_bytes
+from ...describe.registry import layer_activation_bytes, layer_input_bytes
+from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
+from ...describe.split import recompute_boundaries
+from ...describe.shapes import GPTShape
+from .events import ChunkEvents, StageEvents
+from .strategy import Strategy
 
 GiB = float(1 << 30)
 

@@ -15,11 +15,11 @@ import argparse
 import os
 import sys
 
-from ..topology import TopologyError, load_topology
+from ...topology import TopologyError, load_topology
 from .cli import _largest_tp, _split, add_model_args, add_search_args, add_strategy_args, \
     model_from_args, search_space_from_args, strategy_from_args
-from .profiler import resolve_topology
-from ..pricing.device_model import ProfileDB, SimError
+from ..calibrate.profiler import resolve_topology
+from ...pricing.device_model import ProfileDB, SimError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
     p.add_argument("--emulate", action="store_true",
                    help="with -- <train flags>: profile on the run's own emulated cluster (--topology or the "
-                        "trainer's; needs root): its ranks, links and CPU contention (sim.emulated_profile)")
+                        "trainer's; needs root): its ranks, links and CPU contention (sim.calibrate.emulated_profile)")
     p.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
     p.add_argument("--repeats", type=int, default=1,
                    help="with --emulate: profile this many times and keep every time's median over them "
@@ -52,7 +52,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     own, train_argv = _split(list(sys.argv[1:] if argv is None else argv))
     a = build_parser().parse_args(own)
     try:
-        from .profiler import ProfileSettings, needed_events, profile_events
+        from ..calibrate.profiler import ProfileSettings, needed_events, profile_missing
 
         if a.repeats < 1:
             raise SimError(f"--repeats must be at least 1 (got {a.repeats})")
@@ -60,13 +60,13 @@ def profile_main(argv: list[str] | None = None) -> int:
         common = dict(device=a.device, warmup=a.warmup, reps=a.reps, threads=a.threads,
                       max_comm_bytes=int(a.max_comm_mb * (1 << 20)))
         if train_argv:
-            from ..train_args import build_parser as train_parser
+            from ...train_args import build_parser as train_parser
             from .predict import profile_train_args, sim_inputs_from_train_args
 
             targs = train_parser().parse_args(train_argv)
             if a.emulate:
-                from .emulated_profile import profile_emulated
-                from .events import build_stage_events, overlapped_keys, unique_events
+                from ..calibrate.emulated_profile import profile_emulated
+                from ..core.events import build_stage_events, overlapped_keys, unique_events
 
                 topo_name = a.topology or targs.topology
                 if not topo_name:
@@ -99,7 +99,7 @@ def profile_main(argv: list[str] | None = None) -> int:
                 gpus = a.gpus or (named.world_size if named else nproc)
                 topo = resolve_topology(a.topology, gpus)
                 model = model_from_args(a, _largest_tp(a, topo))  # as `sim --search` pads it
-                from .search import candidates
+                from ..core.search import candidates
 
                 strategies = [c.strategy for c in candidates(model, search_space_from_args(a, model, gpus))
                               if c.strategy is not None]
@@ -115,10 +115,7 @@ def profile_main(argv: list[str] | None = None) -> int:
                 except SimError:
                     if not a.search:
                         raise  # a search keeps going: that strategy is infeasible anyway
-            if existing is not None:
-                events = {k: e for k, e in events.items() if k not in existing.events_ms}
-            db = profile_events(events, topo, ProfileSettings(nproc=nproc, **common))
-            db = existing.merged(db) if existing is not None else db
+            db = profile_missing(events, topo, ProfileSettings(nproc=nproc, **common), existing)
         db.save(a.out)
     except (SimError, TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The torch ops behind each compute event, so the profiler can time them on the local device.
 
 Events of a Megatron 1-D layer (``attention``, ``mlp``, their ``.bwd`` and ``.wgrad``, tagged
-with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.layer_workloads``); the
+with ``exec`` in their dims) run on a real Megatron-Core layer (``sim.calibrate.layer_workloads``); the
 rest run the synthetic ops below.
 Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv``, ...) maps to
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..pricing.device_model import SimError
+from ...pricing.device_model import SimError
 from .layer_workloads import LAYER_EVENTS, megatron_layer_workload
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -147,7 +147,7 @@ def _cube_forward(name: str, d: dict, mk: _Maker) -> Forward:
     """One cube rank's local work (``describe/cube_3d.py``) on p x p x p = t ranks: activation
     blocks ``[tokens/p^2, N/p]`` (norm statistics, GeLU), GEMMs on the gathered ``[tokens/p, n_in/p]``
     times the weight block ``[n_out/p, n_in/p]``, attention on ``b/p^2`` samples and ``a/p`` heads."""
-    from ..describe.cube_3d import cube_side
+    from ...describe.cube_3d import cube_side
     from .layer_workloads import variant_of
 
     b, s, h, a, f = (int(d[k]) for k in ("b", "s", "h", "a", "f"))

@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..topology import TopologyError
-from ..pricing.device_model import ProfileDB, SimError, device_model
-from ..pricing.stack import stack_of
-from ..describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, core_attention_of
-from ..describe.ops import LayerVariant
-from ..describe.shapes import GPTShape, variant_from_flags
-from ..describe.registry import BACKENDS
-from ..run_config import check_gqa_flags, gqa_groups
-from .events import Strategy
-from .profiler import resolve_topology
+from ...topology import TopologyError
+from ...pricing.device_model import ProfileDB, SimError, device_model
+from ...pricing.stack import stack_of
+from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, core_attention_of
+from ...describe.ops import LayerVariant
+from ...describe.shapes import GPTShape, variant_from_flags
+from ...describe.registry import BACKENDS
+from ...run_config import check_gqa_flags, gqa_groups
+from ..core.strategy import Strategy
+from ..calibrate.profiler import resolve_topology
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
 
@@ -283,13 +283,13 @@ def _virtual_stages(a: argparse.Namespace) -> list[int]:
 
 
 def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
-    from .search import SearchSpace
+    from ..core.search import SearchSpace
 
     if a.global_batch_size is None:
         raise SimError("--search needs --global-batch-size")
     if a.sequence_parallel:
         raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
-    from .search import RECOMPUTE_MODES
+    from ..core.search import RECOMPUTE_MODES
 
     rc = [{"on": "full"}.get(v.strip(), v.strip()) for v in a.recompute_options.split(",")]
     if not set(rc) <= set(RECOMPUTE_MODES):
@@ -350,7 +350,7 @@ def sim_main(argv: list[str] | None = None) -> int:
         model, strategy, dm = simulation_inputs(a, profile)
         if a.search:
             return _search(a, model, dm)
-        from .timeline import simulate, summary_table
+        from ..core.timeline import simulate, summary_table
 
         r = simulate(model, strategy, dm, memory_limit_GB=a.memory_gb)
     except (SimError, TopologyError) as err:
@@ -358,11 +358,11 @@ def sim_main(argv: list[str] | None = None) -> int:
         return 2
     print(summary_table(r))
     if a.trace:
-        from .trace import write_chrome_trace
+        from ..core.trace import write_chrome_trace
         write_chrome_trace(r, a.trace)
         print(f"trace: {a.trace}")
     if a.png:
-        from .trace import plot_timeline
+        from ..core.trace import plot_timeline
         plot_timeline(r, a.png)
         print(f"timeline: {a.png}")
     return 0
@@ -370,7 +370,7 @@ def sim_main(argv: list[str] | None = None) -> int:
 
 def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
     """(model, strategy, device model) of parsed ``sim`` flags; the strategy is None with --search.
-    ``sim.published`` simulates published runs (``scripts/validate_published.py``,
+    ``sim.frontends.published`` simulates published runs (``scripts/validate_published.py``,
     ``scripts/seeds_experiments.py``) through this same mapping."""
     topo = _topology(a)
     strategy = None if a.search else strategy_from_args(a, topo.world_size if topo else None)
@@ -409,7 +409,7 @@ def _largest_tp(a: argparse.Namespace, topo) -> int:
 
 
 def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
-    from .search import search, search_table, write_csv
+    from ..core.search import search, search_table, write_csv
 
     gpus = a.gpus or dm.topology.world_size
     cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb, jobs=a.jobs)
@@ -421,9 +421,9 @@ def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
 
 
 def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[str]) -> int:
-    from ..train_args import build_parser as train_parser
+    from ...train_args import build_parser as train_parser
     from .predict import predict_train_step
-    from .timeline import summary_table
+    from ..core.timeline import summary_table
 
     if profile is None:
         raise SimError("--predict needs --profile (measure one with `megatron-oases profile -- <train flags>`)")

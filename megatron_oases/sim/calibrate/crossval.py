@@ -56,7 +56,7 @@ TIE = 1e-9
 def prior_host_us(hosts) -> float:
     """The grid point nearest the one measured host cost per layer event (the local stack's,
     Megatron's eager layer on an H200; pricing/stack.py)."""
-    from ..pricing.stack import LOCAL
+    from ...pricing.stack import LOCAL
 
     return min(hosts, key=lambda h: abs(h - LOCAL.layer_framework_us))
 

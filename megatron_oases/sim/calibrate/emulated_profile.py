@@ -18,9 +18,9 @@ the thread settings the trainer's ranks get there (``OMP_NUM_THREADS = cpus // r
   lockstep). The events run in turn within each repetition (:func:`interleaved_ms`), so a burst of
   outside load spreads over all of them instead of skewing one. ``events_ms`` holds the
   all-ranks-busy time; ``ProfileDB.contention[key] = {k: ms}`` holds every level, which the
-  simulator uses for pipelines whose stages are not always busy together (``sim.contention``).
+  simulator uses for pipelines whose stages are not always busy together (``sim.core.contention``).
 
-The profiling ranks are started with ``python -m megatron_oases.sim.emulated_profile PLAN OUTDIR``;
+The profiling ranks are started with ``python -m megatron_oases.sim.calibrate.emulated_profile PLAN OUTDIR``;
 each writes ``OUTDIR/rank<r>.json``.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ import tempfile
 import time
 from typing import Any
 
-from ..topology import Topology
-from ..pricing.device_model import ProfileDB, SimError
-from ..pricing.event import Event
-from .events import Strategy
+from ...topology import Topology
+from ...pricing.device_model import ProfileDB, SimError
+from ...pricing.event import Event
+from ..core.strategy import Strategy
 
 
 # ---- planning (pure) --------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strateg
     ``nice`` != 0 runs the ranks under ``nice -n`` (as the measured run should be)."""
     import torch
 
-    from ..topology.emulate import EmulatedCluster, available_cpus, thread_env
+    from ...topology.emulate import EmulatedCluster, available_cpus, thread_env
 
     if topo.world_size != strategy.world_size:
         raise SimError(f"topology {topo.name!r} has {topo.world_size} ranks, the run {strategy.world_size}")
@@ -481,12 +481,12 @@ def profile_emulated(events: dict[str, Event], topo: Topology, strategy: Strateg
             json.dump(plan, f)
         kw = {} if burst_ms is None else {"burst_ms": burst_ms}
         env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        from ..topology.netns import EmulationError
+        from ...topology.netns import EmulationError
 
         pre = ["nice", "-n", str(nice)] if nice else []
         try:
             with EmulatedCluster(topo, **kw) as cluster:
-                res = cluster.launch(pre + [sys.executable, "-m", "megatron_oases.sim.emulated_profile", plan_path,
+                res = cluster.launch(pre + [sys.executable, "-m", "megatron_oases.sim.calibrate.emulated_profile", plan_path,
                                             work], env=env, timeout=timeout_s, cwd=root)
         except EmulationError as e:
             raise SimError(f"cannot emulate {topo.name!r} for profiling: {e}") from None

@@ -1,0 +1,252 @@
+"""How the model is split and scheduled (``Strategy``), and whether a model fits that split.
+
+The simulator's one description of a parallel layout: TP / PP / DP, the pipeline schedule, the TP
+backend and its mesh, recompute, the Oases overlap, a per-block plan and the DDP overlap flags.
+``Strategy.__post_init__`` refuses what needs no model (the backend and its mesh read from
+``describe``); ``check`` what needs the model (layer and batch splits, divisibility by TP).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...describe.atp_meshes import atp_mesh_refusal
+from ...describe.registry import BACKENDS
+from ...describe.shapes import GPTShape
+from ...describe.split import split_refusal, sub_batches_at
+from ...pricing.device_model import SimError
+
+SCHEDULES = ("gpipe", "1f1b")
+OVERLAPS = ("none", "oases")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """How the model is split and scheduled."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    """gpipe | 1f1b (interleaved 1F1B when ``virtual_stages`` > 1)."""
+    virtual_stages: int = 1
+    """Model chunks per device (Megatron's virtual pipeline size)."""
+    recompute: bool = False
+    """Full recompute: each layer's forward is rerun before its backward."""
+    recompute_layers: int = 0
+    """With ``recompute``: 0 recomputes every layer (Megatron's uniform method); k > 0 only the first
+    k layers of each chunk (block method)."""
+    selective_recompute: bool = False
+    """Megatron's ``--recompute-granularity selective`` (``recompute_modules`` core_attn): each
+    layer's core attention (scores, softmax, dropout, attention over V) is rerun before its
+    backward and keeps none of its s^2 tensors (Megatron 1-D, stock schedule, no full recompute)."""
+    overlap: str = "none"
+    """none (stock: compute waits on each collective) | oases (two sub-batches cross-overlap)."""
+    fine_grained_recompute: bool = True
+    """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
+    backend: str = "megatron"
+    """TP layer: megatron (1-D) | atp (2-D mesh, needs ``mesh``) | 3d (cube, tp = p^3)."""
+    mesh: tuple[int, int] | None = None
+    """ATP DeviceMesh(d1, d2) with d1 * d2 = tp."""
+    distributed_optimizer: bool = False
+    """Optimizer states (fp32 master + Adam moments) sharded over DP."""
+    optimizer_step: bool = True
+    """Model the step's tail: grad-norm all-reduce over TP x PP and Adam."""
+    block_degrees: tuple[int, ...] | None = None
+    """A per-block plan (``--oases-plan``): the TP degree of layer 0's attention, layer 0's MLP,
+    layer 1's attention, ...; None runs every block at ``tp``."""
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: the DP reduction runs per bucket, each launched when the last
+    micro-batch's backward has produced its gradients (Megatron-Core DDP's backward hooks)."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather`` (distributed optimizer): the updated parameters are all-gathered
+    per bucket ahead of the next forward, each bucket's gather prefetched during the previous one's."""
+    ddp_bucket_size: int = 0
+    """``--ddp-bucket-size`` (parameters per bucket); 0: Megatron-Core's default (``bucket_params``)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel`` (Megatron 1-D only): the layers' and the head's SP collectives
+    (``describe.megatron_1d.sp_layer``, ``describe.head``); norms and residual on s/t tokens."""
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    """Megatron-Core's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``:
+    the first / last pipeline stage holds this many layers (0: an even share), the other stages
+    split the rest evenly (no virtual stages, no ``--oases-plan``)."""
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap`` (Transformer Engine userbuffers, needs ``sequence_parallel``): each
+    layer's SP all-gather / reduce-scatter is pipelined with the GEMM beside it and exposes only
+    what that GEMM cannot hide (``Event.hidden_by``)."""
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise SimError(f"strategy {f} must be a positive integer (got {getattr(self, f)!r})")
+        if self.schedule not in SCHEDULES:
+            raise SimError(f"schedule must be one of {', '.join(SCHEDULES)} (got {self.schedule!r})")
+        if self.overlap not in OVERLAPS:
+            raise SimError(f"overlap must be one of {', '.join(OVERLAPS)} (got {self.overlap!r})")
+        if self.backend not in BACKENDS:
+            raise SimError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        if self.backend == "atp":
+            refused = atp_mesh_refusal(self.mesh, self.tp)
+            if refused:
+                raise SimError(refused)
+            object.__setattr__(self, "mesh", (int(self.mesh[0]), int(self.mesh[1])))
+        elif self.mesh is not None:
+            raise SimError("a mesh needs backend 'atp'")
+        if self.recompute_layers < 0:
+            raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
+        if self.selective_recompute:
+            self._check_selective()
+        if self.block_degrees is not None:
+            self._check_plan()
+        if self.sequence_parallel and (self.backend != "megatron" or self.block_degrees is not None):
+            raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
+        if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
+            raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
+        self._check_ddp_overlap()
+
+    def _check_selective(self) -> None:
+        """Where Megatron's selective recompute takes effect (as the trainer refuses the rest)."""
+        if self.recompute:
+            raise SimError("--recompute-granularity is selective or full, not both")
+        if not selective_recompute_applies(self.backend, self.overlap, planned=self.block_degrees is not None):
+            raise SimError("--recompute-granularity selective is modeled for --tp-backend megatron on the stock "
+                           "schedule without --oases-plan only (the Oases schedule recomputes by its own rules)")
+
+    def _check_ddp_overlap(self) -> None:
+        """Megatron-LM's own limits on the DDP overlap flags (``megatron/training/arguments.py``)."""
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise SimError("--overlap-param-gather needs --distributed-optimizer (Megatron all-gathers "
+                           "parameters only under the distributed optimizer)")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise SimError("--overlap-param-gather needs --overlap-grad-reduce (as Megatron-LM)")
+        if not isinstance(self.ddp_bucket_size, int) or self.ddp_bucket_size < 0:
+            raise SimError(f"--ddp-bucket-size must be a positive integer (got {self.ddp_bucket_size!r})")
+
+    @property
+    def bucket_params(self) -> int:
+        """Parameters per DP bucket: ``--ddp-bucket-size``, else Megatron-Core's default
+        max(40M, 1M x DP) (``DistributedDataParallel.__init__``: larger DP, larger buckets, so the
+        collectives do not become latency-bound)."""
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
+
+    def _check_plan(self) -> None:
+        """The runtime's limits on ``--oases-plan`` that do not depend on the model."""
+        object.__setattr__(self, "block_degrees", tuple(int(d) for d in self.block_degrees))
+        bad = [d for d in self.block_degrees if d < 1 or self.tp % d or d & (d - 1)]
+        if bad:
+            raise SimError(f"--oases-plan: degree {bad[0]} is not a power of two dividing TP {self.tp}")
+        if self.backend != "megatron":
+            raise SimError(f"--oases-plan runs Megatron 1-D TP sub-groups, not backend {self.backend!r}")
+        if self.recompute:
+            raise SimError("--oases-plan with --recompute-granularity full is not modeled by the simulator yet")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def label(self) -> str:
+        """Short name: ``tp8.pp8.dp48`` + backend / schedule / overlap / recompute markers."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.backend == "atp":
+            parts.append(f"atp{self.mesh[0]}x{self.mesh[1]}")
+        elif self.backend == "3d":
+            parts.append("3d")
+        if self.virtual_stages > 1:
+            parts.append(f"vp{self.virtual_stages}")
+        if self.schedule == "gpipe":
+            parts.append("gpipe")
+        if self.overlap == "oases":
+            parts.append("oases")
+        if self.block_degrees is not None:
+            parts.append("plan")
+        if self.recompute:
+            parts.append(f"rc{self.recompute_layers}" if self.recompute_layers else "rc")
+        if self.selective_recompute:
+            parts.append("sel")
+        return ".".join(parts)
+
+    def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Megatron's default order: TP fastest, then DP, then PP."""
+        return tp + self.tp * (dp + self.dp * pp)
+
+
+def selective_recompute_applies(backend: str, overlap: str, *, planned: bool = False) -> bool:
+    """Whether Megatron's selective recompute does something: Megatron's own attention module
+    (backend megatron) on the stock schedule (Oases recomputes whole layers), without a per-block
+    plan."""
+    return backend == "megatron" and overlap == "none" and not planned
+
+
+def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
+    """Validate the split; one line naming the whole product."""
+    s, m = strategy, model
+    if s.world_size != world_size:
+        raise SimError(f"TP {s.tp} x PP {s.pp} x DP {s.dp} = {s.world_size} != {world_size} GPUs")
+    if s.first_stage_layers or s.last_stage_layers:
+        if s.pp < 2 or s.virtual_stages > 1 or s.block_degrees is not None:
+            raise SimError("uneven first / last pipeline stages need PP > 1, no virtual stages and no --oases-plan")
+        stage_layer_counts(m, s)
+    elif m.num_layers % s.pp:
+        raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp}")
+    if s.virtual_stages > 1:
+        if s.pp == 1 or s.schedule != "1f1b":
+            raise SimError(f"virtual stages {s.virtual_stages} need the 1f1b schedule with PP > 1 (interleaved)")
+        if m.num_layers % (s.pp * s.virtual_stages):
+            raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp} x virtual stages "
+                           f"{s.virtual_stages}")
+        if s.num_microbatches % s.pp:
+            raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
+                           f"of PP {s.pp}")
+    if s.overlap == "oases" and split_refusal(m.micro_batch_size):
+        raise SimError(split_refusal(m.micro_batch_size))
+    if s.overlap == "oases" and s.backend == "3d":
+        raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
+                       "tape for 3d); use overlap none with backend 3d")
+    if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
+        raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
+                       f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
+    if s.block_degrees is not None:
+        _check_plan(m, s)
+
+
+def stage_layer_counts(m: GPTShape, s: Strategy) -> tuple[int, ...]:
+    """Layers per model chunk of each stage: an even split, or Megatron-Core's uneven first / last
+    stage (``first_stage_layers`` / ``last_stage_layers``) with the rest split evenly."""
+    per = m.num_layers // (s.pp * s.virtual_stages)
+    if not (s.first_stage_layers or s.last_stage_layers):
+        return (per,) * s.pp
+    first, last = s.first_stage_layers, s.last_stage_layers
+    middle = s.pp - (1 if first else 0) - (1 if last else 0)
+    rest = m.num_layers - first - last
+    if rest < 0 or (middle and (rest % middle or rest // middle < 1)) or (not middle and rest):
+        raise SimError(f"{m.num_layers} layers do not split as first {first or 'even'}, last {last or 'even'} "
+                       f"and the rest evenly over {middle} stages of PP {s.pp}")
+    even = rest // middle if middle else 0
+    counts = [even] * s.pp
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    if min(counts) < 1:
+        raise SimError(f"every pipeline stage needs a layer (counts {counts})")
+    return tuple(counts)
+
+
+def _check_plan(m: GPTShape, s: Strategy) -> None:
+    """A plan's block count and the batch split of each degree (replicas, then Oases sub-batches)."""
+    if len(s.block_degrees) != 2 * m.num_layers:
+        raise SimError(f"--oases-plan has {len(s.block_degrees)} block degrees; {m.num_layers} layers need "
+                       f"{2 * m.num_layers} (attention, mlp per layer)")
+    for d in set(s.block_degrees):
+        need = s.tp // d * block_sub_batches(s, d)
+        if m.micro_batch_size % need:
+            raise SimError(f"--oases-plan: degree-{d} blocks split the micro-batch {m.micro_batch_size} into {need} "
+                           f"(replicas x sub-batches); --micro-batch-size must be a multiple of {need}")
+
+
+def block_sub_batches(s: Strategy, degree: int | None = None) -> int:
+    """Sub-batches of the Oases split a block at ``degree`` runs (``describe.split.sub_batches_at``;
+    None: the stage's whole TP group, no plan); the timeline runs them as that many chains."""
+    return sub_batches_at(degree, oases=s.overlap == "oases")
