@@ -3,7 +3,7 @@ tables in ``layers/atp_linear.py``, ``atp_attention.py`` and ``atp_norm.py``."""
 from __future__ import annotations
 
 from .layer_query import LayerQuery, Mesh
-from .megatron_1d import megatron_1d_saved_bytes
+from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
 
@@ -26,8 +26,8 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     all-reduces of one chunk each, launched while the next chunk's GEMM runs.
     """
     n = d1 * d2
-    refused = atp_2d_refusal(tp=n, mesh=(d1, d2), hidden=hidden, heads=heads, ffn=ffn,
-                             query_groups=variant.query_groups)
+    refused = atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn,
+                                   query_groups=variant.query_groups)
     if refused:
         raise ModelingError(refused)
     b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
@@ -81,16 +81,26 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
 # ---- the backend record's pieces (``describe.backends``) ------------------------------------------
 
 def atp_2d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int,
-                   query_groups: int | None = None, micro_batch: int | None = None) -> str:
-    """Why ATP's mesh (d1, d2) cannot split a model ("" when it can): the hidden size and the heads
-    split over all d1 x d2 ranks, the FFN over d1, the hidden states between layers over d2, and
-    each rank's heads see whole key/value groups. ``tp`` is d1 x d2 (the mesh's own rule,
-    ``atp_meshes.atp_mesh_refusal``, is checked first by every caller). No micro-batch rule."""
+                   micro_batch: int | None = None, query_groups: int | None = None) -> str:
+    """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
+    ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
+    every backend, and every consumer refuses it first), then the mesh's
+    (:func:`atp_2d_split_refusal`). The mesh's own rule d1 x d2 = TP
+    (``atp_meshes.atp_mesh_refusal``) comes before both. No micro-batch rule."""
     d1, d2 = mesh or (tp, 1)
+    return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+            or atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn, query_groups=query_groups))
+
+
+def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
+                         query_groups: int | None = None) -> str:
+    """Why ATP's layer on the mesh (d1, d2) cannot split a model ("" when it can): the hidden size
+    and the heads split over all d1 x d2 ranks, the FFN over d1, the hidden states between layers
+    over d2, and each rank's heads see whole key/value groups."""
     n = d1 * d2
     if hidden % n or heads % n or ffn % d1 or hidden % d2:
         return f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} and ffn {ffn} by {d1}"
-    if query_groups and query_groups % atp_kv_groups_divisor(tp, mesh):
+    if query_groups and query_groups % atp_kv_groups_divisor(n, (d1, d2)):
         return (f"ATP mesh {d1}x{d2}: {query_groups} key/value groups must be divisible by {n} "
                 f"(each rank's heads see whole groups)")
     return ""

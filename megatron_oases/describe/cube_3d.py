@@ -16,6 +16,7 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 from __future__ import annotations
 
 from .layer_query import LayerQuery, Mesh
+from .megatron_1d import tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
 
@@ -44,8 +45,8 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
     SwiGLU fc1's to gate and up; RMSNorm has one statistic and no bias vector; without biases
     the linears move no bias vectors; RoPE and QK-norm are element-wise on the rank's heads, the
     q/k norms replicated, no collective)."""
-    refused = cube_3d_refusal(tp=tp, mesh=None, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
-                              query_groups=variant.query_groups)
+    refused = cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
+                                    query_groups=variant.query_groups)
     if refused:
         raise ModelingError(refused)
     p = cube_side(tp)
@@ -143,9 +144,20 @@ def cube_block_edges(*, micro_batch: int, seq: int, hidden: int, tp: int,
 
 def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int, micro_batch: int,
                     query_groups: int | None = None) -> str:
-    """Why the cube cannot split a model ("" when it can): TP is p^3 with p >= 2; the micro-batch
-    (whole sequences), the hidden size and the FFN split over p^2, the heads and the key/value
-    groups over p."""
+    """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
+    ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
+    every backend, and every consumer refuses it first), then the cube's
+    (:func:`cube_3d_split_refusal`)."""
+    return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+            or cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
+                                     query_groups=query_groups))
+
+
+def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_batch: int,
+                          query_groups: int | None = None) -> str:
+    """Why the cube's layer cannot split a model ("" when it can): TP is p^3 with p >= 2; the
+    micro-batch (whole sequences), the hidden size and the FFN split over p^2, the heads and the
+    key/value groups over p."""
     try:
         p = cube_side(tp)
     except ModelingError as e:
@@ -155,7 +167,7 @@ def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn:
     if b % q or h % q or f % q or a % p:
         return (f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
                 f"divisible by p^2 = {q}, heads {a} by p")
-    if query_groups and query_groups % cube_kv_groups_divisor(tp, mesh):
+    if query_groups and query_groups % cube_kv_groups_divisor(tp, None):
         return f"3-D TP with p = {p}: {query_groups} key/value groups must be divisible by p"
     return ""
 
