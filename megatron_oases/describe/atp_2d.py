@@ -3,6 +3,7 @@ tables in ``layers/atp_linear.py``, ``atp_attention.py`` and ``atp_norm.py``."""
 from __future__ import annotations
 
 from .layer_query import LayerQuery, Mesh
+from .atp_meshes import atp_meshes
 from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -100,13 +101,13 @@ def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
     n = d1 * d2
     if hidden % n or heads % n or ffn % d1 or hidden % d2:
         return f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} and ffn {ffn} by {d1}"
-    if query_groups and query_groups % atp_kv_groups_divisor(n, (d1, d2)):
+    if query_groups and query_groups % atp_2d_kv_groups_divisor(n, (d1, d2)):
         return (f"ATP mesh {d1}x{d2}: {query_groups} key/value groups must be divisible by {n} "
                 f"(each rank's heads see whole groups)")
     return ""
 
 
-def atp_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+def atp_2d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
     """Each of the d1 x d2 ranks holds whole key/value groups."""
     d1, d2 = mesh or (tp, 1)
     return d1 * d2
@@ -119,7 +120,7 @@ def atp_2d_layer(q: LayerQuery) -> LayerDescription:
                             d1=q.mesh[0], d2=q.mesh[1], bytes_per_element=q.bytes_per_element, variant=q.variant)
 
 
-def atp_block_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+def atp_2d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
                     bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """ATP keeps ``[s, b, h/d2]`` between its layers: leaving its run of layers all-gathers over
     axis 2, entering splits (its backward all-gathers). None with d2 = 1 (Megatron's layout)."""
@@ -131,13 +132,13 @@ def atp_block_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: in
                         payload_bytes=full),))
 
 
-def atp_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
     """Axis 2 is the fastest-varying (consecutive ranks), axis 1 strides by d2."""
     d1, d2 = mesh or (len(tp_ranks), 1)
     return tp_ranks[:d2] if axis == "mesh2" else tp_ranks[::d2]
 
 
-def atp_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
                     hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                     recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: ATP shards norms and residual-side tensors by d2, the
@@ -158,7 +159,23 @@ def atp_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, m
 
 
 
-def atp_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+def atp_2d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
     """(QKV / fc1 output vectors, hidden-size vectors) split ways: column-first outputs by d1,
     the hidden dim by d2 (without a mesh, Megatron's (t, 1))."""
     return mesh if mesh is not None else (t, 1)
+
+
+def atp_2d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are ``[s, b, h/d2]``."""
+    return mesh[1] if mesh is not None else 1
+
+
+def atp_2d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+    """Every mesh d1 x d2 = TP with d2 >= 2 (``atp_meshes.atp_meshes``: d2 = 1 is Megatron's layout,
+    offered by the megatron backend)."""
+    return atp_meshes(tp, with_1d=False)
+
+
+def atp_2d_event_tag(mesh: Mesh | None) -> str:
+    """The mesh, ``m{d1}x{d2}``."""
+    return f"m{mesh[0]}x{mesh[1]}"

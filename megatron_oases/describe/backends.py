@@ -14,7 +14,6 @@ import dataclasses
 from typing import Callable
 
 from . import atp_2d, cube_3d, megatron_1d
-from .atp_meshes import atp_meshes
 from .layer_query import LayerQuery, Mesh
 from .ops import Collective, LayerDescription, ModelingError
 
@@ -47,7 +46,9 @@ class Backend:
     """tp -> the layouts to offer at that TP size (planner, simulator search); () if none."""
     refusal: Callable[..., str]
     """(tp=, mesh=, hidden=, heads=, ffn=, micro_batch=, query_groups=) -> why it cannot split
-    the model, "" when it can: the rule's one home, in the description's words."""
+    the model, "" when it can: the rule's one home. Megatron's TP split first, in the flags' words
+    (``megatron_1d.tp_split_refusal``: every backend's embedding and output layer are Megatron's),
+    then the backend's own, in its description's words. ``query_groups`` None: not checked."""
     kv_groups_divisor: Callable[[int, Mesh | None], int]
     """(tp, mesh) -> the number the key/value groups must divide by (each rank's whole groups)."""
     event_tag: Callable[[Mesh | None], str]
@@ -57,34 +58,37 @@ class Backend:
     executor, ``event_key.layer_event_tag``); others run synthetic ops."""
     oases_tape: bool = False
     """The Oases executor runs its layers (two sub-batches, fine-grained recompute)."""
-    describes_sequence_parallel: bool = False
-    describes_selective_recompute: bool = False
+    sequence_parallel: bool = False
+    """It runs and describes Megatron's ``--sequence-parallel``."""
+    megatron_modules: bool = False
+    """Its layer is Megatron's ``SelfAttention`` and ``MLP``: Megatron's selective recompute
+    checkpoints its core attention, and Megatron-LM's options on those modules carry over (the
+    others build their own attention and MLP modules)."""
 
 
 BACKENDS: dict[str, Backend] = {
     "megatron": Backend(
         name="megatron", summary="Megatron-Core's 1-D tensor parallelism (column / row-parallel linears)",
-        layer=megatron_1d.megatron_1d_layer, block_edges=lambda **_: ((), ()), axes=("tp",),
+        layer=megatron_1d.megatron_1d_layer, block_edges=megatron_1d.megatron_1d_edges, axes=("tp",),
         axis_ranks=megatron_1d.megatron_1d_axis_ranks, vector_splits=megatron_1d.megatron_1d_vector_splits,
-        input_split=lambda tp, mesh: 1, saved_bytes=megatron_1d.megatron_1d_saved_bytes,
-        meshes=lambda tp: (None,), refusal=megatron_1d.megatron_1d_refusal,
-        kv_groups_divisor=lambda tp, mesh: tp, event_tag=lambda mesh: "", real_layer_events=True, oases_tape=True,
-        describes_sequence_parallel=True, describes_selective_recompute=True),
+        input_split=megatron_1d.megatron_1d_input_split, saved_bytes=megatron_1d.megatron_1d_saved_bytes,
+        meshes=megatron_1d.megatron_1d_meshes, refusal=megatron_1d.megatron_1d_refusal,
+        kv_groups_divisor=megatron_1d.megatron_1d_kv_groups_divisor, event_tag=megatron_1d.megatron_1d_event_tag,
+        real_layer_events=True, oases_tape=True, sequence_parallel=True, megatron_modules=True),
     "atp": Backend(
         name="atp", summary="ATP's 2-D mesh d1 x d2 = TP inside the TP group (hidden states split by d2)",
-        layer=atp_2d.atp_2d_layer, block_edges=atp_2d.atp_block_edges, axes=("mesh1", "mesh2"),
-        axis_ranks=atp_2d.atp_axis_ranks, vector_splits=atp_2d.atp_vector_splits,
-        input_split=lambda tp, mesh: mesh[1] if mesh is not None else 1, saved_bytes=atp_2d.atp_saved_bytes,
-        meshes=lambda tp: atp_meshes(tp, with_1d=False), refusal=atp_2d.atp_2d_refusal,
-        kv_groups_divisor=atp_2d.atp_kv_groups_divisor, event_tag=lambda mesh: f"m{mesh[0]}x{mesh[1]}",
-        oases_tape=True),
+        layer=atp_2d.atp_2d_layer, block_edges=atp_2d.atp_2d_edges, axes=("mesh1", "mesh2"),
+        axis_ranks=atp_2d.atp_2d_axis_ranks, vector_splits=atp_2d.atp_2d_vector_splits,
+        input_split=atp_2d.atp_2d_input_split, saved_bytes=atp_2d.atp_2d_saved_bytes,
+        meshes=atp_2d.atp_2d_meshes, refusal=atp_2d.atp_2d_refusal,
+        kv_groups_divisor=atp_2d.atp_2d_kv_groups_divisor, event_tag=atp_2d.atp_2d_event_tag, oases_tape=True),
     "3d": Backend(
         name="3d", summary="the 3-D cube p x p x p = TP (Bian et al. 2021)",
-        layer=cube_3d.cube_3d_layer, block_edges=cube_3d.cube_edges, axes=("cube_x", "cube_y", "cube_z"),
-        axis_ranks=cube_3d.cube_axis_ranks, vector_splits=cube_3d.cube_vector_splits,
-        input_split=lambda tp, mesh: tp, saved_bytes=cube_3d.cube_saved_bytes, meshes=cube_3d.cube_meshes,
-        refusal=cube_3d.cube_3d_refusal, kv_groups_divisor=cube_3d.cube_kv_groups_divisor,
-        event_tag=lambda mesh: "cube"),
+        layer=cube_3d.cube_3d_layer, block_edges=cube_3d.cube_3d_edges, axes=("cube_x", "cube_y", "cube_z"),
+        axis_ranks=cube_3d.cube_3d_axis_ranks, vector_splits=cube_3d.cube_3d_vector_splits,
+        input_split=cube_3d.cube_3d_input_split, saved_bytes=cube_3d.cube_3d_saved_bytes,
+        meshes=cube_3d.cube_3d_meshes, refusal=cube_3d.cube_3d_refusal,
+        kv_groups_divisor=cube_3d.cube_3d_kv_groups_divisor, event_tag=cube_3d.cube_3d_event_tag),
 }
 """Every TP backend by ``--tp-backend`` name, in the order the flags list them."""
 

@@ -167,17 +167,17 @@ def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_b
     if b % q or h % q or f % q or a % p:
         return (f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
                 f"divisible by p^2 = {q}, heads {a} by p")
-    if query_groups and query_groups % cube_kv_groups_divisor(tp, None):
+    if query_groups and query_groups % cube_3d_kv_groups_divisor(tp, None):
         return f"3-D TP with p = {p}: {query_groups} key/value groups must be divisible by p"
     return ""
 
 
-def cube_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+def cube_3d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
     """The heads split over p, so the key/value groups do."""
     return cube_side(tp)
 
 
-def cube_meshes(tp: int) -> tuple[Mesh | None, ...]:
+def cube_3d_meshes(tp: int) -> tuple[Mesh | None, ...]:
     """The one layout of a cube TP group, or none when TP is not p^3 (p >= 2)."""
     p = cube_root(tp)
     return (None,) if p is not None and p >= 2 else ()
@@ -189,14 +189,14 @@ def cube_3d_layer(q: LayerQuery) -> LayerDescription:
                              tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant)
 
 
-def cube_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+def cube_3d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
                bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """The record's block edges: :func:`cube_block_edges`."""
     return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
                             bytes_per_element=bytes_per_element)
 
 
-def cube_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+def cube_3d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
     """TP position 0's line of the cube in its default order: cube_z consecutive, cube_x stride p,
     cube_y stride p^2 (``parallel.cube.Cube``, order "zxy")."""
     p = cube_side(len(tp_ranks))
@@ -204,12 +204,12 @@ def cube_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> 
     return tp_ranks[::stride][:p]
 
 
-def cube_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+def cube_3d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
     """TP position 0 holds a diagonal block of every vector (N / p^2)."""
     return (cube_side(t) ** 2,) * 2
 
 
-def cube_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
                      hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                      recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: every saved tensor is a rank's own block, 1/t of the TP-1
@@ -219,3 +219,13 @@ def cube_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, 
     core = korthikanti_core_bytes(b=b, s=s, a=a, n=t, e=e, attention_dropout=attention_dropout,
                                   core_attention=core_attention)
     return b * s * (e * 4 * h + 2 * h + e * (4 * h + variant.mlp_saved_per_ffn * f)) / t + core
+
+
+def cube_3d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are ``[s, b/p^2, h/p]``: 1/t of the whole."""
+    return t
+
+
+def cube_3d_event_tag(mesh: Mesh | None) -> str:
+    """``cube``: the degree t = p^3 in the key gives p."""
+    return "cube"

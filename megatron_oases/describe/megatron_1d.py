@@ -241,3 +241,29 @@ def megatron_1d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
 def megatron_1d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
     """Every collective runs on the whole TP group (axis ``tp``)."""
     return tp_ranks
+
+
+def megatron_1d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+                      bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """None: its layers take and give Megatron's replicated ``[s, b, h]``."""
+    return (), ()
+
+
+def megatron_1d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are whole on every rank."""
+    return 1
+
+
+def megatron_1d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+    """One layout at every TP size."""
+    return (None,)
+
+
+def megatron_1d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+    """Each of the (attention's) ``tp`` ranks holds whole key/value groups."""
+    return tp
+
+
+def megatron_1d_event_tag(mesh: Mesh | None) -> str:
+    """No layout tag: the degree ``t`` in the key says it all."""
+    return ""

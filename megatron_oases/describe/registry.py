@@ -24,9 +24,9 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
     ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
     its core attention; the ATP and 3-D attention modules do not) and ``core_attention``'s kernel
     count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels)."""
-    if sequence_parallel and not (backend in RECORDS and record(backend).describes_sequence_parallel):
+    if sequence_parallel and not (backend in RECORDS and record(backend).sequence_parallel):
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
-    if recompute_core_attention and not (backend in RECORDS and record(backend).describes_selective_recompute):
+    if recompute_core_attention and not (backend in RECORDS and record(backend).megatron_modules):
         raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
                             f"(got {backend})")
     return record(backend).layer(LayerQuery(
@@ -97,8 +97,8 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
                            recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
     CUDA kernels): the backend's ``saved_bytes`` (Megatron 1-D: the measured inventory,
-    ``describe.saved``; ATP and 3-D: Korthikanti's terms, ``atp_2d.atp_saved_bytes``,
-    ``cube_3d.cube_saved_bytes``)."""
+    ``describe.saved``; ATP and 3-D: Korthikanti's terms, ``atp_2d.atp_2d_saved_bytes``,
+    ``cube_3d.cube_3d_saved_bytes``)."""
     return record(backend).saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, mesh=mesh, hidden_dropout=hidden_dropout,
                                        attention_dropout=attention_dropout, variant=variant,
                                        recompute_core_attention=recompute_core_attention,
