@@ -97,13 +97,14 @@ def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
                          query_groups: int | None = None) -> str:
     """Why ATP's layer on the mesh (d1, d2) cannot split a model ("" when it can): the hidden size
     and the heads split over all d1 x d2 ranks, the FFN over d1, the hidden states between layers
-    over d2, and each rank's heads see whole key/value groups."""
+    over d2, and each rank's heads see whole key/value groups (the groups' line names the flags,
+    as the trainer refuses them)."""
     n = d1 * d2
     if hidden % n or heads % n or ffn % d1 or hidden % d2:
         return f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} and ffn {ffn} by {d1}"
     if query_groups and query_groups % atp_2d_kv_groups_divisor(n, (d1, d2)):
-        return (f"ATP mesh {d1}x{d2}: {query_groups} key/value groups must be divisible by {n} "
-                f"(each rank's heads see whole groups)")
+        return (f"--tp-backend atp gives each of its {n} ranks whole key/value groups: --num-query-groups "
+                f"{query_groups} must be divisible by --tensor-model-parallel-size {n}")
     return ""
 
 

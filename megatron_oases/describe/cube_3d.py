@@ -34,7 +34,8 @@ def cube_side(tp: int) -> int:
     """p for a TP group of p^3 ranks (p >= 2)."""
     p = cube_root(tp)
     if p is None or p < 2:
-        raise ModelingError(f"3-D TP needs TP = p^3 with p >= 2 (8, 27, 64, ...); got {tp}")
+        raise ModelingError(f"--tp-backend 3d needs --tensor-model-parallel-size = p^3 with p >= 2 "
+                            f"(8, 27, 64, ...); got {tp}")
     return p
 
 
@@ -155,20 +156,26 @@ def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn:
 
 def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_batch: int,
                           query_groups: int | None = None) -> str:
-    """Why the cube's layer cannot split a model ("" when it can): TP is p^3 with p >= 2; the
-    micro-batch (whole sequences), the hidden size and the FFN split over p^2, the heads and the
-    key/value groups over p."""
+    """Why the cube's layer cannot split a model ("" when it can), naming the flags: TP is p^3
+    with p >= 2; the hidden size and the FFN split over p^2, the heads and the key/value groups
+    (``query_groups`` None: one per head) over p, and the micro-batch over p^2 blocks of whole
+    sequences."""
     try:
         p = cube_side(tp)
     except ModelingError as e:
         return str(e)
     q = p * p
-    b, h, f, a = micro_batch, hidden, ffn, heads
-    if b % q or h % q or f % q or a % p:
-        return (f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
-                f"divisible by p^2 = {q}, heads {a} by p")
-    if query_groups and query_groups % cube_3d_kv_groups_divisor(tp, None):
-        return f"3-D TP with p = {p}: {query_groups} key/value groups must be divisible by p"
+    for flag, value in (("--hidden-size", hidden), ("--ffn-hidden-size", ffn)):
+        if value % q:
+            return (f"--tp-backend 3d splits {flag} over p^2 = {q} ranks of the cube "
+                    f"(--tensor-model-parallel-size {tp}); {value} is not a multiple of {q}")
+    groups = query_groups or heads
+    if heads % p or groups % cube_3d_kv_groups_divisor(tp, None):
+        return (f"--tp-backend 3d splits heads over p = {p}: --num-attention-heads {heads} and "
+                f"--num-query-groups {groups} must be multiples of {p}")
+    if micro_batch % q:
+        return (f"--tp-backend 3d splits each micro-batch into p^2 = {q} blocks of whole sequences: "
+                f"--micro-batch-size {micro_batch} is not a multiple of {q}")
     return ""
 
 
