@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_oases.describe.cube_3d import cube_root
 from megatron_oases.parallel import collectives
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.device import new_group
 
 DIRECTIONS = ("x", "y", "z")
