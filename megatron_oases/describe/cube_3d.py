@@ -34,8 +34,8 @@ def cube_side(tp: int) -> int:
     """p for a TP group of p^3 ranks (p >= 2)."""
     p = cube_root(tp)
     if p is None or p < 2:
-        raise ModelingError(f"--tp-backend 3d needs --tensor-model-parallel-size = p^3 with p >= 2 "
-                            f"(8, 27, 64, ...); got {tp}")
+        raise ModelingError(f"--tp-backend 3d: 3-D tensor parallelism needs --tensor-model-parallel-size = p^3 "
+                            f"with p >= 2 (8, 27, 64, ...); got {tp}")
     return p
 
 
