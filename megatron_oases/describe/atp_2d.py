@@ -2,8 +2,8 @@
 tables in ``layers/atp_linear.py``, ``atp_attention.py`` and ``atp_norm.py``."""
 from __future__ import annotations
 
-from .layer_query import LayerQuery, Mesh
 from .atp_meshes import atp_meshes
+from .layer_query import LayerQuery, Mesh
 from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -122,7 +122,7 @@ def atp_2d_layer(q: LayerQuery) -> LayerDescription:
 
 
 def atp_2d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
-                    bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+                 bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """ATP keeps ``[s, b, h/d2]`` between its layers: leaving its run of layers all-gathers over
     axis 2, entering splits (its backward all-gathers). None with d2 = 1 (Megatron's layout)."""
     if mesh is None or mesh[1] == 1:
@@ -140,8 +140,8 @@ def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -
 
 
 def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
-                    hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
-                    recompute_core_attention: bool, core_attention: str) -> float:
+                       hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
+                       recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: ATP shards norms and residual-side tensors by d2, the
     proj input by d1, the FFN by d1 (the variant keeps ``mlp_saved_per_ffn`` x ffn), heads by
     d1 x d2; the core attention keeps Korthikanti's s^2 term where its kernel keeps scores, else
@@ -157,7 +157,6 @@ def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int
     core = korthikanti_core_bytes(b=b, s=s, a=a, n=n, e=e, attention_dropout=attention_dropout,
                                   core_attention=core_attention)
     return b * s * (e * (3 * h / d2 + 3 * h / n + h / d1 + variant.mlp_saved_per_ffn * f / d1) + 2 * h / d2) + core
-
 
 
 def atp_2d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:

@@ -197,7 +197,7 @@ def cube_3d_layer(q: LayerQuery) -> LayerDescription:
 
 
 def cube_3d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
-               bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+                  bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """The record's block edges: :func:`cube_block_edges`."""
     return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
                             bytes_per_element=bytes_per_element)
@@ -217,8 +217,8 @@ def cube_3d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
 
 
 def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
-                     hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
-                     recompute_core_attention: bool, core_attention: str) -> float:
+                        hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
+                        recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: every saved tensor is a rank's own block, 1/t of the TP-1
     layer's (the variant's MLP keeps ``mlp_saved_per_ffn`` x ffn); the core attention as ATP's."""
     if recompute_core_attention:
