@@ -8,7 +8,7 @@ import pytest
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
 from megatron_oases.describe.shapes import GPTShape
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import DeviceMesh
 from megatron_oases.plan.atp_mesh import MeshError, axis_groups, enumerate_meshes, search_mesh
 from megatron_oases.plan.graph import BlockStrategy, PlanModel, candidate_strategies, feasible

@@ -62,7 +62,7 @@ def test_3d_description_divides_the_dense_layer_flops_by_the_cube():
 def test_3d_description_refuses_what_the_cube_cannot_split():
     with pytest.raises(SimError, match="p\\^3"):
         cube_3d_gpt_layer(micro_batch=4, seq=8, hidden=32, heads=8, ffn=128, tp=4)
-    with pytest.raises(SimError, match="micro-batch 2"):
+    with pytest.raises(SimError, match="--micro-batch-size 2 is not a multiple of 4"):
         cube_3d_gpt_layer(micro_batch=2, seq=8, hidden=32, heads=8, ffn=128, tp=8)
 
 

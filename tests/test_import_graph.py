@@ -1,7 +1,7 @@
 """The package's layering, checked on its import graph (every import statement, including those
-inside functions): no import cycles among our modules, the planner never imports the simulator,
-the layer descriptions and pricing stay below both, and the simulator's core reaches no torch,
-runtime, trainer flags or calibration (../shared/design.md)."""
+inside functions): no import cycles among our modules, the planner never imports the simulator
+nor ``parallel``, the layer descriptions and pricing stay below both, and the simulator's core
+reaches no torch, runtime, trainer flags or calibration (../shared/design.md)."""
 from __future__ import annotations
 
 import ast
@@ -89,6 +89,16 @@ def test_no_import_cycles():
 
 def test_the_planner_does_not_import_the_simulator():
     assert _edges_from(import_graph(), "megatron_oases.plan", "megatron_oases.sim") == []
+
+
+def test_the_planner_does_not_import_the_runtimes_process_groups():
+    """``plan`` reads the rules it shares with ``parallel`` (the TP split, the batch split, the
+    backend records) from ``describe`` and its error class from ``errors``."""
+    assert _edges_from(import_graph(), "megatron_oases.plan", "megatron_oases.parallel") == []
+
+
+def test_the_error_class_sits_below_everything():
+    assert import_graph()["megatron_oases.errors"] == set()
 
 
 def test_descriptions_and_pricing_sit_below_planner_and_simulator():

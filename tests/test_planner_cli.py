@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_oases.cli import main as cli_main
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.plan.plan_cli import plan_main
 from megatron_oases.plan.plan_file import (PLAN_FORMAT, compact_notation, load_plan, parse_compact,
                                            rewrite_command)

@@ -2,7 +2,11 @@
 tables in ``layers/atp_linear.py``, ``atp_attention.py`` and ``atp_norm.py``."""
 from __future__ import annotations
 
+from .atp_meshes import atp_meshes
+from .layer_query import LayerQuery, Mesh
+from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
+from .saved import korthikanti_core_bytes
 
 
 def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, d1: int,
@@ -23,12 +27,10 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     all-reduces of one chunk each, launched while the next chunk's GEMM runs.
     """
     n = d1 * d2
-    if hidden % n or heads % n or ffn % d1 or hidden % d2:
-        raise ModelingError(f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} "
-                       f"and ffn {ffn} by {d1}")
-    if variant.query_groups and variant.query_groups % n:
-        raise ModelingError(f"ATP mesh {d1}x{d2}: {variant.query_groups} key/value groups must be "
-                            f"divisible by {n} (each rank's heads see whole groups)")
+    refused = atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn,
+                                   query_groups=variant.query_groups)
+    if refused:
+        raise ModelingError(refused)
     b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
     tok = b * s
     stats = tok * 4  # one fp32 statistic per token
@@ -75,3 +77,105 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
            bw["atp.ln1"], *norm_stats("ln1.bwd"))
     bwd = tuple(op for op in bwd if not (isinstance(op, Collective) and op.group_size == 1))
     return LayerDescription(backend="atp", forward=fwd, backward=bwd)
+
+
+# ---- the backend record's pieces (``describe.backends``) ------------------------------------------
+
+def atp_2d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int,
+                   micro_batch: int | None = None, query_groups: int | None = None) -> str:
+    """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
+    ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
+    every backend, and every consumer refuses it first), then the mesh's
+    (:func:`atp_2d_split_refusal`). The mesh's own rule d1 x d2 = TP
+    (``atp_meshes.atp_mesh_refusal``) comes before both. No micro-batch rule."""
+    d1, d2 = mesh or (tp, 1)
+    return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+            or atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn, query_groups=query_groups))
+
+
+def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
+                         query_groups: int | None = None) -> str:
+    """Why ATP's layer on the mesh (d1, d2) cannot split a model ("" when it can): the hidden size
+    and the heads split over all d1 x d2 ranks, the FFN over d1, the hidden states between layers
+    over d2, and each rank's heads see whole key/value groups (the groups' line names the flags,
+    as the trainer refuses them)."""
+    n = d1 * d2
+    if hidden % n or heads % n or ffn % d1 or hidden % d2:
+        return f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} and ffn {ffn} by {d1}"
+    if query_groups and query_groups % atp_2d_kv_groups_divisor(n, (d1, d2)):
+        return (f"--tp-backend atp gives each of its {n} ranks whole key/value groups: --num-query-groups "
+                f"{query_groups} must be divisible by --tensor-model-parallel-size {n}")
+    return ""
+
+
+def atp_2d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+    """Each of the d1 x d2 ranks holds whole key/value groups."""
+    d1, d2 = mesh or (tp, 1)
+    return d1 * d2
+
+
+def atp_2d_layer(q: LayerQuery) -> LayerDescription:
+    """The record's layer: ATP's on ``q.mesh``."""
+    assert q.mesh is not None
+    return atp_2d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
+                            d1=q.mesh[0], d2=q.mesh[1], bytes_per_element=q.bytes_per_element, variant=q.variant)
+
+
+def atp_2d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+                 bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """ATP keeps ``[s, b, h/d2]`` between its layers: leaving its run of layers all-gathers over
+    axis 2, entering splits (its backward all-gathers). None with d2 = 1 (Megatron's layout)."""
+    if mesh is None or mesh[1] == 1:
+        return (), ()
+    full = micro_batch * seq * hidden * bytes_per_element
+    return ((Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=mesh[1], payload_bytes=full),),
+            (Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=mesh[1],
+                        payload_bytes=full),))
+
+
+def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+    """Axis 2 is the fastest-varying (consecutive ranks), axis 1 strides by d2."""
+    d1, d2 = mesh or (len(tp_ranks), 1)
+    return tp_ranks[:d2] if axis == "mesh2" else tp_ranks[::d2]
+
+
+def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+                       hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
+                       recompute_core_attention: bool, core_attention: str) -> float:
+    """Korthikanti's terms, not measured: ATP shards norms and residual-side tensors by d2, the
+    proj input by d1, the FFN by d1 (the variant keeps ``mlp_saved_per_ffn`` x ffn), heads by
+    d1 x d2; the core attention keeps Korthikanti's s^2 term where its kernel keeps scores, else
+    the fused kernel's logsumexp. Without a mesh, Megatron's inventory."""
+    flags = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
+                 recompute_core_attention=recompute_core_attention, core_attention=core_attention)
+    if mesh is None:
+        return megatron_1d_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, mesh=None, **flags)
+    if recompute_core_attention:
+        raise ModelingError("selective recompute is described for --tp-backend megatron only (got atp)")
+    d1, d2 = mesh
+    n = d1 * d2
+    core = korthikanti_core_bytes(b=b, s=s, a=a, n=n, e=e, attention_dropout=attention_dropout,
+                                  core_attention=core_attention)
+    return b * s * (e * (3 * h / d2 + 3 * h / n + h / d1 + variant.mlp_saved_per_ffn * f / d1) + 2 * h / d2) + core
+
+
+def atp_2d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+    """(QKV / fc1 output vectors, hidden-size vectors) split ways: column-first outputs by d1,
+    the hidden dim by d2 (without a mesh, Megatron's (t, 1))."""
+    return mesh if mesh is not None else (t, 1)
+
+
+def atp_2d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are ``[s, b, h/d2]``."""
+    return mesh[1] if mesh is not None else 1
+
+
+def atp_2d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+    """Every mesh d1 x d2 = TP with d2 >= 2 (``atp_meshes.atp_meshes``: d2 = 1 is Megatron's layout,
+    offered by the megatron backend)."""
+    return atp_meshes(tp, with_1d=False)
+
+
+def atp_2d_event_tag(mesh: Mesh | None) -> str:
+    """The mesh, ``m{d1}x{d2}``."""
+    return f"m{mesh[0]}x{mesh[1]}"

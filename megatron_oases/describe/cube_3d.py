@@ -15,16 +15,27 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 """
 from __future__ import annotations
 
+from .layer_query import LayerQuery, Mesh
+from .megatron_1d import tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
+from .saved import korthikanti_core_bytes
 
 _OTHER = {"y": "z", "z": "y"}
 
 
+def cube_root(tp: int) -> int | None:
+    """p when ``tp`` is p^3 (p >= 1), else None: the one test of "a cube", read by
+    :func:`cube_side` and the runtime's ``parallel.cube.Cube``."""
+    p = round(tp ** (1.0 / 3.0)) if tp > 0 else 0
+    return p if p >= 1 and p ** 3 == tp else None
+
+
 def cube_side(tp: int) -> int:
     """p for a TP group of p^3 ranks (p >= 2)."""
-    p = round(tp ** (1.0 / 3.0))
-    if p < 2 or p ** 3 != tp:
-        raise ModelingError(f"3-D TP needs TP = p^3 with p >= 2 (8, 27, 64, ...); got {tp}")
+    p = cube_root(tp)
+    if p is None or p < 2:
+        raise ModelingError(f"--tp-backend 3d: 3-D tensor parallelism needs --tensor-model-parallel-size = p^3 "
+                            f"with p >= 2 (8, 27, 64, ...); got {tp}")
     return p
 
 
@@ -35,15 +46,13 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
     SwiGLU fc1's to gate and up; RMSNorm has one statistic and no bias vector; without biases
     the linears move no bias vectors; RoPE and QK-norm are element-wise on the rank's heads, the
     q/k norms replicated, no collective)."""
+    refused = cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
+                                    query_groups=variant.query_groups)
+    if refused:
+        raise ModelingError(refused)
     p = cube_side(tp)
     q = p * p
     b, s, h, f, a, e = micro_batch, seq, hidden, ffn, heads, bytes_per_element
-    if b % q or h % q or f % q or a % p:
-        raise ModelingError(f"3-D TP with p = {p}: micro-batch {b}, hidden {h} and ffn {f} must be "
-                            f"divisible by p^2 = {q}, heads {a} by p")
-    if variant.query_groups and variant.query_groups % p:
-        raise ModelingError(f"3-D TP with p = {p}: {variant.query_groups} key/value groups must be "
-                            f"divisible by p")
     qkv_n, fc1_n = variant.qkv_rows(h, a), variant.fc1_rows(f)
     layer_norm = variant.normalization == "LayerNorm"
     tok = b * s  # tokens of the (sub-)batch; a rank's activation block is tok/p^2 x h/p
@@ -130,3 +139,100 @@ def cube_block_edges(*, micro_batch: int, seq: int, hidden: int, tp: int,
                      for d, k in (("z", 2), ("y", 1), ("x", 0)))
 
     return gathers("3d.leave"), gathers("3d.enter.bwd")
+
+
+# ---- the backend record's pieces (``describe.backends``) ------------------------------------------
+
+def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int, micro_batch: int,
+                    query_groups: int | None = None) -> str:
+    """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
+    ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
+    every backend, and every consumer refuses it first), then the cube's
+    (:func:`cube_3d_split_refusal`)."""
+    return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+            or cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
+                                     query_groups=query_groups))
+
+
+def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_batch: int,
+                          query_groups: int | None = None) -> str:
+    """Why the cube's layer cannot split a model ("" when it can), naming the flags: TP is p^3
+    with p >= 2; the hidden size and the FFN split over p^2, the heads and the key/value groups
+    (``query_groups`` None: one per head) over p, and the micro-batch over p^2 blocks of whole
+    sequences."""
+    try:
+        p = cube_side(tp)
+    except ModelingError as e:
+        return str(e)
+    q = p * p
+    for flag, value in (("--hidden-size", hidden), ("--ffn-hidden-size", ffn)):
+        if value % q:
+            return (f"--tp-backend 3d splits {flag} over p^2 = {q} ranks of the cube "
+                    f"(--tensor-model-parallel-size {tp}); {value} is not a multiple of {q}")
+    groups = query_groups or heads
+    if heads % p or groups % cube_3d_kv_groups_divisor(tp, None):
+        return (f"--tp-backend 3d splits heads over p = {p}: --num-attention-heads {heads} and "
+                f"--num-query-groups {groups} must be multiples of {p}")
+    if micro_batch % q:
+        return (f"--tp-backend 3d splits each micro-batch into p^2 = {q} blocks of whole sequences: "
+                f"--micro-batch-size {micro_batch} is not a multiple of {q}")
+    return ""
+
+
+def cube_3d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+    """The heads split over p, so the key/value groups do."""
+    return cube_side(tp)
+
+
+def cube_3d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+    """The one layout of a cube TP group, or none when TP is not p^3 (p >= 2)."""
+    p = cube_root(tp)
+    return (None,) if p is not None and p >= 2 else ()
+
+
+def cube_3d_layer(q: LayerQuery) -> LayerDescription:
+    """The record's layer: the cube's of ``q.tp`` ranks."""
+    return cube_3d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
+                             tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant)
+
+
+def cube_3d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+                  bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """The record's block edges: :func:`cube_block_edges`."""
+    return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
+                            bytes_per_element=bytes_per_element)
+
+
+def cube_3d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+    """TP position 0's line of the cube in its default order: cube_z consecutive, cube_x stride p,
+    cube_y stride p^2 (``parallel.cube.Cube``, order "zxy")."""
+    p = cube_side(len(tp_ranks))
+    stride = {"cube_z": 1, "cube_x": p, "cube_y": p * p}[axis]
+    return tp_ranks[::stride][:p]
+
+
+def cube_3d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+    """TP position 0 holds a diagonal block of every vector (N / p^2)."""
+    return (cube_side(t) ** 2,) * 2
+
+
+def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+                        hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
+                        recompute_core_attention: bool, core_attention: str) -> float:
+    """Korthikanti's terms, not measured: every saved tensor is a rank's own block, 1/t of the TP-1
+    layer's (the variant's MLP keeps ``mlp_saved_per_ffn`` x ffn); the core attention as ATP's."""
+    if recompute_core_attention:
+        raise ModelingError("selective recompute is described for --tp-backend megatron only (got 3d)")
+    core = korthikanti_core_bytes(b=b, s=s, a=a, n=t, e=e, attention_dropout=attention_dropout,
+                                  core_attention=core_attention)
+    return b * s * (e * 4 * h + 2 * h + e * (4 * h + variant.mlp_saved_per_ffn * f)) / t + core
+
+
+def cube_3d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are ``[s, b/p^2, h/p]``: 1/t of the whole."""
+    return t
+
+
+def cube_3d_event_tag(mesh: Mesh | None) -> str:
+    """``cube``: the degree t = p^3 in the key gives p."""
+    return "cube"

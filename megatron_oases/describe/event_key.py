@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Union
 
+from .backends import backend as record
 from .core_attention import CORE_ATTENTIONS
 from .ops import GPT2, LayerVariant
 
@@ -26,9 +27,9 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
     """Key suffix and dims a Megatron 1-D layer event's work also depends on (the profiler runs
     it on a real layer, ``sim.layer_workloads``): the dropout rates, and the executor (``oases``:
     a sub-batch through the Oases executor; ``stock``: Megatron's forward / backward). Other
-    backends' events run synthetic ops that depend on neither: no tag. The planner tags its
-    events with this function too."""
-    if backend != "megatron":
+    backends' events (``Backend.real_layer_events`` False) run synthetic ops that depend on
+    neither: no tag. The planner tags its events with this function too."""
+    if not record(backend).real_layer_events:
         return "", ()
     drop = f"_hd{hidden_dropout:g}ad{attention_dropout:g}" if hidden_dropout or attention_dropout else ""
     executor = "oases" if chains > 1 else "stock"
@@ -47,9 +48,9 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
     an SDPA core attention (``core_attention`` fused or unfused, every backend: the ATP and 3-D
     layers take it too) ``attention_tag``'s suffix and ``("attn", kind)``; other layers keep
     their keys."""
-    mesh_tag = f"m{mesh[0]}x{mesh[1]}" if backend == "atp" else "cube" if backend == "3d" else ""
+    mesh_tag = record(backend).event_tag(mesh)  # the ATP mesh or the cube
     tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
-    d1, d2 = mesh if backend == "atp" and mesh else (t, 1)
+    d1, d2 = mesh or (t, 1)
     dims = (("b", b), ("s", s), ("h", h), ("a", a), ("f", f), ("t", t), ("d1", d1), ("d2", d2),
             ("v", v), ("dtype", dtype)) + tag_dims
     if not variant.is_default:  # GPT-2's layer keeps its keys and dims

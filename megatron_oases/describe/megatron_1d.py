@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .core_attention import attention_kernel
-from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, backward_of
-from .saved import CUDA_KERNELS
+from .layer_query import LayerQuery, Mesh
+from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
+from .saved import CUDA_KERNELS, layer_saved_bytes
 
 LOCAL_CORE_KERNELS = 5
 """Forward kernels of Megatron's local core attention in eager PyTorch: the scores GEMM, the
@@ -52,8 +53,9 @@ def megatron_1d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int
     attention segment under Megatron's local one or SDPA's math kernel, 8 under a fused kernel).
     The FLOPs and the score traffic are the same numbers: the device model prices a fused kernel's
     scores on chip (``DeviceModel.fused_attention``)."""
-    if hidden % tp or heads % tp or ffn % tp:
-        raise ValueError(f"hidden {hidden}, heads {heads}, ffn {ffn} must be divisible by TP {tp}")
+    refused = tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+    if refused:
+        raise ModelingError(refused)
     sp = sequence_parallel and tp > 1
     if sp and seq % tp:
         raise ValueError(f"sequence parallelism needs seq {seq} divisible by TP {tp}")
@@ -173,3 +175,95 @@ def column_wgrad(event: str, *, b: int, s: int, h: int, heads: int, f: int, t: i
     out = variant.qkv_rows(h, heads) // t if event == "attention.wgrad" else variant.fc1_rows(f) // t
     return Compute(name=event, gemm_flops=2.0 * b * s * h * out, elementwise_bytes=e * (b * s * (h + out) + h * out),
                    gemms=((out, h, b * s),))
+
+
+# ---- the backend record's pieces (``describe.backends``) ------------------------------------------
+
+def tp_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int | None) -> str:
+    """Why Megatron's TP of ``tp`` ranks cannot split a model ("" when it can): each rank holds
+    ``hidden / tp`` columns, ``heads / tp`` whole heads of ``hidden / heads`` each, and
+    ``ffn / tp`` FFN columns (``ffn`` None: not yet known, not checked). The one home of the rule:
+    this layer's description, the runtime's ``ParallelDims`` (every backend: the embedding and the
+    output layer are Megatron's vocab-parallel ones) and the planner's ``PlanModel``."""
+    if hidden % tp:
+        return (f"--hidden-size {hidden} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"pick a hidden size that is a multiple of {tp}")
+    if heads % tp:
+        return (f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"use a multiple of {tp} heads")
+    if hidden % heads:
+        return f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}"
+    if ffn is not None and ffn % tp:
+        return f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}"
+    return ""
+
+
+def megatron_1d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int,
+                        query_groups: int | None = None, micro_batch: int | None = None) -> str:
+    """The record's divisibility check: :func:`tp_split_refusal`, and with ``query_groups`` the
+    attention's rule (each rank holds whole key/value groups: the groups divide by the attention's
+    degree ``tp``). The groups are optional because a per-block plan runs MLP blocks at degrees
+    the groups need not divide (``plan.graph.attention_fits``). No micro-batch rule."""
+    refused = tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
+    if refused or query_groups is None or query_groups % tp == 0:
+        return refused
+    return (f"--num-query-groups {query_groups} must be divisible by the --tensor-model-parallel-size {tp} "
+            f"(each rank holds whole key/value groups)")
+
+
+def megatron_1d_layer(q: LayerQuery) -> LayerDescription:
+    """The record's layer: the Oases tape (``schedule="oases"``) keeps the gathered column inputs."""
+    return megatron_1d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
+                                 tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant,
+                                 sequence_parallel=q.sequence_parallel, keeps_gathered_input=q.schedule == "oases",
+                                 attention_dropout=q.attention_dropout, hidden_dropout=q.hidden_dropout,
+                                 recompute_core_attention=q.recompute_core_attention,
+                                 core_attention=q.core_attention)
+
+
+def megatron_1d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+                            hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
+                            recompute_core_attention: bool, core_attention: str) -> float:
+    """The measured inventory of Megatron's local layer (``describe.saved``; with dropout, e = 2,
+    f = 4h: Korthikanti et al. 2022's sbh(10 + 24/t) + 5 a s^2 b / t plus norm statistics, the
+    causal mask and the fp32 softmax output)."""
+    return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
+                             attention_dropout=attention_dropout, variant=variant,
+                             recompute_core_attention=recompute_core_attention, core_attention=core_attention)
+
+
+def megatron_1d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+    """(QKV / fc1 output vectors, hidden-size vectors) split ways: column-parallel biases by t;
+    row-parallel biases and norms replicated."""
+    return t, 1
+
+
+def megatron_1d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+    """Every collective runs on the whole TP group (axis ``tp``)."""
+    return tp_ranks
+
+
+def megatron_1d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+                      bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """None: its layers take and give Megatron's replicated ``[s, b, h]``."""
+    return (), ()
+
+
+def megatron_1d_input_split(t: int, mesh: Mesh | None) -> int:
+    """Hidden states between layers are whole on every rank."""
+    return 1
+
+
+def megatron_1d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+    """One layout at every TP size."""
+    return (None,)
+
+
+def megatron_1d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+    """Each of the (attention's) ``tp`` ranks holds whole key/value groups."""
+    return tp
+
+
+def megatron_1d_event_tag(mesh: Mesh | None) -> str:
+    """No layout tag: the degree ``t`` in the key says it all."""
+    return ""

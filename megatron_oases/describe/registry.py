@@ -1,14 +1,15 @@
-"""The backends by name: layer description, collective groups, parameters, activation bytes."""
+"""The backends by name: layer description, collective groups, parameters, activation bytes.
+
+Thin lookups into the backend records (``describe.backends``), under the names the planner, the
+simulator and the tests call."""
 from __future__ import annotations
 
-from .atp_2d import atp_2d_gpt_layer
-from .cube_3d import cube_3d_gpt_layer, cube_block_edges, cube_side
-from .megatron_1d import megatron_1d_gpt_layer
+from .backends import BACKENDS as RECORDS, backend as record
+from .layer_query import LayerQuery
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
-from .core_attention import attention_kernel, keeps_scores
-from .saved import CUDA_KERNELS, layer_saved_bytes, logsumexp_bytes
 
-BACKENDS = ("megatron", "atp", "3d")
+BACKENDS = tuple(RECORDS)
+"""The ``--tp-backend`` names, in the records' order."""
 
 
 def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
@@ -23,28 +24,16 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
     ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
     its core attention; the ATP and 3-D attention modules do not) and ``core_attention``'s kernel
     count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels)."""
-    if sequence_parallel and backend != "megatron":
+    if sequence_parallel and not (backend in RECORDS and record(backend).sequence_parallel):
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
-    if recompute_core_attention and backend != "megatron":
+    if recompute_core_attention and not (backend in RECORDS and record(backend).megatron_modules):
         raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
                             f"(got {backend})")
-    if backend == "megatron":
-        return megatron_1d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                     tp=tp, bytes_per_element=bytes_per_element, variant=variant,
-                                     sequence_parallel=sequence_parallel,
-                                     keeps_gathered_input=schedule == "oases",
-                                     attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
-                                     recompute_core_attention=recompute_core_attention,
-                                     core_attention=core_attention)
-    if backend == "atp":
-        assert mesh is not None
-        return atp_2d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                d1=mesh[0], d2=mesh[1], bytes_per_element=bytes_per_element,
-                                variant=variant)
-    if backend == "3d":
-        return cube_3d_gpt_layer(micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn,
-                                 tp=tp, bytes_per_element=bytes_per_element, variant=variant)
-    raise ModelingError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+    return record(backend).layer(LayerQuery(
+        mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp,
+        bytes_per_element=bytes_per_element, variant=variant, sequence_parallel=sequence_parallel,
+        schedule=schedule, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+        recompute_core_attention=recompute_core_attention, core_attention=core_attention))
 
 
 def block_edges(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int, hidden: int,
@@ -52,34 +41,17 @@ def block_edges(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int,
     """(forward, backward) collectives where a run of a backend's layers meets Megatron's
     replicated ``[s, b, h]`` (embedding, pipeline sends, output layer): leaving all-gathers,
     entering splits (its backward all-gathers). None for Megatron 1-D or ATP with d2 = 1."""
-    full = micro_batch * seq * hidden * bytes_per_element
-    if backend == "atp" and mesh is not None and mesh[1] > 1:
-        return ((Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=mesh[1],
-                            payload_bytes=full),),
-                (Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=mesh[1],
-                            payload_bytes=full),))
-    if backend == "3d":
-        return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
-                                bytes_per_element=bytes_per_element)
-    return (), ()
+    return record(backend).block_edges(mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
+                                       bytes_per_element=bytes_per_element)
 
 
 def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | None) -> tuple[int, ...]:
-    """The group of the representative (TP position 0) on ``axis``: tp, mesh1 (stride d2), mesh2;
-    cube_z (consecutive), cube_x (stride p), cube_y (stride p^2) in the cube's default order."""
-    if axis == "tp":
-        return tp_ranks
-    if axis.startswith("cube_"):
-        p = cube_side(len(tp_ranks))
-        stride = {"cube_z": 1, "cube_x": p, "cube_y": p * p}.get(axis)
-        if stride is None:
-            raise ModelingError(f"unknown collective axis {axis!r}")
-        return tp_ranks[::stride][:p]
-    d1, d2 = mesh or (len(tp_ranks), 1)
-    if axis == "mesh2":
-        return tp_ranks[:d2]
-    if axis == "mesh1":
-        return tp_ranks[::d2]
+    """The group of the representative (TP position 0) on ``axis``, from the backend that names the
+    axis: tp; mesh1 (stride d2), mesh2; cube_z (consecutive), cube_x (stride p), cube_y (stride p^2)
+    in the cube's default order."""
+    for b in RECORDS.values():
+        if axis in b.axes:
+            return b.axis_ranks(axis, tp_ranks, mesh)
     raise ModelingError(f"unknown collective axis {axis!r}")
 
 
@@ -102,12 +74,7 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
     nb = 1 if variant.normalization == "LayerNorm" else 0
     qk_norms = (h // heads, nb * h // heads) * 2 if variant.qk_norm else ()
     # the vectors' splits: (QKV and fc1 outputs, proj and fc2 outputs and norms)
-    if backend == "atp" and mesh is not None:
-        out_split, h_split = mesh  # column-first outputs by d1; the hidden dim by d2
-    elif backend == "3d":  # TP position 0 holds a diagonal block of every vector (N / p^2)
-        out_split = h_split = cube_side(t) ** 2
-    else:
-        out_split, h_split = t, 1
+    out_split, h_split = record(backend).vector_splits(t, mesh)
     return (qkv * h // t, b * qkv // out_split, h * h // t, b * h // h_split, h * fc1 // t,
             b * fc1 // out_split, h * f // t, b * h // h_split, h // h_split, nb * h // h_split,
             h // h_split, nb * h // h_split, *qk_norms)
@@ -129,44 +96,16 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
                            attention_dropout: bool = True, variant: LayerVariant = GPT2,
                            recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
-    CUDA kernels).
-
-    Megatron 1-D: the measured inventory of Megatron's local layer (``describe.saved``; with
-    dropout, e = 2, f = 4h: Korthikanti et al. 2022's sbh(10 + 24/t) + 5 a s^2 b / t plus norm
-    statistics, the causal mask and the fp32 softmax output).
-    ATP and 3-D (Korthikanti's terms, not measured; the variant's MLP keeps
-    ``mlp_saved_per_ffn`` x ffn): ATP shards norms and residual-side tensors
-    by d2, the proj input by d1, the FFN by d1, heads by d1 * d2; under 3-D every saved tensor is
-    a rank's own block, 1/t of the TP-1 layer's. ``core_attention`` (``describe.core_attention``):
-    Megatron 1-D from the inventory; ATP and 3-D keep Korthikanti's s^2 term where the kernel
-    keeps scores, else the fused kernel's logsumexp (its output is the context already counted).
-    """
-    tok = b * s
-    if backend == "megatron" or mesh is None and backend == "atp":
-        return layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, hidden_dropout=hidden_dropout,
-                                 attention_dropout=attention_dropout, variant=variant,
-                                 recompute_core_attention=recompute_core_attention, core_attention=core_attention)
-    if recompute_core_attention:
-        raise ModelingError(f"selective recompute is described for --tp-backend megatron only (got {backend})")
-    mlp = variant.mlp_saved_per_ffn * f
-    n = t if backend == "3d" else mesh[0] * mesh[1] if mesh is not None else 0
-    # Korthikanti's s^2 term (softmax output, dropped-out probabilities, dropout mask) or the fused
-    # kernel's statistics, on the rank's a / n heads
-    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
-                              fused_dropout=CUDA_KERNELS.fused_attention_dropout)
-    core = a * s * s * b / n * (2 * e + 1) if keeps_scores(kernel) else logsumexp_bytes(b=b, s=s, heads=a / n)
-    if backend == "3d":
-        return tok * (e * 4 * h + 2 * h + e * (4 * h + mlp)) / t + core
-    if backend == "atp" and mesh is not None:
-        d1, d2 = mesh
-        return tok * (e * (3 * h / d2 + 3 * h / n + h / d1 + mlp / d1) + 2 * h / d2) + core
-    raise ModelingError(f"no activation model for backend {backend!r}")
+    CUDA kernels): the backend's ``saved_bytes`` (Megatron 1-D: the measured inventory,
+    ``describe.saved``; ATP and 3-D: Korthikanti's terms, ``atp_2d.atp_2d_saved_bytes``,
+    ``cube_3d.cube_3d_saved_bytes``)."""
+    return record(backend).saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, mesh=mesh, hidden_dropout=hidden_dropout,
+                                       attention_dropout=attention_dropout, variant=variant,
+                                       recompute_core_attention=recompute_core_attention,
+                                       core_attention=core_attention)
 
 
 def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None,
                       t: int = 1) -> float:
     """One [s, b, h] hidden state as a rank holds it (sharded by d2 under ATP, by t under 3-D)."""
-    if backend == "3d":
-        return b * s * h * e / t
-    d2 = mesh[1] if backend == "atp" and mesh is not None else 1
-    return b * s * h * e / d2
+    return b * s * h * e / record(backend).input_split(t, mesh)

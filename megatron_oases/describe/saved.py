@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .core_attention import attention_kernel, draws_in_kernel
+from .core_attention import attention_kernel, draws_in_kernel, keeps_scores
 from .ops import GPT2, LayerVariant
 from .split import SUB_BATCHES, recompute_boundaries
 
@@ -192,6 +192,16 @@ def logsumexp_bytes(*, b: int, s: int, heads: float) -> float:
     """A fused attention's softmax statistics: one fp32 logsumexp per query head and token (flash
     on CUDA and CPU; the efficient kernel pads s to a multiple of 32, not modeled)."""
     return 4 * b * heads * s
+
+
+def korthikanti_core_bytes(*, b: int, s: int, a: int, n: int, e: int, attention_dropout: bool,
+                           core_attention: str) -> float:
+    """The core attention's saved bytes on a rank's ``a / n`` heads (ATP and 3-D): Korthikanti's
+    s^2 term (softmax output, dropped-out probabilities, dropout mask) where the kernel keeps the
+    scores, else the fused kernel's statistics."""
+    kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
+                              fused_dropout=CUDA_KERNELS.fused_attention_dropout)
+    return a * s * s * b / n * (2 * e + 1) if keeps_scores(kernel) else logsumexp_bytes(b=b, s=s, heads=a / n)
 
 
 SDPA_MATH_BYTES = 4

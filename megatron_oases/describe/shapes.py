@@ -164,3 +164,14 @@ def variant_flags(v: LayerVariant) -> dict[str, Any]:
     return {"num_query_groups": v.query_groups or 0, "swiglu": v.gated, "normalization": v.normalization,
             "add_bias_linear": v.bias, "position_embedding_type": "rope" if v.rotary else "learned_absolute",
             "rotary_percent": v.rotary_percent, "qk_layernorm": v.qk_norm}
+
+
+def batch_split_refusal(*, global_batch: int, micro_batch: int, dp: int) -> str:
+    """Why ``global_batch`` samples do not split into micro-batches of ``micro_batch`` on each of
+    ``dp`` data-parallel replicas ("" when they do). The rule's one home: the runtime's
+    ``ParallelDims.check_batch`` and the planner's cost model."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        return (f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+                f"{micro_batch} x data-parallel size {dp} = {per_step}")
+    return ""

@@ -1,4 +1,4 @@
-"""Process-group layout: validated parallel degrees and (later) mesh / cube / per-block groups."""
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
+"""Process-group layout: validated parallel degrees and the mesh / cube / per-block groups."""
+from megatron_oases.parallel.dims import ParallelDims
 
-__all__ = ["ConfigError", "ParallelDims"]
+__all__ = ["ParallelDims"]

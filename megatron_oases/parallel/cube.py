@@ -26,8 +26,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_oases.describe.cube_3d import cube_root
 from megatron_oases.parallel import collectives
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.device import new_group
 
 DIRECTIONS = ("x", "y", "z")
@@ -51,8 +52,7 @@ class Cube:
     """Directions from fastest- to slowest-varying tp index; the first one stays inside a node."""
 
     def __post_init__(self):
-        p = round(self.tp_size ** (1.0 / 3.0)) if self.tp_size > 0 else 0
-        if self.tp_size < 1 or p ** 3 != self.tp_size:
+        if cube_root(self.tp_size) is None:  # describe.cube_3d: the one test of a cube
             raise ConfigError(
                 f"3-D tensor parallelism needs --tensor-model-parallel-size = p^3 (8, 27, 64, ...); "
                 f"got {self.tp_size}")
@@ -61,7 +61,7 @@ class Cube:
 
     @property
     def p(self) -> int:
-        return round(self.tp_size ** (1.0 / 3.0))
+        return cube_root(self.tp_size)
 
     def coord(self, tp_index: int) -> tuple[int, int, int]:
         """(i, j, l) of the rank at ``tp_index`` within the TP group."""

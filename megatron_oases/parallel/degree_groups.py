@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 def reshard_group_ranks(tp_ranks: Sequence[int], small: int, large: int) -> list[list[int]]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: one line naming the flag and the fix."""
+from megatron_oases.describe.megatron_1d import tp_split_refusal
+from megatron_oases.describe.shapes import batch_split_refusal
+from megatron_oases.errors import ConfigError
 
 
 def check_sizes(*, tp: int, pp: int, num_layers: int, hidden_size: int,
@@ -50,22 +50,10 @@ class ParallelDims:
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"{self.tp} x --pipeline-model-parallel-size {self.pp} = {self.tp * self.pp}; "
                 f"launch a multiple of {self.tp * self.pp} ranks or change TP/PP")
-        if self.hidden_size % self.tp != 0:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}; pick a hidden size that is a multiple of {self.tp}")
-        if self.num_attention_heads % self.tp != 0:
-            raise ConfigError(
-                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}; use a multiple of {self.tp} heads")
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}")
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size % self.tp != 0:
-            raise ConfigError(
-                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {self.tp}")
+        refused = tp_split_refusal(tp=self.tp, hidden=self.hidden_size, heads=self.num_attention_heads,
+                                   ffn=self.ffn_hidden_size)
+        if refused:
+            raise ConfigError(refused)
         stages = self.pp * (self.vp or 1)
         if self.num_layers % stages != 0:
             what = (f"--pipeline-model-parallel-size {self.pp}" if not self.vp else
@@ -86,9 +74,7 @@ class ParallelDims:
         """Number of micro-batches per rank per step; raises when the global batch does not split."""
         if micro_batch_size < 1:
             raise ConfigError(f"--micro-batch-size must be >= 1 (got {micro_batch_size})")
-        per_step = micro_batch_size * self.dp
-        if global_batch_size % per_step != 0:
-            raise ConfigError(
-                f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
-                f"{micro_batch_size} x data-parallel size {self.dp} = {per_step}")
-        return global_batch_size // per_step
+        refused = batch_split_refusal(global_batch=global_batch_size, micro_batch=micro_batch_size, dp=self.dp)
+        if refused:
+            raise ConfigError(refused)
+        return global_batch_size // (micro_batch_size * self.dp)

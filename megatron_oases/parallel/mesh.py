@@ -22,7 +22,7 @@ import dataclasses
 from typing import Sequence
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

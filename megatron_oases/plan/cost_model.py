@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from megatron_oases.describe.ops import Collective
-from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
+from megatron_oases.describe.shapes import batch_split_refusal
 from megatron_oases.describe.split import split_refusal, sub_batch_sizes
 from megatron_oases.topology import Topology
 
@@ -188,9 +188,11 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     if world % m.tp:
         raise PlanError(f"topology {topology.name!r} has {world} ranks, not a multiple of "
                         f"--tensor-model-parallel-size {m.tp}")
-    dims = ParallelDims(world_size=world, tp=m.tp, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size)
-    n_micro = dims.check_batch(m.micro_batch_size, global_batch_size)
+    dp = world // m.tp
+    refused = batch_split_refusal(global_batch=global_batch_size, micro_batch=m.micro_batch_size, dp=dp)
+    if refused:
+        raise PlanError(refused)
+    n_micro = global_batch_size // (m.micro_batch_size * dp)
     if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
         raise PlanError(split_refusal(m.micro_batch_size, m.sub_batches))
     pricer = pricer or DevicePricer(topology=topology, model=m, gpu=gpu)
@@ -198,7 +200,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     blocks = build_graph(m)
     costs = {}
     for k, s in enumerate(strategies):
-        for kind, c in _strategy_costs(m, s, pricer, dims.dp).items():
+        for kind, c in _strategy_costs(m, s, pricer, dp).items():
             costs[(kind, k)] = c
     K, N, S = len(strategies), len(blocks), m.sub_batches
     full = BlockStrategy(degree=m.tp)
@@ -252,12 +254,12 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     # layers run
     head = dict(v=V, h=h, t=T, first=True, last=True)
     emb_params = sum(head_param_tensors(**head, seq=s, variant=m.variant, output_copy=False))
-    const = (emb_params * state_bytes_per_param(m, dims.dp if m.distributed_optimizer else 1)
+    const = (emb_params * state_bytes_per_param(m, dp if m.distributed_optimizer else 1)
              + b * s * h * e + head_saved_bytes(**head, b=b, s=s, e=e, hidden_dropout=False))
     ties = tuple((2 * i, 2 * i + 1) for i in range(m.num_layers)) if granularity == "layer" else ()
     budget = memory_gb * float(1 << 30) if memory_gb is not None else None
     problem = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=float(const), budget=budget, ties=ties)
     return CostModel(model=m, strategies=tuple(strategies), blocks=tuple(blocks), costs=costs, reshard_fwd_ms=rf,
                      reshard_bwd_ms=rb, embed_bwd_ms=embed_b, head_fwd_ms=head_f, num_microbatches=n_micro,
-                     data_parallel=dims.dp, global_batch_size=global_batch_size, grad_sync=grad_sync,
+                     data_parallel=dp, global_batch_size=global_batch_size, grad_sync=grad_sync,
                      granularity=granularity, problem=problem, pricing=pricer.summary())

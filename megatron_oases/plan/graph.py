@@ -23,10 +23,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
-from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
-from megatron_oases.describe.cube_3d import cube_3d_gpt_layer, cube_side
-from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal
+from megatron_oases.describe.backends import BACKENDS, backend
+from megatron_oases.describe.layer_query import LayerQuery
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
 from megatron_oases.describe.split import split_refusal, sub_batches_at
 from megatron_oases.describe.planned import ATTENTION_FIRST_BWD, MLP_FIRST, degree_reshard, split_at
@@ -103,13 +102,15 @@ class Family:
     """Whether the runtime can put this family's blocks next to another strategy's."""
 
 
-def _megatron_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
-    return megatron_1d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
-                                 heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
-                                 bytes_per_element=m.bytes_per_element, variant=m.variant,
-                                 sequence_parallel=m.sequence_parallel, keeps_gathered_input=m.sub_batches > 1,
-                                 attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
-                                 core_attention=m.core_attention)
+def describe_layer(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
+    """The layer of ``s``'s backend record (``describe.backends``) on one replica's ``samples``;
+    under Oases (``sub_batches`` > 1) Megatron's tape keeps the gathered column inputs."""
+    return backend(s.family).layer(LayerQuery(
+        mesh=s.mesh, micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size, heads=m.num_attention_heads,
+        ffn=m.ffn_hidden_size, tp=s.degree, bytes_per_element=m.bytes_per_element, variant=m.variant,
+        sequence_parallel=m.sequence_parallel, schedule="oases" if m.sub_batches > 1 else "stock",
+        attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
+        core_attention=m.core_attention))
 
 
 def _megatron_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
@@ -129,8 +130,7 @@ def _megatron_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> R
 def block_params(s: BlockStrategy, m: PlanModel, kind: str) -> int:
     """Weights + biases + norm of one block on one rank: the family's layer parameters
     (``describe.registry.layer_param_tensors``) that belong to the block."""
-    mesh = s.mesh if s.family == "atp" else None
-    tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, mesh,
+    tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, s.mesh,
                                   heads=m.num_attention_heads, variant=m.variant)
     return sum(block_param_tensors(kind, tensors))
 
@@ -140,13 +140,6 @@ def _megatron_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) ->
 
 
 # ---- ATP (paper 004): the 2-D mesh d1 x d2 over the whole TP group ------------------------------
-
-def _atp_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
-    d1, d2 = s.mesh
-    return atp_2d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
-                            heads=m.num_attention_heads, ffn=m.ffn_hidden_size, d1=d1, d2=d2,
-                            bytes_per_element=m.bytes_per_element, variant=m.variant)
-
 
 def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tuple[str, ...]) -> Callable[[LayerDescription], list["BlockOps"]]:
     """A split for layers with many small segments (ATP, 3-D: norm statistics, gathers): the
@@ -169,31 +162,34 @@ def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tu
 _atp_split = _split_named("atp.ln2", "atp.proj.bwd")
 
 
-def _atp_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
-    """TP rank 0's group on a mesh axis, as the simulator places it (``describe.registry.axis_ranks``)."""
+def _whole_group_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
+    """TP rank 0's group on a mesh axis or a line of the cube, as the simulator places it
+    (``describe.registry.axis_ranks``)."""
     try:
         return axis_ranks(axis, tuple(range(s.degree)), s.mesh)
     except ModelingError:
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
 
-def _atp_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
-    """ATP keeps ``[s, b, h/d2]`` between its layers and converts at the edges of its run of
-    layers: entering splits (backward: all-gather over axis 2), leaving all-gathers over axis 2
-    (backward: keep own chunk). Only edges to the degree-T embedding / logits and between equal
-    meshes are used (``mixes=False``)."""
+def _edge_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
+    """A whole-group backend (ATP, 3-D) converts at the edges of its run of layers
+    (``describe.registry.block_edges``, one sub-batch): ATP keeps ``[s, b, h/d2]`` and leaving
+    all-gathers over axis 2 (entering splits, its backward all-gathers); the cube leaves with
+    all-gathers in z, y and x. Only edges to the degree-T embedding / logits and between equal
+    strategies are used (``mixes=False``)."""
     if src == dst:
         return Reshard(forward=None, backward=None)
-    atp = src if src.family == "atp" else dst
-    d2 = atp.mesh[1]
-    if d2 == 1:
+    edge = src if src.family != "megatron" else dst
+    leave, enter_b = block_edges(backend=edge.family, mesh=edge.mesh, micro_batch=m.micro_batch_size // m.sub_batches,
+                                 seq=m.seq_length, hidden=m.hidden_size, tp=edge.degree,
+                                 bytes_per_element=m.bytes_per_element)
+    steps = tuple((op, _whole_group_ranks(edge, op.axis)) for op in (leave if src is edge else enter_b))
+    if not steps:
         return Reshard(forward=None, backward=None)
-    payload = round(m.micro_batch_size / m.sub_batches * m.seq_length * m.hidden_size * m.bytes_per_element)
-    op = Collective(name="atp.leave" if src is atp else "atp.enter.bwd", kind="all_gather", axis="mesh2",
-                    group_size=d2, payload_bytes=payload)
-    if src is atp:
-        return Reshard(forward=op, backward=None, ranks_forward=tuple(range(d2)))
-    return Reshard(forward=None, backward=op, ranks_backward=tuple(range(d2)))
+    (first, first_ranks), rest = steps[0], steps[1:]
+    if src is edge:
+        return Reshard(forward=first, backward=None, ranks_forward=first_ranks, more_forward=rest)
+    return Reshard(forward=None, backward=first, ranks_backward=first_ranks, more_backward=rest)
 
 
 def _saved_flags(m: PlanModel) -> dict:
@@ -225,36 +221,6 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
 
 # ---- 3-D TP (paper 002): the cube p x p x p = T over the whole TP group ---------------------------
 
-def _cube_describe(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
-    return cube_3d_gpt_layer(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size,
-                             heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.degree,
-                             bytes_per_element=m.bytes_per_element, variant=m.variant)
-
-
-def _cube_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
-    """TP rank 0's line of the cube in a direction (``describe.registry.axis_ranks``)."""
-    try:
-        return axis_ranks(axis, tuple(range(s.degree)), None)
-    except ModelingError:
-        raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
-
-
-def _cube_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
-    """The cube's block edges (``describe.registry.block_edges``): leaving all-gathers in z, y
-    and x (forward); entering splits, whose backward gathers the same way."""
-    if src == dst:
-        return Reshard(forward=None, backward=None)
-    cube = src if src.family == "3d" else dst
-    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=m.micro_batch_size // m.sub_batches,
-                                 seq=m.seq_length, hidden=m.hidden_size, tp=cube.degree,
-                                 bytes_per_element=m.bytes_per_element)
-    steps = tuple((op, _cube_ranks(cube, op.axis)) for op in (leave if src is cube else enter_b))
-    (first, first_ranks), rest = steps[0], steps[1:]
-    if src is cube:
-        return Reshard(forward=first, backward=None, ranks_forward=first_ranks, more_forward=rest)
-    return Reshard(forward=None, backward=first, ranks_backward=first_ranks, more_backward=rest)
-
-
 def _cube_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """Every saved tensor is a rank's own block (1/T of the dense layer's); with recompute a block
     keeps its input block only (the cube runs the stock executor's full recompute)."""
@@ -270,14 +236,17 @@ def _cube_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tup
 
 
 FAMILIES: dict[str, Family] = {
-    "megatron": Family(describe=_megatron_describe, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
+    "megatron": Family(describe=describe_layer, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
                        params=block_params, memory=_megatron_memory,
                        split=_split_named(MLP_FIRST, ATTENTION_FIRST_BWD)),
-    "atp": Family(describe=_atp_describe, group_ranks=_atp_ranks, reshard=_atp_reshard, params=block_params,
-                  memory=_atp_memory, split=_atp_split, mixes=False),
-    "3d": Family(describe=_cube_describe, group_ranks=_cube_ranks, reshard=_cube_reshard, params=block_params,
-                 memory=_cube_memory, split=_split_named("3d.ln2", "3d.proj.bwd"), mixes=False),
+    "atp": Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
+                  params=block_params, memory=_atp_memory, split=_atp_split, mixes=False),
+    "3d": Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
+                 params=block_params, memory=_cube_memory, split=_split_named("3d.ln2", "3d.proj.bwd"), mixes=False),
 }
+"""The planner's pricing of each backend record's layers (``describe.backends``): how blocks of
+the family reshard, and what they hold in memory. The families offered are the records
+(:func:`family_names`); one without an entry here is refused when priced (:func:`family_of`)."""
 
 
 def family_of(s: BlockStrategy) -> Family:
@@ -312,36 +281,33 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 
 
 def feasible(s: BlockStrategy, m: PlanModel) -> str:
-    """Why ``s`` cannot run ``m`` (empty string: it can)."""
-    d = s.degree
-    if s.family == "3d":
-        try:
-            p = cube_side(d)
-        except ModelingError as e:
-            return str(e)
-        h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
-        if d != m.tp:
-            return f"the cube {p}^3 must cover T={m.tp}"
-        if m.sub_batches != 1:
-            return "3-D TP runs the stock executor (no Oases tape): plan with --sub-batches 1"
-        if m.micro_batch_size % (p * p) or h % (p * p) or f % (p * p) or a % p:
-            return f"micro-batch {m.micro_batch_size}, hidden {h}, ffn {f} must divide by p^2 = {p * p}, heads {a} by p"
-        return _describe_refuses(s, m)
+    """Why ``s`` cannot run ``m`` (empty string: it can): the backend record's divisibility check
+    (``describe.backends``), the Oases split (``describe.split``), and where its blocks run."""
+    if s.family == "megatron":
+        return _megatron_feasible(s, m)
     if s.family == "atp":
         refused = atp_mesh_refusal(s.mesh, m.tp)
-        if refused or d != m.tp:
-            return refused or f"an ATP block covers the whole TP group: degree {d} must be T={m.tp}"
-        d1, d2 = s.mesh
-        h, a, f = m.hidden_size, m.num_attention_heads, m.ffn_hidden_size
-        if h % d or a % d or f % d1 or h % d2:
-            return f"hidden {h} and heads {a} must divide by {d}, ffn {f} by {d1}"
-        if split_refusal(m.micro_batch_size, m.sub_batches):  # describe.split
-            return split_refusal(m.micro_batch_size, m.sub_batches)
-        return _describe_refuses(s, m)
+        if refused:
+            return refused
+    if s.degree != m.tp:
+        return f"a {s.family} block covers the whole TP group: degree {s.degree} must be T={m.tp}"
+    refused = _record_refusal(s, m, query_groups=m.variant.query_groups)
+    if refused:
+        return refused
+    if m.sub_batches > 1 and not backend(s.family).oases_tape:
+        return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --sub-batches 1"
+    return split_refusal(m.micro_batch_size, m.sub_batches)  # describe.split
+
+
+def _megatron_feasible(s: BlockStrategy, m: PlanModel) -> str:
+    """A Megatron 1-D block at a degree dividing T, on its replica's share of the micro-batch
+    (its key/value groups: :func:`attention_fits`, attention blocks only)."""
+    d = s.degree
     if d < 1 or m.tp % d:
         return f"degree {d} does not divide T={m.tp}"
-    if m.hidden_size % d or m.num_attention_heads % d or m.ffn_hidden_size % d:
-        return f"hidden/heads/ffn not divisible by {d}"
+    refused = _record_refusal(s, m, query_groups=None)
+    if refused:
+        return refused
     share = m.micro_batch_size * d
     if share % m.tp:
         return f"micro-batch {m.micro_batch_size} does not split over {m.tp // d} replicas"
@@ -351,39 +317,39 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     return ""
 
 
-def _describe_refuses(s: BlockStrategy, m: PlanModel) -> str:
-    """What the family's description refuses for ``m`` (e.g. key/value groups a mesh or cube
-    cannot split whole), or ""."""
-    try:
-        FAMILIES[s.family].describe(s, m, m.micro_batch_size)
-    except ModelingError as e:
-        return str(e)
-    return ""
+def _record_refusal(s: BlockStrategy, m: PlanModel, *, query_groups: int | None) -> str:
+    """The record's one divisibility check for ``m`` at ``s``'s degree and mesh."""
+    return backend(s.family).refusal(tp=s.degree, mesh=s.mesh, hidden=m.hidden_size, heads=m.num_attention_heads,
+                                     ffn=m.ffn_hidden_size, micro_batch=m.micro_batch_size, query_groups=query_groups)
 
 
-FAMILY_NAMES = ("megatron", "atp", "3d")
+def family_names() -> tuple[str, ...]:
+    """The strategy families: one per backend record (``describe.backends.BACKENDS``), read when
+    asked so that a new row is offered without an edit here."""
+    return tuple(BACKENDS)
 
 
 def attention_fits(s: BlockStrategy, m: PlanModel) -> bool:
     """Whether ``s`` can run an attention block: Megatron's attention gives each rank whole
     key/value groups, so a block's degree must divide them (GQA)."""
-    return s.family != "megatron" or m.num_query_groups % s.degree == 0
+    return m.num_query_groups % backend(s.family).kv_groups_divisor(s.degree, s.mesh) == 0
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
                          families: tuple[str, ...] = ("megatron",)) -> list[BlockStrategy]:
     """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
-    ``degrees`` restricts them), then with ``"atp" in families`` every ATP mesh d1 x d2 = T
-    that can (``describe.atp_meshes.atp_meshes``; d2 = 1 is the megatron family's layout)."""
-    bad = [f for f in families if f not in FAMILY_NAMES]
+    ``degrees`` restricts them), then for each other family asked, in the records' order, every
+    layout its record offers at T that can (``Backend.meshes``: for ATP every mesh d1 x d2 = T,
+    ``describe.atp_meshes.atp_meshes``, d2 = 1 being the megatron family's layout; the cube)."""
+    known = family_names()
+    bad = [f for f in families if f not in known]
     if bad:
-        raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(FAMILY_NAMES)})")
+        raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(known)})")
     out = _megatron_candidates(m, degrees) if "megatron" in families else []
-    if "atp" in families:
-        meshes = [BlockStrategy(degree=m.tp, family="atp", mesh=mesh) for mesh in atp_meshes(m.tp, with_1d=False)]
-        out += [s for s in meshes if not feasible(s, m)]
-    if "3d" in families and not feasible(cube := BlockStrategy(degree=m.tp, family="3d"), m):
-        out.append(cube)
+    for name in known:
+        if name != "megatron" and name in families:
+            layouts = [BlockStrategy(degree=m.tp, family=name, mesh=mesh) for mesh in backend(name).meshes(m.tp)]
+            out += [s for s in layouts if not feasible(s, m)]
     if not out:
         raise PlanError(f"no block strategy of --families {','.join(families)} can run this model; "
                         f"add megatron or raise --micro-batch-size")

@@ -5,9 +5,10 @@ import dataclasses
 from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import core_attention_of
+from megatron_oases.describe.megatron_1d import tp_split_refusal
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.errors import ConfigError
 
 __all__ = ["BLOCK_KINDS", "DTYPES", "PlanError", "PlanModel", "model_from_mapping"]
 
@@ -54,8 +55,10 @@ class PlanModel(GPTShape):
         if self.sub_batches not in (1, SUB_BATCHES):
             raise PlanError(f"sub_batches must be 1 (stock executor) or {SUB_BATCHES} (Oases) "
                             f"(got {self.sub_batches!r})")
-        ParallelDims(world_size=self.tp, tp=self.tp, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                     num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size)
+        refused = tp_split_refusal(tp=self.tp, hidden=self.hidden_size, heads=self.num_attention_heads,
+                                   ffn=self.ffn_hidden_size)
+        if refused:
+            raise PlanError(refused)
 
     @property
     def num_blocks(self) -> int:

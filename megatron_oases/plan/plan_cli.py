@@ -244,7 +244,7 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
 
 def plan_main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-oases plan``; exit 2 with one line on bad input."""
-    from megatron_oases.parallel.dims import ConfigError
+    from megatron_oases.errors import ConfigError
     from megatron_oases.topology import TopologyError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_oases.describe.split import sub_batches_at
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.run_config import run_config
 
 from .graph import BLOCK_KINDS

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from megatron_oases.describe.backends import backend
 from megatron_oases.describe.event_key import layer_shape
 from megatron_oases.describe.ops import Collective, Compute
 from megatron_oases.pricing.device_model import (GPUS, DeviceModel, ProfileDB, SimError, gpu_spec,
@@ -44,7 +45,7 @@ def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
                        f=m.ffn_hidden_size, t=strategy.degree, v=m.padded_vocab_size, dtype=m.dtype,
                        backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant,
-                       sequence_parallel=m.sequence_parallel and strategy.family == "megatron",
+                       sequence_parallel=m.sequence_parallel and backend(strategy.family).sequence_parallel,
                        core_attention=m.core_attention)
 
 
