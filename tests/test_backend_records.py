@@ -38,7 +38,7 @@ def test_every_consumer_offers_the_tables_names():
     import argparse
 
     from megatron_oases.megatron_lm.flags import add_flags
-    from megatron_oases.sim.cli import build_parser as sim_parser
+    from megatron_oases.sim.frontends.cli import build_parser as sim_parser
     from megatron_oases.train_args import build_parser
 
     assert registry.BACKENDS == tuple(BACKENDS)
@@ -52,7 +52,7 @@ def test_every_consumer_offers_the_tables_names():
 @pytest.mark.parametrize("tp", [6, 8, 12])
 def test_the_simulators_search_offers_each_records_layouts(tp):
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.search import SearchSpace, candidates
+    from megatron_oases.sim.core.search import SearchSpace, candidates
 
     shape = GPTShape(num_layers=2, hidden_size=tp * 48, num_attention_heads=tp * 2, seq_length=16,
                      micro_batch_size=4, ffn_hidden_size=tp * 192, padded_vocab_size=tp * 64)
@@ -122,7 +122,7 @@ def _planner(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
 
 def _simulator(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.sim.events import Strategy, check
+    from megatron_oases.sim.core.strategy import Strategy, check
 
     try:
         m = GPTShape(num_layers=2, hidden_size=hidden, num_attention_heads=heads, seq_length=16,
@@ -163,7 +163,7 @@ def test_the_planner_decides_as_the_record():
 def test_the_simulator_decides_as_the_record_but_for_megatrons_key_value_groups():
     """The simulator does not refuse Megatron 1-D key/value groups that the TP degree does not
     divide (the trainer and the planner do; the runtime gives each rank whole groups). This list
-    goes empty when ``sim.events.check`` reads the record."""
+    goes empty when ``sim.core.strategy.check`` reads the record."""
     ignored = [_ids(c) for c in GRID if c[0] == "megatron" and c[6] and c[6] % c[1]
                and _record(*c[:6], None, c[7])]
     assert ignored and _disagreements(_simulator) == ignored

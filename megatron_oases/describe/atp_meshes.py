@@ -1,7 +1,7 @@
 """ATP's candidate meshes for a TP size, and the one rule every mesh obeys: d1 x d2 = TP.
 
 One home for both, so that the planner (``plan/graph.py``), the simulator's search
-(``sim/search.py``), the mesh picker (``plan/atp_mesh.py``), the trainer's and Megatron-LM's flag
+(``sim/core/search.py``), the mesh picker (``plan/atp_mesh.py``), the trainer's and Megatron-LM's flag
 validation (``train_args.validate_atp_args``) and the runtime's ``parallel/mesh.DeviceMesh`` offer
 the same meshes and refuse a wrong one in the same words. (They used to enumerate three different
 sets: the planner powers of two only, so it never tried 2 x 3 at TP 6.)

@@ -25,7 +25,7 @@ def attention_tag(core_attention: str) -> tuple[str, tuple[tuple[str, str], ...]
 def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
                     ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """Key suffix and dims a Megatron 1-D layer event's work also depends on (the profiler runs
-    it on a real layer, ``sim.layer_workloads``): the dropout rates, and the executor (``oases``:
+    it on a real layer, ``sim.calibrate.layer_workloads``): the dropout rates, and the executor (``oases``:
     a sub-batch through the Oases executor; ``stock``: Megatron's forward / backward). Other
     backends' events (``Backend.real_layer_events`` False) run synthetic ops that depend on
     neither: no tag. The planner tags its events with this function too."""

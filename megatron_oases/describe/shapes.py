@@ -4,7 +4,7 @@ flags -> ``LayerVariant`` mapping. Pure Python (no torch).
 
 Field names are Megatron-LM's (``args.<name>``); each field's docstring names its flag. The
 parallel layout (TP / PP / DP / virtual stages) is not a shape: it is ``parallel.ParallelDims``
-for the runtime, ``sim.events.Strategy`` for the simulator and ``plan.model.PlanModel.tp`` for
+for the runtime, ``sim.core.strategy.Strategy`` for the simulator and ``plan.model.PlanModel.tp`` for
 the planner.
 """
 from __future__ import annotations

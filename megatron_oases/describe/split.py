@@ -1,6 +1,6 @@
 """The Oases split: how the Oases schedule cuts a micro-batch into sub-batches, described once.
 
-The executor (``schedules/oases``), the simulator (``sim/events.py``, ``sim/memory.py``), the
+The executor (``schedules/oases``), the simulator (``sim/core/events.py``, ``sim/core/memory.py``), the
 planner (``plan/cost_model.py``, ``plan/graph.py``, ``plan/plan_file.py``) and the saved-bytes
 description (``describe/saved.py``) read these facts here, so they cannot disagree about them:
 

@@ -194,7 +194,7 @@ def _edge_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Resha
 
 def _saved_flags(m: PlanModel) -> dict:
     """What a layer's saved bytes depend on beyond its sizes, as the simulator passes it
-    (``sim.memory``): the dropout masks only where the dropout is on, the core attention's kind
+    (``sim.core.memory``): the dropout masks only where the dropout is on, the core attention's kind
     (``GPTShape.core_attention``: no s x s tensor under a fused kernel) and the variant."""
     return {"hidden_dropout": m.hidden_dropout > 0, "attention_dropout": m.attention_dropout > 0,
             "core_attention": m.core_attention, "variant": m.variant}

@@ -10,7 +10,7 @@ from .model import PlanModel
 
 def state_bytes_per_param(m: PlanModel, shard: int) -> float:
     """Weights (e) + fp32 main grads (4) + Adam m, v (8) + fp32 master copy when e = 2 (4), the
-    optimizer part divided by ``shard`` (distributed optimizer); as ``sim.memory``."""
+    optimizer part divided by ``shard`` (distributed optimizer); as ``sim.core.memory``."""
     e = m.bytes_per_element
     return e + 4 + ((4 if e == 2 else 0) + 8) / shard
 
@@ -20,7 +20,7 @@ def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -
     local layer split at its all-reduces (``describe.saved.block_saved_bytes``: attention keeps
     LN1 and QKV inputs, Q, K, V, the proj input, softmax output, causal mask and, with dropout,
     its masks; MLP keeps LN2 and fc1 inputs, GeLU and fc2 inputs and its dropout mask). Under a
-    fused core attention (``GPTShape.core_attention``) no s x s tensor, as ``sim.memory``."""
+    fused core attention (``GPTShape.core_attention``) no s x s tensor, as ``sim.core.memory``."""
     return block_saved_bytes(kind, b=samples, s=m.seq_length, h=m.hidden_size,
                              a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
                              e=m.bytes_per_element, hidden_dropout=m.hidden_dropout > 0,
@@ -44,7 +44,7 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     """(saved bytes per micro-batch, backward working set) of one block on ``samples`` samples.
 
     Recompute (Oases fine-grained): attention saves its input and its all-reduce output, MLP its
-    all-reduce output (3 [s, b, h] tensors per layer, as ``sim.memory``); while a block runs
+    all-reduce output (3 [s, b, h] tensors per layer, as ``sim.core.memory``); while a block runs
     backward its recomputed activations exist, plus the output and input gradients (2 e s b h).
     Without recompute the full activations are saved (under the Oases executor also its step
     boundary, ``describe.saved.oases_kept_beyond_stock``) and the working set is the two gradients.

@@ -2,7 +2,7 @@
 
 The cost model asks a Pricer for milliseconds of a ``Compute`` segment or a ``Collective`` on a
 rank group; it never reads a profile or a device model itself. ``DevicePricer`` is the one we
-ship: it names every event exactly as the simulator does (``sim.events``: ``compute:<name>[<shape>]``
+ship: it names every event exactly as the simulator does (``sim.core.events``: ``compute:<name>[<shape>]``
 and ``<kind>:<name>[<shape>]@<axis>x<group class>``), takes the time from a ``ProfileDB``
 (``pricing.device_model``, format ``megatron-oases-profile/*``) when the key is there, and otherwise
 from the analytical ``DeviceModel`` on the topology. One profile thus serves simulator and planner.
@@ -83,7 +83,7 @@ class DevicePricer:
                                bytes_per_element=self.model.bytes_per_element)
         self._cache: dict[str, float] = {}
         self.events: dict[str, Any] = {}
-        """key -> ``sim.events.Event`` of everything priced (``profile_events`` can measure them)."""
+        """key -> ``pricing.event.Event`` of everything priced (``profile_events`` can measure them)."""
         self.from_profile = 0
         self.analytical = 0
         self.missing: list[str] = []
