@@ -160,13 +160,10 @@ def test_the_planner_decides_as_the_record():
     assert _disagreements(_planner) == []
 
 
-def test_the_simulator_decides_as_the_record_but_for_megatrons_key_value_groups():
-    """The simulator does not refuse Megatron 1-D key/value groups that the TP degree does not
-    divide (the trainer and the planner do; the runtime gives each rank whole groups). This list
-    goes empty when ``sim.core.strategy.check`` reads the record."""
-    ignored = [_ids(c) for c in GRID if c[0] == "megatron" and c[6] and c[6] % c[1]
-               and _record(*c[:6], None, c[7])]
-    assert ignored and _disagreements(_simulator) == ignored
+def test_the_simulator_decides_as_the_record():
+    """``sim.core.strategy.check`` reads the record (it used to accept Megatron 1-D key/value
+    groups that the TP degree does not divide, which the trainer and the planner refuse)."""
+    assert _disagreements(_simulator) == []
 
 
 # ---- the planner iterates the table ---------------------------------------------------------------

@@ -14,8 +14,7 @@ import os
 from typing import Iterable, Sequence
 
 from ...pricing.device_model import DeviceModel, SimError
-from ...describe.atp_meshes import atp_meshes
-from ...describe.cube_3d import cube_side
+from ...describe.backends import backend as record
 from ...describe.shapes import GPTShape
 from .strategy import Strategy, check, selective_recompute_applies
 from .timeline import SimResult, simulate
@@ -102,14 +101,6 @@ def _pow2_divisors(n: int, cap: int) -> list[int]:
     return out
 
 
-def _is_cube(tp: int) -> bool:
-    try:
-        cube_side(tp)
-    except SimError:
-        return False
-    return True
-
-
 def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     """Every point of the space, with Strategy built (or the reason it cannot be)."""
     out: list[Candidate] = []
@@ -137,12 +128,9 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                 out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
                 continue
             for backend in space.backends:
-                if backend == "3d" and not _is_cube(tp):
-                    continue  # the cube needs TP = p^3, p >= 2
-                meshes = atp_meshes(tp, with_1d=False) if backend == "atp" else [None]
-                for mesh in meshes:
+                for mesh in record(backend).meshes(tp):  # ATP's meshes; the cube at TP = p^3 only
                     for overlap in space.overlaps:
-                        if overlap == "oases" and backend == "3d":
+                        if overlap == "oases" and not record(backend).oases_tape:
                             continue  # the runtime has no Oases tape for the cube
                         for rc in space.recompute:
                             if rc == "selective" and not selective_recompute_applies(backend, overlap):

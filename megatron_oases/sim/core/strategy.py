@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...describe.atp_meshes import atp_mesh_refusal
+from ...describe.backends import backend as record
 from ...describe.registry import BACKENDS
 from ...describe.shapes import GPTShape
 from ...describe.split import split_refusal, sub_batches_at
@@ -99,7 +100,7 @@ class Strategy:
             self._check_selective()
         if self.block_degrees is not None:
             self._check_plan()
-        if self.sequence_parallel and (self.backend != "megatron" or self.block_degrees is not None):
+        if self.sequence_parallel and (not record(self.backend).sequence_parallel or self.block_degrees is not None):
             raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
         if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
             raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
@@ -176,7 +177,7 @@ def selective_recompute_applies(backend: str, overlap: str, *, planned: bool = F
     """Whether Megatron's selective recompute does something: Megatron's own attention module
     (backend megatron) on the stock schedule (Oases recomputes whole layers), without a per-block
     plan."""
-    return backend == "megatron" and overlap == "none" and not planned
+    return record(backend).megatron_modules and overlap == "none" and not planned
 
 
 def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
@@ -201,12 +202,19 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
                            f"of PP {s.pp}")
     if s.overlap == "oases" and split_refusal(m.micro_batch_size):
         raise SimError(split_refusal(m.micro_batch_size))
-    if s.overlap == "oases" and s.backend == "3d":
+    if s.overlap == "oases" and not record(s.backend).oases_tape:
         raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
                        "tape for 3d); use overlap none with backend 3d")
     if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
         raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
                        f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
+    # the backend's own split (the trainer's and the planner's rule, in their words); under a plan
+    # the key/value groups divide by each attention block's degree instead (plan.graph)
+    groups = None if s.block_degrees is not None else m.variant.query_groups or m.num_attention_heads
+    refused = record(s.backend).refusal(tp=s.tp, mesh=s.mesh, hidden=m.hidden_size, heads=m.num_attention_heads,
+                                        ffn=m.ffn_hidden_size, micro_batch=m.micro_batch_size, query_groups=groups)
+    if refused:
+        raise SimError(refused)
     if s.block_degrees is not None:
         _check_plan(m, s)
 
