@@ -12,6 +12,14 @@ def test_tapes_are_keyed_by_the_trainers_backend_names():
     assert TAPES["megatron"] is megatron_layer_tape
 
 
+def test_the_backends_with_a_tape_are_the_records_that_say_so():
+    """The runtime's tapes and ``describe.backends``' ``oases_tape`` (which the simulator, the
+    planner and the trainer's validation read) name the same backends."""
+    from megatron_oases.describe.backends import BACKENDS
+
+    assert set(TAPES) == {name for name, b in BACKENDS.items() if b.oases_tape}
+
+
 def test_a_layer_without_a_backend_name_is_megatrons():
     assert layer_backend(object()) == "megatron"
 
