@@ -106,3 +106,16 @@ def test_descriptions_import_no_torch():
 
 def test_the_checker_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_the_run_config_does_not_import_the_planner():
+    """``run_config`` sits below everything that reads a run (its one constant from the planner,
+    ``DEFAULT_MIN_GAIN``, lives in ``run_config.py`` now)."""
+    assert _edges_from(import_graph(), "megatron_oases.run_config", "megatron_oases.plan") == []
+    assert not [t for t in import_graph()["megatron_oases.run_config"]
+                if t == "megatron_oases.plan" or t.startswith("megatron_oases.plan.")]
+
+
+def test_the_runtime_does_not_import_the_run_config():
+    """``runtime/`` is where code runs; it takes the fields it needs, never the run's config type."""
+    assert _edges_from(import_graph(), "megatron_oases.runtime", "megatron_oases.run_config") == []

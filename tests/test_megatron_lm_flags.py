@@ -14,6 +14,7 @@ from megatron_oases.megatron_lm import flags
 from megatron_oases.megatron_lm.flags import (extra_args_provider, make_extra_args_provider,
                                               trainer_view, validate_megatron_args)
 from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.run_config import run_config
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:
@@ -204,19 +205,17 @@ def test_trainer_view_maps_megatron_names():
                    "1", "--swiglu", "--hidden-size", "96", "--num-attention-heads", "4",
                    "--global-batch-size", "4", "--micro-batch-size", "1"]
     ns = plain_parse(p, argv)
-    view, dims = trainer_view(ns, world_size=8)
+    view, dims = trainer_view(run_config(ns), world_size=8)
     assert (dims.tp, dims.pp, dims.vp, dims.dp) == (1, 2, 2, 4)
     assert view.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 and ns.ffn_hidden_size is None
-    view.atp_mesh = (9, 9)
-    assert ns.atp_mesh is None  # a copy: validators normalise the view, not Megatron's args
 
 
 def test_validate_can_be_called_directly():
     ns = plain_parse(extra_args_provider(megatron_like_parser()),
                      BASE + ["--tensor-model-parallel-size", "2", "--tp-backend", "atp",
                              "--atp-mesh", "1,2"])
-    validate_megatron_args(ns, world_size=2)
-    assert ns.atp_mesh == (1, 2)
+    assert validate_megatron_args(ns, world_size=2).atp_mesh == (1, 2)
+    assert ns.atp_mesh == "1,2"  # read, not edited: the parse hook writes it back (keep_on_megatron_args)
     with pytest.raises(ConfigError, match="world size 3"):
         validate_megatron_args(ns, world_size=3)
 

@@ -45,9 +45,12 @@ def megatron_args(**over) -> argparse.Namespace:
 
 def _config_keeping_recompute(args):
     """Like Megatron-LM's config factory: recompute straight from the args, whatever the schedule."""
+    import dataclasses
+
+    from megatron_oases.run_config import run_config
     from megatron_oases.specs import transformer_config_from_args
 
-    return transformer_config_from_args(argparse.Namespace(**{**vars(args), "schedule": "default"}),
+    return transformer_config_from_args(dataclasses.replace(run_config(args), schedule="default"),
                                         cuda=False)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_oases.run_config import RunConfig
+
 BUILDS = ("oases", "plan", "atp", "3d", "megatron")
 """What replaces Megatron's layers: the Oases schedule, per-block plans, ATP and 3-D layers, and
 ``megatron``: our build of a stock run (``specs``' megatron spec) where no Megatron-LM model
@@ -269,11 +271,8 @@ def classes() -> dict[str, str]:
     return out
 
 
-def builds_of(args: argparse.Namespace) -> frozenset:
+def builds_of(cfg: RunConfig) -> frozenset:
     """Which of ``BUILDS`` a run uses (empty: stock Megatron-LM)."""
-    from megatron_oases.run_config import run_config
-
-    cfg = run_config(args)
     out = set()
     if cfg.schedule == "oases":
         out.add("oases")
@@ -284,15 +283,18 @@ def builds_of(args: argparse.Namespace) -> frozenset:
     return frozenset(out)
 
 
-def refusal(args: argparse.Namespace, defaults: dict | None, what: str) -> str | None:
+def refusal(args: argparse.Namespace, cfg: RunConfig, defaults: dict | None,
+            what: str) -> str | None:
     """The one-line refusal for the first refused option this run sets, or None.
 
-    ``defaults``: Megatron-LM's parser defaults (dest -> default); without them (a namespace
-    not from Megatron-LM's parser) an option counts as set when it is truthy.
+    ``args``: Megatron-LM's namespace, whose own options (``REFUSED``, which ``RunConfig`` does
+    not carry) are read by name; ``cfg``: its ``RunConfig``. ``defaults``: Megatron-LM's parser
+    defaults (dest -> default); without them (a namespace not from Megatron-LM's parser) an
+    option counts as set when it is truthy.
     """
     from megatron_oases.run_config import options_present
 
-    builds = builds_of(args) or frozenset({"megatron"})  # a stock run that we build
+    builds = builds_of(cfg) or frozenset({"megatron"})  # a stock run that we build
     values = options_present(args, REFUSED)
     for name, (flag, refused_by) in REFUSED.items():
         if not (builds & refused_by) or name not in values:
