@@ -1,7 +1,8 @@
 """Flags of the reference trainer, named as in Megatron-LM, and their validation.
 
 Validation runs before any process group exists, and every error is one line naming the flag and
-the fix (``ConfigError``). Later issues add ``--tp-backend atp|3d`` and ``--schedule oases``.
+the fix (``ConfigError``). ``validate_config`` takes the run's ``RunConfig`` and returns it
+normalised; it never sees, let alone edits, the argparse namespace.
 """
 from __future__ import annotations
 
@@ -490,9 +491,9 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
     (None without ``--tp-backend atp``).
 
     ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
-    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, replaces the flag
-    by the pick and prints it with its predicted time on rank 0. It runs before any process
-    group exists; once resolved, a second validation (``train.setup``) sees D1,D2 and is silent.
+    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, returns the pick
+    and prints it with its predicted time on rank 0. It runs before any process group exists;
+    a second validation of the returned config (``train.setup``) sees (d1, d2) and is silent.
     """
     if cfg.tp_backend != "atp":
         if cfg.atp_mesh is not None:
