@@ -28,8 +28,8 @@ import sys
 import time
 import warnings
 
-from megatron_oases.parallel.dims import ConfigError
-from megatron_oases.run_config import DEFAULTS, run_config
+from megatron_oases.errors import ConfigError
+from megatron_oases.run_config import DEFAULTS, RunConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
@@ -61,10 +61,6 @@ _TORCH_READER_NOTES = ("torch.distributed is disabled, unavailable or uninitiali
 _TORCH_DEPRECATIONS = ("`load_state_dict` is deprecated", "Please use DTensor instead",
                        "`torch.distributed.all_gather_into_tensor` is deprecated")
 
-
-_DEFAULTS = {"save": None, "save_interval": None, "load": None, "no_load_optim": False,
-             "no_load_rng": False, "ckpt_format": "torch_dist", "ckpt_step": None,
-             "verify_integrity": True, "dist_ckpt_optim_fully_reshardable": None}
 
 # How the optimizer state of a checkpoint is laid out: the plain (non-distributed) optimizer's,
 # or one of the distributed optimizer's ``distrib_optim_sharding_type``s.
@@ -115,48 +111,45 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def validate_checkpoint_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
     """Checkpoint flags, and the checkpoint ``--load`` names, before any process group
-    (``world_size``: the ranks this run will have, as ``train_args.validate_args`` has it)."""
-    for name, default in _DEFAULTS.items():  # Namespaces built by hand (sim, tests) lack them
-        if not hasattr(args, name):
-            setattr(args, name, default)
-    if args.ckpt_format != "torch_dist":
-        raise ConfigError(f"--ckpt-format {args.ckpt_format}: only torch_dist (Megatron "
+    (``world_size``: the ranks this run will have, as ``train_args.validate_config`` has it)."""
+    if cfg.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {cfg.ckpt_format}: only torch_dist (Megatron "
                           "dist_checkpointing, reshardable) is supported; drop the flag")
-    if args.save_interval is not None:
-        if args.save is None:
+    if cfg.save_interval is not None:
+        if cfg.save is None:
             raise ConfigError("--save-interval needs --save DIR")
-        if args.save_interval < 1:
-            raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
-    if args.save is not None:
-        parent = os.path.abspath(args.save)
+        if cfg.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1 (got {cfg.save_interval})")
+    if cfg.save is not None:
+        parent = os.path.abspath(cfg.save)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"--save {args.save}: {parent} is not a writable directory")
-    if args.dist_ckpt_optim_fully_reshardable is not None:
-        flag = ("--" if args.dist_ckpt_optim_fully_reshardable else "--no-") + \
+            raise ConfigError(f"--save {cfg.save}: {parent} is not a writable directory")
+    if cfg.dist_ckpt_optim_fully_reshardable is not None:
+        flag = ("--" if cfg.dist_ckpt_optim_fully_reshardable else "--no-") + \
             "dist-ckpt-optim-fully-reshardable"
-        if not args.use_distributed_optimizer or args.save is None:
+        if not cfg.use_distributed_optimizer or cfg.save is None:
             raise ConfigError(f"{flag} chooses how --save writes the distributed optimizer's "
                               "state: it needs --use-distributed-optimizer and --save DIR; drop it")
-    if args.ckpt_step is not None and args.load is None:
+    if cfg.ckpt_step is not None and cfg.load is None:
         raise ConfigError("--ckpt-step needs --load DIR")
-    if args.load is not None:
-        found = find_checkpoint(args.load, missing_ok=_auto_resume(args), step=args.ckpt_step)
+    if cfg.load is not None:
+        found = find_checkpoint(cfg.load, missing_ok=_auto_resume(cfg), step=cfg.ckpt_step)
         if found is not None:
-            if args.verify_integrity and not _process_group():  # verified once, by the launcher
-                _verify_integrity(args.load, *found)
+            if cfg.verify_integrity and not _process_group():  # verified once, by the launcher
+                _verify_integrity(cfg.load, *found)
             state = read_common_state(found[1])
-            check_same_model(dict(state["args"]), args, found[1])
-            if not args.no_load_optim:
-                check_optimizer_loads(state, args, found[1], world_size)
+            check_same_model(dict(state["args"]), cfg, found[1])
+            if not cfg.no_load_optim:
+                check_optimizer_loads(state, cfg, found[1], world_size)
 
 
-def _auto_resume(args) -> bool:
+def _auto_resume(cfg) -> bool:
     """``--save DIR --load DIR`` with nothing in DIR yet is Megatron-LM's resume-if-present."""
-    return args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    return cfg.save is not None and os.path.abspath(cfg.save) == os.path.abspath(cfg.load)
 
 
 def find_checkpoint(root: str, *, missing_ok: bool = False,
@@ -318,10 +311,10 @@ def read_common_state(path: str) -> dict:
                               "megatron-oases train") from None
 
 
-def check_same_model(saved: dict, args, path: str) -> None:
+def check_same_model(saved: dict, cfg, path: str) -> None:
     from megatron_oases.vocab import padded_vocab_size
 
-    run = run_config(args).as_dict()
+    run = cfg.as_dict()
     for name in MODEL_FLAGS:
         theirs = saved.get(name, _LATER_MODEL_FLAGS.get(name))
         if theirs != run[name]:
@@ -329,7 +322,7 @@ def check_same_model(saved: dict, args, path: str) -> None:
                 else "--" + name.replace("_", "-")
             raise CheckpointError(f"--load: {path} was saved with {flag} {theirs}, this "
                                   f"run has {run[name]}; use the checkpoint's model flags")
-    ours = padded_vocab_size(args)
+    ours = padded_vocab_size(cfg)
     theirs = padded_vocab_size(argparse.Namespace(**saved))
     if ours != theirs:
         raise CheckpointError(
@@ -354,7 +347,7 @@ def _optimizer_layout(flags: dict) -> tuple:
     return _layout(flags) + (("overlap_grad_reduce", bool(flags.get("overlap_grad_reduce"))),)
 
 
-def check_optimizer_loads(state: dict, args, path: str, world_size: int) -> None:
+def check_optimizer_loads(state: dict, cfg, path: str, world_size: int) -> None:
     """Refuse, before start-up, an optimizer state this run cannot load.
 
     The plain optimizer's state and the distributed optimizer's ``fully_reshardable`` state are
@@ -367,8 +360,8 @@ def check_optimizer_loads(state: dict, args, path: str, world_size: int) -> None
     if fmt != DP_RESHARDABLE:
         return
     saved = dict(state["args"])
-    run = dict(_plain_args(args, world_size))
-    if args.use_distributed_optimizer and _optimizer_layout(saved) == _optimizer_layout(run):
+    run = dict(_plain_flags(cfg, world_size))
+    if cfg.use_distributed_optimizer and _optimizer_layout(saved) == _optimizer_layout(run):
         return
 
     def describe(flags, distributed):
@@ -384,18 +377,18 @@ def check_optimizer_loads(state: dict, args, path: str, world_size: int) -> None
         f"--load {path}: its optimizer state is in {_FORMAT_NAMES[fmt]} format "
         f"({describe(saved, True)}), which loads only into that same layout with "
         "--use-distributed-optimizer; this run is "
-        f"{describe(run, args.use_distributed_optimizer)}. "
+        f"{describe(run, cfg.use_distributed_optimizer)}. "
         "Add --no-load-optim to load the model only (the optimizer starts fresh), or resume in the "
         "saved layout and save again with --dist-ckpt-optim-fully-reshardable")
 
 
-def should_save(args, iteration: int) -> bool:
-    return args.save is not None and (
-        iteration == args.train_iters
-        or (args.save_interval is not None and iteration % args.save_interval == 0))
+def should_save(cfg, iteration: int) -> bool:
+    return cfg.save is not None and (
+        iteration == cfg.train_iters
+        or (cfg.save_interval is not None and iteration % cfg.save_interval == 0))
 
 
-def _plain_args(args, world_size: int | None = None) -> dict:
+def _plain_flags(cfg, world_size: int | None = None) -> dict:
     """The run's flags as plain values (the common state is read with ``weights_only``)."""
     import torch.distributed as dist
 
@@ -404,7 +397,7 @@ def _plain_args(args, world_size: int | None = None) -> dict:
             return [plain(x) for x in v]
         return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
 
-    out = {k: plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_")}
+    out = {k: plain(v) for k, v in sorted(cfg.as_dict().items())}
     out["world_size"] = dist.get_world_size() if world_size is None else world_size
     return out
 
@@ -430,9 +423,9 @@ def _content_metadata(tr, saved_format: str | None = None) -> dict:
     optimizer's checkpoint it loads through ``fully_reshardable``, whose tensors carry the same
     keys."""
     metadata = {"non_homogeneous_layers": True, "chained_optim_avoid_prefix": True}
-    if tr.args.use_distributed_optimizer:
+    if tr.cfg.use_distributed_optimizer:
         if saved_format is None:  # saving
-            fully = tr.args.dist_ckpt_optim_fully_reshardable is not False
+            fully = tr.cfg.dist_ckpt_optim_fully_reshardable is not False
             metadata["distrib_optim_sharding_type"] = FULLY_RESHARDABLE if fully else DP_RESHARDABLE
         else:
             metadata["distrib_optim_sharding_type"] = \
@@ -449,7 +442,7 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
     from megatron_oases.parallel.layout import _unwrap
 
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-             "args": _plain_args(tr.args)}
+             "args": _plain_flags(tr.cfg)}
     for i, chunk in enumerate(tr.model):
         key = "model" if len(tr.model) == 1 else f"model{i}"
         state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
@@ -476,7 +469,7 @@ def save_checkpoint(tr, iteration: int) -> str:
     from megatron_oases.runtime.dist_ckpt import (dist_checkpointing,
                                                   fully_parallel_save_strategy, writer_in_this_rank)
 
-    root = os.path.abspath(tr.args.save)
+    root = os.path.abspath(tr.cfg.save)
     final = iteration_dir(root, iteration)
     token = [f"{os.getpid()}-{time.time_ns()}"]
     dist.broadcast_object_list(token, src=0)
@@ -493,7 +486,7 @@ def save_checkpoint(tr, iteration: int) -> str:
                                   content_metadata=metadata)
     _maybe_crash(iteration)
     dist.barrier()  # every rank's shards, the common state and the metadata are written
-    if tr.args.verify_integrity:  # last: a save that stops before it publishes nothing
+    if tr.cfg.verify_integrity:  # last: a save that stops before it publishes nothing
         ckpt_manifest.write_manifest(tmp)
     if _rank0():
         _publish(tmp, final, root, iteration, token[0])
@@ -551,30 +544,30 @@ def load_checkpoint(tr) -> int:
     from megatron_oases.parallel.layout import _unwrap
     from megatron_oases.runtime.dist_ckpt import dist_checkpointing
 
-    args = tr.args
-    found = find_checkpoint(args.load, missing_ok=_auto_resume(args), step=args.ckpt_step)
+    cfg = tr.cfg
+    found = find_checkpoint(cfg.load, missing_ok=_auto_resume(cfg), step=cfg.ckpt_step)
     if found is None:
         if _rank0():
-            print(f" no checkpoint in {args.load} yet; starting from iteration 0", flush=True)
+            print(f" no checkpoint in {cfg.load} yet; starting from iteration 0", flush=True)
         return 0
     iteration, path = found
     common = read_common_state(path)
     saved = dict(common["args"])
-    check_same_model(saved, args, path)
+    check_same_model(saved, cfg, path)
     saved_format = saved_optimizer_format(common)
-    if not args.no_load_optim:
-        check_optimizer_loads(common, args, path, dist.get_world_size())
-    same_layout = _layout(saved) == _layout(_plain_args(args))
-    load_optim = not args.no_load_optim
-    load_rng = not args.no_load_rng and same_layout
-    if _rank0() and not args.no_load_rng and not same_layout:
+    if not cfg.no_load_optim:
+        check_optimizer_loads(common, cfg, path, dist.get_world_size())
+    same_layout = _layout(saved) == _layout(_plain_flags(cfg))
+    load_optim = not cfg.no_load_optim
+    load_rng = not cfg.no_load_rng and same_layout
+    if _rank0() and not cfg.no_load_rng and not same_layout:
         other = ", ".join(f"{k}={v}" for k, v in _layout(saved) if v is not None)
         print(f" {path} was saved with another layout ({other}); its RNG states are per rank "
               "and are not loaded", flush=True)
     metadata = _content_metadata(tr, saved_format)
     state = _sharded_state(tr, iteration, optimizer=load_optim, rng=load_rng, is_loading=True,
                            metadata=metadata)
-    crossing = load_optim and (saved_format == PLAIN) == bool(args.use_distributed_optimizer)
+    crossing = load_optim and (saved_format == PLAIN) == bool(cfg.use_distributed_optimizer)
     if crossing:
         from megatron_oases.runtime.dist_ckpt import optimizer_state_from_other_kind
 
@@ -601,7 +594,7 @@ def load_checkpoint(tr) -> int:
         with torch.no_grad(), adam_step_out_of_the_way(tr.optimizer):
             tr.optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps(tr.optimizer, loaded["optimizer"])
-    elif args.bf16 or args.fp16:
+    elif cfg.bf16 or cfg.fp16:
         tr.optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     if load_rng:
         from megatron_oases.runtime.dist_ckpt import set_rng_state
@@ -609,7 +602,7 @@ def load_checkpoint(tr) -> int:
         set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
     dist.barrier()
     if _rank0():
-        print(f" loaded checkpoint from {os.path.abspath(args.load)} at iteration {iteration}"
+        print(f" loaded checkpoint from {os.path.abspath(cfg.load)} at iteration {iteration}"
               + ("" if load_optim else " (model only: --no-load-optim)"), flush=True)
     return iteration
 

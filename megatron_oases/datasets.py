@@ -27,10 +27,11 @@ which training (iterations ``1..T``) never visits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
-from megatron_oases.parallel.dims import ConfigError
-from megatron_oases.run_config import DEFAULTS, run_config
+from megatron_oases.errors import ConfigError
+from megatron_oases.run_config import DEFAULTS, RunConfig
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron-LM's default when --data-path is given and --split is not
 DEFAULT_EVAL_ITERS = 10  # Megatron-LM's default is 100; 10 keeps CPU runs short
@@ -65,8 +66,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                         "--eval-interval; 0 disables validation, as in Megatron-LM)")
 
 
-def uses_megatron_data(args: argparse.Namespace) -> bool:
-    cfg = run_config(args)
+def uses_megatron_data(cfg: RunConfig) -> bool:
     return bool(cfg.mock_data or cfg.data_path)
 
 
@@ -106,55 +106,51 @@ def parse_split(split: str) -> list[float]:
     return values + [0.0] * (3 - len(values))
 
 
-def validate_data_args(args: argparse.Namespace) -> None:
+def validate_data_config(cfg: RunConfig) -> RunConfig:
     """Data and validation flags; runs before any process group (one-line ConfigError).
-    A namespace built without ``add_data_args`` gets the flags' defaults (synthetic data)."""
-    for name, default in (("mock_data", False), ("data_path", None), ("split", None),
-                          ("data_cache_path", None), ("eod_token_id", None),
-                          ("eval_interval", None), ("eval_iters", None)):
-        if not hasattr(args, name):
-            setattr(args, name, default)
-    if args.mock_data and args.data_path:
+    Returns ``cfg`` with ``eval_iters`` filled in under ``--eval-interval``."""
+    if cfg.mock_data and cfg.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive: mock data replaces the "
                           "files; drop one")
-    megatron_data = uses_megatron_data(args)
-    for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path),
-                        ("--eod-token-id", args.eod_token_id)):
+    megatron_data = uses_megatron_data(cfg)
+    for flag, value in (("--split", cfg.split), ("--data-cache-path", cfg.data_cache_path),
+                        ("--eod-token-id", cfg.eod_token_id)):
         if value is not None and not megatron_data:
             raise ConfigError(f"{flag} needs --data-path (or --mock-data); the default synthetic "
                               "data has no files, splits or end-of-document token")
-    if args.split is not None and args.mock_data:
+    if cfg.split is not None and cfg.mock_data:
         raise ConfigError("--split needs --data-path: --mock-data draws its own even 1,1,1 split "
                           "(as in Megatron-Core); drop --split")
-    if args.eval_interval is not None and args.eval_interval < 1:
-        raise ConfigError(f"--eval-interval must be >= 1 (got {args.eval_interval})")
-    if args.eval_iters is not None and args.eval_iters < 0:
-        raise ConfigError(f"--eval-iters must be >= 0 (got {args.eval_iters}); 0 disables "
+    if cfg.eval_interval is not None and cfg.eval_interval < 1:
+        raise ConfigError(f"--eval-interval must be >= 1 (got {cfg.eval_interval})")
+    if cfg.eval_iters is not None and cfg.eval_iters < 0:
+        raise ConfigError(f"--eval-iters must be >= 0 (got {cfg.eval_iters}); 0 disables "
                           "validation")
-    if args.eval_iters and args.eval_interval is None:
-        raise ConfigError(f"--eval-iters {args.eval_iters} needs --eval-interval N (how often to "
+    if cfg.eval_iters and cfg.eval_interval is None:
+        raise ConfigError(f"--eval-iters {cfg.eval_iters} needs --eval-interval N (how often to "
                           "validate)")
-    if args.eval_interval is not None and args.eval_iters is None:
-        args.eval_iters = DEFAULT_EVAL_ITERS
-    if args.eod_token_id is not None and not 0 <= args.eod_token_id < args.vocab_size:
-        raise ConfigError(f"--eod-token-id {args.eod_token_id} must be a token id in "
-                          f"[0, --vocab-size {args.vocab_size})")
+    if cfg.eval_interval is not None and cfg.eval_iters is None:
+        cfg = dataclasses.replace(cfg, eval_iters=DEFAULT_EVAL_ITERS)
+    if cfg.eod_token_id is not None and not 0 <= cfg.eod_token_id < cfg.vocab_size:
+        raise ConfigError(f"--eod-token-id {cfg.eod_token_id} must be a token id in "
+                          f"[0, --vocab-size {cfg.vocab_size})")
     if not megatron_data:
-        return
+        return cfg
     _check_helpers()
-    if args.data_path:
-        prefixes, _ = parse_blend(args.data_path)
+    if cfg.data_path:
+        prefixes, _ = parse_blend(cfg.data_path)
         for prefix in prefixes:
-            _check_prefix(prefix, args.vocab_size)
-        split = parse_split(args.split if args.split is not None else DEFAULT_SPLIT)
+            _check_prefix(prefix, cfg.vocab_size)
+        split = parse_split(cfg.split if cfg.split is not None else DEFAULT_SPLIT)
         if split[0] == 0:
-            raise ConfigError(f"--split {args.split} gives the training split no documents; "
+            raise ConfigError(f"--split {cfg.split} gives the training split no documents; "
                               "give its first weight > 0")
-        if eval_enabled(args) and split[1] == 0:
+        if eval_enabled(cfg) and split[1] == 0:
             raise ConfigError(f"--eval-interval needs a validation split but --split "
-                              f"{args.split} gives it weight 0; e.g. --split {DEFAULT_SPLIT}")
+                              f"{cfg.split} gives it weight 0; e.g. --split {DEFAULT_SPLIT}")
         for prefix in prefixes:
-            _check_split_documents(prefix, split, args.split or DEFAULT_SPLIT, eval_enabled(args))
+            _check_split_documents(prefix, split, cfg.split or DEFAULT_SPLIT, eval_enabled(cfg))
+    return cfg
 
 
 def _check_helpers() -> None:
@@ -298,14 +294,13 @@ def _check_split_documents(prefix: str, split: list[float], split_flag: str,
                               "or use more documents")
 
 
-def eval_enabled(args: argparse.Namespace) -> bool:
-    cfg = run_config(args)
+def eval_enabled(cfg: RunConfig) -> bool:
     return bool(cfg.eval_interval and cfg.eval_iters)
 
 
-def num_evaluations(args: argparse.Namespace) -> int:
+def num_evaluations(cfg: RunConfig) -> int:
     """Validations in a run: one per ``--eval-interval`` and one after the last iteration."""
-    return (args.train_iters // args.eval_interval + 1) if eval_enabled(args) else 0
+    return (cfg.train_iters // cfg.eval_interval + 1) if eval_enabled(cfg) else 0
 
 
 def token_id_tokenizer(vocab_size: int, eod: int | None = None):
@@ -330,24 +325,24 @@ def token_id_tokenizer(vocab_size: int, eod: int | None = None):
     return TokenIdTokenizer(vocab_size, vocab_size - 1 if eod is None else eod)
 
 
-def dataset_config(args: argparse.Namespace):
+def dataset_config(cfg: RunConfig):
     """The GPTDatasetConfig Megatron-LM's pretrain_gpt builds for these flags (no reset of
     position ids / attention mask, no EOD loss masking: Megatron-LM's defaults). Attention masks
     are not built: the model applies its causal mask itself, as with
     ``--no-create-attention-mask-in-dataloader``."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    blend = parse_blend(args.data_path) if args.data_path else None
+    blend = parse_blend(cfg.data_path) if cfg.data_path else None
     return GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-        split=(args.split or DEFAULT_SPLIT) if blend else None,
-        path_to_cache=args.data_cache_path,
-        tokenizer=token_id_tokenizer(args.vocab_size, args.eod_token_id),
+        random_seed=cfg.seed, sequence_length=cfg.seq_length, blend=blend,
+        split=(cfg.split or DEFAULT_SPLIT) if blend else None,
+        path_to_cache=cfg.data_cache_path,
+        tokenizer=token_id_tokenizer(cfg.vocab_size, cfg.eod_token_id),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, mid_level_dataset_surplus=0.005)
 
 
-def build_datasets(args: argparse.Namespace, global_batch_size: int):
+def build_datasets(cfg: RunConfig, global_batch_size: int):
     """(train, valid, test) datasets with Megatron-LM's sample counts: train_iters x global batch
     for training, (train_iters // eval_interval + 1) x eval_iters x global batch for validation,
     eval_iters x global batch for test. Collective when a process group exists (rank 0 builds and
@@ -356,31 +351,31 @@ def build_datasets(args: argparse.Namespace, global_batch_size: int):
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    eval_iters = args.eval_iters if eval_enabled(args) else 0
-    sizes = [args.train_iters * global_batch_size,
-             num_evaluations(args) * eval_iters * global_batch_size,
+    eval_iters = cfg.eval_iters if eval_enabled(cfg) else 0
+    sizes = [cfg.train_iters * global_batch_size,
+             num_evaluations(cfg) * eval_iters * global_batch_size,
              eval_iters * global_batch_size]
-    config = dataset_config(args)
+    config = dataset_config(cfg)
     # Splits this trainer never reads (test; validation without --eval-interval) are not built:
     # their entry of the split matrix becomes None, the others keep Megatron's document
     # boundaries. Megatron-LM would build them, and a split that rounds to no documents (the
     # 0.1% test share of a small file) would stall it (see _check_split_documents).
-    used = (True, eval_enabled(args), False)
+    used = (True, eval_enabled(cfg), False)
     config.split_matrix = [m if u else None for m, u in zip(config.split_matrix, used)]
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    cls = MockGPTDataset if cfg.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
 class SyntheticData:
     """The default data (``megatron_oases.data``) behind the same interface as MegatronData."""
 
-    def __init__(self, args: argparse.Namespace, dp_rank: int, dp_size: int, device):
-        self.args, self.dp_rank, self.dp_size, self.device = args, dp_rank, dp_size, device
+    def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int, device):
+        self.cfg, self.dp_rank, self.dp_size, self.device = cfg, dp_rank, dp_size, device
 
     def _batches(self, iteration: int) -> list[dict]:
         from megatron_oases.data import micro_batches
 
-        a = self.args
+        a = self.cfg
         return micro_batches(seed=a.seed, iteration=iteration, global_batch_size=a.global_batch_size,
                              micro_batch_size=a.micro_batch_size, dp_rank=self.dp_rank,
                              dp_size=self.dp_size, seq_length=a.seq_length,
@@ -398,20 +393,20 @@ class SyntheticData:
 class MegatronData:
     """Micro-batches drawn from Megatron-Core datasets by global sample number."""
 
-    def __init__(self, args: argparse.Namespace, dp_rank: int, dp_size: int, device):
-        self.args, self.dp_rank, self.dp_size, self.device = args, dp_rank, dp_size, device
-        self.train, self.valid, _ = build_datasets(args, args.global_batch_size)
-        need = [("train", self.train, args.train_iters * args.global_batch_size)]
-        if eval_enabled(args):
+    def __init__(self, cfg: RunConfig, dp_rank: int, dp_size: int, device):
+        self.cfg, self.dp_rank, self.dp_size, self.device = cfg, dp_rank, dp_size, device
+        self.train, self.valid, _ = build_datasets(cfg, cfg.global_batch_size)
+        need = [("train", self.train, cfg.train_iters * cfg.global_batch_size)]
+        if eval_enabled(cfg):
             need.append(("validation", self.valid,
-                         num_evaluations(args) * args.eval_iters * args.global_batch_size))
+                         num_evaluations(cfg) * cfg.eval_iters * cfg.global_batch_size))
         for name, dataset, samples in need:
             # An unweighted multi-prefix blend is one epoch of its datasets (Megatron-Core's
             # rule), which may hold fewer samples than the run reads.
             if dataset is None or len(dataset) < samples:
                 raise ValueError(
                     f"--data-path: the {name} split holds {0 if dataset is None else len(dataset)}"
-                    f" samples of --seq-length {args.seq_length} but the run reads {samples}; "
+                    f" samples of --seq-length {cfg.seq_length} but the run reads {samples}; "
                     "give weights (W1 P1 W2 P2 ...) to sample several epochs, or more data")
 
     def _batches(self, dataset, first: int, what: str) -> list[dict]:
@@ -419,7 +414,7 @@ class MegatronData:
 
         from megatron_oases.data import micro_batch_indices
 
-        a = self.args
+        a = self.cfg
         out = []
         for idx in micro_batch_indices(global_batch_size=a.global_batch_size,
                                        micro_batch_size=a.micro_batch_size,
@@ -437,15 +432,15 @@ class MegatronData:
 
     def train_batches(self, iteration: int) -> list[dict]:
         """Samples ``(iteration - 1) * global_batch + i`` of the train split, this rank's share."""
-        return self._batches(self.train, (iteration - 1) * self.args.global_batch_size, "train")
+        return self._batches(self.train, (iteration - 1) * self.cfg.global_batch_size, "train")
 
     def valid_batches(self, number: int) -> list[dict]:
         """Samples ``number * global_batch + i`` of the validation split, this rank's share."""
-        return self._batches(self.valid, number * self.args.global_batch_size, "validation")
+        return self._batches(self.valid, number * self.cfg.global_batch_size, "validation")
 
 
-def build_data(args: argparse.Namespace, dp_rank: int, dp_size: int, device):
+def build_data(cfg: RunConfig, dp_rank: int, dp_size: int, device):
     """The run's data source: Megatron-Core datasets with --mock-data/--data-path, else synthetic.
     Call on every rank after the process groups exist."""
-    cls = MegatronData if uses_megatron_data(args) else SyntheticData
-    return cls(args, dp_rank, dp_size, device)
+    cls = MegatronData if uses_megatron_data(cfg) else SyntheticData
+    return cls(cfg, dp_rank, dp_size, device)

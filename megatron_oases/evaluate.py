@@ -39,7 +39,7 @@ def evaluate(tr, first_batch: int, num_batches: int) -> float | None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    args = tr.args
+    cfg = tr.cfg
     sums = torch.zeros(2, dtype=torch.float64, device=tr.runtime.device)
     for m in tr.model:
         m.eval()
@@ -51,8 +51,8 @@ def evaluate(tr, first_batch: int, num_batches: int) -> float | None:
                 out = get_forward_backward_func()(
                     forward_step_func=_eval_forward_step, data_iterator=data,
                     model=tr.model if len(tr.model) > 1 else tr.model[0],
-                    num_microbatches=tr.num_microbatches, seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size, forward_only=True)
+                    num_microbatches=tr.num_microbatches, seq_length=cfg.seq_length,
+                    micro_batch_size=cfg.micro_batch_size, forward_only=True)
                 for d in out:
                     sums += d["lm loss"].to(torch.float64)
     finally:
@@ -77,11 +77,11 @@ class Validator:
         from megatron_oases.datasets import eval_enabled
 
         self.tr, self.log = tr, log
-        self.enabled = eval_enabled(tr.args)
+        self.enabled = eval_enabled(tr.cfg)
         self.done = 0  # validations run so far; the next one starts at batch done * eval_iters
 
     def _run(self, where: str) -> float | None:
-        k = self.tr.args.eval_iters
+        k = self.tr.cfg.eval_iters
         loss = evaluate(self.tr, self.done * k, k)
         self.done += 1
         if self.log and loss is not None:
@@ -95,11 +95,11 @@ class Validator:
         if not self.enabled:
             return {}
         rec = {}
-        args = self.tr.args
-        if iteration % args.eval_interval == 0:
+        cfg = self.tr.cfg
+        if iteration % cfg.eval_interval == 0:
             loss = self._run(f"iteration {iteration}")
             rec.update(valid_lm_loss=loss, valid_lm_ppl=_ppl(loss))
-        if iteration == args.train_iters:
+        if iteration == cfg.train_iters:
             loss = self._run(f"iteration {iteration} on validation set")
             rec.update(end_valid_lm_loss=loss, end_valid_lm_ppl=_ppl(loss))
         return rec

@@ -12,10 +12,12 @@ the Megatron-LM options our code reads, which the trainer does not have
 (``RunConfig.megatron_lm``), default to what a namespace without them means (a stock,
 local-spec, single-context run).
 
-The field names are the namespace's (``args.hidden_size`` is ``cfg.hidden_size``), so the helpers
-that read plain attributes (``query_groups``, ``padded_vocab_size``, ``oases_runs``) take either.
-Validation still normalises a namespace in place (``atp_mesh`` to ``(d1, d2)``, the filled-in
-``ffn_hidden_size``, ``oases_layer_degrees``); build the config after it for the final values.
+The field names are the namespace's (``args.hidden_size`` is ``cfg.hidden_size``). The entries
+(``train.main``, Megatron-LM's parse hook and model provider, the simulator's ``--predict`` front
+end) call ``run_config`` once; validation (``train_args.validate_config``,
+``megatron_lm.flags.validate_megatron_args``) returns the config normalised (``atp_mesh`` as
+``(d1, d2)``, the filled-in ``ffn_hidden_size``, ``oases_layer_degrees``...) and never edits the
+namespace; everything below the entries takes the config (``tests/test_run_config.py`` checks).
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN
-
 _MISSING = object()
+
+DEFAULT_MIN_GAIN = 0.10
+"""The gain over the 1-D mesh ``--atp-mesh auto`` and ``megatron-oases mesh`` need before they pick
+a 2-D mesh (``plan.atp_mesh.search_mesh``); here, below the planner, as ``RunConfig``'s default."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,23 +213,25 @@ def run_config(args: argparse.Namespace | RunConfig) -> RunConfig:
                      megatron_lm=MegatronLMOptions(**options_present(args, MEGATRON_LM_FIELDS)))
 
 
-def check_gqa_flags(args, error: type[Exception] = ValueError) -> None:
+def check_gqa_flags(cfg, error: type[Exception] = ValueError) -> None:
     """Refuse ``--num-query-groups`` without ``--group-query-attention``, or below 1, with
     ``error`` (each caller's one-line error class), for parsers whose default is None (ours;
-    Megatron-LM's is 1). Callers check that the groups divide the heads after this."""
-    if args.num_query_groups is not None and not args.group_query_attention:
+    Megatron-LM's is 1). Callers check that the groups divide the heads after this. ``cfg``: a
+    ``RunConfig``, or the ``plan`` / ``sim`` CLI's namespace, which has the same two fields."""
+    if cfg.num_query_groups is not None and not cfg.group_query_attention:
         raise error("--num-query-groups needs --group-query-attention (without it every head has "
                     "its own keys and values); add it or drop --num-query-groups")
-    if args.num_query_groups is not None and args.num_query_groups < 1:
-        raise error(f"--num-query-groups must be >= 1 (got {args.num_query_groups})")
+    if cfg.num_query_groups is not None and cfg.num_query_groups < 1:
+        raise error(f"--num-query-groups must be >= 1 (got {cfg.num_query_groups})")
 
 
-def gqa_groups(args) -> int | None:
+def gqa_groups(cfg) -> int | None:
     """Key/value groups the flags set: ``--num-query-groups`` under ``--group-query-attention``
-    (Megatron-LM's default 1), None without grouped-query attention."""
-    if not args.group_query_attention:
+    (Megatron-LM's default 1), None without grouped-query attention. ``cfg``: as for
+    ``check_gqa_flags``."""
+    if not cfg.group_query_attention:
         return None
-    return 1 if args.num_query_groups is None else args.num_query_groups
+    return 1 if cfg.num_query_groups is None else cfg.num_query_groups
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -233,18 +239,17 @@ def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
-def dtype_name(args) -> str:
+def dtype_name(cfg: RunConfig) -> str:
     """The run's element type as ``describe.shapes.GPTShape.dtype`` names it: bf16 with ``--bf16``,
     fp16 with ``--fp16``, else fp32."""
-    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
 
 
-def mesh_search_shape(args, pp: int):
+def mesh_search_shape(cfg: RunConfig, pp: int):
     """The model ATP's mesh search prices for ``--atp-mesh auto`` (trainer and Megatron-LM paths):
     one pipeline stage's layers at the run's micro-batch, sequence and element type."""
     from megatron_oases.describe.shapes import GPTShape
 
-    cfg = run_config(args)
     return GPTShape(hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // pp, 1),
                     num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
                     seq_length=cfg.seq_length, dtype=dtype_name(cfg))

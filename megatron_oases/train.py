@@ -6,7 +6,6 @@ iteration (loss, step ms, tokens/s, TFLOP/s per rank) and optionally JSON lines.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -14,9 +13,11 @@ import os
 import sys
 import time
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
+from megatron_oases.run_config import RunConfig, run_config
 from megatron_oases.schedules.oases.options import oases_runs
-from megatron_oases.train_args import build_parser, cuda_wanted, validate_args, world_size_of
+from megatron_oases.train_args import (build_parser, cuda_wanted, parallel_dims, validate_config,
+                                       world_size_of)
 from megatron_oases.vocab import vocab_padding_note
 
 
@@ -24,7 +25,8 @@ from megatron_oases.vocab import vocab_padding_note
 class Trainer:
     """Everything one rank needs for a step."""
 
-    args: argparse.Namespace
+    cfg: RunConfig
+    """The run's validated configuration (``train_args.validate_config``)."""
     runtime: object
     config: object
     model: list
@@ -35,8 +37,9 @@ class Trainer:
     data: object = None  # datasets.SyntheticData or MegatronData: train and validation batches
 
 
-def setup(args: argparse.Namespace) -> Trainer:
-    """Process groups, model chunks (DDP-wrapped), optimizer. Call on every rank."""
+def setup(cfg: RunConfig) -> Trainer:
+    """Process groups, model chunks (DDP-wrapped), optimizer for the validated ``cfg``. Call on
+    every rank."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -45,23 +48,23 @@ def setup(args: argparse.Namespace) -> Trainer:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_oases.parallel.layout import tp_invariant_init_
-    from megatron_oases.run_config import run_config
     from megatron_oases.runtime import init_distributed, init_runtime
     from megatron_oases.specs import backend_groups, build_gpt_model, transformer_config_from_args
 
     from megatron_oases.runtime.cuda_env import ensure_cuda_device_max_connections
 
-    ensure_cuda_device_max_connections(args.device)  # before CUDA initialises
-    runtime = init_runtime(args.device)
-    init_distributed(runtime, timeout_s=args.dist_timeout)
-    dims = validate_args(args, torch.distributed.get_world_size(), runtime.is_cuda)
-    cfg = run_config(args)  # as validated (atp_mesh, plan degrees, ffn size filled in)
+    ensure_cuda_device_max_connections(cfg.device)  # before CUDA initialises
+    runtime = init_runtime(cfg.device)
+    init_distributed(runtime, timeout_s=cfg.dist_timeout)
+    world = torch.distributed.get_world_size()
+    cfg = validate_config(cfg, world, runtime.is_cuda)  # again: the launcher's world may differ
+    dims = parallel_dims(cfg, world)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vp,
-        distributed_timeout_minutes=args.dist_timeout / 60.0)  # Megatron's groups: ours too
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+        distributed_timeout_minutes=cfg.dist_timeout / 60.0)  # Megatron's groups: ours too
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
     config = transformer_config_from_args(cfg, cuda=runtime.is_cuda)
     if dims.pp == 2 and dims.vp:
         # Interleaved PP=2: the previous and the next stage are the same peer, and in the steady
@@ -81,33 +84,33 @@ def setup(args: argparse.Namespace) -> Trainer:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
         chunk.to(runtime.device)
         chunks.append(chunk)
-    if args.tp_invariant_init:
-        tp_invariant_init_(chunks, seed=args.seed, init_method_std=args.init_method_std,
-                           num_layers=args.num_layers)
+    if cfg.tp_invariant_init:
+        tp_invariant_init_(chunks, seed=cfg.seed, init_method_std=cfg.init_method_std,
+                           num_layers=cfg.num_layers)
     planned = bool(cfg.oases_layer_degrees)
     if planned:
         from megatron_oases.layers.planned_layer import sync_replica_params
 
         sync_replica_params(chunks)
-    if args.bf16 or args.fp16:
+    if cfg.bf16 or cfg.fp16:
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        grad_reduce_in_fp32=cfg.bf16 or cfg.fp16,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.use_distributed_optimizer)
     model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0)
              for i, c in enumerate(chunks)]
     for m in model:
         m.broadcast_params()
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer=args.optimizer, lr=args.lr, sgd_momentum=args.sgd_momentum,
-                        weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                        use_distributed_optimizer=args.use_distributed_optimizer,
+        OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, sgd_momentum=cfg.sgd_momentum,
+                        weight_decay=cfg.weight_decay,
+                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
+                        clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=cfg.fp16,
+                        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
+                        use_distributed_optimizer=cfg.use_distributed_optimizer,
                         params_dtype=config.params_dtype),
         model, use_gloo_process_groups=not runtime.is_cuda)
     config.finalize_model_grads_func = finalize_model_grads
@@ -116,15 +119,15 @@ def setup(args: argparse.Namespace) -> Trainer:
 
         config.finalize_model_grads_func = finalize_with_replica_grads(finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
-    if args.overlap_grad_reduce:
+    if cfg.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     from megatron_oases.datasets import build_data
 
-    return Trainer(args=args, runtime=runtime, config=config, model=model, optimizer=optimizer,
-                   num_microbatches=dims.check_batch(args.micro_batch_size, args.global_batch_size),
+    return Trainer(cfg=cfg, runtime=runtime, config=config, model=model, optimizer=optimizer,
+                   num_microbatches=dims.check_batch(cfg.micro_batch_size, cfg.global_batch_size),
                    dp_rank=ps.get_data_parallel_rank(), dp_size=dims.dp,
-                   data=build_data(args, ps.get_data_parallel_rank(), dims.dp, runtime.device))
+                   data=build_data(cfg, ps.get_data_parallel_rank(), dims.dp, runtime.device))
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -145,7 +148,7 @@ def train_step(tr: Trainer, iteration: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    args = tr.args
+    cfg = tr.cfg
     batches = tr.data.train_batches(iteration)
     data = [iter(batches) for _ in tr.model] if len(tr.model) > 1 else iter(batches)
     for m in tr.model:
@@ -155,8 +158,8 @@ def train_step(tr: Trainer, iteration: int) -> dict:
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=data,
         model=tr.model if len(tr.model) > 1 else tr.model[0],
-        num_microbatches=tr.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+        num_microbatches=tr.num_microbatches, seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size, forward_only=False)
     tr.runtime.synchronize()
     t1 = time.perf_counter()
     ok, grad_norm, _ = tr.optimizer.step()
@@ -181,7 +184,7 @@ def is_logging_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
+def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
     """Set up and train ``--train-iters`` steps on this rank; returns the trainer and the
     per-iteration records (``lm_loss`` is set on the last pipeline stage only)."""
     import torch
@@ -194,26 +197,27 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
 
     from megatron_oases.runtime.exit_signal import ExitConditions
 
-    exits = ExitConditions(args)  # first: a signal during start-up stops after iteration one
-    tr = setup(args)
+    exits = ExitConditions(cfg)  # first: a signal during start-up stops after iteration one
+    tr = setup(cfg)
+    cfg = tr.cfg  # as validated: ffn size and the rest filled in
     from megatron_oases import checkpoint
 
-    first = checkpoint.load_checkpoint(tr) + 1 if args.load else 1
+    first = checkpoint.load_checkpoint(tr) + 1 if cfg.load else 1
     exits.begin(tr.runtime.device)
     report_progress()
     flops = gpt_flops_per_iteration(
-        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        padded_vocab_size=padded_vocab_size(args), num_query_groups=query_groups(args),
-        gated_mlp=args.swiglu)
+        global_batch_size=cfg.global_batch_size, seq_length=cfg.seq_length,
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
+        padded_vocab_size=padded_vocab_size(cfg), num_query_groups=query_groups(cfg),
+        gated_mlp=cfg.swiglu)
     world = torch.distributed.get_world_size()
     log = is_logging_rank()
-    json_file = open(args.log_json, "w", encoding="utf-8") if (log and args.log_json) else None
+    json_file = open(cfg.log_json, "w", encoding="utf-8") if (log and cfg.log_json) else None
     records = []
     validator = Validator(tr, log)
     try:
-        for it in range(first, args.train_iters + 1):
+        for it in range(first, cfg.train_iters + 1):
             torch.distributed.barrier()
             start = time.perf_counter()
             out = train_step(tr, it)
@@ -222,20 +226,20 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
             report_progress()
             rec = {"iteration": it, "lm_loss": out["loss"], "grad_norm": out["grad_norm"],
                    "step_ms": step_s * 1e3,
-                   "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
+                   "tokens_per_s": cfg.global_batch_size * cfg.seq_length / step_s,
                    "tflops_per_rank": flops / step_s / world / 1e12,
                    "peak_mem_mb": tr.runtime.max_memory_allocated() / 2**20,
                    "forward_backward_ms": out["forward_backward_ms"],
                    "optimizer_ms": out["optimizer_ms"]}
-            if oases_runs(args):
+            if oases_runs(cfg):
                 from megatron_oases.schedules.oases.block import oases_saved_bytes
 
                 rec["oases_saved_mb"] = oases_saved_bytes(tr.model) / 2**20
             records.append(rec)
-            if log and it % args.log_interval == 0:
+            if log and it % cfg.log_interval == 0:
                 # fp16: a step the loss scaler skips (inf/nan gradients) has no grad norm.
                 norm = "skipped" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
-                print(f" iteration {it:8d}/{args.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "
+                print(f" iteration {it:8d}/{cfg.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "
                       f"grad norm: {norm} | elapsed time per iteration (ms): "
                       f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
                       f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
                 json_file.write(json.dumps(rec) + "\n")
                 json_file.flush()
             stop = exits.reason(it, tr.runtime.device) if exits.active else None
-            if checkpoint.should_save(args, it) or (stop and args.save):
+            if checkpoint.should_save(cfg, it) or (stop and cfg.save):
                 checkpoint.save_checkpoint(tr, it)
             if stop:
                 if torch.distributed.get_rank() == 0:
@@ -256,23 +260,23 @@ def run(args: argparse.Namespace) -> tuple[Trainer, list[dict]]:
     return tr, records
 
 
-def _spawned_rank(args: argparse.Namespace) -> None:
-    run(args)
+def _spawned_rank(cfg: RunConfig) -> None:
+    run(cfg)
 
 
-def _ended_by_signal(args: argparse.Namespace, signals: tuple[int, ...]) -> str:
+def _ended_by_signal(cfg: RunConfig, signals: tuple[int, ...]) -> str:
     """The launcher's one line when its ranks died of a signal it forwarded to them."""
     import signal
 
     name = signal.Signals(signals[-1]).name
-    if not args.exit_signal_handler or name != args.exit_signal:
+    if not cfg.exit_signal_handler or name != cfg.exit_signal:
         return (f"the ranks ended on {name} without saving (--exit-signal-handler --save DIR makes "
                 f"them finish the iteration, save and exit 0)")
     if signals.count(signals[-1]) == 1:  # it reached a rank before its handler was installed
         return (f"the ranks ended on {name} while starting, before they could catch it; nothing "
                 f"was saved")
     return (f"a second {name} ended the ranks at once; a save in progress was abandoned and the "
-            f"previous checkpoint in {args.save} is the one that loads")
+            f"previous checkpoint in {cfg.save} is the one that loads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,37 +289,39 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_known_warnings(cpu=not torch.cuda.is_available())
 
-        world = world_size_of(args)
-        validate_args(args, world, cuda_wanted(args))
+        cfg = run_config(args)  # the one RunConfig of this run; nothing below sees ``args``
+        world = world_size_of(cfg)
+        cfg = validate_config(cfg, world, cuda_wanted(cfg))
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    note = vocab_padding_note(args)
+    note = vocab_padding_note(cfg)
     if note and os.environ.get("RANK", "0") == "0":
         print(f"{parser.prog}: {note}", flush=True)
-    if args.nproc_per_node is not None and "RANK" not in os.environ:
+    if cfg.nproc_per_node is not None and "RANK" not in os.environ:
         from megatron_oases.runtime import exit_signal
         from megatron_oases.runtime.spawn import RankFailure, run_on_ranks
 
         from megatron_oases.runtime.device import detect_runtime
 
-        args.device = detect_runtime(args.device).device.type  # spawned ranks keep this choice
+        # spawned ranks keep this choice
+        cfg = dataclasses.replace(cfg, device=detect_runtime(cfg.device).device.type)
         try:
             # No bound on the run's length: a rank that makes no progress (an iteration) for
             # --dist-timeout + 60 s ends it, named; a hung collective raises after --dist-timeout.
-            run_on_ranks(_spawned_rank, args.nproc_per_node, args=(args,), timeout_s=None,
-                         stall_timeout_s=args.dist_timeout + 60, env=exit_signal.launcher_env(),
-                         forward_signals=exit_signal.forwarded_signals(args))
+            run_on_ranks(_spawned_rank, cfg.nproc_per_node, args=(cfg,), timeout_s=None,
+                         stall_timeout_s=cfg.dist_timeout + 60, env=exit_signal.launcher_env(),
+                         forward_signals=exit_signal.forwarded_signals(cfg))
         except RankFailure as exc:
             if exc.killed_by and exc.killed_by <= set(exc.signals) and not exc.tracebacks:
                 # the ranks died of a signal the launcher forwarded: one line, not a report
-                print(f"{parser.prog}: {_ended_by_signal(args, exc.signals)}", file=sys.stderr)
+                print(f"{parser.prog}: {_ended_by_signal(cfg, exc.signals)}", file=sys.stderr)
                 return 128 + exc.signals[-1]
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1
         return 0
-    run(args)
+    run(cfg)
     import torch.distributed as dist
 
     if dist.is_initialized():

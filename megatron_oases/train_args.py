@@ -1,20 +1,23 @@
 """Flags of the reference trainer, named as in Megatron-LM, and their validation.
 
 Validation runs before any process group exists, and every error is one line naming the flag and
-the fix (``ConfigError``). Later issues add ``--tp-backend atp|3d`` and ``--schedule oases``.
+the fix (``ConfigError``). ``validate_config`` takes the run's ``RunConfig`` and returns it
+normalised; it never sees, let alone edits, the argparse namespace.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
-from megatron_oases.parallel.dims import ConfigError, ParallelDims, check_sizes
-from megatron_oases.run_config import (DEFAULTS, check_gqa_flags, gqa_groups, megatron_ffn_hidden_size,
-                                       mesh_search_shape, run_config)
+from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend
+from megatron_oases.errors import ConfigError
+from megatron_oases.parallel.dims import ParallelDims, check_sizes
+from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, gqa_groups,
+                                       megatron_ffn_hidden_size, mesh_search_shape)
 
-TP_BACKENDS = ("megatron", "atp", "3d")
 SCHEDULES = ("default", "oases")
 
 
@@ -56,7 +59,7 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--tp-backend", choices=TP_BACKENDS, default=DEFAULTS.tp_backend,
+    g.add_argument("--tp-backend", choices=tuple(TP_BACKENDS), default=DEFAULTS.tp_backend,
                    help="tensor-parallel layer implementation: megatron = stock 1-D TP, "
                         "atp = ATP's 2-D device mesh inside the TP group (needs --atp-mesh)")
     g.add_argument("--atp-mesh", default=DEFAULTS.atp_mesh, metavar="D1,D2|auto",
@@ -167,30 +170,30 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     from megatron_oases.checkpoint import add_checkpoint_args
 
     add_checkpoint_args(p)
-    from megatron_oases.runtime.exit_signal import add_exit_args
+    from megatron_oases.exit_flags import add_exit_args
 
     add_exit_args(p)
     return p
 
 
-def world_size_of(args: argparse.Namespace) -> int:
+def world_size_of(cfg: RunConfig) -> int:
     """Ranks this run will have: --nproc-per-node when spawning, else the launcher's WORLD_SIZE."""
-    if args.nproc_per_node is not None and "RANK" not in os.environ:
-        if args.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node must be >= 1 (got {args.nproc_per_node})")
-        return args.nproc_per_node
+    if cfg.nproc_per_node is not None and "RANK" not in os.environ:
+        if cfg.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1 (got {cfg.nproc_per_node})")
+        return cfg.nproc_per_node
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def cuda_wanted(args: argparse.Namespace) -> bool:
+def cuda_wanted(cfg: RunConfig) -> bool:
     """Whether this run uses CUDA: ``--device`` when given (``cuda`` must then be visible),
     else whether CUDA is available."""
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible (torch.cuda.is_available() "
                           "is False); use --device cpu or drop --device")
-    return args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+    return cfg.device == "cuda" or (cfg.device is None and torch.cuda.is_available())
 
 
 # (flag, attribute, lowest allowed, lowest inclusive?, highest exclusive or None)
@@ -216,9 +219,9 @@ _RANGES = (
 )
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
+def _check_ranges(cfg: RunConfig) -> None:
     """Each numeric flag within its range (the table above), one line naming the flag."""
-    values = run_config(args).as_dict()
+    values = cfg.as_dict()
     for flag, name, low, inclusive, high in _RANGES:
         value = values[name]
         ok = (value >= low if inclusive else value > low) and (high is None or value < high)
@@ -228,29 +231,29 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be {where} (got {value})")
 
 
-def query_groups(args: argparse.Namespace) -> int:
+def query_groups(cfg: RunConfig) -> int:
     """Key/value groups of the attention (``run_config.gqa_groups``), one per head without GQA."""
-    groups = gqa_groups(args)
-    return args.num_attention_heads if groups is None else groups
+    groups = gqa_groups(cfg)
+    return cfg.num_attention_heads if groups is None else groups
 
 
-def _check_model_features(args: argparse.Namespace) -> None:
+def _check_model_features(cfg: RunConfig) -> None:
     """Llama-family flags: meaningful values and combinations (one line naming the flag)."""
-    check_gqa_flags(args, ConfigError)
-    groups = query_groups(args)  # >= 1: check_gqa_flags, and the heads' check_sizes
-    if args.num_attention_heads % groups:
+    check_gqa_flags(cfg, ConfigError)
+    groups = query_groups(cfg)  # >= 1: check_gqa_flags, and the heads' check_sizes
+    if cfg.num_attention_heads % groups:
         raise ConfigError(f"--num-query-groups {groups} must divide --num-attention-heads "
-                          f"{args.num_attention_heads}")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise ConfigError(f"--rotary-percent must be in (0, 1] (got {args.rotary_percent})")
-    if args.rotary_base < 1:
-        raise ConfigError(f"--rotary-base must be >= 1 (got {args.rotary_base})")
-    if args.position_embedding_type != "rope":
-        for flag, value, default in (("--rotary-base", args.rotary_base, 10000),
-                                     ("--rotary-percent", args.rotary_percent, 1.0)):
+                          f"{cfg.num_attention_heads}")
+    if not 0.0 < cfg.rotary_percent <= 1.0:
+        raise ConfigError(f"--rotary-percent must be in (0, 1] (got {cfg.rotary_percent})")
+    if cfg.rotary_base < 1:
+        raise ConfigError(f"--rotary-base must be >= 1 (got {cfg.rotary_base})")
+    if cfg.position_embedding_type != "rope":
+        for flag, value, default in (("--rotary-base", cfg.rotary_base, 10000),
+                                     ("--rotary-percent", cfg.rotary_percent, 1.0)):
             if value != default:
                 raise ConfigError(f"{flag} applies to --position-embedding-type rope only (got "
-                                  f"{args.position_embedding_type}); drop it or use rope")
+                                  f"{cfg.position_embedding_type}); drop it or use rope")
 
 
 def _check_log_json(path: str | None) -> None:
@@ -277,12 +280,12 @@ def virtual_stages_of(per_vstage: int, num_layers: int, pp: int) -> int:
     return per_stage // per_vstage
 
 
-def _virtual_stages(args: argparse.Namespace) -> int | None:
+def _virtual_stages(cfg: RunConfig) -> int | None:
     """Virtual stages per rank from ``--num-layers-per-virtual-pipeline-stage`` (None: off)."""
-    per_vstage = args.num_layers_per_virtual_pipeline_stage
+    per_vstage = cfg.num_layers_per_virtual_pipeline_stage
     if per_vstage is None:
         return None
-    vp = virtual_stages_of(per_vstage, args.num_layers, args.pipeline_model_parallel_size)
+    vp = virtual_stages_of(per_vstage, cfg.num_layers, cfg.pipeline_model_parallel_size)
     per_stage = per_vstage * vp
     if vp == 1:
         # One virtual stage is no interleaving, and Megatron's interleaved schedule then fails.
@@ -304,17 +307,17 @@ MIN_LOSS_SCALE = 1.0
 trainer keeps: it has no ``--min-loss-scale``); a test checks the two agree."""
 
 
-def _check_loss_scale(args: argparse.Namespace) -> None:
+def _check_loss_scale(cfg: RunConfig) -> None:
     """``--loss-scale`` and ``--initial-loss-scale``: the ranges Megatron's grad scalers assert
     (``ConstantGradScaler``: scale > 0; ``DynamicGradScaler``: initial scale >= the minimum loss
     scale > 0), and only where the flag takes effect (``get_megatron_optimizer``: a constant
     scale with --fp16, --bf16 or the distributed optimizer, the dynamic one with --fp16 alone)."""
-    scale, initial = args.loss_scale, args.initial_loss_scale
+    scale, initial = cfg.loss_scale, cfg.initial_loss_scale
     if scale is not None:
         if not (math.isfinite(scale) and scale > 0):
             raise ConfigError(f"--loss-scale must be a finite number > 0 (got {scale}); drop it "
                               f"for --fp16's dynamic loss scaling")
-        if not (args.fp16 or args.bf16 or args.use_distributed_optimizer):
+        if not (cfg.fp16 or cfg.bf16 or cfg.use_distributed_optimizer):
             raise ConfigError(f"--loss-scale {scale} has no effect in fp32 training (Megatron "
                               f"scales the loss with --fp16, --bf16 or --use-distributed-optimizer "
                               f"only); add --fp16 or drop it")
@@ -324,7 +327,7 @@ def _check_loss_scale(args: argparse.Namespace) -> None:
     if not (math.isfinite(initial) and initial >= floor):
         raise ConfigError(f"--initial-loss-scale must be a finite number >= {floor}, Megatron's "
                           f"minimum loss scale (got {initial}); e.g. 65536, or drop it for 2^32")
-    if not args.fp16:
+    if not cfg.fp16:
         raise ConfigError(f"--initial-loss-scale {initial} starts --fp16's dynamic loss scaling "
                           f"and has no effect without it; add --fp16 or drop it")
     if scale is not None:
@@ -332,105 +335,112 @@ def _check_loss_scale(args: argparse.Namespace) -> None:
                           f"{scale} (a constant scale); drop one of them")
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelDims:
-    """Check every flag and combination; returns the validated ``ParallelDims``."""
-    check_sizes(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                num_layers=args.num_layers, hidden_size=args.hidden_size,
-                num_attention_heads=args.num_attention_heads)  # before deriving from them
-    if args.ffn_hidden_size is None:  # Megatron-LM's defaults
-        args.ffn_hidden_size = megatron_ffn_hidden_size(args.hidden_size, args.swiglu)
-        if args.ffn_hidden_size < 1:  # --swiglu rounds 4h x 2/3 down to a multiple of 64
-            raise ConfigError(f"--swiglu with --hidden-size {args.hidden_size} gives Megatron-LM's "
+def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
+    """Check every flag and combination; returns the run's config normalised: ``ffn_hidden_size``
+    and ``max_position_embeddings`` filled in, ``recompute_num_layers`` set under full recompute,
+    ``atp_mesh`` as (d1, d2) (``auto`` resolved), ``oases_layer_degrees`` from ``--oases-plan``.
+    Validating a config this returned again returns it unchanged (and is silent)."""
+    check_sizes(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads)  # before deriving from them
+    if cfg.ffn_hidden_size is None:  # Megatron-LM's defaults
+        cfg = dataclasses.replace(cfg, ffn_hidden_size=megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu))
+        if cfg.ffn_hidden_size < 1:  # --swiglu rounds 4h x 2/3 down to a multiple of 64
+            raise ConfigError(f"--swiglu with --hidden-size {cfg.hidden_size} gives Megatron-LM's "
                               f"default FFN size int(4h x 2/3 / 64) x 64 = 0; pass "
                               f"--ffn-hidden-size or a --hidden-size of at least 24")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    _check_ranges(args)
-    _check_model_features(args)
-    _check_log_json(args.log_json)
-    vp = _virtual_stages(args)
-    dims = ParallelDims(
-        world_size=world_size, tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size, vp=vp, num_layers=args.num_layers,
-        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size)
-    n_micro = dims.check_batch(args.micro_batch_size, args.global_batch_size)
-    if vp is not None and n_micro % dims.pp != 0:
+    if cfg.max_position_embeddings is None:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=cfg.seq_length)
+    _check_ranges(cfg)
+    _check_model_features(cfg)
+    _check_log_json(cfg.log_json)
+    dims = parallel_dims(cfg, world_size)
+    n_micro = dims.check_batch(cfg.micro_batch_size, cfg.global_batch_size)
+    if dims.vp is not None and n_micro % dims.pp != 0:
         raise ConfigError(
             f"the interleaved schedule needs the number of micro-batches ({n_micro}) to be a "
             f"multiple of --pipeline-model-parallel-size {dims.pp}; raise --global-batch-size")
-    if args.max_position_embeddings < args.seq_length:
-        raise ConfigError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
-                          f"than --seq-length {args.seq_length}")
-    if args.bf16 and args.fp16:
+    if cfg.max_position_embeddings < cfg.seq_length:
+        raise ConfigError(f"--max-position-embeddings {cfg.max_position_embeddings} is smaller "
+                          f"than --seq-length {cfg.seq_length}")
+    if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
     from megatron_oases.layers.core_attention import check_backend
 
-    check_backend(args.attention_backend, cuda=cuda, half=args.bf16 or args.fp16)
-    _check_loss_scale(args)
-    if args.gradient_accumulation_fusion:
+    check_backend(cfg.attention_backend, cuda=cuda, half=cfg.bf16 or cfg.fp16)
+    _check_loss_scale(cfg)
+    if cfg.gradient_accumulation_fusion:
         from megatron.core.tensor_parallel import layers
 
         if not layers._grad_accum_fusion_available:
             raise ConfigError("--gradient-accumulation-fusion needs Apex's "
                               "fused_weight_gradient_mlp_cuda extension (CUDA); install Apex or "
                               "drop the flag")
-    if args.use_distributed_optimizer and args.optimizer != "adam":
+    if cfg.use_distributed_optimizer and cfg.optimizer != "adam":
         raise ConfigError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's "
-                          f"distributed optimizer does not support {args.optimizer})")
-    validate_backend_args(args, dims)
-    if args.sequence_parallel and dims.tp == 1:
+                          f"distributed optimizer does not support {cfg.optimizer})")
+    cfg = validate_backend_config(cfg, dims)
+    if cfg.sequence_parallel and dims.tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel and args.seq_length % dims.tp:
-        raise ConfigError(f"--sequence-parallel splits --seq-length {args.seq_length} over "
+    if cfg.sequence_parallel and cfg.seq_length % dims.tp:
+        raise ConfigError(f"--sequence-parallel splits --seq-length {cfg.seq_length} over "
                           f"--tensor-model-parallel-size {dims.tp}; it must be a multiple")
-    if args.recompute_granularity == "full":
-        if args.recompute_method is None:
+    if cfg.recompute_granularity == "full":
+        if cfg.recompute_method is None:
             raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")
-        if args.recompute_num_layers is None:
-            args.recompute_num_layers = 1 if args.recompute_method == "uniform" else args.num_layers // dims.pp
-        if args.recompute_num_layers < 1:
-            raise ConfigError(f"--recompute-num-layers must be >= 1 (got {args.recompute_num_layers})")
-    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        if cfg.recompute_num_layers is None:
+            cfg = dataclasses.replace(cfg, recompute_num_layers=(
+                1 if cfg.recompute_method == "uniform" else cfg.num_layers // dims.pp))
+        if cfg.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers must be >= 1 (got {cfg.recompute_num_layers})")
+    elif cfg.recompute_method is not None or cfg.recompute_num_layers is not None:
         raise ConfigError("--recompute-method / --recompute-num-layers need "
                           "--recompute-granularity full")
-    if args.topology is not None:
-        check_topology(args.topology)
-    from megatron_oases.checkpoint import validate_checkpoint_args
+    if cfg.topology is not None:
+        check_topology(cfg.topology)
+    from megatron_oases.checkpoint import validate_checkpoint_config
 
-    validate_checkpoint_args(args, world_size)
-    from megatron_oases.runtime.exit_signal import validate_exit_args
+    validate_checkpoint_config(cfg, world_size)
+    from megatron_oases.exit_flags import validate_exit_config
 
-    validate_exit_args(args)
+    validate_exit_config(cfg)
 
-    from megatron_oases.datasets import validate_data_args
+    from megatron_oases.datasets import validate_data_config
 
-    validate_data_args(args)
-    return dims
+    return validate_data_config(cfg)
 
 
-def validate_backend_args(args: argparse.Namespace, dims: ParallelDims) -> None:
+def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+    """The run's validated degrees on ``world_size`` ranks (``ffn_hidden_size`` filled in)."""
+    return ParallelDims(
+        world_size=world_size, tp=cfg.tensor_model_parallel_size,
+        pp=cfg.pipeline_model_parallel_size, vp=_virtual_stages(cfg), num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size)
+
+
+def validate_backend_config(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
     """The checks of ``--tp-backend``, ``--schedule`` and ``--oases-plan`` against the validated
-    degrees, shared by the trainer (``validate_args``) and Megatron-LM (``megatron_lm.flags``).
-    Normalises ``args`` in place: ``atp_mesh`` becomes (d1, d2) and ``oases_layer_degrees`` is
-    set (None without a plan)."""
+    degrees, shared by the trainer (``validate_config``) and Megatron-LM (``megatron_lm.flags``).
+    Returns ``cfg`` with ``atp_mesh`` as (d1, d2) and ``oases_layer_degrees`` set (None without
+    a plan)."""
     from megatron_oases.plan.plan_file import validate_plan_args
-    from megatron_oases.schedules.oases.options import validate_oases_args
+    from megatron_oases.schedules.oases.options import validate_oases_config
 
-    validate_atp_args(args, dims)
-    validate_3d_args(args, dims)
-    check_selective_recompute(args)
-    validate_oases_args(args, dims)
-    validate_plan_args(args, dims)
-    check_query_groups_split(args, dims)
+    cfg = dataclasses.replace(cfg, atp_mesh=validate_atp_mesh(cfg, dims))
+    validate_3d_config(cfg, dims)
+    check_selective_recompute(cfg)
+    validate_oases_config(cfg, dims)
+    cfg = dataclasses.replace(cfg, oases_layer_degrees=validate_plan_args(cfg, dims))
+    check_query_groups_split(cfg, dims)
+    return cfg
 
 
-def check_selective_recompute(args: argparse.Namespace) -> None:
+def check_selective_recompute(cfg: RunConfig) -> None:
     """Megatron's selective recompute checkpoints the core attention inside Megatron's own
     ``SelfAttention``; the ATP and 3-D attention modules call ``DotProductAttention`` directly,
     so there it would do nothing: refused."""
-    cfg = run_config(args)
-    if cfg.selective_recompute and cfg.tp_backend in ("atp", "3d"):
+    if cfg.selective_recompute and not backend(cfg.tp_backend).megatron_modules:
         raise ConfigError(f"--recompute-granularity selective has no effect with --tp-backend {cfg.tp_backend} "
                           f"(its attention does not checkpoint Megatron's core attention); use "
                           f"--recompute-granularity full or drop it")
@@ -446,53 +456,55 @@ def check_topology(path: str) -> None:
         raise ConfigError(f"--topology: {exc}") from None
 
 
-def check_query_groups_split(args: argparse.Namespace, dims: ParallelDims) -> None:
+def check_query_groups_split(cfg: RunConfig, dims: ParallelDims) -> None:
     """Megatron 1-D attention gives each rank whole key/value groups: the groups must divide by
     the attention's TP degree (each attention block's degree under --oases-plan)."""
-    if args.tp_backend != "megatron":
+    if cfg.tp_backend != "megatron":
         return
-    groups = query_groups(args)
-    plan = args.oases_layer_degrees  # set by validate_plan_args
+    groups = query_groups(cfg)
+    plan = cfg.oases_layer_degrees  # set by validate_plan_args
     for degree in sorted({a for a, _ in plan}) if plan else [dims.tp]:
-        if groups % degree:
+        if groups % backend("megatron").kv_groups_divisor(degree, None):
             where = (f"attention degree {degree} of --oases-plan" if plan
                      else f"--tensor-model-parallel-size {degree}")
             raise ConfigError(f"--num-query-groups {groups} must be divisible by the {where} "
                               f"(each rank holds whole key/value groups)")
 
 
-def llama_features(args: argparse.Namespace) -> list[str]:
+def llama_features(cfg: RunConfig) -> list[str]:
     """The Llama-family layer features this run turns on, as flags (for refusals)."""
-    on = [("--position-embedding-type rope", args.position_embedding_type == "rope"),
-          ("--swiglu", args.swiglu), ("--group-query-attention", args.group_query_attention),
-          ("--qk-layernorm", args.qk_layernorm)]
+    on = [("--position-embedding-type rope", cfg.position_embedding_type == "rope"),
+          ("--swiglu", cfg.swiglu), ("--group-query-attention", cfg.group_query_attention),
+          ("--qk-layernorm", cfg.qk_layernorm)]
     return [flag for flag, active in on if active]
 
 
-def _refuse_features(args: argparse.Namespace, backend_flag: str,
+def _refuse_features(cfg: RunConfig, backend_flag: str,
                      supported: tuple[str, ...] = ()) -> None:
-    used = [flag for flag in llama_features(args) if flag not in supported]
+    used = [flag for flag in llama_features(cfg) if flag not in supported]
     if used:
         raise ConfigError(f"{backend_flag} does not support {', '.join(used)} yet; use "
                           f"--tp-backend megatron (stock or --schedule oases) for this model")
 
 
-def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
-    """Parse --atp-mesh into (d1, d2) and check it against TP and the model.
+def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | None:
+    """Parse --atp-mesh into (d1, d2) and check it against TP and the model; returns the mesh
+    (None without ``--tp-backend atp``).
 
     ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
-    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, replaces the flag
-    by the pick and prints it with its predicted time on rank 0. It runs before any process
-    group exists; once resolved, a second validation (``train.setup``) sees D1,D2 and is silent.
+    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, returns the pick
+    and prints it with its predicted time on rank 0. It runs before any process group exists;
+    a second validation of the returned config (``train.setup``) sees (d1, d2) and is silent.
     """
-    if args.tp_backend != "atp":
-        if args.atp_mesh is not None:
+    if cfg.tp_backend != "atp":
+        if cfg.atp_mesh is not None:
             raise ConfigError("--atp-mesh needs --tp-backend atp")
-        return
-    if args.atp_mesh is None:
+        return None
+    mesh = cfg.atp_mesh
+    if mesh is None:
         raise ConfigError("--tp-backend atp needs --atp-mesh D1,D2 (e.g. from `megatron-oases mesh`)")
-    if args.atp_mesh == "auto":
-        if args.topology is None:
+    if mesh == "auto":
+        if cfg.topology is None:
             raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
                               "priced on), or pass --atp-mesh D1,D2")
         from megatron_oases.describe.ops import ModelingError
@@ -501,16 +513,16 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
         from megatron_oases.topology import TopologyError, load_topology
 
         try:
-            topology = load_topology(args.topology)
+            topology = load_topology(cfg.topology)
         except (TopologyError, OSError) as exc:
             raise ConfigError(f"--topology: {exc}") from None
         try:
-            shape = mesh_search_shape(args, dims.pp)
+            shape = mesh_search_shape(cfg, dims.pp)
             choice = search_mesh(topology, dims.tp, shape,
-                                 min_gain=run_config(args).atp_min_gain)
+                                 min_gain=cfg.atp_min_gain)
         except (MeshError, ModelingError) as exc:
-            raise ConfigError(f"--atp-mesh auto on --topology {args.topology}: {exc}") from None
-        args.atp_mesh = (choice.pick.d1, choice.pick.d2)
+            raise ConfigError(f"--atp-mesh auto on --topology {cfg.topology}: {exc}") from None
+        mesh = (choice.pick.d1, choice.pick.d2)
         import torch.distributed as dist
 
         rank0 = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
@@ -519,59 +531,42 @@ def validate_atp_args(args: argparse.Namespace, dims: ParallelDims) -> None:
             print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
                   f"h={shape.hidden_size} L={shape.num_layers} b={shape.micro_batch_size} s={shape.seq_length}; "
                   "`megatron-oases mesh` prints every mesh)", flush=True)
-    if isinstance(args.atp_mesh, str):
+    if isinstance(mesh, str):
         try:
-            d1, d2 = (int(v) for v in args.atp_mesh.split(","))
+            d1, d2 = (int(v) for v in mesh.split(","))
         except ValueError:
-            raise ConfigError(f"--atp-mesh must be D1,D2 (got {args.atp_mesh!r})") from None
-        args.atp_mesh = (d1, d2)
-    refused = atp_mesh_refusal(args.atp_mesh, dims.tp)
+            raise ConfigError(f"--atp-mesh must be D1,D2 (got {mesh!r})") from None
+        mesh = (d1, d2)
+    refused = atp_mesh_refusal(mesh, dims.tp)
     if refused:
         raise ConfigError(refused)
-    if args.sequence_parallel:
+    if cfg.sequence_parallel:
         raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
-    _refuse_features(args, "--tp-backend atp", supported=(
+    _refuse_features(cfg, "--tp-backend atp", supported=(
         "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
-    groups = query_groups(args)
-    if groups % dims.tp or args.num_attention_heads % dims.tp:
-        raise ConfigError(f"--tp-backend atp gives each of its {dims.tp} ranks whole key/value "
-                          f"groups: --num-query-groups {groups} must be divisible by "
-                          f"--tensor-model-parallel-size {dims.tp}")
+    _refuse_split(cfg, dims, mesh)
+    return tuple(mesh)
 
 
-def validate_3d_args(args: argparse.Namespace, dims: ParallelDims) -> None:
+def _refuse_split(cfg: RunConfig, dims: ParallelDims, mesh: tuple[int, int] | None = None) -> None:
+    """The backend record's divisibility check (``describe.backends``), in its words."""
+    refused = backend(cfg.tp_backend).refusal(
+        tp=dims.tp, mesh=mesh, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+        ffn=cfg.ffn_hidden_size, micro_batch=cfg.micro_batch_size, query_groups=query_groups(cfg))
+    if refused:
+        raise ConfigError(refused)
+
+
+def validate_3d_config(cfg: RunConfig, dims: ParallelDims) -> None:
     """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
-    if args.tp_backend != "3d":
+    if cfg.tp_backend != "3d":
         return
-    _refuse_features(args, "--tp-backend 3d", supported=(
+    _refuse_features(cfg, "--tp-backend 3d", supported=(
         "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
-    if args.swiglu and args.add_bias_linear:
+    if cfg.swiglu and cfg.add_bias_linear:
         raise ConfigError("--tp-backend 3d runs --swiglu without linear biases only; add "
                           "--disable-bias-linear")
-    from megatron_oases.parallel.cube import Cube
-
-    try:
-        p = Cube(tp_size=dims.tp).p
-    except ConfigError as exc:
-        raise ConfigError(f"--tp-backend 3d: {exc}") from None
-    if p < 2:
-        raise ConfigError("--tp-backend 3d needs --tensor-model-parallel-size = p^3 with p >= 2 "
-                          f"(8, 27, 64, ...); got {dims.tp}")
-    q = p * p
-    for flag, value in (("--hidden-size", args.hidden_size),
-                        ("--ffn-hidden-size", args.ffn_hidden_size)):
-        if value % q:
-            raise ConfigError(f"--tp-backend 3d splits {flag} over p^2 = {q} ranks of the cube "
-                              f"(--tensor-model-parallel-size {dims.tp}); {value} is not a multiple "
-                              f"of {q}")
-    if args.num_attention_heads % p or query_groups(args) % p:
-        raise ConfigError(f"--tp-backend 3d splits heads over p = {p}: --num-attention-heads "
-                          f"{args.num_attention_heads} and --num-query-groups {query_groups(args)} "
-                          f"must be multiples of {p}")
-    if args.micro_batch_size % q:
-        raise ConfigError(f"--tp-backend 3d splits each micro-batch into p^2 = {q} blocks of whole "
-                          f"sequences: --micro-batch-size {args.micro_batch_size} is not a multiple "
-                          f"of {q}")
-    if args.sequence_parallel:
+    _refuse_split(cfg, dims)
+    if cfg.sequence_parallel:
         raise ConfigError("--tp-backend 3d does not support --sequence-parallel (its activations "
                           "are already split p^3 ways); drop it")

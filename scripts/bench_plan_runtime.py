@@ -72,10 +72,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def plan_model(a):
     from megatron_oases.plan.graph import PlanModel
+    from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser
     from megatron_oases.vocab import padded_vocab_size
 
-    targs = build_parser().parse_args(model_flags(a, a.tp))
+    targs = run_config(build_parser().parse_args(model_flags(a, a.tp)))
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, micro_batch_size=a.micro_batch, tp=a.tp,
                      padded_vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,

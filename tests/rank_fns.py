@@ -7,11 +7,12 @@ import os
 def train_and_gather(argv: list[str]):
     """Train with the reference trainer; return losses (last rank) and global params/grads."""
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    tr, records = run(args)
+    tr, records = run(run_config(args))
     params = gather_global(tr.model, what="param")
     rank = int(os.environ["RANK"])
     return {"losses": [r["lm_loss"] for r in records], "params": params if rank == 0 else None}
@@ -20,13 +21,14 @@ def train_and_gather(argv: list[str]):
 def init_only(argv: list[str]):
     """Build the model (TP/PP-invariant init) and return the global parameters on rank 0."""
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    tr = setup(args)
+    tr = setup(run_config(args))
     params = gather_global(tr.model, what="param")
     return params if int(os.environ["RANK"]) == 0 else None
 
@@ -222,8 +224,9 @@ def watched_torch_distributed():
 
 def first_loss(argv: list[str]) -> float | None:
     """Train ``--train-iters`` steps with the reference trainer; the first loss (last rank)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
-    _, records = run(build_parser().parse_args(argv))
+    _, records = run(run_config(build_parser().parse_args(argv)))
     return records[0]["lm_loss"] if records else None

@@ -64,11 +64,12 @@ def train_3d(argv: list[str], ckpt_dir: str | None = None, probe: bool = False):
     import torch
 
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    tr, records = run(args)
+    tr, records = run(run_config(args))
     params = gather_global(tr.model, what="param")
     rank = int(os.environ["RANK"])
     out = {"losses": [r["lm_loss"] for r in records],
@@ -138,11 +139,12 @@ def _save_checkpoint(sharded_state_dict, ckpt_dir: str) -> None:
 def load_into_stock(argv: list[str], ckpt_dir: str):
     """Build the stock (``--tp-backend megatron``) model, load the checkpoint, return its global
     parameters (rank 0)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    tr = setup(args)
+    tr = setup(run_config(args))
     params = _load_checkpoint(tr.model, ckpt_dir)
     return params if int(os.environ["RANK"]) == 0 else None
 

@@ -31,10 +31,12 @@ def _trainer(layout: str):
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
 
+    from megatron_oases.run_config import run_config
+
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
-    return setup(build_parser().parse_args(MODEL_ARGV + layout_argv(layout)))
+    return setup(run_config(build_parser().parse_args(MODEL_ARGV + layout_argv(layout))))
 
 
 def _sharded_state(tr, *, with_optimizer: bool, is_loading: bool) -> dict:

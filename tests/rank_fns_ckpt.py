@@ -26,11 +26,12 @@ LAYOUTS = {
 
 def train(argv: list[str]) -> dict:
     """``megatron-oases train`` on this rank (``train.run``); per-iteration losses (last rank)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    _, records = run(args)
+    _, records = run(run_config(args))
     return {"rank": int(os.environ["RANK"]),
             "losses": {r["iteration"]: r["lm_loss"] for r in records}}
 

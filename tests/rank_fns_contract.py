@@ -17,10 +17,11 @@ def layer_contract(argv: list[str], batch: int, seq: int, hidden: int):
     import torch
 
     from megatron_oases.parallel.layout import _unwrap
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
     layer = _unwrap(tr.model[0]).decoder.layers[0]
     chunk = seq // layer.config.tensor_model_parallel_size if layer.config.sequence_parallel else seq
     x = torch.randn(chunk, batch, hidden, requires_grad=True)

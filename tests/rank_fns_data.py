@@ -45,9 +45,10 @@ def truncate(path: str, drop: int) -> None:
 
 def train_records(argv: list[str]):
     """Train with the reference trainer; the last rank's records (losses and validation)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    _, records = run(args)
+    _, records = run(run_config(args))
     return records if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1 else None

@@ -42,10 +42,12 @@ def group_timeouts(argv: list[str]) -> dict:
     import torch
     from megatron.core import parallel_state as ps
 
+    from megatron_oases.run_config import run_config
+
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
 
     def seconds(group) -> float:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -66,10 +68,11 @@ def group_timeouts(argv: list[str]) -> dict:
 def stop_rank_one_mid_training(argv: list[str]) -> float:
     """Train; rank 1 stops itself (SIGSTOP) after iteration 1, so rank 0's next TP collective
     has a peer that never joins. Returns how long rank 0 waited (it is expected to raise)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
     train_step(tr, 1)
     if os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGSTOP)

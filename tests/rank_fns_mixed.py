@@ -23,6 +23,7 @@ def train_variants(variants: list[tuple[str, list[str]]], gather_params: tuple[s
     from megatron.core import parallel_state as ps
 
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
@@ -32,7 +33,7 @@ def train_variants(variants: list[tuple[str, list[str]]], gather_params: tuple[s
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         args = build_parser().parse_args(argv)
-        tr = setup(args)
+        tr = setup(run_config(args))
         rec = {"losses": [], "norms": [], "ok": [], "dtypes": _param_dtypes(tr.model),
                "optimizers": sorted({type(o).__name__ for o in
                                      getattr(tr.optimizer, "chained_optimizers", [tr.optimizer])})}

@@ -8,12 +8,13 @@ def train_losses_and_grads(argv: list[str]):
     """Train step by step; return per-iteration losses (last rank) and, on rank 0, the global
     gradients of every iteration and the final parameters."""
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
 
-    tr = setup(args)
+    tr = setup(run_config(args))
     losses, grads = [], []
     for it in range(1, args.train_iters + 1):
         out = train_step(tr, it)
@@ -48,11 +49,12 @@ def count_recompute_collectives(argv: list[str]):
     """One training step under a CommCounter: collectives by tag ("" forward/backward,
     "recompute") on this rank."""
     from megatron_oases.parallel.collectives import CommCounter
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    tr = setup(args)
+    tr = setup(run_config(args))
     with CommCounter() as counter:
         train_step(tr, 1)
     tags = {}
@@ -84,10 +86,11 @@ def megatron_tape_steps():
 def oases_state_at(argv: list[str]):
     """(Oases blocks in the model?, Megatron recompute granularity) after ``train.setup``."""
     from megatron_oases.schedules.oases.block import OasesBlockMixin
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import run
     from megatron_oases.train_args import build_parser
 
-    tr, records = run(build_parser().parse_args(argv + ["--train-iters", "1"]))
+    tr, records = run(run_config(build_parser().parse_args(argv + ["--train-iters", "1"])))
     blocks = any(isinstance(m, OasesBlockMixin) for chunk in tr.model for m in chunk.modules())
     return blocks, tr.config.recompute_granularity
 
@@ -95,10 +98,11 @@ def oases_state_at(argv: list[str]):
 def _one_step_records(argv: list[str]):
     """The ``CommCounter`` records of one training step of the trainer built from ``argv``."""
     from megatron_oases.parallel.collectives import CommCounter
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
     with CommCounter() as counter:
         train_step(tr, 1)
     return counter.records

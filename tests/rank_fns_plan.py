@@ -9,11 +9,12 @@ def train_with_plan(argv: list[str]):
     per layer the number of weight elements this rank holds."""
     from megatron_oases.layers.planned_layer import PlannedTransformerLayer
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
     args = build_parser().parse_args(argv)
-    tr = setup(args)
+    tr = setup(run_config(args))
     losses, norms, grads = [], [], []
     for it in range(1, args.train_iters + 1):
         out = train_step(tr, it)

@@ -5,10 +5,11 @@ from __future__ import annotations
 def oases_saved_bytes_after_one_step(argv: list[str]):
     """Bytes the Oases blocks kept for backward in their last forward (one micro-batch)."""
     from megatron_oases.schedules.oases.block import oases_saved_bytes
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
     train_step(tr, 1)
     return oases_saved_bytes(tr.model)
 
@@ -18,10 +19,11 @@ def saved_bytes_of_one_forward(argv: list[str]) -> int:
     autograd's live saved storages plus the Oases executor's step state, parameters excluded."""
 
     from megatron_oases.runtime.saved_tensors import SavedTensorLedger
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup
     from megatron_oases.train_args import build_parser
 
-    tr = setup(build_parser().parse_args(argv))
+    tr = setup(run_config(build_parser().parse_args(argv)))
     model = tr.model[0]
     model.train()
     batch = tr.data.train_batches(1)[0]

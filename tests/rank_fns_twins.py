@@ -11,6 +11,7 @@ def train_under_twins(argv: list[str], twins: tuple[str, ...] = ()):
     import sys
 
     from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
     from tests import gpu_twins
@@ -19,7 +20,7 @@ def train_under_twins(argv: list[str], twins: tuple[str, ...] = ()):
         gpu_twins.install_fake_gradient_accumulation_fusion()
         argv = argv + ["--gradient-accumulation-fusion"]
     args = build_parser().parse_args(argv)
-    tr = setup(args)
+    tr = setup(run_config(args))
     losses, grads = [], []
     with contextlib.ExitStack() as stack:
         if "nan" in twins:

@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.plan.atp_mesh import search_mesh
 from megatron_oases.train import main
-from megatron_oases.train_args import build_parser, validate_args
+from megatron_oases.run_config import run_config
+from megatron_oases.train_args import build_parser, validate_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--tp-backend", "atp", "--atp-mesh", "auto"]
@@ -23,9 +24,7 @@ BIG = ["--num-layers", "24", "--hidden-size", "4096", "--num-attention-heads", "
 
 
 def _validate(argv, world):
-    args = build_parser().parse_args(argv)
-    validate_args(args, world, cuda=False)
-    return args
+    return validate_config(run_config(build_parser().parse_args(argv)), world, cuda=False)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -84,9 +83,9 @@ def test_auto_prints_once_on_rank_zero_only(capsys, monkeypatch):
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "0")
     args = build_parser().parse_args(argv)
-    validate_args(args, 8, cuda=False)
-    validate_args(args, 8, cuda=False)  # train.setup validates again: already resolved, silent
-    assert args.atp_mesh == (8, 1)
+    cfg = validate_config(run_config(args), 8, cuda=False)
+    again = validate_config(cfg, 8, cuda=False)  # train.setup validates again: already resolved, silent
+    assert cfg.atp_mesh == again.atp_mesh == (8, 1) and args.atp_mesh == "auto"  # args untouched
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
 
 

@@ -12,8 +12,9 @@ from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import DeviceMesh
 from megatron_oases.plan.atp_mesh import MeshError, axis_groups, enumerate_meshes, search_mesh
 from megatron_oases.plan.graph import BlockStrategy, PlanModel, candidate_strategies, feasible
+from megatron_oases.run_config import run_config
 from megatron_oases.sim.core.search import SearchSpace, candidates
-from megatron_oases.train_args import build_parser, validate_args
+from megatron_oases.train_args import build_parser, validate_config
 
 # 24 heads of 8, an FFN of 768 and the vocabulary split over every mesh of TP 6, 8 and 12.
 SHAPE = dict(num_layers=2, hidden_size=192, num_attention_heads=24, seq_length=16, micro_batch_size=2,
@@ -50,7 +51,7 @@ def test_every_check_refuses_3x3_at_tp8_in_the_same_words():
     assert "one of: 8,1 4,2 2,4 1,8" in want
     argv = ["--tensor-model-parallel-size", "8", "--tp-backend", "atp", "--atp-mesh", "3,3",
             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"]
-    trainer = _raised(ConfigError, validate_args, build_parser().parse_args(argv), 8, False)
+    trainer = _raised(ConfigError, validate_config, run_config(build_parser().parse_args(argv)), 8, False)
     runtime = _raised(ConfigError, DeviceMesh, 3, 3, tuple(range(8)))
     planner = feasible(BlockStrategy(degree=8, family="atp", mesh=(3, 3)), PlanModel(**SHAPE, tp=8))
     picker = _raised(MeshError, search_mesh, "dgx-a100", 8, GPTShape(**SHAPE), meshes=[(3, 3)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import DeviceMesh, MeshGroups, build_mesh_groups, shard_index
 from tests.conftest import max_rel_diff
 

@@ -20,6 +20,7 @@ from megatron_oases.errors import ConfigError
 from megatron_oases.plan import graph
 from megatron_oases.plan.graph import BlockStrategy, PlanModel, attention_fits, candidate_strategies, feasible
 from megatron_oases.pricing.device_model import SimError
+from megatron_oases.run_config import run_config
 
 NAMES = set(BACKENDS)
 
@@ -95,7 +96,7 @@ def _record(*case) -> bool:
 
 
 def _trainer_refusal(name, tp, mesh, hidden, heads, ffn, groups, b) -> str:
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.train_args import build_parser, validate_config
 
     argv = ["--tensor-model-parallel-size", str(tp), "--tp-backend", name, "--num-layers", "2",
             "--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--ffn-hidden-size", str(ffn),
@@ -103,7 +104,7 @@ def _trainer_refusal(name, tp, mesh, hidden, heads, ffn, groups, b) -> str:
     argv += ["--atp-mesh", f"{mesh[0]},{mesh[1]}"] if mesh else []
     argv += ["--group-query-attention", "--num-query-groups", str(groups)] if groups else []
     try:
-        validate_args(build_parser().parse_args(argv), tp, False)
+        validate_config(run_config(build_parser().parse_args(argv)), tp, False)
     except ConfigError as e:
         return str(e)
     return ""

@@ -213,9 +213,10 @@ def test_bad_data_one_line_exit_2_nothing_written(path, patch, needle, data_dir,
 def test_good_data_passes_the_checks(data_dir):
     """The checks refuse only what is wrong: the intact file at its vocabulary, and the wide one
     at 512, pass (here without starting a run)."""
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     for prefix, vocab in (("good", "256"), ("wide", "512")):
         args = build_parser().parse_args(BASE + ["--vocab-size", vocab, "--data-path",
                                                  str(data_dir / prefix)])
-        validate_args(args, 1, cuda=False)
+        validate_config(run_config(args), 1, cuda=False)

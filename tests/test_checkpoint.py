@@ -304,10 +304,11 @@ def test_mcore_0_16_checkpoint_resumes(tmp_path):
 
 
 def test_intact_copy_passes_validation(good_ckpt):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     ckpt, argv = good_ckpt
-    validate_args(build_parser().parse_args(argv + ["--load", ckpt]), 4, False)
+    validate_config(run_config(build_parser().parse_args(argv + ["--load", ckpt])), 4, False)
 
 
 @pytest.mark.parametrize("extra, names", [
@@ -335,10 +336,11 @@ def test_bad_checkpoint_flags(argv, names, tmp_path, capsys):
 
 def test_save_and_load_same_empty_dir_starts_fresh(tmp_path):
     """Megatron-LM's auto-resume: ``--save D --load D`` before D holds a checkpoint is fine."""
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     d = str(tmp_path / "d")
-    validate_args(build_parser().parse_args(MODEL + ["--save", d, "--load", d]), 1, False)
+    validate_config(run_config(build_parser().parse_args(MODEL + ["--save", d, "--load", d])), 1, False)
 
 
 def test_cli_resumes_in_the_same_directory_and_prints_megatron_lines(tmp_path):
@@ -492,7 +494,8 @@ def test_dp_reshardable_into_another_layout_is_refused(flags, names, tmp_path_fa
                                                        capsys):
     """A dp_reshardable state is one flat tensor per bucket of each DP group: refused before
     start-up, in one line naming both layouts and --no-load-optim (which then passes)."""
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     saved = _uninterrupted("dist_dp2_dp_reshardable", "default", tmp_path_factory)
     ckpt = _copy_at(saved["ckpt"], 3, tmp_path)
@@ -500,7 +503,7 @@ def test_dp_reshardable_into_another_layout_is_refused(flags, names, tmp_path_fa
     err = _main_error(argv + ["--nproc-per-node", "4"], capsys)
     assert "dp_reshardable" in err and "distributed optimizer, TP2 PP1 DP2" in err, err
     assert names in err and "--no-load-optim" in err, err
-    validate_args(build_parser().parse_args(argv + ["--no-load-optim"]), 4, False)
+    validate_config(run_config(build_parser().parse_args(argv + ["--no-load-optim"])), 4, False)
 
 
 @pytest.mark.parametrize("argv", [

@@ -158,12 +158,13 @@ def test_other_damage_named_by_the_manifest(two_ranks, tmp_path, capsys):
 
 
 def test_no_verify_integrity_skips_the_check(two_ranks, tmp_path, capsys):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     ckpt = _copy(two_ranks[0], tmp_path / "c")
     _garble(os.path.join(ckpt, "iter_0000004"))
     args = build_parser().parse_args(DISTOPT + ["--load", ckpt, "--no-verify-integrity"])
-    validate_args(args, 2, False)
+    validate_config(run_config(args), 2, False)
     assert capsys.readouterr().out == ""
 
 
@@ -212,11 +213,12 @@ def test_checkpoint_without_manifest_loads_with_a_note(tmp_path, capsys):
 def test_legacy_checkpoint_passes_with_the_note(capsys):
     """The committed megatron-core 0.16.1 checkpoint (no manifest) passes the pre-start checks
     with the note (its resume: tests/test_checkpoint.py::test_mcore_0_16_checkpoint_resumes)."""
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     with open(LEGACY + ".json", encoding="utf-8") as f:
         ref = json.load(f)
-    validate_args(build_parser().parse_args(ref["argv"].split() + ["--load", LEGACY]),
+    validate_config(run_config(build_parser().parse_args(ref["argv"].split() + ["--load", LEGACY])),
                   ref["ranks"], False)
     out = capsys.readouterr().out
     assert out.count("has no integrity.json") == 1 and "not verified" in out, out

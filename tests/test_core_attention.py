@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from tests.conftest import assert_same_training
 from tests.rank_fns_oases import run_training
 from tests.script_modules import load_script
@@ -221,11 +221,12 @@ def test_flag_mapping_and_refusals(cpu_runtime):
 
 
 def test_trainer_refuses_flash_fp32_on_cuda():
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(["--attention-backend", "flash", "--global-batch-size", "2"])
     with pytest.raises(ConfigError, match="--attention-backend flash"):
-        validate_args(args, world_size=1, cuda=True)
+        validate_config(run_config(args), world_size=1, cuda=True)
 
 
 def test_attention_parity_script_runs_on_cpu(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_oases.run_config import run_config
 from megatron_oases.train import main
 from megatron_oases.train_args import build_parser
 from tests.rank_fns_data import make_token_dataset, train_records
@@ -80,27 +81,26 @@ def test_bad_input_one_line_before_any_process_group(data, capsys):
 def test_same_global_batch_for_every_data_parallel_split(data):
     """Each DP rank's micro-batches are its contiguous block of the global batch, and the
     global batch of iteration t is dataset samples (t-1)*B .. t*B-1."""
-    from megatron_oases.datasets import MegatronData, build_datasets, validate_data_args
+    from megatron_oases.datasets import MegatronData, build_datasets, validate_data_config
 
-    args = build_parser().parse_args(MODEL + ["--data-path", data["big"], "--train-iters", "3"])
-    validate_data_args(args)
-    train, _, _ = build_datasets(args, 8)
+    cfg = validate_data_config(run_config(build_parser().parse_args(
+        MODEL + ["--data-path", data["big"], "--train-iters", "3"])))
+    train, _, _ = build_datasets(cfg, 8)
     for it in (1, 3):
         want = torch.stack([train[(it - 1) * 8 + i]["tokens"] for i in range(8)])
         for dp in (1, 2, 4):
             parts = [b["tokens"] for r in range(dp)
-                     for b in MegatronData(args, r, dp, "cpu").train_batches(it)]
+                     for b in MegatronData(cfg, r, dp, "cpu").train_batches(it)]
             assert torch.equal(torch.cat(parts), want), (it, dp)
 
 
 def test_weighted_blend_and_synthetic_validation_stream(data):
-    from megatron_oases.datasets import MegatronData, SyntheticData, validate_data_args
+    from megatron_oases.datasets import MegatronData, SyntheticData, validate_data_config
 
-    args = build_parser().parse_args(MODEL + [
+    cfg = validate_data_config(run_config(build_parser().parse_args(MODEL + [
         "--data-path", "0.7", data["big"], "0.3", data["small"], "--train-iters", "40",
-        "--eval-interval", "20", "--eval-iters", "2"])
-    validate_data_args(args)
-    blend = MegatronData(args, 0, 1, "cpu")
+        "--eval-interval", "20", "--eval-iters", "2"])))
+    blend = MegatronData(cfg, 0, 1, "cpu")
     assert len(blend.train) >= 40 * 8 and len(blend.valid) >= 3 * 2 * 8
     # both files contribute to the training samples (BlendedDataset's dataset_id)
     assert {int(blend.train[i]["dataset_id"]) for i in range(64)} == {0, 1}
@@ -108,7 +108,7 @@ def test_weighted_blend_and_synthetic_validation_stream(data):
     # training (iterations 1..T) never makes, the same for every layout and every call.
     from megatron_oases.data import synthetic_sample
 
-    syn = SyntheticData(build_parser().parse_args(MODEL + ["--train-iters", "10"]), 0, 2, "cpu")
+    syn = SyntheticData(run_config(build_parser().parse_args(MODEL + ["--train-iters", "10"])), 0, 2, "cpu")
     got = torch.cat([b["tokens"] for b in syn.valid_batches(3)])
     want = torch.stack([synthetic_sample(7, -4, i, 16, VOCAB)[:-1] for i in range(4)])
     assert torch.equal(got, want)

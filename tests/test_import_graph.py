@@ -169,3 +169,16 @@ def test_importing_the_simulator_core_loads_no_torch():
                          cwd=PKG.parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                              [str(PKG.parent), os.environ.get("PYTHONPATH", "")])})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_run_config_does_not_import_the_planner():
+    """``run_config`` sits below everything that reads a run (its one constant from the planner,
+    ``DEFAULT_MIN_GAIN``, lives in ``run_config.py`` now)."""
+    assert _edges_from(import_graph(), "megatron_oases.run_config", "megatron_oases.plan") == []
+    assert not [t for t in import_graph()["megatron_oases.run_config"]
+                if t == "megatron_oases.plan" or t.startswith("megatron_oases.plan.")]
+
+
+def test_the_runtime_does_not_import_the_run_config():
+    """``runtime/`` is where code runs; it takes the fields it needs, never the run's config type."""
+    assert _edges_from(import_graph(), "megatron_oases.runtime", "megatron_oases.run_config") == []

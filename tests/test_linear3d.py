@@ -12,7 +12,7 @@ import torch
 
 from megatron_oases.layers.linear3d import Linear3D, LayerNorm3D, gemm_layouts, predicted_gemm_bytes
 from megatron_oases.parallel.cube import Cube, CubeGroups, build_cube_groups, other_dir
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests import rank_fns_3d
 

@@ -13,7 +13,8 @@ import pytest
 from megatron_oases.megatron_lm import flags
 from megatron_oases.megatron_lm.flags import (extra_args_provider, make_extra_args_provider,
                                               trainer_view, validate_megatron_args)
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
+from megatron_oases.run_config import run_config
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:
@@ -160,16 +161,6 @@ def test_stock_runs_are_left_to_megatron(monkeypatch):
     assert ns.tp_backend == "megatron"
 
 
-def test_backend_without_a_layer_spec_is_refused(monkeypatch, capsys):
-    from megatron_oases import train_args
-
-    monkeypatch.setattr(train_args, "TP_BACKENDS", ("megatron", "atp"))
-    with pytest.raises(SystemExit):
-        parse(["--tensor-model-parallel-size", "8", "--tp-backend", "3d"], world=8,
-              monkeypatch=monkeypatch)
-    assert "--tp-backend 3d is not available as a Megatron-Core layer spec yet" in capsys.readouterr().err
-
-
 def test_atp_mesh_auto_uses_the_mesh_search(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     ns = parse(["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto",
@@ -204,19 +195,17 @@ def test_trainer_view_maps_megatron_names():
                    "1", "--swiglu", "--hidden-size", "96", "--num-attention-heads", "4",
                    "--global-batch-size", "4", "--micro-batch-size", "1"]
     ns = plain_parse(p, argv)
-    view, dims = trainer_view(ns, world_size=8)
+    view, dims = trainer_view(run_config(ns), world_size=8)
     assert (dims.tp, dims.pp, dims.vp, dims.dp) == (1, 2, 2, 4)
     assert view.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 and ns.ffn_hidden_size is None
-    view.atp_mesh = (9, 9)
-    assert ns.atp_mesh is None  # a copy: validators normalise the view, not Megatron's args
 
 
 def test_validate_can_be_called_directly():
     ns = plain_parse(extra_args_provider(megatron_like_parser()),
                      BASE + ["--tensor-model-parallel-size", "2", "--tp-backend", "atp",
                              "--atp-mesh", "1,2"])
-    validate_megatron_args(ns, world_size=2)
-    assert ns.atp_mesh == (1, 2)
+    assert validate_megatron_args(ns, world_size=2).atp_mesh == (1, 2)
+    assert ns.atp_mesh == "1,2"  # read, not edited: the parse hook writes it back (keep_on_megatron_args)
     with pytest.raises(ConfigError, match="world size 3"):
         validate_megatron_args(ns, world_size=3)
 

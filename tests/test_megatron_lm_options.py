@@ -63,12 +63,11 @@ def test_refused_only_where_a_build_drops_it(run, extra, refused, capsys, monkey
 
 
 def test_builds_of():
-    ns = dict(schedule="oases", oases_plan=None, tp_backend="atp")
-    import argparse
+    from megatron_oases.run_config import RunConfig
 
-    assert options.builds_of(argparse.Namespace(**ns)) == {"oases", "atp"}
-    assert options.builds_of(argparse.Namespace(schedule="default", oases_plan="p.json",
-                                                tp_backend="megatron")) == {"plan"}
+    assert options.builds_of(RunConfig(schedule="oases", oases_plan=None, tp_backend="atp")) == {"oases", "atp"}
+    assert options.builds_of(RunConfig(schedule="default", oases_plan="p.json",
+                                       tp_backend="megatron")) == {"plan"}
 
 
 def _backend_parser():

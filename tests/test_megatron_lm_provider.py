@@ -45,9 +45,12 @@ def megatron_args(**over) -> argparse.Namespace:
 
 def _config_keeping_recompute(args):
     """Like Megatron-LM's config factory: recompute straight from the args, whatever the schedule."""
+    import dataclasses
+
+    from megatron_oases.run_config import run_config
     from megatron_oases.specs import transformer_config_from_args
 
-    return transformer_config_from_args(argparse.Namespace(**{**vars(args), "schedule": "default"}),
+    return transformer_config_from_args(dataclasses.replace(run_config(args), schedule="default"),
                                         cuda=False)
 
 
@@ -187,7 +190,7 @@ def test_entry_with_a_bad_checkout_is_one_line():
 
 def test_checkout_version_check(tmp_path):
     from megatron_oases.megatron_lm.checkout import check_versions, checkout_path, checkout_version
-    from megatron_oases.parallel.dims import ConfigError
+    from megatron_oases.errors import ConfigError
 
     (tmp_path / "megatron/training").mkdir(parents=True)
     (tmp_path / "megatron/training/__init__.py").write_text("")

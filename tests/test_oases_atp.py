@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from tests.conftest import assert_same_training
 from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
 
@@ -76,17 +76,19 @@ def test_fine_grained_recompute_issues_no_collective():
      "--schedule oases does not support --tp-backend 3d"),
 ], ids=["atp-chunks", "3d"])
 def test_refused_combinations(world, argv, needle):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(OASES + ["--micro-batch-size", "4", "--global-batch-size",
                                               "8"] + argv)
     with pytest.raises(ConfigError, match=needle):
-        validate_args(args, world_size=world, cuda=False)
+        validate_config(run_config(args), world_size=world, cuda=False)
 
 
 def test_oases_atp_flags_validate():
     """--schedule oases with --tp-backend atp (chunks 1) passes validation."""
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(MODEL + OASES + RECOMPUTE + _layout(4, "2,2"))
-    validate_args(args, world_size=4, cuda=False)
+    validate_config(run_config(args), world_size=4, cuda=False)

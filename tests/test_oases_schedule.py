@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from tests.conftest import assert_same_training
 from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
 
@@ -79,11 +79,12 @@ def test_fine_grained_recompute_issues_no_collective():
     (["--tp-backend", "atp", "--atp-mesh", "1,2", "--atp-chunks", "2"], "--atp-chunks"),
 ])
 def test_bad_combinations_fail_before_launch(argv, needle):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(OASES + TP2 + argv)
     with pytest.raises(ConfigError, match=needle.replace("+", r"\+")):
-        validate_args(args, world_size=2, cuda=False)
+        validate_config(run_config(args), world_size=2, cuda=False)
 
 
 def test_tape_collectives_match_the_layer_description():

@@ -103,16 +103,17 @@ def test_sequence_parallel_saved_bytes_per_layer(n, flag, full, chunks):
 
 def test_sequence_parallel_on_atp_layers_is_refused():
     """ATP layers do not run sequence parallelism, with or without Oases: one line naming it."""
-    from megatron_oases.parallel.dims import ConfigError
-    from megatron_oases.schedules.oases.options import validate_oases_args
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.errors import ConfigError
+    from megatron_oases.schedules.oases.options import validate_oases_config
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(MODEL + SP + OASES + TP2 + ["--tp-backend", "atp",
                                                                  "--atp-mesh", "1,2"])
     with pytest.raises(ConfigError, match="does not support --sequence-parallel"):
-        validate_args(args, world_size=2, cuda=False)
+        validate_config(run_config(args), world_size=2, cuda=False)
     with pytest.raises(ConfigError, match="drop --sequence-parallel"):
-        validate_oases_args(args, None)
+        validate_oases_config(run_config(args), None)
 
 
 @pytest.mark.parametrize("schedule", [[], OASES + RECOMPUTE], ids=["stock", "oases"])

@@ -103,13 +103,14 @@ def test_the_split_itself():
 def test_runtime_simulator_and_planner_agree_on_a_micro_batch(micro_batch):
     """Each accepts an even micro-batch and refuses micro-batch 3 with ``split_refusal``'s line."""
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.parallel.dims import ConfigError
+    from megatron_oases.errors import ConfigError
     from megatron_oases.plan.cost_model import build_cost_model
     from megatron_oases.plan.graph import PlanError, PlanModel
     from megatron_oases.pricing.device_model import SimError
     from megatron_oases.sim.core.strategy import Strategy, check
     from megatron_oases.topology import Level, Topology
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     why = split_refusal(micro_batch)
 
@@ -119,7 +120,7 @@ def test_runtime_simulator_and_planner_agree_on_a_micro_batch(micro_batch):
             "--vocab-size", "128", "--micro-batch-size", str(micro_batch), "--global-batch-size",
             str(2 * micro_batch), "--tensor-model-parallel-size", "2", "--schedule", "oases"]
     with expect() as runtime:
-        validate_args(build_parser().parse_args(argv), world_size=2, cuda=False)
+        validate_config(run_config(build_parser().parse_args(argv)), world_size=2, cuda=False)
     model = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=128,
                      micro_batch_size=micro_batch)
     with expect() as sim:

@@ -101,11 +101,11 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
 def test_trainer_flags_pass_through_unabbreviated():
     """The trainer's ``--optimizer`` is not taken for the benchmark's ``--optimizer-step``, and
     the trainer's parser gets every flag the benchmark does not know."""
-    from megatron_oases.bench_standin.measure import build_parser, trainer_args
+    from megatron_oases.bench_standin.measure import build_parser, trainer_config
 
     a, rest = build_parser().parse_known_args(
         ["--optimizer", "sgd", "--tp", "4", "--out", "x.json", "--micro-batch-size", "4", "--schedule", "oases"])
     assert (a.tp, a.optimizer_step, a.out) == (4, False, "x.json")
-    args = trainer_args(rest, a.tp, "default")
-    assert (args.optimizer, args.tensor_model_parallel_size, args.schedule) == ("sgd", 4, "default")
-    assert (args.global_batch_size, args.tp_invariant_init) == (4, False)  # one micro-batch a step
+    cfg = trainer_config(rest, a.tp, "default")
+    assert (cfg.optimizer, cfg.tensor_model_parallel_size, cfg.schedule) == ("sgd", 4, "default")
+    assert (cfg.global_batch_size, cfg.tp_invariant_init) == (4, False)  # one micro-batch a step

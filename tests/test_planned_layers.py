@@ -11,7 +11,7 @@ import json
 import pytest
 
 from megatron_oases.parallel.degree_groups import reshard_group_ranks, sub_group_ranks
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from tests.conftest import assert_same_training
 from tests.rank_fns_plan import train_with_plan
 
@@ -122,17 +122,17 @@ def test_plan_with_pipeline_and_degree_one(tmp_path, schedule):
 def test_plan_with_oases_and_degree_one(tmp_path):
     """Degree-1 layers run without the sub-batch split under Oases: micro-batch 4 on T = 4."""
     base = ["--num-layers", "2"] + MODEL + OASES + ["--train-iters", "3",
-                                                    "--tensor-model-parallel-size", "4"]
+                                                   "--tensor-model-parallel-size", "4"]
     ref = _summary(_runs(4, base))
     got = _summary(_runs(4, base + ["--oases-plan", _plan(tmp_path, 4, [1, 1, 4, 4])]))
     _assert_same(got, ref, "vs uniform TP=4 (Oases)")
 
 
 def _validate(argv):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
-    args = build_parser().parse_args(argv)
-    return validate_args(args, 4, cuda=False), args
+    return validate_config(run_config(build_parser().parse_args(argv)), 4, cuda=False)
 
 
 @pytest.mark.parametrize("degrees,extra,match", [
@@ -158,20 +158,20 @@ def test_bad_plans_are_one_line_errors(tmp_path, degrees, extra, match):
 
 
 def test_good_plan_sets_layer_degrees(tmp_path):
-    _, args = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                         "--micro-batch-size", "4", "--global-batch-size", "8",
-                         "--tensor-model-parallel-size", "4", "--oases-plan",
-                         _plan(tmp_path, 4, [2, 2, 4, 4])])
-    assert args.oases_layer_degrees == ((2, 2), (4, 4))
-    _, args = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                         "--micro-batch-size", "4", "--global-batch-size", "8",
-                         "--tensor-model-parallel-size", "4", "--oases-plan",
-                         _plan(tmp_path, 4, [2, 4, 4, 1])])
-    assert args.oases_layer_degrees == ((2, 4), (4, 1))  # per block with the stock schedule
-    _, args = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                         "--micro-batch-size", "4", "--global-batch-size", "8",
-                         "--tensor-model-parallel-size", "4"])
-    assert args.oases_layer_degrees is None
+    cfg = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                    "--micro-batch-size", "4", "--global-batch-size", "8",
+                    "--tensor-model-parallel-size", "4", "--oases-plan",
+                    _plan(tmp_path, 4, [2, 2, 4, 4])])
+    assert cfg.oases_layer_degrees == ((2, 2), (4, 4))
+    cfg = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                    "--micro-batch-size", "4", "--global-batch-size", "8",
+                    "--tensor-model-parallel-size", "4", "--oases-plan",
+                    _plan(tmp_path, 4, [2, 4, 4, 1])])
+    assert cfg.oases_layer_degrees == ((2, 4), (4, 1))  # per block with the stock schedule
+    cfg = _validate(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                    "--micro-batch-size", "4", "--global-batch-size", "8",
+                    "--tensor-model-parallel-size", "4"])
+    assert cfg.oases_layer_degrees is None
 
 
 @pytest.mark.parametrize("schedule", [RECOMPUTE, OASES], ids=["stock", "oases"])

@@ -99,14 +99,15 @@ def test_plan_cli_end_to_end(tmp_path, capsys):
     assert data["inputs"]["num_microbatches"] == 2 and data["inputs"]["data_parallel_size"] == 2
     assert "run the plan with --oases-plan" in text
     # The trainer accepts the plan file as written (a layer-granularity plan).
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     args = build_parser().parse_args(["--num-layers", "4", "--hidden-size", "1024",
                                       "--num-attention-heads", "16", "--micro-batch-size", "4",
                                       "--global-batch-size", "16", "--tensor-model-parallel-size",
                                       "4", "--oases-plan", str(out)])
-    validate_args(args, 8, cuda=False)
-    assert args.oases_layer_degrees == tuple((d, d) for d in plan.per_layer)
+    cfg = validate_config(run_config(args), 8, cuda=False)
+    assert cfg.oases_layer_degrees == tuple((d, d) for d in plan.per_layer)
 
 
 def test_plan_cli_flags_only_and_errors(tmp_path, capsys):

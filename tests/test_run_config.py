@@ -115,3 +115,103 @@ def test_megatron_swiglu_kernel_only_on_cuda(swiglu, cuda, fused):
 
     cfg = dataclasses.replace(DEFAULTS, swiglu=swiglu, ffn_hidden_size=4 * DEFAULTS.hidden_size)
     assert transformer_config_from_args(cfg, cuda=cuda).bias_activation_fusion is fused
+
+
+# ---- validate once, pass the config down ------------------------------------------------------
+# Only the entries see the argparse namespace: they call ``run_config(args)`` once and hand the
+# (validated) RunConfig down. Everything else takes ``cfg``.
+
+RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
+    ("train.py", "main"): "the trainer's command line",
+    ("megatron_lm/flags.py", "validate_megatron_args"): "Megatron-LM's parse hook",
+    ("megatron_lm/model_provider.py", "uses_stock"): "called with its args by the patched checkout",
+    ("megatron_lm/model_provider.py", "_builder"): "gpt_builder's signature: Megatron-LM's args",
+    ("megatron_lm/pretrain_gpt.py", "main"): "python -m megatron_oases.pretrain_gpt",
+    ("sim/frontends/predict.py", "sim_inputs_from_train_args"): "the simulator's trainer-flags front end",
+    ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",
+    ("sim/frontends/predict.py", "predict_train_step"): "the simulator's trainer-flags front end",
+    ("bench_standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
+}
+"""(file, function) that may call ``run_config(``, and why it is an entry."""
+
+ARGS_PARAMETERS: dict[tuple[str, str], str] = {
+    **RUN_CONFIG_ENTRIES,
+    ("run_config.py", "run_config"): "the one reader of a run's namespace",
+    ("run_config.py", "options_present"): "Megatron-LM's own options, named in a table",
+    ("megatron_lm/flags.py", "keep_on_megatron_args"): "the one write onto Megatron-LM's args",
+    ("megatron_lm/flags.py", "parse_known_args"): "argparse's own method (args: the argv)",
+    ("megatron_lm/model_provider.py", "ensure_validated"): "Megatron-LM's args from get_args()",
+    ("megatron_lm/model_provider.py", "_megatron_config_from_args"):
+        "Megatron-LM's core_transformer_config_from_args reads its args",
+    ("megatron_lm/options.py", "refusal"): "Megatron-LM's own options, which RunConfig lacks",
+    ("megatron_lm/wheel_gpt.py", "refusal"): "Megatron-LM's own options, which RunConfig lacks",
+    ("megatron_lm/wheel_gpt.py", "dataset_config"):
+        "Megatron-LM's GPTDatasetConfig from its own data options",
+    ("mcore_compat.py", "batch_on_this_tp_rank"): "Megatron's get_batch_on_this_tp_rank(args)",
+    ("runtime/cpu_training_compat.py", "load"): "Megatron's fused_kernels.load(args) signature",
+    ("runtime/spawn.py", "_rank_main"): "a function's positional arguments, not a namespace",
+    ("runtime/spawn.py", "run_on_ranks"): "a function's positional arguments, not a namespace",
+    ("topology/netns.py", "run"): "a command's argv list",
+    ("topology/probe.py", "overlap"): "the probe's own command line",
+    ("topology/probe.py", "p2p"): "the probe's own command line",
+}
+"""(file, function) that may take a parameter named ``args``, and why. Functions that build a
+parser take ``parser`` (``add_*_args(parser)``) and need no entry."""
+
+
+def _functions():
+    """(file, function node) of every function of the package."""
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield rel, node
+
+
+def run_config_callers() -> set[tuple[str, str]]:
+    """(file, innermost function) of every ``run_config(`` call in the package."""
+    out = set()
+    for rel, fn in _functions():
+        inner = {id(n) for sub in ast.walk(fn) if sub is not fn
+                 and isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(sub)}
+        for n in ast.walk(fn):
+            if (id(n) not in inner and isinstance(n, ast.Call)
+                    and getattr(n.func, "id", getattr(n.func, "attr", None)) == "run_config"):
+                out.add((rel, fn.name))
+    return out
+
+
+def args_parameters() -> set[tuple[str, str]]:
+    """(file, function) of every function with a parameter named ``args``."""
+    return {(rel, fn.name) for rel, fn in _functions()
+            if "args" in [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]}
+
+
+def test_run_config_is_built_at_the_entries_only():
+    stray = run_config_callers() - set(RUN_CONFIG_ENTRIES)
+    assert not stray, f"take the RunConfig as a parameter instead of building it: {sorted(stray)}"
+
+
+def test_only_the_entries_take_the_namespace():
+    stray = args_parameters() - set(ARGS_PARAMETERS)
+    assert not stray, f"take the RunConfig (cfg) instead of the namespace (args): {sorted(stray)}"
+
+
+def test_entry_lists_hold_no_stale_names():
+    assert set(RUN_CONFIG_ENTRIES) <= run_config_callers() | args_parameters()
+    assert set(ARGS_PARAMETERS) <= args_parameters() | run_config_callers()
+
+
+def test_validation_returns_the_config_and_leaves_the_namespace_alone():
+    from megatron_oases.train_args import build_parser, validate_config
+
+    args = build_parser().parse_args(["--tensor-model-parallel-size", "4", "--tp-backend", "atp",
+                                      "--atp-mesh", "2,2", "--swiglu", "--hidden-size", "128",
+                                      "--recompute-granularity", "full",
+                                      "--recompute-method", "uniform"])
+    before = dict(vars(args))
+    cfg = validate_config(run_config(args), 4, cuda=False)
+    assert vars(args) == before
+    assert (cfg.atp_mesh, cfg.ffn_hidden_size, cfg.max_position_embeddings,
+            cfg.recompute_num_layers, cfg.oases_layer_degrees) == ((2, 2), 320, 32, 1, None)
+    assert validate_config(cfg, 4, cuda=False) == cfg  # validating again changes nothing

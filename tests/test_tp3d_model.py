@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_oases.layers.linear3d import predicted_gemm_bytes
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests import rank_fns_3d_model as R
 
@@ -149,13 +149,14 @@ def test_3d_checkpoint_loads_into_stock_tp2(cube_run, ckpt_dir):
     (["--tensor-model-parallel-size", "8", "--schedule", "oases"], r"--tp-backend 3d"),
 ])
 def test_bad_3d_input_is_one_line_before_any_process_group(extra, match):
-    from megatron_oases.train_args import build_parser, validate_args
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
 
     argv = MODEL + ["--tp-backend", "3d"] + [a for a in extra]
     args = build_parser().parse_args(argv)
     world = 8 if "8" in extra else 4 if "4" in extra else 1
     with pytest.raises(ConfigError, match=match) as e:
-        validate_args(args, world, cuda=False)
+        validate_config(run_config(args), world, cuda=False)
     assert "\n" not in str(e.value)
 
 

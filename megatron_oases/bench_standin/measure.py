@@ -64,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def trainer_args(rest: list[str], tp: int, schedule: str) -> argparse.Namespace:
-    """The trainer's namespace for ``rest`` at TP ``tp`` and ``schedule``: one micro-batch a step
-    and no TP-invariant initialisation unless the flags say otherwise."""
+def trainer_config(rest: list[str], tp: int, schedule: str):
+    """The trainer's ``RunConfig`` for ``rest`` at TP ``tp`` and ``schedule``: one micro-batch a
+    step and no TP-invariant initialisation unless the flags say otherwise (this bench's entry of
+    the trainer's flags)."""
+    from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser as trainer_parser
 
     extra = ["--tensor-model-parallel-size", str(tp), "--schedule", schedule]
@@ -75,7 +77,7 @@ def trainer_args(rest: list[str], tp: int, schedule: str) -> argparse.Namespace:
         extra += ["--global-batch-size", mbs or str(trainer_parser().get_default("micro_batch_size"))]
     if "--tp-invariant-init" not in rest:
         extra.append("--no-tp-invariant-init")
-    return trainer_parser("bench_gpu_overlap.py").parse_args(rest + extra)
+    return run_config(trainer_parser("bench_gpu_overlap.py").parse_args(rest + extra))
 
 
 def _step(tr, batches, optimizer_step: bool) -> None:
@@ -89,8 +91,8 @@ def _step(tr, batches, optimizer_step: bool) -> None:
         m.zero_grad_buffer()
     get_forward_backward_func()(
         forward_step_func=T._forward_step, data_iterator=iter(batches), model=tr.model[0],
-        num_microbatches=tr.num_microbatches, seq_length=tr.args.seq_length,
-        micro_batch_size=tr.args.micro_batch_size, forward_only=False)
+        num_microbatches=tr.num_microbatches, seq_length=tr.cfg.seq_length,
+        micro_batch_size=tr.cfg.micro_batch_size, forward_only=False)
     if optimizer_step:
         tr.optimizer.zero_grad()
         tr.optimizer.step()
@@ -128,7 +130,7 @@ class Bench:
 
         from megatron_oases import train as T
 
-        tr = T.setup(trainer_args(self.rest, self.a.tp, schedule))
+        tr = T.setup(trainer_config(self.rest, self.a.tp, schedule))
         if len(tr.model) != 1:
             raise SystemExit("bench_gpu_overlap.py: one process is one pipeline stage; drop the "
                              "virtual pipeline flags")
@@ -154,7 +156,7 @@ class Bench:
         def step():
             _step(tr, batches, a.optimizer_step)
 
-        res = {"recompute": _recompute(tr.args), "compute": _summary(_timed(rt, step, a.warmup, a.steps))}
+        res = {"recompute": _recompute(tr.cfg), "compute": _summary(_timed(rt, step, a.warmup, a.steps))}
         with CommCounter() as counted:
             step()
         calls = [(r.kind, r.group_size, r.payload_bytes) for r in counted.records if r.group_size > 1]
@@ -249,11 +251,11 @@ def _link(gbps: float, latency_us: float):
     return Link(GBps=gbps, latency_us=latency_us)
 
 
-def _recompute(args) -> str:
-    if args.recompute_granularity is None:
+def _recompute(cfg) -> str:
+    if cfg.recompute_granularity is None:
         return "none"
-    fine = args.schedule == "oases" and args.oases_fine_grained_recompute
-    return f"{args.recompute_granularity} {args.recompute_method}" + (" (Oases fine-grained)" if fine else "")
+    fine = cfg.schedule == "oases" and cfg.oases_fine_grained_recompute
+    return f"{cfg.recompute_granularity} {cfg.recompute_method}" + (" (Oases fine-grained)" if fine else "")
 
 
 def print_report(out: dict) -> None:

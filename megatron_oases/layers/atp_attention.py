@@ -30,7 +30,7 @@ from megatron_oases.layers.atp_linear import (ColumnFirstLinear, RowFirstLinear,
                                               count_once_in_grad_norm_, mesh_sharded_state_dict)
 from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel import collectives as C
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups
 
 

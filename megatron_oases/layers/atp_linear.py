@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from megatron_oases.layers.gated_rows import gated_rows_factory, gated_rows_order
 from megatron_oases.parallel import collectives as C
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups, shard_index
 
 

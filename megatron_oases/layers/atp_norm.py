@@ -18,7 +18,7 @@ import torch
 
 from megatron_oases.layers.atp_linear import (count_once_in_grad_norm_, mesh_sharded_state_dict)
 from megatron_oases.parallel import collectives as C
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups, shard_index
 
 

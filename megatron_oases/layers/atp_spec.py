@@ -15,7 +15,7 @@ Hidden dropout: the mask of the whole ``[s, b, h]`` is drawn and this rank's axi
 from __future__ import annotations
 
 from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, BoundaryTransformerLayer
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.mesh import MeshGroups
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 FLAG = "--attention-backend"
 

@@ -29,7 +29,7 @@ from megatron_oases.parallel.collectives import (
 )
 from megatron_oases.layers.gated_rows import gated_rows_factory
 from megatron_oases.parallel.cube import CubeGroups, broadcast_, other_dir, reduce_
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

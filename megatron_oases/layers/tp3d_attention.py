@@ -32,7 +32,7 @@ from megatron_oases.layers.linear3d import Linear3D, activation_layout, cube_sha
 from megatron_oases.layers.qkv_heads import qk_norms, split_own_heads
 from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel.cube import CubeGroups, other_dir
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 def check_3d_config(config, groups: CubeGroups, what: str) -> None:

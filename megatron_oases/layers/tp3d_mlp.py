@@ -17,7 +17,7 @@ from megatron_oases.layers.linear3d import cube_sharded_state_dict
 from megatron_oases.layers.tp3d_attention import check_3d_config, linear_3d
 from megatron_oases.mcore_compat import accept_submodule_kwargs
 from megatron_oases.parallel.cube import CubeGroups
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 class MLP3D(torch.nn.Module):

@@ -24,7 +24,7 @@ from megatron_oases.layers.boundary import MEGATRON_NORM_KEYS, BlockLayout, Boun
 from megatron_oases.layers.linear3d import LayerNorm3D, cube_sharded_state_dict
 from megatron_oases.layers.tp3d_attention import place_cpu_masters
 from megatron_oases.parallel.cube import CubeGroups
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 
 def cube_layout(groups: CubeGroups) -> BlockLayout:

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from megatron_oases.mcore_compat import parse_version, supported
-from megatron_oases.parallel.dims import ConfigError
+from megatron_oases.errors import ConfigError
 
 ENV = "MEGATRON_LM_PATH"
 SUPPORTED_TAGS = "core_v0.16.1, core_v0.17.x, core_v0.18.x or core_v0.19.x"

@@ -9,9 +9,11 @@ Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is redefined.
 Validation runs when the parser has parsed (Megatron-LM's ``parse_args`` calls
 ``parser.parse_args()``; the provider makes that call also validate), so a bad launch stops
 before ``initialize_megatron`` with one line on rank 0 and exit status 2. The checks are ours
-(``ParallelDims`` and the trainer's ``train_args.validate_backend_args``: ATP, 3-D, Oases and
-plan checks) applied through ``trainer_view``, which maps Megatron-LM's namespace onto the
-trainer's names (via ``run_config``).
+(``ParallelDims`` and the trainer's ``train_args.validate_backend_config``: ATP, 3-D, Oases and
+plan checks) applied to the ``RunConfig`` of Megatron-LM's namespace (``trainer_view``). The
+hook reads the namespace once (``run_config``) and writes our normalised values back onto it in
+one place (``keep_on_megatron_args``): Megatron-LM hands its namespace, not our config, to the
+model provider.
 
 A stock run (``--tp-backend megatron --schedule default``, no ``--oases-plan``) keeps
 Megatron-LM's own validation of sizes; only our flags are checked then (``--topology``, a stray
@@ -20,16 +22,14 @@ Megatron-LM's own validation of sizes; only our flags are checked then (``--topo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Callable
 
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
+from megatron_oases.errors import ConfigError
+from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, mesh_search_shape, run_config
-
-PLANNED_TP_BACKENDS = ("megatron", "atp", "3d")
-"""``--tp-backend`` choices on Megatron-LM besides the trainer's; one the trainer does not build
-yet (not in ``train_args.TP_BACKENDS``) is refused at validation with a clear message."""
 
 _FROM_TRAINER = ("--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule",
                  "--oases-plan")
@@ -58,11 +58,6 @@ def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
     kwargs = {"dest": action.dest, "default": action.default, "type": action.type,
               "metavar": _METAVAR.get(option, action.metavar),
               "help": (action.help or "") + _HELP_EXTRA.get(option, ""), "choices": action.choices}
-    if option == "--tp-backend":
-        kwargs["choices"] = tuple(dict.fromkeys((*action.choices, *PLANNED_TP_BACKENDS)))
-        missing = [b for b in kwargs["choices"] if b not in action.choices]
-        if missing:
-            kwargs["help"] += f"; {', '.join(missing)}: not a Megatron-Core layer spec yet (refused)"
     group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
 
 
@@ -107,8 +102,9 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
         def parse_known_args(self, args=None, namespace=None):
             ns, extras = super().parse_known_args(args, namespace)
             try:
-                validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions},
-                                       stock_model=stock_model)
+                cfg = validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions},
+                                             stock_model=stock_model)
+                keep_on_megatron_args(ns, cfg)
             except ConfigError as exc:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
@@ -120,9 +116,18 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
     return parser
 
 
-def is_stock(args: argparse.Namespace | RunConfig) -> bool:
+def keep_on_megatron_args(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """Write the values our validation normalised onto Megatron-LM's namespace: the one place
+    that edits it. Megatron-LM hands its namespace (``get_args()``), not our ``RunConfig``, to
+    the model provider, which must find there the resolved ``--atp-mesh`` (``auto`` is searched
+    once, here) and ``--oases-plan``'s block degrees. ``ffn_hidden_size`` is left to Megatron-LM's
+    own ``validate_args``, which fills it in the same way."""
+    args.atp_mesh = cfg.atp_mesh
+    args.oases_layer_degrees = cfg.oases_layer_degrees
+
+
+def is_stock(cfg: RunConfig) -> bool:
     """Stock Megatron-LM model and schedule: none of our backends or schedules selected."""
-    cfg = run_config(args)
     return cfg.tp_backend == "megatron" and cfg.schedule == "default" and cfg.oases_plan is None
 
 
@@ -136,25 +141,21 @@ def _virtual_stages(cfg: RunConfig) -> int | None:
     return vp if vp and vp > 1 else None
 
 
-def trainer_view(args: argparse.Namespace, world_size: int | None = None,
-                 ) -> tuple[argparse.Namespace, ParallelDims]:
-    """Megatron-LM's args as the reference trainer's namespace, and the validated degrees.
-
-    The view is a shallow copy of ``args`` with every field of its ``run_config`` (a trainer flag
-    Megatron-LM lacks takes the trainer's default) and ``ffn_hidden_size`` filled in as
-    Megatron-LM will; our validators normalise fields such as ``atp_mesh`` in place on it.
-    ``world_size`` defaults to WORLD_SIZE, as Megatron-LM's ``parse_args`` reads it.
+def trainer_view(cfg: RunConfig, world_size: int | None = None,
+                 ) -> tuple[RunConfig, ParallelDims]:
+    """The config of a Megatron-LM run as the reference trainer's validation sees it, and the
+    validated degrees: ``ffn_hidden_size`` filled in as Megatron-LM will (a trainer flag
+    Megatron-LM lacks has the trainer's default already, ``run_config``). ``world_size``
+    defaults to WORLD_SIZE, as Megatron-LM's ``parse_args`` reads it.
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = run_config(args)
     for flag, value in (("--num-layers", cfg.num_layers), ("--hidden-size", cfg.hidden_size),
                         ("--num-attention-heads", cfg.num_attention_heads),
                         ("--micro-batch-size", cfg.micro_batch_size)):
         if value is None:
             raise ConfigError(f"{flag} is required")
-    view = argparse.Namespace(**{**vars(args), **cfg.as_dict()})
-    view.sequence_parallel = bool(cfg.sequence_parallel)
+    view = dataclasses.replace(cfg, sequence_parallel=bool(cfg.sequence_parallel))
     cp = cfg.megatron_lm.context_parallel_size or 1
     if world_size % cp:
         raise ConfigError(f"world size {world_size} is not divisible by --context-parallel-size {cp}")
@@ -163,7 +164,8 @@ def trainer_view(args: argparse.Namespace, world_size: int | None = None,
     # Uneven pipeline splits are Megatron-LM's to check; ParallelDims wants equal stages.
     layers = pp * (vp or 1) if cfg.megatron_lm.uneven_pipeline else cfg.num_layers
     if cfg.ffn_hidden_size is None:  # Megatron-LM's default, set later by it
-        view.ffn_hidden_size = megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu)
+        view = dataclasses.replace(
+            view, ffn_hidden_size=megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu))
     dims = ParallelDims(world_size=world_size // cp, tp=cfg.tensor_model_parallel_size, pp=pp,
                         vp=vp, num_layers=layers, hidden_size=cfg.hidden_size,
                         num_attention_heads=cfg.num_attention_heads,
@@ -176,38 +178,40 @@ def trainer_view(args: argparse.Namespace, world_size: int | None = None,
 
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int | None = None,
-                           defaults: dict | None = None, stock_model: bool = True) -> None:
-    """Check our flags against Megatron-LM's args (TP size, sequence parallel, recompute, ...).
+                           defaults: dict | None = None, stock_model: bool = True) -> RunConfig:
+    """Check our flags against Megatron-LM's args (TP size, sequence parallel, recompute, ...);
+    returns the run's ``RunConfig`` as validated (``atp_mesh`` as ``(d1, d2)``, ``auto`` resolved
+    from ``--topology``; ``oases_layer_degrees``; ``ffn_hidden_size`` as Megatron-LM fills it).
+    ``args`` is read, never edited (``keep_on_megatron_args`` does that, at the hook).
 
-    Raises ``ConfigError`` (one line naming the flag). On success Megatron-LM's namespace gets
-    ``atp_mesh`` as a ``(d1, d2)`` tuple (``auto`` resolved from ``--topology``). ``defaults``:
+    Raises ``ConfigError`` (one line naming the flag). ``defaults``:
     the parser's defaults (dest -> value), which tell a refused option that was set
     (``options.refusal``); None: Megatron-LM's own parser's, where it imports.
     ``stock_model=False``: no Megatron-LM model provider, so a stock run is our ``megatron``
     build (``options.builds_of``) and is checked like our other builds.
     """
-    from megatron_oases.train_args import TP_BACKENDS as BUILT
-    from megatron_oases.train_args import check_topology, validate_backend_args
+    from megatron_oases.megatron_lm.options import refusal
+    from megatron_oases.train_args import check_topology, validate_backend_config
 
-    if args.topology is not None:
-        check_topology(args.topology)
-    if args.tp_backend not in BUILT:
-        raise ConfigError(f"--tp-backend {args.tp_backend} is not available as a Megatron-Core "
-                          f"layer spec yet; use one of: {', '.join(BUILT)}")
-    if is_stock(args) and stock_model:
+    cfg = run_config(args)  # Megatron-LM's namespace, read once
+    if cfg.topology is not None:
+        check_topology(cfg.topology)
+    if is_stock(cfg) and stock_model:
         try:
-            view, dims = trainer_view(args, world_size)
+            view, dims = trainer_view(cfg, world_size)
         except ConfigError:
-            return  # sizes of a stock run are Megatron-LM's to check, in its own words
-        validate_backend_args(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases
-        return
-    _check_non_stock(args, megatron_lm_defaults() if defaults is None else defaults)
-    view, dims = trainer_view(args, world_size)
-    if args.tp_backend == "atp" and view.atp_mesh == "auto":
-        view.atp_mesh = resolve_auto_mesh(args, dims)
-    validate_backend_args(view, dims)
-    args.atp_mesh = view.atp_mesh
-    args.oases_layer_degrees = view.oases_layer_degrees
+            return cfg  # sizes of a stock run are Megatron-LM's to check, in its own words
+        return validate_backend_config(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases
+    what = _build_named(cfg)
+    # Megatron-LM's own options our builds refuse, read by name (RunConfig does not carry them)
+    refused = refusal(args, cfg, megatron_lm_defaults() if defaults is None else defaults, what)
+    if refused:
+        raise ConfigError(refused)
+    _check_non_stock(cfg, what)
+    view, dims = trainer_view(cfg, world_size)
+    if cfg.tp_backend == "atp" and view.atp_mesh == "auto":
+        view = dataclasses.replace(view, atp_mesh=resolve_auto_mesh(view, dims))
+    return validate_backend_config(view, dims)
 
 
 def megatron_lm_defaults() -> dict:
@@ -227,18 +231,16 @@ def megatron_lm_defaults() -> dict:
 _MEGATRON_DEFAULTS: dict | None = None
 
 
-def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
-    """Megatron-LM features our backends / schedules do not build (``options``)."""
-    from megatron_oases.megatron_lm.options import refusal
-
-    what = (f"--tp-backend {args.tp_backend}" if args.tp_backend != "megatron"
-            else f"--schedule {args.schedule}" if args.schedule != "default"
-            else "--oases-plan" if args.oases_plan is not None
+def _build_named(cfg: RunConfig) -> str:
+    """The flag that makes this run one of our builds, as the refusals name it."""
+    return (f"--tp-backend {cfg.tp_backend}" if cfg.tp_backend != "megatron"
+            else f"--schedule {cfg.schedule}" if cfg.schedule != "default"
+            else "--oases-plan" if cfg.oases_plan is not None
             else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")
-    refused = refusal(args, defaults, what)
-    if refused:
-        raise ConfigError(refused)
-    cfg = run_config(args)
+
+
+def _check_non_stock(cfg: RunConfig, what: str) -> None:
+    """Megatron-LM features our backends / schedules do not build (``options``)."""
     mlm = cfg.megatron_lm
     if mlm.transformer_impl != "local":
         raise ConfigError(f"{what} builds torch layers, not Transformer Engine ones: pass "
@@ -252,14 +254,14 @@ def _check_non_stock(args: argparse.Namespace, defaults: dict) -> None:
                           f"--position-embedding-type {pos}")
     if (mlm.context_parallel_size or 1) > 1:
         raise ConfigError(f"{what} does not support --context-parallel-size > 1 yet")
-    if (args.schedule == "oases" and args.tp_backend == "atp"
+    if (cfg.schedule == "oases" and cfg.tp_backend == "atp"
             and mlm.overlap_param_gather):
         # The ATP tape calls the modules' parts, not the modules, so the DDP forward pre-hooks
         # that wait for each parameter's all-gather never fire: stale weights, silently.
         raise ConfigError("--schedule oases with --tp-backend atp does not run Megatron DDP's "
                           "forward pre-hooks, which --overlap-param-gather needs; drop "
                           "--overlap-param-gather")
-    if args.schedule == "oases" and mlm.tp_comm_overlap:
+    if cfg.schedule == "oases" and mlm.tp_comm_overlap:
         raise ConfigError("--schedule oases overlaps the TP collectives itself; drop "
                           "--tp-comm-overlap (Transformer Engine's userbuffer overlap)")
 
@@ -279,15 +281,14 @@ def _check_attention_backend(cfg: RunConfig, what: str) -> None:
     check_backend(cfg.attention_backend, cuda=torch.cuda.is_available(), half=cfg.bf16 or cfg.fp16)
 
 
-def resolve_auto_mesh(args: argparse.Namespace, dims: ParallelDims) -> str:
+def resolve_auto_mesh(cfg: RunConfig, dims: ParallelDims) -> str:
     """``--atp-mesh auto``: ATP's mesh search on ``--topology`` for this model; returns "d1,d2"."""
-    if args.topology is None:
+    if cfg.topology is None:
         raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the mesh search "
                           "prices); or pass D1,D2 from `megatron-oases mesh`")
     from megatron_oases.describe.ops import ModelingError
     from megatron_oases.plan.atp_mesh import MeshError, search_mesh
 
-    cfg = run_config(args)
     try:
         choice = search_mesh(cfg.topology, dims.tp, mesh_search_shape(cfg, dims.pp))
     except (MeshError, ModelingError) as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from megatron_oases.run_config import run_config
+from megatron_oases.run_config import RunConfig, run_config
 
 StockProvider = Callable[..., Any]
 """Megatron-LM's provider signature: ``(pre_process, post_process, vp_stage, config,
@@ -56,10 +56,11 @@ class ModelProvider:
         self._groups: tuple[Any, Any] | None = None  # (key, groups)
 
     def uses_stock(self, args: argparse.Namespace) -> bool:
-        """Whether ``args`` is a stock run built by Megatron-LM's own provider (not by us)."""
+        """Whether Megatron-LM's ``args`` is a stock run built by Megatron-LM's own provider (not
+        by us). An entry: the patched checkout's ``pretrain_gpt.py`` calls it with its args."""
         from megatron_oases.megatron_lm.flags import is_stock
 
-        return self.stock is not None and is_stock(args)
+        return self.stock is not None and is_stock(run_config(args))
 
     def __call__(self, pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, config=None, pg_collection=None):
@@ -77,23 +78,25 @@ class ModelProvider:
 
     def _builder(self, args, pre_process, post_process, vp_stage=None, config=None,
                  pg_collection=None):
-        """Our build with ``gpt_builder``'s signature, for the checkout's ``model_provider``."""
+        """Our build with ``gpt_builder``'s signature, for the checkout's ``model_provider`` (an
+        entry: it passes Megatron-LM's args, as validated by our parse hook)."""
+        cfg = run_config(args)
         if config is None:
-            config = self._config_from_args(args)
-        model = build_model(args, config, pre_process=pre_process, post_process=post_process,
-                            vp_stage=vp_stage, groups=self.backend_groups(args))
-        if run_config(args).oases_layer_degrees:
+            config = self._config_from_args(args)  # Megatron-LM's own mapping reads its args
+        model = build_model(cfg, config, padded_vocab_size=args.padded_vocab_size,
+                            pre_process=pre_process, post_process=post_process,
+                            vp_stage=vp_stage, groups=self.backend_groups(cfg))
+        if cfg.oases_layer_degrees:
             _prepare_replicas(model, config)
         return model
 
-    def backend_groups(self, args: argparse.Namespace):
-        """``specs.backend_groups(args)`` once per (backend, mesh); collective on first use."""
+    def backend_groups(self, cfg: RunConfig):
+        """``specs.backend_groups(cfg)`` once per (backend, mesh); collective on first use."""
         from megatron_oases.specs import backend_groups
 
-        cfg = run_config(args)
         key = (cfg.tp_backend, cfg.atp_mesh, cfg.oases_layer_degrees)
         if self._groups is None or self._groups[0] != key:
-            self._groups = (key, backend_groups(args))
+            self._groups = (key, backend_groups(cfg))
         return self._groups[1]
 
 
@@ -135,16 +138,16 @@ def ensure_validated(args: argparse.Namespace) -> None:
         raise RuntimeError("megatron_oases' flags are missing from Megatron-LM's args: pass "
                            "extra_args_provider=megatron_oases.megatron_lm.flags."
                            "extra_args_provider to pretrain()")
-    if isinstance(run_config(args).atp_mesh, str):
-        from megatron_oases.megatron_lm.flags import validate_megatron_args
+    if isinstance(args.atp_mesh, str):  # "D1,D2" or "auto": not through our hook
+        from megatron_oases.megatron_lm.flags import keep_on_megatron_args, validate_megatron_args
 
-        validate_megatron_args(args)
+        keep_on_megatron_args(args, validate_megatron_args(args))
 
 
-def build_model(args: argparse.Namespace, config, *, pre_process: bool, post_process: bool,
-                vp_stage: int | None = None, groups=None):
+def build_model(cfg: RunConfig, config, *, padded_vocab_size: int, pre_process: bool,
+                post_process: bool, vp_stage: int | None = None, groups=None):
     """A GPTModel chunk from ``specs.build_gpt_model`` (layer spec of ``--tp-backend``, the
-    ``--schedule`` applied), with Megatron-LM's config and padded vocabulary.
+    ``--schedule`` applied), with Megatron-LM's config and padded vocabulary (``args.padded_vocab_size``).
 
     The Oases schedule recomputes by itself: Megatron's recompute is cleared from the config
     (``--recompute-granularity full`` then selects Oases' recompute through its options).
@@ -155,12 +158,12 @@ def build_model(args: argparse.Namespace, config, *, pre_process: bool, post_pro
 
     from megatron_oases.schedules.oases.options import oases_runs
 
-    if oases_runs(args) and config.recompute_granularity:
+    if oases_runs(cfg) and config.recompute_granularity:
         config = dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
                                      recompute_num_layers=None)
     # specs pads ``vocab_size``; Megatron-LM has already padded it (from the tokenizer), so hand
     # that over unchanged (Megatron-LM initialises with its own, TP-dependent, init).
-    view = argparse.Namespace(**{**vars(args), "vocab_size": args.padded_vocab_size,
-                                 "make_vocab_size_divisible_by": 1, "tp_invariant_init": False})
+    view = dataclasses.replace(cfg, vocab_size=padded_vocab_size, make_vocab_size_divisible_by=1,
+                               tp_invariant_init=False)
     return build_gpt_model(view, config, pre_process=pre_process, post_process=post_process,
                            vp_stage=vp_stage, groups=groups)

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import argparse
 
-BUILDS = ("oases", "plan", "atp", "3d", "megatron")
+from megatron_oases.describe.backends import BACKENDS, backend
+from megatron_oases.run_config import RunConfig
+
+OWN_ATTENTION = frozenset(name for name, b in BACKENDS.items() if not b.megatron_modules)
+"""Builds with their own attention and MLP modules (the Oases tape and planned layers call
+Megatron's ``SelfAttention`` and ``MLP`` whole, so what those implement carries over): the TP
+backends whose record says so (``describe.backends``)."""
+
+BUILDS = ("oases", "plan", *(name for name in BACKENDS if name in OWN_ATTENTION), "megatron")
 """What replaces Megatron's layers: the Oases schedule, per-block plans, ATP and 3-D layers, and
 ``megatron``: our build of a stock run (``specs``' megatron spec) where no Megatron-LM model
 provider exists (no checkout, ``megatron_lm.wheel_gpt``)."""
 
 ALL = frozenset(BUILDS)
-OWN_ATTENTION = frozenset({"atp", "3d"})
-"""Builds with their own attention and MLP modules (the Oases tape and planned layers call
-Megatron's ``SelfAttention`` and ``MLP`` whole, so what those implement carries over)."""
 
 MODEL = frozenset({
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
@@ -269,30 +274,30 @@ def classes() -> dict[str, str]:
     return out
 
 
-def builds_of(args: argparse.Namespace) -> frozenset:
+def builds_of(cfg: RunConfig) -> frozenset:
     """Which of ``BUILDS`` a run uses (empty: stock Megatron-LM)."""
-    from megatron_oases.run_config import run_config
-
-    cfg = run_config(args)
     out = set()
     if cfg.schedule == "oases":
         out.add("oases")
     if cfg.oases_plan is not None:
         out.add("plan")
-    if cfg.tp_backend in ("atp", "3d"):
+    if not backend(cfg.tp_backend).megatron_modules:
         out.add(cfg.tp_backend)
     return frozenset(out)
 
 
-def refusal(args: argparse.Namespace, defaults: dict | None, what: str) -> str | None:
+def refusal(args: argparse.Namespace, cfg: RunConfig, defaults: dict | None,
+            what: str) -> str | None:
     """The one-line refusal for the first refused option this run sets, or None.
 
-    ``defaults``: Megatron-LM's parser defaults (dest -> default); without them (a namespace
-    not from Megatron-LM's parser) an option counts as set when it is truthy.
+    ``args``: Megatron-LM's namespace, whose own options (``REFUSED``, which ``RunConfig`` does
+    not carry) are read by name; ``cfg``: its ``RunConfig``. ``defaults``: Megatron-LM's parser
+    defaults (dest -> default); without them (a namespace not from Megatron-LM's parser) an
+    option counts as set when it is truthy.
     """
     from megatron_oases.run_config import options_present
 
-    builds = builds_of(args) or frozenset({"megatron"})  # a stock run that we build
+    builds = builds_of(cfg) or frozenset({"megatron"})  # a stock run that we build
     values = options_present(args, REFUSED)
     for name, (flag, refused_by) in REFUSED.items():
         if not (builds & refused_by) or name not in values:

@@ -25,7 +25,7 @@ import functools  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from megatron_oases.parallel.dims import ConfigError  # noqa: E402
+from megatron_oases.errors import ConfigError  # noqa: E402
 
 PROG = "megatron_oases.pretrain_gpt"
 
@@ -84,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
+        from megatron_oases.run_config import run_config
         from megatron_oases.runtime.cpu_training_compat import (
-            check_cpu_training_args,
+            cpu_training_refusal,
             install_cpu_training_compat,
         )
 
-        problem = check_cpu_training_args(args)
+        problem = cpu_training_refusal(run_config(args).megatron_lm)
         if problem:
             return _error(problem)
         install_cpu_training_compat()

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
 from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.run_config import DEFAULT_MIN_GAIN
 from megatron_oases.topology import AllReduceCalibration, Calibration, Topology
 
 # Eq. 2 per layer: (collective, mesh axis it all-reduces on, width in units of h, axis that shards
@@ -29,7 +30,6 @@ ATP_LAYER_ALLREDUCES: tuple[tuple[str, int, int, int], ...] = (
     ("f3 fc1 (column-first)", 2, 4, 1),
     ("f4 fc2 (row-first)", 1, 1, 2),
 )
-DEFAULT_MIN_GAIN = 0.10
 
 
 class MeshError(ValueError):

@@ -14,7 +14,6 @@ from typing import Any
 
 from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.errors import ConfigError
-from megatron_oases.run_config import run_config
 
 from .graph import BLOCK_KINDS
 
@@ -145,14 +144,11 @@ PLAN_HELP = ("run the per-block TP degrees of a plan written by `megatron-oases 
              "--tp-backend megatron")
 
 
-def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
-    """Check ``--oases-plan`` against the launch before any process group exists; sets and
-    returns ``args.oases_layer_degrees``: per layer, the (attention, mlp) TP degrees (None
-    without a plan). ``args``: a namespace (the trainer's, Megatron-LM's, a partial one), read
-    through ``run_config``."""
-    cfg = run_config(args)
+def validate_plan_args(cfg, dims) -> tuple[tuple[int, int], ...] | None:
+    """Check ``--oases-plan`` against the launch before any process group exists; returns the
+    run's ``oases_layer_degrees``: per layer, the (attention, mlp) TP degrees (None without a
+    plan). ``cfg``: the run's ``run_config.RunConfig``."""
     path = cfg.oases_plan
-    args.oases_layer_degrees = None
     if path is None:
         return None
     plan = load_plan(path, num_layers=cfg.num_layers, tp=dims.tp)
@@ -176,7 +172,6 @@ def validate_plan_args(args, dims) -> tuple[tuple[int, int], ...] | None:
                                    if need > dims.tp // degree else "")
                     + f": --micro-batch-size must be a multiple of {need} "
                       f"(got {cfg.micro_batch_size})")
-    args.oases_layer_degrees = layers
     return layers
 
 

@@ -25,7 +25,7 @@ is absent, nothing global faked, only
 
 Flags that need the CUDA caching allocator (``--log-memory-to-tensorboard``,
 ``--record-memory-history``) or CUDA-only machinery (``--cuda-graph-impl``, ``--inprocess-restart``,
-``--profile``) are refused up front by ``check_cpu_training_args``, one line naming the flag.
+``--profile``) are refused up front by ``cpu_training_refusal``, one line naming the flag.
 """
 from __future__ import annotations
 
@@ -123,11 +123,9 @@ def _no_device_arch(get_device_arch_version):
     return wrapped
 
 
-def check_cpu_training_args(args) -> str | None:
-    """The one-line reason ``args`` cannot train on CPU, or None."""
-    from megatron_oases.run_config import run_config
-
-    mlm = run_config(args).megatron_lm
+def cpu_training_refusal(mlm) -> str | None:
+    """The one-line reason a run with Megatron-LM options ``mlm`` (``RunConfig.megatron_lm``)
+    cannot train on CPU, or None."""
     for name, flag, why in CUDA_ONLY_FLAGS:  # fields of MegatronLMOptions
         if getattr(mlm, name):
             return f"{flag} {why}; it needs CUDA (this run is on CPU): drop it"

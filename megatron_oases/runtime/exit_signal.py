@@ -15,12 +15,9 @@ second signal, whereas here a second signal means "stop now" (``_Handler``).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
-
-from megatron_oases.parallel.dims import ConfigError
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU")
 """Signals ``--exit-signal`` takes: those a scheduler or a user sends to ask a job to end. The
@@ -38,61 +35,15 @@ program's start."""
 _IMPORTED_AT = time.time()
 
 
-def add_exit_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_oases.run_config import DEFAULTS
-
-    g = parser.add_argument_group(
-        "preemption and time limits (Megatron-LM's flags; docs/checkpoints.md#preemption-and-time-limits)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal (SIGTERM), every rank finishes the current iteration, "
-                        "saves a checkpoint to --save and the run exits 0 (needs --save); a second "
-                        "signal ends it at once and the previous checkpoint stays the one that loads")
-    g.add_argument("--exit-signal", default=DEFAULTS.exit_signal, metavar="NAME",
-                   help=f"the signal --exit-signal-handler catches: {', '.join(EXIT_SIGNALS)}")
-    g.add_argument("--exit-duration-in-mins", type=float, default=DEFAULTS.exit_duration_in_mins,
-                   metavar="M", help="stop (saving with --save) after the first iteration that ends "
-                                     "more than M minutes after the program started")
-    g.add_argument("--exit-interval", type=int, default=DEFAULTS.exit_interval, metavar="N",
-                   help="stop (saving with --save) after an iteration that is a multiple of N")
-
-
-def validate_exit_args(args: argparse.Namespace) -> None:
-    """The exit flags, before any process group: each refused where it would do nothing."""
-    from megatron_oases.run_config import run_config
-
-    cfg = run_config(args)
-    if cfg.exit_signal not in EXIT_SIGNALS:
-        raise ConfigError(f"--exit-signal {cfg.exit_signal}: not a signal --exit-signal-handler can "
-                          f"catch as a request to stop; use one of {', '.join(EXIT_SIGNALS)}")
-    if cfg.exit_signal != "SIGTERM" and not cfg.exit_signal_handler:
-        raise ConfigError(f"--exit-signal {cfg.exit_signal} has no effect without "
-                          f"--exit-signal-handler; add it or drop --exit-signal")
-    if cfg.exit_signal_handler and cfg.save is None:
-        # Megatron-LM would only exit, losing the work since the last checkpoint.
-        raise ConfigError("--exit-signal-handler saves a checkpoint before exiting and needs "
-                          "--save DIR (pass --load DIR too, so a resubmitted job resumes)")
-    if cfg.exit_duration_in_mins is not None and not cfg.exit_duration_in_mins > 0:
-        raise ConfigError(f"--exit-duration-in-mins must be > 0 (got {cfg.exit_duration_in_mins})")
-    if cfg.exit_interval is not None:
-        if cfg.exit_interval < 1:
-            raise ConfigError(f"--exit-interval must be >= 1 (got {cfg.exit_interval})")
-        if cfg.exit_interval >= cfg.train_iters:
-            raise ConfigError(f"--exit-interval {cfg.exit_interval} never stops training before "
-                              f"--train-iters {cfg.train_iters} ends it; lower it or drop it")
-
-
 def launcher_env() -> dict:
     """What ``megatron-oases train --nproc-per-node`` passes its ranks: its own start time."""
     return {START_ENV: repr(_IMPORTED_AT)}
 
 
-def forwarded_signals(args) -> tuple[int, ...]:
+def forwarded_signals(cfg) -> tuple[int, ...]:
     """Signals the local launcher forwards to its ranks instead of dying of them: SIGTERM always
     (a launcher killed by it would leave its ranks running without their rendezvous host), and
     the ``--exit-signal`` of a run with ``--exit-signal-handler``."""
-    from megatron_oases.run_config import run_config
-
-    cfg = run_config(args)
     sigs = [signal.SIGTERM]
     if cfg.exit_signal_handler:
         sigs.append(signal.Signals[cfg.exit_signal])
@@ -133,10 +84,7 @@ class ExitConditions:
     """Per rank: installs the handler (``--exit-signal-handler``) and decides, after each
     iteration and together with every other rank, whether training stops there."""
 
-    def __init__(self, args):
-        from megatron_oases.run_config import run_config
-
-        cfg = run_config(args)
+    def __init__(self, cfg):
         self.cfg = cfg
         self.handler = _Handler(signal.Signals[cfg.exit_signal]) if cfg.exit_signal_handler else None
         self.start = float(os.environ.get(START_ENV, _IMPORTED_AT))

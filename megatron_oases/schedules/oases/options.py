@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_oases.describe.backends import BACKENDS, backend
 from megatron_oases.describe.split import SUB_BATCHES, split_refusal
-from megatron_oases.parallel.dims import ConfigError, ParallelDims
-from megatron_oases.run_config import DEFAULTS, RunConfig, run_config
+from megatron_oases.errors import ConfigError
+from megatron_oases.parallel.dims import ParallelDims
+from megatron_oases.run_config import DEFAULTS, RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,9 +69,8 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
                         "the executor-overhead benchmark); losses are wrong")
 
 
-def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims) -> None:
+def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
     """Refuse combinations the Oases schedule does not support, naming the flag."""
-    cfg = run_config(args)
     if cfg.schedule != "oases":
         if cfg.oases_skip_tp_collectives and (cfg.tp_backend != "megatron" or cfg.sequence_parallel):
             raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
@@ -77,10 +78,11 @@ def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims
                               "linears' switch would drop the sequence gathers and shrink the "
                               "compute); drop the flag or use --schedule oases")
         return
-    if cfg.tp_backend not in ("megatron", "atp"):
+    if not backend(cfg.tp_backend).oases_tape:
+        taped = " or ".join(name for name, b in BACKENDS.items() if b.oases_tape)
         raise ConfigError(f"--schedule oases does not support --tp-backend {cfg.tp_backend} "
                           f"yet (its layers are not described as tapes); use --tp-backend "
-                          f"megatron or atp with it")
+                          f"{taped} with it")
     if cfg.tp_backend == "atp" and cfg.atp_chunks > 1:
         raise ConfigError(f"--atp-chunks {cfg.atp_chunks} cannot be combined with --schedule "
                           f"oases: Oases overlaps the ATP collectives with the other sub-batch "
@@ -98,15 +100,16 @@ def validate_oases_args(args: argparse.Namespace | RunConfig, dims: ParallelDims
                           "uniform (block recomputes only some layers)")
 
 
-def oases_runs(args: argparse.Namespace) -> bool:
+def oases_runs(cfg: RunConfig) -> bool:
     """Whether the Oases executor runs the layers: ``--schedule oases`` with TP > 1. At TP 1 there
     is no collective to overlap, so the layers run as stock ones (Megatron's own recompute
     included): the executor's half-size GEMMs and per-step autograd calls would only cost time."""
-    return args.schedule == "oases" and args.tensor_model_parallel_size > 1
+    return cfg.schedule == "oases" and cfg.tensor_model_parallel_size > 1
 
 
-def oases_options_from_args(args: argparse.Namespace) -> OasesOptions:
-    return OasesOptions(recompute=args.recompute_granularity == "full",
-                        fine_grained_recompute=args.oases_fine_grained_recompute,
-                        cross_pass=args.oases_cross_pass,
-                        skip_collectives=args.oases_skip_tp_collectives)
+def oases_options_of(cfg: RunConfig) -> OasesOptions:
+    """The executor's options for the run's flags."""
+    return OasesOptions(recompute=cfg.recompute_granularity == "full",
+                        fine_grained_recompute=cfg.oases_fine_grained_recompute,
+                        cross_pass=cfg.oases_cross_pass,
+                        skip_collectives=cfg.oases_skip_tp_collectives)

@@ -30,18 +30,18 @@ from ..core.timeline import SimResult, simulate
 def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None = None
                                ) -> tuple[GPTShape, Strategy]:
     """Validate the trainer flags as the trainer does and map them to (GPTShape, Strategy)."""
-    from ...parallel.dims import ConfigError
+    from ...errors import ConfigError
     from ...schedules.oases.options import oases_runs
-    from ...train_args import validate_args, world_size_of
+    from ...train_args import parallel_dims, validate_config, world_size_of
     from ...vocab import padded_vocab_size
 
-    args = argparse.Namespace(**vars(args))  # validate_args fills defaults in place
+    cfg = run_config(args)  # the entry of the trainer's flags into the simulator
     try:
-        world = world_size or world_size_of(args)
-        dims = validate_args(args, world, cuda=run_config(args).device != "cpu")
+        world = world_size or world_size_of(cfg)
+        cfg = validate_config(cfg, world, cuda=cfg.device != "cpu")  # ffn size, mesh, plan filled in
+        dims = parallel_dims(cfg, world)
     except ConfigError as e:
         raise SimError(str(e)) from None
-    cfg = run_config(args)  # as validated: ffn_hidden_size, atp_mesh, plan degrees filled in
     from ...run_config import gqa_groups
 
     rope = cfg.position_embedding_type == "rope"
@@ -107,7 +107,7 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
     import os
 
     model, strategy = sim_inputs_from_train_args(args, world_size)
-    cfg = run_config(args)
+    cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
     topo = _topology(topology or cfg.topology, strategy.world_size)
     if settings is None:
         settings = ProfileSettings(nproc=min(strategy.world_size, topo.world_size), device=cfg.device,
@@ -124,9 +124,10 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     """The simulated step of the trainer run ``args`` priced only from ``profile`` (every event
     must be in it; the error names the missing ones)."""
     model, strategy = sim_inputs_from_train_args(args, world_size)
-    topo = _topology(topology or run_config(args).topology, strategy.world_size)
+    cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
+    topo = _topology(topology or cfg.topology, strategy.world_size)
     # our builds carry no Apex: the local layer runs the ``local`` stack (pricing/stack.py)
-    stack = stack_of(transformer_impl=run_config(args).megatron_lm.transformer_impl, apex=False, error=SimError)
+    stack = stack_of(transformer_impl=cfg.megatron_lm.transformer_impl, apex=False, error=SimError)
     dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
                      stack=stack)
