@@ -89,7 +89,7 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
                           f"instead; use --atp-chunks 1 with it")
     if split_refusal(cfg.micro_batch_size):
         raise ConfigError(split_refusal(cfg.micro_batch_size))
-    if cfg.sequence_parallel and cfg.tp_backend != "megatron":
+    if cfg.sequence_parallel and not backend(cfg.tp_backend).sequence_parallel:
         raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
                           f"only, not {cfg.tp_backend}; drop --sequence-parallel")
     if cfg.selective_recompute:
