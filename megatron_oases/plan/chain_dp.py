@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from .graph import PlanError
-from .problem import PlanProblem, evaluate, min_memory
+from .problem import PlanProblem, evaluate, min_memory, spread
 
 _EPS = 1e-9
 MAX_LABELS = 2_000_000
@@ -135,8 +135,5 @@ def solve_chain(p: PlanProblem) -> tuple[float, tuple[int, ...], int]:
                 best_a = tuple(a[::-1])
     if best_a is None:
         raise PlanError("no assignment fits the memory budget")
-    assign = [0] * p.node.shape[0]
-    for g, k in zip(groups, best_a):
-        for v in g:
-            assign[v] = int(k)
-    return evaluate(p, assign)[0], tuple(assign), labels_made
+    assign = spread(p, groups, best_a)
+    return evaluate(p, assign)[0], assign, labels_made

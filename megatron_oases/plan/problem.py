@@ -111,8 +111,13 @@ def min_memory(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
             best, best_a = total, pick
     if best_a is None:
         raise PlanError("no block has an allowed strategy")
+    return best, spread(p, groups, best_a)
+
+
+def spread(p: PlanProblem, groups, picks) -> tuple[int, ...]:
+    """One strategy index per block from one pick per group of blocks that share a strategy."""
     assign = [0] * p.node.shape[0]
-    for g, k in zip(groups, best_a):
+    for g, k in zip(groups, picks):
         for v in g:
             assign[v] = int(k)
-    return best, tuple(assign)
+    return tuple(assign)
