@@ -176,6 +176,11 @@ def atp_2d_meshes(tp: int) -> tuple[Mesh | None, ...]:
     return atp_meshes(tp, with_1d=False)
 
 
+def atp_2d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
+    """``--tp-backend atp --atp-mesh d1,d2``."""
+    return {"--tp-backend": "atp", "--atp-mesh": f"{mesh[0]},{mesh[1]}"}
+
+
 def atp_2d_event_tag(mesh: Mesh | None) -> str:
     """The mesh, ``m{d1}x{d2}``."""
     return f"m{mesh[0]}x{mesh[1]}"

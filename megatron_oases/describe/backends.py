@@ -53,6 +53,9 @@ class Backend:
     """(tp, mesh) -> the number the key/value groups must divide by (each rank's whole groups)."""
     event_tag: Callable[[Mesh | None], str]
     """mesh -> the tag its layer events carry in profile keys (``event_key.layer_shape``)."""
+    launch_flags: Callable[[Mesh | None], dict[str, str]]
+    """mesh -> the trainer flags that run the whole model in that layout (``plan --rewrite-cmd``
+    for a whole-model plan)."""
     real_layer_events: bool = False
     """Its layer events are profiled on a real layer (their keys also carry the dropouts and the
     executor, ``event_key.layer_event_tag``); others run synthetic ops."""
@@ -74,6 +77,7 @@ BACKENDS: dict[str, Backend] = {
         input_split=megatron_1d.megatron_1d_input_split, saved_bytes=megatron_1d.megatron_1d_saved_bytes,
         meshes=megatron_1d.megatron_1d_meshes, refusal=megatron_1d.megatron_1d_refusal,
         kv_groups_divisor=megatron_1d.megatron_1d_kv_groups_divisor, event_tag=megatron_1d.megatron_1d_event_tag,
+        launch_flags=megatron_1d.megatron_1d_launch_flags,
         real_layer_events=True, oases_tape=True, sequence_parallel=True, megatron_modules=True),
     "atp": Backend(
         name="atp", summary="ATP's 2-D mesh d1 x d2 = TP inside the TP group (hidden states split by d2)",
@@ -81,14 +85,16 @@ BACKENDS: dict[str, Backend] = {
         axis_ranks=atp_2d.atp_2d_axis_ranks, vector_splits=atp_2d.atp_2d_vector_splits,
         input_split=atp_2d.atp_2d_input_split, saved_bytes=atp_2d.atp_2d_saved_bytes,
         meshes=atp_2d.atp_2d_meshes, refusal=atp_2d.atp_2d_refusal,
-        kv_groups_divisor=atp_2d.atp_2d_kv_groups_divisor, event_tag=atp_2d.atp_2d_event_tag, oases_tape=True),
+        kv_groups_divisor=atp_2d.atp_2d_kv_groups_divisor, event_tag=atp_2d.atp_2d_event_tag,
+        launch_flags=atp_2d.atp_2d_launch_flags, oases_tape=True),
     "3d": Backend(
         name="3d", summary="the 3-D cube p x p x p = TP (Bian et al. 2021)",
         layer=cube_3d.cube_3d_layer, block_edges=cube_3d.cube_3d_edges, axes=("cube_x", "cube_y", "cube_z"),
         axis_ranks=cube_3d.cube_3d_axis_ranks, vector_splits=cube_3d.cube_3d_vector_splits,
         input_split=cube_3d.cube_3d_input_split, saved_bytes=cube_3d.cube_3d_saved_bytes,
         meshes=cube_3d.cube_3d_meshes, refusal=cube_3d.cube_3d_refusal,
-        kv_groups_divisor=cube_3d.cube_3d_kv_groups_divisor, event_tag=cube_3d.cube_3d_event_tag),
+        kv_groups_divisor=cube_3d.cube_3d_kv_groups_divisor, event_tag=cube_3d.cube_3d_event_tag,
+        launch_flags=cube_3d.cube_3d_launch_flags),
 }
 """Every TP backend by ``--tp-backend`` name, in the order the flags list them."""
 

@@ -233,6 +233,11 @@ def cube_3d_input_split(t: int, mesh: Mesh | None) -> int:
     return t
 
 
+def cube_3d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
+    """``--tp-backend 3d`` (the cube's side is the TP size's cube root)."""
+    return {"--tp-backend": "3d"}
+
+
 def cube_3d_event_tag(mesh: Mesh | None) -> str:
     """``cube``: the degree t = p^3 in the key gives p."""
     return "cube"

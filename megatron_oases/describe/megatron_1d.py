@@ -264,6 +264,11 @@ def megatron_1d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
     return tp
 
 
+def megatron_1d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
+    """``--tp-backend megatron`` (the default)."""
+    return {"--tp-backend": "megatron"}
+
+
 def megatron_1d_event_tag(mesh: Mesh | None) -> str:
     """No layout tag: the degree ``t`` in the key says it all."""
     return ""

@@ -57,6 +57,20 @@ class BlockStrategy:
         return tp // self.degree
 
 
+def strategy_of_label(label: str) -> BlockStrategy | None:
+    """The strategy a :attr:`BlockStrategy.label` names (``tp4``, ``atp4x2``, ``3d8``), None if
+    the label is not one."""
+    if label.startswith("tp") and label[2:].isdigit():
+        return BlockStrategy(degree=int(label[2:]))
+    for name in BACKENDS:
+        dims = label[len(name):].split("x") if name != "megatron" and label.startswith(name) else []
+        if dims and all(d.isdigit() for d in dims):
+            sizes = tuple(int(d) for d in dims)
+            degree = sizes[0] if len(sizes) == 1 else sizes[0] * sizes[1]
+            return BlockStrategy(degree=degree, family=name, mesh=sizes if len(sizes) > 1 else None)
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockOps:
     """One block of a layer description: its forward and backward compute and collectives."""

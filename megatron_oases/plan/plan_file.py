@@ -15,7 +15,9 @@ from typing import Any
 from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.errors import ConfigError
 
-from .graph import BLOCK_KINDS
+from megatron_oases.describe.backends import backend
+
+from .graph import BLOCK_KINDS, FAMILIES, strategy_of_label
 
 PLAN_FORMAT = "megatron-oases-plan/1"
 FLAG = "--oases-plan"
@@ -197,20 +199,20 @@ def _tokens(cmd: str) -> list[tuple[int, int, str]]:
 
 def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
     """The backend flags of a plan that runs the whole model as one backend (``strategies`` all
-    ``atp<d1>x<d2>`` or all ``3d<T>``, written by ``megatron-oases plan --families ...,atp,3d``):
-    ``{"--tp-backend": ..., ["--atp-mesh": "d1,d2"]}``; None for a per-block (Megatron) plan."""
+    one layout of a family that does not mix with others, e.g. ``atp<d1>x<d2>`` or ``3d<T>``,
+    written by ``megatron-oases plan --families ...,atp,3d``): its record's ``launch_flags``
+    (``{"--tp-backend": ..., ["--atp-mesh": "d1,d2"]}``); None for a per-block (Megatron) plan."""
     labels = data.get("strategies") or []
-    whole = {lab for lab in labels if isinstance(lab, str) and lab.startswith(("atp", "3d"))}
+    strategies = {lab: strategy_of_label(lab) if isinstance(lab, str) else None for lab in labels}
+    whole = {lab for lab, s in strategies.items() if s is not None and s.family in FAMILIES
+             and not FAMILIES[s.family].mixes}
     if not whole:
         return None
-    label = next(iter(whole))
-    atp, cube = re.fullmatch(r"atp(\d+)x(\d+)", label), re.fullmatch(r"3d\d+", label)
-    if len(whole) != 1 or len(whole) != len(set(labels)) or not (atp or cube):
+    s = strategies[next(iter(whole))]
+    if len(whole) != 1 or len(whole) != len(set(labels)) or s.mesh not in backend(s.family).meshes(s.degree):
         raise ConfigError(f"plan strategies {sorted(set(labels))} mix a whole-model backend (ATP mesh or "
                           f"3-D cube) with other layouts, which the runtime cannot run; plan again")
-    if cube:
-        return {"--tp-backend": "3d"}
-    return {"--tp-backend": "atp", "--atp-mesh": f"{atp.group(1)},{atp.group(2)}"}
+    return backend(s.family).launch_flags(s.mesh)
 
 
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
