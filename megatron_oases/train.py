@@ -142,24 +142,32 @@ def _forward_step(data_iterator, model):
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
+def forward_backward(tr: Trainer, batches: list) -> list:
+    """Forward and backward of one global batch's micro-batches through Megatron's schedule, the
+    model's gradient buffers zeroed first; no host synchronisation inside. Returns the schedule's
+    per-micro-batch loss dicts (last stage). The trainer's step and the one-GPU overlap benchmark
+    (``bench_standin``) both run it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for m in tr.model:
+        m.zero_grad_buffer()
+    data = [iter(batches) for _ in tr.model] if len(tr.model) > 1 else iter(batches)
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=data,
+        model=tr.model if len(tr.model) > 1 else tr.model[0],
+        num_microbatches=tr.num_microbatches, seq_length=tr.cfg.seq_length,
+        micro_batch_size=tr.cfg.micro_batch_size, forward_only=False)
+
+
 def train_step(tr: Trainer, iteration: int) -> dict:
     """One optimizer step over the global batch; returns loss (on the last stage) and grad norm."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cfg = tr.cfg
     batches = tr.data.train_batches(iteration)
-    data = [iter(batches) for _ in tr.model] if len(tr.model) > 1 else iter(batches)
-    for m in tr.model:
-        m.zero_grad_buffer()
     tr.optimizer.zero_grad()
     t0 = time.perf_counter()
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=data,
-        model=tr.model if len(tr.model) > 1 else tr.model[0],
-        num_microbatches=tr.num_microbatches, seq_length=cfg.seq_length,
-        micro_batch_size=cfg.micro_batch_size, forward_only=False)
+    losses = forward_backward(tr, batches)
     tr.runtime.synchronize()
     t1 = time.perf_counter()
     ok, grad_norm, _ = tr.optimizer.step()

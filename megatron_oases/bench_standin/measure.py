@@ -83,16 +83,9 @@ def trainer_config(rest: list[str], tp: int, schedule: str):
 def _step(tr, batches, optimizer_step: bool) -> None:
     """One forward + backward over the step's micro-batches, as the trainer runs it (no host
     synchronisation inside: no ``.item()``, no loss reduction)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_oases.train import forward_backward
 
-    from megatron_oases import train as T
-
-    for m in tr.model:
-        m.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=T._forward_step, data_iterator=iter(batches), model=tr.model[0],
-        num_microbatches=tr.num_microbatches, seq_length=tr.cfg.seq_length,
-        micro_batch_size=tr.cfg.micro_batch_size, forward_only=False)
+    forward_backward(tr, batches)
     if optimizer_step:
         tr.optimizer.zero_grad()
         tr.optimizer.step()
@@ -169,7 +162,7 @@ class Bench:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
         for kind in self.kinds:
             stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
-            res[kind] = self._with_standins(rt, step, stand, f"{tr.args.schedule}-{kind}")
+            res[kind] = self._with_standins(rt, step, stand, f"{tr.cfg.schedule}-{kind}")
             bound = max(res["compute"]["ms"], res[kind]["standins_only"]["ms"])
             res[kind]["vs_max_compute_standin"] = res[kind]["with_standins"]["ms"] / bound
         res["peak_mem_mb"] = rt.max_memory_allocated() / 2**20
