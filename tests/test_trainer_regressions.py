@@ -45,8 +45,10 @@ def test_atp_mesh_d1_by_1_with_pp_and_no_recompute(single_rank, extra):
 
 
 def _ns(vocab, tp, divisor=128, invariant=True):
-    return argparse.Namespace(vocab_size=vocab, tensor_model_parallel_size=tp,
-                              make_vocab_size_divisible_by=divisor, tp_invariant_init=invariant)
+    from megatron_oases.run_config import run_config
+
+    return run_config(argparse.Namespace(vocab_size=vocab, tensor_model_parallel_size=tp,
+                                         make_vocab_size_divisible_by=divisor, tp_invariant_init=invariant))
 
 
 def test_padded_vocab_does_not_grow_with_tp():
