@@ -84,7 +84,7 @@ def _core_attention(cfg: RunConfig) -> str:
 
 
 def _plan_degrees(cfg: RunConfig) -> tuple[int, ...] | None:
-    """``--oases-plan``'s block degrees (attention, mlp per layer) as ``validate_args`` read them."""
+    """``--oases-plan``'s block degrees (attention, mlp per layer) as ``train_args.validate_config`` reads them."""
     layers = cfg.oases_layer_degrees
     return tuple(d for pair in layers for d in pair) if layers else None
 
