@@ -1,15 +1,21 @@
 """The one place a model is assembled: TransformerConfig from the run's config, layer spec per backend.
 
-Later backends (ATP, 3-D) and schedules (Oases) register here, so the trainer, the Megatron-LM
-entry point and the tests all build models the same way.
+A TP backend registers here with one row of ``SPEC_BUILDERS`` (its process groups and layer
+spec), so the trainer, the Megatron-LM entry point, the profiler and the tests all build models
+the same way.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_oases.describe.backends import backend
 from megatron_oases.mcore_compat import quiet_gpt_model_deprecation
 from megatron_oases.run_config import RunConfig, gqa_groups
 from megatron_oases.schedules.oases.options import oases_runs
@@ -73,6 +79,76 @@ def _vp_size(cfg: RunConfig) -> int | None:
     return cfg.num_layers // cfg.pipeline_model_parallel_size // cfg.num_layers_per_virtual_pipeline_stage
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecBuilder:
+    """How the runtime builds one TP backend's layers (the runtime's half of its record in
+    ``describe.backends``, which cannot hold torch modules)."""
+
+    groups: Callable[[RunConfig], Any]
+    """The process groups its layers need beyond Megatron's (collective: every rank calls it)."""
+    spec: Callable[[RunConfig, Any], ModuleSpec]
+    """Its TransformerLayer ModuleSpec, given those groups."""
+
+
+def _no_groups(cfg: RunConfig) -> None:
+    return None
+
+
+def _megatron_spec(cfg: RunConfig, groups) -> ModuleSpec:
+    """Megatron's local spec with the run's core attention (the Oases tapes and planned layers
+    build on this spec, so they take it too); on ``--oases-plan`` degrees, the planned layer."""
+    from megatron_oases.layers.core_attention import core_attention_class
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(cfg.attention_backend)
+    if cfg.oases_layer_degrees:
+        from megatron_oases.layers.planned_layer import planned_layer_spec
+
+        spec = planned_layer_spec(spec, cfg.oases_layer_degrees, groups)
+    return spec
+
+
+def _atp_groups(cfg: RunConfig):
+    from megatron_oases.parallel.mesh import mesh_groups_from_megatron
+
+    return mesh_groups_from_megatron(*cfg.atp_mesh)
+
+
+def _atp_spec(cfg: RunConfig, groups) -> ModuleSpec:
+    from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
+
+    d1, d2 = cfg.atp_mesh
+    return get_gpt_layer_atp_spec(d1, d2, cfg.atp_chunks, mesh_groups=groups)
+
+
+def _cube_groups(cfg: RunConfig):
+    from megatron_oases.parallel.cube import cube_groups_from_megatron
+
+    return cube_groups_from_megatron()
+
+
+def _cube_spec(cfg: RunConfig, groups) -> ModuleSpec:
+    from megatron_oases.layers.tp3d_spec import get_gpt_layer_3d_spec
+
+    return get_gpt_layer_3d_spec(cube_groups=groups)
+
+
+SPEC_BUILDERS: dict[str, SpecBuilder] = {
+    "megatron": SpecBuilder(groups=_no_groups, spec=_megatron_spec),
+    "atp": SpecBuilder(groups=_atp_groups, spec=_atp_spec),
+    "3d": SpecBuilder(groups=_cube_groups, spec=_cube_spec),
+}
+"""``--tp-backend`` name -> how its layers are built; the same names as ``describe.backends``
+(``tests/test_backend_records.py``)."""
+
+
+def _builder(cfg: RunConfig) -> SpecBuilder:
+    try:
+        return SPEC_BUILDERS[cfg.tp_backend]
+    except KeyError:
+        raise ValueError(f"unknown --tp-backend {cfg.tp_backend!r}") from None
+
+
 def backend_groups(cfg: RunConfig):
     """Process groups a backend needs beyond Megatron's; collective, so call once on all ranks
     after ``initialize_model_parallel`` (ATP: the two mesh-axis groups of every TP group;
@@ -81,43 +157,12 @@ def backend_groups(cfg: RunConfig):
         from megatron_oases.parallel.degree_groups import degree_groups_from_megatron
 
         return degree_groups_from_megatron({d for pair in cfg.oases_layer_degrees for d in pair})
-    if cfg.tp_backend == "atp":
-        from megatron_oases.parallel.mesh import mesh_groups_from_megatron
-
-        return mesh_groups_from_megatron(*cfg.atp_mesh)
-    if cfg.tp_backend == "3d":
-        from megatron_oases.parallel.cube import cube_groups_from_megatron
-
-        return cube_groups_from_megatron()
-    return None
+    return _builder(cfg).groups(cfg)
 
 
-def layer_spec(cfg: RunConfig, groups=None):
+def layer_spec(cfg: RunConfig, groups=None) -> ModuleSpec:
     """The TransformerLayer ModuleSpec for ``--tp-backend`` (``groups`` from ``backend_groups``)."""
-    if cfg.tp_backend == "megatron":
-        from megatron_oases.layers.core_attention import core_attention_class
-
-        spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm,
-                                        normalization=cfg.normalization)
-        # --attention-backend: Megatron's local spec with the run's core attention (the Oases
-        # tapes and planned layers build on this spec, so they take it too)
-        spec.submodules.self_attention.submodules.core_attention = core_attention_class(
-            cfg.attention_backend)
-        if cfg.oases_layer_degrees:
-            from megatron_oases.layers.planned_layer import planned_layer_spec
-
-            spec = planned_layer_spec(spec, cfg.oases_layer_degrees, groups)
-        return spec
-    if cfg.tp_backend == "atp":
-        from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
-
-        d1, d2 = cfg.atp_mesh
-        return get_gpt_layer_atp_spec(d1, d2, cfg.atp_chunks, mesh_groups=groups)
-    if cfg.tp_backend == "3d":
-        from megatron_oases.layers.tp3d_spec import get_gpt_layer_3d_spec
-
-        return get_gpt_layer_3d_spec(cube_groups=groups)
-    raise ValueError(f"unknown --tp-backend {cfg.tp_backend!r}")
+    return _builder(cfg).spec(cfg, groups)
 
 
 def build_gpt_model(cfg: RunConfig, config: TransformerConfig, *,
@@ -125,7 +170,7 @@ def build_gpt_model(cfg: RunConfig, config: TransformerConfig, *,
                     groups=None) -> GPTModel:
     """One GPTModel chunk (a pipeline stage, or a virtual stage when ``vp_stage`` is set)."""
     spec = layer_spec(cfg, groups)
-    if config.sequence_parallel and cfg.tp_backend == "megatron":
+    if config.sequence_parallel and backend(cfg.tp_backend).sequence_parallel:
         from megatron_oases.layers.torch_norm import sequence_parallel_block_spec
 
         spec = sequence_parallel_block_spec(spec, config, vp_stage)

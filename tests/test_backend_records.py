@@ -50,6 +50,14 @@ def test_every_consumer_offers_the_tables_names():
     assert _choices(sim_parser(), "--tp-backend") == NAMES
 
 
+def test_the_runtime_builds_every_record():
+    """``specs.SPEC_BUILDERS`` (process groups and layer spec per backend: the runtime's half of
+    a record) names the same backends."""
+    from megatron_oases.specs import SPEC_BUILDERS
+
+    assert set(SPEC_BUILDERS) == NAMES
+
+
 @pytest.mark.parametrize("tp", [6, 8, 12])
 def test_the_simulators_search_offers_each_records_layouts(tp):
     from megatron_oases.describe.shapes import GPTShape
