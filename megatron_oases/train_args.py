@@ -60,8 +60,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--tp-backend", choices=tuple(TP_BACKENDS), default=DEFAULTS.tp_backend,
-                   help="tensor-parallel layer implementation: megatron = stock 1-D TP, "
-                        "atp = ATP's 2-D device mesh inside the TP group (needs --atp-mesh)")
+                   help="tensor-parallel layer implementation: " + "; ".join(
+                       f"{name} = {b.summary}" for name, b in TP_BACKENDS.items())
+                   + " (atp needs --atp-mesh; 3d needs --tensor-model-parallel-size p^3)")
     g.add_argument("--atp-mesh", default=DEFAULTS.atp_mesh, metavar="D1,D2|auto",
                    help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size (d2 is the fastest-"
                         "varying, innermost axis); auto picks it from --topology with the search "
