@@ -211,12 +211,8 @@ class Bench:
 
 
 def _traced(rt, step, trace_dir: str, name: str) -> dict:
-    """One ``step`` under ``torch.profiler``: its Chrome trace gzipped into ``trace_dir`` and the
-    compute stream's idle time in it (``trace_gaps.summarize``)."""
-    import gzip
-    import shutil
-    import tempfile
-
+    """One ``step`` under ``torch.profiler``: its Chrome trace in ``trace_dir`` (torch gzips a
+    ``.gz`` path itself) and the compute stream's idle time in it (``trace_gaps.summarize``)."""
     import torch
 
     from megatron_oases.bench_standin.trace_gaps import load_trace, summarize
@@ -230,11 +226,7 @@ def _traced(rt, step, trace_dir: str, name: str) -> dict:
         rt.synchronize()
     os.makedirs(trace_dir, exist_ok=True)
     path = os.path.join(trace_dir, f"{name}.json.gz")
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    prof.export_chrome_trace(path)
     return {"file": os.path.basename(path), **summarize(load_trace(path))}
 
 
