@@ -103,6 +103,10 @@ def format_table(results: list[dict]) -> str:
     s = error_summary(results)
     lines.append(f"\nmedian |error| {s['median_abs_error_pct']}%, max |error| {s['max_abs_error_pct']}% "
                  f"over {s['rows']} rows from {s['sources']} sources")
+    slow = [r["id"] for r in results if r.get("unreachable")]
+    if slow:
+        lines.append(f"slower than measured even at the grid's fastest corner (best-shape GEMM ceiling, no host "
+                     f"cost), so no fit reaches them: {', '.join(slow)}")
     return "\n".join(lines)
 
 
@@ -114,12 +118,14 @@ def cross_validate(rows: list[dict], sources: dict, *, gemm_factors=crossval.GEM
                                   gemm_factors=gemm_factors, host_us=host_us)
     held, folds = crossval.leave_one_source_out(rows, ratios)
     by_id = {r["id"]: r for r in rows}
+    unreachable = set(crossval.infeasible(ratios))
     results = []
     for h in held:
         row = by_id[h["id"]]
         res = predict_row(row, sources, crossval.tune(h["gemm_shape_factor"], h["layer_framework_us"]))
         results.append({**res, "stack": row["stack"], "fit_sources": " ".join(h["fit_sources"]),
-                        "gemm_shape_factor": h["gemm_shape_factor"], "layer_framework_us": h["layer_framework_us"]})
+                        "gemm_shape_factor": h["gemm_shape_factor"], "layer_framework_us": h["layer_framework_us"],
+                        "unreachable": h["id"] in unreachable})
     order = {r["id"]: i for i, r in enumerate(rows)}
     return sorted(results, key=lambda r: order[r["id"]]), folds, crossval.spread(folds)
 

@@ -97,3 +97,26 @@ def test_every_reported_row_is_held_out():
         assert again["predicted"] == res["predicted"]
     assert {f["held_out"] for f in folds} == {r["source"] for r in rows}
     assert spread["gemm_shape_factor"]["folds"] == 3
+
+
+def test_h100_32b_needs_a_micro_batch_of_two():
+    """The one row whose micro-batch size the data file does not take as 1 (its source states
+    none): at 1, even the grid's fastest corner (best-shape GEMM ceiling, no host cost) is slower
+    than the published step, because 15.2 GB of fp32 gradients per GPU leave one NIC behind only
+    the last of 4 backward passes; at 2 that corner is faster than measured, as for every other
+    H100 2024 row at 1. ``crossval.infeasible`` flags the first and not the second (a time unit's
+    ratio is inverted, so > 1 is always "too fast")."""
+    from megatron_oases.sim.calibrate import crossval
+
+    script = _script()
+    sources, rows = script.load_rows()
+    row = next(r for r in rows if r["id"] == "h100-32B")
+    assert row["flags"]["micro-batch-size"] == 2
+    at_one = dict(row, id="h100-32B-mb1", flags={**row["flags"], "micro-batch-size": 1})
+    timed = next(r for r in rows if r["unit"] == "s_per_iteration")
+    grid = {"gemm_factors": (crossval.OPTIMISTIC[0],), "host_us": (crossval.OPTIMISTIC[1],)}
+    ratios = crossval.grid_errors([row, at_one, timed], lambda r, t: script.predict_row(r, sources, t)["predicted"], **grid)
+    assert crossval.infeasible(ratios) == ["h100-32B-mb1"]
+    assert ratios["h100-32B"][crossval.OPTIMISTIC] > 1.0 > ratios["h100-32B-mb1"][crossval.OPTIMISTIC]
+    predicted_s = script.predict_row(timed, sources, crossval.tune(*crossval.OPTIMISTIC))["predicted"]
+    assert ratios[timed["id"]][crossval.OPTIMISTIC] == pytest.approx(timed["measured"] / predicted_s)

@@ -51,19 +51,34 @@ def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, las
         ops["post_backward"] = (Compute(name="embedding.bwd", gemm_flops=0.0, elementwise_bytes=3 * act),)
     if last:  # final norm, logits, vocab-parallel cross-entropy (3 fp32 reductions per token)
         logits_flops = 2 * b * s * h * v / t
-        ce_bytes = 4 * b * s * (v // t) * e
+        ce_fwd, ce_bwd = (n * b * s * (v // t) for n in cross_entropy_bytes_per_logit(e))
         ops["post_forward"] = (
-            Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_bytes,
+            Compute(name="logits", gemm_flops=logits_flops, elementwise_bytes=2 * act + ce_fwd,
                     gemms=((b * s, v // t, h),)),
             *tp(Collective(name="loss.ar", kind="all_reduce", axis="tp", group_size=t,
                            payload_bytes=3 * b * s * 4)))
         ops["pre_backward"] = (
-            Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bytes,
+            Compute(name="logits.bwd", gemm_flops=2 * logits_flops, elementwise_bytes=2 * act + ce_bwd,
                     gemms=backward_gemms(((b * s, v // t, h),))),
             *tp(Collective(name="logits.f.bwd", kind="all_reduce", axis="tp", group_size=t,
                            payload_bytes=act)))
         ops["output_wgrad"] = output_wgrad(b=b, s=s, h=h, v=v, t=t, e=e)
     return HeadOps(**ops)
+
+
+def cross_entropy_bytes_per_logit(e: int) -> tuple[int, int]:
+    """HBM bytes Megatron's unfused vocab-parallel cross-entropy moves per logit of the rank's
+    vocabulary shard, (forward, backward), for logits of ``e`` bytes. Counted from
+    ``megatron.core.tensor_parallel.cross_entropy`` (the same code in Megatron-Core 0.8 and 0.19),
+    one kernel per line, none fused: forward ``logits.float()`` (read e, write 4; no copy in
+    fp32), ``max`` (read 4), in-place ``-= max`` (4 + 4), in-place ``exp`` (4 + 4), ``sum``
+    (read 4), in-place ``div_`` to the softmax it saves (4 + 4); backward ``mul_`` by the
+    loss gradient (4 + 4) and autograd's cast of that fp32 gradient back to the logits' dtype
+    (read 4, write e; none in fp32). bf16: 38 / 14 bytes, fp32: 32 / 8. The per-token work
+    (target gather, log, the label's ``-= 1``) is negligible beside it. Checked against the
+    logits events measured on an H100 (docs/sim_validation.md, "Cross-entropy")."""
+    cast = e + 4 if e != 4 else 0
+    return cast + 4 + 8 + 8 + 4 + 8, 8 + (4 + e if e != 4 else 0)
 
 
 def _sp_head(ops: HeadOps, *, act: int, t: int, learned_positions: bool) -> HeadOps:

@@ -34,6 +34,10 @@ class Compute:
     """The segment's GEMMs as ``(M, N, K)``: an ``M x N`` output reduced over ``K`` (2 M N K
     FLOPs each; together ``gemm_flops``). Empty: shapes unknown (the device model then prices
     ``gemm_flops`` without tile / wave quantization)."""
+    optimizer_params: float = 0.0
+    """Parameters an optimizer step updates here: the Adam update's traffic per parameter is the
+    software stack's (``pricing.stack.SoftwareStack.adam_bytes_per_param``), not in
+    ``elementwise_bytes``."""
 
     @property
     def flops(self) -> float:

@@ -54,6 +54,10 @@ class SoftwareStack:
     kernel_factor: float = 1.0
     """Kernels per kernel of the description's count (``describe.megatron_1d`` counts the local
     layer's)."""
+    adam_bytes_per_param: float = 28.0
+    """HBM bytes one Adam step moves per fp32 parameter (``Compute.optimizer_params``): 28 for a
+    fused multi-tensor Adam (Apex's or Transformer Engine's ``FusedAdam``: read p, g, m, v, write
+    p, m, v in one kernel), which Megatron imports when either is installed."""
     source: str = ""
     """Where the numbers come from (measured on what, or fitted how)."""
 
@@ -67,11 +71,12 @@ class SoftwareStack:
         segments, the events whose kernels the description counts (``Compute.kernels`` > 0: what
         was measured); other events (embedding, logits, optimizer) keep their bytes."""
         scores = 0.0 if scores_on_chip else c.score_bytes
+        adam = c.optimizer_params * self.adam_bytes_per_param
         if c.kernels <= 0:
-            return c.elementwise_bytes - c.score_bytes + scores
+            return c.elementwise_bytes - c.score_bytes + scores + adam
         backward = is_backward(c)
         rest = (c.elementwise_bytes - c.score_bytes) * self.elementwise_factor[backward]
-        return rest + scores * self.score_factor[backward]
+        return rest + scores * self.score_factor[backward] + adam
 
     def host_ms(self, c: Compute) -> float:
         """Host time to issue the event: kernels x ``dispatch_us`` (+ the framework cost for a
@@ -97,9 +102,14 @@ def is_backward(c: Compute) -> bool:
 #  score_factor: the attention events' non-GEMM time less the non-score part (at the factor
 #    above) over the score bytes: forward 4.31 / 4.59 / 4.17, backward 3.10 / 2.94 / 3.12 (torch's
 #    fp32 softmax fallback, the dtype copies around it and the unfused mask and dropout).
+#  adam_bytes_per_param 80: without Apex or TE Megatron-Core falls back to torch.optim.AdamW, whose
+#    default on CUDA is the foreach implementation (torch/optim/adam.py, _multi_tensor_adam), one
+#    pass per line, fp32: decoupled weight decay p *= (8), m.lerp_(g) (12), v *= beta2 (8),
+#    v.addcmul_(g, g) (12), sqrt(v) (8), / bias correction (8), + eps (8), p.addcdiv_(m, denom)
+#    (16). Checked against the optimizer events measured on an H100 (tests/test_optimizer_traffic.py).
 LOCAL = SoftwareStack(
     name="local", dispatch_us=42.1, layer_framework_us=287.0, elementwise_factor=(3.65, 2.51),
-    score_factor=(4.36, 3.05),
+    score_factor=(4.36, 3.05), adam_bytes_per_param=80.0,
     source="measured on an H200 (examples/gpu/h200-2026-11-26/, docs/gpu.md): Megatron-Core's local layer "
            "without Apex")
 

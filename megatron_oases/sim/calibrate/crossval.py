@@ -22,11 +22,22 @@ import math
 import statistics
 from typing import Callable
 
-GEMM_FACTORS = (0.80, 0.825, 0.85, 0.875, 0.90, 0.925, 0.95, 0.975, 1.0)
+GEMM_FACTORS = (0.70, 0.725, 0.75, 0.775, 0.80, 0.825, 0.85, 0.875, 0.90, 0.925, 0.95, 0.975, 1.0)
 """Candidate ``gemm_shape_factor`` values (1.0: the best-shape ceiling itself)."""
 HOST_US = (0.0, 100.0, 200.0, 300.0, 500.0, 800.0, 1200.0)
 """Candidate per-event host costs (us) of the row's stack; the local stack measured 287 us plus
 42 us a kernel on an H200 (pricing/stack.py)."""
+
+
+OPTIMISTIC = (1.0, 0.0)
+"""The grid corner where compute is fastest: every GEMM at the best-shape ceiling, no host cost.
+A row the simulator predicts slower than measured even here cannot be reached by any fit; its
+stated configuration (or an assumption about it) is wrong, not a constant (``infeasible``)."""
+
+
+def infeasible(ratios: dict[str, dict[tuple[float, float], float]]) -> list[str]:
+    """Rows predicted slower than measured at ``OPTIMISTIC`` (ratio < 1: too slow)."""
+    return sorted(i for i, r in ratios.items() if OPTIMISTIC in r and r[OPTIMISTIC] < 1.0)
 
 
 def tune(gemm_factor: float, host_us: float):
@@ -41,8 +52,14 @@ def grid_errors(rows: list[dict], predict: Callable[[dict, object], float], *,
                 gemm_factors=GEMM_FACTORS, host_us=HOST_US) -> dict[str, dict[tuple[float, float], float]]:
     """{row id: {(gemm factor, host us): prediction / measured}}, ``predict(row, tune)`` returning
     the row's prediction in its unit (a time unit is inverted, so > 1 is always "too fast")."""
-    return {r["id"]: {(g, h): predict(r, tune(g, h)) / r["measured"] for g in gemm_factors for h in host_us}
+    def speed_ratio(r: dict, predicted: float) -> float:
+        return r["measured"] / predicted if r["unit"] in TIME_UNITS else predicted / r["measured"]
+    return {r["id"]: {(g, h): speed_ratio(r, predict(r, tune(g, h))) for g in gemm_factors for h in host_us}
             for r in rows}
+
+
+TIME_UNITS = ("s_per_iteration",)
+"""Units in which a larger number is slower (a row's ``unit``)."""
 
 
 def _loss(ratios: list[float]) -> float:

@@ -477,9 +477,7 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
         if s.tp * s.pp > 1:
             norm_ar = _norm_allreduce(topo, s.tp, s.pp, s.dp)
         shard = s.dp if s.distributed_optimizer else 1
-        # zero grads (4), clip (8), Adam: read p g m v, write p m v (28), + bf16 copy (2 + 4)
-        nbytes = params * (12 + (28 + (6 if m.bytes_per_element == 2 else 0)) / shard)
-        op = Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=nbytes)
+        op = optimizer_compute(params, shard=shard, bytes_per_element=m.bytes_per_element)
         oshape = f"p{params}n{len(tensors)}d{shard}_{m.dtype}"
         opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
@@ -524,6 +522,17 @@ def _dp_gather(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ..
     ag = Collective(name="param.ag", kind="all_gather", axis="dp", group_size=s.dp,
                     payload_bytes=m.bytes_per_element * n)
     return _collective(ag, f"p{n}_{m.dtype}", topo, dp_ranks, (("p", n), ("dtype", m.dtype)))
+
+
+def optimizer_compute(params: int, *, shard: int, bytes_per_element: int) -> Compute:
+    """One rank's optimizer step over ``params`` parameters, ``shard``-way sharded by the
+    distributed optimizer: zero the grads (4 bytes a parameter) and clip them (8) on every
+    parameter, then on the rank's shard Adam (its traffic per parameter is the software stack's,
+    ``Compute.optimizer_params``) and, in bf16 / fp16, the copy of the updated fp32 parameters into
+    the model's (read 4, write 2)."""
+    copy = 6 if bytes_per_element == 2 else 0
+    return Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=params * (12 + copy / shard),
+                   optimizer_params=params / shard)
 
 
 def _dp_bucket(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ...], chunk: int, n: int,
