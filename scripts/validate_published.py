@@ -16,7 +16,9 @@ The constants no machine here can measure (``DeviceModel.gemm_shape_factor``, th
 cost of the ``apex-fused`` and ``transformer_engine`` stacks) are fitted by leave-one-source-out
 cross-validation (``sim.calibrate.crossval``): each source is predicted by a fit on the other sources only.
 Prints the table of those held-out predictions (row, source, measured, predicted, error %), the
-median and max |error|, and the fitted constants with their spread over the folds; writes
+median and max |error|, the rows slower than measured even at the grid's fastest corner (no
+constant can reach them: their configuration is in question), and the fitted constants with their
+spread over the folds; writes
 ``<out>.csv`` and ``<out>.json`` (each row with the sources its fit saw).
 
     python scripts/validate_published.py --out /tmp/validation/published

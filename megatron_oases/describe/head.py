@@ -76,7 +76,7 @@ def cross_entropy_bytes_per_logit(e: int) -> tuple[int, int]:
     loss gradient (4 + 4) and autograd's cast of that fp32 gradient back to the logits' dtype
     (read 4, write e; none in fp32). bf16: 38 / 14 bytes, fp32: 32 / 8. The per-token work
     (target gather, log, the label's ``-= 1``) is negligible beside it. Checked against the
-    logits events measured on an H100 (docs/sim_validation.md, "Cross-entropy")."""
+    logits events measured on an H100 and an H200 (docs/sim_validation.md, "Cross-entropy")."""
     cast = e + 4 if e != 4 else 0
     return cast + 4 + 8 + 8 + 4 + 8, 8 + (4 + e if e != 4 else 0)
 

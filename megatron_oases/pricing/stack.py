@@ -69,7 +69,8 @@ class SoftwareStack:
         """Element-wise bytes the event moves under this stack; ``scores_on_chip``: a fused core
         attention keeps the scores on chip (their bytes dropped). The factors apply to the layer's
         segments, the events whose kernels the description counts (``Compute.kernels`` > 0: what
-        was measured); other events (embedding, logits, optimizer) keep their bytes."""
+        was measured); other events (embedding, logits, optimizer) keep their bytes, plus the
+        optimizer's Adam traffic at this stack's bytes per parameter."""
         scores = 0.0 if scores_on_chip else c.score_bytes
         adam = c.optimizer_params * self.adam_bytes_per_param
         if c.kernels <= 0:

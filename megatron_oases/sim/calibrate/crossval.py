@@ -29,6 +29,10 @@ HOST_US = (0.0, 100.0, 200.0, 300.0, 500.0, 800.0, 1200.0)
 42 us a kernel on an H200 (pricing/stack.py)."""
 
 
+TIME_UNITS = ("s_per_iteration",)
+"""Units in which a larger number is slower (a row's ``unit``)."""
+
+
 OPTIMISTIC = (1.0, 0.0)
 """The grid corner where compute is fastest: every GEMM at the best-shape ceiling, no host cost.
 A row the simulator predicts slower than measured even here cannot be reached by any fit; its
@@ -56,10 +60,6 @@ def grid_errors(rows: list[dict], predict: Callable[[dict, object], float], *,
         return r["measured"] / predicted if r["unit"] in TIME_UNITS else predicted / r["measured"]
     return {r["id"]: {(g, h): speed_ratio(r, predict(r, tune(g, h))) for g in gemm_factors for h in host_us}
             for r in rows}
-
-
-TIME_UNITS = ("s_per_iteration",)
-"""Units in which a larger number is slower (a row's ``unit``)."""
 
 
 def _loss(ratios: list[float]) -> float:
