@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_oases.pricing.device_model import SimError
 from megatron_oases.sim.frontends.cli import build_parser, model_from_args, sim_main, strategy_from_args
 from megatron_oases.topology import TopologyError, load_topology
 
@@ -139,6 +140,13 @@ def test_fp16_gradients_reduce_in_fp16_unless_accumulated_in_fp32():
                             grad_bytes("--dtype", "bf16"))
     assert fp16[1] == 2 and fp16_acc[1] == bf16[1] == 4
     assert 2 * fp16[0] == fp16_acc[0] == bf16[0]
+    bf16_reduced = grad_bytes("--dtype", "bf16", "--grad-reduce-in-bf16")  # Megatron-LM's flag
+    assert bf16_reduced[1] == 2 and 2 * bf16_reduced[0] == bf16[0]
+    for wrong, says in ((["--dtype", "fp16", "--grad-reduce-in-bf16"], "applies to --dtype bf16"),
+                        (["--dtype", "bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+                         "contradict")):
+        with pytest.raises(SimError, match=says):
+            grad_bytes(*wrong)
 
 
 def test_jobs_below_one_is_refused_at_parse_time(capsys):

@@ -51,7 +51,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="reduce data-parallel gradients in fp32 under --dtype fp16 (Megatron-LM's flag; "
-                        "bf16 and fp32 always do, as Megatron-LM)")
+                        "bf16 and fp32 do unless --grad-reduce-in-bf16, as Megatron-LM)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce data-parallel gradients in bf16 under --dtype bf16 (Megatron-LM's flag; NeMo's "
+                        "grad_sync_dtype bf16)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention (default 1)")
@@ -180,7 +183,17 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
                     core_attention=core_attention_of(attention_backend=a.attention_backend,
                                                      transformer_impl=a.transformer_impl,
                                                      use_flash_attn=a.use_flash_attn, error=SimError),
-                    grad_reduce_bytes=2 if dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32 else 4)
+                    grad_reduce_bytes=_grad_reduce_bytes(a, dtype))
+
+
+def _grad_reduce_bytes(a: argparse.Namespace, dtype: str) -> int:
+    """Bytes a DP gradient element travels in, as Megatron-LM decides it: fp16 reduces in fp16
+    unless --accumulate-allreduce-grads-in-fp32, bf16 in fp32 unless --grad-reduce-in-bf16."""
+    if a.grad_reduce_in_bf16 and dtype != "bf16":
+        raise SimError(f"--grad-reduce-in-bf16 applies to --dtype bf16 (got {dtype}); drop it")
+    if a.grad_reduce_in_bf16 and a.accumulate_allreduce_grads_in_fp32:
+        raise SimError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; keep one")
+    return 2 if (dtype == "fp16" and not a.accumulate_allreduce_grads_in_fp32) or a.grad_reduce_in_bf16 else 4
 
 
 def _variant(a: argparse.Namespace) -> LayerVariant:
