@@ -37,7 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     module_name, func_name, _ = COMMANDS[name]
     import importlib
 
-    return int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
+    except BrokenPipeError:
+        # the reader went away (``megatron-oases sim ... | head``): stop quietly, as Python's docs
+        # advise, instead of a traceback; stdout goes to devnull so the exit flush cannot fail again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -186,3 +186,15 @@ def test_rope_and_qk_norm_flags_and_model_file_keys(tmp_path, capsys):
     capsys.readouterr()
     assert plan_main(argv + ["--rotary-percent", "0.5"]) == 2
     assert "applies to --position-embedding-type rope only" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_stops_quietly():
+    """``megatron-oases sim ... | head -1``: the first line arrives, no traceback on stderr."""
+    import subprocess
+    import sys
+
+    cmd = (f"{sys.executable} -m megatron_oases.cli sim --topology dgx-a100 --num-layers 2 --hidden-size 256 "
+           "--num-attention-heads 8 --seq-length 128 --micro-batch-size 2 --tensor-model-parallel-size 2 "
+           "--global-batch-size 64 --trace /dev/null | head -c 10")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert done.stdout and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
