@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     try:
-        return int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
+        rc = int(getattr(importlib.import_module(module_name), func_name)(rest) or 0)
+        sys.stdout.flush()  # the last buffered write fails here, inside the try, not at exit
+        return rc
     except BrokenPipeError:
         # the reader went away (``megatron-oases sim ... | head``): stop quietly, as Python's docs
         # advise, instead of a traceback; stdout goes to devnull so the exit flush cannot fail again

@@ -189,12 +189,18 @@ def test_rope_and_qk_norm_flags_and_model_file_keys(tmp_path, capsys):
 
 
 def test_a_closed_pipe_stops_quietly():
-    """``megatron-oases sim ... | head -1``: the first line arrives, no traceback on stderr."""
+    """``megatron-oases sim ... | true``: the reader is gone before the first write (simulating
+    takes longer than ``true``), stdout block-buffered (PYTHONUNBUFFERED cleared), the whole output
+    smaller than the buffer, so it only leaves at the final flush: that flush must fail inside the
+    handler, not at interpreter exit ("Exception ignored ... BrokenPipeError", status 120)."""
+    import os
     import subprocess
     import sys
 
     cmd = (f"{sys.executable} -m megatron_oases.cli sim --topology dgx-a100 --num-layers 2 --hidden-size 256 "
            "--num-attention-heads 8 --seq-length 128 --micro-batch-size 2 --tensor-model-parallel-size 2 "
-           "--global-batch-size 64 --trace /dev/null | head -c 10")
-    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
-    assert done.stdout and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+           "--global-batch-size 64 | true")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300, env=env)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.returncode == 1, done.returncode  # pipefail: the command's own status

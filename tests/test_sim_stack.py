@@ -5,6 +5,7 @@ the same A100 model runs slowest on ``local``, faster on ``apex-fused``, fastest
 ``transformer_engine``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -69,7 +70,7 @@ def _event_price(row: dict, event: str, **overrides) -> float:
     flags.update(overrides, **{"no-masked-softmax-fusion": True})
     a = build_parser().parse_args(sim_argv(row["topology"], row["nodes"], flags) + ["--gpu", "h200-sxm"])
     model, strategy, dm = simulation_inputs(a)
-    assert dm.stack is LOCAL
+    assert dm.stack.name == LOCAL.name and dm.stack.elementwise_factor == LOCAL.elementwise_factor
     events = unique_events(build_stage_events(model, strategy, dm.topology))
     name = event.split("[")[0]
     key, e = next((k, e) for k, e in events.items() if k.split("[")[0] == name)
@@ -94,7 +95,10 @@ def test_local_reproduces_the_h200_layer_events():
 
 def test_flags_pick_the_stack():
     assert stack_of() is APEX_FUSED  # Megatron-LM's defaults: Apex's fused softmax
-    assert stack_of(masked_softmax_fusion=False) is LOCAL and stack_of(apex=False) is LOCAL
+    assert stack_of(apex=False) is LOCAL  # our trainer: no Apex, torch's softmax and torch's AdamW
+    unfused = stack_of(masked_softmax_fusion=False)  # Apex present: its fused Adam stays
+    assert unfused.name == "local" and unfused.adam_bytes_per_param == APEX_FUSED.adam_bytes_per_param
+    assert dataclasses.replace(unfused, adam_bytes_per_param=LOCAL.adam_bytes_per_param, source=LOCAL.source) == LOCAL
     assert stack_of(transformer_impl="transformer_engine") is TRANSFORMER_ENGINE
     with pytest.raises(SimError, match="no-masked-softmax-fusion"):
         stack_of(transformer_impl="transformer_engine", masked_softmax_fusion=False, error=SimError)

@@ -80,8 +80,8 @@ class GPTShape:
     grad_reduce_bytes: int = 4
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
     ``megatron-oases train`` always; Megatron-LM under bf16 or with
-    ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default). (The simulator
-    reads it; the planner prices fp32 gradients only.)"""
+    ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default, and bf16 with
+    ``--grad-reduce-in-bf16``). (The simulator reads it; the planner prices fp32 gradients only.)"""
 
     def __post_init__(self) -> None:
         if not self.ffn_hidden_size and is_positive_int(self.hidden_size):

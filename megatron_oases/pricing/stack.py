@@ -107,7 +107,8 @@ def is_backward(c: Compute) -> bool:
 #    default on CUDA is the foreach implementation (torch/optim/adam.py, _multi_tensor_adam), one
 #    pass per line, fp32: decoupled weight decay p *= (8), m.lerp_(g) (12), v *= beta2 (8),
 #    v.addcmul_(g, g) (12), sqrt(v) (8), / bias correction (8), + eps (8), p.addcdiv_(m, denom)
-#    (16). Checked against the optimizer events measured on an H100 (tests/test_optimizer_traffic.py).
+#    (16). Checked against the optimizer events measured on an H100 and an H200
+#    (tests/test_optimizer_traffic.py). With Apex present (``stack_of``) ``local`` keeps its fused Adam.
 LOCAL = SoftwareStack(
     name="local", dispatch_us=42.1, layer_framework_us=287.0, elementwise_factor=(3.65, 2.51),
     score_factor=(4.36, 3.05), adam_bytes_per_param=80.0,
@@ -145,12 +146,18 @@ def stack_of(*, transformer_impl: str = "local", masked_softmax_fusion: bool = T
     """The stack Megatron's flags run: ``--transformer-impl transformer_engine`` -> TE; the local
     layer with Megatron's default fusions and Apex present -> ``apex-fused``; the local layer with
     ``--no-masked-softmax-fusion`` or without Apex (``apex=False``: our trainer, whose builds carry
-    no Apex) -> ``local`` (torch's fp32 softmax). TE with ``--no-masked-softmax-fusion`` is refused:
-    TE's attention takes no such flag here."""
+    no Apex) -> ``local`` (torch's fp32 softmax). With Apex present, that ``local`` keeps Apex's
+    fused Adam (Megatron imports it whatever the softmax flag), so only its Adam bytes differ. TE
+    with ``--no-masked-softmax-fusion`` is refused: TE's attention takes no such flag here."""
     if transformer_impl == "transformer_engine":
         if not masked_softmax_fusion:
             raise error("--no-masked-softmax-fusion applies to --transformer-impl local only")
         return TRANSFORMER_ENGINE
     if transformer_impl != "local":
         raise error(f"--transformer-impl must be local or transformer_engine (got {transformer_impl!r})")
-    return APEX_FUSED if masked_softmax_fusion and apex else LOCAL
+    if not apex:
+        return LOCAL
+    if masked_softmax_fusion:
+        return APEX_FUSED
+    return dataclasses.replace(LOCAL, adam_bytes_per_param=APEX_FUSED.adam_bytes_per_param,
+                               source=LOCAL.source + "; Adam: Apex's fused Adam")

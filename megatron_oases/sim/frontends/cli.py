@@ -54,7 +54,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "bf16 and fp32 do unless --grad-reduce-in-bf16, as Megatron-LM)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce data-parallel gradients in bf16 under --dtype bf16 (Megatron-LM's flag; NeMo's "
-                        "grad_sync_dtype bf16)")
+                        "grad_sync_dtype bf16); refused where Megatron-LM would ignore it (another dtype) or "
+                        "override another flag with it (--accumulate-allreduce-grads-in-fp32)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention (default 1)")
