@@ -31,8 +31,9 @@
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
-#   sim-sizes the same at hidden 512, 1024, 2048 (sequence 2048), host-bound to GEMM-bound; the
-#             SM and memory clocks are read before each model (summary.txt)
+#   sim-sizes the same at hidden 512, 1024, 2048 (sequence 2048), host-bound to GEMM-bound; before
+#             each profile the SM and memory clocks are read as found, then after SETTLE_S
+#             (default 5) seconds of GEMMs, under load (scripts/gpu_settle.py; summary.txt)
 # STEPS picks steps (default: "env attn mfu overlap overlap-conn sim sim-sizes compare"; the others are
 # "fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
@@ -131,7 +132,8 @@ sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, 
   local name=$1 scheds=$2; shift 2
   local f=("$@" --attention-backend auto --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-$DEVICE}")
   for sched in $scheds; do
-    clocks "sim-$name-$sched"
+    clocks "sim-$name-$sched"  # as found, then after SETTLE_S seconds of GEMMs, read under load
+    $PY scripts/gpu_settle.py --seconds "${SETTLE_S:-5}" --label "sim-$name-$sched" >>"$SUMMARY" 2>>"$LOG"
     step "sim-profile-$name-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$name-$sched.json" --reps 10 -- "${f[@]}" --schedule "$sched"
     if [ "$name" != mfu ] || [ ! -s "$OUT/json/run-mfu-$sched-auto.json" ]; then
       step "sim-train-$name-$sched" 120 $PY -m megatron_oases.cli train "${f[@]}" --schedule "$sched" --log-json "$OUT/json/run-sim-$name-$sched.json"

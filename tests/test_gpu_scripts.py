@@ -61,3 +61,14 @@ def test_gpu_compare_reads_trainer_logs_and_prices_mfu(tmp_path):
     out = json.loads((tmp_path / "compare.json").read_text())
     assert abs(out["runs"]["mfu-default-auto"]["mfu"] - 0.5) < 1e-9
     assert abs(out["pairs"]["mfu-oases-auto vs mfu-default-auto"]["max_rel_loss_diff"] - 1e-4) < 1e-9
+
+
+def test_gpu_settle_says_it_skipped_without_cuda(capsys):
+    """On a CPU-only machine the settle step costs nothing and says so in its one summary line."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine settles for real")
+    assert load_script("scripts/gpu_settle.py").main(["--seconds", "3", "--label", "sim-h512-default"]) == 0
+    assert capsys.readouterr().out == "clocks sim-h512-default: no CUDA, not settled\n"
