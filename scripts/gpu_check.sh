@@ -127,12 +127,11 @@ fi
 
 want measure && step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
 want pytest && step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
-clocks() { nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null | sed "s/^/clocks $1: /" >>"$SUMMARY"; }
 sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, train it, predict its step
   local name=$1 scheds=$2; shift 2
   local f=("$@" --attention-backend auto --seed 1234 --nproc-per-node 1 --device "${SIM_DEVICE:-$DEVICE}")
   for sched in $scheds; do
-    clocks "sim-$name-$sched"  # as found, then after SETTLE_S seconds of GEMMs, read under load
+    # the clocks as found, then after SETTLE_S seconds of GEMMs, read under load
     $PY scripts/gpu_settle.py --seconds "${SETTLE_S:-5}" --label "sim-$name-$sched" >>"$SUMMARY" 2>>"$LOG"
     step "sim-profile-$name-$sched" 120 $PY -m megatron_oases.cli profile --out "$OUT/json/prof-$name-$sched.json" --reps 10 -- "${f[@]}" --schedule "$sched"
     if [ "$name" != mfu ] || [ ! -s "$OUT/json/run-mfu-$sched-auto.json" ]; then

@@ -4,9 +4,10 @@ profiles: the card was idle, so the first timed events ran while the clocks ramp
 
     python scripts/gpu_settle.py --seconds 5 --label sim-h512-default
 
-Runs bf16 GEMMs for ``--seconds``, reads ``nvidia-smi``'s SM / memory clocks, temperature and power
-while the last ones are still queued, and prints one line ``clocks <label> (settled Ns): ...``
-(``scripts/gpu_check.sh`` appends it to summary.txt). Without CUDA it prints that it skipped.
+Reads ``nvidia-smi``'s SM / memory clocks, temperature and power as found, runs bf16 GEMMs for
+``--seconds``, reads them again while the last ones are still queued, and prints one line for each
+(``clocks <label>: ...``, ``clocks <label> (settled Ns): ...``; ``scripts/gpu_check.sh`` appends
+them to summary.txt). Without CUDA it prints that it skipped.
 """
 from __future__ import annotations
 
@@ -17,9 +18,16 @@ import time
 QUERY = "clocks.sm,clocks.mem,temperature.gpu,power.draw"
 
 
+def read_clocks() -> str:
+    """One line of ``nvidia-smi``'s clocks, temperature and power (its error text if it fails)."""
+    done = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else done.stderr.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=5.0, help="how long to load the GPU (0: just read the clocks)")
+    p.add_argument("--seconds", type=float, default=5.0, help="how long to load the GPU before the second read")
     p.add_argument("--label", default="", help="the name the line carries (the step that follows)")
     a = p.parse_args(argv)
     import torch
@@ -27,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"clocks {a.label}: no CUDA, not settled")
         return 0
+    print(f"clocks {a.label}: {read_clocks()}")
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = time.monotonic() + a.seconds
     while time.monotonic() < end:
@@ -35,10 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     for _ in range(64):  # queued work still running while nvidia-smi reads the clocks
         x = (x @ x).clamp_(-1, 1)
-    read = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"],
-                          capture_output=True, text=True, check=False)
+    settled = read_clocks()
     torch.cuda.synchronize()
-    print(f"clocks {a.label} (settled {a.seconds:g}s): {read.stdout.strip().splitlines()[0] if read.stdout.strip() else read.stderr.strip()}")
+    print(f"clocks {a.label} (settled {a.seconds:g}s): {settled}")
     return 0
 
 
