@@ -76,11 +76,14 @@ def plan_model(a):
     from megatron_oases.train_args import build_parser
     from megatron_oases.vocab import padded_vocab_size
 
+    from megatron_oases.sim.frontends.predict import run_core_attention
+
     targs = run_config(build_parser().parse_args(model_flags(a, a.tp)))
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, micro_batch_size=a.micro_batch, tp=a.tp,
                      padded_vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,
-                     sub_batches=sub_batches_at(oases=a.schedule == "oases"))
+                     sub_batches=sub_batches_at(oases=a.schedule == "oases"),
+                     core_attention=run_core_attention(targs))  # what the measured runs run
 
 
 def profiled_pricer(a, m, topo, workdir: str):

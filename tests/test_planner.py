@@ -211,6 +211,37 @@ def test_event_keys_are_the_simulators():
     assert len(wgrads) == 2 and wgrads <= set(sim), sorted(wgrads - set(sim))
 
 
+@pytest.mark.parametrize("core_attention", ["local", "fused"])
+def test_planner_prices_each_event_as_the_simulator(core_attention):
+    """Same key, same milliseconds: the planner's analytical device model is the simulator's for
+    the plan model's core attention (a fused kernel keeps the scores on chip in both), so a plan
+    priced with ``--attention-backend auto`` is cheaper than with ``local``, as its runtime is."""
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.pricing.device_model import device_model
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=2048, micro_batch_size=8,
+                  tp=8, core_attention=core_attention)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
+    shape = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                     padded_vocab_size=51200, micro_batch_size=8, core_attention=core_attention)
+    dm = device_model(topo, bytes_per_element=shape.bytes_per_element, fused_attention=shape.fused_attention)
+    sim = unique_events(build_stage_events(shape, SimStrategy(tp=8, overlap="oases", recompute=True), topo))
+    both = [k for k in pricer.events if k in sim and k.startswith("compute:")]
+    assert any(k.startswith("compute:attention[") for k in both), sorted(pricer.events)
+    for k in both:
+        e = sim[k]
+        assert pricer.compute_ms(e.op, shape=k[k.index("[") + 1:-1]) == pytest.approx(
+            dm.price(k, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks)), k
+    if core_attention == "fused":
+        local = DevicePricer(topology=topo, model=dataclasses.replace(m, core_attention="local"))
+        key = next(k for k in both if k.startswith("compute:attention["))
+        assert pricer.compute_ms(sim[key].op, shape=key[key.index("[") + 1:-1]) < local._dm.compute_ms(sim[key].op)
+
+
 def test_planner_events_can_be_profiled():
     """Every compute event the planner prices maps to the profiler's torch workload."""
     import torch

@@ -90,6 +90,13 @@ def draws_in_kernel(core_attention: str) -> bool:
     return core_attention != "local"
 
 
+def scores_on_chip(core_attention: str) -> bool:
+    """Whether a run of ``core_attention`` (a ``CORE_ATTENTIONS`` kind) is priced with a fused
+    kernel: the scores stay on chip and the causal half is skipped (``DeviceModel.fused_attention``;
+    the simulator and the planner both build their device model from this)."""
+    return not keeps_scores(core_attention)
+
+
 def keeps_scores(kernel: str) -> bool:
     """Whether the core attention ``kernel`` (``attention_kernel``'s) keeps s x s tensors for
     backward: every kernel but a fused one."""

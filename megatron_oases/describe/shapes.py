@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from .core_attention import CORE_ATTENTIONS
+from .core_attention import CORE_ATTENTIONS, scores_on_chip
 from .ops import GPT2, LayerVariant, ModelingError
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -116,7 +116,7 @@ class GPTShape:
     @property
     def fused_attention(self) -> bool:
         """A fused core attention (the device model then prices the scores on chip)."""
-        return self.core_attention == "fused"
+        return scores_on_chip(self.core_attention)
 
     @property
     def grad_dtype(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..describe.core_attention import ATTENTION_BACKENDS
 from ..describe.split import SUB_BATCHES
-from ..run_config import check_gqa_flags, gqa_groups
+from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="Megatron-LM's core attention (describe/core_attention.py): flash, fused, auto keep no "
-                        "s x s scores (SDPA on our builds), unfused and local do; not given: Megatron's local "
-                        "attention, as `megatron-oases sim` (megatron-oases train defaults to auto: pass it)")
+                        "s x s scores (SDPA on our builds), unfused and local do; not given (and not in "
+                        "--model): auto, what the plan's runtime (megatron-oases train, our Megatron-LM "
+                        "entry) runs by default")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="Oases fine-grained recompute (default on)")
     p.add_argument("--sub-batches", type=int, choices=(1, SUB_BATCHES), default=None,
@@ -133,7 +134,12 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "num_query_groups": _gqa_groups(a), "position_embedding_type": a.position_embedding_type,
             "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
             "sequence_parallel": a.sequence_parallel}
-    return model_from_mapping(_load_config(a.model), source=f"--model {a.model}" if a.model else "model flags", **over)
+    config = _load_config(a.model)
+    if over["attention_backend"] is None and "attention_backend" not in (config or {}):
+        # price what the plan's launch runs: our runtime's default core attention (a plan file
+        # without the field is read as local instead: what it was priced with)
+        over["attention_backend"] = DEFAULTS.attention_backend
+    return model_from_mapping(config, source=f"--model {a.model}" if a.model else "model flags", **over)
 
 
 def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:

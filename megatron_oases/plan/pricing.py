@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from megatron_oases.describe.backends import backend
+from megatron_oases.describe.core_attention import scores_on_chip
 from megatron_oases.describe.event_key import layer_shape
 from megatron_oases.describe.ops import Collective, Compute
 from megatron_oases.pricing.device_model import (GPUS, DeviceModel, ProfileDB, SimError, gpu_spec,
@@ -79,8 +80,11 @@ class DevicePricer:
                 profile = ProfileDB.load(self.profile_path)
             except SimError as e:
                 raise PlanError(f"--profile {e}") from None
+        # the stack is DeviceModel's default, ``local``: what the plan's runtime (our builds, no
+        # Apex) runs; the core attention is the plan model's, as the simulator prices it
         self._dm = DeviceModel(gpu=gpu_spec(resolve_gpu(name)), topology=self.topology, profile=profile,
-                               bytes_per_element=self.model.bytes_per_element)
+                               bytes_per_element=self.model.bytes_per_element,
+                               fused_attention=scores_on_chip(self.model.core_attention))
         self._cache: dict[str, float] = {}
         self.events: dict[str, Any] = {}
         """key -> ``pricing.event.Event`` of everything priced (``profile_events`` can measure them)."""

@@ -60,7 +60,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
                      tied_embeddings=not cfg.untie_embeddings_and_output_weights,
                      hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant,
-                     core_attention=_core_attention(cfg))
+                     core_attention=run_core_attention(cfg))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -77,7 +77,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     return model, strategy
 
 
-def _core_attention(cfg: RunConfig) -> str:
+def run_core_attention(cfg: RunConfig) -> str:
     """The trainer run's core attention (``describe.core_attention``) from its ``--attention-backend``."""
     return core_attention_of(attention_backend=cfg.attention_backend, transformer_impl=cfg.megatron_lm.transformer_impl,
                               error=SimError)
