@@ -214,4 +214,14 @@ def test_plan_files_and_flags_carry_the_attention_backend(tmp_path):
     for backend, kind in (("auto", "fused"), ("flash", "fused"), ("unfused", "unfused"), ("local", "local")):
         a = build_parser().parse_args(flags + ["--attention-backend", backend])
         assert model_from_args(a).core_attention == kind
-    assert model_from_args(build_parser().parse_args(flags)).core_attention == "local"
+    # not given: the trainer's default (what the plan's runtime runs); a --model file's own
+    # attention_backend is kept unless the flag overrides it
+    from megatron_oases.run_config import DEFAULTS
+    from megatron_oases.describe.core_attention import core_attention_of
+    assert model_from_args(build_parser().parse_args(flags)).core_attention == core_attention_of(
+        attention_backend=DEFAULTS.attention_backend) == "fused"
+    path = tmp_path / "model.yaml"
+    path.write_text("attention_backend: local\n")
+    assert model_from_args(build_parser().parse_args(flags + ["--model", str(path)])).core_attention == "local"
+    a = build_parser().parse_args(flags + ["--model", str(path), "--attention-backend", "auto"])
+    assert model_from_args(a).core_attention == "fused"
