@@ -7,7 +7,9 @@ another tool, one per line, to splice into its command:
     megatron-oases train --nproc-per-node 8 $(python examples/model_flags.py MODEL.yaml --for train) ...
 
 ``--for train`` also suits Megatron-LM's ``pretrain_gpt.py`` (same flag names). The file is
-checked by the planner's own reader, so a field it does not know is an error here too.
+checked by the planner's own reader, so a field it does not know is an error here too. An
+``attention_backend`` the file states becomes ``--attention-backend`` for train and sim; without
+it each tool keeps its default (plan and train: auto; sim: Megatron-LM's local attention).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def model_flags(path: str, tool: str) -> list[str]:
     from megatron_oases.plan.plan_cli import _load_config
 
     try:
-        m = model_from_mapping(_load_config(path), source=f"--model {path}")
+        raw = _load_config(path)
+        m = model_from_mapping(raw, source=f"--model {path}")
     except PlanError as e:
         raise ValueError(str(e)) from None
     if tool == "mesh":
@@ -35,6 +38,9 @@ def model_flags(path: str, tool: str) -> list[str]:
            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
            "--ffn-hidden-size", str(m.ffn_hidden_size), "--vocab-size", str(m.padded_vocab_size),
            "--micro-batch-size", str(m.micro_batch_size)]
+    if isinstance(raw, dict) and "attention_backend" in {str(k).replace("-", "_") for k in raw}:
+        # stated in the file: every tool runs / prices it (not stated: each tool's default)
+        out += ["--attention-backend", m.core_attention]  # a kind's name is its flag value
     if tool == "sim":
         return out + ["--dtype", m.dtype, "--tp", str(m.tp)]
     out += ["--max-position-embeddings", str(m.seq_length), "--tensor-model-parallel-size", str(m.tp)]

@@ -46,6 +46,25 @@ def test_every_model_file_parses_for_plan_train_sim_and_mesh():
         assert (k.tp, k.hidden, k.layers, k.seq_length) == (m.tp, m.hidden_size, m.num_layers, m.seq_length)
 
 
+def test_a_stated_attention_backend_reaches_every_tool(tmp_path):
+    """A model file that states ``attention_backend`` gives it to train and sim (the planner reads
+    it itself); one that does not leaves each tool its own default."""
+    from megatron_oases.describe.core_attention import core_attention_of
+    from megatron_oases.sim.frontends.cli import build_parser as sim_parser
+    from megatron_oases.train_args import build_parser as train_parser
+
+    base = open(os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml")).read()
+    for value, kind in (("local", "local"), ("unfused", "unfused"), ("flash", "fused")):
+        path = tmp_path / f"{value}.yaml"
+        path.write_text(base + f"\nattention-backend: {value}\n")
+        t = train_parser().parse_args(model_flags.model_flags(str(path), "train"))
+        s = sim_parser().parse_args(model_flags.model_flags(str(path), "sim"))
+        assert core_attention_of(attention_backend=t.attention_backend) == kind
+        assert core_attention_of(attention_backend=s.attention_backend) == kind
+    assert "--attention-backend" not in model_flags.model_flags(
+        os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml"), "sim")
+
+
 def test_paper_values_in_the_model_files():
     """The files carry the papers' tables (Oases Table 4/5, ATP Table 2, 3-D TP Tables 1-2)."""
     def load(name):
