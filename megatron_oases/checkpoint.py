@@ -136,6 +136,13 @@ def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
                               "state: it needs --use-distributed-optimizer and --save DIR; drop it")
     if cfg.ckpt_step is not None and cfg.load is None:
         raise ConfigError("--ckpt-step needs --load DIR")
+    for flag, given in (("--no-load-optim", cfg.no_load_optim), ("--no-load-rng", cfg.no_load_rng)):
+        if given and cfg.load is None:
+            raise ConfigError(f"{flag} chooses what --load restores and has no effect without it; "
+                              f"drop it or add --load DIR")
+    if not cfg.verify_integrity and cfg.save is None and cfg.load is None:
+        raise ConfigError("--no-verify-integrity skips the checksums of --save and --load and has no "
+                          "effect without either; drop it")
     if cfg.load is not None:
         found = find_checkpoint(cfg.load, missing_ok=_auto_resume(cfg), step=cfg.ckpt_step)
         if found is not None:

@@ -336,6 +336,16 @@ def _check_loss_scale(cfg: RunConfig) -> None:
                           f"{scale} (a constant scale); drop one of them")
 
 
+def _check_optimizer_flags(cfg: RunConfig) -> None:
+    """An optimizer's hyper-parameter given for the other optimizer would be ignored: refused."""
+    other = {"adam": ("sgd_momentum",), "sgd": ("adam_beta1", "adam_beta2")}[cfg.optimizer]
+    for name in other:
+        if getattr(cfg, name) != getattr(DEFAULTS, name):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(cfg, name)} has no effect with --optimizer {cfg.optimizer}; "
+                              f"drop it or pass --optimizer {'sgd' if cfg.optimizer == 'adam' else 'adam'}")
+
+
 def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
     """Check every flag and combination; returns the run's config normalised: ``ffn_hidden_size``
     and ``max_position_embeddings`` filled in, ``recompute_num_layers`` set under full recompute,
@@ -377,6 +387,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
             raise ConfigError("--gradient-accumulation-fusion needs Apex's "
                               "fused_weight_gradient_mlp_cuda extension (CUDA); install Apex or "
                               "drop the flag")
+    _check_optimizer_flags(cfg)
     if cfg.use_distributed_optimizer and cfg.optimizer != "adam":
         raise ConfigError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's "
                           f"distributed optimizer does not support {cfg.optimizer})")
@@ -500,6 +511,9 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
     if cfg.tp_backend != "atp":
         if cfg.atp_mesh is not None:
             raise ConfigError("--atp-mesh needs --tp-backend atp")
+        if cfg.atp_chunks != DEFAULTS.atp_chunks:
+            raise ConfigError(f"--atp-chunks {cfg.atp_chunks} splits ATP's layers and has no effect "
+                              f"without --tp-backend atp; drop it or add --tp-backend atp")
         return None
     mesh = cfg.atp_mesh
     if mesh is None:

@@ -71,6 +71,16 @@ def add_oases_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
     """Refuse combinations the Oases schedule does not support, naming the flag."""
+    off = [f"--no-oases-{name}" for name, on in (("cross-pass", cfg.oases_cross_pass),
+                                                  ("fine-grained-recompute", cfg.oases_fine_grained_recompute))
+           if not on]
+    if cfg.schedule != "oases" and off:
+        raise ConfigError(f"{off[0]} switches part of the Oases executor and has no effect with the "
+                          f"default schedule; drop it or add --schedule oases")
+    if not cfg.oases_fine_grained_recompute and cfg.recompute_granularity != "full":
+        raise ConfigError("--no-oases-fine-grained-recompute chooses how Oases recomputes and has no "
+                          "effect without --recompute-granularity full; drop it or add "
+                          "--recompute-granularity full --recompute-method uniform")
     if cfg.schedule != "oases":
         if cfg.oases_skip_tp_collectives and (cfg.tp_backend != "megatron" or cfg.sequence_parallel):
             raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
