@@ -69,6 +69,54 @@ def test_bad_nodes_is_one_line(capsys):
     assert len(err) == 1 and "--nodes" in err[0]
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--tp", "2", "--gpus", "32"], "--gpus applies to --search only"),
+    (["--tp", "2", "--tp-sizes", "1,2"], "--tp-sizes applies to --search only"),
+    (["--tp", "2", "--csv", "x.csv"], "--csv applies to --search only"),
+    (["--tp", "2", "--atp-mesh", "1,2"], "--atp-mesh needs --tp-backend atp"),
+    (["--tp", "2", "--no-fine-grained-recompute"], "--no-fine-grained-recompute chooses how Oases recomputes"),
+    (["--tp", "2", "--overlap", "oases", "--no-fine-grained-recompute"], "and full recompute"),
+    (["--tp", "2", "--recompute", "--recompute-layers", "2"], "contradict each other"),
+    (["--search", "--global-batch-size", "16", "--tp", "2"],
+     "--tensor-model-parallel-size names one strategy, which --search enumerates"),
+    (["--search", "--global-batch-size", "16", "--overlap", "oases"], "--overlap names one strategy"),
+    (["--search", "--global-batch-size", "16", "--trace", "t.json"], "--trace names one strategy"),
+    (["--predict", "--profile", "p.json", "--tp", "2", "--", "--num-layers", "2"],
+     "--tensor-model-parallel-size has no effect with --predict"),
+    (["--predict", "--profile", "p.json", "--gpu", "h100-sxm", "--", "--num-layers", "2"],
+     "--gpu has no effect with --predict"),
+], ids=["gpus", "tp-sizes", "csv", "atp-mesh", "fine-grained", "fine-grained-no-recompute", "recompute-both",
+        "search-tp", "search-overlap", "search-trace", "predict-tp", "predict-gpu"])
+def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
+    """Each flag either acts in the chosen mode (one strategy, --search, --predict) or is one error
+    line naming it, before anything is simulated."""
+    own, rest = (flags[:flags.index("--")], flags[flags.index("--"):]) if "--" in flags else (flags, [])
+    model = [] if "--predict" in own else MODEL
+    assert sim_main(["--topology", "2node-ib", *model, *own, *rest]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_predict_writes_the_trace_it_is_asked_for(tmp_path, capsys):
+    """``--trace`` acts under --predict too (it was ignored)."""
+    from megatron_oases.pricing.device_model import ProfileDB
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser as train_parser
+
+    train = ["--nproc-per-node", "1", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--device", "cpu"]
+    from megatron_oases.sim.calibrate.profiler import resolve_topology
+
+    model, s = sim_inputs_from_train_args(train_parser().parse_args(train), 1)
+    topo = resolve_topology("local", 1)
+    db = tmp_path / "p.json"
+    ProfileDB(device="cpu", events_ms={k: 1.0 for k in unique_events(build_stage_events(model, s, topo))}).save(str(db))
+    trace = tmp_path / "t.json"
+    assert sim_main(["--predict", "--topology", "local", "--profile", str(db), "--trace", str(trace), "--", *train]) == 0
+    assert trace.exists() and f"trace: {trace}" in capsys.readouterr().out
+
+
 def test_predict_takes_the_world_size_from_the_topology(tmp_path, capsys):
     """No --nproc-per-node among the trainer flags: the topology's 4 ranks give TP 2 x DP 2."""
     from megatron_oases.pricing.device_model import ProfileDB

@@ -447,8 +447,9 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
                 else:  # a bucket's reduction shows only after the stage's last backward
                     exposed += max(0.0, x.end - max(x.start, last_end[i]))
                     comm += x.end - x.start
+        bubble = iteration - compute - exposed  # float sums: round-off of a no-bubble stage to 0
         stats.append(StageStats(stage=i, rank=s.rank(pp=i), compute_ms=compute, comm_ms=comm,
-                                exposed_comm_ms=exposed, bubble_ms=iteration - compute - exposed,
+                                exposed_comm_ms=exposed, bubble_ms=0.0 if abs(bubble) < 1e-6 else bubble,
                                 idle_ms=iteration - compute, memory_GB=mem[i].total / GiB))
     global_batch = model.micro_batch_size * m * s.dp
     flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq_length,

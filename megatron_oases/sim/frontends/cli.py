@@ -21,7 +21,7 @@ from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, co
 from ...describe.ops import LayerVariant
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
-from ...run_config import check_gqa_flags, gqa_groups
+from ...run_config import check_gqa_flags, gqa_groups, options_present
 from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
 
@@ -349,11 +349,64 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+SEARCH_APPLIES = frozenset({"schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
+                            "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                            "ddp_bucket_size", "sequence_parallel"})
+"""Strategy flags ``--search`` applies to every candidate; the other strategy flags name one
+strategy, which a search enumerates instead (``--tp-sizes``, ``--backends``, ...)."""
+
+
+def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
+               only: frozenset | None = None, skip: frozenset = frozenset()) -> list[str]:
+    """The flags of the argument group ``title`` (its first word) that ``a`` sets away from their
+    defaults, as their first option string."""
+    actions = [act for g in p._action_groups if g.title.split(" ")[0] == title for act in g._group_actions
+               if act.dest not in skip and (only is None or act.dest in only)]
+    values = options_present(a, [act.dest for act in actions])
+    return [act.option_strings[0] for act in actions if values[act.dest] != act.default]
+
+
+def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse a flag the chosen mode would ignore (one line naming it): under ``--predict`` the
+    run is the trainer's flags after ``--``; a ``--search`` enumerates the one-strategy flags; a
+    single strategy has no use for the search's."""
+    if a.predict:
+        given = [f for t in ("model", "strategy", "search") for f in _set_flags(p, a, t)]
+        given += _set_flags(p, a, "outputs", only=frozenset({"csv", "top"}))
+        given += [f for f, v in (("--gpu", a.gpu), ("--memory-gb", a.memory_gb), ("--search", a.search)) if v]
+        if given:
+            raise SimError(f"{given[0]} has no effect with --predict, which prices the trainer run of the flags "
+                           f"after `--` on its profile; drop it (or pass the trainer's flag after `--`)")
+        return
+    if a.search:
+        given = _set_flags(p, a, "strategy", skip=SEARCH_APPLIES)
+        given += _set_flags(p, a, "outputs", only=frozenset({"trace", "png"}))
+        if given:
+            raise SimError(f"{given[0]} names one strategy, which --search enumerates; drop it (the search's "
+                           f"own flags: --tp-sizes, --pp-sizes, --backends, --overlaps, --recompute-options)")
+        return
+    given = _set_flags(p, a, "search", skip=frozenset({"global_batch_size"}))
+    given += _set_flags(p, a, "outputs", only=frozenset({"csv", "top"}))
+    if given:
+        what = "the GPUs are TP x PP x DP" if given[0] == "--gpus" else "one strategy is simulated"
+        raise SimError(f"{given[0]} applies to --search only ({what} without it); drop it or add --search")
+    if a.atp_mesh is not None and a.tp_backend != "atp":
+        raise SimError("--atp-mesh needs --tp-backend atp")
+    if a.recompute and a.recompute_layers:
+        raise SimError("--recompute (every layer) and --recompute-layers (the first K of each chunk) "
+                       "contradict each other; give one")
+    if not a.fine_grained_recompute and (a.overlap != "oases" or recompute_from_args(a)[0] != "full"):
+        raise SimError("--no-fine-grained-recompute chooses how Oases recomputes and has no effect without "
+                       "--overlap oases and full recompute (--recompute); drop it or add them")
+
+
 def sim_main(argv: list[str] | None = None) -> int:
     """Exit 0 and print the summary / table; exit 2 with one ``error:`` line on bad input."""
     own, rest = _split(list(sys.argv[1:] if argv is None else argv))
-    a = build_parser().parse_args(own)
+    p = build_parser()
+    a = p.parse_args(own)
     try:
+        check_flag_scope(p, a)
         profile = ProfileDB.load(a.profile) if a.profile else None
         if a.predict:
             return _predict(a, profile, rest)
@@ -371,6 +424,12 @@ def sim_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(summary_table(r))
+    _write_outputs(a, r)
+    return 0
+
+
+def _write_outputs(a: argparse.Namespace, r) -> None:
+    """``--trace`` and ``--png`` of one simulated (or predicted) iteration."""
     if a.trace:
         from ..core.trace import write_chrome_trace
         write_chrome_trace(r, a.trace)
@@ -379,7 +438,6 @@ def sim_main(argv: list[str] | None = None) -> int:
         from ..core.trace import plot_timeline
         plot_timeline(r, a.png)
         print(f"timeline: {a.png}")
-    return 0
 
 
 def simulation_inputs(a: argparse.Namespace, profile: ProfileDB | None = None):
@@ -451,4 +509,5 @@ def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[
     r = predict_train_step(targs, profile, world_size=world, topology=topo or a.topology)
     print(summary_table(r))
     print(f"predicted step time: {r.iteration_ms:.1f} ms")
+    _write_outputs(a, r)
     return 0
