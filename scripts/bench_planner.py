@@ -42,7 +42,7 @@ def _cpu() -> float:
 def timed(problem, solver: str, limit: float | None):
     c0, w0 = _cpu(), time.perf_counter()
     try:
-        sol = solve(problem, solver=solver, time_limit=limit)
+        sol = solve(problem, solver=solver, time_limit=None if solver in ("auto", "dp") else limit)
         err = ""
     except Exception as e:  # noqa: BLE001 - a timed-out ILP is reported, not fatal
         sol, err = None, str(e).splitlines()[0]

@@ -83,8 +83,8 @@ def test_reshard_groups_and_payload():
     up = fam.reshard(BlockStrategy(degree=2), BlockStrategy(degree=4), m)
     down = fam.reshard(BlockStrategy(degree=4), BlockStrategy(degree=1), m)
     assert up.backward is None and up.ranks_forward == (0, 2)
-    # one sub-batch of the degree-4 share: 8 * 4/4 / 2 samples x s x h x 2 bytes
-    assert up.forward.payload_bytes == 4 * 16 * 64 * 2 and up.forward.kind == "all_gather"
+    # the whole degree-4 share, at once outside the Oases executor: 8 * 4/4 samples x s x h x 2 bytes
+    assert up.forward.payload_bytes == 8 * 16 * 64 * 2 and up.forward.kind == "all_gather"
     assert down.forward is None and down.ranks_backward == (0, 1, 2, 3)
     assert fam.reshard(BlockStrategy(degree=2), BlockStrategy(degree=2), m).forward is None
 
@@ -141,9 +141,9 @@ def test_resharding_edge_is_allgather_plus_lost_overlap():
     cm = build_cost_model(m, topology=flat(4), global_batch_size=8, pricer=pricer, grad_sync=False)
     k = {s.degree: i for i, s in enumerate(cm.strategies)}
     e = cm.problem.edge[0]
-    ag_up = 2 * 0.7 * 2  # two sub-batches, group of 2 (ranks 0, 2)
+    ag_up = 0.7 * 2  # one all-gather of the whole share (the runtime's, outside the executor), group of 2
     assert e[k[2], k[4]] == pytest.approx(M[2] + ag_up + C[4])  # forward all-gather, overlap lost
-    assert e[k[4], k[2]] == pytest.approx(max(C[2], M[4]) + 2 * 0.7 * 2)  # forward slices; backward gathers
+    assert e[k[4], k[2]] == pytest.approx(max(C[2], M[4]) + 0.7 * 2)  # forward slices; backward gathers
     assert e[k[4], k[4]] == pytest.approx(max(C[4], M[4]))
 
 
@@ -209,6 +209,32 @@ def test_event_keys_are_the_simulators():
                                                        micro_batch_size=4), SimStrategy(tp=4, dp=2,
                                                                                         recompute=True), topo))
     assert len(wgrads) == 2 and wgrads <= set(sim), sorted(wgrads - set(sim))
+
+
+def test_degree_one_blocks_and_reshards_are_the_simulators_events():
+    """As the runtime runs a plan (``schedules/oases/block.py``): a degree-1 block runs its
+    replica's share whole (no Oases split, ``describe.split.sub_batches_at``) and a reshard moves
+    the micro-batch's whole share once, outside the executor. The planner prices exactly the
+    events the simulator builds for such a plan (keys, dims, bytes); it priced two half-size runs
+    of each before, twice the host cost of a host-bound block."""
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.sim.core.events import build_stage_events, unique_events
+    from megatron_oases.sim.core.strategy import Strategy as SimStrategy
+
+    topo = load_topology("pcie-3090-2node")
+    m = PlanModel(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=8, tp=8,
+                  recompute=False)
+    pricer = DevicePricer(topology=topo, model=m)
+    build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, granularity="block")
+    sim = unique_events(build_stage_events(
+        GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
+                 micro_batch_size=8), SimStrategy(tp=8, overlap="oases", block_degrees=(1, 8, 2, 1)), topo))
+    planned = [k for k in sim if "t1_" in k or "reshard" in k]
+    assert any(k.startswith("compute:attention[b1s64") for k in planned)  # 8 x 1/8 samples, one run
+    assert sum("reshard" in k for k in planned) >= 2
+    for k in planned:
+        assert k in pricer.events, (k, sorted(pricer.events))
+        assert pricer.events[k].dims == sim[k].dims and pricer.events[k].nbytes == sim[k].nbytes, k
 
 
 @pytest.mark.parametrize("core_attention", ["local", "fused"])

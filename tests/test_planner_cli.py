@@ -119,7 +119,10 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
     cases = [(["--global-batch-size", "8", "--memory-gb", "0.01"], "--memory-gb 0.01 is too small: the least memory"),
              (["--global-batch-size", "12"], "--global-batch-size 12 is not divisible"),
              (["--global-batch-size", "8", "--gpu", "tpu"], "unknown GPU 'tpu'"),
-             (["--global-batch-size", "8", "--degrees", "3"], "--degrees 3")]
+             (["--global-batch-size", "8", "--degrees", "3"], "--degrees 3"),
+             (["--global-batch-size", "8", "--strict-profile"], "--strict-profile requires every event in --profile"),
+             (["--global-batch-size", "8", "--time-limit", "5"], "--time-limit bounds an ILP solver and has no "
+                                                                 "effect with --solver auto")]
     for extra, match in cases:
         assert plan_main(base + extra) == 2
         err = capsys.readouterr().err.strip()

@@ -29,21 +29,30 @@ class DegreeReshard:
 
 
 def degree_reshard(src: int, dst: int, *, tp: int, micro_batch: int, seq: int, hidden: int,
-                   bytes_per_element: int, sub_batches: int = 1) -> DegreeReshard:
+                   bytes_per_element: int) -> DegreeReshard:
     """Replicas of ``src`` hold their share of the batch, replicated over their ``d`` ranks.
     Fewer replicas next (d_src < d_dst): forward all-gathers the batch over d_dst / d_src ranks
     (stride d_src), backward slices. More replicas next: forward slices, backward all-gathers the
-    input gradient. Payload: the gathered [s, b_share, h] tensor of one of ``sub_batches``."""
+    input gradient. Payload: the gathered [s, b_share, h] tensor of the micro-batch's share (the
+    runtime reshards it whole, outside the Oases executor)."""
     if src == dst:
         return DegreeReshard(forward=None, backward=None)
     lo, hi = sorted((src, dst))
     ranks = tuple(range(0, hi, lo))
-    share = micro_batch * hi / tp / sub_batches  # samples of one sub-batch
+    share = micro_batch * hi / tp
     payload = round(share * seq * hidden * bytes_per_element)
     op = Collective(name="reshard.ag", kind="all_gather", axis="tp", group_size=len(ranks), payload_bytes=payload)
     if src < dst:
         return DegreeReshard(forward=op, backward=None, ranks=ranks)
     return DegreeReshard(forward=None, backward=op, ranks=ranks)
+
+
+def reshard_shape(*, share: int, seq: int, hidden: int, degree: int, dtype: str) -> tuple[str, tuple]:
+    """(shape, dims) naming a degree reshard's event: the ``share`` samples it moves at the larger
+    ``degree`` (the runtime reshards a micro-batch's whole share at once, outside the Oases
+    executor: ``schedules/oases/block._run_segments``). The simulator and the planner key it so."""
+    return (f"b{share}s{seq}h{hidden}t{degree}_{dtype}",
+            (("b", share), ("s", seq), ("h", hidden), ("t", degree), ("dtype", dtype)))
 
 
 def split_at(ops: tuple[Op, ...], name: str | tuple[str, ...]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:

@@ -35,8 +35,9 @@ import numpy as np
 from megatron_oases.describe.ops import Collective
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
+from megatron_oases.describe.planned import reshard_shape
 from megatron_oases.describe.shapes import batch_split_refusal
-from megatron_oases.describe.split import split_refusal, sub_batch_sizes
+from megatron_oases.describe.split import split_refusal, sub_batch_sizes, sub_batches_at
 from megatron_oases.topology import Topology
 
 from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, BlockStrategy, attention_fits, build_graph,
@@ -117,9 +118,10 @@ class CostModel:
 def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
     fam = family_of(s)
     share = m.micro_batch_size * s.degree // m.tp
-    if not split_refusal(share, m.sub_batches):
-        sub, scale = sub_batch_sizes(share, m.sub_batches)[0], 1.0
-    else:  # degree 1 (no collective, describe.split.sub_batches_at): the whole share, split evenly in time
+    chains = sub_batches_at(s.degree, oases=m.sub_batches > 1)  # as the runtime runs the block
+    if chains > 1:
+        sub, scale = sub_batch_sizes(share, chains)[0], 1.0
+    else:  # degree 1 (no collective) or stock: the whole share in one run, split evenly in time
         sub, scale = share, 1.0 / m.sub_batches
     shape, dims = event_shape(m, sub, s)
     ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
@@ -162,19 +164,28 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
 
 
 def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer) -> tuple[float, float]:
-    """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b."""
+    """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b:
+    between Megatron degrees one reshard of the whole share (the runtime's, keyed as the
+    simulator keys it); at an ATP / 3-D edge the backend's conversion, once per sub-batch."""
     other = a if a.family != "megatron" else b  # the family that knows how to enter / leave it
     rs = family_of(other).reshard(a, b, m)
     hi = max(a.degree, b.degree)
-    samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
-    shape, dims = event_shape(m, samples, dataclasses.replace(other, degree=hi))
+    if other.family == "megatron":
+        runs = 1
+        shape, dims = reshard_shape(share=m.micro_batch_size * hi // m.tp, seq=m.seq_length, hidden=m.hidden_size,
+                                    degree=hi, dtype=m.dtype)
+    else:
+        runs = m.sub_batches
+        samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
+        shape, dims = event_shape(m, samples, dataclasses.replace(other, degree=hi))
+
     def total(first, first_ranks, more) -> float:
         steps = ((first, first_ranks),) + tuple(more) if first else tuple(more)
         return sum(pricer.collective_ms(op, shape=shape, ranks=ranks, dims=dims) for op, ranks in steps)
 
     f = total(rs.forward, rs.ranks_forward, rs.more_forward)
     g = total(rs.backward, rs.ranks_backward, rs.more_backward)
-    return m.sub_batches * f, m.sub_batches * g
+    return runs * f, runs * g
 
 
 def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int, pricer: Pricer | None = None,

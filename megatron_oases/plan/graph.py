@@ -134,9 +134,10 @@ def _megatron_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
 
 
 def _megatron_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Reshard:
-    """The batch reshard between two degrees (``describe.planned.degree_reshard``), per sub-batch."""
+    """The batch reshard between two degrees (``describe.planned.degree_reshard``): the whole
+    micro-batch share at once, as the runtime runs it outside the Oases executor."""
     r = degree_reshard(src.degree, dst.degree, tp=m.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
-                       hidden=m.hidden_size, bytes_per_element=m.bytes_per_element, sub_batches=m.sub_batches)
+                       hidden=m.hidden_size, bytes_per_element=m.bytes_per_element)
     return Reshard(forward=r.forward, backward=r.backward, ranks_forward=r.ranks if r.forward else (),
                    ranks_backward=r.ranks if r.backward else ())
 

@@ -91,6 +91,9 @@ def solve(p: PlanProblem, *, solver: str = "auto", time_limit: float | None = No
     """
     if solver not in SOLVERS:
         raise PlanError(f"--solver must be one of {', '.join(SOLVERS)} (got {solver!r})")
+    if time_limit is not None and solver in ("auto", "dp"):
+        raise PlanError(f"--time-limit bounds an ILP solver and has no effect with --solver {solver} (the exact "
+                        f"chain DP, milliseconds); drop it or pass --solver ilp|cbc|highs")
     t0 = time.perf_counter()
     check_memory(p)
     if solver in ("auto", "dp"):

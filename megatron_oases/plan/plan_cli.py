@@ -158,6 +158,9 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
             degrees = tuple(int(x) for x in a.degrees.split(","))
         except ValueError:
             raise PlanError(f"--degrees must be comma-separated integers (got {a.degrees!r})") from None
+    if a.strict_profile and not a.profile:
+        raise PlanError("--strict-profile requires every event in --profile and has no effect without it; "
+                        "drop it or add --profile DB.json")
     pricer = DevicePricer(topology=topo, model=m, gpu=a.gpu, profile_path=a.profile, strict=a.strict_profile)
     memory_gb = a.memory_gb
     if memory_gb is None:

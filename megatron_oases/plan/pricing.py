@@ -41,7 +41,8 @@ class Pricer(Protocol):
 def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
     """(shape, dims) of a block's events under ``strategy``, spelt as the simulator spells them
     (``describe.event_key.layer_shape``): samples per (sub-)batch, model sizes, degree, mesh or
-    cube, dtype, dropout, executor and core attention."""
+    cube, dtype, dropout, executor (the schedule's: a degree-1 block runs one sub-batch through
+    the Oases executor) and core attention."""
     return layer_shape(b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                        f=m.ffn_hidden_size, t=strategy.degree, v=m.padded_vocab_size, dtype=m.dtype,
                        backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,

@@ -16,7 +16,7 @@ from ...describe.head import head_ops, head_param_tensors
 from ...describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ...describe.event_key import layer_shape
 from ...describe.ops import Collective, Compute
-from ...describe.planned import degree_reshard, megatron_blocks
+from ...describe.planned import degree_reshard, megatron_blocks, reshard_shape
 from ...describe.shapes import GPTShape
 from ...describe.registry import (MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
                                  layer_description, layer_param_tensors)
@@ -359,9 +359,8 @@ def _reshard_events(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[in
     r = degree_reshard(src, dst, tp=s.tp, micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
                        bytes_per_element=m.bytes_per_element)
     hi = max(src, dst)
-    share = m.micro_batch_size * hi // s.tp
-    shape = f"b{share}s{m.seq_length}h{m.hidden_size}t{hi}_{m.dtype}"
-    dims = (("b", share), ("s", m.seq_length), ("h", m.hidden_size), ("t", hi), ("dtype", m.dtype))
+    shape, dims = reshard_shape(share=m.micro_batch_size * hi // s.tp, seq=m.seq_length, hidden=m.hidden_size,
+                                degree=hi, dtype=m.dtype)
     ranks = tuple(tp_ranks[i] for i in r.ranks)
     return ([_collective(op, shape, topo, ranks, dims) for op in (r.forward,) if op is not None],
             [_collective(op, shape, topo, ranks, dims) for op in (r.backward,) if op is not None])
