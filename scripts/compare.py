@@ -46,6 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROG = "compare.py"
+
+
+class CompareError(Exception):
+    """Bad input: one line on stderr, exit 2 (the project's convention for a refused input)."""
 LOG_SUFFIXES = (".log", ".jsonl")
 """What a directory argument picks up (any file can be named explicitly)."""
 STDOUT_SUFFIX = ".out"
@@ -194,7 +198,7 @@ def read_sidecar(log_path: Path) -> dict[str, str] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise SystemExit(f"{PROG}: error: {path}: cannot be read as JSON ({e})") from None
+        raise CompareError(f"{path}: cannot be read as JSON ({e})") from None
     if isinstance(data, dict) and isinstance(data.get("argv"), list):
         data = data["argv"]
     out: dict[str, str] = {}
@@ -217,7 +221,7 @@ def read_sidecar(log_path: Path) -> dict[str, str] | None:
                     out[key] = "True"
             i += 1
     else:
-        raise SystemExit(f"{PROG}: error: {path}: must be a JSON mapping of arguments or a list of "
+        raise CompareError(f"{path}: must be a JSON mapping of arguments or a list of "
                          "command-line words")
     return out
 
@@ -257,7 +261,7 @@ def collect(specs: list[str]) -> list[Run]:
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOG_SUFFIXES)
             if not files:
-                raise SystemExit(f"{PROG}: error: no *.log / *.jsonl files under {path}")
+                raise CompareError(f"no *.log / *.jsonl files under {path}")
             codes = read_status_file(path)
             for f in files:
                 rel = f.parent.relative_to(path)
@@ -270,7 +274,7 @@ def collect(specs: list[str]) -> list[Run]:
         elif path.is_file():
             runs.append(_read(path, case="", variant=label or path.stem))
         else:
-            raise SystemExit(f"{PROG}: error: {path} is neither a log file nor a directory")
+            raise CompareError(f"{path} is neither a log file nor a directory")
     assign_status(runs)
     return runs
 
@@ -543,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.skip_first < 0:
         p.error(f"--skip-first must be >= 0 (got {args.skip_first})")
-    rows = summarise(collect(args.runs), baseline=args.baseline, skip_first=args.skip_first)
+    try:
+        rows = summarise(collect(args.runs), baseline=args.baseline, skip_first=args.skip_first)
+    except CompareError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     print(format_table(rows, args.baseline))
     if args.csv:
         write_csv(rows, args.csv)

@@ -262,15 +262,18 @@ def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch, ca
     assert not (tmp_path / "x.png").exists()
 
 
-def test_bad_arguments(tmp_path):
-    with pytest.raises(SystemExit, match="neither a log file nor a directory"):
-        compare.main([str(tmp_path / "missing.log")])
-    with pytest.raises(SystemExit, match="no \\*.log"):
-        compare.main([str(tmp_path)])
+def test_bad_arguments(tmp_path, capsys):
+    """Bad input: one ``compare.py: error:`` line and exit 2, as every tool of the project."""
+    def refused(argv, needle):
+        assert compare.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("compare.py: error: ") and needle in err[0], err
+
+    refused([str(tmp_path / "missing.log")], "neither a log file nor a directory")
+    refused([str(tmp_path)], "no *.log")
     (tmp_path / "stock.log").write_text(megatron_log([1.0]))
     (tmp_path / "stock.args.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="stock.args.json: cannot be read as JSON"):
-        compare.main([str(tmp_path)])
+    refused([str(tmp_path)], "stock.args.json: cannot be read as JSON")
 
 
 TINY = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--train-iters", "3",

@@ -207,3 +207,11 @@ def test_a_closed_pipe_stops_quietly():
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300, env=env)
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert done.returncode == 1, done.returncode  # pipefail: the command's own status
+
+
+def test_no_command_is_a_usage_error(capsys):
+    """``megatron-oases`` alone: the usage on stderr and exit 2; ``--help``: on stdout, exit 0."""
+    assert cli_main([]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("megatron-oases: error: a command is required") and "usage:" in err
+    assert cli_main(["--help"]) == 0 and "usage:" in capsys.readouterr().out

@@ -89,6 +89,8 @@ oases_setup() {
         local saves="no CKPT_DIR: nothing is saved"
         [[ -n "$CKPT_DIR" ]] && saves="checkpoints in $CKPT_DIR/<case>/<variant> (--save = --load: a resubmitted job resumes)"
         echo "# preemption: #SBATCH ${SIGNAL_REQUEST:-(no --signal request)}: SIGTERM before the time limit; $saves"
+        [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] ||
+            echo "# note: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py: a real run stops here (set it)"
     else
         [[ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ]] || {
             echo "error: MEGATRON_LM_PATH=$MEGATRON_LM_PATH has no pretrain_gpt.py; set it to a" \
@@ -217,10 +219,13 @@ run_variant() {
 
 # Speedup table, CSV and chart of everything in RESULTS_DIR (scripts/compare.py).
 oases_finish() {
-    [[ "$DRY_RUN" == 1 ]] && return 0
-    "$PYTHON" "$OASES_ROOT/scripts/compare.py" "$RESULTS_DIR" --baseline stock \
-        --csv "$RESULTS_DIR/speedup.csv" --png "$RESULTS_DIR/speedup.png" --title "$FAMILY" \
-        | tee "$RESULTS_DIR/speedup.txt"
+    local -a cmd=("$PYTHON" "$OASES_ROOT/scripts/compare.py" "$RESULTS_DIR" --baseline stock
+                  --csv "$RESULTS_DIR/speedup.csv" --png "$RESULTS_DIR/speedup.png" --title "$FAMILY")
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "# then: ${cmd[*]} | tee $RESULTS_DIR/speedup.txt"
+        return 0
+    fi
+    "${cmd[@]}" | tee "$RESULTS_DIR/speedup.txt"
 }
 
 # Refuse unknown variant names before anything runs (exit 2).
