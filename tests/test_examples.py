@@ -54,13 +54,18 @@ def test_a_stated_attention_backend_reaches_every_tool(tmp_path):
     from megatron_oases.train_args import build_parser as train_parser
 
     base = open(os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml")).read()
-    for value, kind in (("local", "local"), ("unfused", "unfused"), ("flash", "fused")):
+    from megatron_oases.plan.plan_cli import build_parser as plan_parser, model_from_args
+
+    for key, value, kind in (("attention-backend", "local", "local"), ("attention_backend", "unfused", "unfused"),
+                             ("attention-backend", "flash", "fused"), ("attention_backend", "auto", "fused")):
         path = tmp_path / f"{value}.yaml"
-        path.write_text(base + f"\nattention-backend: {value}\n")
+        path.write_text(base + f"\n{key}: {value}\n")
         t = train_parser().parse_args(model_flags.model_flags(str(path), "train"))
         s = sim_parser().parse_args(model_flags.model_flags(str(path), "sim"))
+        assert t.attention_backend == s.attention_backend == value  # the file's value, not only its kind
         assert core_attention_of(attention_backend=t.attention_backend) == kind
-        assert core_attention_of(attention_backend=s.attention_backend) == kind
+        plan = plan_parser().parse_args(["--model", str(path), "--topology", "x", "--global-batch-size", "8"])
+        assert model_from_args(plan).core_attention == kind  # the planner reads either spelling
     assert "--attention-backend" not in model_flags.model_flags(
         os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml"), "sim")
 

@@ -143,7 +143,9 @@ def test_resharding_edge_is_allgather_plus_lost_overlap():
     e = cm.problem.edge[0]
     ag_up = 0.7 * 2  # one all-gather of the whole share (the runtime's, outside the executor), group of 2
     assert e[k[2], k[4]] == pytest.approx(M[2] + ag_up + C[4])  # forward all-gather, overlap lost
-    assert e[k[4], k[2]] == pytest.approx(max(C[2], M[4]) + 0.7 * 2)  # forward slices; backward gathers
+    # forward slices, backward gathers; the sub-batches meet at the change either way (the
+    # runtime runs each degree as its own executor pass): no overlap across the edge
+    assert e[k[4], k[2]] == pytest.approx(M[4] + C[2] + 0.7 * 2)
     assert e[k[4], k[4]] == pytest.approx(max(C[4], M[4]))
 
 

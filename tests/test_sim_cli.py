@@ -97,6 +97,16 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("flags", [["--attention-backend", "flash"], ["--use-flash-attn"],
+                                   ["--transformer-impl", "transformer_engine"], ["--no-masked-softmax-fusion"],
+                                   ["--distributed-optimizer"], ["--virtual-stages", "1,2"]])
+def test_search_takes_the_flags_it_applies_to_every_candidate(flags, capsys):
+    """The core attention, the software stack and the DP / pipeline options hold for every
+    strategy a search ranks: accepted with --search (they change its prices)."""
+    assert sim_main(["--search", "--topology", "2node-ib", *MODEL, "--global-batch-size", "32", "--jobs", "1",
+                     "--top", "1", *flags]) == 0, capsys.readouterr().err
+
+
 def test_predict_writes_the_trace_it_is_asked_for(tmp_path, capsys):
     """``--trace`` acts under --predict too (it was ignored)."""
     from megatron_oases.pricing.device_model import ProfileDB

@@ -11,8 +11,10 @@ sub-batch's compute overlaps the other's collective, so a chain of blocks 0..N-1
 C', M'). The node cost (Eq. 3) is ``max(C_v, M_v)`` plus the first/last terms; the cross term
 ``max(C_v, M_u)`` depends on both neighbours and lives on the edge. When neighbours differ in
 layout (Eq. 4), an exclusive all-gather reshards the activation (forward, when the next block
-has fewer replicas) or its gradient (backward, when the previous block has fewer), and the
-overlap across that edge is lost: the edge costs ``M_u + AG + C_v`` instead of ``max(C_v, M_u)``.
+has fewer replicas) or its gradient (backward, when the previous block has fewer), the other
+direction slices, and the overlap across that edge is lost both ways (the runtime runs each
+degree as its own executor pass): the edge costs ``M_u + AG + C_v`` (AG 0 where it slices)
+instead of ``max(C_v, M_u)``.
 The embedding and the logits run at degree T; blocks next to them pay that resharding too.
 With ``sub_batches=1`` (stock executor) node ``C + M``, edge ``AG``; the only overlap is stock
 Megatron's own: a column-parallel linear's input-gradient all-reduce runs async beside its
@@ -245,6 +247,10 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         if kd == "attention":  # GQA: a degree that splits a key/value group is not allowed
             node[v] = np.where([attention_fits(s, m) for s in strategies], node[v], np.inf)
     edge = np.zeros((max(N - 1, 0), K, K))
+    # Each run of blocks at one strategy is its own pass of the Oases executor (the runtime's
+    # segments, schedules/oases/block.py; the simulator's chains join there too): the two
+    # sub-batches meet at every change of strategy, whether the reshard gathers or slices.
+    change = np.array([[a != b for b in strategies] for a in strategies])
     for v in range(N - 1):
         u_k, v_k = kinds[v], kinds[v + 1]
         if S > 1:
@@ -252,8 +258,8 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
             lost_f = M[u_k][:, None] + rf + C[v_k][None, :]
             same_b = np.maximum(Cb[u_k][:, None], Mb[v_k][None, :])
             lost_b = Mb[v_k][None, :] + rb + Cb[u_k][:, None]
-            fwd = np.where(rf > 0, lost_f, same_f)
-            bwd = np.where(rb > 0, lost_b, same_b)
+            fwd = np.where(change, lost_f, same_f)
+            bwd = np.where(change, lost_b, same_b)
         else:
             fwd, bwd = rf, rb
         edge[v] = n_micro * (fwd + bwd)

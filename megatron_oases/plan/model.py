@@ -95,6 +95,18 @@ _VARIANT_FLAGS = ("num_query_groups", "swiglu", "normalization", "add_bias_linea
                   "rotary_percent", "qk_layernorm")
 
 
+def field_name(key: Any) -> str:
+    """The ``FILE_FIELDS`` name a model file's key stands for (``-`` read as ``_``, aliases
+    such as ``vocab`` resolved); unknown keys come back normalised, for the caller to refuse."""
+    k = str(key).replace("-", "_")
+    return _ALIASES.get(k, k)
+
+
+def stated_fields(data: Any) -> set[str]:
+    """The fields a model file states (``field_name`` of each key; none for a non-mapping)."""
+    return {field_name(k) for k in data} if isinstance(data, Mapping) else set()
+
+
 def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> PlanModel:
     """A PlanModel from a parsed YAML/JSON mapping (Megatron flag names with ``_``; aliases such
     as ``vocab`` and ``tensor_model_parallel_size`` accepted) plus non-None ``overrides``."""
@@ -104,7 +116,7 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
         raise PlanError(f"{source}: must be a mapping of model fields (got {type(data).__name__})")
     d: dict[str, Any] = {}
     for k, v in data.items():
-        key = _ALIASES.get(str(k).replace("-", "_"), str(k).replace("-", "_"))
+        key = field_name(k)
         if key not in FILE_FIELDS:
             raise PlanError(f"{source}: unknown field {k!r}; allowed: {', '.join(FILE_FIELDS)}")
         d[key] = v

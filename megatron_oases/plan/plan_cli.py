@@ -15,6 +15,7 @@ from ..describe.core_attention import ATTENTION_BACKENDS
 from ..describe.split import SUB_BATCHES
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
+from .model import stated_fields
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
 
@@ -135,7 +136,7 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
             "sequence_parallel": a.sequence_parallel}
     config = _load_config(a.model)
-    if over["attention_backend"] is None and "attention_backend" not in (config or {}):
+    if over["attention_backend"] is None and "attention_backend" not in stated_fields(config):
         # price what the plan's launch runs: our runtime's default core attention (a plan file
         # without the field is read as local instead: what it was priced with)
         over["attention_backend"] = DEFAULTS.attention_backend

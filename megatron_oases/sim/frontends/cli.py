@@ -351,7 +351,9 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 SEARCH_APPLIES = frozenset({"schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
                             "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                            "ddp_bucket_size", "sequence_parallel"})
+                            "ddp_bucket_size", "sequence_parallel",
+                            # the model's core attention and the device's software stack
+                            "use_flash_attn", "transformer_impl", "attention_backend", "masked_softmax_fusion"})
 """Strategy flags ``--search`` applies to every candidate; the other strategy flags name one
 strategy, which a search enumerates instead (``--tp-sizes``, ``--backends``, ...)."""
 
@@ -376,7 +378,7 @@ def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         given += [f for f, v in (("--gpu", a.gpu), ("--memory-gb", a.memory_gb), ("--search", a.search)) if v]
         if given:
             raise SimError(f"{given[0]} has no effect with --predict, which prices the trainer run of the flags "
-                           f"after `--` on its profile; drop it (or pass the trainer's flag after `--`)")
+                           f"after `--` on its profile; drop it (the run is what those trainer flags say)")
         return
     if a.search:
         given = _set_flags(p, a, "strategy", skip=SEARCH_APPLIES)
