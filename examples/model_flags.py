@@ -23,7 +23,7 @@ def model_flags(path: str, tool: str) -> list[str]:
     """The flags of ``tool`` (train / Megatron-LM, sim, mesh) for the model in ``path``; ValueError
     (one line naming the field) when the planner's reader refuses the file."""
     from megatron_oases.plan.graph import PlanError, model_from_mapping
-    from megatron_oases.plan.model import field_name
+    from megatron_oases.plan.model import stated_fields
     from megatron_oases.plan.plan_cli import _load_config
 
     try:
@@ -39,7 +39,7 @@ def model_flags(path: str, tool: str) -> list[str]:
            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
            "--ffn-hidden-size", str(m.ffn_hidden_size), "--vocab-size", str(m.padded_vocab_size),
            "--micro-batch-size", str(m.micro_batch_size)]
-    stated = {field_name(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+    stated = stated_fields(raw)
     if "attention_backend" in stated:  # the file's value (checked above): every tool runs / prices it
         out += ["--attention-backend", str(stated["attention_backend"])]
     if tool == "sim":

@@ -74,9 +74,8 @@ def plan_model(a):
     from megatron_oases.plan.graph import PlanModel
     from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser
-    from megatron_oases.vocab import padded_vocab_size
-
     from megatron_oases.sim.frontends.predict import run_core_attention
+    from megatron_oases.vocab import padded_vocab_size
 
     targs = run_config(build_parser().parse_args(model_flags(a, a.tp)))
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,

@@ -46,10 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROG = "compare.py"
-
-
-class CompareError(Exception):
-    """Bad input: one line on stderr, exit 2 (the project's convention for a refused input)."""
 LOG_SUFFIXES = (".log", ".jsonl")
 """What a directory argument picks up (any file can be named explicitly)."""
 STDOUT_SUFFIX = ".out"
@@ -126,6 +122,10 @@ class Run:
                 if self.log.iterations[i].get(key) is not None]
         # Keep at least the last value when a short run has no more than `skip` iterations.
         return vals[skip:] if len(vals) > skip else vals[-1:]
+
+
+class CompareError(Exception):
+    """Bad input: one line on stderr, exit 2 (the project's convention for a refused input)."""
 
 
 def _num(x) -> float | None:
@@ -222,7 +222,7 @@ def read_sidecar(log_path: Path) -> dict[str, str] | None:
             i += 1
     else:
         raise CompareError(f"{path}: must be a JSON mapping of arguments or a list of "
-                         "command-line words")
+                           "command-line words")
     return out
 
 

@@ -102,9 +102,10 @@ def field_name(key: Any) -> str:
     return _ALIASES.get(k, k)
 
 
-def stated_fields(data: Any) -> set[str]:
-    """The fields a model file states (``field_name`` of each key; none for a non-mapping)."""
-    return {field_name(k) for k in data} if isinstance(data, Mapping) else set()
+def stated_fields(data: Any) -> dict[str, Any]:
+    """The fields a model file states, by ``field_name``, with their values as written (none for
+    a non-mapping)."""
+    return {field_name(k): v for k, v in data.items()} if isinstance(data, Mapping) else {}
 
 
 def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> PlanModel:

@@ -375,7 +375,7 @@ def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.predict:
         given = [f for t in ("model", "strategy", "search") for f in _set_flags(p, a, t)]
         given += _set_flags(p, a, "outputs", only=frozenset({"csv", "top"}))
-        given += [f for f, v in (("--gpu", a.gpu), ("--memory-gb", a.memory_gb), ("--search", a.search)) if v]
+        given += [f for f, v in (("--gpu", a.gpu), ("--memory-gb", a.memory_gb)) if v]
         if given:
             raise SimError(f"{given[0]} has no effect with --predict, which prices the trainer run of the flags "
                            f"after `--` on its profile; drop it (the run is what those trainer flags say)")
