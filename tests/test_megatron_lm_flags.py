@@ -104,6 +104,8 @@ def test_oases_flags_parse(monkeypatch):
     (["--tensor-model-parallel-size", "2", "--no-oases-cross-pass"], "--no-oases-cross-pass switches part of the Oases executor"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--no-oases-fine-grained-recompute"],
      "has no effect without --recompute-granularity full"),
+    (["--schedule", "oases", "--no-oases-cross-pass"],
+     "--no-oases-cross-pass has no effect at --tensor-model-parallel-size 1"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto"],
      "--atp-mesh auto needs --topology"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,1",

@@ -81,6 +81,11 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError("--no-oases-fine-grained-recompute chooses how Oases recomputes and has no "
                           "effect without --recompute-granularity full; drop it or add "
                           "--recompute-granularity full --recompute-method uniform")
+    if cfg.tensor_model_parallel_size == 1 and (off or cfg.oases_skip_tp_collectives):
+        flag = off[0] if off else "--oases-skip-tp-collectives"
+        raise ConfigError(f"{flag} has no effect at --tensor-model-parallel-size 1 (there are no TP "
+                          f"collectives, and --schedule oases runs stock layers there); drop it or "
+                          f"use --tensor-model-parallel-size 2 or more")
     if cfg.schedule != "oases":
         if cfg.oases_skip_tp_collectives and (cfg.tp_backend != "megatron" or cfg.sequence_parallel):
             raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
