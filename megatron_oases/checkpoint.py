@@ -29,6 +29,7 @@ import time
 import warnings
 
 from megatron_oases.errors import ConfigError
+from megatron_oases.output_paths import check_output_root
 from megatron_oases.run_config import DEFAULTS, RunConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -122,12 +123,7 @@ def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
             raise ConfigError("--save-interval needs --save DIR")
         if cfg.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1 (got {cfg.save_interval})")
-    if cfg.save is not None:
-        parent = os.path.abspath(cfg.save)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"--save {cfg.save}: {parent} is not a writable directory")
+    check_output_root("--save", cfg.save)
     if cfg.dist_ckpt_optim_fully_reshardable is not None:
         flag = ("--" if cfg.dist_ckpt_optim_fully_reshardable else "--no-") + \
             "dist-ckpt-optim-fully-reshardable"

@@ -14,6 +14,7 @@ import os
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend
 from megatron_oases.errors import ConfigError
+from megatron_oases.output_paths import check_output_file
 from megatron_oases.parallel.dims import ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, gqa_groups,
                                        megatron_ffn_hidden_size, mesh_search_shape)
@@ -257,18 +258,6 @@ def _check_model_features(cfg: RunConfig) -> None:
                                   f"{cfg.position_embedding_type}); drop it or use rope")
 
 
-def _check_log_json(path: str | None) -> None:
-    """``--log-json`` must land in an existing directory (checked before anything is written)."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"--log-json {path}: directory {folder} does not exist; create it or "
-                          f"pick another path")
-    if os.path.isdir(path):
-        raise ConfigError(f"--log-json {path} is a directory; give a file name")
-
-
 def virtual_stages_of(per_vstage: int, num_layers: int, pp: int) -> int:
     """Virtual stages per rank for ``--num-layers-per-virtual-pipeline-stage per_vstage``; one
     line naming the flag when it does not divide a pipeline stage's layers."""
@@ -364,7 +353,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
         cfg = dataclasses.replace(cfg, max_position_embeddings=cfg.seq_length)
     _check_ranges(cfg)
     _check_model_features(cfg)
-    _check_log_json(cfg.log_json)
+    check_output_file("--log-json", cfg.log_json)
     dims = parallel_dims(cfg, world_size)
     n_micro = dims.check_batch(cfg.micro_batch_size, cfg.global_batch_size)
     if dims.vp is not None and n_micro % dims.pp != 0:

@@ -45,6 +45,8 @@ CASES = [
     ("log-interval-0", ["--log-interval", "0"], "--log-interval must be >= 1"),
     ("log-json-missing-dir", ["--log-json", "/nonexistent/dir/log.jsonl"], "--log-json /nonexistent/dir/log.jsonl: directory"),
     ("log-json-is-dir", ["--log-json", "/tmp"], "--log-json /tmp is a directory"),
+    ("log-json-read-only", ["--log-json", "/proc/log.jsonl"], "--log-json /proc/log.jsonl: /proc is not a writable directory"),
+    ("save-read-only", ["--save", "/proc/ckpt"], "--save /proc/ckpt: /proc is not a writable directory"),
     ("nproc-0", ["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
     ("tp-0", ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
     ("layers-0", ["--num-layers", "0"], "--num-layers must be >= 1"),

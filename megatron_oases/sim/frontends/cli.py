@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ...errors import ConfigError
+from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
@@ -409,6 +411,8 @@ def sim_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(own)
     try:
         check_flag_scope(p, a)
+        for flag, path in (("--trace", a.trace), ("--png", a.png), ("--csv", a.csv)):
+            check_output_file(flag, path)
         profile = ProfileDB.load(a.profile) if a.profile else None
         if a.predict:
             return _predict(a, profile, rest)
@@ -422,7 +426,7 @@ def sim_main(argv: list[str] | None = None) -> int:
         from ..core.timeline import simulate, summary_table
 
         r = simulate(model, strategy, dm, memory_limit_GB=a.memory_gb)
-    except (SimError, TopologyError) as err:
+    except (SimError, TopologyError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(summary_table(r))

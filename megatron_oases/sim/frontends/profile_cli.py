@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from ...errors import ConfigError
+from ...output_paths import check_output_file
 from ...topology import TopologyError, load_topology
 from .cli import _largest_tp, _split, add_model_args, add_search_args, add_strategy_args, \
     model_from_args, search_space_from_args, strategy_from_args
@@ -56,6 +58,7 @@ def profile_main(argv: list[str] | None = None) -> int:
 
         if a.repeats < 1:
             raise SimError(f"--repeats must be at least 1 (got {a.repeats})")
+        check_output_file("--out", a.out)
         existing = ProfileDB.load(a.out) if a.merge and os.path.exists(a.out) else None
         common = dict(device=a.device, warmup=a.warmup, reps=a.reps, threads=a.threads,
                       max_comm_bytes=int(a.max_comm_mb * (1 << 20)))
@@ -117,7 +120,7 @@ def profile_main(argv: list[str] | None = None) -> int:
                         raise  # a search keeps going: that strategy is infeasible anyway
             db = profile_missing(events, topo, ProfileSettings(nproc=nproc, **common), existing)
         db.save(a.out)
-    except (SimError, TopologyError) as err:
+    except (SimError, TopologyError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     n_meas = sum(v == "measured" for v in db.sources.values())
