@@ -43,12 +43,17 @@ def test_event_keys_name_a_non_local_kind_and_keep_local_keys():
 
     _, s = sim_inputs_from_train_args(build_parser().parse_args(TINY + ["--attention-backend", "local"]))
     assert set(unique_events(build_stage_events(default, s, local_topology(1)))) == set(local)
-    for backend in ("auto", "flash", "fused"):
+    layers = {}
+    for backend, suffix in (("auto", "_fusedattn]"), ("flash", "_fusedattn_flash]"), ("fused", "_fusedattn_fused]")):
         _, model, events = _run(backend)
-        assert model.core_attention == "fused"
+        assert model.core_attention == "fused" and model.attention_kernels == backend
         layer = {k for k, e in events.items() if k.startswith("compute:attention")}
-        assert layer and all(k.endswith("_fusedattn]") and dict(events[k].dims)["attn"] == "fused" for k in layer)
+        assert layer and all(k.endswith(suffix) and dict(events[k].dims)["attn"] == "fused" for k in layer)
+        assert all(dict(events[k].dims).get("sdpa", "auto") == backend for k in layer)
         assert not layer & set(local)
+        layers[backend] = layer
+    # flash-only and cuDNN / efficient kernels take other times than torch's choice: never one key
+    assert not (layers["auto"] & layers["flash"] or layers["auto"] & layers["fused"] or layers["flash"] & layers["fused"])
     _, _, unfused = _run("unfused")
     assert any(k.endswith("_unfusedattn]") for k in unfused)
 
@@ -94,6 +99,28 @@ def test_profiler_runs_the_run_s_core_attention(monkeypatch, backend, schedule):
             compute_workload(e.name, dict(e.dims), torch.device("cpu"))()
             ran = (spy.sdpa - before[0], spy.local - before[1])
             assert (ran[0] > 0, ran[1] > 0) == ((False, True) if backend == "local" else (True, False)), e.key
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "fused"])
+def test_profiler_builds_the_run_s_sdpa_kernels(monkeypatch, backend):
+    """A fused-attention event is timed on the kernels its run restricts SDPA to: the layer the
+    profiler builds is the class ``--attention-backend backend`` builds in the trainer
+    (``layers.core_attention.core_attention_class``), and the synthetic cores enter the same
+    kernel context."""
+    from megatron_oases.layers import core_attention as ca
+    from megatron_oases.sim.calibrate.layer_workloads import core_attention_backend
+    from megatron_oases.sim.calibrate.workloads import compute_workload
+
+    _, _, events = _run(backend)
+    layer = [e for e in events.values() if e.kind == "compute" and e.name == "attention"]
+    assert layer and all(core_attention_backend(dict(e.dims)) == backend for e in layer)
+    seen = []
+    real = ca.backend_kernel_context
+    monkeypatch.setattr(ca, "backend_kernel_context", lambda b, d: seen.append(b) or real(b, d))
+    dims = {"b": 2, "s": 16, "h": 32, "a": 4, "f": 128, "t": 2, "d1": 2, "d2": 1, "v": 128, "dtype": "fp32",
+            **{k: v for k, v in layer[0].dims if k in ("attn", "sdpa")}}
+    compute_workload("atp.core", dims, torch.device("cpu"))()
+    assert seen == [backend]
 
 
 def test_synthetic_cores_follow_the_kind(monkeypatch):
@@ -205,15 +232,20 @@ def test_plan_files_and_flags_carry_the_attention_backend(tmp_path):
     from megatron_oases.plan.plan_cli import build_parser, model_from_args
 
     m = _plan_model(core_attention="fused")
-    assert m.to_dict()["attention_backend"] == "fused"
+    assert m.to_dict()["attention_backend"] == "auto"  # the flag value that maps back to it
     assert model_from_mapping(m.to_dict()) == m
+    for kernels in ("flash", "fused"):
+        mk = _plan_model(core_attention="fused", attention_kernels=kernels)
+        assert mk.to_dict()["attention_backend"] == kernels and model_from_mapping(mk.to_dict()) == mk
     old = {k: v for k, v in m.to_dict().items() if k != "attention_backend"}
     assert model_from_mapping(old).core_attention == "local"  # plan files written before it
     flags = ["--num-layers", "1", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
              "--micro-batch-size", "4", "--tp", "8", "--topology", "x", "--global-batch-size", "8"]
-    for backend, kind in (("auto", "fused"), ("flash", "fused"), ("unfused", "unfused"), ("local", "local")):
+    for backend, kind, kernels in (("auto", "fused", "auto"), ("flash", "fused", "flash"),
+                                   ("fused", "fused", "fused"), ("unfused", "unfused", "auto"),
+                                   ("local", "local", "auto")):
         a = build_parser().parse_args(flags + ["--attention-backend", backend])
-        assert model_from_args(a).core_attention == kind
+        assert (model_from_args(a).core_attention, model_from_args(a).attention_kernels) == (kind, kernels)
     # not given: the trainer's default (what the plan's runtime runs); a --model file's own
     # attention_backend is kept unless the flag overrides it
     from megatron_oases.run_config import DEFAULTS

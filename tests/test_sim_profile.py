@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_oases.pricing.device_model import ProfileDB, SimError, device_model
 from megatron_oases.describe.shapes import GPTShape
@@ -143,6 +144,30 @@ def test_predict_maps_trainer_flags():
     assert s_sel.selective_recompute and not s_sel.recompute
     with pytest.raises(SimError, match="--global-batch-size|micro"):
         sim_inputs_from_train_args(build_parser().parse_args(TRAIN + ["--global-batch-size", "3"]))
+
+
+def test_predict_prices_the_step_tail_the_optimizer_runs():
+    """``--clip-grad 0``: Megatron's optimizer computes no gradient norm and scales nothing, so
+    the prediction has no norm events and its optimizer event is keyed (and timed) without the
+    scale; ``--optimizer sgd`` is refused (the simulator profiles and prices Adam's step)."""
+    from megatron_oases.sim.frontends.predict import sim_inputs_from_train_args
+    from megatron_oases.sim.calibrate.workloads import compute_workload
+    from megatron_oases.train_args import build_parser
+
+    def tail(*extra):
+        model, s = sim_inputs_from_train_args(build_parser().parse_args(TRAIN + list(extra)))
+        return s, unique_events(build_stage_events(model, s, local_topology(s.world_size)))
+    s, clipped = tail()
+    s0, unclipped = tail("--clip-grad", "0")
+    assert s.clip_grad and not s0.clip_grad
+    assert any(k.startswith("compute:grad_norm") for k in clipped)
+    assert not any("grad_norm" in k for k in unclipped)
+    opt = [e for k, e in unclipped.items() if k.startswith("compute:optimizer")]
+    assert opt and all(e.key.endswith("_noclip]") and dict(e.dims)["clip"] == 0 for e in opt)
+    assert not set(k for k in unclipped if "optimizer" in k) & set(clipped)
+    compute_workload("optimizer", dict(opt[0].dims), torch.device("cpu"))()
+    with pytest.raises(SimError, match="--optimizer sgd is not modeled"):
+        tail("--optimizer", "sgd")
 
 
 def test_profile_train_args_on_gloo_ranks(tmp_path: Path):

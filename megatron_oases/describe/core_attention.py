@@ -71,6 +71,32 @@ def core_attention_of(*, attention_backend: str | None = None, transformer_impl:
     return "local" if attention_backend == "local" else "fused"
 
 
+SDPA_CHOICES = ("auto", "flash", "fused")
+"""Which kernels a ``fused`` core attention runs on our builds (``layers.core_attention``): torch's
+choice (``auto``; also what Transformer Engine's and flash-attn's kernels are priced from, which
+our machines cannot run), SDPA's flash kernel only (``flash``), its cuDNN / memory-efficient ones
+(``fused``). They keep the same tensors but take different times (docs/gpu.md: 0.58 vs 0.37 ms
+forward on an H100), so profile keys name the choice (``describe.event_key.attention_tag``)."""
+
+
+def attention_kernels_of(*, attention_backend: str | None, core_attention: str) -> str:
+    """The ``SDPA_CHOICES`` entry a run of ``core_attention`` (``core_attention_of``'s kind) with
+    ``--attention-backend attention_backend`` times its fused kernel with: the flag's value for
+    flash and fused, torch's choice otherwise (auto, ``--use-flash-attn``, Transformer Engine's
+    default); ``auto`` for a kind that is not fused."""
+    if core_attention == "fused" and attention_backend in SDPA_CHOICES:
+        return attention_backend
+    return "auto"
+
+
+def attention_backend_of(core_attention: str, kernels: str = "auto") -> str:
+    """The ``--attention-backend`` value our builds run ``core_attention`` with ``kernels`` by: the
+    inverse of ``core_attention_of`` and ``attention_kernels_of`` (plan files write it)."""
+    if core_attention == "fused":
+        return kernels
+    return core_attention
+
+
 def attention_kernel(core_attention: str, *, attention_dropout: bool, fused_dropout: bool) -> str:
     """The kernel that runs (a ``CORE_ATTENTIONS`` kind): a fused core attention falls back to
     SDPA's math kernel (``unfused``) when dropout is on and the device has no fused kernel with

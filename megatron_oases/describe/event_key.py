@@ -4,21 +4,27 @@ from __future__ import annotations
 from typing import Union
 
 from .backends import backend as record
-from .core_attention import CORE_ATTENTIONS
+from .core_attention import CORE_ATTENTIONS, SDPA_CHOICES
 from .ops import GPT2, LayerVariant
 
 
-def attention_tag(core_attention: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+def attention_tag(core_attention: str, kernels: str = "auto") -> tuple[str, tuple[tuple[str, str], ...]]:
     """Key suffix and dims naming the layer's core attention (``describe.core_attention``): an
     SDPA kernel (``fused``, ``unfused``) costs other times than Megatron's local
-    ``DotProductAttention``, so their events must never share a key (a profile measured with one
-    must not price a run with the other). Megatron's local attention keeps no tag: profiles taken
-    before the kind was named were local-attention timings whatever the run's flags, and their
-    keys keep meaning that."""
+    ``DotProductAttention``, and a fused one restricted to flash or to cuDNN / memory-efficient
+    kernels (``kernels``, ``SDPA_CHOICES``) other times than torch's choice, so their events must
+    never share a key (a profile measured with one must not price a run with the other). Megatron's
+    local attention keeps no tag, and torch's choice no kernel tag: profiles taken before the kind
+    (or the kernels) were named were timings of those, and their keys keep meaning that."""
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {core_attention!r})")
+    if kernels not in SDPA_CHOICES or (kernels != "auto" and core_attention != "fused"):
+        raise ValueError(f"SDPA kernels {kernels!r} name a fused core attention's choice "
+                         f"({', '.join(SDPA_CHOICES)}; auto for {core_attention!r})")
     if core_attention == "local":
         return "", ()
+    if kernels != "auto":
+        return f"_{core_attention}attn_{kernels}", (("attn", core_attention), ("sdpa", kernels))
     return f"_{core_attention}attn", (("attn", core_attention),)
 
 
@@ -40,14 +46,15 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
 def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
                 mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
                 chains: int, variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                core_attention: str = "local") -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
+                core_attention: str = "local", attention_kernels: str = "auto"
+                ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
     the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
     dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data.
     Sequence parallelism (norms and residual work on s/t tokens) adds ``_sp`` and ``("sp", 1)``;
     an SDPA core attention (``core_attention`` fused or unfused, every backend: the ATP and 3-D
-    layers take it too) ``attention_tag``'s suffix and ``("attn", kind)``; other layers keep
-    their keys."""
+    layers take it too) ``attention_tag``'s suffix and ``("attn", kind)`` (and its kernels,
+    ``attention_kernels``, where not torch's choice); other layers keep their keys."""
     mesh_tag = record(backend).event_tag(mesh)  # the ATP mesh or the cube
     tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
     d1, d2 = mesh or (t, 1)
@@ -58,7 +65,7 @@ def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype
                  ("norm", variant.normalization), ("bias", int(variant.bias)))
         if variant.rotary or variant.qk_norm:  # earlier Llama profiles keep their dims
             dims += (("rope", variant.rotary_percent if variant.rotary else 0.0), ("qkn", int(variant.qk_norm)))
-    attn_tag, attn_dims = attention_tag(core_attention)
+    attn_tag, attn_dims = attention_tag(core_attention, attention_kernels)
     sp = sequence_parallel and t > 1
     dims += attn_dims + ((("sp", 1),) if sp else ())
     return f"b{b}s{s}h{h}a{a}f{f}t{t}{mesh_tag}_{dtype}{variant.key()}{tag}{attn_tag}{'_sp' if sp else ''}", dims

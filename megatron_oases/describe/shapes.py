@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from .core_attention import CORE_ATTENTIONS, scores_on_chip
+from .core_attention import CORE_ATTENTIONS, SDPA_CHOICES, scores_on_chip
 from .ops import GPT2, LayerVariant, ModelingError
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -77,6 +77,11 @@ class GPTShape:
     ``--attention-backend flash|fused|auto`` on our builds, ``--use-flash-attn``, Transformer
     Engine's default); ``core_attention_of`` maps the flags. The saved-bytes inventory, the
     simulator's memory and time and the planner's memory read it."""
+    attention_kernels: str = "auto"
+    """The kernels a ``fused`` core attention runs (``describe.core_attention.SDPA_CHOICES``:
+    ``auto``, ``flash``, ``fused``; ``attention_kernels_of`` maps the flags): part of the layer
+    events' profile keys, since the profiler times them with it; the same tensors and the same
+    analytical price whichever it is. ``auto`` for other kinds."""
     grad_reduce_bytes: int = 4
     """Bytes of a gradient in the main-grad buffers and the data-parallel reduction: 4 (fp32:
     ``megatron-oases train`` always; Megatron-LM under bf16 or with
@@ -99,6 +104,10 @@ class GPTShape:
                 raise self.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)!r})")
         if self.core_attention not in CORE_ATTENTIONS:
             raise self.error(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {self.core_attention!r})")
+        if self.attention_kernels not in SDPA_CHOICES or (self.attention_kernels != "auto"
+                                                          and self.core_attention != "fused"):
+            raise self.error(f"attention kernels must be one of {', '.join(SDPA_CHOICES)}, and auto unless the "
+                             f"core attention is fused (got {self.attention_kernels!r} for {self.core_attention!r})")
         if self.grad_reduce_bytes not in (2, 4):
             raise self.error(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
         if not isinstance(self.variant, LayerVariant):

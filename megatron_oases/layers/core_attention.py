@@ -217,6 +217,12 @@ def _check_config(config, backend: str) -> None:
         raise ConfigError(f"{FLAG} {backend}: --window-size needs {FLAG} local")
 
 
+def backend_kernel_context(backend: str, device: torch.device):
+    """The ``sdpa_kernel`` context that restricts SDPA to ``--attention-backend backend``'s kernels
+    on ``device`` (a no-op for torch's choice): the profiler's synthetic cores run under it."""
+    return _kernel_context(_kernel_sets()[backend_name(backend)][device.type if device.type == "cuda" else "cpu"])
+
+
 def _kernel_context(kernels):
     if kernels is None:
         return contextlib.nullcontext()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-from megatron_oases.describe.core_attention import core_attention_of
+from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
 from megatron_oases.describe.megatron_1d import tp_split_refusal
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
@@ -72,9 +72,9 @@ class PlanModel(GPTShape):
              "vocab_size": self.padded_vocab_size, "dtype": self.dtype, "recompute": self.recompute,
              "sub_batches": self.sub_batches, "distributed_optimizer": self.distributed_optimizer,
              "hidden_dropout": self.hidden_dropout, "attention_dropout": self.attention_dropout,
-             # the kind's name is the --attention-backend value that maps back to it
-             # (``core_attention_of``: local, unfused, fused), so the file reads back the same model
-             "attention_backend": self.core_attention}
+             # the --attention-backend value that maps back to the kind and its kernels
+             # (``core_attention_of``, ``attention_kernels_of``), so the file reads back the same model
+             "attention_backend": attention_backend_of(self.core_attention, self.attention_kernels)}
         d.update(variant_flags(self.variant))
         d["sequence_parallel"] = self.sequence_parallel
         return d
@@ -132,5 +132,7 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
         d["padded_vocab_size"] = d.pop("vocab_size")
     # Megatron-LM's --attention-backend (describe.core_attention maps it); absent, as in plan files
     # written before it was priced: Megatron's local attention (what they priced)
-    d["core_attention"] = core_attention_of(attention_backend=d.pop("attention_backend", None), error=PlanError)
+    flag = d.pop("attention_backend", None)
+    d["core_attention"] = core_attention_of(attention_backend=flag, error=PlanError)
+    d["attention_kernels"] = attention_kernels_of(attention_backend=flag, core_attention=d["core_attention"])
     return PlanModel(**d, variant=variant)

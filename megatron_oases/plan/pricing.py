@@ -48,7 +48,7 @@ def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
                        backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant,
                        sequence_parallel=m.sequence_parallel and backend(strategy.family).sequence_parallel,
-                       core_attention=m.core_attention)
+                       core_attention=m.core_attention, attention_kernels=m.attention_kernels)
 
 
 def resolve_gpu(name: str) -> str:

@@ -3,7 +3,7 @@
 One rank of a TP-t layer computes what a TP-1 layer with a/t heads (kv_channels h/a) and an f/t
 FFN computes, minus the collectives. So the profiler builds that TP-1 layer through the
 trainer's own config and spec (``specs.transformer_config_from_args``, ``specs.layer_spec``: its
-fusion settings, and the event's core attention, ``dims['attn']``, see :data:`PROFILED_BACKEND`),
+fusion settings, and the event's core attention, ``dims['attn']``, see ``core_attention_backend``),
 with the event's dropout rates, dtype and layer variant (GQA, SwiGLU, RMSNorm, bias, QK-norm, and
 under RoPE the rotary table GPTModel hands its layers), on a private one-rank process group, and
 times its pieces as the trainer runs them. Synthetic torch ops (``sim.calibrate.workloads``) miss
@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...describe.core_attention import CORE_ATTENTIONS, SDPA_CHOICES, attention_backend_of
 from ...describe.split import SUB_BATCHES
 from ...pricing.device_model import SimError
 
@@ -50,20 +51,17 @@ LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad
 EXECUTORS = ("stock", "oases")
 _PIECES = {"attention": ("bda", "ln1", "attention"), "mlp": ("bda_ln2", "mlp")}
 """Tape steps (``schedules.oases.tape``) behind each block event, in order."""
-PROFILED_BACKEND = {"local": "local", "unfused": "unfused", "fused": "auto"}
-"""The ``--attention-backend`` value the profiler builds for an event's core attention kind
-(``dims['attn']``, ``describe.event_key.attention_tag``; absent: ``local``). The key names the
-kind, not the flag: ``flash``, ``fused`` and ``auto`` all keep no scores and share the ``fused``
-kind, timed with ``auto`` (the trainer's default, torch's kernel choice: flash for bf16 / fp16 on
-an H100; on CPU all three run the same kernels)."""
-
-
 def core_attention_backend(d: dict) -> str:
-    """The ``--attention-backend`` an event's layer is built with (:data:`PROFILED_BACKEND`)."""
-    kind = str(d.get("attn", "local"))
-    if kind not in PROFILED_BACKEND:
-        raise SimError(f"event dims name core attention {kind!r}; known: {', '.join(PROFILED_BACKEND)}")
-    return PROFILED_BACKEND[kind]
+    """The ``--attention-backend`` an event's layer is built with: the inverse of the flags' mapping
+    (``describe.core_attention.attention_backend_of``) on the event's core attention kind
+    (``dims['attn']``, ``describe.event_key.attention_tag``; absent: ``local``) and, for a fused
+    one, its kernels (``dims['sdpa']``; absent: ``auto``, torch's choice, which also stands for
+    Transformer Engine's and flash-attn's kernels)."""
+    kind, kernels = str(d.get("attn", "local")), str(d.get("sdpa", "auto"))
+    if kind not in CORE_ATTENTIONS or kernels not in SDPA_CHOICES:
+        raise SimError(f"event dims name core attention {kind!r} with kernels {kernels!r}; known: "
+                       f"{', '.join(CORE_ATTENTIONS)} and {', '.join(SDPA_CHOICES)}")
+    return attention_backend_of(kind, kernels)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ over the stage's own parameter tensors (``sizes``).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...pricing.device_model import SimError
-from .layer_workloads import LAYER_EVENTS, megatron_layer_workload
+from .layer_workloads import LAYER_EVENTS, core_attention_backend, megatron_layer_workload
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 Forward = Callable[[], Any]
@@ -45,14 +44,14 @@ class _Maker:
 
 
 def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask: torch.Tensor,
-                    kind: str = "local") -> torch.Tensor:
-    """The core attention of kind ``kind`` (``dims['attn']``, ``describe.event_key.attention_tag``)
-    on ``[s, b, heads * 3 hd]`` -> ``[s, b, heads * hd]``: Megatron's DotProductAttention
-    (unfused, ``local``) or torch's SDPA as ``layers.core_attention`` runs it (``fused``: torch's
-    kernel choice, as ``--attention-backend auto``; ``unfused``: its math kernel)."""
+                    backend: str = "local") -> torch.Tensor:
+    """The core attention of ``--attention-backend backend`` (``layer_workloads.core_attention_backend``
+    of the event's dims) on ``[s, b, heads * 3 hd]`` -> ``[s, b, heads * hd]``: Megatron's
+    DotProductAttention (unfused, ``local``) or torch's SDPA restricted to the backend's kernels as
+    ``layers.core_attention`` runs it."""
     q, k, v = qkv.view(s, b, heads, 3 * hd).split(hd, dim=-1)
-    if kind != "local":
-        return _sdpa_core(q, k, v, math_kernel=kind == "unfused")
+    if backend != "local":
+        return _sdpa_core(q, k, v, backend)
     q = q.reshape(s, b * heads, hd).transpose(0, 1)
     k = k.reshape(s, b * heads, hd).transpose(0, 1)
     v = v.reshape(s, b * heads, hd).transpose(0, 1)
@@ -64,13 +63,14 @@ def _attention_core(qkv: torch.Tensor, s: int, b: int, heads: int, hd: int, mask
     return ctx.transpose(0, 1).reshape(s, b, heads * hd)
 
 
-def _sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, math_kernel: bool) -> torch.Tensor:
-    """SDPA, causal, on ``[s, b, heads, hd]`` views (``layers.core_attention.SDPAttention``'s call
-    without its module: the synthetic ATP / 3-D cores have no Megatron config)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+    """SDPA, causal, on ``[s, b, heads, hd]`` views, with ``backend``'s kernels
+    (``layers.core_attention.SDPAttention``'s call without its module: the synthetic ATP / 3-D
+    cores have no Megatron config)."""
+    from ...layers.core_attention import backend_kernel_context
 
     s, b, heads, hd = q.shape
-    with sdpa_kernel([SDPBackend.MATH]) if math_kernel else contextlib.nullcontext():
+    with backend_kernel_context(backend, q.device):
         out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * hd)
 
@@ -79,14 +79,14 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
     b, s, h, a, f, t = (int(d.get(k, 1)) for k in ("b", "s", "h", "a", "f", "t"))
     d1, d2, v = int(d.get("d1", t)), int(d.get("d2", 1)), int(d.get("v", 1))
     hd = h // a
-    kind = str(d.get("attn", "local"))
+    attn = core_attention_backend(d)  # the event's core attention, as --attention-backend
     if name in ("attention", "mlp", "atp.core") or name.startswith("logits"):
         mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
     if name == "attention":
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, wq, bq, wp = mk.w(h), mk.w(h), mk.w(3 * h // t, h), mk.w(3 * h // t), mk.w(h, h // t)
         return lambda: F.linear(_attention_core(F.linear(F.layer_norm(prev + res, (h,), lw, lb), wq, bq),
-                                                s, b, a // t, hd, mask, kind), wp)
+                                                s, b, a // t, hd, mask, attn), wp)
     if name == "mlp":
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, w1, b1, w2 = mk.w(h), mk.w(h), mk.w(f // t, h), mk.w(f // t), mk.w(h, f // t)
@@ -133,7 +133,7 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
     if name == "atp.core":
         qkv = mk.t(s, b, 3 * h // d1)
         j = 0  # this rank's heads within the axis-2 group
-        return lambda: _attention_core(qkv[..., j * 3 * h // n:(j + 1) * 3 * h // n], s, b, a // n, hd, mask, kind)
+        return lambda: _attention_core(qkv[..., j * 3 * h // n:(j + 1) * 3 * h // n], s, b, a // n, hd, mask, attn)
     if name == "atp.proj":
         x, wt = mk.t(s, b, h // d1), mk.w(h // d2, h // d1)
         return lambda: F.linear(x, wt)
@@ -191,7 +191,7 @@ def _tail_workload(name: str, dims: dict, mk: _Maker, dtype: torch.dtype, device
     """The step's tail as Megatron runs it on the stage's own parameter tensors (Adam and the norm
     loop over tensors, so a few large tensors and many small ones of the same total cost
     differently): ``grad_norm`` the per-tensor L2 norms and their norm; ``optimizer`` zeroing the
-    flat gradient buffer, the clip scale and ``torch.optim.AdamW`` (the distributed optimizer's
+    flat gradient buffer, the clip scale (none under ``--clip-grad 0``) and ``torch.optim.AdamW`` (the distributed optimizer's
     ``shard`` of every tensor), plus the cast copy for 16-bit models."""
     sizes = _param_sizes(dims)
     if name == "grad_norm":
@@ -207,10 +207,13 @@ def _tail_workload(name: str, dims: dict, mk: _Maker, dtype: torch.dtype, device
     opt = torch.optim.AdamW(masters, lr=1e-4)
     copies = [torch.empty(p.numel(), dtype=dtype, device=device) for p in masters] if dtype != torch.float32 else []
 
+    clip = int(dims.get("clip", 1))  # 0: --clip-grad 0, no scale
+
     def step():
         buffer.zero_()
         for p in masters:
-            p.grad.mul_(0.5)  # clip-by-norm scale
+            if clip:
+                p.grad.mul_(0.5)  # clip-by-norm scale
         opt.step()
         for c, p in zip(copies, masters):
             c.copy_(p.detach())

@@ -295,7 +295,8 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
                        v=m.padded_vocab_size, dtype=m.dtype,
                        backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=block_sub_batches(s),
-                       variant=m.variant, sequence_parallel=s.sequence_parallel, core_attention=m.core_attention)
+                       variant=m.variant, sequence_parallel=s.sequence_parallel, core_attention=m.core_attention,
+                       attention_kernels=m.attention_kernels)
 
 
 def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...], degree: int,
@@ -471,14 +472,16 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
     if s.optimizer_step:
         # both run tensor by tensor: the key names the tensor count, the dims carry the sizes
         tdims = (("p", params), ("sizes", tensors))
-        norm = _compute(Compute(name="grad_norm", gemm_flops=0.0, elementwise_bytes=4 * params),
-                        f"p{params}n{len(tensors)}_fp32", tdims + (("dtype", "fp32"),))
-        if s.tp * s.pp > 1:
-            norm_ar = _norm_allreduce(topo, s.tp, s.pp, s.dp)
+        if s.clip_grad:
+            norm = _compute(Compute(name="grad_norm", gemm_flops=0.0, elementwise_bytes=4 * params),
+                            f"p{params}n{len(tensors)}_fp32", tdims + (("dtype", "fp32"),))
+            if s.tp * s.pp > 1:
+                norm_ar = _norm_allreduce(topo, s.tp, s.pp, s.dp)
         shard = s.dp if s.distributed_optimizer else 1
-        op = optimizer_compute(params, shard=shard, bytes_per_element=m.bytes_per_element)
-        oshape = f"p{params}n{len(tensors)}d{shard}_{m.dtype}"
-        opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype)))
+        op = optimizer_compute(params, shard=shard, bytes_per_element=m.bytes_per_element, clip=s.clip_grad)
+        oshape = f"p{params}n{len(tensors)}d{shard}_{m.dtype}" + ("" if s.clip_grad else "_noclip")
+        opt = _compute(op, oshape, tdims + (("shard", shard), ("dtype", m.dtype))
+                       + (() if s.clip_grad else (("clip", 0),)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
                        norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
                        params_per_rank=params, chains=chains, replica_allreduce=_replica_allreduce(m, s, topo, st),
@@ -523,14 +526,14 @@ def _dp_gather(m: GPTShape, s: Strategy, topo: Topology, dp_ranks: tuple[int, ..
     return _collective(ag, f"p{n}_{m.dtype}", topo, dp_ranks, (("p", n), ("dtype", m.dtype)))
 
 
-def optimizer_compute(params: int, *, shard: int, bytes_per_element: int) -> Compute:
+def optimizer_compute(params: int, *, shard: int, bytes_per_element: int, clip: bool = True) -> Compute:
     """One rank's optimizer step over ``params`` parameters, ``shard``-way sharded by the
-    distributed optimizer: zero the grads (4 bytes a parameter) and clip them (8) on every
-    parameter, then on the rank's shard Adam (its traffic per parameter is the software stack's,
-    ``Compute.optimizer_params``) and, in bf16 / fp16, the copy of the updated fp32 parameters into
-    the model's (read 4, write 2)."""
+    distributed optimizer: zero the grads (4 bytes a parameter) and, with ``clip``, scale them (8)
+    on every parameter, then on the rank's shard Adam (its traffic per parameter is the software
+    stack's, ``Compute.optimizer_params``) and, in bf16 / fp16, the copy of the updated fp32
+    parameters into the model's (read 4, write 2)."""
     copy = 6 if bytes_per_element == 2 else 0
-    return Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=params * (12 + copy / shard),
+    return Compute(name="optimizer", gemm_flops=0.0, elementwise_bytes=params * (4 + 8 * clip + copy / shard),
                    optimizer_params=params / shard)
 
 

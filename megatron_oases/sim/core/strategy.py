@@ -53,6 +53,10 @@ class Strategy:
     """Optimizer states (fp32 master + Adam moments) sharded over DP."""
     optimizer_step: bool = True
     """Model the step's tail: grad-norm all-reduce over TP x PP and Adam."""
+    clip_grad: bool = True
+    """``--clip-grad`` > 0 (Megatron's default 1.0): the step computes the gradients' total norm
+    (per-tensor norms, their all-reduce over TP x PP) and scales them; at 0 Megatron's optimizer
+    skips both."""
     block_degrees: tuple[int, ...] | None = None
     """A per-block plan (``--oases-plan``): the TP degree of layer 0's attention, layer 0's MLP,
     layer 1's attention, ...; None runs every block at ``tp``."""

@@ -19,7 +19,8 @@ from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
-from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, core_attention_of
+from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, attention_kernels_of, \
+    core_attention_of
 from ...describe.ops import LayerVariant
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
@@ -177,15 +178,16 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
             raise SimError(f"{flag} must be at least 1 (got {value})")
     dtype = "fp32" if a.fp32 else a.dtype
     multiple = a.make_vocab_size_divisible_by * tp
+    core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,
+                             use_flash_attn=a.use_flash_attn, error=SimError)
     return GPTShape(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                     seq_length=a.seq_length, padded_vocab_size=-(-a.vocab_size // multiple) * multiple,
                     micro_batch_size=a.micro_batch_size, ffn_hidden_size=a.ffn_hidden_size, dtype=dtype,
                     tied_embeddings=not a.untie_embeddings_and_output_weights,
                     hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
                     variant=_variant(a),
-                    core_attention=core_attention_of(attention_backend=a.attention_backend,
-                                                     transformer_impl=a.transformer_impl,
-                                                     use_flash_attn=a.use_flash_attn, error=SimError),
+                    core_attention=core, attention_kernels=attention_kernels_of(
+                        attention_backend=a.attention_backend, core_attention=core),
                     grad_reduce_bytes=_grad_reduce_bytes(a, dtype))
 
 

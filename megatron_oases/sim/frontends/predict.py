@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...describe.core_attention import core_attention_of
+from ...describe.core_attention import attention_kernels_of, core_attention_of
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...run_config import RunConfig, dtype_name, run_config
 from ...topology import Topology
@@ -51,16 +51,22 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                  rotary_percent=cfg.rotary_percent if rope else 1.0, qk_layernorm=cfg.qk_layernorm,
                                  error=SimError)
     backend = cfg.tp_backend
+    if cfg.optimizer != "adam":
+        raise SimError(f"--optimizer {cfg.optimizer} is not modeled by the simulator (it profiles and "
+                       f"prices Adam's step); drop it or use --optimizer adam to predict")
     if backend == "atp" and cfg.atp_chunks > 1:
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
     dtype = dtype_name(cfg)
+    core = run_core_attention(cfg)
     model = GPTShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
                      seq_length=cfg.seq_length, padded_vocab_size=padded_vocab_size(cfg),
                      micro_batch_size=cfg.micro_batch_size, ffn_hidden_size=cfg.ffn_hidden_size, dtype=dtype,
                      tied_embeddings=not cfg.untie_embeddings_and_output_weights,
                      hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant,
-                     core_attention=run_core_attention(cfg))
+                     core_attention=core,
+                     attention_kernels=attention_kernels_of(attention_backend=cfg.attention_backend,
+                                                            core_attention=core))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -73,7 +79,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
                         overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
-                        block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel))
+                        block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel),
+                        clip_grad=cfg.clip_grad > 0)
     return model, strategy
 
 
