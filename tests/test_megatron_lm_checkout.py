@@ -151,7 +151,7 @@ def test_megatron_parse_args_takes_our_flags():
     assert (args.tp_backend, args.atp_mesh, args.atp_chunks) == ("atp", (2, 2), 2)
     args, _ = parse_megatron(TINY + ["--tensor-model-parallel-size", "2", "--schedule", "oases",
                                      "--no-oases-cross-pass", "--recompute-granularity", "full",
-                                     "--recompute-method", "uniform"], world=2,
+                                     "--recompute-method", "uniform", "--recompute-num-layers", "1"], world=2,
                              validate_megatron=True)
     assert args.schedule == "oases" and not args.oases_cross_pass
 

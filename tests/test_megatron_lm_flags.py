@@ -91,7 +91,7 @@ def test_atp_mesh_is_validated_into_a_tuple(monkeypatch):
 def test_oases_flags_parse(monkeypatch):
     ns = parse(["--tensor-model-parallel-size", "2", "--schedule", "oases",
                 "--no-oases-cross-pass", "--recompute-granularity", "full",
-                "--recompute-method", "uniform"], monkeypatch=monkeypatch)
+                "--recompute-method", "uniform", "--recompute-num-layers", "1"], monkeypatch=monkeypatch)
     assert ns.schedule == "oases" and not ns.oases_cross_pass and ns.oases_fine_grained_recompute
 
 
@@ -106,6 +106,11 @@ def test_oases_flags_parse(monkeypatch):
      "has no effect without --recompute-granularity full"),
     (["--schedule", "oases", "--no-oases-cross-pass"],
      "--no-oases-cross-pass has no effect at --tensor-model-parallel-size 1"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity", "full",
+      "--recompute-method", "uniform"], "--recompute-granularity full needs --recompute-num-layers"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 has no effect with --schedule oases"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "auto"],
      "--atp-mesh auto needs --topology"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "4,1",

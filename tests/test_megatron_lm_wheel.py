@@ -146,11 +146,29 @@ def test_pretrain_atp_matches_stock_and_resumes(stock_tp2, tmp_path):
     saved, log = train(2, atp + ["--save", ckpt, "--save-interval", "3"], ITERS)
     assert "successfully saved checkpoint from iteration       3" in log
     _same(saved, stock_tp2, "atp")
-    resumed, log = train(2, atp + ["--load", ckpt, "--ckpt-step", "3"], ITERS)
+    _resumes_as(train(2, atp + ["--load", ckpt, "--ckpt-step", "3"], ITERS), stock_tp2)
+
+
+def _resumes_as(run, ref):
+    """A resume from iteration 3 logs ``ref``'s losses (the second line: the mean of two)."""
+    resumed, log = run
     assert "successfully loaded checkpoint" in log and sorted(resumed) == [4, 5, 6]
-    assert resumed[4] == pytest.approx(stock_tp2[4], rel=1e-5)
-    assert resumed[5] == pytest.approx((stock_tp2[4] + stock_tp2[5]) / 2, rel=1e-5)
-    assert resumed[6] == pytest.approx(stock_tp2[6], rel=1e-5)
+    assert resumed[4] == pytest.approx(ref[4], rel=1e-5)
+    assert resumed[5] == pytest.approx((ref[4] + ref[5]) / 2, rel=1e-5)
+    assert resumed[6] == pytest.approx(ref[6], rel=1e-5)
+
+
+@needs_cpu
+def test_pretrain_plan_with_distributed_optimizer_saves_and_resumes(stock_tp2, tmp_path):
+    """``--oases-plan`` saves per-layer keys (its layers' shards differ in shape: one stacked key
+    cannot hold them; the save failed before), and ``--use-distributed-optimizer`` resumes into
+    torch's Adam (no Apex or TE; the load failed at ``assert len(steps) == 1`` before)."""
+    ckpt = str(tmp_path / "ckpt")
+    plan = TP2 + ["--oases-plan", PLAN, "--use-distributed-optimizer"]
+    saved, log = train(2, plan + ["--save", ckpt, "--save-interval", "3"], ITERS)
+    assert "successfully saved checkpoint from iteration       3" in log
+    _same(saved, stock_tp2, "plan + distributed optimizer")
+    _resumes_as(train(2, plan + ["--load", ckpt, "--ckpt-step", "3"], ITERS), stock_tp2)
 
 
 @needs_cpu

@@ -211,7 +211,12 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     view, dims = trainer_view(cfg, world_size)
     if cfg.tp_backend == "atp" and view.atp_mesh == "auto":
         view = dataclasses.replace(view, atp_mesh=resolve_auto_mesh(view, dims))
-    return validate_backend_config(view, dims)
+    view = validate_backend_config(view, dims)
+    if cfg.recompute_granularity == "full" and cfg.recompute_num_layers is None:
+        # Megatron-LM's TransformerConfig asks for it only after the process groups are up
+        raise ConfigError("--recompute-granularity full needs --recompute-num-layers (Megatron-LM "
+                          "asks for it): add --recompute-num-layers 1 with --recompute-method uniform")
+    return view
 
 
 def megatron_lm_defaults() -> dict:

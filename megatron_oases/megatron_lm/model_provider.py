@@ -161,6 +161,10 @@ def build_model(cfg: RunConfig, config, *, padded_vocab_size: int, pre_process: 
     if oases_runs(cfg) and config.recompute_granularity:
         config = dataclasses.replace(config, recompute_granularity=None, recompute_method=None,
                                      recompute_num_layers=None)
+    if cfg.oases_layer_degrees:
+        # a per-block plan gives layers different shard shapes, which cannot stack on one key
+        # with a layer axis: per-layer checkpoint keys (the reference trainer's always)
+        config = dataclasses.replace(config, hetereogenous_dist_checkpoint=True)
     # specs pads ``vocab_size``; Megatron-LM has already padded it (from the tokenizer), so hand
     # that over unchanged (Megatron-LM initialises with its own, TP-dependent, init).
     view = dataclasses.replace(cfg, vocab_size=padded_vocab_size, make_vocab_size_divisible_by=1,

@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             return _error(problem)
         install_cpu_training_compat()
+    if args.use_distributed_optimizer and args.load is not None:
+        import megatron.training.training as training
+
+        from megatron_oases.runtime.dist_ckpt import with_torch_adam_state
+
+        training.load_checkpoint = with_torch_adam_state(training.load_checkpoint)
     from megatron_oases.megatron_lm.checkout import use_prebuilt_dataset_helpers
 
     use_prebuilt_dataset_helpers()

@@ -336,3 +336,39 @@ def set_rng_state(states: list, dp_rank: int) -> None:
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
+
+
+def with_torch_adam_state(load_checkpoint):
+    """Megatron-LM's ``load_checkpoint(model, optimizer, ...)`` made to load the distributed
+    optimizer's state into ``torch.optim.Adam`` (no Apex or TE: on CPU, or on a GPU without them),
+    as the reference trainer's load does (``checkpoint.py``): a zero Adam state first
+    (``init_torch_adam_state``), then the optimizer's ``load_state_dict`` without autograd and
+    with the ``step`` tensors out of the way (``adam_step_out_of_the_way``), then each parameter's
+    own step from the checkpoint (``restore_adam_steps``). Without it such a run cannot resume
+    (``assert len(steps) == 1``). The entry (``megatron_lm.pretrain_gpt``) rebinds
+    ``megatron.training.training.load_checkpoint`` with it."""
+    import functools
+
+    if getattr(load_checkpoint, "oases_torch_adam_state", False):
+        return load_checkpoint
+
+    @functools.wraps(load_checkpoint)
+    def wrapped(model, optimizer, *args, **kwargs):
+        if optimizer is None:
+            return load_checkpoint(model, optimizer, *args, **kwargs)
+        import torch
+
+        init_torch_adam_state(optimizer)
+        original = optimizer.load_state_dict
+
+        def load_state_dict(state_dict):
+            with torch.no_grad(), adam_step_out_of_the_way(optimizer):
+                original(state_dict)
+            restore_adam_steps(optimizer, state_dict)
+        optimizer.load_state_dict = load_state_dict
+        try:
+            return load_checkpoint(model, optimizer, *args, **kwargs)
+        finally:
+            del optimizer.load_state_dict
+    wrapped.oases_torch_adam_state = True
+    return wrapped

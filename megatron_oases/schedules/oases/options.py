@@ -113,6 +113,11 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
     if cfg.recompute_granularity == "full" and cfg.recompute_method != "uniform":
         raise ConfigError("--schedule oases recomputes every layer: use --recompute-method "
                           "uniform (block recomputes only some layers)")
+    if cfg.recompute_granularity == "full" and cfg.recompute_num_layers not in (None, 1) \
+            and oases_runs(cfg):
+        raise ConfigError(f"--recompute-num-layers {cfg.recompute_num_layers} has no effect with "
+                          f"--schedule oases, which recomputes layer by layer; use "
+                          f"--recompute-num-layers 1 or drop it")
 
 
 def oases_runs(cfg: RunConfig) -> bool:
