@@ -573,6 +573,8 @@ def test_cpu_training_layer_pins_the_upstream_code_it_wraps(stock):
     assert "allow_no_cuda" in inspect.signature(init).parameters
     assert 'assert torch.cuda.is_available(), "Megatron requires CUDA."' in inspect.getsource(init)
     assert "initialize_megatron(" in inspect.getsource(training.pretrain)
+    assert "set_jit_fusion_options(" in inspect.getsource(training.pretrain)
+    assert 'device="cuda"' in inspect.getsource(initialize._warmup_jit_function)
     dist = inspect.getsource(initialize._initialize_distributed)
     assert "device_count = torch.cuda.device_count()" in dist and "if device_count > 0:" in dist
     assert "mpu.initialize_model_parallel(" in dist

@@ -128,9 +128,11 @@ def _same(losses, ref, what):
 
 
 @needs_cpu
-@pytest.mark.parametrize("extra", [["--schedule", "oases"], ["--oases-plan", PLAN]],
-                         ids=["oases", "plan"])
+@pytest.mark.parametrize("extra", [["--schedule", "oases"], ["--oases-plan", PLAN], ["--sequence-parallel"]],
+                         ids=["oases", "plan", "sp"])
 def test_pretrain_tp2_matches_stock(stock_tp2, extra):
+    """Each build from the same weights: under the CPU layer the JIT warm-up's draws (whose
+    shapes follow --sequence-parallel) no longer move the CPU initialisation (``_keep_cpu_rng``)."""
     _same(train(2, TP2 + extra, ITERS)[0], stock_tp2, extra)
 
 

@@ -91,6 +91,23 @@ def _allow_no_cuda(initialize_megatron):
     return wrapped
 
 
+def _keep_cpu_rng(set_jit_fusion_options):
+    """``set_jit_fusion_options`` as ``pretrain`` calls it on CPU: its JIT warm-up draws
+    ``torch.rand(..., device="cuda")`` tensors whose shapes depend on the run (sequence
+    parallelism, batch, sequence); through the proxy they would come from the CPU generator and
+    shift ``--use-cpu-initialization``'s weights (a run with ``--sequence-parallel`` started from
+    other weights than one without). On a GPU they come from the CUDA generator: here the CPU
+    generator's state is kept around the call."""
+
+    @functools.wraps(set_jit_fusion_options)
+    def wrapped(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return set_jit_fusion_options(*args, **kwargs)
+
+    wrapped.__cpu_compat_wrapped__ = set_jit_fusion_options
+    return wrapped
+
+
 class _NoFusedKernels:
     """``megatron.legacy.fused_kernels`` as ``initialize._compile_dependencies`` sees it on CPU.
 
@@ -167,6 +184,8 @@ def install_cpu_training_compat(force: bool = False) -> bool:
     training = importlib.import_module("megatron.training.training")
     if not hasattr(training.initialize_megatron, "__cpu_compat_wrapped__"):
         training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
+    if not hasattr(training.set_jit_fusion_options, "__cpu_compat_wrapped__"):
+        training.set_jit_fusion_options = _keep_cpu_rng(training.set_jit_fusion_options)
     _installed = True
     return True
 
