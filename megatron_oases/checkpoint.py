@@ -140,7 +140,7 @@ def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError("--no-verify-integrity skips the checksums of --save and --load and has no "
                           "effect without either; drop it")
     if cfg.load is not None:
-        found = find_checkpoint(cfg.load, missing_ok=_auto_resume(cfg), step=cfg.ckpt_step)
+        found = find_checkpoint(cfg.load, missing_ok=auto_resume(cfg), step=cfg.ckpt_step)
         if found is not None:
             if cfg.verify_integrity and not _process_group():  # verified once, by the launcher
                 _verify_integrity(cfg.load, *found)
@@ -150,9 +150,18 @@ def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
                 check_optimizer_loads(state, cfg, found[1], world_size)
 
 
-def _auto_resume(cfg) -> bool:
+def auto_resume(cfg) -> bool:
     """``--save DIR --load DIR`` with nothing in DIR yet is Megatron-LM's resume-if-present."""
     return cfg.save is not None and os.path.abspath(cfg.save) == os.path.abspath(cfg.load)
+
+
+def missing_step(root: str, step: int) -> str | None:
+    """Why ``--ckpt-step step`` cannot load from ``root`` (its iteration directory is not there),
+    or None."""
+    path = iteration_dir(root, step)
+    if os.path.isdir(path):
+        return None
+    return f"--ckpt-step {step}: {path} is missing (saved in {root}: {', '.join(map(str, saved_iterations(root))) or 'none'})"
 
 
 def find_checkpoint(root: str, *, missing_ok: bool = False,
@@ -161,14 +170,13 @@ def find_checkpoint(root: str, *, missing_ok: bool = False,
     ``step``), checked for completeness; None when ``root`` holds no checkpoint and ``missing_ok``."""
     if step is not None:
         path = iteration_dir(root, step)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"--ckpt-step {step}: {path} is missing (saved in {root}: "
-                                  f"{', '.join(map(str, _iterations(root))) or 'none'})")
+        if missing_step(root, step):
+            raise CheckpointError(missing_step(root, step))
         check_checkpoint_files(path, f"--ckpt-step {step}")
         return step, path
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
-        done = _iterations(root)
+        done = saved_iterations(root)
         if missing_ok and not done:
             return None  # nothing saved yet (temporary directories of killed saves do not count)
         raise CheckpointError(f"--load {root}: no {tracker}" + (
@@ -184,7 +192,7 @@ def find_checkpoint(root: str, *, missing_ok: bool = False,
     return iteration, path
 
 
-def _iterations(root: str) -> list[int]:
+def saved_iterations(root: str) -> list[int]:
     """The iterations saved in ``root``, latest first (not the ``.tmp-``/``.old-`` directories of
     interrupted saves)."""
     names = os.listdir(root) if os.path.isdir(root) else []
@@ -213,7 +221,7 @@ def _verify_integrity(root: str, iteration: int, path: str) -> None:
     bad = ckpt_manifest.first_mismatch(path)
     if bad is None:
         return
-    older = ", ".join(str(i) for i in _iterations(root) if i < iteration)
+    older = ", ".join(str(i) for i in saved_iterations(root) if i < iteration)
     fix = f" or load an older iteration with --ckpt-step N (saved here: {older})" if older \
         else " (no older iteration is saved here)"
     if bad[0].endswith(ckpt_manifest.MANIFEST):
@@ -548,7 +556,7 @@ def load_checkpoint(tr) -> int:
     from megatron_oases.runtime.dist_ckpt import dist_checkpointing
 
     cfg = tr.cfg
-    found = find_checkpoint(cfg.load, missing_ok=_auto_resume(cfg), step=cfg.ckpt_step)
+    found = find_checkpoint(cfg.load, missing_ok=auto_resume(cfg), step=cfg.ckpt_step)
     if found is None:
         if _rank0():
             print(f" no checkpoint in {cfg.load} yet; starting from iteration 0", flush=True)

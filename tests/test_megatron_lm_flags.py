@@ -22,7 +22,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     for name in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                  "--seq-length", "--max-position-embeddings", "--global-batch-size",
                  "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-                 "--num-experts", "--recompute-num-layers", "--decoder-first-pipeline-num-layers"):
+                 "--num-experts", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
+                 "--save-interval", "--ckpt-step"):
         p.add_argument(name, type=int, default=None)
     for name, default in (("--micro-batch-size", None), ("--tensor-model-parallel-size", 1),
                           ("--pipeline-model-parallel-size", 1), ("--context-parallel-size", 1)):
@@ -39,6 +40,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--transformer-impl", default="transformer_engine")  # Megatron-LM's default
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--fp8-format", dest="fp8", default=None)
+    p.add_argument("--save", default=None)
+    p.add_argument("--load", default=None)
     return p
 
 
@@ -117,6 +120,11 @@ def test_oases_flags_parse(monkeypatch):
       "--sequence-parallel"], "--tp-backend atp does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--micro-batch-size", "1"],
      "needs --micro-batch-size >= 2"),
+    # checkpoint paths, for stock runs too (Megatron-LM would assert, fail late or start over)
+    (["--save", "/proc/ckpt", "--save-interval", "2"], "--save /proc/ckpt: /proc is not a writable directory"),
+    (["--save", "/tmp/oases-never-written"], "--save needs --save-interval N >= 1"),
+    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+    (["--load", "/tmp", "--ckpt-step", "3"], "--ckpt-step 3: /tmp/iter_0000003 is missing"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-activations"],
@@ -239,3 +247,10 @@ def test_missing_model_sizes(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--schedule", "oases", "--transformer-impl", "local"])
     assert "--num-layers is required" in capsys.readouterr().err
+
+
+def test_a_load_naming_the_save_directory_may_not_exist_yet(monkeypatch, tmp_path):
+    """Megatron-LM's resume-when-present: ``--save D --load D`` with nothing in D yet trains."""
+    ckpt = str(tmp_path / "ckpt")
+    parse(["--save", ckpt, "--save-interval", "2", "--load", ckpt], monkeypatch=monkeypatch)
+    assert not (tmp_path / "ckpt").exists()

@@ -196,6 +196,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     cfg = run_config(args)  # Megatron-LM's namespace, read once
     if cfg.topology is not None:
         check_topology(cfg.topology)
+    check_checkpoint_paths(cfg)
     if is_stock(cfg) and stock_model:
         try:
             view, dims = trainer_view(cfg, world_size)
@@ -242,6 +243,34 @@ def _build_named(cfg: RunConfig) -> str:
             else f"--schedule {cfg.schedule}" if cfg.schedule != "default"
             else "--oases-plan" if cfg.oases_plan is not None
             else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")
+
+
+def check_checkpoint_paths(cfg: RunConfig) -> None:
+    """``--save`` / ``--load`` / ``--ckpt-step`` of any run through the entry, before any process
+    group: Megatron-LM would assert without a message (``--save`` without ``--save-interval``),
+    fail at the first save (an unwritable ``--save``) or after start-up (a missing
+    ``--ckpt-step``), or train from scratch on a mistyped ``--load``. A ``--load`` naming the
+    ``--save`` directory keeps Megatron-LM's resume-when-present."""
+    import os
+
+    from megatron_oases.checkpoint import auto_resume, missing_step
+    from megatron_oases.output_paths import check_output_root
+
+    if cfg.save is not None:
+        check_output_root("--save", cfg.save)
+        if cfg.save_interval is None or cfg.save_interval < 1:
+            raise ConfigError(f"--save needs --save-interval N >= 1 (got {cfg.save_interval}): "
+                              f"Megatron-LM saves every N iterations and at the end")
+    if cfg.load is None:
+        return
+    if not os.path.isdir(cfg.load):
+        if auto_resume(cfg):
+            return
+        raise ConfigError(f"--load {cfg.load}: no such directory (Megatron-LM would train from "
+                          f"scratch); fix the path, or give --save the same directory to resume "
+                          f"only when a checkpoint is there")
+    if cfg.ckpt_step is not None and missing_step(cfg.load, cfg.ckpt_step):
+        raise ConfigError(missing_step(cfg.load, cfg.ckpt_step))
 
 
 def _check_non_stock(cfg: RunConfig, what: str) -> None:
