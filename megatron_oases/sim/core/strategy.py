@@ -100,6 +100,8 @@ class Strategy:
             self._check_selective()
         if self.block_degrees is not None:
             self._check_plan()
+        if self.sequence_parallel and self.tp == 1:  # the trainer's check (train_args.py), in its words
+            raise SimError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.sequence_parallel and (not record(self.backend).sequence_parallel or self.block_degrees is not None):
             raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
         if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
