@@ -104,6 +104,7 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--num-microbatches", "0"], "--num-microbatches must be at least 1 (got 0)"),
     (["--memory-gb", "-1"], "--memory-gb must be above 0 (got -1.0)"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tp", "16", "--seq-length", "520", "--sequence-parallel"], "--sequence-parallel splits --seq-length 520"),
     (["--attention-backend", "flash", "--dtype", "fp32"], "--attention-backend flash has no fp32 kernel; add --dtype"),
     (["--attention-backend", "flash", "--fp32"], "--attention-backend flash has no fp32 kernel"),
     (["--search", "--global-batch-size", "16", "--overlaps", "foo"],
@@ -114,8 +115,8 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--search", "--global-batch-size", "16", "--top", "-1"], "--top must be at least 0 (got -1)"),
     (["--search", "--global-batch-size", "16", "--memory-gb", "-1"], "--memory-gb must be above 0"),
     (["--search", "--global-batch-size", "16", "--sequence-parallel"], "--search does not price --sequence-parallel"),
-], ids=["tp-0", "pp-0", "global-batch-0", "microbatches-0", "memory-negative", "sp-at-tp-1", "flash-fp32",
-        "flash-fp32-short", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
+], ids=["tp-0", "pp-0", "global-batch-0", "microbatches-0", "memory-negative", "sp-at-tp-1", "sp-seq-length",
+        "flash-fp32", "flash-fp32-short", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
         "search-top-negative", "search-memory-negative", "search-sp"])
 def test_a_bad_value_is_one_line_naming_the_flag(flags, needle, capsys):
     """A number no run can have, a name the search does not know, sequence parallelism at TP 1 or
