@@ -53,7 +53,8 @@ def test_a_stated_attention_backend_reaches_every_tool(tmp_path):
     from megatron_oases.sim.frontends.cli import build_parser as sim_parser
     from megatron_oases.train_args import build_parser as train_parser
 
-    base = open(os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml")).read()
+    # bf16: the planner, pricing a GPU, refuses flash in fp32 (no kernel; test_planner_cli.py)
+    base = open(os.path.join(EXAMPLES, "models", "walkthrough-tiny.yaml")).read().replace("dtype: fp32", "dtype: bf16")
     from megatron_oases.plan.plan_cli import build_parser as plan_parser, model_from_args
 
     for key, value, kind in (("attention-backend", "local", "local"), ("attention_backend", "unfused", "unfused"),

@@ -131,6 +131,20 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
     assert "missing num_layers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stated_in", ["flags", "model-file"])
+def test_flash_attention_in_fp32_is_refused(stated_in, tmp_path, capsys):
+    """The planner prices a GPU, where the flash kernel has no fp32 variant (as the trainer refuses
+    it on CUDA): one line naming the flag and the fix, from the flags or the model file."""
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(MODEL + "dtype: fp32\n" + ("attention_backend: flash\n" if stated_in == "model-file" else ""))
+    argv = ["--topology", "pcie-3090-2node", "--model", str(cfg), "--global-batch-size", "8",
+            "--out", str(tmp_path / "p.json"), "--quiet"]
+    assert plan_main(argv + (["--attention-backend", "flash"] if stated_in == "flags" else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--attention-backend flash has no fp32 kernel; add --dtype bf16 or fp16" in err[0], err
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
     """With --families megatron,atp and a budget only ATP 4x2 meets well, the plan's launch flags
     select the ATP backend (no --oases-plan); the trainer refuses the file as --oases-plan."""

@@ -97,6 +97,46 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--tp", "0"], "--tensor-model-parallel-size must be at least 1 (got 0)"),
+    (["--pp", "0"], "--pipeline-model-parallel-size must be at least 1 (got 0)"),
+    (["--global-batch-size", "0"], "--global-batch-size must be at least 1 (got 0)"),
+    (["--num-microbatches", "0"], "--num-microbatches must be at least 1 (got 0)"),
+    (["--memory-gb", "-1"], "--memory-gb must be above 0 (got -1.0)"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tp", "16", "--seq-length", "520", "--sequence-parallel"], "--sequence-parallel splits --seq-length 520"),
+    (["--attention-backend", "flash", "--dtype", "fp32"], "--attention-backend flash has no fp32 kernel; add --dtype"),
+    (["--attention-backend", "flash", "--fp32"], "--attention-backend flash has no fp32 kernel"),
+    (["--search", "--global-batch-size", "16", "--overlaps", "foo"],
+     "--overlaps takes a comma-separated list of none,oases"),
+    (["--search", "--global-batch-size", "16", "--backends", "foo"], "--backends takes a comma-separated list of"),
+    (["--search", "--global-batch-size", "16", "--recompute-options", "foo"], "--recompute-options takes"),
+    (["--search", "--global-batch-size", "16", "--gpus", "0"], "--gpus must be at least 1 (got 0)"),
+    (["--search", "--global-batch-size", "16", "--top", "-1"], "--top must be at least 0 (got -1)"),
+    (["--search", "--global-batch-size", "16", "--memory-gb", "-1"], "--memory-gb must be above 0"),
+    (["--search", "--global-batch-size", "16", "--sequence-parallel"], "--search does not price --sequence-parallel"),
+], ids=["tp-0", "pp-0", "global-batch-0", "microbatches-0", "memory-negative", "sp-at-tp-1", "sp-seq-length",
+        "flash-fp32", "flash-fp32-short", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
+        "search-top-negative", "search-memory-negative", "search-sp"])
+def test_a_bad_value_is_one_line_naming_the_flag(flags, needle, capsys):
+    """A number no run can have, a name the search does not know, sequence parallelism at TP 1 or
+    the flash kernel in fp32: one error line naming the flag, exit 2, before anything is
+    simulated (not a traceback, a fallback, or a table of infeasible rows)."""
+    assert sim_main(["--topology", "2node-ib", *MODEL, "--jobs", "1", *flags]
+                    if "--search" in flags else ["--topology", "2node-ib", *MODEL, *flags]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and not captured.out, (err, captured.out)
+
+
+@pytest.mark.parametrize("abbreviation", [["--overlap-grad"], ["--attention-back", "flash"], ["--tensor", "2"]])
+def test_flags_are_not_abbreviated(abbreviation, capsys):
+    """As Megatron-LM (allow_abbrev=False): a prefix of a flag is no flag."""
+    with pytest.raises(SystemExit) as exc:
+        sim_main(["--topology", "2node-ib", *MODEL, *abbreviation])
+    assert exc.value.code == 2 and f"unrecognized arguments: {abbreviation[0]}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["--attention-backend", "flash"], ["--use-flash-attn"],
                                    ["--transformer-impl", "transformer_engine"], ["--no-masked-softmax-fusion"],
                                    ["--distributed-optimizer"], ["--virtual-stages", "1,2"]])

@@ -97,6 +97,17 @@ def attention_backend_of(core_attention: str, kernels: str = "auto") -> str:
     return core_attention
 
 
+def check_flash_dtype(attention_backend: str | None, *, half: bool, half_flags: str,
+                      error: type[Exception] = ValueError) -> None:
+    """Refuse ``--attention-backend flash`` without a 16-bit dtype (``half``), in one line naming
+    the dtype flags of the caller (``half_flags``): the flash kernel (SDPA's, Transformer
+    Engine's) runs only in bf16 / fp16 on a GPU, so such a run finds no kernel at its first step
+    (torch: "No available kernel", docs/gpu.md). The trainer checks it on CUDA only (torch's CPU
+    kernels take fp32); the simulator and the planner, which price GPUs, always."""
+    if attention_backend == "flash" and not half:
+        raise error(f"--attention-backend flash has no fp32 kernel; add {half_flags}, or use auto / fused")
+
+
 def attention_kernel(core_attention: str, *, attention_dropout: bool, fused_dropout: bool) -> str:
     """The kernel that runs (a ``CORE_ATTENTIONS`` kind): a fused core attention falls back to
     SDPA's math kernel (``unfused``) when dropout is on and the device has no fused kernel with

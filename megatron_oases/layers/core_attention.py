@@ -49,7 +49,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS
+from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS, check_flash_dtype
 from megatron_oases.errors import ConfigError
 
 FLAG = "--attention-backend"
@@ -66,9 +66,8 @@ def check_backend(backend, *, cuda: bool, half: bool) -> None:
     """Refuse, in one line, a value the run cannot honour: SDPA's flash kernel on CUDA runs only
     in bf16 / fp16 (it would find no kernel at the first step)."""
     name = backend_name(backend)
-    if name == "flash" and cuda and not half:
-        raise ConfigError(f"{FLAG} flash: SDPA's flash kernel needs --bf16 or --fp16 on CUDA; "
-                          f"add one, or use {FLAG} auto (torch picks a kernel for fp32)")
+    if cuda:
+        check_flash_dtype(name, half=half, half_flags="--bf16 or --fp16", error=ConfigError)
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from ..describe.core_attention import ATTENTION_BACKENDS
+from ..describe.core_attention import ATTENTION_BACKENDS, check_flash_dtype
 from ..describe.split import SUB_BATCHES
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, model_from_mapping
@@ -136,11 +136,17 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
             "sequence_parallel": a.sequence_parallel}
     config = _load_config(a.model)
-    if over["attention_backend"] is None and "attention_backend" not in stated_fields(config):
+    stated = stated_fields(config)
+    if over["attention_backend"] is None and "attention_backend" not in stated:
         # price what the plan's launch runs: our runtime's default core attention (a plan file
         # without the field is read as local instead: what it was priced with)
         over["attention_backend"] = DEFAULTS.attention_backend
-    return model_from_mapping(config, source=f"--model {a.model}" if a.model else "model flags", **over)
+    model = model_from_mapping(config, source=f"--model {a.model}" if a.model else "model flags", **over)
+    # the plan prices a GPU, where flash has no fp32 kernel (a model file may still state it for
+    # a CPU run of the trainer, whose torch kernels take fp32)
+    check_flash_dtype(over["attention_backend"] or stated.get("attention_backend"), half=model.dtype != "fp32",
+                      half_flags="--dtype bf16 or fp16", error=PlanError)
+    return model
 
 
 def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:

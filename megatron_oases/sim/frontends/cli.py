@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from ...errors import ConfigError
 from ...output_paths import check_output_file
@@ -20,12 +21,12 @@ from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, attention_kernels_of, \
-    core_attention_of
+    check_flash_dtype, core_attention_of
 from ...describe.ops import LayerVariant
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
 from ...run_config import check_gqa_flags, gqa_groups, options_present
-from ..core.strategy import Strategy
+from ..core.strategy import OVERLAPS, Strategy
 from ..calibrate.profiler import resolve_topology
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
@@ -38,6 +39,17 @@ def _ints(text: str, flag: str) -> list[int]:
         raise SimError(f"{flag} must be a comma-separated list of integers (got {text!r})") from None
     if not vals or min(vals) < 1:
         raise SimError(f"{flag} must list positive integers (got {text!r})")
+    return vals
+
+
+def _names(text: str, flag: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None) -> tuple[str, ...]:
+    """A search axis's comma-separated list (``--backends``, ``--overlaps``, ``--recompute-options``):
+    every value one of ``allowed`` (or an alias of one), else one line naming the flag."""
+    aliases = aliases or {}
+    vals = tuple(aliases.get(v.strip(), v.strip()) for v in text.split(","))
+    if not set(vals) <= set(allowed):
+        also = "".join(f"{k} = {v}; " for k, v in aliases.items())
+        raise SimError(f"{flag} takes a comma-separated list of {','.join(allowed)} ({also}got {text!r})")
     return vals
 
 
@@ -177,6 +189,7 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
         if value < 1:
             raise SimError(f"{flag} must be at least 1 (got {value})")
     dtype = "fp32" if a.fp32 else a.dtype
+    check_flash_dtype(a.attention_backend, half=dtype != "fp32", half_flags="--dtype bf16 or fp16", error=SimError)
     multiple = a.make_vocab_size_divisible_by * tp
     core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,
                              use_flash_attn=a.use_flash_attn, error=SimError)
@@ -309,14 +322,12 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
         raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
     from ..core.search import RECOMPUTE_MODES
 
-    rc = [{"on": "full"}.get(v.strip(), v.strip()) for v in a.recompute_options.split(",")]
-    if not set(rc) <= set(RECOMPUTE_MODES):
-        raise SimError(f"--recompute-options takes {','.join(RECOMPUTE_MODES)} (on = full; got {a.recompute_options!r})")
+    rc = _names(a.recompute_options, "--recompute-options", RECOMPUTE_MODES, aliases={"on": "full"})
     return SearchSpace(gpus=gpus, global_batch=a.global_batch_size,
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
-                       backends=tuple(v.strip() for v in a.backends.split(",")),
-                       overlaps=tuple(v.strip() for v in a.overlaps.split(",")), recompute=tuple(rc),
+                       backends=_names(a.backends, "--backends", BACKENDS),
+                       overlaps=_names(a.overlaps, "--overlaps", OVERLAPS), recompute=rc,
                        virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
                        distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
@@ -324,6 +335,7 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
+                                allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--topology", default=None,
@@ -372,29 +384,67 @@ def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
     return [act.option_strings[0] for act in actions if values[act.dest] != act.default]
 
 
+AT_LEAST = {"tp": 1, "pp": 1, "dp": 1, "num_microbatches": 1, "global_batch_size": 1, "gpus": 1, "top": 0,
+            # profile's own
+            "nproc": 1, "warmup": 0, "reps": 1, "threads": 1, "repeats": 1}
+"""The smallest value each count flag of ``sim`` and ``profile`` takes (by dest); a flag not given
+(None) is not checked. A smaller one is one line naming the flag, not a division by zero, a
+fallback (0 micro-batches read as 1, ``--gpus 0`` as the topology's) or every row printed."""
+ABOVE_ZERO = frozenset({"memory_gb", "max_comm_mb"})
+"""Sizes that must be positive (``--memory-gb -1`` made every strategy infeasible)."""
+
+
+def check_numbers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse, in one line naming it, the first count or size flag of parser ``p`` whose value
+    ``a`` holds out of range (``AT_LEAST``, ``ABOVE_ZERO``): before anything is built."""
+    for act in p._actions:
+        value = getattr(a, act.dest, None)
+        if value is None or not act.option_strings:
+            continue
+        if act.dest in AT_LEAST and value < AT_LEAST[act.dest]:
+            raise SimError(f"{act.option_strings[0]} must be at least {AT_LEAST[act.dest]} (got {value})")
+        if act.dest in ABOVE_ZERO and not value > 0:
+            raise SimError(f"{act.option_strings[0]} must be above 0 (got {value})")
+
+
+def trainer_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
+    """The model, strategy and search flags ``a`` sets: none acts where the run is the trainer's
+    flags after ``--`` (``sim --predict``, ``profile -- <train flags>``)."""
+    return [f for t in ("model", "strategy", "search") for f in _set_flags(p, a, t)]
+
+
 def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse a flag the chosen mode would ignore (one line naming it): under ``--predict`` the
     run is the trainer's flags after ``--``; a ``--search`` enumerates the one-strategy flags; a
-    single strategy has no use for the search's."""
+    single strategy has no use for the search's. Numbers out of range first (``check_numbers``)."""
+    check_numbers(p, a)
     if a.predict:
-        given = [f for t in ("model", "strategy", "search") for f in _set_flags(p, a, t)]
+        given = trainer_run_flags(p, a)
         given += _set_flags(p, a, "outputs", only=frozenset({"csv", "top"}))
         given += [f for f, v in (("--gpu", a.gpu), ("--memory-gb", a.memory_gb)) if v]
         if given:
             raise SimError(f"{given[0]} has no effect with --predict, which prices the trainer run of the flags "
                            f"after `--` on its profile; drop it (the run is what those trainer flags say)")
         return
+    check_search_scope(p, a, one_strategy=_set_flags(p, a, "outputs", only=frozenset({"trace", "png"})),
+                       search_only=_set_flags(p, a, "outputs", only=frozenset({"csv", "top"})))
+
+
+def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one_strategy: Sequence[str] = (),
+                       search_only: Sequence[str] = ()) -> None:
+    """``--search`` or one strategy (``sim`` and ``profile``): a search enumerates the one-strategy
+    flags, one strategy has no use for the search's; ``one_strategy`` / ``search_only``: the
+    caller's own flags of either kind that ``a`` sets. Then the one strategy's flag combinations
+    that would be ignored or contradict each other."""
     if a.search:
-        given = _set_flags(p, a, "strategy", skip=SEARCH_APPLIES)
-        given += _set_flags(p, a, "outputs", only=frozenset({"trace", "png"}))
+        given = [*_set_flags(p, a, "strategy", skip=SEARCH_APPLIES), *one_strategy]
         if given:
             raise SimError(f"{given[0]} names one strategy, which --search enumerates; drop it (the search's "
                            f"own flags: --tp-sizes, --pp-sizes, --backends, --overlaps, --recompute-options)")
         return
-    given = _set_flags(p, a, "search", skip=frozenset({"global_batch_size"}))
-    given += _set_flags(p, a, "outputs", only=frozenset({"csv", "top"}))
+    given = [*_set_flags(p, a, "search", skip=frozenset({"global_batch_size"})), *search_only]
     if given:
-        what = "the GPUs are TP x PP x DP" if given[0] == "--gpus" else "one strategy is simulated"
+        what = "the GPUs are TP x PP x DP" if given[0] == "--gpus" else "the flags name one strategy"
         raise SimError(f"{given[0]} applies to --search only ({what} without it); drop it or add --search")
     if a.atp_mesh is not None and a.tp_backend != "atp":
         raise SimError("--atp-mesh needs --tp-backend atp")

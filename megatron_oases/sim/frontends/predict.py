@@ -14,6 +14,7 @@ topology is given, so the profile and the prediction agree on event keys.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ...describe.core_attention import attention_kernels_of, core_attention_of
 from ...describe.shapes import GPTShape, variant_from_flags
@@ -106,10 +107,13 @@ def _topology(topology: Topology | str | None, world: int) -> Topology:
 
 def profile_train_args(args: argparse.Namespace, *, world_size: int | None = None,
                        settings: ProfileSettings | None = None, topology: Topology | str | None = None,
-                       existing: ProfileDB | None = None) -> ProfileDB:
+                       existing: ProfileDB | None = None, **given: Any) -> ProfileDB:
     """Measure every event the trainer run needs, on ``world_size`` local ranks by default.
 
     On CPU each compute event runs with ``cpu_count // world_size`` threads, as the spawned ranks do.
+    Without ``settings``: the run's (its ranks up to the topology's, its ``--device``, those
+    threads), with the ``ProfileSettings`` fields ``given`` that are not None in their place
+    (``megatron-oases profile --nproc/--device/--threads/--warmup/--reps/--max-comm-mb``).
     """
     import os
 
@@ -117,8 +121,9 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
     cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
     topo = _topology(topology or cfg.topology, strategy.world_size)
     if settings is None:
-        settings = ProfileSettings(nproc=min(strategy.world_size, topo.world_size), device=cfg.device,
-                                   threads=max(1, (os.cpu_count() or 1) // strategy.world_size))
+        settings = ProfileSettings(**{"nproc": min(strategy.world_size, topo.world_size), "device": cfg.device,
+                                      "threads": max(1, (os.cpu_count() or 1) // strategy.world_size),
+                                      **{k: v for k, v in given.items() if v is not None}})
     events = unique_events(build_stage_events(model, strategy, topo))
     if existing is not None:
         events = {k: e for k, e in events.items() if k not in existing.events_ms}

@@ -18,30 +18,35 @@ import sys
 from ...errors import ConfigError
 from ...output_paths import check_output_file
 from ...topology import TopologyError, load_topology
-from .cli import _largest_tp, _split, add_model_args, add_search_args, add_strategy_args, \
-    model_from_args, search_space_from_args, strategy_from_args
+from .cli import _largest_tp, _set_flags, _split, add_model_args, add_search_args, add_strategy_args, \
+    check_numbers, check_search_scope, model_from_args, search_space_from_args, strategy_from_args, \
+    trainer_run_flags
 from ..calibrate.profiler import resolve_topology
 from ...pricing.device_model import ProfileDB, SimError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
+                                allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--out", required=True, help="ProfileDB JSON to write")
     p.add_argument("--merge", action="store_true", help="keep the entries --out already has; measure only new ones")
     p.add_argument("--topology", default=None, help="the cluster the ranks at hand belong to (default: local)")
-    p.add_argument("--nproc", type=int, default=None, help="ranks at hand (default: 2, or the trainer's world size)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for compute events")
-    p.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
-    p.add_argument("--emulate", action="store_true",
+    g = p.add_argument_group("ranks (the ranks at hand; --emulate starts the run's own)")
+    g.add_argument("--nproc", type=int, default=None, help="ranks at hand (default: 2, or the trainer's world size)")
+    g.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: the trainer's --device with -- <train flags>, else cuda when available")
+    g.add_argument("--threads", type=int, default=None, help="torch threads for compute events")
+    g.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
+    g = p.add_argument_group("emulate (--emulate)")
+    g.add_argument("--emulate", action="store_true",
                    help="with -- <train flags>: profile on the run's own emulated cluster (--topology or the "
                         "trainer's; needs root): its ranks, links and CPU contention (sim.calibrate.emulated_profile)")
-    p.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
-    p.add_argument("--repeats", type=int, default=1,
+    g.add_argument("--nice", type=int, default=0, help="with --emulate: nice value of the profiling ranks")
+    g.add_argument("--repeats", type=int, default=1,
                    help="with --emulate: profile this many times and keep every time's median over them "
                         "(ProfileDB.median_of): one profile's outliers do not reach the prediction")
     add_model_args(p)
@@ -50,14 +55,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace, train_argv: list[str]) -> None:
+    """Refuse a flag the chosen mode would ignore, in one line naming it (as ``sim``'s
+    ``check_flag_scope``): with ``-- <train flags>`` the run is the trainer's, so the model,
+    strategy and search flags; ``--emulate`` (the trainer run's own ranks) the ranks-at-hand
+    flags; ``--nice`` / ``--repeats`` without ``--emulate``; ``--jobs`` always (no search is
+    simulated here); then ``sim``'s search / one-strategy scope. Numbers out of range first."""
+    check_numbers(p, a)
+    if a.jobs is not None:
+        raise SimError("--jobs has no effect on profile, which lists a search's events and simulates none; drop it")
+    if a.emulate and not train_argv:
+        raise SimError("--emulate profiles a trainer run on its emulated cluster: give the trainer's flags after "
+                       "`--`, or drop --emulate")
+    if not a.emulate:
+        given = _set_flags(p, a, "emulate", skip=frozenset({"emulate"}))
+        if given:
+            raise SimError(f"{given[0]} applies to --emulate only; drop it or add --emulate -- <train flags>")
+    if train_argv:
+        given = trainer_run_flags(p, a)
+        if given:
+            raise SimError(f"{given[0]} has no effect with `-- <train flags>`; drop it (the run profiled is what "
+                           f"the trainer flags after `--` say)")
+        given = _set_flags(p, a, "ranks") if a.emulate else []
+        if given:
+            raise SimError(f"{given[0]} has no effect with --emulate, which runs one profiling rank per trainer "
+                           f"rank on the emulated cluster; drop it")
+        return
+    check_search_scope(p, a)
+
+
 def profile_main(argv: list[str] | None = None) -> int:
     own, train_argv = _split(list(sys.argv[1:] if argv is None else argv))
-    a = build_parser().parse_args(own)
+    p = build_parser()
+    a = p.parse_args(own)
     try:
         from ..calibrate.profiler import ProfileSettings, needed_events, profile_missing
 
-        if a.repeats < 1:
-            raise SimError(f"--repeats must be at least 1 (got {a.repeats})")
+        check_flag_scope(p, a, train_argv)
         check_output_file("--out", a.out)
         existing = ProfileDB.load(a.out) if a.merge and os.path.exists(a.out) else None
         common = dict(device=a.device, warmup=a.warmup, reps=a.reps, threads=a.threads,
@@ -89,12 +123,7 @@ def profile_main(argv: list[str] | None = None) -> int:
                       f"({len(db.contention)} with contention levels {db.meta.get('busy_levels')}, "
                       f"{len(db.overlapped)} also overlapped): {a.out}")
                 return 0
-            world = sim_inputs_from_train_args(targs)[1].world_size
-            settings = None
-            if a.nproc or a.threads or a.device:
-                settings = ProfileSettings(nproc=a.nproc or world, **{**common, "threads": a.threads or
-                                                                      max(1, (os.cpu_count() or 1) // world)})
-            db = profile_train_args(targs, settings=settings, topology=a.topology, existing=existing)
+            db = profile_train_args(targs, topology=a.topology, existing=existing, nproc=a.nproc, **common)
         else:
             nproc = a.nproc or 2
             named = load_topology(a.topology) if a.topology not in (None, "local") else None
