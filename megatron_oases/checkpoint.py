@@ -144,6 +144,11 @@ def validate_checkpoint_config(cfg: RunConfig, world_size: int) -> None:
         if found is not None:
             if cfg.verify_integrity and not _process_group():  # verified once, by the launcher
                 _verify_integrity(cfg.load, *found)
+            if found[0] >= cfg.train_iters and not auto_resume(cfg):
+                # (--save naming the same directory: a requeued job that has finished; it exits 0)
+                raise ConfigError(f"--train-iters {cfg.train_iters}: the checkpoint {found[1]} is at "
+                                  f"iteration {found[0]}, so nothing would train; raise --train-iters "
+                                  f"above {found[0]} or load an earlier --ckpt-step")
             state = read_common_state(found[1])
             check_same_model(dict(state["args"]), cfg, found[1])
             if not cfg.no_load_optim:

@@ -321,6 +321,14 @@ def test_other_model_is_refused(good_ckpt, extra, names, capsys):
     assert names in err, err
 
 
+def test_a_load_with_nothing_left_to_train_is_refused(good_ckpt, capsys):
+    """A checkpoint at iteration 3 with --train-iters 3: nothing would train (it exited 0 having
+    done nothing); the same with --save naming the directory is a finished requeued job."""
+    ckpt, argv = good_ckpt
+    err = _main_error(argv + ["--nproc-per-node", "4", "--load", ckpt, "--train-iters", "3"], capsys)
+    assert "--train-iters 3: the checkpoint" in err and "is at iteration 3, so nothing would train" in err
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--save", "X", "--ckpt-format", "torch"], "--ckpt-format"),
     (["--save-interval", "3"], "--save-interval needs --save"),
