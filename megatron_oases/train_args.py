@@ -33,7 +33,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     p = OneLineErrorParser(
-        prog=prog,
+        prog=prog, allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
         description="Reference GPT pretraining loop on Megatron-Core (GPTModel, Megatron DDP and "
                     "optimizer, get_forward_backward_func). The stock baseline every "
                     "megatron_oases feature is compared against. Runs on CUDA+NCCL or CPU+gloo.")

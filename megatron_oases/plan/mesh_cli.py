@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Search ATP's 2-D device meshes DeviceMesh(d1, d2) for a TP "
+    p = _Parser(prog=PROG, allow_abbrev=False, description="Search ATP's 2-D device meshes DeviceMesh(d1, d2) for a TP "
                 "group on a topology (ATP paper Eq. 2-4); axis 2 is the consecutive, innermost ranks.")
     p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size N = d1 * d2")

@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Oases planner: one TP degree per block (attention, MLP) of a GPT "
+    p = _Parser(prog=PROG, allow_abbrev=False, description="Oases planner: one TP degree per block (attention, MLP) of a GPT "
                 "under a memory budget, from the layer description, a topology and a device model or profile.")
     p.add_argument("--model", metavar="CONFIG", help="YAML/JSON with num_layers, hidden_size, num_attention_heads, "
                    "seq_length, ffn_hidden_size, vocab_size, micro_batch_size, tensor_model_parallel_size "
