@@ -397,8 +397,9 @@ ABOVE_ZERO = frozenset({"memory_gb", "max_comm_mb"})
 def check_numbers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse, in one line naming it, the first count or size flag of parser ``p`` whose value
     ``a`` holds out of range (``AT_LEAST``, ``ABOVE_ZERO``): before anything is built."""
+    values = options_present(a, [act.dest for act in p._actions if act.option_strings])
     for act in p._actions:
-        value = getattr(a, act.dest, None)
+        value = values.get(act.dest)
         if value is None or not act.option_strings:
             continue
         if act.dest in AT_LEAST and value < AT_LEAST[act.dest]:
