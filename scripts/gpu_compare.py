@@ -19,6 +19,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from megatron_oases.errors import ConfigError  # noqa: E402
+from megatron_oases.output_paths import check_output_file  # noqa: E402
+from megatron_oases.train_args import OneLineErrorParser  # noqa: E402
+
 PAIRS = (
     # the issue-34 model (TP 1, hidden 4096, sequence 4096, bf16): Oases against stock under the
     # same attention backend, and the fused attention against Megatron's local one
@@ -57,9 +61,29 @@ def steady(records: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def main(argv: list[str]) -> int:
-    folder = argv[0]
-    device = argv[1] if len(argv) > 1 else ""
+def build_parser() -> OneLineErrorParser:
+    p = OneLineErrorParser(
+        prog="gpu_compare.py", description=__doc__.split("\n\n")[0],
+        epilog="Reads FOLDER/run-<name>.json (the trainer's --log-json lines, e.g. scripts/gpu_check.sh's "
+               "$OUT/json); prints one row per run and the loss differences of the pairs that must "
+               "train alike, and writes FOLDER/compare.json.")
+    p.add_argument("folder", metavar="FOLDER", help="folder holding the runs' run-<name>.json logs")
+    p.add_argument("device", metavar="DEVICE", nargs="?", default="",
+                   help="the card's name as torch reports it, for its peak (default: this machine's "
+                        "first CUDA device, else cpu: no MFU)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    folder, device = a.folder, a.device
+    if not os.path.isdir(folder):
+        p.error(f"FOLDER {folder} is not a directory; give the folder of the run-<name>.json logs")
+    try:
+        check_output_file("FOLDER", os.path.join(folder, "compare.json"))
+    except ConfigError as e:
+        p.error(str(e))
     if not device:
         try:
             import torch
@@ -96,4 +120,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
