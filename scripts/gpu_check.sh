@@ -98,20 +98,22 @@ else
 fi
 
 # The issue-34 model: TP 1, hidden 4096, sequence 4096, bf16, 4 layers (micro-batch 2: Oases
-# splits it in two sub-batches). MFU_FLAGS replaces it (DEVICE=cpu: small shapes, see the header).
+# splits it in two sub-batches). MFU_FLAGS replaces its model flags (DEVICE=cpu: small shapes, see the header).
+# MFU_ITERS: the trainer runs' iterations (the overlap benchmark runs its own steps).
 if [ -n "${MFU_FLAGS:-}" ]; then read -r -a MFU_MODEL <<<"$MFU_FLAGS"; else
 MFU_MODEL=(--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
   --max-position-embeddings 4096 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4
-  --bf16 --train-iters 6); fi
+  --bf16); fi
+MFU_ITERS=(--train-iters "${MFU_ITERS:-6}")
 want attn && step attn 60 $PY scripts/attention_parity.py --device "$DEVICE" ${ATTN_ARGS:---hidden 4096 --seq 4096 --heads 32} --out "$OUT/json/attention_parity.json"
 if want mfu; then
   for sched in default oases; do
     for backend in auto local; do
-      train "mfu-$sched-$backend" 1 "$DEVICE" "${MFU_MODEL[@]}" --schedule "$sched" --attention-backend "$backend"
+      train "mfu-$sched-$backend" 1 "$DEVICE" "${MFU_MODEL[@]}" "${MFU_ITERS[@]}" --schedule "$sched" --attention-backend "$backend"
     done
   done
 fi
-if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other trainer flags)
+if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other model flags of the trainer)
   if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
   OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
   step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
@@ -161,7 +163,7 @@ sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, 
 # to host-bound; SIM_MODEL replaces the list with one model's flags.
 if want sim; then
   if [ -n "${SIM_MODEL:-}" ]; then read -r -a SIMF <<<"$SIM_MODEL"; sim_model custom "${SIM_SCHEDULES:-default oases}" "${SIMF[@]}"
-  else sim_model mfu "${SIM_SCHEDULES:-default oases}" "${MFU_MODEL[@]}"; fi
+  else sim_model mfu "${SIM_SCHEDULES:-default oases}" "${MFU_MODEL[@]}" "${MFU_ITERS[@]}"; fi
 fi
 if want sim-sizes; then
   for h in ${SIM_HIDDEN:-512 1024 2048}; do

@@ -133,6 +133,9 @@ MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-a
     (["--out", "/proc/x/o.json"], "--out /proc/x/o.json: /proc is not a writable directory"),
     (["--out", "/"], "--out / is a directory; give a file name"),
     (["--trace", "/proc/x"], "--trace /proc/x: /proc is not a writable directory"),
+    (["--", "--train-iters", "6"], "--train-iters has no effect here"),
+    (["--", "--log-json=x.json"], "--log-json has no effect here"),
+    (["--", "--save", "ck"], "--save has no effect here"),
 ])
 def test_bad_flags_are_refused_before_the_model_is_built(flags, message):
     """Each bad benchmark flag is one ``ConfigError`` naming it, from the checks ``main`` runs

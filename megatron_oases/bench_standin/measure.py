@@ -112,12 +112,31 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
         if os.path.isdir(a.out):
             raise ConfigError(f"--out {a.out} is a directory; give a file name")
         check_output_root("--out", a.out)
+    ignored = _loop_flags_given(rest)
+    if ignored:
+        raise ConfigError(f"{ignored[0]} has no effect here: the benchmark times {a.warmup} + {a.steps} steps "
+                          f"of the model and runs none of the trainer's loop (iterations, evaluation, "
+                          f"logging, checkpoints, exits); drop it")
     for schedule in _names("--schedules", a.schedules, SCHEDULES):
         cfg = trainer_config(rest, a.tp, schedule)
         try:  # rank 0 of a fake world of --tp ranks: the world the benchmark builds
             validate_config(cfg, a.tp, cuda_wanted(cfg))
         except ConfigError as e:  # the benchmark passes --tensor-model-parallel-size from --tp
             raise ConfigError(str(e).replace("--tensor-model-parallel-size", "--tp")) from None
+
+
+LOOP_GROUPS = ("validation", "logging", "checkpointing", "preemption")
+"""The trainer's argument groups (first word of the title) of its loop, which the benchmark does
+not run; with ``--train-iters`` they are refused after ``--``."""
+
+
+def _loop_flags_given(rest: list[str]) -> list[str]:
+    """The trainer flags in ``rest`` that belong to its loop (``LOOP_GROUPS``, ``--train-iters``)."""
+    from megatron_oases.train_args import build_parser as trainer_parser
+
+    loop = {"--train-iters"} | {o for g in trainer_parser()._action_groups if g.title.split(" ")[0] in LOOP_GROUPS
+                                for act in g._group_actions for o in act.option_strings}
+    return [tok.split("=", 1)[0] for tok in rest if tok.split("=", 1)[0] in loop]
 
 
 def trainer_config(rest: list[str], tp: int, schedule: str):
