@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:22s} (no iterations logged)")
             continue
         step, tf = steady(rs, "step_ms"), steady(rs, "tflops_per_rank")
+        if step is None:  # a log without timings (an older trainer's): losses only
+            print(f"{name:22s} (no step times logged) {[round(r['lm_loss'], 5) for r in rs]}")
+            out["runs"][name] = {"losses": [r["lm_loss"] for r in rs]}
+            continue
         mem = max((r.get("peak_mem_mb") or 0) for r in rs)
         mfu = tf / peak if (tf is not None and peak) else None
         out["runs"][name] = {"step_ms": step, "tflops_per_rank": tf, "mfu": mfu, "peak_mem_mb": mem,
@@ -111,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         if runs.get(a) and runs.get(b):
             diff = max(abs(x["lm_loss"] - y["lm_loss"]) / abs(y["lm_loss"])
                        for x, y in zip(runs[a], runs[b]))
-            ratio = out["runs"][b]["step_ms"] / out["runs"][a]["step_ms"]
+            times = out["runs"][b].get("step_ms"), out["runs"][a].get("step_ms")
+            ratio = times[0] / times[1] if None not in times else None
             out["pairs"][f"{a} vs {b}"] = {"max_rel_loss_diff": diff, "speedup": ratio}
-            print(f"{a} vs {b}: max relative loss difference {diff:.2e}, speed {ratio:.3f}x")
+            print(f"{a} vs {b}: max relative loss difference {diff:.2e}, "
+                  + (f"speed {ratio:.3f}x" if ratio is not None else "no step times"))
     with open(os.path.join(folder, "compare.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 "CUDA device or drop kernels from --what")
     if a.reps < 1:
         p.error(f"--reps must be >= 1 (got {a.reps})")
+    if a.limit_s <= 0:
+        p.error(f"--limit-s must be > 0 (got {a.limit_s}): each part stops timing new shapes after it")
     _, rows = load_rows()  # each row's flags merged over its source's defaults
     if a.shrink:
         small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512}

@@ -34,6 +34,7 @@ def test_gpu_measure_runs_on_cpu_and_writes_its_tables(tmp_path):
     (["--rows", "h100-1.7B", "nope"], "--rows: unknown row nope; "),
     (["--what", "kernels", "--device", "cpu"], "--what kernels times CUDA kernels"),
     (["--reps", "0"], r"--reps must be >= 1 \(got 0\)"),
+    (["--limit-s", "0"], r"--limit-s must be > 0 \(got 0.0\)"),
 ])
 def test_gpu_measure_refuses_bad_flags_in_one_line(tmp_path, capsys, flags, message):
     """A bad flag is one line and status 2 before anything is measured or written (an unknown
@@ -84,7 +85,7 @@ def _gpu_check_on_cpu(tmp_path, steps: str, **env) -> tuple[int, str, str]:
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], capture_output=True, text=True, timeout=240, cwd=work,
                           env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DEVICE": "cpu",
                                "STEPS": steps, "BUDGET_S": "200", "TMPDIR": str(tmp), **env})
-    assert not list(tmp.iterdir())  # a wheel folder, when made, is gone at exit
+    assert not list(tmp.glob("gpu_check_site.*"))  # a wheel folder, when made, is gone at exit
     return proc.returncode, (out / "summary.txt").read_text(), (out / "check.log").read_text()
 
 
@@ -136,6 +137,17 @@ def test_gpu_compare_reads_trainer_logs_and_prices_mfu(tmp_path):
     out = json.loads((tmp_path / "compare.json").read_text())
     assert abs(out["runs"]["mfu-default-auto"]["mfu"] - 0.5) < 1e-9
     assert abs(out["pairs"]["mfu-oases-auto vs mfu-default-auto"]["max_rel_loss_diff"] - 1e-4) < 1e-9
+
+
+def test_gpu_compare_takes_a_log_without_step_times(tmp_path):
+    """A log with losses only (no ``step_ms``) is compared on its losses; no speed is made up."""
+    gc = load_script("scripts/gpu_compare.py")
+    for name, rec in (("tp1-stock", {"step_ms": 10.0}), ("tp1-oases", {})):
+        (tmp_path / f"run-{name}.json").write_text("\n".join(json.dumps(
+            {"iteration": i, "lm_loss": 7.0, **rec}) for i in (1, 2, 3)) + "\n")
+    assert gc.main([str(tmp_path), "cpu"]) == 0
+    pair = json.loads((tmp_path / "compare.json").read_text())["pairs"]["tp1-oases vs tp1-stock"]
+    assert pair == {"max_rel_loss_diff": 0.0, "speedup": None}
 
 
 def test_gpu_settle_says_it_skipped_without_cuda(capsys):
