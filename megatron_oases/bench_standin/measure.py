@@ -98,8 +98,11 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     from megatron_oases.output_paths import check_output_root
     from megatron_oases.train_args import SCHEDULES, cuda_wanted, validate_config
 
+    from megatron_oases.run_config import options_present
+
+    values = options_present(a, [name for _, name, _, _ in _RANGES])
     for flag, name, low, inclusive in _RANGES:
-        value = getattr(a, name)
+        value = values.get(name)
         if value is not None and not (value >= low if inclusive else value > low):
             raise ConfigError(f"{flag} must be {'>=' if inclusive else '>'} {low} (got {value})"
                               + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
