@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The first checks on a lent GPU, in one call (docs/gpu.md, "What a first GPU run should check").
 #
-#   bash scripts/gpu_check.sh            # OUT=<folder> (default /tmp/gpu_check), BUDGET_S=330
+#   bash scripts/gpu_check.sh            # OUT=<folder> (default /tmp/gpu_check), BUDGET_S=330, PYTHON=python3
 #
 # On a machine with one or more CUDA GPUs and torch there; megatron-core / pulp wheels in .whl/
-# are installed to /tmp/site first when present (the device machine has no package index):
-# `bash scripts/gpu_wheels.sh` puts megatron-core 0.19.2 and pulp for Python 3.12 there.
+# are installed first when present (the device machine has no package index), into a private
+# mktemp folder removed on exit (WHEELS=0 skips that, WHEELS=1 forces it; default 1 on CUDA, 0
+# with DEVICE=cpu): `bash scripts/gpu_wheels.sh` puts megatron-core 0.19.2 and pulp for Python
+# 3.12 there.
+# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_FLAGS and FUSION_ARGS at small shapes runs env,
+# attn, mfu, overlap, overlap-conn, fusion, sim and compare on CPU (how the script is tested
+# before a lease; the numbers then mean nothing; env records that there is no GPU; train is
+# CUDA only): docs/gpu.md has the command.
 # Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
 # to $OUT/check.log, one line per step to $OUT/summary.txt, JSON results into $OUT/results.tar.gz:
-#   env       GPU, torch, megatron-core
+#   env       GPU, torch, megatron-core ("no GPU" with DEVICE=cpu)
 #   attn      scripts/attention_parity.py: the fused (SDPA) core attention against Megatron's local
 #             one on CUDA, fp32 and bf16, at hidden 4096, sequence 4096 (errors, kernel times)
 #   mfu       the trainer at TP 1, hidden 4096, sequence 4096, 32 heads, 4 layers, bf16: stock and
@@ -17,7 +23,8 @@
 #   overlap   scripts/bench_gpu_overlap.py: rank 0 of a TP-2 layer on this GPU, every collective
 #             replaced by a stand-in (sleep, copy and 16-block "channels" copy kernels) of a
 #             duration matched to compute; one step of each traced (json/traces/): the compute
-#             stream's idle time, while a stand-in ran vs with nothing running
+#             stream's idle time, while a stand-in ran vs with nothing running (OVERLAP_FLAGS:
+#             the trainer flags, default the mfu model; OVERLAP_TP: the TP size, default 2)
 #   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware
 #             queues instead of the 1 Megatron asks for): does one queue serialise the stand-ins?
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
@@ -26,7 +33,9 @@
 #   tp2-*     with 8 GPUs: stock vs Oases TP 2 (fp32), Oases with sequence parallelism, ATP (2,2)
 #             vs stock TP 4, 3-D TP 8 (NCCL)
 #   compare   every run's losses and step times; the largest relative loss difference of each
-#             run against its reference (Oases vs stock, CPU vs CUDA, TP n vs TP 1, ...)
+#             run against its reference (Oases vs stock, CPU vs CUDA, TP n vs TP 1, ...); runs
+#             once, after every other step, wherever it stands in STEPS (the steps before it
+#             leave it COMPARE_S=30 seconds of the budget)
 #   measure   scripts/gpu_measure.py: GEMM shapes, dispatch cost and layer events vs the model
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
@@ -42,20 +51,26 @@ set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-330}
 PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT/json"
 LOG=$OUT/check.log
 SUMMARY=$OUT/summary.txt
 : >"$LOG"; : >"$SUMMARY"
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-  export PYTHONPATH=/tmp/site
+if [ "${WHEELS:-$([ "$DEVICE" = cpu ] && echo 0 || echo 1)}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
+  trap 'rm -rf "$SITE"' EXIT
+  echo "=== wheels: $(ls .whl/*.whl) -> $SITE" >>"$LOG"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >>"$LOG" 2>&1
+  export PYTHONPATH=$SITE
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 want() { [[ " ${STEPS:-env attn mfu overlap overlap-conn sim sim-sizes compare} " == *" $1 "* ]]; }
-left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+# compare runs last: the steps before it leave it COMPARE_S seconds
+RESERVE=0; want compare && RESERVE=${COMPARE_S:-30}
+left() { echo $((BUDGET_S - ($(date +%s) - T0) - RESERVE)); }
 step() {  # step NAME TIMEOUT_S CMD...: run unless the budget is spent; log; one summary line
   local name=$1 limit=$2; shift 2
   if [ "$(left)" -lt 15 ]; then echo "$name skipped (budget)" >>"$SUMMARY"; return 1; fi
@@ -76,26 +91,29 @@ train() {  # train NAME NPROC DEVICE FLAGS...
   step "$name" 120 "${TRAIN[@]}" --nproc-per-node "$n" --device "$dev" --log-json "$OUT/json/run-$name.json" "$@"
 }
 
-want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; import sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+if [ "$DEVICE" = cpu ]; then  # no GPU asked for: say so, and what runs instead
+  want env && step env 30 bash -c "echo 'no GPU used (DEVICE=cpu)'; $PY -c 'import torch, megatron.core as mc; import sys; print(sys.version.split()[0], torch.__version__, \"cuda available:\", torch.cuda.is_available(), mc.__version__)'"
+else
+  want env && step env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, megatron.core as mc; import sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count(), mc.__version__)'"
+fi
 
 # The issue-34 model: TP 1, hidden 4096, sequence 4096, bf16, 4 layers (micro-batch 2: Oases
-# splits it in two sub-batches).
-# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_ARGS and FUSION_ARGS at small shapes runs every
-# step on CPU (how the script is tested before a lease; the numbers then mean nothing).
-DEVICE=${DEVICE:-cuda}
+# splits it in two sub-batches). MFU_FLAGS replaces its model flags (DEVICE=cpu: small shapes, see the header).
+# MFU_ITERS: the trainer runs' iterations (the overlap benchmark runs its own steps).
 if [ -n "${MFU_FLAGS:-}" ]; then read -r -a MFU_MODEL <<<"$MFU_FLAGS"; else
 MFU_MODEL=(--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
   --max-position-embeddings 4096 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4
-  --bf16 --train-iters 6); fi
+  --bf16); fi
+MFU_ITERS=(--train-iters "${MFU_ITERS:-6}")
 want attn && step attn 60 $PY scripts/attention_parity.py --device "$DEVICE" ${ATTN_ARGS:---hidden 4096 --seq 4096 --heads 32} --out "$OUT/json/attention_parity.json"
 if want mfu; then
   for sched in default oases; do
     for backend in auto local; do
-      train "mfu-$sched-$backend" 1 "$DEVICE" "${MFU_MODEL[@]}" --schedule "$sched" --attention-backend "$backend"
+      train "mfu-$sched-$backend" 1 "$DEVICE" "${MFU_MODEL[@]}" "${MFU_ITERS[@]}" --schedule "$sched" --attention-backend "$backend"
     done
   done
 fi
-if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other trainer flags)
+if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other model flags of the trainer)
   if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
   OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
   step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
@@ -145,16 +163,16 @@ sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, 
 # to host-bound; SIM_MODEL replaces the list with one model's flags.
 if want sim; then
   if [ -n "${SIM_MODEL:-}" ]; then read -r -a SIMF <<<"$SIM_MODEL"; sim_model custom "${SIM_SCHEDULES:-default oases}" "${SIMF[@]}"
-  else sim_model mfu "${SIM_SCHEDULES:-default oases}" "${MFU_MODEL[@]}"; fi
+  else sim_model mfu "${SIM_SCHEDULES:-default oases}" "${MFU_MODEL[@]}" "${MFU_ITERS[@]}"; fi
 fi
-want compare && step compare 30 $PY scripts/gpu_compare.py "$OUT/json"
 if want sim-sizes; then
   for h in ${SIM_HIDDEN:-512 1024 2048}; do
     sim_model "h$h" "${SIM_SCHEDULES:-default oases}" --num-layers 4 --hidden-size "$h" --num-attention-heads $((h / 128 > 4 ? h / 128 : 4)) \
       --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 4 --bf16 --train-iters 8
   done
-  want compare && step compare-2 30 $PY scripts/gpu_compare.py "$OUT/json"
 fi
+RESERVE=0  # the compare step's share of the budget is its own now
+want compare && step compare 30 $PY scripts/gpu_compare.py "$OUT/json"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" json && rm -rf "$OUT/json"
 echo "--- summary (elapsed $(( $(date +%s) - T0 ))s)"; cat "$SUMMARY"
 sed -n '/^=== compare/,$p' "$LOG" | tail -n 60

@@ -19,6 +19,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from megatron_oases.errors import ConfigError  # noqa: E402
+from megatron_oases.output_paths import check_output_file  # noqa: E402
+from megatron_oases.train_args import OneLineErrorParser  # noqa: E402
+
 PAIRS = (
     # the issue-34 model (TP 1, hidden 4096, sequence 4096, bf16): Oases against stock under the
     # same attention backend, and the fused attention against Megatron's local one
@@ -57,9 +61,29 @@ def steady(records: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def main(argv: list[str]) -> int:
-    folder = argv[0]
-    device = argv[1] if len(argv) > 1 else ""
+def build_parser() -> OneLineErrorParser:
+    p = OneLineErrorParser(
+        prog="gpu_compare.py", description=__doc__.split("\n\n")[0],
+        epilog="Reads FOLDER/run-<name>.json (the trainer's --log-json lines, e.g. scripts/gpu_check.sh's "
+               "$OUT/json); prints one row per run and the loss differences of the pairs that must "
+               "train alike, and writes FOLDER/compare.json.")
+    p.add_argument("folder", metavar="FOLDER", help="folder holding the runs' run-<name>.json logs")
+    p.add_argument("device", metavar="DEVICE", nargs="?", default="",
+                   help="the card's name as torch reports it, for its peak (default: this machine's "
+                        "first CUDA device, else cpu: no MFU)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    folder, device = a.folder, a.device
+    if not os.path.isdir(folder):
+        p.error(f"FOLDER {folder} is not a directory; give the folder of the run-<name>.json logs")
+    try:
+        check_output_file("FOLDER", os.path.join(folder, "compare.json"))
+    except ConfigError as e:
+        p.error(str(e))
     if not device:
         try:
             import torch
@@ -76,6 +100,10 @@ def main(argv: list[str]) -> int:
             print(f"{name:22s} (no iterations logged)")
             continue
         step, tf = steady(rs, "step_ms"), steady(rs, "tflops_per_rank")
+        if step is None:  # a log without timings (an older trainer's): losses only
+            print(f"{name:22s} (no step times logged) {[round(r['lm_loss'], 5) for r in rs]}")
+            out["runs"][name] = {"losses": [r["lm_loss"] for r in rs]}
+            continue
         mem = max((r.get("peak_mem_mb") or 0) for r in rs)
         mfu = tf / peak if (tf is not None and peak) else None
         out["runs"][name] = {"step_ms": step, "tflops_per_rank": tf, "mfu": mfu, "peak_mem_mb": mem,
@@ -87,13 +115,15 @@ def main(argv: list[str]) -> int:
         if runs.get(a) and runs.get(b):
             diff = max(abs(x["lm_loss"] - y["lm_loss"]) / abs(y["lm_loss"])
                        for x, y in zip(runs[a], runs[b]))
-            ratio = out["runs"][b]["step_ms"] / out["runs"][a]["step_ms"]
+            times = out["runs"][b].get("step_ms"), out["runs"][a].get("step_ms")
+            ratio = times[0] / times[1] if None not in times else None
             out["pairs"][f"{a} vs {b}"] = {"max_rel_loss_diff": diff, "speedup": ratio}
-            print(f"{a} vs {b}: max relative loss difference {diff:.2e}, speed {ratio:.3f}x")
+            print(f"{a} vs {b}: max relative loss difference {diff:.2e}, "
+                  + (f"speed {ratio:.3f}x" if ratio is not None else "no step times"))
     with open(os.path.join(folder, "compare.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

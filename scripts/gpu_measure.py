@@ -42,10 +42,13 @@ for path in (ROOT, HERE):
 
 import torch  # noqa: E402
 
+from megatron_oases.errors import ConfigError  # noqa: E402
+from megatron_oases.output_paths import check_output_root  # noqa: E402
 from megatron_oases.sim.frontends.cli import build_parser, simulation_inputs  # noqa: E402
 from megatron_oases.sim.core.events import build_stage_events, unique_events  # noqa: E402
 from megatron_oases.sim.frontends.published import sim_argv  # noqa: E402
 from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
+from megatron_oases.train_args import OneLineErrorParser, cuda_wanted  # noqa: E402
 from validate_published import load_rows  # noqa: E402  (the rows, read as the validation reads them)
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
@@ -237,8 +240,18 @@ def _print(title: str, rows: list[dict]) -> None:
         print(" | ".join(str(r.get(c, "")) for c in cols))
 
 
+def chosen_rows(p: argparse.ArgumentParser, flag: str, rows: list[dict], wanted: list[str]) -> list[dict]:
+    """The rows ``flag`` names, in file order; one error line naming the flag and the unknown ids."""
+    ids = {r["id"] for r in rows}
+    unknown = [w for w in wanted if w not in ids]
+    if unknown:
+        p.error(f"{flag}: unknown row {', '.join(unknown)}; the ids are those of "
+                f"examples/validation/published_megatron.yaml (e.g. {', '.join(sorted(ids)[:3])})")
+    return [r for r in rows if r["id"] in wanted]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="gpu_measure.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for gpu_gemms.json, gpu_dispatch.json, gpu_events*.json")
     p.add_argument("--rows", nargs="+", default=None, help="row ids (default: every H100 row)")
     p.add_argument("--what", nargs="+", default=["gemms", "dispatch", "events", "tiny"],
@@ -249,15 +262,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--shrink", action="store_true", help="rows at hidden 128, seq 64, vocabulary 512 (tests on CPU)")
     a = p.parse_args(argv)
+    try:
+        check_output_root("--out", a.out)
+        cuda = cuda_wanted(a)  # --device cuda needs a visible CUDA device
+    except ConfigError as e:
+        p.error(str(e))
+    if "kernels" in a.what and not cuda:
+        p.error("--what kernels times CUDA kernels (torch.profiler's CUDA activity); run it on a "
+                "CUDA device or drop kernels from --what")
+    if a.reps < 1:
+        p.error(f"--reps must be >= 1 (got {a.reps})")
+    if a.limit_s <= 0:
+        p.error(f"--limit-s must be > 0 (got {a.limit_s}): each part stops timing new shapes after it")
     _, rows = load_rows()  # each row's flags merged over its source's defaults
     if a.shrink:
         small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512}
         rows = [{**r, "flags": {**r["flags"], **small}} for r in rows]
     wanted = a.rows or [r["id"] for r in rows if r["id"].startswith("h100-")]
-    chosen = [r for r in rows if r["id"] in wanted]
-    if len(chosen) != len(wanted):
-        p.error(f"--rows: unknown row among {wanted}")
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen = chosen_rows(p, "--rows", rows, wanted)
+    ev_rows = chosen_rows(p, "--event-rows", rows, a.event_rows or wanted[:2])
+    device = torch.device("cuda" if cuda else "cpu")
     os.makedirs(a.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -270,12 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     if "dispatch" in a.what:
         results["dispatch"] = measure_dispatch(device)
         _print("host dispatch", [results["dispatch"]])
-    ev_rows = [r for r in rows if r["id"] in (a.event_rows or wanted[:2])]
     for part, tiny in (("events", False), ("tiny", True)):
         if part in a.what:
             results[part] = measure_events(ev_rows, device, a.reps, tiny, a.limit_s)
             _print(f"compute events{' at hidden 256, seq 256' if tiny else ''}", results[part])
-    if "kernels" in a.what and device.type == "cuda":
+    if "kernels" in a.what:
         try:
             results["kernels"] = measure_kernels(ev_rows, device, a.reps)
         except Exception as e:  # noqa: BLE001 - keep the other parts' results

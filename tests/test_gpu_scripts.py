@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
+
+import pytest
 
 from tests.script_modules import ROOT, load_script
 
@@ -25,6 +29,35 @@ def test_gpu_measure_runs_on_cpu_and_writes_its_tables(tmp_path):
         r["event"].split(":")[1].split("[")[0] for r in tiny if "error" not in r}
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--what", "tiny", "--event-rows", "bogus"], "--event-rows: unknown row bogus; "),
+    (["--rows", "h100-1.7B", "nope"], "--rows: unknown row nope; "),
+    (["--what", "kernels", "--device", "cpu"], "--what kernels times CUDA kernels"),
+    (["--reps", "0"], r"--reps must be >= 1 \(got 0\)"),
+    (["--limit-s", "0"], r"--limit-s must be > 0 \(got 0.0\)"),
+])
+def test_gpu_measure_refuses_bad_flags_in_one_line(tmp_path, capsys, flags, message):
+    """A bad flag is one line and status 2 before anything is measured or written (an unknown
+    --event-rows id timed nothing and wrote an empty table with status 0)."""
+    gm = load_script("scripts/gpu_measure.py")
+    with pytest.raises(SystemExit) as exc:
+        gm.main(["--out", str(tmp_path / "m"), "--shrink", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and re.match(f"gpu_measure.py: error: {message}", err)
+    assert not (tmp_path / "m").exists()
+
+
+def test_gpu_measure_refuses_cuda_without_a_cuda_device(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible here")
+    with pytest.raises(SystemExit) as exc:
+        load_script("scripts/gpu_measure.py").main(["--out", str(tmp_path), "--device", "cuda"])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith(
+        "gpu_measure.py: error: --device cuda: no CUDA device is visible")
+
+
 def test_kernel_classes():
     gm = load_script("scripts/gpu_measure.py")
     assert gm.kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
@@ -37,6 +70,49 @@ def test_gpu_check_script_parses():
     out = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
+
+
+def _gpu_check_on_cpu(tmp_path, steps: str, **env) -> tuple[int, str, str]:
+    """``gpu_check.sh`` with DEVICE=cpu from a folder of its own (the repository's scripts and
+    package linked in, a junk wheel in .whl/), TMPDIR inside ``tmp_path``: (status, summary, log)."""
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    (work / ".whl").mkdir(parents=True)
+    tmp.mkdir()
+    for name in ("scripts", "megatron_oases"):
+        (work / name).symlink_to(os.path.join(ROOT, name))
+    (work / ".whl" / "junk-0.0-py3-none-any.whl").write_text("not a wheel")
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], capture_output=True, text=True, timeout=240, cwd=work,
+                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DEVICE": "cpu",
+                               "STEPS": steps, "BUDGET_S": "200", "TMPDIR": str(tmp), **env})
+    assert not list(tmp.glob("gpu_check_site.*"))  # a wheel folder, when made, is gone at exit
+    return proc.returncode, (out / "summary.txt").read_text(), (out / "check.log").read_text()
+
+
+def test_gpu_check_on_cpu_says_no_gpu_installs_no_wheel_and_compares_last(tmp_path):
+    """DEVICE=cpu: the env step succeeds saying no GPU is used, .whl/ is left alone, and compare
+    runs once, after the other steps, wherever STEPS names it."""
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "compare env")
+    assert rc == 0, log[-3000:]
+    assert [line.split()[:2] for line in summary.splitlines()] == [["env", "rc=0"], ["compare", "rc=0"]], summary
+    assert "no GPU used (DEVICE=cpu)" in log and "=== wheels" not in log
+
+
+def test_gpu_check_installs_wheels_on_cpu_only_when_asked(tmp_path):
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "env", WHEELS="1")
+    assert f"-> {tmp_path / 'tmp'}/gpu_check_site." in log  # a private folder, removed at exit
+    assert summary.startswith("env rc=0")
+
+
+def test_gpu_compare_help_and_a_missing_folder():
+    script = os.path.join(ROOT, "scripts", "gpu_compare.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "run-<name>.json" in out.stdout and "compare.json" in out.stdout
+    out = subprocess.run([sys.executable, script, "/nonexistent-folder"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr == (
+        "gpu_compare.py: error: FOLDER /nonexistent-folder is not a directory; give the folder of "
+        "the run-<name>.json logs\n")
 
 
 def test_fusion_bench_runs_on_cpu(tmp_path):
@@ -61,6 +137,17 @@ def test_gpu_compare_reads_trainer_logs_and_prices_mfu(tmp_path):
     out = json.loads((tmp_path / "compare.json").read_text())
     assert abs(out["runs"]["mfu-default-auto"]["mfu"] - 0.5) < 1e-9
     assert abs(out["pairs"]["mfu-oases-auto vs mfu-default-auto"]["max_rel_loss_diff"] - 1e-4) < 1e-9
+
+
+def test_gpu_compare_takes_a_log_without_step_times(tmp_path):
+    """A log with losses only (no ``step_ms``) is compared on its losses; no speed is made up."""
+    gc = load_script("scripts/gpu_compare.py")
+    for name, rec in (("tp1-stock", {"step_ms": 10.0}), ("tp1-oases", {})):
+        (tmp_path / f"run-{name}.json").write_text("\n".join(json.dumps(
+            {"iteration": i, "lm_loss": 7.0, **rec}) for i in (1, 2, 3)) + "\n")
+    assert gc.main([str(tmp_path), "cpu"]) == 0
+    pair = json.loads((tmp_path / "compare.json").read_text())["pairs"]["tp1-oases vs tp1-stock"]
+    assert pair == {"max_rel_loss_diff": 0.0, "speedup": None}
 
 
 def test_gpu_settle_says_it_skipped_without_cuda(capsys):

@@ -109,3 +109,60 @@ def test_trainer_flags_pass_through_unabbreviated():
     cfg = trainer_config(rest, a.tp, "default")
     assert (cfg.optimizer, cfg.tensor_model_parallel_size, cfg.schedule) == ("sgd", 4, "default")
     assert (cfg.global_batch_size, cfg.tp_invariant_init) == (4, False)  # one micro-batch a step
+
+
+MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kinds", "foo"], "--kinds: 'foo' is not one of sleep, copy, channels"),
+    (["--kinds", "sleep,sleep"], "--kinds sleep,sleep names one twice"),
+    (["--schedules", "foo"], "--schedules: 'foo' is not one of default, oases"),
+    (["--steps", "0"], r"--steps must be >= 1 \(got 0\)"),
+    (["--warmup", "-1"], r"--warmup must be >= 0 \(got -1\)"),
+    (["--link-gbps", "0"], r"--link-gbps must be > 0 \(got 0.0\)"),
+    (["--link-gbps", "-2"], r"--link-gbps must be > 0 \(got -2.0\)"),
+    (["--latency-us", "-1"], r"--latency-us must be >= 0 \(got -1.0\)"),
+    (["--scratch-mb", "0"], r"--scratch-mb must be > 0 \(got 0.0\)"),
+    (["--tp", "1"], "--tp must be >= 2 .*no collective"),
+    (["--tp", "3"], "--hidden-size 64 is not divisible by --tp 3"),
+    (["--tp", "8"], "--num-attention-heads 4 is not divisible by --tp 8"),
+    (["--channels", "8"], "--channels sizes the channels stand-in, which --kinds sleep,copy does not run"),
+    (["--kinds", "channels", "--channels", "0"], r"--channels must be >= 1 \(got 0\)"),
+    (["--out", "/proc/x/o.json"], "--out /proc/x/o.json: /proc is not a writable directory"),
+    (["--out", "/"], "--out / is a directory; give a file name"),
+    (["--trace", "/proc/x"], "--trace /proc/x: /proc is not a writable directory"),
+    (["--", "--train-iters", "6"], "--train-iters has no effect here"),
+    (["--", "--log-json=x.json"], "--log-json has no effect here"),
+    (["--", "--save", "ck"], "--save has no effect here"),
+])
+def test_bad_flags_are_refused_before_the_model_is_built(flags, message):
+    """Each bad benchmark flag is one ``ConfigError`` naming it, from the checks ``main`` runs
+    right after parsing (no model is built here); the trainer's sizes are checked at --tp."""
+    from megatron_oases.bench_standin.measure import build_parser, validate_args
+    from megatron_oases.errors import ConfigError
+
+    a, rest = build_parser().parse_known_args(flags + MODEL)
+    with pytest.raises(ConfigError, match=message):
+        validate_args(a, rest)
+
+
+def test_good_flags_pass_validation(tmp_path):
+    from megatron_oases.bench_standin.measure import build_parser, validate_args
+
+    a, rest = build_parser().parse_known_args(
+        ["--tp", "4", "--kinds", "channels,sleep", "--channels", "8", "--schedules", "oases", "--steps", "1",
+         "--warmup", "0", "--link-gbps", "10", "--latency-us", "0", "--scratch-mb", "1",
+         "--trace", str(tmp_path / "traces"), "--out", str(tmp_path / "new" / "o.json")] + MODEL)
+    validate_args(a, rest)
+
+
+def test_script_refuses_bad_flags_in_one_line_with_status_2():
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_overlap.py"), "--tp", "2",
+           "--schedules", "foo", "--", *MODEL]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("bench_gpu_overlap.py: error: --schedules: 'foo' is not one of default, oases; "
+                           "give a comma-separated list of them (e.g. --schedules default,oases)\n")

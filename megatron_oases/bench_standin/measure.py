@@ -28,12 +28,15 @@ import os
 import statistics
 import sys
 
+from megatron_oases.errors import ConfigError
+from megatron_oases.train_args import OneLineErrorParser
+
 NOTE = ("loss values are meaningless: one process is rank 0 of a fake TP world, its collectives "
         "move no data")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="bench_gpu_overlap.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
         epilog="Every other flag goes to the reference trainer (megatron-oases train --help): "
                "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, "
@@ -60,8 +63,83 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome trace of one step per schedule and kind here, and report the "
                         "compute stream's idle time in it")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (its folder is made when missing)")
     return p
+
+
+# (flag, attribute, lowest allowed, lowest inclusive?): the benchmark's numeric flags
+_RANGES = (
+    ("--tp", "tp", 2, True),  # TP 1 has no collective to stand in for
+    ("--channels", "channels", 1, True),
+    ("--steps", "steps", 1, True),
+    ("--warmup", "warmup", 0, True),
+    ("--link-gbps", "link_gbps", 0, False),
+    ("--latency-us", "latency_us", 0, True),
+    ("--scratch-mb", "scratch_mb", 0, False),
+)
+
+
+def _names(flag: str, value: str, allowed) -> list[str]:
+    """The comma-separated names of ``flag``: at least one, each of ``allowed``, none twice."""
+    names = value.split(",")
+    for n in names:
+        if n not in allowed:
+            raise ConfigError(f"{flag}: {n!r} is not one of {', '.join(allowed)}; give a "
+                              f"comma-separated list of them (e.g. {flag} {','.join(allowed)})")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{flag} {value} names one twice; give each once")
+    return names
+
+
+def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
+    """Every benchmark flag and the trainer's flags at each schedule, before any model is built
+    (``ConfigError``, one line naming the flag)."""
+    from megatron_oases.bench_standin.standins import KINDS
+    from megatron_oases.output_paths import check_output_root
+    from megatron_oases.train_args import SCHEDULES, cuda_wanted, validate_config
+
+    from megatron_oases.run_config import options_present
+
+    values = options_present(a, [name for _, name, _, _ in _RANGES])
+    for flag, name, low, inclusive in _RANGES:
+        value = values.get(name)
+        if value is not None and not (value >= low if inclusive else value > low):
+            raise ConfigError(f"{flag} must be {'>=' if inclusive else '>'} {low} (got {value})"
+                              + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
+    kinds = _names("--kinds", a.kinds, KINDS)
+    if a.channels is not None and "channels" not in kinds:
+        raise ConfigError(f"--channels sizes the channels stand-in, which --kinds {a.kinds} does not "
+                          f"run; add channels to --kinds or drop --channels")
+    check_output_root("--trace", a.trace)
+    if a.out is not None:  # a file in a folder made when missing, as --trace's is
+        if os.path.isdir(a.out):
+            raise ConfigError(f"--out {a.out} is a directory; give a file name")
+        check_output_root("--out", a.out)
+    ignored = _loop_flags_given(rest)
+    if ignored:
+        raise ConfigError(f"{ignored[0]} has no effect here: the benchmark times {a.warmup} + {a.steps} steps "
+                          f"of the model and runs none of the trainer's loop (iterations, evaluation, "
+                          f"logging, checkpoints, exits); drop it")
+    for schedule in _names("--schedules", a.schedules, SCHEDULES):
+        cfg = trainer_config(rest, a.tp, schedule)
+        try:  # rank 0 of a fake world of --tp ranks: the world the benchmark builds
+            validate_config(cfg, a.tp, cuda_wanted(cfg))
+        except ConfigError as e:  # the benchmark passes --tensor-model-parallel-size from --tp
+            raise ConfigError(str(e).replace("--tensor-model-parallel-size", "--tp")) from None
+
+
+LOOP_GROUPS = ("validation", "logging", "checkpointing", "preemption")
+"""The trainer's argument groups (first word of the title) of its loop, which the benchmark does
+not run; with ``--train-iters`` they are refused after ``--``."""
+
+
+def _loop_flags_given(rest: list[str]) -> list[str]:
+    """The trainer flags in ``rest`` that belong to its loop (``LOOP_GROUPS``, ``--train-iters``)."""
+    from megatron_oases.train_args import build_parser as trainer_parser
+
+    loop = {"--train-iters"} | {o for g in trainer_parser()._action_groups if g.title.split(" ")[0] in LOOP_GROUPS
+                                for act in g._group_actions for o in act.option_strings}
+    return [tok.split("=", 1)[0] for tok in rest if tok.split("=", 1)[0] in loop]
 
 
 def trainer_config(rest: list[str], tp: int, schedule: str):
@@ -276,9 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_oases.parallel.collectives import watch_torch_distributed
 
     watch_torch_distributed()
-    a, rest = build_parser().parse_known_args(argv)
-    if a.tp < 2:
-        raise SystemExit("bench_gpu_overlap.py: --tp must be >= 2 (TP 1 has no collective)")
+    parser = build_parser()
+    a, rest = parser.parse_known_args(argv)
+    try:
+        validate_args(a, rest)
+    except ConfigError as e:
+        parser.error(str(e))
     from megatron_oases.bench_standin.fake_world import init_fake_world
     from megatron_oases.runtime.quiet import quiet_known_warnings
 
