@@ -9,3 +9,20 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the flag and the fix."""
+
+
+def comma_names(flag: str, text: str, allowed, *, aliases: dict[str, str] | None = None,
+                error: type[Exception] = ConfigError) -> tuple[str, ...]:
+    """The comma-separated names ``text`` of ``flag`` (``--kinds``, ``--backends``, ...): each one
+    of ``allowed`` (or an alias of one, replaced by it), none twice; else ``error``, one line
+    naming the flag and the names it takes."""
+    aliases = aliases or {}
+    names = tuple(aliases.get(n.strip(), n.strip()) for n in text.split(","))
+    also = "".join(f"; {k} = {v}" for k, v in aliases.items())
+    for n in names:
+        if n not in allowed:
+            raise error(f"{flag}: {n!r} is not one of {', '.join(allowed)}{also}; give a comma-separated "
+                        f"list of them (e.g. {flag} {','.join(allowed)})")
+    if len(set(names)) != len(names):
+        raise error(f"{flag} {text} names one twice; give each once")
+    return names

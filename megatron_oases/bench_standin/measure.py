@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 
-from megatron_oases.errors import ConfigError
+from megatron_oases.errors import ConfigError, comma_names
 from megatron_oases.train_args import OneLineErrorParser
 
 NOTE = ("loss values are meaningless: one process is rank 0 of a fake TP world, its collectives "
@@ -79,18 +79,6 @@ _RANGES = (
 )
 
 
-def _names(flag: str, value: str, allowed) -> list[str]:
-    """The comma-separated names of ``flag``: at least one, each of ``allowed``, none twice."""
-    names = value.split(",")
-    for n in names:
-        if n not in allowed:
-            raise ConfigError(f"{flag}: {n!r} is not one of {', '.join(allowed)}; give a "
-                              f"comma-separated list of them (e.g. {flag} {','.join(allowed)})")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{flag} {value} names one twice; give each once")
-    return names
-
-
 def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     """Every benchmark flag and the trainer's flags at each schedule, before any model is built
     (``ConfigError``, one line naming the flag)."""
@@ -106,7 +94,7 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
         if value is not None and not (value >= low if inclusive else value > low):
             raise ConfigError(f"{flag} must be {'>=' if inclusive else '>'} {low} (got {value})"
                               + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
-    kinds = _names("--kinds", a.kinds, KINDS)
+    kinds = comma_names("--kinds", a.kinds, KINDS)
     if a.channels is not None and "channels" not in kinds:
         raise ConfigError(f"--channels sizes the channels stand-in, which --kinds {a.kinds} does not "
                           f"run; add channels to --kinds or drop --channels")
@@ -120,7 +108,7 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
         raise ConfigError(f"{ignored[0]} has no effect here: the benchmark times {a.warmup} + {a.steps} steps "
                           f"of the model and runs none of the trainer's loop (iterations, evaluation, "
                           f"logging, checkpoints, exits); drop it")
-    for schedule in _names("--schedules", a.schedules, SCHEDULES):
+    for schedule in comma_names("--schedules", a.schedules, SCHEDULES):
         cfg = trainer_config(rest, a.tp, schedule)
         try:  # rank 0 of a fake world of --tp ranks: the world the benchmark builds
             validate_config(cfg, a.tp, cuda_wanted(cfg))

@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ...errors import ConfigError
+from ...errors import ConfigError, comma_names
 from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
@@ -39,17 +39,6 @@ def _ints(text: str, flag: str) -> list[int]:
         raise SimError(f"{flag} must be a comma-separated list of integers (got {text!r})") from None
     if not vals or min(vals) < 1:
         raise SimError(f"{flag} must list positive integers (got {text!r})")
-    return vals
-
-
-def _names(text: str, flag: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None) -> tuple[str, ...]:
-    """A search axis's comma-separated list (``--backends``, ``--overlaps``, ``--recompute-options``):
-    every value one of ``allowed`` (or an alias of one), else one line naming the flag."""
-    aliases = aliases or {}
-    vals = tuple(aliases.get(v.strip(), v.strip()) for v in text.split(","))
-    if not set(vals) <= set(allowed):
-        also = "".join(f"{k} = {v}; " for k, v in aliases.items())
-        raise SimError(f"{flag} takes a comma-separated list of {','.join(allowed)} ({also}got {text!r})")
     return vals
 
 
@@ -322,12 +311,12 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
         raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
     from ..core.search import RECOMPUTE_MODES
 
-    rc = _names(a.recompute_options, "--recompute-options", RECOMPUTE_MODES, aliases={"on": "full"})
+    rc = comma_names("--recompute-options", a.recompute_options, RECOMPUTE_MODES, aliases={"on": "full"}, error=SimError)
     return SearchSpace(gpus=gpus, global_batch=a.global_batch_size,
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
-                       backends=_names(a.backends, "--backends", BACKENDS),
-                       overlaps=_names(a.overlaps, "--overlaps", OVERLAPS), recompute=rc,
+                       backends=comma_names("--backends", a.backends, tuple(BACKENDS), error=SimError),
+                       overlaps=comma_names("--overlaps", a.overlaps, OVERLAPS, error=SimError), recompute=rc,
                        virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
                        distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
