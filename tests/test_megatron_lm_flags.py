@@ -174,6 +174,18 @@ def test_only_rank_0_prints(monkeypatch, capsys):
     assert exc.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_argparse_errors_are_one_line_on_rank_0(monkeypatch, capsys, rank):
+    """An unknown flag (argparse's own error) is one line on rank 0 and nothing elsewhere, as our
+    refusals are: it printed the usage block and the error once per rank."""
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exc:
+        parse(["--no-such-flag"], monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err == ("pretrain_gpt.py: error: unrecognized arguments: --no-such-flag\n" if rank == "0" else "")
+
+
 def test_stock_runs_are_left_to_megatron(monkeypatch):
     # World 3 with TP 2 is Megatron-LM's to refuse (its own message); we add nothing to stock.
     ns = parse(["--tensor-model-parallel-size", "2"], world=3, monkeypatch=monkeypatch)

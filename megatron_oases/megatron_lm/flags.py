@@ -89,8 +89,9 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
     """Make ``parser.parse_args()`` / ``parse_known_args()`` also run ``validate_megatron_args``.
 
     argparse has no post-parse hook, so the parser's class becomes a subclass of its own whose
-    ``parse_known_args`` (which ``parse_args`` calls) validates. A ConfigError prints one line on
-    rank 0 and exits with status 2 on every rank, before any process group exists.
+    ``parse_known_args`` (which ``parse_args`` calls) validates. A ConfigError, and argparse's own
+    errors (an unknown flag, a bad value), print one line on rank 0 and exit with status 2 on
+    every rank, before any process group exists.
     """
     base = type(parser)
     if getattr(base, "_oases_validating", False):
@@ -106,10 +107,13 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
                                              stock_model=stock_model)
                 keep_on_megatron_args(ns, cfg)
             except ConfigError as exc:
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
-                sys.exit(2)
+                self.error(str(exc))
             return ns, extras
+
+        def error(self, message):  # argparse's own errors too (an unknown flag): once, not per rank
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     _Validating.__name__ = _Validating.__qualname__ = f"OasesValidating{base.__name__}"
     parser.__class__ = _Validating
