@@ -26,3 +26,13 @@ def comma_names(flag: str, text: str, allowed, *, aliases: dict[str, str] | None
     if len(set(names)) != len(names):
         raise error(f"{flag} {text} names one twice; give each once")
     return names
+
+
+def range_refusal(flag: str, value, low, *, inclusive: bool = True, high=None) -> str:
+    """Empty when ``value`` of ``flag`` is within range (``>= low``, or ``> low`` when not
+    ``inclusive``; below ``high`` when given); else the one line that refuses it, in the one
+    wording every parser uses (the trainer, the simulator and profiler, the benchmarks)."""
+    if (value >= low if inclusive else value > low) and (high is None or value < high):
+        return ""
+    where = f"[{low}, {high})" if high is not None else f">= {low}" if inclusive else f"> {low}"
+    return f"{flag} must be {where} (got {value})"

@@ -24,12 +24,19 @@ def can_create_in(directory: str) -> bool:
 
 
 def check_output_file(flag: str, path: str | None) -> None:
-    """``flag``'s file ``path`` can be written: its folder exists and takes new files, and the path
-    is not a directory. One line naming the flag otherwise."""
+    """``flag``'s file ``path`` can be written: an existing file opens for writing (``/dev/null``
+    too), a new one's folder exists and takes new files; the path is not a directory. One line
+    naming the flag otherwise."""
     if path is None or path == "-":
         return
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if os.path.exists(path):  # an existing file (or /dev/null, /dev/stdout): open it as the run will
+        try:
+            open(path, "a", encoding="utf-8").close()
+        except OSError as e:
+            raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}); pick another path") from None
+        return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path}: directory {folder} does not exist; create it or pick another path")

@@ -13,7 +13,8 @@ import os
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend
-from megatron_oases.errors import ConfigError
+from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
+from megatron_oases.errors import ConfigError, range_refusal
 from megatron_oases.output_paths import check_output_file
 from megatron_oases.parallel.dims import ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, gqa_groups,
@@ -225,12 +226,9 @@ def _check_ranges(cfg: RunConfig) -> None:
     """Each numeric flag within its range (the table above), one line naming the flag."""
     values = cfg.as_dict()
     for flag, name, low, inclusive, high in _RANGES:
-        value = values[name]
-        ok = (value >= low if inclusive else value > low) and (high is None or value < high)
-        if not ok:
-            where = (f"[{low}, {high})" if high is not None
-                     else f">= {low}" if inclusive else f"> {low}")
-            raise ConfigError(f"{flag} must be {where} (got {value})")
+        refusal = range_refusal(flag, values[name], low, inclusive=inclusive, high=high)
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def query_groups(cfg: RunConfig) -> int:
@@ -381,11 +379,8 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
         raise ConfigError(f"--use-distributed-optimizer needs --optimizer adam (Megatron's "
                           f"distributed optimizer does not support {cfg.optimizer})")
     cfg = validate_backend_config(cfg, dims)
-    if cfg.sequence_parallel and dims.tp == 1:
-        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if cfg.sequence_parallel and cfg.seq_length % dims.tp:
-        raise ConfigError(f"--sequence-parallel splits --seq-length {cfg.seq_length} over "
-                          f"--tensor-model-parallel-size {dims.tp}; it must be a multiple")
+    if cfg.sequence_parallel and sequence_parallel_refusal(dims.tp, cfg.seq_length):
+        raise ConfigError(sequence_parallel_refusal(dims.tp, cfg.seq_length))
     if cfg.recompute_granularity == "full":
         if cfg.recompute_method is None:
             raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")

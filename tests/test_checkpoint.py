@@ -324,9 +324,15 @@ def test_other_model_is_refused(good_ckpt, extra, names, capsys):
 def test_a_load_with_nothing_left_to_train_is_refused(good_ckpt, capsys):
     """A checkpoint at iteration 3 with --train-iters 3: nothing would train (it exited 0 having
     done nothing); the same with --save naming the directory is a finished requeued job."""
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
+
     ckpt, argv = good_ckpt
     err = _main_error(argv + ["--nproc-per-node", "4", "--load", ckpt, "--train-iters", "3"], capsys)
     assert "--train-iters 3: the checkpoint" in err and "is at iteration 3, so nothing would train" in err
+    # a SLURM requeue of a finished job (--save naming the --load directory) still starts
+    validate_config(run_config(build_parser().parse_args(
+        argv + ["--load", ckpt, "--save", ckpt, "--train-iters", "3"])), 4, False)
 
 
 @pytest.mark.parametrize("argv, names", [

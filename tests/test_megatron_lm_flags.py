@@ -261,6 +261,11 @@ def test_missing_model_sizes(monkeypatch, capsys):
     assert "--num-layers is required" in capsys.readouterr().err
 
 
+def test_object_store_checkpoints_are_left_to_megatron(monkeypatch):
+    parse(["--save", "msc://bucket/ckpt", "--save-interval", "2", "--load", "msc://bucket/other",
+           "--ckpt-step", "3"], monkeypatch=monkeypatch)
+
+
 def test_a_load_naming_the_save_directory_may_not_exist_yet(monkeypatch, tmp_path):
     """Megatron-LM's resume-when-present: ``--save D --load D`` with nothing in D yet trains."""
     ckpt = str(tmp_path / "ckpt")

@@ -23,6 +23,7 @@ def test_probe_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.parametrize("path, needle", [
     (f"{READ_ONLY}/out.json", "/proc is not a writable directory"),
+    (f"{READ_ONLY}/version", "/proc/version cannot be written"),
     ("/nonexistent-dir/out.json", "directory /nonexistent-dir does not exist"),
     ("{tmp}", "is a directory; give a file name"),
 ])
@@ -35,6 +36,10 @@ def test_output_file_refusals_name_the_flag(path, needle, tmp_path):
 def test_output_file_and_root_accept_writable_places(tmp_path):
     check_output_file("--out", str(tmp_path / "out.json"))
     check_output_file("--out", "-")
+    check_output_file("--log-json", "/dev/null")  # a file that exists: no directory made beside it
+    (tmp_path / "old.json").write_text("{}")
+    check_output_file("--out", str(tmp_path / "old.json"))
+    os.remove(tmp_path / "old.json")
     check_output_root("--save", str(tmp_path / "a" / "b"))  # made by the run
     assert os.listdir(tmp_path) == []
     with pytest.raises(ConfigError, match="--save /proc/ckpt: /proc is not a writable directory"):

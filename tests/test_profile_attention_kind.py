@@ -119,8 +119,10 @@ def test_profiler_builds_the_run_s_sdpa_kernels(monkeypatch, backend):
     monkeypatch.setattr(ca, "backend_kernel_context", lambda b, d: seen.append(b) or real(b, d))
     dims = {"b": 2, "s": 16, "h": 32, "a": 4, "f": 128, "t": 2, "d1": 2, "d2": 1, "v": 128, "dtype": "fp32",
             **{k: v for k, v in layer[0].dims if k in ("attn", "sdpa")}}
+    dims_3d = {**dims, "t": 8, "d1": 8}  # the cube's core (p = 2)
     compute_workload("atp.core", dims, torch.device("cpu"))()
-    assert seen == [backend]
+    compute_workload("3d.core", dims_3d, torch.device("cpu"))()
+    assert seen == [backend, backend]
 
 
 def test_synthetic_cores_follow_the_kind(monkeypatch):

@@ -260,7 +260,7 @@ def test_profile_repeats_must_be_positive_and_profiles_combine_by_median(tmp_pat
              "--global-batch-size", "4", "--device", "cpu"]
     out = tmp_path / "p.json"
     assert profile_main(["--out", str(out), "--emulate", "--repeats", "0", "--topology", "local", "--", *train]) == 2
-    assert "--repeats must be at least 1" in capsys.readouterr().err and not out.exists()
+    assert "--repeats must be >= 1" in capsys.readouterr().err and not out.exists()
     a = ProfileDB(device="cpu", events_ms={"x": 1.0, "y": 5.0}, contention={"x": {2: 1.0, 4: 2.0}}, overlapped={"x": 3.0})
     b = ProfileDB(device="cpu", events_ms={"x": 9.0, "y": 6.0}, contention={"x": {2: 3.0, 4: 2.0}}, overlapped={"x": 1.0})
     c = ProfileDB(device="cpu", events_ms={"x": 2.0, "y": 7.0}, contention={"x": {2: 2.0, 4: 8.0}})

@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 
-from megatron_oases.errors import ConfigError, comma_names
+from megatron_oases.errors import ConfigError, comma_names, range_refusal
 from megatron_oases.train_args import OneLineErrorParser
 
 NOTE = ("loss values are meaningless: one process is rank 0 of a fake TP world, its collectives "
@@ -91,8 +91,8 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     values = options_present(a, [name for _, name, _, _ in _RANGES])
     for flag, name, low, inclusive in _RANGES:
         value = values.get(name)
-        if value is not None and not (value >= low if inclusive else value > low):
-            raise ConfigError(f"{flag} must be {'>=' if inclusive else '>'} {low} (got {value})"
+        if value is not None and range_refusal(flag, value, low, inclusive=inclusive):
+            raise ConfigError(range_refusal(flag, value, low, inclusive=inclusive)
                               + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
     kinds = comma_names("--kinds", a.kinds, KINDS)
     if a.channels is not None and "channels" not in kinds:

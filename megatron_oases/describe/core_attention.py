@@ -89,6 +89,17 @@ def attention_kernels_of(*, attention_backend: str | None, core_attention: str) 
     return "auto"
 
 
+def attention_kernels_refusal(core_attention: str, kernels: str) -> str:
+    """Empty when ``kernels`` (``SDPA_CHOICES``) can name the kernels of ``core_attention``
+    (``CORE_ATTENTIONS``): any choice for a fused kind, ``auto`` for the others; else one line."""
+    if core_attention not in CORE_ATTENTIONS:
+        return f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {core_attention!r})"
+    if kernels not in SDPA_CHOICES or (kernels != "auto" and core_attention != "fused"):
+        return (f"attention kernels must be one of {', '.join(SDPA_CHOICES)}, and auto unless the core "
+                f"attention is fused (got {kernels!r} for {core_attention!r})")
+    return ""
+
+
 def attention_backend_of(core_attention: str, kernels: str = "auto") -> str:
     """The ``--attention-backend`` value our builds run ``core_attention`` with ``kernels`` by: the
     inverse of ``core_attention_of`` and ``attention_kernels_of`` (plan files write it)."""

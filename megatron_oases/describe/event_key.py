@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Union
 
 from .backends import backend as record
-from .core_attention import CORE_ATTENTIONS, SDPA_CHOICES
+from .core_attention import attention_kernels_refusal
 from .ops import GPT2, LayerVariant
 
 
@@ -16,11 +16,8 @@ def attention_tag(core_attention: str, kernels: str = "auto") -> tuple[str, tupl
     never share a key (a profile measured with one must not price a run with the other). Megatron's
     local attention keeps no tag, and torch's choice no kernel tag: profiles taken before the kind
     (or the kernels) were named were timings of those, and their keys keep meaning that."""
-    if core_attention not in CORE_ATTENTIONS:
-        raise ValueError(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {core_attention!r})")
-    if kernels not in SDPA_CHOICES or (kernels != "auto" and core_attention != "fused"):
-        raise ValueError(f"SDPA kernels {kernels!r} name a fused core attention's choice "
-                         f"({', '.join(SDPA_CHOICES)}; auto for {core_attention!r})")
+    if attention_kernels_refusal(core_attention, kernels):
+        raise ValueError(attention_kernels_refusal(core_attention, kernels))
     if core_attention == "local":
         return "", ()
     if kernels != "auto":

@@ -136,6 +136,17 @@ def sp_collectives(block: str, *, act: int, t: int, regather: bool) -> dict[str,
             "enter.bwd": (op("ag.bwd", "reduce_scatter"),)}
 
 
+def sequence_parallel_refusal(tp: int, seq_length: int) -> str:
+    """Empty when ``--sequence-parallel`` can split ``seq_length`` tokens over TP ``tp``; else the
+    one line that refuses it, in the trainer's words (the trainer and the simulator both say it)."""
+    if tp == 1:
+        return "--sequence-parallel needs --tensor-model-parallel-size > 1"
+    if seq_length % tp:
+        return (f"--sequence-parallel splits --seq-length {seq_length} over --tensor-model-parallel-size "
+                f"{tp}; it must be a multiple")
+    return ""
+
+
 def sp_layer(blocks: tuple[Compute, Compute], *, act: int, t: int, regather: bool,
              attention_backward: tuple[Compute, ...] | None = None) -> LayerDescription:
     """The layer under sequence parallelism: per block, forward AG, compute, RS; backward the RS's

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from .core_attention import CORE_ATTENTIONS, SDPA_CHOICES, scores_on_chip
+from .core_attention import attention_kernels_refusal, scores_on_chip
 from .ops import GPT2, LayerVariant, ModelingError
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -102,12 +102,8 @@ class GPTShape:
         for name in ("hidden_dropout", "attention_dropout"):
             if not _fraction(getattr(self, name)):
                 raise self.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(self, name)!r})")
-        if self.core_attention not in CORE_ATTENTIONS:
-            raise self.error(f"core attention must be one of {', '.join(CORE_ATTENTIONS)} (got {self.core_attention!r})")
-        if self.attention_kernels not in SDPA_CHOICES or (self.attention_kernels != "auto"
-                                                          and self.core_attention != "fused"):
-            raise self.error(f"attention kernels must be one of {', '.join(SDPA_CHOICES)}, and auto unless the "
-                             f"core attention is fused (got {self.attention_kernels!r} for {self.core_attention!r})")
+        if attention_kernels_refusal(self.core_attention, self.attention_kernels):
+            raise self.error(attention_kernels_refusal(self.core_attention, self.attention_kernels))
         if self.grad_reduce_bytes not in (2, 4):
             raise self.error(f"gradient reduction bytes must be 2 or 4 (got {self.grad_reduce_bytes!r})")
         if not isinstance(self.variant, LayerVariant):

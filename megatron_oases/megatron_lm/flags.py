@@ -254,18 +254,20 @@ def check_checkpoint_paths(cfg: RunConfig) -> None:
     group: Megatron-LM would assert without a message (``--save`` without ``--save-interval``),
     fail at the first save (an unwritable ``--save``) or after start-up (a missing
     ``--ckpt-step``), or train from scratch on a mistyped ``--load``. A ``--load`` naming the
-    ``--save`` directory keeps Megatron-LM's resume-when-present."""
+    ``--save`` directory keeps Megatron-LM's resume-when-present; object-store paths
+    (``msc://...``) are left to Megatron."""
     import os
 
     from megatron_oases.checkpoint import auto_resume, missing_step
     from megatron_oases.output_paths import check_output_root
 
     if cfg.save is not None:
-        check_output_root("--save", cfg.save)
+        if "://" not in cfg.save:  # an object store (msc://) is Megatron's to reach
+            check_output_root("--save", cfg.save)
         if cfg.save_interval is None or cfg.save_interval < 1:
             raise ConfigError(f"--save needs --save-interval N >= 1 (got {cfg.save_interval}): "
                               f"Megatron-LM saves every N iterations and at the end")
-    if cfg.load is None:
+    if cfg.load is None or "://" in cfg.load:
         return
     if not os.path.isdir(cfg.load):
         if auto_resume(cfg):

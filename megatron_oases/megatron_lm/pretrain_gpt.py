@@ -83,18 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         return _error(stock.refusal(args))
     import torch
 
+    from megatron_oases.run_config import run_config
+
+    cfg = run_config(args)
     if not torch.cuda.is_available():
-        from megatron_oases.run_config import run_config
         from megatron_oases.runtime.cpu_training_compat import (
             cpu_training_refusal,
             install_cpu_training_compat,
         )
 
-        problem = cpu_training_refusal(run_config(args).megatron_lm)
+        problem = cpu_training_refusal(cfg.megatron_lm)
         if problem:
             return _error(problem)
         install_cpu_training_compat()
-    if args.use_distributed_optimizer and args.load is not None:
+    if cfg.use_distributed_optimizer and cfg.load is not None:
         import megatron.training.training as training
 
         from megatron_oases.runtime.dist_ckpt import with_torch_adam_state

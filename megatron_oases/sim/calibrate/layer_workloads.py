@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...describe.core_attention import CORE_ATTENTIONS, SDPA_CHOICES, attention_backend_of
+from ...describe.core_attention import attention_backend_of, attention_kernels_refusal
 from ...describe.split import SUB_BATCHES
 from ...pricing.device_model import SimError
 
@@ -58,9 +58,8 @@ def core_attention_backend(d: dict) -> str:
     one, its kernels (``dims['sdpa']``; absent: ``auto``, torch's choice, which also stands for
     Transformer Engine's and flash-attn's kernels)."""
     kind, kernels = str(d.get("attn", "local")), str(d.get("sdpa", "auto"))
-    if kind not in CORE_ATTENTIONS or kernels not in SDPA_CHOICES:
-        raise SimError(f"event dims name core attention {kind!r} with kernels {kernels!r}; known: "
-                       f"{', '.join(CORE_ATTENTIONS)} and {', '.join(SDPA_CHOICES)}")
+    if attention_kernels_refusal(kind, kernels):
+        raise SimError(f"event dims: {attention_kernels_refusal(kind, kernels)}")
     return attention_backend_of(kind, kernels)
 
 

@@ -164,7 +164,7 @@ def _cube_forward(name: str, d: dict, mk: _Maker) -> Forward:
     if name == "3d.core":
         qkv = mk.t(s, b // (p * p), 3 * h // p)
         mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
-        return lambda: _attention_core(qkv, s, b // (p * p), a // p, h // a, mask, str(d.get("attn", "local")))
+        return lambda: _attention_core(qkv, s, b // (p * p), a // p, h // a, mask, core_attention_backend(d))
     n_in, n_out = {"3d.qkv": (h, variant.qkv_rows(h, a)), "3d.proj": (h, h), "3d.fc1": (h, variant.fc1_rows(f)),
                    "3d.fc2": (f, h)}.get(name, (0, 0))
     if not n_in:

@@ -11,6 +11,7 @@ import dataclasses
 
 from ...describe.atp_meshes import atp_mesh_refusal
 from ...describe.backends import backend as record
+from ...describe.megatron_1d import sequence_parallel_refusal
 from ...describe.registry import BACKENDS
 from ...describe.shapes import GPTShape
 from ...describe.split import split_refusal, sub_batches_at
@@ -104,8 +105,8 @@ class Strategy:
             self._check_selective()
         if self.block_degrees is not None:
             self._check_plan()
-        if self.sequence_parallel and self.tp == 1:  # the trainer's check (train_args.py), in its words
-            raise SimError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.sequence_parallel and self.tp == 1:  # the trainer's check, in its words
+            raise SimError(sequence_parallel_refusal(self.tp, 1))
         if self.sequence_parallel and (not record(self.backend).sequence_parallel or self.block_degrees is not None):
             raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
         if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
@@ -214,9 +215,8 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
         raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
                        f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
-    if s.sequence_parallel and m.seq_length % s.tp:  # the trainer's check (train_args.py), in its words
-        raise SimError(f"--sequence-parallel splits --seq-length {m.seq_length} over --tensor-model-parallel-size "
-                       f"{s.tp}; it must be a multiple")
+    if s.sequence_parallel and sequence_parallel_refusal(s.tp, m.seq_length):  # the trainer's check
+        raise SimError(sequence_parallel_refusal(s.tp, m.seq_length))
     # the backend's own split (the trainer's and the planner's rule, in their words); under a plan
     # the key/value groups divide by each attention block's degree instead (plan.graph)
     groups = None if s.block_degrees is not None else m.variant.query_groups or m.num_attention_heads

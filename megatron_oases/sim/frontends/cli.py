@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ...errors import ConfigError, comma_names
+from ...errors import ConfigError, comma_names, range_refusal
 from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
@@ -155,16 +155,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlaps", default="none,oases")
     g.add_argument("--recompute-options", default="off,full",
                    help="recompute modes to try: off, full (or on), selective (Megatron 1-D, stock schedule)")
-    g.add_argument("--jobs", type=_at_least_one, default=None,
+    g.add_argument("--jobs", type=int, default=None,
                    help="processes that share the simulations (default: the CPU count; 1: in this process)")
-
-
-def _at_least_one(text: str) -> int:
-    """argparse type of ``--jobs``: an integer of at least 1 (refused at parse time)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
-    return value
 
 
 def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
@@ -175,8 +167,8 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
         raise SimError(f"the model needs {', '.join(missing)}")
     for flag, value in (("--vocab-size", a.vocab_size),
                         ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)):
-        if value < 1:
-            raise SimError(f"{flag} must be at least 1 (got {value})")
+        if range_refusal(flag, value, 1):
+            raise SimError(range_refusal(flag, value, 1))
     dtype = "fp32" if a.fp32 else a.dtype
     check_flash_dtype(a.attention_backend, half=dtype != "fp32", half_flags="--dtype bf16 or fp16", error=SimError)
     multiple = a.make_vocab_size_divisible_by * tp
@@ -374,6 +366,7 @@ def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
 
 
 AT_LEAST = {"tp": 1, "pp": 1, "dp": 1, "num_microbatches": 1, "global_batch_size": 1, "gpus": 1, "top": 0,
+            "jobs": 1,
             # profile's own
             "nproc": 1, "warmup": 0, "reps": 1, "threads": 1, "repeats": 1}
 """The smallest value each count flag of ``sim`` and ``profile`` takes (by dest); a flag not given
@@ -391,10 +384,10 @@ def check_numbers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         value = values.get(act.dest)
         if value is None or not act.option_strings:
             continue
-        if act.dest in AT_LEAST and value < AT_LEAST[act.dest]:
-            raise SimError(f"{act.option_strings[0]} must be at least {AT_LEAST[act.dest]} (got {value})")
-        if act.dest in ABOVE_ZERO and not value > 0:
-            raise SimError(f"{act.option_strings[0]} must be above 0 (got {value})")
+        if act.dest in AT_LEAST and range_refusal(act.option_strings[0], value, AT_LEAST[act.dest]):
+            raise SimError(range_refusal(act.option_strings[0], value, AT_LEAST[act.dest]))
+        if act.dest in ABOVE_ZERO and range_refusal(act.option_strings[0], value, 0, inclusive=False):
+            raise SimError(range_refusal(act.option_strings[0], value, 0, inclusive=False))
 
 
 def trainer_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
