@@ -6,9 +6,20 @@ class so one ``except ConfigError`` catches them all, and so ``plan`` need not i
 for it (``tests/test_import_graph.py``)."""
 from __future__ import annotations
 
+import argparse
+
 
 class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the flag and the fix."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``prog: error: ...``, exit 2), without
+    the usage block argparse prints first: a bad choice should not bury its message under 45
+    lines of flags (``--help`` still prints them all). Every CLI of ours parses with it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def comma_names(flag: str, text: str, allowed, *, aliases: dict[str, str] | None = None,

@@ -14,22 +14,13 @@ import os
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
-from megatron_oases.errors import ConfigError, range_refusal
+from megatron_oases.errors import ConfigError, OneLineErrorParser, range_refusal
 from megatron_oases.output_paths import check_output_file
 from megatron_oases.parallel.dims import ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, gqa_groups,
                                        megatron_ffn_hidden_size, mesh_search_shape)
 
 SCHEDULES = ("default", "oases")
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (``prog: error: ...``, exit 2), without
-    the usage block argparse prints first: a bad choice should not bury its message under 45
-    lines of flags (``--help`` still prints them all)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:

@@ -19,9 +19,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from megatron_oases.errors import ConfigError  # noqa: E402
+from megatron_oases.errors import ConfigError, OneLineErrorParser  # noqa: E402
 from megatron_oases.output_paths import check_output_file  # noqa: E402
-from megatron_oases.train_args import OneLineErrorParser  # noqa: E402
 
 PAIRS = (
     # the issue-34 model (TP 1, hidden 4096, sequence 4096, bf16): Oases against stock under the

@@ -48,7 +48,8 @@ from megatron_oases.sim.frontends.cli import build_parser, simulation_inputs  # 
 from megatron_oases.sim.core.events import build_stage_events, unique_events  # noqa: E402
 from megatron_oases.sim.frontends.published import sim_argv  # noqa: E402
 from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
-from megatron_oases.train_args import OneLineErrorParser, cuda_wanted  # noqa: E402
+from megatron_oases.errors import OneLineErrorParser  # noqa: E402
+from megatron_oases.train_args import cuda_wanted  # noqa: E402
 from validate_published import load_rows  # noqa: E402  (the rows, read as the validation reads them)
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}

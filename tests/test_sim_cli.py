@@ -134,7 +134,19 @@ def test_flags_are_not_abbreviated(abbreviation, capsys):
     """As Megatron-LM (allow_abbrev=False): a prefix of a flag is no flag."""
     with pytest.raises(SystemExit) as exc:
         sim_main(["--topology", "2node-ib", *MODEL, *abbreviation])
-    assert exc.value.code == 2 and f"unrecognized arguments: {abbreviation[0]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"unrecognized arguments: {abbreviation[0]}" in err
+    assert err.count("\n") == 1 and err.startswith("megatron-oases sim: error: ")  # no usage block
+
+
+def test_a_megatron_lm_flag_the_simulator_does_not_know_is_one_line(capsys):
+    """A Megatron-LM flag ``sim`` has no model of (here the fused cross-entropy) is one error line,
+    not argparse's usage block first."""
+    with pytest.raises(SystemExit) as exc:
+        sim_main(["--topology", "2node-ib", *MODEL, "--tp", "2", "--cross-entropy-loss-fusion"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err == "megatron-oases sim: error: unrecognized arguments: --cross-entropy-loss-fusion\n"
 
 
 @pytest.mark.parametrize("flags", [["--attention-backend", "flash"], ["--use-flash-attn"],

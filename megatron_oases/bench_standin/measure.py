@@ -28,8 +28,7 @@ import os
 import statistics
 import sys
 
-from megatron_oases.errors import ConfigError, comma_names, range_refusal
-from megatron_oases.train_args import OneLineErrorParser
+from megatron_oases.errors import ConfigError, OneLineErrorParser, comma_names, range_refusal
 
 NOTE = ("loss values are meaningless: one process is rank 0 of a fake TP world, its collectives "
         "move no data")

@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ...errors import ConfigError, comma_names, range_refusal
+from ...errors import ConfigError, OneLineErrorParser, comma_names, range_refusal
 from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
@@ -315,7 +315,7 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
+    p = OneLineErrorParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
                                 allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[1:]))

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from ...errors import ConfigError
+from ...errors import ConfigError, OneLineErrorParser
 from ...output_paths import check_output_file
 from ...topology import TopologyError, load_topology
 from .cli import _largest_tp, _set_flags, _split, add_model_args, add_search_args, add_strategy_args, \
@@ -26,7 +26,7 @@ from ...pricing.device_model import ProfileDB, SimError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
+    p = OneLineErrorParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
                                 allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[1:]))
