@@ -73,9 +73,9 @@ def core_attention_of(*, attention_backend: str | None = None, transformer_impl:
 
 SDPA_CHOICES = ("auto", "flash", "fused")
 """Which kernels a ``fused`` core attention runs on our builds (``layers.core_attention``): torch's
-choice (``auto``; also what Transformer Engine's and flash-attn's kernels are priced from, which
-our machines cannot run), SDPA's flash kernel only (``flash``), its cuDNN / memory-efficient ones
-(``fused``). They keep the same tensors but take different times (docs/gpu.md: 0.58 vs 0.37 ms
+choice (``auto``; also what Transformer Engine's default and ``--use-flash-attn`` are priced from,
+which our machines cannot run), SDPA's flash kernel only (``flash``), its cuDNN / memory-efficient
+ones (``fused``; with Transformer Engine, ``--attention-backend flash|fused`` price from these too). They keep the same tensors but take different times (docs/gpu.md: 0.58 vs 0.37 ms
 forward on an H100), so profile keys name the choice (``describe.event_key.attention_tag``)."""
 
 
