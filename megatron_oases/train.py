@@ -142,11 +142,12 @@ def _forward_step(data_iterator, model):
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-def forward_backward(tr: Trainer, batches: list) -> list:
+def forward_backward(tr: Trainer, batches: list, forward_only: bool = False) -> list:
     """Forward and backward of one global batch's micro-batches through Megatron's schedule, the
     model's gradient buffers zeroed first; no host synchronisation inside. Returns the schedule's
     per-micro-batch loss dicts (last stage). The trainer's step and the one-GPU overlap benchmark
-    (``bench_standin``) both run it."""
+    (``bench_standin``) both run it; the benchmark also times the forward pass alone
+    (``forward_only``: autograd still records, as in the step, but nothing runs backward)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for m in tr.model:
@@ -156,7 +157,7 @@ def forward_backward(tr: Trainer, batches: list) -> list:
         forward_step_func=_forward_step, data_iterator=data,
         model=tr.model if len(tr.model) > 1 else tr.model[0],
         num_microbatches=tr.num_microbatches, seq_length=tr.cfg.seq_length,
-        micro_batch_size=tr.cfg.micro_batch_size, forward_only=False)
+        micro_batch_size=tr.cfg.micro_batch_size, forward_only=forward_only)
 
 
 def train_step(tr: Trainer, iteration: int) -> dict:

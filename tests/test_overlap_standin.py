@@ -51,10 +51,11 @@ def test_stand_ins_follow_the_call_and_return_handles(kind):
     assert torch.equal(x, torch.ones(256))  # a stand-in moves no data of the call
 
 
-def _described(schedule: str) -> list[tuple[str, int]]:
-    """(kind, payload bytes) of one step's TP collectives by the descriptions: the layers' (per
-    sub-batch under Oases) and the head's; Megatron's vocab-parallel cross-entropy issues the
-    described per-token fp32 reductions (``loss.ar``) as three all-reduces of equal size."""
+def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str, int]]:
+    """(kind, payload bytes) of one step's TP collectives in ``passes`` by the descriptions: the
+    layers' (per sub-batch under Oases) and the head's; Megatron's vocab-parallel cross-entropy
+    issues the described per-token fp32 reductions (``loss.ar``) as three all-reduces of equal
+    size."""
     from megatron_oases.describe.head import head_ops
     from megatron_oases.describe.registry import layer_description
     from megatron_oases.schedules.oases.options import OasesOptions
@@ -62,9 +63,9 @@ def _described(schedule: str) -> list[tuple[str, int]]:
     subs = OasesOptions(recompute=False).sub_batches if schedule == "oases" else 1
     layer = layer_description(backend="megatron", mesh=None, micro_batch=B // subs, seq=S, hidden=H,
                               heads=HEADS, ffn=4 * H, tp=TP, bytes_per_element=4, schedule=schedule)
-    out = [(c.kind, c.payload_bytes) for p in ("forward", "backward") for c in layer.collectives(p)] * L * subs
+    out = [(c.kind, c.payload_bytes) for p in passes for c in layer.collectives(p)] * L * subs
     head = head_ops(b=B, s=S, h=H, v=1024, t=TP, e=4, first=True, last=True)
-    for c in (*head.pre_forward, *head.post_forward, *head.pre_backward, *head.post_backward):
+    for c in (c for p in passes for c in (*getattr(head, f"pre_{p}"), *getattr(head, f"post_{p}"))):
         if hasattr(c, "payload_bytes"):
             out += [(c.kind, c.payload_bytes // 3)] * 3 if c.name == "loss.ar" else [(c.kind, c.payload_bytes)]
     return sorted(out)
@@ -96,6 +97,15 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
             n_async = sum(a for *_, a in issued)
             assert n_async == (2 * L + 1 if schedule == "default" else len(issued) - 4)
             assert r[kind]["with_standins"]["ms"] > 0 and r[kind]["standins_only"]["ms"] > 0
+            # the forward pass alone: its stand-ins are the described forward collectives, the
+            # first the step issued; the pass bound is made of the four measured times
+            fwd = r[kind]["forward"]
+            assert sorted((k, b) for k, _, b, _ in issued[:fwd["standins"]]) == _described(schedule, ("forward",))
+            assert fwd["standins_only"]["ms"] > 0 and fwd["with_standins"]["ms"] > 0
+            c, cf = r["compute"]["ms"], r["compute_forward"]["ms"]
+            s, sf = r[kind]["standins_only"]["ms"], fwd["standins_only"]["ms"]
+            assert r[kind]["pass_bound_ms"] == pytest.approx(max(cf, sf) + max(c - cf, s - sf))
+            assert r[kind]["pass_bound_ms"] >= max(c, s) * (1 - 1e-9)
 
 
 def test_trainer_flags_pass_through_unabbreviated():

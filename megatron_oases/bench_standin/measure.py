@@ -8,7 +8,12 @@ reference trainer's (``train.setup`` with the trainer's own flags, ``--schedule 
 
 * compute only: the fake collectives return at once (they cost ~0);
 * with stand-ins, per kind (``sleep``, ``copy``: ``standins``);
-* stand-ins only: the same stand-ins of one step back to back, no compute.
+* stand-ins only: the same stand-ins of one step back to back, no compute;
+* the forward pass alone, each of those ways (``forward_only``), so the step splits into its
+  passes: the pass bound, sum over forward and backward of max(compute, stand-ins), is the
+  shortest step a schedule can reach that overlaps each pass's collectives with that pass's
+  compute only (``pass_bound``): the forward carries half the layers' collectives with about a
+  third of the compute, so at a link matched to the whole step it is communication-bound.
 
 ``--match-compute`` (default) picks the link speed at which one step's stand-ins of the first
 schedule take its compute-only time (the acceptance point of issue 34: Oases within 10% of
@@ -145,13 +150,14 @@ def trainer_config(rest: list[str], tp: int, schedule: str):
     return run_config(trainer_parser("bench_gpu_overlap.py").parse_args(rest + extra))
 
 
-def _step(tr, batches, optimizer_step: bool) -> None:
+def _step(tr, batches, optimizer_step: bool, forward_only: bool = False) -> None:
     """One forward + backward over the step's micro-batches, as the trainer runs it (no host
-    synchronisation inside: no ``.item()``, no loss reduction)."""
+    synchronisation inside: no ``.item()``, no loss reduction); ``forward_only``: its forward
+    pass alone."""
     from megatron_oases.train import forward_backward
 
-    forward_backward(tr, batches)
-    if optimizer_step:
+    forward_backward(tr, batches, forward_only)
+    if optimizer_step and not forward_only:
         tr.optimizer.zero_grad()
         tr.optimizer.step()
 
@@ -171,6 +177,18 @@ def _timed(rt, fn, warmup: int, steps: int, before=None) -> list[float]:
 
 def _summary(times: list[float]) -> dict:
     return {"ms": statistics.median(times), "steps_ms": [round(t, 3) for t in times]}
+
+
+def pass_bound(compute_ms: float, compute_forward_ms: float, standins_ms: float,
+               standins_forward_ms: float) -> float:
+    """The shortest step with each pass's stand-ins overlapped by that pass's compute only:
+    max(compute, stand-ins) of the forward plus that of the rest of the step (backward, with
+    recompute and the optimizer when timed). Megatron's schedules start a micro-batch's backward
+    only after its loss, and its next forward after that backward, so neither stock nor the Oases
+    executor overlaps across that boundary; max(compute, stand-ins) of the whole step is reachable
+    only when both passes are balanced."""
+    return (max(compute_forward_ms, standins_forward_ms)
+            + max(compute_ms - compute_forward_ms, standins_ms - standins_forward_ms))
 
 
 class Bench:
@@ -214,7 +232,11 @@ class Bench:
         def step():
             _step(tr, batches, a.optimizer_step)
 
-        res = {"recompute": _recompute(tr.cfg), "compute": _summary(_timed(rt, step, a.warmup, a.steps))}
+        def forward():
+            _step(tr, batches, a.optimizer_step, forward_only=True)
+
+        res = {"recompute": _recompute(tr.cfg), "compute": _summary(_timed(rt, step, a.warmup, a.steps)),
+               "compute_forward": _summary(_timed(rt, forward, min(a.warmup, 1), a.steps))}
         with CommCounter() as counted:
             step()
         calls = [(r.kind, r.group_size, r.payload_bytes) for r in counted.records if r.group_size > 1]
@@ -227,25 +249,34 @@ class Bench:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
         for kind in self.kinds:
             stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
-            res[kind] = self._with_standins(rt, step, stand, f"{tr.cfg.schedule}-{kind}")
-            bound = max(res["compute"]["ms"], res[kind]["standins_only"]["ms"])
-            res[kind]["vs_max_compute_standin"] = res[kind]["with_standins"]["ms"] / bound
+            r = res[kind] = self._with_standins(rt, step, forward, stand, f"{tr.cfg.schedule}-{kind}")
+            took = r["with_standins"]["ms"]
+            r["vs_max_compute_standin"] = took / max(res["compute"]["ms"], r["standins_only"]["ms"])
+            r["pass_bound_ms"] = pass_bound(res["compute"]["ms"], res["compute_forward"]["ms"],
+                                            r["standins_only"]["ms"], r["forward"]["standins_only"]["ms"])
+            r["vs_pass_bound"] = took / r["pass_bound_ms"]
         res["peak_mem_mb"] = rt.max_memory_allocated() / 2**20
         return res
 
-    def _with_standins(self, rt, step, stand, name: str) -> dict:
-        """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone
-        (and, with ``--trace``, one more step recorded; ``name`` names its file)."""
+    def _with_standins(self, rt, step, forward, stand, name: str) -> dict:
+        """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone;
+        the same for the ``forward`` pass alone (and, with ``--trace``, one more step recorded;
+        ``name`` names its file)."""
         from megatron_oases.parallel.collectives import replace_watched_collectives
 
         a = self.a
         with replace_watched_collectives(stand):
             with_ = _timed(rt, step, a.warmup, a.steps, before=stand.clear)
             issued = list(stand.issued)
+            fwd_with = _timed(rt, forward, min(a.warmup, 1), a.steps, before=stand.clear)
+            fwd_issued = list(stand.issued)
             trace = _traced(rt, step, a.trace, name) if a.trace else None
         alone = _timed(rt, lambda: stand.replay(issued), 1, a.steps)
+        fwd_alone = _timed(rt, lambda: stand.replay(fwd_issued), 1, a.steps)
         out = {"with_standins": _summary(with_), "standins_only": _summary(alone),
                "priced_ms": sum(i.ms for i in issued), "standins_per_step": len(issued),
+               "forward": {"with_standins": _summary(fwd_with), "standins_only": _summary(fwd_alone),
+                           "standins": len(fwd_issued)},
                "issued": [[i.kind, i.group_size, i.payload_bytes, i.async_op] for i in issued]}
         if trace is not None:
             out["trace"] = trace
@@ -314,18 +345,25 @@ def print_report(out: dict) -> None:
     rows = []
     for s, r in out["schedules"].items():
         rows.append({"schedule": s, "stand-in": "none", "recompute": r["recompute"], "step ms": r["compute"]["ms"],
-                     "collectives": r["collectives_per_step"]})
+                     "forward ms": r["compute_forward"]["ms"], "collectives": r["collectives_per_step"]})
         for k in out["kinds"]:
+            rk = r[k]
             rows.append({"schedule": s, "stand-in": k, "recompute": r["recompute"],
-                         "step ms": r[k]["with_standins"]["ms"], "stand-ins only ms": r[k]["standins_only"]["ms"],
-                         "priced ms": r[k]["priced_ms"], "collectives": r[k]["standins_per_step"],
-                         "/ max(compute, stand-ins)": r[k]["vs_max_compute_standin"]})
+                         "step ms": rk["with_standins"]["ms"], "stand-ins only ms": rk["standins_only"]["ms"],
+                         "forward ms": rk["forward"]["with_standins"]["ms"],
+                         "forward stand-ins ms": rk["forward"]["standins_only"]["ms"],
+                         "priced ms": rk["priced_ms"], "collectives": rk["standins_per_step"],
+                         "/ max(compute, stand-ins)": rk["vs_max_compute_standin"],
+                         "pass bound ms": rk["pass_bound_ms"], "/ pass bound": rk["vs_pass_bound"]})
     link = out["link"]
     print(f"device {out['device']}, TP {out['tp']} (rank 0 of a fake world), link {link['GBps']:.4g} GB/s "
           f"+ {link['latency_us']} us ({link['chosen_by']}); median of {out['steps']} steps after "
           f"{out['warmup']} warm-up; {NOTE}")
     print_table(rows, ["schedule", "stand-in", "recompute", "step ms", "stand-ins only ms", "priced ms",
-                       "/ max(compute, stand-ins)", "collectives"])
+                       "/ max(compute, stand-ins)", "forward ms", "forward stand-ins ms", "pass bound ms",
+                       "/ pass bound", "collectives"])
+    print("pass bound: max(compute, stand-ins) of the forward pass plus that of the backward "
+          "(no schedule here overlaps across that boundary)")
     for k, v in out.get("stock_over_oases", {}).items():
         print(f"stock / Oases with {k} stand-ins: {v:.3f}x")
     from megatron_oases.bench_standin.trace_gaps import format_summary
