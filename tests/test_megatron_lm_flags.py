@@ -7,6 +7,7 @@ names, dests and defaults; tests/test_megatron_lm_checkout.py repeats the key ca
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -271,3 +272,68 @@ def test_a_load_naming_the_save_directory_may_not_exist_yet(monkeypatch, tmp_pat
     ckpt = str(tmp_path / "ckpt")
     parse(["--save", ckpt, "--save-interval", "2", "--load", ckpt], monkeypatch=monkeypatch)
     assert not (tmp_path / "ckpt").exists()
+
+
+def _dist_checkpoint(root, keys, tracker="2", iteration=2) -> str:
+    """A torch_dist checkpoint under ``root`` (Megatron-LM's layout: tracker file, ``iter_N``)
+    holding a tensor per key; written in this process, no process group."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    folder = root / ("release" if tracker == "release" else f"iter_{iteration:07d}")
+    save({k: torch.zeros(2) for k in keys}, storage_writer=FileSystemWriter(str(folder)), no_dist=True)
+    (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    return str(root)
+
+
+STACKED_KEYS = ["embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc1.weight",
+                "decoder.final_layernorm.weight"]
+PER_LAYER_KEYS = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+                  "decoder.layers.1.mlp.linear_fc1.weight", "decoder.final_layernorm.weight"]
+
+
+@pytest.mark.parametrize("tracker", ["2", "release"])
+@pytest.mark.parametrize("keys,plan_run,needle", [
+    (STACKED_KEYS, False, None),
+    (PER_LAYER_KEYS, True, None),
+    (STACKED_KEYS, True, "stacks the decoder layers on one key per parameter (a run without --oases-plan"),
+    (PER_LAYER_KEYS, False, "keys the decoder layers per layer (an --oases-plan run saved it)"),
+])
+def test_checkpoint_layer_keys_must_match_the_run(tmp_path, keys, plan_run, needle, tracker):
+    """A plan run keys its layers per layer (Megatron's hetereogenous_dist_checkpoint), any other
+    run stacks them; Megatron-LM cannot load one into the other (a traceback per rank inside
+    dist_checkpointing.load, after start-up)."""
+    from megatron_oases.megatron_lm.ckpt_layout import check_layer_keys
+
+    load = _dist_checkpoint(tmp_path, keys, tracker)
+    if needle is None:
+        check_layer_keys(load, None, plan_run)
+    else:
+        with pytest.raises(ConfigError, match=r"--load .* " + re.escape(needle)):
+            check_layer_keys(load, None, plan_run)
+
+
+def test_checkpoint_layer_keys_of_the_step_loaded_and_other_formats(tmp_path):
+    """``--ckpt-step`` picks the iteration read; a checkpoint without torch_dist's ``.metadata``
+    (the legacy torch format) or with nothing saved yet is left to Megatron."""
+    from megatron_oases.megatron_lm.ckpt_layout import check_layer_keys, layer_keys
+
+    load = _dist_checkpoint(tmp_path, PER_LAYER_KEYS, tracker="4", iteration=4)
+    _dist_checkpoint(tmp_path, STACKED_KEYS, tracker="4", iteration=2)
+    check_layer_keys(load, 4, per_layer_run=True)
+    with pytest.raises(ConfigError, match="iter_0000002 stacks"):
+        check_layer_keys(load, 2, per_layer_run=True)
+    (tmp_path / "iter_0000006" / "mp_rank_00").mkdir(parents=True)  # the torch format
+    assert layer_keys(str(tmp_path / "iter_0000006")) is None
+    check_layer_keys(load, 6, per_layer_run=False)
+    check_layer_keys(str(tmp_path / "empty"), None, per_layer_run=True)
+
+
+def test_stock_run_refuses_a_plan_runs_checkpoint_at_parse_time(monkeypatch, capsys, tmp_path):
+    load = _dist_checkpoint(tmp_path, PER_LAYER_KEYS)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        parse(["--load", load], monkeypatch=monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert "a run without --oases-plan loads stacked layers only" in err, err

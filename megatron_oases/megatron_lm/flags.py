@@ -255,10 +255,12 @@ def check_checkpoint_paths(cfg: RunConfig) -> None:
     fail at the first save (an unwritable ``--save``) or after start-up (a missing
     ``--ckpt-step``), or train from scratch on a mistyped ``--load``. A ``--load`` naming the
     ``--save`` directory keeps Megatron-LM's resume-when-present; object-store paths
-    (``msc://...``) are left to Megatron."""
+    (``msc://...``) are left to Megatron. A checkpoint whose layer keys this run cannot load
+    (``--oases-plan`` against a stock run's, ``ckpt_layout``) is refused too."""
     import os
 
     from megatron_oases.checkpoint import auto_resume, missing_step
+    from megatron_oases.megatron_lm.ckpt_layout import check_layer_keys
     from megatron_oases.output_paths import check_output_root
 
     if cfg.save is not None:
@@ -277,6 +279,7 @@ def check_checkpoint_paths(cfg: RunConfig) -> None:
                           f"only when a checkpoint is there")
     if cfg.ckpt_step is not None and missing_step(cfg.load, cfg.ckpt_step):
         raise ConfigError(missing_step(cfg.load, cfg.ckpt_step))
+    check_layer_keys(cfg.load, cfg.ckpt_step, per_layer_run=cfg.oases_plan is not None)
 
 
 def _check_non_stock(cfg: RunConfig, what: str) -> None:
