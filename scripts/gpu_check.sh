@@ -27,6 +27,9 @@
 #             the trainer flags, default the mfu model; OVERLAP_TP: the TP size, default 2)
 #   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware
 #             queues instead of the 1 Megatron asks for): does one queue serialise the stand-ins?
+#   overlap-rc  the overlap step with full recompute (uniform, 1 layer): the Oases paper's
+#             setting, where Oases' fine-grained recompute issues no collective and Megatron's
+#             repeats the forward's; the link matched to stock's step as in overlap
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -43,7 +46,7 @@
 #   sim-sizes the same at hidden 512, 1024, 2048 (sequence 2048), host-bound to GEMM-bound; before
 #             each profile the SM and memory clocks are read as found, then after SETTLE_S
 #             (default 5) seconds of GEMMs, under load (scripts/gpu_settle.py; summary.txt)
-# STEPS picks steps (default: "env attn mfu overlap overlap-conn sim sim-sizes compare"; the others are
+# STEPS picks steps (default: "env attn mfu overlap overlap-conn overlap-rc sim sim-sizes compare"; the others are
 # "fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
 # schedules, SIM_HIDDEN the sim-sizes list.
@@ -67,7 +70,7 @@ if [ "${WHEELS:-$([ "$DEVICE" = cpu ] && echo 0 || echo 1)}" = 1 ] && ls .whl/*.
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-want() { [[ " ${STEPS:-env attn mfu overlap overlap-conn sim sim-sizes compare} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-env attn mfu overlap overlap-conn overlap-rc sim sim-sizes compare} " == *" $1 "* ]]; }
 # compare runs last: the steps before it leave it COMPARE_S seconds
 RESERVE=0; want compare && RESERVE=${COMPARE_S:-30}
 left() { echo $((BUDGET_S - ($(date +%s) - T0) - RESERVE)); }
@@ -113,13 +116,16 @@ if want mfu; then
     done
   done
 fi
-if want overlap; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other model flags of the trainer)
+if want overlap || want overlap-conn || want overlap-rc; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other model flags of the trainer)
   if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
   OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
-  step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
+  want overlap && step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
     --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
   want overlap-conn && step overlap-conn 120 env -u CUDA_DEVICE_MAX_CONNECTIONS "${OVB[@]}" --kinds sleep,channels \
     --trace "$OUT/json/traces-conn8" --out "$OUT/json/overlap_standin_conn8.json" -- --device "$DEVICE" "${OVF[@]}"
+  want overlap-rc && step overlap-rc 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces-rc" \
+    --out "$OUT/json/overlap_standin_rc.json" -- --device "$DEVICE" "${OVF[@]}" \
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"
 
