@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(folder)
     out = {"device": device, "peak_tflops": peak, "runs": {}, "pairs": {}}
     print(f"device {device}, dense bf16 peak {peak} TFLOP/s")
-    print(f"{'run':22s} {'step ms':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak MB':>8s}  losses")
+    print(f"{'run':22s} {'step ms':>9s} {'host %':>6s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak MB':>8s}  losses")
     for name, rs in runs.items():
         if not rs:
             print(f"{name:22s} (no iterations logged)")
@@ -105,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         mem = max((r.get("peak_mem_mb") or 0) for r in rs)
         mfu = tf / peak if (tf is not None and peak) else None
+        # the host's share of forward-backward (near 100% on a GPU: the step is host-bound)
+        fb, host = steady(rs, "forward_backward_ms"), steady(rs, "forward_backward_host_ms")
+        host_share = host / fb if (fb and host is not None) else None
         out["runs"][name] = {"step_ms": step, "tflops_per_rank": tf, "mfu": mfu, "peak_mem_mb": mem,
+                             "forward_backward_ms": fb, "forward_backward_host_ms": host,
                              "losses": [r["lm_loss"] for r in rs]}
         mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "   n/a"
-        print(f"{name:22s} {step:9.1f} {tf or 0:8.1f} {mfu_s:>6s} {mem:8.0f}  "
+        host_s = f"{100 * host_share:5.1f}%" if host_share is not None else "   n/a"
+        print(f"{name:22s} {step:9.1f} {host_s:>6s} {tf or 0:8.1f} {mfu_s:>6s} {mem:8.0f}  "
               f"{[round(r['lm_loss'], 5) for r in rs]}")
     for a, b in PAIRS:
         if runs.get(a) and runs.get(b):

@@ -126,6 +126,9 @@ def _check_learns_and_validates(records, iters, interval):
     end = records[-1]["end_valid_lm_loss"]
     assert math.isfinite(end) and records[-1]["end_valid_lm_ppl"] == pytest.approx(math.exp(end))
     assert valid[-1][1] < valid[0][1]  # validation loss falls too
+    # the step's phases: forward-backward, its host part (issued, not waited for), the optimizer
+    assert all(0 <= r["forward_backward_host_ms"] <= r["forward_backward_ms"] < r["step_ms"]
+               and r["optimizer_ms"] >= 0 for r in records)
     return losses[0], losses[-1], valid, end
 
 

@@ -137,6 +137,20 @@ def test_gpu_compare_reads_trainer_logs_and_prices_mfu(tmp_path):
     out = json.loads((tmp_path / "compare.json").read_text())
     assert abs(out["runs"]["mfu-default-auto"]["mfu"] - 0.5) < 1e-9
     assert abs(out["pairs"]["mfu-oases-auto vs mfu-default-auto"]["max_rel_loss_diff"] - 1e-4) < 1e-9
+    assert out["runs"]["mfu-default-auto"]["forward_backward_host_ms"] is None  # an older log
+
+
+def test_gpu_compare_reports_the_hosts_share_of_forward_backward(tmp_path, capsys):
+    """The trainer's log carries how long the host took to issue forward-backward; compare shows
+    it as a share of the phase (a host-bound GPU step reads near 100%)."""
+    gc = load_script("scripts/gpu_compare.py")
+    (tmp_path / "run-sim-h512-default.json").write_text("\n".join(json.dumps(
+        {"iteration": i, "lm_loss": 7.0, "step_ms": 40.0, "tflops_per_rank": 10.0, "peak_mem_mb": 1.0,
+         "forward_backward_ms": 30.0, "forward_backward_host_ms": 27.0}) for i in (1, 2, 3)) + "\n")
+    assert gc.main([str(tmp_path), "NVIDIA H100 80GB HBM3"]) == 0
+    assert " 90.0%" in capsys.readouterr().out
+    run = json.loads((tmp_path / "compare.json").read_text())["runs"]["sim-h512-default"]
+    assert (run["forward_backward_ms"], run["forward_backward_host_ms"]) == (30.0, 27.0)
 
 
 def test_gpu_compare_takes_a_log_without_step_times(tmp_path):
