@@ -296,3 +296,16 @@ def test_profile_and_predict_a_llama_style_run(tmp_path: Path, schedule):
     assert any("_g2_swiglu_rms_nobias_rope_qkn" in k for k in db.events_ms)
     assert any(k.startswith("compute:attention.core[") for k in db.events_ms) == ("selective" in schedule)
     assert predict_train_step(args, db).iteration_ms > 0
+
+
+def test_host_issue_times_merge_per_event_and_cpu_times_are_their_own_host_part():
+    """``meta.host_issue_ms`` (GPU profiles: the host's part of each compute event) merges per
+    event as ``events`` does; on CPU an event's host part is its whole time."""
+    from megatron_oases.sim.calibrate.profiler import time_ms_and_host
+
+    a = ProfileDB(device="gpu", events_ms={"x": 1.0}, meta={"host_issue_ms": {"x": 0.2}, "reps": 5})
+    b = ProfileDB(device="gpu", events_ms={"y": 2.0}, meta={"host_issue_ms": {"y": 1.9}, "reps": 10})
+    m = a.merged(b)
+    assert m.meta["host_issue_ms"] == {"x": 0.2, "y": 1.9} and m.meta["reps"] == 10
+    ms, host = time_ms_and_host(lambda: torch.ones(64).sum(), warmup=1, reps=3, device=torch.device("cpu"))
+    assert ms == host > 0

@@ -239,8 +239,11 @@ class ProfileDB:
         """This DB with ``other``'s entries added (``other`` wins on equal keys)."""
         if self.device and other.device and self.device != other.device:
             raise SimError(f"cannot merge profiles of different devices ({self.device!r}, {other.device!r})")
+        meta = {**self.meta, **other.meta}
+        if "host_issue_ms" in self.meta and "host_issue_ms" in other.meta:  # per event, as events_ms
+            meta["host_issue_ms"] = {**self.meta["host_issue_ms"], **other.meta["host_issue_ms"]}
         return ProfileDB(device=self.device or other.device, events_ms={**self.events_ms, **other.events_ms},
-                         sources={**self.sources, **other.sources}, meta={**self.meta, **other.meta},
+                         sources={**self.sources, **other.sources}, meta=meta,
                          contention={**self.contention, **other.contention},
                          overlapped={**self.overlapped, **other.overlapped})
 

@@ -72,18 +72,27 @@ def _torch_device(device: str | None):
 
 def time_ms(fn, *, warmup: int, reps: int, device) -> float:
     """Median milliseconds of ``fn()``: CUDA events on GPU, wall clock on CPU."""
+    return time_ms_and_host(fn, warmup=warmup, reps=reps, device=device)[0]
+
+
+def time_ms_and_host(fn, *, warmup: int, reps: int, device) -> tuple[float, float]:
+    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU) and of the host's
+    part of it: until ``fn`` returned, before waiting for the GPU (on CPU the same time). A GPU
+    event whose two are close is host-bound."""
     import torch
 
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             a.record()
             fn()
             b.record()
+            host.append((time.perf_counter() - t0) * 1e3)
             b.synchronize()
             times.append(a.elapsed_time(b))
     else:
@@ -91,7 +100,8 @@ def time_ms(fn, *, warmup: int, reps: int, device) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        host = times
+    return statistics.median(times), statistics.median(host)
 
 
 def device_name(device) -> str:
@@ -102,8 +112,10 @@ def device_name(device) -> str:
     return f"cpu:{platform.machine()}"
 
 
-def profile_compute(events: Iterable[Event], settings: ProfileSettings) -> dict[str, float]:
-    """Time each compute event's workload on the local device."""
+def profile_compute(events: Iterable[Event], settings: ProfileSettings,
+                    host_ms: dict[str, float] | None = None) -> dict[str, float]:
+    """Time each compute event's workload on the local device; ``host_ms``, when given, receives
+    the host's part of each (``time_ms_and_host``)."""
     import torch
 
     from .layer_workloads import single_rank_world
@@ -118,7 +130,9 @@ def profile_compute(events: Iterable[Event], settings: ProfileSettings) -> dict[
         with single_rank_world():  # Megatron layer workloads need a process group
             for ev in events:
                 fn = compute_workload(ev.name, dict(ev.dims), dev)
-                out[ev.key] = time_ms(fn, warmup=settings.warmup, reps=settings.reps, device=dev)
+                out[ev.key], host = time_ms_and_host(fn, warmup=settings.warmup, reps=settings.reps, device=dev)
+                if host_ms is not None:
+                    host_ms[ev.key] = host
                 del fn
         return out
     finally:
@@ -257,12 +271,15 @@ def profile_events(events: dict[str, Event], topo: Topology, settings: ProfileSe
     if comm and settings.nproc < 2:
         raise SimError(f"{len(comm)} communication event(s) need at least 2 ranks at hand (nproc={settings.nproc})")
     comm_ms, sources = profile_comm(comm, topo, settings) if comm else ({}, {})  # plan errors come first
-    comp_ms = profile_compute(comp, settings)
+    host_ms: dict[str, float] = {}
+    comp_ms = profile_compute(comp, settings, host_ms)
     dev = _torch_device(settings.device)
     meta = {"torch": torch.__version__, "topology": topo.name, "nproc": settings.nproc,
             "warmup": settings.warmup, "reps": settings.reps,
             "threads": settings.threads or torch.get_num_threads(), "host_cpus": os.cpu_count(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if dev.type == "cuda":  # recorded, not priced yet: which events are host-bound on this GPU
+        meta["host_issue_ms"] = {k: round(v, 4) for k, v in host_ms.items()}
     return ProfileDB(device=device_name(dev), events_ms={**comp_ms, **comm_ms},
                      sources={**{k: "measured" for k in comp_ms}, **sources}, meta=meta)
 
