@@ -111,6 +111,39 @@ def test_cuda_device_from_launcher_environment(env, visible, want, monkeypatch):
     assert want[1] in rt.chosen_by
 
 
+
+@pytest.mark.parametrize("bound, types, want", [
+    (None, ("cuda",), "cuda"),  # nccl world, no device_id (Megatron-LM's init_process_group)
+    ("cuda:0", ("cuda",), "cuda"),  # nccl world bound to its device (our trainer)
+    (None, ("cuda", "cpu"), "cpu"),  # gloo world (CPU runs)
+])
+def test_world_timeout_reads_a_backend_the_world_group_has(bound, types, want, monkeypatch):
+    """An ``nccl`` world group has only a CUDA backend; asking it for the CPU one (what an
+    unbound group used to get) raises, so every ATP / 3-D / plan group creation failed."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_oases.runtime.device import world_timeout
+
+    class Backend:
+        options = type("Options", (), {"_timeout": datetime.timedelta(seconds=42)})()
+
+    class World:
+        bound_device_id = None if bound is None else torch.device(bound)
+        _device_types = [torch.device(t) for t in types]
+
+        def _get_backend(self, device):
+            if device.type not in types:
+                raise RuntimeError(f"No backend type associated with device type {device.type}")
+            assert device.type == want
+            return Backend()
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", World)
+    assert world_timeout() == datetime.timedelta(seconds=42)
+
+
 _PRELOAD_PROBE = """
 import importlib, torch
 calls = []

@@ -133,10 +133,13 @@ def init_distributed(runtime: Runtime, timeout_s: float = 600.0) -> None:
 
 def world_timeout() -> datetime.timedelta:
     """The collective timeout of the default (world) group, i.e. ``--dist-timeout`` (or
-    Megatron-LM's ``--distributed-timeout-minutes``)."""
+    Megatron-LM's ``--distributed-timeout-minutes``). Read from a backend the world group has:
+    an ``nccl`` group has only a CUDA one, bound to a device or not (Megatron-LM's
+    ``init_process_group`` passes no ``device_id``)."""
     pg = dist.distributed_c10d._get_default_group()
-    backend = pg._get_backend(torch.device("cuda" if pg.bound_device_id is not None else "cpu"))
-    return backend.options._timeout
+    types = {d.type for d in getattr(pg, "_device_types", [torch.device("cpu")])}
+    device = "cuda" if pg.bound_device_id is not None or "cpu" not in types else "cpu"
+    return pg._get_backend(torch.device(device)).options._timeout
 
 
 def new_group(ranks) -> "dist.ProcessGroup":
