@@ -297,3 +297,18 @@ def test_oases_recompute_replays_sdpa_dropout(recompute):
 def test_oases_equals_stock_with_sdpa_dropout_on_cpu():
     argv = LLAMA + TP2 + DROPOUT + AUTO
     assert_same_training(run_training(2, argv + OASES + RECOMPUTE), run_training(2, argv), tol=TOL)
+
+
+def test_split_masks_carry_the_verdict_without_comparing_again(monkeypatch):
+    """The Oases executor splits each micro-batch's mask into sub-batch views; their causal
+    verdict comes from the one comparison of the whole mask (a host synchronisation on a GPU),
+    not one per view inside the overlapped region."""
+    from megatron_oases.layers import core_attention as CA
+
+    causal, padded = _causal(8, 4), _causal(8, 4).clone()
+    padded[3, 0, :, 6:] = True  # the last sample's padding: not the standard mask
+    parts = CA.split_batch(causal, [2, 2]), CA.split_batch(padded, [2, 2])
+    assert [p.shape[0] for p in parts[0]] == [2, 2] and torch.equal(torch.cat(parts[1]), padded)
+    monkeypatch.setattr(torch, "equal", lambda *a: pytest.fail("a split mask was compared again"))
+    assert [CA.is_standard_causal(p) for p in parts[0]] == [True, True]
+    assert [CA.is_standard_causal(p) for p in parts[1]] == [False, False]  # conservative: explicit mask

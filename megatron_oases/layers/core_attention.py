@@ -255,8 +255,24 @@ def is_standard_causal(mask: torch.Tensor) -> bool:
     sq, sk = mask.shape[-2:]
     verdict = sq == sk and torch.equal(
         mask.bool(), torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(1).expand_as(mask))
+    _remember(mask, verdict)
+    return verdict
+
+
+def _remember(mask: torch.Tensor, verdict: bool) -> None:
     if len(_CAUSAL_SEEN) > 64:
         for key in [k for k, v in _CAUSAL_SEEN.items() if v[0]() is None]:
             del _CAUSAL_SEEN[key]
     _CAUSAL_SEEN[id(mask)] = (weakref.ref(mask), mask._version, verdict)
-    return verdict
+
+
+def split_batch(mask: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """``mask`` split along its batch dimension into ``sizes``, each part knowing the whole
+    mask's causal verdict: the Oases executor splits each micro-batch's mask into fresh views, and
+    comparing each view on the device (``torch.equal``: a host synchronisation) would stall the
+    host inside the overlapped region, once per sub-batch; this compares once, before it."""
+    verdict = is_standard_causal(mask)
+    parts = list(torch.split(mask, sizes, dim=0))
+    for part in parts:  # a batch slice of [b, 1, s, s] keeps the per-query pattern
+        _remember(part, verdict)
+    return parts

@@ -349,7 +349,9 @@ class OasesRunner:
         batch = sum(s.shape[1] for s in subs)
         if mask is None or mask.dim() == 0 or mask.shape[0] != batch or batch == 1:
             return [mask] * len(subs)
-        return list(torch.split(mask, [s.shape[1] for s in subs], dim=0))
+        from megatron_oases.layers.core_attention import split_batch
+
+        return split_batch(mask, [s.shape[1] for s in subs])
 
 
 class OasesStage(torch.autograd.Function):
