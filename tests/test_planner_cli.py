@@ -274,3 +274,36 @@ def test_swiglu_without_ffn_prices_megatron_lms_default(tmp_path, capsys):
     assert ffn == megatron_ffn_hidden_size(512, True) == 1344
     assert plan_main(argv + ["--ffn-hidden-size", "2048"]) == 0  # a stated size stays
     assert json.loads(out.read_text())["inputs"]["model"]["ffn_hidden_size"] == 2048
+
+
+def test_sequence_parallel_plan_launches_without_oases_plan(tmp_path, capsys):
+    """A --sequence-parallel plan is uniform T, and --oases-plan refuses --sequence-parallel at
+    launch: the launch flags and --rewrite-cmd drop --oases-plan (were: '--oases-plan FILE', a
+    command the trainer refuses)."""
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--sequence-parallel",
+            "--out", str(out), "--rewrite-cmd", "x.py --tensor-model-parallel-size 2 --sequence-parallel "
+                                                "--oases-plan old.json"]
+    assert plan_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "launch flags: --tensor-model-parallel-size 4\n" in text
+    assert "launch command: x.py --tensor-model-parallel-size 4 --sequence-parallel\n" in text
+    assert "without --oases-plan" in text and out.exists()
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["--tensor-model-parallel-size", "8", "--families", "3d"],
+     ": --tp-backend 3d runs the stock executor (no Oases tape): plan with --sub-batches 1; or add megatron"),
+    (["--tensor-model-parallel-size", "4", "--families", "3d", "--sub-batches", "1", "--global-batch-size", "16"],
+     ": 3d has no layout at --tensor-model-parallel-size 4; or add megatron"),
+])
+def test_no_strategy_of_the_families_says_why(tmp_path, capsys, extra, why):
+    """(was: 'add megatron or raise --micro-batch-size' whatever the reason)"""
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "8",
+            "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
+    assert plan_main(argv + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(why) and len(err.splitlines()) == 1, err

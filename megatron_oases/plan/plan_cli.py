@@ -290,9 +290,11 @@ def plan_main(argv: list[str] | None = None) -> int:
     print(f"launch flags: {launch_flags(flags)}")
     if a.rewrite_cmd is not None:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
+    runs_with = (launch_flags(whole_model_backend(data)) if whole_model_backend(data)
+                 else "--oases-plan" if flags.get("--oases-plan") else
+                 "uniform TP and --sequence-parallel, without --oases-plan (which refuses it)")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
-          "(megatron_oases.pretrain_gpt) run the plan with "
-          + (launch_flags(whole_model_backend(data)) if whole_model_backend(data) else "--oases-plan"))
+          "(megatron_oases.pretrain_gpt) run the plan with " + runs_with)
     return 0
 
 
