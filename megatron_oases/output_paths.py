@@ -29,6 +29,8 @@ def check_output_file(flag: str, path: str | None) -> None:
     naming the flag otherwise."""
     if path is None or path == "-":
         return
+    if not path:
+        raise ConfigError(f"{flag} is an empty path; give a file name")
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory; give a file name")
     if os.path.exists(path):  # an existing file (or /dev/null, /dev/stdout): open it as the run will

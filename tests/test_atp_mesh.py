@@ -219,3 +219,17 @@ def test_cli_non_positive_model_sizes_and_broken_yaml(capsys, tmp_path):
     bad.write_text("name: x\nlevels: [{name: a, size: 0}]\n")
     rc, _, err = run_cli(capsys, "--topology", str(bad), "--tp", "2", *CLI_MODEL)
     assert rc == 2 and str(bad) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("json_arg, needle", [
+    ("/proc/mesh.json", "--json /proc/mesh.json: /proc is not a writable directory"),
+    ("", "--json is an empty path"),
+    ("{tmp}", "is a directory; give a file name"),
+    ("{tmp}/no/such/dir/m.json", "does not exist; create it or pick another path"),
+])
+def test_cli_unwritable_json_is_refused_before_the_table(capsys, tmp_path, json_arg, needle):
+    """--json is checked with the other flags (output_paths.check_output_file): one line, exit 2,
+    no table printed first (was: the whole table on stdout, then the error; --json '' ignored)."""
+    rc, out, err = run_cli(capsys, "--topology", "fig7a", "--tp", "8", *CLI_MODEL,
+                           "--json", json_arg.format(tmp=tmp_path))
+    assert rc == 2 and not out and needle in err and len(err.strip().splitlines()) == 1, err

@@ -166,7 +166,7 @@ def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
     assert plan_main(["--topology", "pcie-3090-2node", "--num-layers", "4", "--hidden-size", "512",
                       "--num-attention-heads", "8", "--seq-length", "64", "--micro-batch-size", "4", "--tensor-model-parallel-size", "8",
                       "--global-batch-size", "16", "--families", "megatron,cube", "--out", str(out)]) == 2
-    assert "--families: unknown family 'cube'" in capsys.readouterr().err
+    assert "--families: 'cube' is not one of megatron, atp, 3d" in capsys.readouterr().err
 
 
 def test_llama_model_flags(tmp_path, capsys):
@@ -229,3 +229,81 @@ def test_no_command_is_a_usage_error(capsys):
     out, err = capsys.readouterr()
     assert not out and err.startswith("megatron-oases: error: a command is required") and "usage:" in err
     assert cli_main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--global-batch-size", "0"], "--global-batch-size must be a positive integer (got 0)"),
+    (["--global-batch-size", "-8"], "--global-batch-size must be a positive integer (got -8)"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be a positive integer (got 0)"),
+    (["--memory-gb", "nan"], "--memory-gb must be a number > 0 (got nan)"),
+    (["--memory-gb", "inf"], "--memory-gb must be a number > 0 (got inf)"),
+    (["--solver", "cbc", "--time-limit", "0"], "--time-limit must be > 0 (got 0.0)"),
+    (["--solver", "ilp", "--time-limit", "-1"], "--time-limit must be > 0 (got -1.0)"),
+    (["--families", "megatron,megatron"], "--families megatron,megatron names one twice"),
+    (["--families", ","], "--families: '' is not one of megatron, atp, 3d"),
+    (["--out", "/proc/plan.json"], "--out /proc/plan.json: /proc is not a writable directory"),
+    (["--out", ""], "--out is an empty path"),
+    (["--out", "{tmp}/no/such/dir/p.json"], "does not exist; create it or pick another path"),
+])
+def test_plan_cli_refuses_bad_values_in_one_line_and_writes_nothing(tmp_path, capsys, extra, match):
+    """Each was accepted (a plan written for a global batch of 0 or -8; --ffn-hidden-size 0 read
+    as 4h; --memory-gb nan; duplicate families) or failed late (the ILP solver's 'Not Solved' for
+    --time-limit 0; --out checked only after the solve)."""
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--out", str(out)]
+    assert plan_main(argv + [x.format(tmp=tmp_path) for x in extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_swiglu_without_ffn_prices_megatron_lms_default(tmp_path, capsys):
+    """--swiglu without --ffn-hidden-size: the FFN the launch runs (Megatron-LM's and the
+    trainer's int(4h x 2/3 / 64) x 64), not 4h (was: the plan priced 4h, 2x the launch's fc1)."""
+    from megatron_oases.run_config import megatron_ffn_hidden_size
+
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--swiglu",
+            "--out", str(out)]
+    assert plan_main(argv) == 0, capsys.readouterr().err
+    ffn = json.loads(out.read_text())["inputs"]["model"]["ffn_hidden_size"]
+    assert ffn == megatron_ffn_hidden_size(512, True) == 1344
+    assert plan_main(argv + ["--ffn-hidden-size", "2048"]) == 0  # a stated size stays
+    assert json.loads(out.read_text())["inputs"]["model"]["ffn_hidden_size"] == 2048
+
+
+def test_sequence_parallel_plan_launches_without_oases_plan(tmp_path, capsys):
+    """A --sequence-parallel plan is uniform T, and --oases-plan refuses --sequence-parallel at
+    launch: the launch flags and --rewrite-cmd drop --oases-plan (were: '--oases-plan FILE', a
+    command the trainer refuses)."""
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--sequence-parallel",
+            "--out", str(out), "--rewrite-cmd", "x.py --tensor-model-parallel-size 2 --sequence-parallel "
+                                                "--oases-plan old.json"]
+    assert plan_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "launch flags: --tensor-model-parallel-size 4\n" in text
+    assert "launch command: x.py --tensor-model-parallel-size 4 --sequence-parallel\n" in text
+    assert "without --oases-plan" in text and out.exists()
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["--tensor-model-parallel-size", "8", "--families", "3d"],
+     ": --tp-backend 3d runs the stock executor (no Oases tape): plan with --sub-batches 1; or add megatron"),
+    (["--tensor-model-parallel-size", "4", "--families", "3d", "--sub-batches", "1", "--global-batch-size", "16"],
+     ": 3d has no layout at --tensor-model-parallel-size 4; or add megatron"),
+])
+def test_no_strategy_of_the_families_says_why(tmp_path, capsys, extra, why):
+    """(was: 'add megatron or raise --micro-batch-size' whatever the reason)"""
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "8",
+            "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
+    assert plan_main(argv + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(why) and len(err.splitlines()) == 1, err

@@ -337,3 +337,40 @@ def test_sigterm_to_the_batch_shell_saves_stops_and_a_resubmission_resumes(tmp_p
                            timeout=180)
     assert "skip h1024/stock: finished in an earlier job" in third.stderr
     assert "skip h1024/oases: finished in an earlier job" in third.stderr
+
+
+# ---- bad values: one line, exit 2, before any srun ------------------------------------------
+@pytest.mark.parametrize("script, env, says", [
+    ("single_node", {"NNODES": "0"}, "NNODES=0 must be a whole number >= 1"),
+    ("single_node", {"NNODES": "abc"}, "NNODES=abc must be a whole number >= 1"),
+    ("multi_node", {"GPUS_PER_NODE": "-1"}, "GPUS_PER_NODE=-1 must be a whole number >= 1"),
+    ("single_node", {"TRAIN_ITERS": "ten"}, "TRAIN_ITERS=ten must be"),
+    ("atp_models", {"GPUS_PER_NODE": "8", "ATP_TP": "0"}, "ATP_TP=0 must be a whole number >= 1"),
+    ("atp_models", {"GPUS_PER_NODE": "8", "MODELS": "M1", "ATP_MESHES": "3x3"}, "mesh 3x3 is not ATP_TP=8 GPUs"),
+    ("atp_models", {"GPUS_PER_NODE": "8", "VARIANTS": "atp-4x"}, "variant 'atp-4x' is not atp-D1xD2"),
+    ("single_node", {"GPUS_PER_NODE": "8", "VARIANTS": "stock atp-4x2-c0"}, "variant 'atp-4x2-c0' is not"),
+    ("single_node", {"GPUS_PER_NODE": "8", "VARIANTS": "stock atp-4x2-cX"}, "variant 'atp-4x2-cX' is not"),
+    ("oases_models", {"MICRO_BATCH_SIZE": "0"}, "MICRO_BATCH_SIZE=0 must be"),
+    ("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4", "HIDDEN": "big"}, "HIDDEN=big must be"),
+    ("atp_models", {"GPUS_PER_NODE": "8", "TOPOLOGY": "/no/such/topology.yaml"},
+     "TOPOLOGY: topology /no/such/topology.yaml: no such file or shipped example"),
+])
+def test_bad_values_are_one_line_before_anything_runs(script, env, says, tmp_path):
+    """Counts, variant names and TOPOLOGY are checked up front: one error line, exit 2, no
+    command printed (was: bash arithmetic errors, `--nodes=0`, `--atp-chunks X` or a TOPOLOGY
+    each run would refuse, passed on to srun)."""
+    proc = dry_run(script, {**env, "RESULTS_DIR": str(tmp_path / "res")})
+    assert proc.returncode == 2, proc.stdout
+    err = [ln for ln in proc.stderr.splitlines() if ln]
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], proc.stderr
+    assert not commands(proc.stdout) and not (tmp_path / "res").exists()
+
+
+def test_a_topology_with_a_bad_field_is_refused_by_the_loader(tmp_path):
+    topo = tmp_path / "t.yaml"
+    topo.write_text("name: t\nlevels:\n  - {name: a, size: 8, scope: intra_node, p2p_bandwidth_GBps: -1, "
+                    "group_bandwidth_GBps: 600}\n")
+    proc = dry_run("atp_models", {"GPUS_PER_NODE": "8", "MODELS": "M1", "TOPOLOGY": str(topo)})
+    assert proc.returncode == 2 and not commands(proc.stdout)
+    assert proc.stderr.strip() == (f"error: TOPOLOGY: topology {topo}: levels[0].p2p_bandwidth_GBps "
+                                   "must be > 0 (got -1)")

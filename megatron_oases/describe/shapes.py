@@ -175,6 +175,8 @@ def batch_split_refusal(*, global_batch: int, micro_batch: int, dp: int) -> str:
     """Why ``global_batch`` samples do not split into micro-batches of ``micro_batch`` on each of
     ``dp`` data-parallel replicas ("" when they do). The rule's one home: the runtime's
     ``ParallelDims.check_batch`` and the planner's cost model."""
+    if not is_positive_int(global_batch):
+        return f"--global-batch-size must be a positive integer (got {global_batch!r})"
     per_step = micro_batch * dp
     if global_batch % per_step:
         return (f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "

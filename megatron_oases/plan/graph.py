@@ -361,13 +361,21 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
     if bad:
         raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(known)})")
     out = _megatron_candidates(m, degrees) if "megatron" in families else []
+    why = ""  # the first reason a family's layout was left out, for the refusal below
     for name in known:
         if name != "megatron" and name in families:
             layouts = [BlockStrategy(degree=m.tp, family=name, mesh=mesh) for mesh in backend(name).meshes(m.tp)]
-            out += [s for s in layouts if not feasible(s, m)]
+            if not layouts:
+                why = why or f"{name} has no layout at --tensor-model-parallel-size {m.tp}"
+            for s in layouts:
+                refused = feasible(s, m)
+                if refused:
+                    why = why or refused
+                else:
+                    out.append(s)
     if not out:
-        raise PlanError(f"no block strategy of --families {','.join(families)} can run this model; "
-                        f"add megatron or raise --micro-batch-size")
+        raise PlanError(f"no block strategy of --families {','.join(families)} can run this model"
+                        + (f": {why}; or add megatron" if why else "; add megatron or raise --micro-batch-size"))
     return out
 
 

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, required=True, help="transformer layers L")
     p.add_argument("--micro-batch-size", type=int, required=True, help="micro-batch size b")
     p.add_argument("--seq-length", type=int, required=True, help="sequence length s")
-    p.add_argument("--bytes-per-element", type=int, default=2, help="activation bytes: 2 (bf16, default) or 4 (fp32)")
+    p.add_argument("--bytes-per-element", type=int, choices=(2, 4), default=2, help="activation bytes: 2 (bf16, default) or 4 (fp32)")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help="relative saving a 2-D mesh needs over Megatron's (N,1) to be picked "
                         f"(default {DEFAULT_MIN_GAIN})")
@@ -91,6 +91,8 @@ def pick_summary(choice: MeshChoice) -> str:
 
 def mesh_main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-oases mesh``; returns the exit status (2 on bad input)."""
+    from megatron_oases.errors import ConfigError
+    from megatron_oases.output_paths import check_output_file
     from megatron_oases.topology import TopologyError, load_topology
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -104,6 +106,7 @@ def mesh_main(argv: list[str] | None = None) -> int:
                 raise MeshError(f"{flag} must be > 0 (got {value})")
         if not 0 <= args.min_gain < 1:
             raise MeshError(f"--min-gain must be in [0, 1) (got {args.min_gain})")
+        check_output_file("--json", args.json)  # before the table, not after it
         # Eq. 2 reads no head count: one head keeps the shape valid for any --hidden
         model = GPTShape(hidden_size=args.hidden, num_layers=args.layers, micro_batch_size=args.micro_batch_size,
                          seq_length=args.seq_length, num_attention_heads=1,
@@ -112,12 +115,12 @@ def mesh_main(argv: list[str] | None = None) -> int:
         choice = search_mesh(topo, args.tp, model, min_gain=args.min_gain)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (_UsageError, MeshError, TopologyError) as e:
+    except (_UsageError, MeshError, TopologyError, ConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     shape = f" ({' x '.join(map(str, topo.sizes))}, {topo.world_size} ranks)"
     print(format_choice(choice, shape))
-    if args.json:
+    if args.json is not None:
         text = json.dumps(choice.to_dict(), indent=2)
         if args.json == "-":
             print(text)

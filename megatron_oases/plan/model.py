@@ -9,6 +9,7 @@ from megatron_oases.describe.megatron_1d import tp_split_refusal
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
+from megatron_oases.run_config import megatron_ffn_hidden_size
 
 __all__ = ["BLOCK_KINDS", "DTYPES", "PlanError", "PlanModel", "model_from_mapping"]
 
@@ -128,6 +129,12 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
                           for m in missing)
         raise PlanError(f"{source}: missing {', '.join(missing)} (set them in the file or pass {flags})")
     variant = variant_from_flags(**{k: d.pop(k) for k in _VARIANT_FLAGS if k in d}, error=PlanError)
+    if "ffn_hidden_size" in d and not is_positive_int(d["ffn_hidden_size"]):
+        # GPTShape reads 0 as "not given" (4h): a stated 0 is a mistake, as in the trainer
+        raise PlanError(f"--ffn-hidden-size must be a positive integer (got {d['ffn_hidden_size']!r})")
+    if "ffn_hidden_size" not in d and variant.gated and is_positive_int(d.get("hidden_size")):
+        # not given: Megatron-LM's default, which the plan's launch runs (int(4h x 2/3 / 64) x 64)
+        d["ffn_hidden_size"] = megatron_ffn_hidden_size(d["hidden_size"], True)
     if "vocab_size" in d:
         d["padded_vocab_size"] = d.pop("vocab_size")
     # Megatron-LM's --attention-backend (describe.core_attention maps it); absent, as in plan files

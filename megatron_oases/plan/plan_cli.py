@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from ..describe.core_attention import ATTENTION_BACKENDS, check_flash_dtype
 from ..describe.split import SUB_BATCHES
+from ..errors import comma_names, range_refusal
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups
-from .graph import PlanError, PlanModel, model_from_mapping
+from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import stated_fields
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
@@ -165,6 +167,8 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
             degrees = tuple(int(x) for x in a.degrees.split(","))
         except ValueError:
             raise PlanError(f"--degrees must be comma-separated integers (got {a.degrees!r})") from None
+    if a.time_limit is not None and not a.time_limit > 0:
+        raise PlanError(range_refusal("--time-limit", a.time_limit, 0, inclusive=False))
     if a.strict_profile and not a.profile:
         raise PlanError("--strict-profile requires every event in --profile and has no effect without it; "
                         "drop it or add --profile DB.json")
@@ -173,11 +177,12 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     if memory_gb is None:
         from megatron_oases.pricing.device_model import gpu_spec
         memory_gb = gpu_spec(resolve_gpu(a.gpu or topo.device or "")).memory_GB
-    if memory_gb <= 0:
-        raise PlanError(f"--memory-gb must be > 0 (got {memory_gb:g})")
+    if not 0 < memory_gb < math.inf:  # nan too
+        raise PlanError(f"--memory-gb must be a number > 0 (got {memory_gb:g})")
     cm = build_cost_model(m, topology=topo, global_batch_size=a.global_batch_size, pricer=pricer,
                           memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
-                          degrees=degrees, families=tuple(f.strip() for f in a.families.split(",") if f.strip()))
+                          degrees=degrees, families=comma_names("--families", a.families, family_names(),
+                                                                error=PlanError))
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
     degs = [cm.strategies[k].degree for k in sol.assignment]
     per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
@@ -261,11 +266,13 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
 def plan_main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-oases plan``; exit 2 with one line on bad input."""
     from megatron_oases.errors import ConfigError
+    from megatron_oases.output_paths import check_output_file
     from megatron_oases.topology import TopologyError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         a = build_parser().parse_args(argv)
+        check_output_file("--out", a.out)  # before the work, and no plan is written on a refusal
         data, _, _ = make_plan(a)
     except SystemExit as e:  # --help
         return int(e.code or 0)
@@ -283,9 +290,11 @@ def plan_main(argv: list[str] | None = None) -> int:
     print(f"launch flags: {launch_flags(flags)}")
     if a.rewrite_cmd is not None:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
+    runs_with = (launch_flags(whole_model_backend(data)) if whole_model_backend(data)
+                 else "--oases-plan" if flags.get("--oases-plan") else
+                 "uniform TP and --sequence-parallel, without --oases-plan (which refuses it)")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
-          "(megatron_oases.pretrain_gpt) run the plan with "
-          + (launch_flags(whole_model_backend(data)) if whole_model_backend(data) else "--oases-plan"))
+          "(megatron_oases.pretrain_gpt) run the plan with " + runs_with)
     return 0
 
 

@@ -218,9 +218,13 @@ def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
     """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
     ``--oases-plan`` or, for a whole-model plan, ``--tp-backend atp --atp-mesh d1,d2`` or
-    ``--tp-backend 3d``."""
+    ``--tp-backend 3d``; a ``--sequence-parallel`` plan (uniform T) removes ``--oases-plan``."""
     tp = data["tensor_model_parallel_size"]
     backend = whole_model_backend(data)
+    if backend is None and (data.get("inputs") or {}).get("model", {}).get("sequence_parallel"):
+        # priced at uniform T only, and --oases-plan refuses --sequence-parallel (check_plan):
+        # the launch is stock TP T
+        return {TP_FLAG: str(tp), FLAG: None}
     if backend is None:
         return _per_block_flags(tp, plan_path)
     return {TP_FLAG: str(tp), **backend, FLAG: None}

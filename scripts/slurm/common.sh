@@ -15,13 +15,17 @@
 #   GPUS_PER_NODE     ranks per node (default: $SLURM_GPUS_ON_NODE, else 8)
 #   MASTER_ADDR       rendezvous host (default: first of `scontrol show hostnames $SLURM_JOB_NODELIST`)
 #   MASTER_PORT       first rendezvous port; run k uses MASTER_PORT + k (default: 29500 + job id % 1000)
-#   TOPOLOGY          cluster topology YAML for --atp-mesh auto and the planner (default: none)
+#   TOPOLOGY          cluster topology YAML for --atp-mesh auto and the planner (default: none;
+#                     a path or a shipped example name, read once before anything runs)
 # Run
 #   TRAIN_ITERS (20)  LOG_INTERVAL (1)  TRANSFORMER_IMPL (local)  VOCAB_SIZE (50257)
 #   EXTRA_ARGS        appended to every run's Megatron-LM arguments
 #   VARIANTS          runs per case; names: stock, megatron, oases, oases-no-cross-pass,
 #                     oases-no-fine-grained-recompute, atp-auto, atp-D1xD2[-cK], 3d
 #   DRY_RUN=1         print the exact srun/torchrun command lines instead of running them
+#   Counts and sizes (NNODES, GPUS_PER_NODE, TRAIN_ITERS, LOG_INTERVAL, SAVE_INTERVAL, MASTER_PORT
+#   and each script's own) must be whole numbers >= 1: anything else, a malformed variant name or
+#   a bad TOPOLOGY is one error line and exit 2 before anything runs.
 # Preemption (docs/checkpoints.md#preemption-and-time-limits)
 #   CKPT_DIR          checkpoint root (default: none, no checkpoints): each run saves to and
 #                     resumes from CKPT_DIR/<case>/<variant> with Megatron-LM's --save = --load,
@@ -49,6 +53,10 @@ oases_setup() {
     TORCHRUN="${TORCHRUN:-torchrun}"
     NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
     GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+    TRAIN_ITERS="${TRAIN_ITERS:-20}"
+    LOG_INTERVAL="${LOG_INTERVAL:-1}"
+    SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
+    require_positive_int NNODES GPUS_PER_NODE TRAIN_ITERS LOG_INTERVAL SAVE_INTERVAL
     WORLD=$((NNODES * GPUS_PER_NODE))
     if [[ -z "${MASTER_ADDR:-}" ]]; then
         if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null; then
@@ -58,16 +66,14 @@ oases_setup() {
         fi
     fi
     MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
+    require_positive_int MASTER_PORT
     RESULTS_DIR="${RESULTS_DIR:-$OASES_ROOT/results/$FAMILY-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}}"
-    TRAIN_ITERS="${TRAIN_ITERS:-20}"
-    LOG_INTERVAL="${LOG_INTERVAL:-1}"
     TRANSFORMER_IMPL="${TRANSFORMER_IMPL:-local}"
     VOCAB_SIZE="${VOCAB_SIZE:-50257}"
     EXTRA_ARGS="${EXTRA_ARGS:-}"
     TOPOLOGY="${TOPOLOGY:-}"
     DRY_RUN="${DRY_RUN:-0}"
     CKPT_DIR="${CKPT_DIR:-}"
-    SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
     RUN_INDEX=0
     STOPPING=0
     RUN_PID=
@@ -82,6 +88,7 @@ oases_setup() {
     export PYTHONPATH="$OASES_ROOT:$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
     export MEGATRON_LM_PATH OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+    check_topology
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "# DRY_RUN=1 $FAMILY: $NNODES node(s) x $GPUS_PER_NODE GPUs, results in $RESULTS_DIR"
         echo "# env: CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS NCCL_DEBUG=$NCCL_DEBUG" \
@@ -110,6 +117,33 @@ oases_setup() {
     fi
 }
 
+# require_positive_int NAME...: each variable a whole number >= 1, else one line and exit 2
+# (before its value reaches $((...)), srun or torchrun).
+require_positive_int() {
+    local name
+    for name in "$@"; do
+        [[ "${!name}" =~ ^[1-9][0-9]*$ ]] ||
+            { echo "error: $name=${!name} must be a whole number >= 1; set it to one" >&2; exit 2; }
+    done
+}
+
+# TOPOLOGY (when set) is read by megatron_oases.topology's own loader, as every run will read it:
+# a missing file, an unknown example name or a bad field is one line here, not one per run.
+check_topology() {
+    [[ -n "$TOPOLOGY" ]] || return 0
+    local problem
+    problem="$("$PYTHON" -c 'import sys
+try:
+    from megatron_oases.topology import TopologyError, load_topology
+except ImportError:
+    sys.exit(0)  # the pre-flight import check below names the install
+try:
+    load_topology(sys.argv[1])
+except TopologyError as e:
+    print(e)' "$TOPOLOGY" 2>/dev/null)"
+    [[ -z "$problem" ]] || { echo "error: TOPOLOGY: $problem" >&2; exit 2; }
+}
+
 # SIGTERM (#SBATCH --signal=B:TERM@...): forward it to the running srun, which passes it to its
 # tasks (Megatron-LM's --exit-signal-handler saves and exits 0 with CKPT_DIR), and start no
 # further run.
@@ -132,6 +166,9 @@ variant_flags() {
             [[ -n "$TOPOLOGY" ]] || { echo "error: variant atp-auto needs TOPOLOGY=FILE" >&2; return 2; }
             echo "--tp-backend atp --atp-mesh auto --topology $TOPOLOGY" ;;
         atp-*x*)
+            [[ "$v" =~ ^atp-[1-9][0-9]*x[1-9][0-9]*(-c[1-9][0-9]*)?$ ]] || {
+                echo "error: variant '$v' is not atp-D1xD2 or atp-D1xD2-cK (whole numbers >= 1, e.g. atp-4x2-c2)" >&2
+                return 2; }
             local mesh="${v#atp-}" chunks=1
             if [[ "$mesh" == *-c* ]]; then chunks="${mesh##*-c}"; mesh="${mesh%-c*}"; fi
             echo "--tp-backend atp --atp-mesh ${mesh%x*},${mesh#*x} --atp-chunks $chunks" ;;
