@@ -120,6 +120,9 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
              (["--global-batch-size", "12"], "--global-batch-size 12 is not divisible"),
              (["--global-batch-size", "8", "--gpu", "tpu"], "unknown GPU 'tpu'"),
              (["--global-batch-size", "8", "--degrees", "3"], "--degrees 3"),
+             (["--global-batch-size", "8", "--degrees", ""], "--degrees must be comma-separated integers (got '')"),
+             (["--global-batch-size", "8", "--degrees", "2,2"], "--degrees 2,2 names one twice"),
+             (["--global-batch-size", "8", "--rewrite-cmd", " "], "--rewrite-cmd is empty"),
              (["--global-batch-size", "8", "--strict-profile"], "--strict-profile requires every event in --profile"),
              (["--global-batch-size", "8", "--time-limit", "5"], "--time-limit bounds an ILP solver and has no "
                                                                  "effect with --solver auto")]

@@ -162,11 +162,15 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     m = model_from_args(a)
     topo = load_topology(a.topology)
     degrees = None
-    if a.degrees:
+    if a.degrees is not None:  # "" restricts to nothing: refused, not read as "every degree"
         try:
             degrees = tuple(int(x) for x in a.degrees.split(","))
         except ValueError:
             raise PlanError(f"--degrees must be comma-separated integers (got {a.degrees!r})") from None
+        if len(set(degrees)) != len(degrees):
+            raise PlanError(f"--degrees {a.degrees} names one twice; give each once")
+    if a.rewrite_cmd is not None and not a.rewrite_cmd.strip():
+        raise PlanError("--rewrite-cmd is empty; give the launch command whose TP flags to set")
     if a.time_limit is not None and not a.time_limit > 0:
         raise PlanError(range_refusal("--time-limit", a.time_limit, 0, inclusive=False))
     if a.strict_profile and not a.profile:
