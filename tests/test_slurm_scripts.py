@@ -351,6 +351,7 @@ def test_sigterm_to_the_batch_shell_saves_stops_and_a_resubmission_resumes(tmp_p
     ("single_node", {"GPUS_PER_NODE": "8", "VARIANTS": "stock atp-4x2-c0"}, "variant 'atp-4x2-c0' is not"),
     ("single_node", {"GPUS_PER_NODE": "8", "VARIANTS": "stock atp-4x2-cX"}, "variant 'atp-4x2-cX' is not"),
     ("oases_models", {"MICRO_BATCH_SIZE": "0"}, "MICRO_BATCH_SIZE=0 must be"),
+    ("oases_models", {"NNODES": "1", "GPUS_PER_NODE": "3"}, "no model of MODELS (1024 2048 3072"),
     ("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4", "HIDDEN": "big"}, "HIDDEN=big must be"),
     ("atp_models", {"GPUS_PER_NODE": "8", "TOPOLOGY": "/no/such/topology.yaml"},
      "TOPOLOGY: topology /no/such/topology.yaml: no such file or shipped example"),
