@@ -216,3 +216,33 @@ def test_checkout_version_check(tmp_path):
         check_versions(tmp_path)
     info.write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 9\n")
     check_versions(tmp_path)
+
+
+def test_replica_sync_broadcasts_on_the_runtime_device(monkeypatch):
+    """``--oases-plan`` on Megatron-LM's GPU init: the provider syncs the replicas before
+    Megatron's ``get_model`` moves the model to the GPU, and the torch norms are still on the
+    host then. NCCL broadcasts device tensors only, so every tensor broadcast must be on the
+    runtime's device (``meta`` stands in for a CUDA device here; the broadcast is recorded)."""
+    import megatron.training.training as training
+    import torch
+    import torch.distributed as dist
+
+    from megatron_oases.megatron_lm import model_provider
+    from megatron_oases.runtime import device as runtime_device
+
+    from megatron_oases.layers import planned_layer
+
+    model = torch.nn.Module()
+    model.norm = torch.nn.LayerNorm(4)  # as Megatron's WrappedTorchNorm builds it: on the host
+    # (a move to ``meta`` replaces the Parameter objects, a move to CUDA keeps them and their
+    # ``oases_replica_group``: the replica groups are read from the model as it is at the sync)
+    monkeypatch.setattr(planned_layer, "replica_grad_groups",
+                        lambda chunks: [(object(), list(chunks[0].parameters()))])
+    seen = []
+    monkeypatch.setattr(runtime_device, "_RUNTIME",
+                        runtime_device.Runtime(device=torch.device("meta"), backend="nccl"))
+    monkeypatch.setattr(dist, "get_global_rank", lambda g, r: 0)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group: seen.append(t.device))
+    monkeypatch.setattr(training, "finalize_model_grads", training.finalize_model_grads)
+    model_provider._prepare_replicas(model, argparse.Namespace(use_cpu_initialization=False))
+    assert seen == [torch.device("meta")] * 2, seen

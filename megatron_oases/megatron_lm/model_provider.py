@@ -121,6 +121,12 @@ def _prepare_replicas(model, config) -> None:
     from megatron_oases.layers.planned_layer import finalize_with_replica_grads, sync_replica_params
 
     if not config.use_cpu_initialization:
+        # Megatron's get_model moves the model to the GPU only after the provider returns, and
+        # the torch norms (no Apex / TE) are still on the host here: an NCCL group broadcasts
+        # device tensors only, so the model goes to this rank's device first (a no-op on CPU).
+        from megatron_oases.runtime import current_runtime
+
+        model.to(current_runtime().device)
         sync_replica_params([model])
     try:
         import megatron.training.training as training
