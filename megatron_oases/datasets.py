@@ -420,14 +420,15 @@ class MegatronData:
                                        micro_batch_size=a.micro_batch_size,
                                        dp_rank=self.dp_rank, dp_size=self.dp_size):
             samples = [dataset[first + i] for i in idx]
-            batch = {key: torch.stack([s[key] for s in samples]).to(self.device)
+            batch = {key: torch.stack([s[key] for s in samples])
                      for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            # checked on the host, before the move (on a GPU the check would synchronise)
             top = int(max(batch["tokens"].max(), batch["labels"].max()))
             if top >= a.vocab_size:
                 raise ValueError(f"{what} sample holds token id {top} >= --vocab-size "
                                  f"{a.vocab_size}; pass the vocabulary size of the data's "
                                  "tokenizer")
-            out.append(batch)
+            out.append({key: t.to(self.device) for key, t in batch.items()})
         return out
 
     def train_batches(self, iteration: int) -> list[dict]:
