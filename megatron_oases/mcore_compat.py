@@ -7,6 +7,8 @@ version builds one layer of every backend: ``tests/test_mcore_compat.py``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import re
 
@@ -256,7 +258,30 @@ def load_common_state(path: str) -> dict:
 
     _drop_log_line("megatron.core.dist_checkpointing.strategies.common",
                         "load_common is deprecated")
-    return load_common_state_dict(path)
+    with _torch_load_to_cpu():
+        return load_common_state_dict(path)
+
+
+@contextlib.contextmanager
+def _torch_load_to_cpu():
+    """``torch.load`` without a ``map_location`` maps to the CPU inside: Megatron's 0.19 reader of
+    the common state (and torch's distributed-checkpoint planner under it) pass none, so a tensor
+    saved on a GPU (``--fp16``'s loss scale) came back on ``cuda:0``: a CUDA context on GPU 0 for
+    the launcher and every rank, or a failure on a machine without CUDA, like the ``map_location``
+    the older ``common.pt`` path gives."""
+    import torch
+
+    real = torch.load
+
+    def load(*args, **kwargs):
+        kwargs.setdefault("map_location", "cpu")
+        return real(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real
 
 
 def quiet_sync_save_deprecation() -> None:

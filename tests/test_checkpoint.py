@@ -269,6 +269,30 @@ def test_checkpoint_of_a_newer_megatron_core_is_refused_in_one_line(good_ckpt, c
     assert "megatron-core 0.19 or newer" in err and "--load" in err, err
 
 
+def test_common_state_is_read_onto_the_host(good_ckpt, monkeypatch):
+    """0.19+'s reader of the common state (Megatron's, and torch's checkpoint planner under it)
+    calls ``torch.load`` without ``map_location``: a tensor saved on a GPU (``--fp16``'s loss
+    scale) came back on ``cuda:0`` in the launcher and on every rank. Every such load maps to the
+    host, as the ``common.pt`` path does."""
+    import torch
+
+    from megatron_oases import mcore_compat
+
+    if not mcore_compat.common_state_in_torch_dist():
+        pytest.skip("before 0.19 the common state is common.pt, read with map_location='cpu'")
+    calls, real = [], torch.load
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("map_location"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording)
+    ckpt, _ = good_ckpt
+    state = mcore_compat.load_common_state(os.path.join(ckpt, "iter_0000003"))
+    assert state and calls and set(calls) == {"cpu"}, calls
+    assert torch.load is recording  # put back
+
+
 def test_megatron_save_on_cpu_ranks_after_the_cpu_layer(tmp_path):
     """Megatron's own torch_dist save and load on a CPU rank once the CPU layer is installed
     (what tests/test_atp_checkpoint.py and the Megatron-LM entry do): from 0.19 the writer's
