@@ -321,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
 
         # spawned ranks keep this choice
         cfg = dataclasses.replace(cfg, device=detect_runtime(cfg.device).device.type)
+        if cfg.device == "cuda":
+            from megatron_oases.runtime.device import local_ranks_refusal
+
+            refusal = local_ranks_refusal(cfg.nproc_per_node, torch.cuda.device_count())
+            if refusal:
+                print(f"{parser.prog}: error: --nproc-per-node {cfg.nproc_per_node}: {refusal}; "
+                      f"lower --nproc-per-node or use --device cpu", file=sys.stderr)
+                return 2
         try:
             # No bound on the run's length: a rank that makes no progress (an iteration) for
             # --dist-timeout + 60 s ends it, named; a hung collective raises after --dist-timeout.

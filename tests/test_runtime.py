@@ -111,6 +111,32 @@ def test_cuda_device_from_launcher_environment(env, visible, want, monkeypatch):
     assert want[1] in rt.chosen_by
 
 
+def test_launcher_refuses_more_cuda_ranks_than_visible_gpus(monkeypatch, capsys):
+    """``--nproc-per-node 4`` on 2 visible GPUs gave ranks 2 and 3 the GPUs of ranks 0 and 1
+    (``LOCAL_RANK mod visible``), which NCCL refuses ("Duplicate GPU detected") only after every
+    rank has started; now one error line before any rank starts."""
+    import torch
+
+    from megatron_oases import train
+    from megatron_oases.runtime import spawn
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(spawn, "run_on_ranks", lambda *a, **k: started.append(a))
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1",
+             "--device", "cuda"]
+    assert train.main(flags + ["--nproc-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc-per-node 4" in err and "2 are visible" in err and "--device cpu" in err
+    assert not started
+    assert train.main(flags + ["--nproc-per-node", "2"]) == 0  # one GPU each: it launches
+    assert len(started) == 1
+
+
 
 @pytest.mark.parametrize("bound, types, want", [
     (None, ("cuda",), "cuda"),  # nccl world, no device_id (Megatron-LM's init_process_group)

@@ -44,6 +44,30 @@ def test_plan_comm_extrapolates_scales_and_names_unreachable_links():
     assert jobs[0].kind == "p2p" and topo.level_between(*jobs[0].ranks) == 1
 
 
+def test_collectives_on_cuda_refuse_more_ranks_than_visible_gpus(monkeypatch):
+    """``--nproc 4`` on 2 GPUs put two NCCL ranks on each device (``LOCAL_RANK mod visible``),
+    which NCCL refuses after the ranks have started; now one error naming --nproc, no rank."""
+    from megatron_oases.runtime import spawn
+    from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_comm
+
+    topo = local_topology(4)
+    comm = [e for e in needed_events(TINY, [Strategy(tp=4)], topo).values() if e.kind != "compute"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    started = []
+
+    def ranks(fn, n, args, **kw):  # every job takes 1 ms on every rank
+        started.append(n)
+        return [[1.0] * len(args[0])] * n
+    monkeypatch.setattr(spawn, "run_on_ranks", ranks)
+    with pytest.raises(SimError, match=r"--nproc 4: .*4 visible CUDA devices.*2 are visible.*--device cpu"):
+        profile_comm(comm, topo, ProfileSettings(nproc=4, device="cuda"))
+    assert not started
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    times, _ = profile_comm(comm, topo, ProfileSettings(nproc=4, device="cuda"))  # one GPU each
+    assert started == [4] and times
+
+
 def test_every_compute_event_has_a_workload():
     import torch
 

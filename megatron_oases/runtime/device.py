@@ -97,6 +97,17 @@ def local_cuda_index(env, visible: int) -> tuple[int, str]:
     return 0, "neither LOCAL_RANK nor SLURM_LOCALID is set: device 0"
 
 
+def local_ranks_refusal(nproc: int, visible: int) -> str | None:
+    """Why ``nproc`` CUDA ranks started on this machine (``run_on_ranks``: rank r gets
+    ``LOCAL_RANK=r``, so device r mod ``visible``) cannot each have a GPU of their own, or None.
+    Two ranks on one device is no fallback: NCCL refuses them ("Duplicate GPU detected")."""
+    if nproc <= visible:
+        return None
+    return (f"{nproc} ranks on this machine need {nproc} visible CUDA devices, one each (NCCL "
+            f"refuses two ranks on one device), and {visible} {'is' if visible == 1 else 'are'} "
+            f"visible")
+
+
 def current_runtime() -> Runtime:
     """The runtime set up by ``init_runtime`` (detected lazily if nobody set it up)."""
     global _RUNTIME

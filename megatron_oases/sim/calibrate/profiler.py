@@ -252,6 +252,15 @@ def profile_comm(events: Iterable[Event], topo: Topology, settings: ProfileSetti
     jobs, plan = plan_comm(events, topo, settings.nproc, settings.max_comm_bytes)
     if not jobs:
         return {}, {}
+    if _torch_device(settings.device).type == "cuda":  # one GPU per rank, before any rank starts
+        import torch
+
+        from ...runtime.device import local_ranks_refusal
+
+        refusal = local_ranks_refusal(settings.nproc, torch.cuda.device_count())
+        if refusal:
+            raise SimError(f"--nproc {settings.nproc}: the collectives' {refusal}; lower --nproc "
+                           f"or time them with --device cpu")
     per_rank = run_on_ranks(comm_rank_main, settings.nproc, args=(jobs, settings.warmup, settings.reps,
                                                                   settings.device), timeout_s=settings.timeout_s)
     measured = []
