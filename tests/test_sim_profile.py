@@ -68,6 +68,44 @@ def test_collectives_on_cuda_refuse_more_ranks_than_visible_gpus(monkeypatch):
     assert started == [4] and times
 
 
+def test_compute_events_are_timed_on_the_rank_s_gpu_and_its_stream(monkeypatch):
+    """With LOCAL_RANK / SLURM_LOCALID 1 of 2 GPUs, a Megatron layer workload's ``init_runtime``
+    made cuda:1 current while the profiler put the inputs on a fixed cuda:0 (and recorded its CUDA
+    events on the current device's stream, not the one the work ran on)."""
+    from megatron_oases.sim.calibrate import profiler
+
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert profiler._torch_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert profiler._torch_device("cuda") == torch.device("cuda", 1)
+    assert profiler._torch_device(None) == torch.device("cuda", 1)
+    assert profiler._torch_device("cpu") == torch.device("cpu")
+
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    assert profiler.time_ms(lambda: None, warmup=0, reps=2, device=torch.device("cuda", 1)) == 1.0
+    assert recorded == ["stream of cuda:1"] * 4
+
+
 def test_every_compute_event_has_a_workload():
     import torch
 

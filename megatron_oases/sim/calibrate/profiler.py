@@ -67,7 +67,13 @@ def _torch_device(device: str | None):
     want = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise SimError("--device cuda was asked for but torch.cuda.is_available() is False")
-    return torch.device("cuda", 0) if want == "cuda" else torch.device("cpu")
+    if want != "cuda":
+        return torch.device("cpu")
+    from ...runtime.device import local_cuda_index
+
+    # the GPU ``init_runtime`` makes current when a Megatron layer workload is built (LOCAL_RANK,
+    # SLURM_LOCALID): a fixed cuda:0 put the layer's inputs on another GPU than its buffers
+    return torch.device("cuda", local_cuda_index(os.environ, torch.cuda.device_count())[0])
 
 
 def time_ms(fn, *, warmup: int, reps: int, device) -> float:
@@ -86,12 +92,13 @@ def time_ms_and_host(fn, *, warmup: int, reps: int, device) -> tuple[float, floa
     times, host = [], []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        stream = torch.cuda.current_stream(device)  # the device's, whichever GPU is current
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
-            a.record()
+            a.record(stream)
             fn()
-            b.record()
+            b.record(stream)
             host.append((time.perf_counter() - t0) * 1e3)
             b.synchronize()
             times.append(a.elapsed_time(b))
