@@ -18,10 +18,30 @@ import time
 QUERY = "clocks.sm,clocks.mem,temperature.gpu,power.draw"
 
 
-def read_clocks() -> str:
-    """One line of ``nvidia-smi``'s clocks, temperature and power (its error text if it fails)."""
-    done = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"],
-                          capture_output=True, text=True, check=False)
+def torch_gpu_id() -> str | None:
+    """``nvidia-smi -i``'s name (``GPU-<uuid>``) of the GPU torch loads (its current device), or
+    None where torch gives no UUID. ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES`` and lists
+    every GPU of the machine, so without it the line read was physical GPU 0's: on a node of
+    several GPUs, another than the one loaded whenever ``CUDA_VISIBLE_DEVICES`` (a SLURM
+    allocation, a shared node) starts elsewhere."""
+    import uuid
+
+    import torch
+
+    try:
+        raw = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid.bytes
+        return f"GPU-{uuid.UUID(bytes=bytes(raw))}"
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
+def read_clocks(gpu: str | None = None) -> str:
+    """One line of ``nvidia-smi``'s clocks, temperature and power of ``gpu`` (an ``-i`` id; None or
+    an id it does not know, e.g. a MIG instance's: the first GPU it lists), or its error text."""
+    query = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"]
+    done = subprocess.run(query + (["-i", gpu] if gpu else []), capture_output=True, text=True, check=False)
+    if gpu and (done.returncode != 0 or not done.stdout.strip()):
+        return read_clocks(None)
     return done.stdout.strip().splitlines()[0] if done.stdout.strip() else done.stderr.strip()
 
 
@@ -35,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"clocks {a.label}: no CUDA, not settled")
         return 0
-    print(f"clocks {a.label}: {read_clocks()}")
+    gpu = torch_gpu_id()
+    print(f"clocks {a.label}: {read_clocks(gpu)}")
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = time.monotonic() + a.seconds
     while time.monotonic() < end:
@@ -44,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     for _ in range(64):  # queued work still running while nvidia-smi reads the clocks
         x = (x @ x).clamp_(-1, 1)
-    settled = read_clocks()
+    settled = read_clocks(gpu)
     torch.cuda.synchronize()
     print(f"clocks {a.label} (settled {a.seconds:g}s): {settled}")
     return 0

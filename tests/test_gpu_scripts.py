@@ -173,3 +173,33 @@ def test_gpu_settle_says_it_skipped_without_cuda(capsys):
         pytest.skip("a CUDA machine settles for real")
     assert load_script("scripts/gpu_settle.py").main(["--seconds", "3", "--label", "sim-h512-default"]) == 0
     assert capsys.readouterr().out == "clocks sim-h512-default: no CUDA, not settled\n"
+
+
+def test_gpu_settle_reads_the_clocks_of_the_gpu_torch_loads(monkeypatch):
+    """``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES`` and lists every GPU of the node, so the
+    first line read was physical GPU 0's even when torch's device was another GPU; now the GPU
+    is named by torch's UUID (``-i GPU-<uuid>``), and an id nvidia-smi does not take (a MIG
+    instance's) falls back to the first line as before."""
+    import types
+    import uuid
+
+    import torch
+
+    gs = load_script("scripts/gpu_settle.py")
+    u = uuid.UUID("12345678-9abc-def0-1234-56789abcdef0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid=types.SimpleNamespace(bytes=list(u.bytes)))
+                        if d == 3 else None)
+    assert gs.torch_gpu_id() == f"GPU-{u}"
+    calls = []
+
+    def smi(cmd, **kw):
+        calls.append(cmd)
+        known = "-i" not in cmd or cmd[cmd.index("-i") + 1] == f"GPU-{u}"
+        return types.SimpleNamespace(returncode=0 if known else 6, stdout="1980 MHz, 2619 MHz\n" if known
+                                     else "", stderr="" if known else "No devices were found")
+    monkeypatch.setattr(gs.subprocess, "run", smi)
+    assert gs.read_clocks(f"GPU-{u}") == "1980 MHz, 2619 MHz"
+    assert calls[-1][-2:] == ["-i", f"GPU-{u}"]
+    assert gs.read_clocks("MIG-abc") == "1980 MHz, 2619 MHz" and "-i" not in calls[-1]
