@@ -36,10 +36,12 @@ def _timer(device: torch.device):
     """A function timing ``fn()`` once in ms: CUDA events on CUDA, a host clock on CPU."""
     if device.type == "cuda":
         def run(fn):
+            # on ``device``'s stream: with --device cuda:1 the current device's (cuda:0) timed nothing
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             return start.elapsed_time(end)
     else:

@@ -203,3 +203,30 @@ def test_gpu_settle_reads_the_clocks_of_the_gpu_torch_loads(monkeypatch):
     assert gs.read_clocks(f"GPU-{u}") == "1980 MHz, 2619 MHz"
     assert calls[-1][-2:] == ["-i", f"GPU-{u}"]
     assert gs.read_clocks("MIG-abc") == "1980 MHz, 2619 MHz" and "-i" not in calls[-1]
+
+
+def test_fusion_bench_times_on_the_device_s_stream(monkeypatch):
+    """``--device cuda:1`` ran the cases on cuda:1 but recorded the CUDA events on the current
+    device's (cuda:0) stream, where nothing ran: the times were of an empty stream."""
+    import torch
+
+    fb = load_script("scripts/gpu_fusion_bench.py")
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    assert fb._timer(torch.device("cuda", 1))(lambda: None) == 2.0
+    assert recorded == ["stream of cuda:1"] * 2
