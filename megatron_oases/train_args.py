@@ -175,6 +175,13 @@ def world_size_of(cfg: RunConfig) -> int:
     if cfg.nproc_per_node is not None and "RANK" not in os.environ:
         if cfg.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1 (got {cfg.nproc_per_node})")
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+        if tasks.isdigit() and int(tasks) > 1:
+            # each srun task would spawn a world of its own on its node: several separate runs
+            raise ConfigError(f"--nproc-per-node starts the ranks of one machine, and this srun step "
+                              f"has {tasks} tasks, each of which would start a separate run; launch "
+                              f"one task per node through torchrun (as scripts/slurm/*.sbatch do), "
+                              f"or run srun with one task")
         return cfg.nproc_per_node
     return int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -165,6 +165,17 @@ def test_invalid_launch_one_line_exit_2_no_process_group(extra, needle, capsys, 
     assert os.listdir(tmp_path) == []  # nothing written
 
 
+def test_nproc_per_node_under_an_srun_step_of_several_tasks(capsys, tmp_path, monkeypatch):
+    """``srun -n 2 megatron-oases train --nproc-per-node N``: srun sets no RANK, so each task
+    would spawn a world of its own (two separate runs, each exiting 0): refused in one line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    assert _run(BASE) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "this srun step has 2 tasks" in lines[0], lines
+    assert not dist.is_initialized() and os.listdir(tmp_path) == []
+
+
 def test_table_has_at_least_40_launches():
     assert len(CASES) + len(DATA_CASES) >= 40
 
