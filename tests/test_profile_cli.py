@@ -80,7 +80,10 @@ def test_the_measurement_flags_act_on_a_trainer_run(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(predict, "profile_events", measure)
     out = str(tmp_path / "p.json")
     assert profile_main(["--out", out, "--warmup", "0", "--reps", "1", *TRAIN]) == 0
-    assert (seen[-1].warmup, seen[-1].reps, seen[-1].nproc, seen[-1].device) == (0, 1, 2, "cpu")
+    # the run's events first (then the loop overhead's one-rank events, calibrate.loop_overhead)
+    assert (seen[0].warmup, seen[0].reps, seen[0].nproc, seen[0].device) == (0, 1, 2, "cpu")
+    assert seen[-1].nproc == 1 and seen[-1].reps == 1
+    seen.clear()
     assert profile_main(["--out", out, "--nproc", "1", "--threads", "3", "--max-comm-mb", "1", *TRAIN]) == 0
-    s = seen[-1]
+    s = seen[0]
     assert (s.nproc, s.threads, s.max_comm_bytes, s.device, s.warmup, s.reps) == (1, 3, 1 << 20, "cpu", 2, 5)

@@ -246,6 +246,51 @@ def test_profile_train_args_on_gloo_ranks(tmp_path: Path):
     assert json.loads((tmp_path / "t.json").read_text())["format"] == "megatron-oases-profile/2"
     r = predict_train_step(args, ProfileDB.load(tmp_path / "t.json"))
     assert r.iteration_ms > 0 and r.strategy.virtual_stages == 2
+    # the trainer's loop overhead, measured at 1 and 2 layers on one rank (calibrate.loop_overhead)
+    loop = {k.split("[")[0]: v for k, v in db.events_ms.items() if "loop." in k}
+    assert set(loop) == {"compute:loop.microbatch", "compute:loop.layer"} and min(loop.values()) >= 0
+    assert set(db.meta["loop_overhead_runs"]) == {"1", "2"}, db.meta
+    with_loop = predict_train_step(args, ProfileDB.load(tmp_path / "t.json"), loop_overhead=True)
+    assert with_loop.iteration_ms >= r.iteration_ms
+
+
+def test_loop_events_price_what_a_profile_measured_and_nothing_else():
+    """``loop.microbatch`` once and ``loop.layer`` once per layer, per chunk and micro-batch:
+    priced as measured, 0 unmeasured (and not required), 0 in the analytical model."""
+    import dataclasses
+
+    from megatron_oases.describe.ops import is_loop_event
+    from megatron_oases.sim.calibrate.loop_overhead import single_rank_args
+    from megatron_oases.sim.frontends.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(["--nproc-per-node", "1", "--num-layers", "3", "--hidden-size", "32",
+                                      "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "100",
+                                      "--micro-batch-size", "2", "--global-batch-size", "8", "--device", "cpu"])
+    model, s = sim_inputs_from_train_args(args)
+    assert not s.loop_overhead  # the headline prediction
+    looped = dataclasses.replace(s, loop_overhead=True)
+    topo = local_topology(1)
+    keys = unique_events(build_stage_events(model, looped, topo))
+    loop = sorted(k for k in keys if is_loop_event(k))
+    assert [k.split("[")[0] for k in loop] == ["compute:loop.layer", "compute:loop.microbatch"]
+    forward = [e.name for evs, _ in build_stage_events(model, looped, topo)[0].chunks[0].forward_segments
+               for e in evs]
+    assert forward[:4] == ["loop.microbatch"] + ["loop.layer"] * 3
+    base = ProfileDB(device="cpu", events_ms={k: 1.0 for k in keys if k not in loop})
+    plain = predict_train_step(args, base).iteration_ms
+    assert predict_train_step(args, base, loop_overhead=True).iteration_ms == pytest.approx(plain)
+    measured = ProfileDB(device="cpu", events_ms={**base.events_ms, loop[1]: 0.5, loop[0]: 0.25})
+    assert predict_train_step(args, measured, loop_overhead=True).iteration_ms == pytest.approx(
+        plain + 4 * (0.5 + 3 * 0.25))  # 4 micro-batches of 3 layers
+    dm = device_model(topo, gpu="h100-sxm")
+    assert simulate(model, looped, dm).iteration_ms == pytest.approx(simulate(model, s, dm).iteration_ms)
+    # the measured runs: one rank, TP 1, one micro-batch of 1 and 2 layers, same shapes
+    plan_run = build_parser().parse_args(TRAIN + ["--tensor-model-parallel-size", "1"])
+    one = single_rank_args(plan_run, 2)
+    assert (one.num_layers, one.pipeline_model_parallel_size, one.num_layers_per_virtual_pipeline_stage,
+            one.global_batch_size, one.nproc_per_node, one.recompute_num_layers, one.hidden_size) == (
+        2, 1, None, 2, None, 1, 32)
 
 
 def test_profile_format_errors(tmp_path: Path):

@@ -13,6 +13,19 @@ import dataclasses
 from typing import Union
 
 
+LOOP_EVENTS = ("loop.microbatch", "loop.layer")
+"""The reference trainer's host work per micro-batch outside the described events: Megatron's
+schedule, the loss function, DDP's gradient hooks, autograd's bookkeeping. A fixed part per
+micro-batch and a part per layer, measured by a trainer-flags profile
+(``sim.calibrate.loop_overhead``) and priced 0 where it was not measured (the analytical model's
+host costs are the software stack's, ``pricing.stack``)."""
+
+
+def is_loop_event(name: str) -> bool:
+    """Whether the event named ``name`` (or keyed ``compute:<name>[...]``) is a loop event."""
+    return name.split(":", 1)[-1].split("[", 1)[0] in LOOP_EVENTS
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Compute:
     """A run of local work between two collectives."""

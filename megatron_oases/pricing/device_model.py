@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from ..describe.ops import Collective, Compute, ModelingError, ring_factor
+from ..describe.ops import Collective, Compute, ModelingError, is_loop_event, ring_factor
 from ..topology import Topology
 from .stack import LOCAL, SoftwareStack
 
@@ -270,7 +270,8 @@ class ProfileDB:
                    overlapped=med([db.overlapped for db in dbs]))
 
     def missing(self, keys: list[str]) -> list[str]:
-        return sorted(set(k for k in keys if k not in self.events_ms))
+        """The events of ``keys`` the profile lacks (loop events are optional: priced 0 unmeasured)."""
+        return sorted(set(k for k in keys if k not in self.events_ms and not is_loop_event(k)))
 
     def require(self, keys: list[str]) -> None:
         """Raise naming every event the simulation needs that the profile lacks."""
@@ -449,7 +450,7 @@ class DeviceModel:
                       ranks: tuple[int, ...]) -> float:
         if kind == "compute":
             assert isinstance(op, Compute)
-            return self.compute_ms(op)
+            return 0.0 if is_loop_event(op.name) else self.compute_ms(op)
         if kind == "p2p":
             return self.p2p_ms(nbytes, ranks[0], ranks[1])
         assert isinstance(op, Collective)
@@ -459,7 +460,7 @@ class DeviceModel:
         """(GPU ms, host ms) of an analytically priced compute event, for a timeline that lets the
         host issue ahead of the GPU (``timeline.run_template``); None for a collective, P2P, or an
         event the profile measured (its time already holds the host's share)."""
-        if kind != "compute" or not isinstance(op, Compute):
+        if kind != "compute" or not isinstance(op, Compute) or is_loop_event(op.name):
             return None
         if self.profile is not None and key in self.profile.events_ms:
             return None

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 from ...topology import Topology
 from ...pricing.device_model import ProfileDB, SimError
 from ...pricing.event import Event, group_tag
-from ...describe.ops import ring_factor
+from ...describe.ops import is_loop_event, ring_factor
 from ...describe.shapes import GPTShape
 from ..core.events import build_stage_events, unique_events
 from ..core.strategy import Strategy
@@ -282,7 +282,8 @@ def profile_events(events: dict[str, Event], topo: Topology, settings: ProfileSe
     """Measure ``events`` (key -> Event, as ``unique_events`` returns) into a ProfileDB."""
     import torch
 
-    comp = [e for e in events.values() if e.kind == "compute"]
+    # loop events are not workloads: a trainer-flags profile measures them (loop_overhead)
+    comp = [e for e in events.values() if e.kind == "compute" and not is_loop_event(e.name)]
     comm = [e for e in events.values() if e.kind != "compute"]
     if comm and settings.nproc < 2:
         raise SimError(f"{len(comm)} communication event(s) need at least 2 ranks at hand (nproc={settings.nproc})")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from ...describe.head import head_ops, head_param_tensors
 from ...describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ...describe.event_key import layer_shape
-from ...describe.ops import Collective, Compute
+from ...describe.ops import LOOP_EVENTS, Collective, Compute
 from ...describe.planned import degree_reshard, megatron_blocks, reshard_shape
 from ...describe.shapes import GPTShape
 from ...describe.registry import (MLP_PARAM_TENSORS, axis_ranks, block_edges, block_param_tensors,
@@ -206,6 +206,9 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                           learned_positions=not m.variant.rotary)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
+            if s.loop_overhead:  # the trainer's host work of this chunk's micro-batch, up front
+                mb, per_layer = (head_ev(Compute(name=n, gemm_flops=0.0)) for n in LOOP_EVENTS)
+                pre_f = [mb] + [per_layer] * per_chunk + pre_f
             pre_b = [head_ev(op) for op in hd.pre_backward]
             for i, op in enumerate(hd.pre_backward):
                 if op.name in OUTPUT_ASYNC_DGRAD:

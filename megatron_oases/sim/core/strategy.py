@@ -77,6 +77,10 @@ class Strategy:
     """Megatron-Core's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``:
     the first / last pipeline stage holds this many layers (0: an even share), the other stages
     split the rest evenly (no virtual stages, no ``--oases-plan``)."""
+    loop_overhead: bool = False
+    """The reference trainer's host work outside the layer events (``describe.ops.LOOP_EVENTS``):
+    one ``loop.microbatch`` and one ``loop.layer`` per layer at the start of each chunk's forward,
+    per micro-batch (``sim --predict`` sets it; measured by its profile, else priced 0)."""
     tp_comm_overlap: bool = False
     """``--tp-comm-overlap`` (Transformer Engine userbuffers, needs ``sequence_parallel``): each
     layer's SP all-gather / reduce-scatter is pipelined with the GEMM beside it and exposes only

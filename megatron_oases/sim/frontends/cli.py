@@ -22,7 +22,7 @@ from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, attention_kernels_of, \
     check_flash_dtype, core_attention_of
-from ...describe.ops import LayerVariant
+from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
 from ...run_config import check_gqa_flags, gqa_groups, options_present
@@ -549,6 +549,11 @@ def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[
     world = targs.nproc_per_node or (topo.world_size if topo else None)
     r = predict_train_step(targs, profile, world_size=world, topology=topo or a.topology)
     print(summary_table(r))
-    print(f"predicted step time: {r.iteration_ms:.1f} ms")
+    loop = ""
+    if any(is_loop_event(k) for k in profile.events_ms):  # measured by a trainer-flags profile
+        with_loop = predict_train_step(targs, profile, world_size=world, topology=topo or a.topology,
+                                       loop_overhead=True).iteration_ms
+        loop = f" ({with_loop:.1f} ms with the trainer's loop overhead the profile measured)"
+    print(f"predicted step time: {r.iteration_ms:.1f} ms{loop}")
     _write_outputs(a, r)
     return 0

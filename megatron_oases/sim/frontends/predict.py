@@ -17,6 +17,7 @@ import argparse
 from typing import Any
 
 from ...describe.core_attention import attention_kernels_of, core_attention_of
+from ...describe.ops import is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...run_config import RunConfig, dtype_name, run_config
 from ...topology import Topology
@@ -107,17 +108,22 @@ def _topology(topology: Topology | str | None, world: int) -> Topology:
 
 def profile_train_args(args: argparse.Namespace, *, world_size: int | None = None,
                        settings: ProfileSettings | None = None, topology: Topology | str | None = None,
-                       existing: ProfileDB | None = None, **given: Any) -> ProfileDB:
+                       existing: ProfileDB | None = None, loop_overhead: bool = True, **given: Any) -> ProfileDB:
     """Measure every event the trainer run needs, on ``world_size`` local ranks by default.
 
     On CPU each compute event runs with ``cpu_count // world_size`` threads, as the spawned ranks do.
     Without ``settings``: the run's (its ranks up to the topology's, its ``--device``, those
     threads), with the ``ProfileSettings`` fields ``given`` that are not None in their place
     (``megatron-oases profile --nproc/--device/--threads/--warmup/--reps/--max-comm-mb``).
+    ``loop_overhead``: also the trainer's host work outside the events (``calibrate.loop_overhead``;
+    a failure there is recorded in the profile's ``meta`` and leaves those events unmeasured).
     """
     import os
 
+    import dataclasses
+
     model, strategy = sim_inputs_from_train_args(args, world_size)
+    strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead)
     cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
     topo = _topology(topology or cfg.topology, strategy.world_size)
     if settings is None:
@@ -128,14 +134,54 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
     if existing is not None:
         events = {k: e for k, e in events.items() if k not in existing.events_ms}
     db = profile_events(events, topo, settings)
+    loop = {events[k].name: k for k in events if is_loop_event(k)}
+    if loop_overhead and loop:
+        db = _with_loop_overhead(db, args, settings, loop)
     return existing.merged(db) if existing is not None else db
 
 
+def _with_loop_overhead(db: ProfileDB, args: argparse.Namespace, settings: ProfileSettings,
+                        keys: dict[str, str]) -> ProfileDB:
+    """``db`` with the loop events ``keys`` (name -> key) measured (``calibrate.loop_overhead``)."""
+    import dataclasses
+
+    from ..calibrate.loop_overhead import LAYERS, forward_backward_ms, single_rank_args, split
+
+    try:
+        one = dataclasses.replace(settings, nproc=1)
+        # one profile prices both runs (the larger one's events include the smaller one's), so
+        # the difference between them is the layer's, not two profiles' noise
+        small = profile_train_args(single_rank_args(args, max(LAYERS)), world_size=1, settings=one,
+                                   loop_overhead=False)
+        runs = {}
+        for layers in LAYERS:
+            a = single_rank_args(args, layers)
+            runs[layers] = {"trainer_ms": forward_backward_ms(a, settings.warmup, settings.reps, settings.threads),
+                            "events_ms": predict_train_step(a, small, world_size=1,
+                                                            forward_backward_only=True).iteration_ms}
+    except Exception as e:  # noqa: BLE001 -- the events' profile stands; the loop is priced 0
+        return dataclasses.replace(db, meta={**db.meta, "loop_overhead_error": f"{type(e).__name__}: {e}"[:300]})
+    values = dict(zip(("loop.microbatch", "loop.layer"), split(runs)))
+    how = f"trainer forward-backward at {' and '.join(map(str, LAYERS))} layers (one rank) less their events"
+    return dataclasses.replace(
+        db, events_ms={**db.events_ms, **{k: values[n] for n, k in keys.items()}},
+        sources={**db.sources, **{k: how for k in keys.values()}},
+        meta={**db.meta, "loop_overhead_runs": {str(n): {k: round(v, 4) for k, v in r.items()}
+                                                for n, r in runs.items()}})
+
+
 def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_size: int | None = None,
-                       topology: Topology | str | None = None) -> SimResult:
+                       topology: Topology | str | None = None, forward_backward_only: bool = False,
+                       loop_overhead: bool = False) -> SimResult:
     """The simulated step of the trainer run ``args`` priced only from ``profile`` (every event
-    must be in it; the error names the missing ones)."""
+    must be in it; the error names the missing ones). ``loop_overhead``: with the trainer's host
+    work outside the events as the profile measured it (``describe.ops.LOOP_EVENTS``; 0 where it
+    did not). ``forward_backward_only``: the events of forward and backward alone (no optimizer)."""
+    import dataclasses
+
     model, strategy = sim_inputs_from_train_args(args, world_size)
+    strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead and not forward_backward_only,
+                                   optimizer_step=strategy.optimizer_step and not forward_backward_only)
     cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
     topo = _topology(topology or cfg.topology, strategy.world_size)
     # our builds carry no Apex: the local layer runs the ``local`` stack (pricing/stack.py)
