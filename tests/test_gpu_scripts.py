@@ -210,23 +210,9 @@ def test_fusion_bench_times_on_the_device_s_stream(monkeypatch):
     device's (cuda:0) stream, where nothing ran: the times were of an empty stream."""
     import torch
 
+    from tests.fake_cuda import fake_cuda_events
+
     fb = load_script("scripts/gpu_fusion_bench.py")
-    recorded = []
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self, stream=None):
-            recorded.append(stream)
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 2.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    recorded = fake_cuda_events(monkeypatch, 2.0)
     assert fb._timer(torch.device("cuda", 1))(lambda: None) == 2.0
     assert recorded == ["stream of cuda:1"] * 2

@@ -84,24 +84,10 @@ def test_compute_events_are_timed_on_the_rank_s_gpu_and_its_stream(monkeypatch):
     assert profiler._torch_device(None) == torch.device("cuda", 1)
     assert profiler._torch_device("cpu") == torch.device("cpu")
 
-    recorded = []
+    from tests.fake_cuda import fake_cuda_events
 
-    class Event:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self, stream=None):
-            recorded.append(stream)
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 1.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    recorded = fake_cuda_events(monkeypatch, 1.0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     assert profiler.time_ms(lambda: None, warmup=0, reps=2, device=torch.device("cuda", 1)) == 1.0
     assert recorded == ["stream of cuda:1"] * 4
 
