@@ -85,7 +85,7 @@ def forward_backward_ms(args: argparse.Namespace, warmup: int, reps: int, thread
 
 
 def split(runs: dict[int, dict[str, float]]) -> tuple[float, float]:
-    """(ms per micro-batch, ms per layer) from ``{layers: {"trainer_ms", "events_ms"}}`` at two
+    """(ms per micro-batch, ms per layer), in ``describe.ops.LOOP_EVENTS``' order, from ``{layers: {"trainer_ms", "events_ms"}}`` at two
     layer counts: the trainer's time beyond its events, as a line in the layer count (each part
     at least 0)."""
     (l1, r1), (l2, r2) = ((n, r["trainer_ms"] - r["events_ms"]) for n, r in sorted(runs.items()))

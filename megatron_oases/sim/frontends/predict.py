@@ -14,10 +14,11 @@ topology is given, so the profile and the prediction agree on event keys.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from ...describe.core_attention import attention_kernels_of, core_attention_of
-from ...describe.ops import is_loop_event
+from ...describe.ops import LOOP_EVENTS, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...run_config import RunConfig, dtype_name, run_config
 from ...topology import Topology
@@ -120,8 +121,6 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
     """
     import os
 
-    import dataclasses
-
     model, strategy = sim_inputs_from_train_args(args, world_size)
     strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead)
     cfg = run_config(args)  # an entry: the trainer's flags, from the sim CLIs and scripts
@@ -143,16 +142,15 @@ def profile_train_args(args: argparse.Namespace, *, world_size: int | None = Non
 def _with_loop_overhead(db: ProfileDB, args: argparse.Namespace, settings: ProfileSettings,
                         keys: dict[str, str]) -> ProfileDB:
     """``db`` with the loop events ``keys`` (name -> key) measured (``calibrate.loop_overhead``)."""
-    import dataclasses
-
     from ..calibrate.loop_overhead import LAYERS, forward_backward_ms, single_rank_args, split
 
     try:
         one = dataclasses.replace(settings, nproc=1)
         # one profile prices both runs (the larger one's events include the smaller one's), so
-        # the difference between them is the layer's, not two profiles' noise
+        # the difference between them is the layer's, not two profiles' noise; the run's own
+        # events are reused (a TP-1 run's are all of them)
         small = profile_train_args(single_rank_args(args, max(LAYERS)), world_size=1, settings=one,
-                                   loop_overhead=False)
+                                   existing=db, loop_overhead=False)
         runs = {}
         for layers in LAYERS:
             a = single_rank_args(args, layers)
@@ -161,7 +159,7 @@ def _with_loop_overhead(db: ProfileDB, args: argparse.Namespace, settings: Profi
                                                             forward_backward_only=True).iteration_ms}
     except Exception as e:  # noqa: BLE001 -- the events' profile stands; the loop is priced 0
         return dataclasses.replace(db, meta={**db.meta, "loop_overhead_error": f"{type(e).__name__}: {e}"[:300]})
-    values = dict(zip(("loop.microbatch", "loop.layer"), split(runs)))
+    values = dict(zip(LOOP_EVENTS, split(runs)))
     how = f"trainer forward-backward at {' and '.join(map(str, LAYERS))} layers (one rank) less their events"
     return dataclasses.replace(
         db, events_ms={**db.events_ms, **{k: values[n] for n, k in keys.items()}},
@@ -177,8 +175,6 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     must be in it; the error names the missing ones). ``loop_overhead``: with the trainer's host
     work outside the events as the profile measured it (``describe.ops.LOOP_EVENTS``; 0 where it
     did not). ``forward_backward_only``: the events of forward and backward alone (no optimizer)."""
-    import dataclasses
-
     model, strategy = sim_inputs_from_train_args(args, world_size)
     strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead and not forward_backward_only,
                                    optimizer_step=strategy.optimizer_step and not forward_backward_only)
