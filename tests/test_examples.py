@@ -146,7 +146,8 @@ def test_walkthrough_end_to_end(tmp_path):
     assert sorted({b["layer"] for b in plan["predicted"]["blocks"]}) == [0, 1]
     profile = json.loads((out / "profile.json").read_text())
     assert profile["format"].startswith("megatron-oases-profile/") and profile["events"]
-    assert all(v > 0 for v in profile["events"].values() if isinstance(v, (int, float)))
+    # every event took time; the trainer's loop overhead (loop.*) is at least 0
+    assert all(v > 0 or (v == 0 and "loop." in k) for k, v in profile["events"].items())
     assert "overlap none" in (out / "sim_stock.txt").read_text()
     assert "overlap oases" in (out / "sim_oases.txt").read_text()
     assert float(re.search(r"predicted step time: ([0-9.]+) ms", (out / "predict_oases.txt").read_text())[1]) > 0
