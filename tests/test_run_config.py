@@ -131,6 +131,8 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "predict_train_step"): "the simulator's trainer-flags front end",
     ("bench_standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
+    ("sim/frontends/predict.py", "_with_loop_overhead"):
+        "the simulator's trainer-flags front end (the loop overhead's one-rank runs)",
 }
 """(file, function) that may call ``run_config(``, and why it is an entry."""
 
@@ -152,6 +154,8 @@ ARGS_PARAMETERS: dict[tuple[str, str], str] = {
     ("runtime/spawn.py", "_rank_main"): "a function's positional arguments, not a namespace",
     ("runtime/spawn.py", "run_on_ranks"): "a function's positional arguments, not a namespace",
     ("topology/netns.py", "run"): "a command's argv list",
+    ("sim/calibrate/loop_overhead.py", "single_rank_args"):
+        "the trainer flags of the loop overhead's one-rank runs, for the front end's entries",
     ("topology/probe.py", "overlap"): "the probe's own command line",
     ("topology/probe.py", "p2p"): "the probe's own command line",
 }

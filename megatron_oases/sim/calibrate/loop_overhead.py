@@ -45,13 +45,12 @@ def single_rank_args(args: argparse.Namespace, layers: int) -> argparse.Namespac
     return out
 
 
-def forward_backward_ms(args: argparse.Namespace, warmup: int, reps: int, threads: int | None) -> float:
-    """Median milliseconds of the trainer's forward-backward of one micro-batch (``args``: one
-    rank), the device synchronised around each."""
+def forward_backward_ms(cfg, warmup: int, reps: int, threads: int | None) -> float:
+    """Median milliseconds of the trainer's forward-backward of one micro-batch (``cfg``: a
+    one-rank ``RunConfig``), the device synchronised around each."""
     import torch
     from megatron.core import parallel_state as ps
 
-    from ...run_config import run_config
     from ... import train as T
     from .layer_workloads import single_rank_world
 
@@ -62,7 +61,7 @@ def forward_backward_ms(args: argparse.Namespace, warmup: int, reps: int, thread
     try:
         with single_rank_world():
             try:
-                tr = T.setup(run_config(args))
+                tr = T.setup(cfg)
                 batches = tr.data.train_batches(1)
                 times = []
                 for i in range(warmup + reps):

@@ -154,7 +154,8 @@ def _with_loop_overhead(db: ProfileDB, args: argparse.Namespace, settings: Profi
         runs = {}
         for layers in LAYERS:
             a = single_rank_args(args, layers)
-            runs[layers] = {"trainer_ms": forward_backward_ms(a, settings.warmup, settings.reps, settings.threads),
+            runs[layers] = {"trainer_ms": forward_backward_ms(run_config(a), settings.warmup, settings.reps,
+                                                              settings.threads),
                             "events_ms": predict_train_step(a, small, world_size=1,
                                                             forward_backward_only=True).iteration_ms}
     except Exception as e:  # noqa: BLE001 -- the events' profile stands; the loop is priced 0
