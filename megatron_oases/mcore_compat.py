@@ -8,7 +8,6 @@ version builds one layer of every backend: ``tests/test_mcore_compat.py``).
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import re
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 LAYERS = (1, 2)
 """The two layer counts measured."""
@@ -47,12 +45,13 @@ def single_rank_args(args: argparse.Namespace, layers: int) -> argparse.Namespac
 
 def forward_backward_ms(cfg, warmup: int, reps: int, threads: int | None) -> float:
     """Median milliseconds of the trainer's forward-backward of one micro-batch (``cfg``: a
-    one-rank ``RunConfig``), the device synchronised around each."""
+    one-rank ``RunConfig``), timed as the profiler times an event (``profiler.time_ms``)."""
     import torch
     from megatron.core import parallel_state as ps
 
     from ... import train as T
     from .layer_workloads import single_rank_world
+    from .profiler import time_ms
 
     old = torch.get_num_threads()
     if threads:
@@ -63,15 +62,8 @@ def forward_backward_ms(cfg, warmup: int, reps: int, threads: int | None) -> flo
             try:
                 tr = T.setup(cfg)
                 batches = tr.data.train_batches(1)
-                times = []
-                for i in range(warmup + reps):
-                    tr.runtime.synchronize()
-                    t0 = time.perf_counter()
-                    T.forward_backward(tr, batches)
-                    tr.runtime.synchronize()
-                    if i >= warmup:
-                        times.append((time.perf_counter() - t0) * 1e3)
-                return statistics.median(times)
+                return time_ms(lambda: T.forward_backward(tr, batches), warmup=warmup, reps=reps,
+                               device=tr.runtime.device)
             finally:
                 rt = tr.runtime if tr is not None else None
                 tr = None
