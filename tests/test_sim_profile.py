@@ -279,6 +279,36 @@ def test_loop_events_price_what_a_profile_measured_and_nothing_else():
         2, 1, None, 2, None, 1, 32)
 
 
+def test_one_rank_worlds_take_nccl_for_cuda_tensors(monkeypatch):
+    """On an H100 (2026-11-27) every loop-overhead run failed in its one-rank gloo world: the
+    trainer's gradient all-reduce on CUDA tensors ("ProcessGroupGloo::allreduce_coalesced:
+    unsupported device type cuda"). The one-rank world takes NCCL for CUDA tensors, gloo for CPU
+    ones, and the loop-overhead run opens it on the run's device."""
+    import contextlib
+
+    from megatron_oases import runtime
+    from megatron_oases.run_config import RunConfig
+    from megatron_oases.sim.calibrate import layer_workloads, loop_overhead
+
+    assert layer_workloads.single_rank_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert layer_workloads.single_rank_backend("cuda:1") == "cpu:gloo,cuda:nccl"
+    assert layer_workloads.single_rank_backend("cpu") == "gloo"
+    opened = []
+
+    @contextlib.contextmanager
+    def world(device="cpu"):
+        opened.append(device)
+        raise RuntimeError("stop here")
+        yield
+
+    monkeypatch.setattr(layer_workloads, "single_rank_world", world)
+    monkeypatch.setattr(runtime, "detect_runtime",
+                        lambda device=None: runtime.Runtime(device=torch.device("cuda", 0), backend="nccl"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        loop_overhead.forward_backward_ms(RunConfig(device="cuda"), warmup=0, reps=1, threads=None)
+    assert opened == ["cuda"]
+
+
 def test_profile_format_errors(tmp_path: Path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"format": "megatron-oases-profile/1", "device": "x", "events": {}}))

@@ -63,16 +63,24 @@ def core_attention_backend(d: dict) -> str:
     return attention_backend_of(kind, kernels)
 
 
+def single_rank_backend(device: str) -> str:
+    """The one-rank world's backend on ``device`` (a torch device string): gloo for CPU tensors,
+    and NCCL for CUDA ones where the device is a GPU."""
+    return "cpu:gloo,cuda:nccl" if str(device).startswith("cuda") else "gloo"
+
+
 @contextlib.contextmanager
-def single_rank_world():
-    """A one-rank gloo world while none exists: Megatron-Core's linears take their process group
-    only when ``torch.distributed`` is initialised (the profiling ranks already have a world)."""
+def single_rank_world(device: str = "cpu"):
+    """A one-rank world while none exists: Megatron-Core's linears take their process group only
+    when ``torch.distributed`` is initialised (the profiling ranks already have a world). On a
+    ``cuda`` device its CUDA tensors go through NCCL (``single_rank_backend``): the trainer's
+    gradient all-reduce in the loop-overhead runs is one (gloo refuses CUDA tensors there)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(single_rank_backend(device), store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

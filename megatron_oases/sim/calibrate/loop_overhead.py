@@ -50,6 +50,7 @@ def forward_backward_ms(cfg, warmup: int, reps: int, threads: int | None) -> flo
     from megatron.core import parallel_state as ps
 
     from ... import train as T
+    from ...runtime import detect_runtime
     from .layer_workloads import single_rank_world
     from .profiler import time_ms
 
@@ -58,7 +59,7 @@ def forward_backward_ms(cfg, warmup: int, reps: int, threads: int | None) -> flo
         torch.set_num_threads(threads)
     tr = None
     try:
-        with single_rank_world():
+        with single_rank_world(detect_runtime(cfg.device).device.type):
             try:
                 tr = T.setup(cfg)
                 batches = tr.data.train_batches(1)

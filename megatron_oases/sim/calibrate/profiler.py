@@ -134,7 +134,7 @@ def profile_compute(events: Iterable[Event], settings: ProfileSettings,
         torch.set_num_threads(settings.threads)
     try:
         out = {}
-        with single_rank_world():  # Megatron layer workloads need a process group
+        with single_rank_world(str(dev)):  # Megatron layer workloads need a process group
             for ev in events:
                 fn = compute_workload(ev.name, dict(ev.dims), dev)
                 out[ev.key], host = time_ms_and_host(fn, warmup=settings.warmup, reps=settings.reps, device=dev)
