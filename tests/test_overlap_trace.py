@@ -39,6 +39,18 @@ def test_idle_gaps_are_split_into_exposed_communication_and_host_time():
     assert summarize({"traceEvents": []}) == {"device_events": 0}
 
 
+def test_the_compute_stream_is_the_one_with_the_most_kernels_not_the_busiest():
+    """On an H100 (2026-11-27) a copy stand-in slowed by sharing the SMs with the GEMMs kept its
+    stream busier than the compute stream (163 vs 111 ms), and the summary reported the stand-in
+    stream's idle time as the compute stream's; a copy stand-in of many copies has more events."""
+    copies = [_kernel(20, 5 + 10 * i, 10, "copy") for i in range(5)]  # more events than the GEMMs
+    trace = {"traceEvents": [_kernel(7, 0, 5, "gemm_a"), _kernel(7, 10, 5, "gemm_b"), _kernel(7, 60, 5, "gemm_c"),
+                             *copies]}
+    s = summarize(trace, min_gap_us=1)
+    assert s["compute_stream"] == 7 and s["busy_ms_by_stream"] == {"7": 0.015, "20": 0.05}
+    assert s["compute_idle_ms"] == pytest.approx(0.05) and s["idle_while_side_busy_ms"] == pytest.approx(0.045)
+
+
 def test_channel_copy_copies_with_few_blocks_under_the_triton_interpreter():
     pytest.importorskip("triton")
     code = ("import torch\n"

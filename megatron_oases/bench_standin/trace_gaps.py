@@ -49,7 +49,10 @@ def _overlap(span: tuple[float, float], busy: list[tuple[float, float]]) -> floa
 
 
 def summarize(trace: dict, min_gap_us: float = 20.0, top: int = 8) -> dict:
-    """Busy ms per stream, the compute stream (the busiest), and its idle gaps within the step:
+    """Busy ms per stream, the compute stream (the one running the most distinct kernels: the
+    layers' many kinds, where a stand-in stream repeats one; not the busiest, since a stand-in
+    stream slowed by contention can be busier, nor the one with the most events, since a copy
+    stand-in can be many copies), and its idle gaps within the step:
     total, the part covered by another stream's work (exposed communication) and the rest (host),
     and the ``top`` largest gaps with the kernels on either side."""
     events = device_events(trace)
@@ -60,7 +63,10 @@ def summarize(trace: dict, min_gap_us: float = 20.0, top: int = 8) -> dict:
         by_stream.setdefault(s, []).append((a, b))
     busy = {s: _union(iv) for s, iv in by_stream.items()}
     busy_ms = {s: sum(b - a for a, b in iv) / 1e3 for s, iv in busy.items()}
-    compute = max(busy_ms, key=busy_ms.get)
+    kinds: dict[int, set[str]] = {}
+    for s, _, _, name in events:
+        kinds.setdefault(s, set()).add(name)
+    compute = max(by_stream, key=lambda st: (len(kinds[st]), len(by_stream[st])))
     others = _union([iv for s, ivs in busy.items() if s != compute for iv in ivs])
     window = (events[0][1], max(e[2] for e in events))
     mine = [e for e in events if e[0] == compute]
