@@ -36,14 +36,10 @@ PAIRS = (
 
 def peak_tflops(device_name: str) -> float | None:
     """Dense bf16 peak of the card the runs used, from the device model's table."""
-    from megatron_oases.pricing.device_model import gpu_spec
+    from megatron_oases.pricing.device_model import gpu_of_device_name, gpu_spec
 
-    name = device_name.upper()
-    if "H100" in name or "H200" in name:
-        return gpu_spec("h100-sxm").tensor_tflops
-    if "A100" in name:
-        return gpu_spec("a100-80gb").tensor_tflops
-    return None
+    gpu = gpu_of_device_name(device_name)
+    return gpu_spec(gpu).tensor_tflops if gpu else None
 
 
 def load_runs(folder: str) -> dict[str, list[dict]]:

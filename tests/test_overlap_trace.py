@@ -36,6 +36,8 @@ def test_idle_gaps_are_split_into_exposed_communication_and_host_time():
     assert (first["after"], first["before"], first["ms"]) == ("softmax", "gemm_c", pytest.approx(0.03))
     assert (second["after"], second["before"], second["side_busy_ms"]) == ("gemm_a", "gemm_b", pytest.approx(0.016))
     assert "idle 0.05 ms (0.02 while a stand-in ran" in format_summary("x", s)
+    assert s["side_stretches"] == [{"index": 0, "start_ms": 0.012, "ms": 0.016, "exposed_ms": 0.016},
+                                   {"index": 1, "start_ms": 0.06, "ms": 0.005, "exposed_ms": 0.005}]
     assert summarize({"traceEvents": []}) == {"device_events": 0}
 
 

@@ -279,6 +279,37 @@ def test_loop_events_price_what_a_profile_measured_and_nothing_else():
         2, 1, None, 2, None, 1, 32)
 
 
+def test_a_profile_s_prediction_reports_mfu_against_the_card_it_ran_on():
+    """On an H100 (2026-11-27) ``sim --predict`` priced a 465 TFLOP/s step against an A100's peak
+    (MFU 152.5%): the card of a profile-priced prediction is the profile's."""
+    from megatron_oases.pricing.device_model import gpu_of_device_name
+    from megatron_oases.sim.frontends.predict import predict_train_step, sim_inputs_from_train_args
+    from megatron_oases.train_args import build_parser
+
+    assert [gpu_of_device_name(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                            "NVIDIA A100-SXM4-40GB", "NVIDIA A10", "cpu")] == [
+        "h100-sxm", None, "h200-sxm", "a100-40gb", "a10-24gb", None]
+    args = build_parser().parse_args(TRAIN + ["--bf16"])  # the tensor cores' peak
+    model, s = sim_inputs_from_train_args(args)
+    events = {k: 1.0 for k in unique_events(build_stage_events(model, s, local_topology(s.world_size)))}
+    mfu = {dev: predict_train_step(args, ProfileDB(device=dev, events_ms=events)).mfu
+           for dev in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "cpu")}
+    assert mfu["NVIDIA A100-SXM4-80GB"] == pytest.approx(mfu["NVIDIA H100 80GB HBM3"] * 989 / 312)
+    assert mfu["cpu"] == mfu["NVIDIA A100-SXM4-80GB"]  # no card: the default one's peak, as before
+
+
+def test_loop_overhead_is_the_trainer_beyond_its_events_and_nothing_where_it_ran_below_them():
+    from megatron_oases.sim.calibrate.loop_overhead import split
+
+    assert split({1: {"trainer_ms": 11.0, "events_ms": 7.0}, 2: {"trainer_ms": 17.0, "events_ms": 11.0}}) == (
+        pytest.approx(2.0), pytest.approx(2.0))  # 4 = m + l, 6 = m + 2 l
+    assert split({1: {"trainer_ms": 9.0, "events_ms": 7.0}, 2: {"trainer_ms": 12.0, "events_ms": 11.0}}) == (
+        pytest.approx(2.0), 0.0)  # the line falls with the layers: no part per layer
+    # one H100, hidden 512 (2026-11-27): the trainer faster than its events, one by one
+    assert split({1: {"trainer_ms": 5.5482, "events_ms": 7.8}, 2: {"trainer_ms": 8.4981, "events_ms": 10.3784}}) == (0.0, 0.0)
+    assert split({1: {"trainer_ms": 5.5876, "events_ms": 6.2149}, 2: {"trainer_ms": 8.2748, "events_ms": 8.0172}}) == (0.0, 0.0)
+
+
 def test_one_rank_worlds_take_nccl_for_cuda_tensors(monkeypatch):
     """On an H100 (2026-11-27) every loop-overhead run failed in its one-rank gloo world: the
     trainer's gradient all-reduce on CUDA tensors ("ProcessGroupGloo::allreduce_coalesced:

@@ -54,7 +54,9 @@ def summarize(trace: dict, min_gap_us: float = 20.0, top: int = 8) -> dict:
     stream slowed by contention can be busier, nor the one with the most events, since a copy
     stand-in can be many copies), and its idle gaps within the step:
     total, the part covered by another stream's work (exposed communication) and the rest (host),
-    and the ``top`` largest gaps with the kernels on either side."""
+    the ``top`` largest gaps with the kernels on either side, and each stretch of stand-in work
+    (``side_stretches``, in step order: which collectives the schedule left exposed, and by how
+    much)."""
     events = device_events(trace)
     if not events:
         return {"device_events": 0}
@@ -80,11 +82,16 @@ def summarize(trace: dict, min_gap_us: float = 20.0, top: int = 8) -> dict:
             prev_end, prev_name = b, name
     total = sum(g["ms"] for g in gaps)
     exposed = sum(g["side_busy_ms"] for g in gaps)
+    idle = [(window[0] + g["start_us"], window[0] + g["start_us"] + g["ms"] * 1e3) for g in gaps]
+    # each stretch of stand-in work (stand-ins back to back are one) and the compute idle in it
+    stretches = [{"index": i, "start_ms": round((a - window[0]) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
+                  "exposed_ms": round(_overlap((a, b), idle) / 1e3, 3)} for i, (a, b) in enumerate(others)]
     return {"device_events": len(events), "step_ms": (window[1] - window[0]) / 1e3,
             "busy_ms_by_stream": {str(s): round(v, 3) for s, v in sorted(busy_ms.items())},
             "compute_stream": compute, "compute_idle_ms": round(total, 3),
             "idle_while_side_busy_ms": round(exposed, 3), "idle_with_nothing_running_ms": round(total - exposed, 3),
-            "largest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top]}
+            "largest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
+            "side_stretches": stretches}
 
 
 def format_summary(name: str, s: dict) -> str:

@@ -110,6 +110,26 @@ def resolve_gpu_name(name: str) -> str:
     raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
 
 
+def gpu_of_device_name(device_name: str) -> str | None:
+    """The ``GPUS`` entry of a card as ``torch.cuda.get_device_name()`` names it (a profile's
+    ``device``), or None where the table has no such card (a PCIe or NVL H100 has other clocks
+    than the SXM one; ``cpu``)."""
+    n = device_name.upper()
+    if "H100" in n:
+        return None if "PCIE" in n or "NVL" in n else "h100-sxm"
+    if "H200" in n:
+        return "h200-sxm"
+    if "A100" in n:
+        return "a100-40gb" if "40GB" in n else "a100-80gb"
+    if "V100" in n:
+        return "v100-sxm2"
+    if "3090" in n:
+        return "rtx-3090"
+    if re.search(r"\bA10\b", n):
+        return "a10-24gb"
+    return None
+
+
 def gpu_spec(name: str) -> GpuSpec:
     return GPUS[resolve_gpu_name(name)]
 

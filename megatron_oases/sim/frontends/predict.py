@@ -22,7 +22,7 @@ from ...describe.ops import LOOP_EVENTS, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...run_config import RunConfig, dtype_name, run_config
 from ...topology import Topology
-from ...pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_spec
+from ...pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_of_device_name, gpu_spec
 from ...pricing.stack import stack_of
 from ..core.events import build_stage_events, unique_events
 from ..core.strategy import Strategy
@@ -183,7 +183,9 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     topo = _topology(topology or cfg.topology, strategy.world_size)
     # our builds carry no Apex: the local layer runs the ``local`` stack (pricing/stack.py)
     stack = stack_of(transformer_impl=cfg.megatron_lm.transformer_impl, apex=False, error=SimError)
-    dm = DeviceModel(gpu=gpu_spec(topo.device or "a100-80gb"), topology=topo, profile=profile,
+    # the card's peak (the MFU shown) is that of the card the profile ran on, where the table has it
+    gpu = topo.device or gpu_of_device_name(profile.device) or "a100-80gb"
+    dm = DeviceModel(gpu=gpu_spec(gpu), topology=topo, profile=profile,
                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
                      stack=stack)
     return simulate(model, strategy, dm, memory_limit_GB=0)
