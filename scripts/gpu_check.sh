@@ -25,8 +25,9 @@
 #             duration matched to compute; one step of each traced (json/traces/): the compute
 #             stream's idle time, while a stand-in ran vs with nothing running (OVERLAP_FLAGS:
 #             the trainer flags, default the mfu model; OVERLAP_TP: the TP size, default 2)
-#   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS unset (the driver's 8 hardware
-#             queues instead of the 1 Megatron asks for): does one queue serialise the stand-ins?
+#   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS=8 (the driver's default of 8
+#             hardware queues instead of the 1 Megatron asks for; unset, the trainer sets 1):
+#             does one queue serialise the stand-ins?
 #   overlap-rc  the overlap step with full recompute (uniform, 1 layer): the Oases paper's
 #             setting, where Oases' fine-grained recompute issues no collective and Megatron's
 #             repeats the forward's; the link matched to stock's step as in overlap
@@ -121,7 +122,7 @@ if want overlap || want overlap-conn || want overlap-rc; then  # the mfu model a
   OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
   want overlap && step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
     --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
-  want overlap-conn && step overlap-conn 120 env -u CUDA_DEVICE_MAX_CONNECTIONS "${OVB[@]}" --kinds sleep,channels \
+  want overlap-conn && step overlap-conn 120 env CUDA_DEVICE_MAX_CONNECTIONS=8 "${OVB[@]}" --kinds sleep,channels \
     --trace "$OUT/json/traces-conn8" --out "$OUT/json/overlap_standin_conn8.json" -- --device "$DEVICE" "${OVF[@]}"
   want overlap-rc && step overlap-rc 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces-rc" \
     --out "$OUT/json/overlap_standin_rc.json" -- --device "$DEVICE" "${OVF[@]}" \

@@ -98,6 +98,20 @@ def test_gpu_check_on_cpu_says_no_gpu_installs_no_wheel_and_compares_last(tmp_pa
     assert "no GPU used (DEVICE=cpu)" in log and "=== wheels" not in log
 
 
+def test_gpu_check_overlap_conn_runs_with_eight_hardware_queues(tmp_path):
+    """On an H100 (2026-11-27) the step unset the variable, the trainer's runtime set it back to
+    1, and the "8 queues" run repeated the 1-queue one (its JSON recorded "1")."""
+    import tarfile
+
+    small = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+             "--micro-batch-size 2 --global-batch-size 4")
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "overlap-conn", OVERLAP_FLAGS=small)
+    assert rc == 0 and summary.startswith("overlap-conn rc=0"), log[-3000:]
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        bench = json.load(tar.extractfile("json/overlap_standin_conn8.json"))
+    assert bench["cuda_device_max_connections"] == "8"
+
+
 def test_gpu_check_installs_wheels_on_cpu_only_when_asked(tmp_path):
     rc, summary, log = _gpu_check_on_cpu(tmp_path, "env", WHEELS="1")
     assert f"-> {tmp_path / 'tmp'}/gpu_check_site." in log  # a private folder, removed at exit
@@ -216,3 +230,24 @@ def test_fusion_bench_times_on_the_device_s_stream(monkeypatch):
     recorded = fake_cuda_events(monkeypatch, 2.0)
     assert fb._timer(torch.device("cuda", 1))(lambda: None) == 2.0
     assert recorded == ["stream of cuda:1"] * 2
+
+
+def test_sim_vs_standin_prices_the_benchmark_s_collectives_as_the_simulator_does(tmp_path, capsys):
+    """The one-GPU overlap benchmark's stand-ins and the simulator price each collective with the
+    same ``DeviceModel.collective_ms`` on the same link: their communication totals agree for
+    every committed H100 run (both schedules, with and without recompute)."""
+    svs = load_script("scripts/sim_vs_standin.py")
+    runs = [os.path.join(ROOT, "examples", "gpu", "h100-2026-11-27", "call1", f"overlap_standin{s}.json")
+            for s in ("", "_conn8", "_rc")] + [os.path.join(ROOT, "examples", "gpu", "h100-2026-11-26",
+                                                             "overlap_standin.json")]
+    out = tmp_path / "rows.json"
+    assert svs.main(runs + ["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8 and {r["schedule"] for r in rows} == {"default", "oases"}
+    for r in rows:
+        assert r["sim_comm_ms"] == pytest.approx(r["standins_priced_ms"], rel=0.005), r
+        assert r["gpu"] == "h100-sxm" and r["sim_step_ms"] > r["sim_compute_ms"] > 0
+    assert "sim_exposed_ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        svs.main([str(tmp_path / "missing.json")])
+    assert "OVERLAP_JSON" in capsys.readouterr().err

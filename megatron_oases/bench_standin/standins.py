@@ -59,15 +59,22 @@ class Link:
         return _device_model(self, group_size).collective_ms(kind, payload_bytes, tuple(range(group_size)))
 
 
-@functools.lru_cache(maxsize=16)
-def _device_model(link: Link, n: int):
-    from megatron_oases.pricing.device_model import device_model
+def link_topology(link: Link, n: int, device: str | None = None):
+    """The one-level topology of ``n`` ranks over ``link`` the stand-ins are priced on (the
+    simulator prices a run on it the same way, ``scripts/sim_vs_standin.py``)."""
     from megatron_oases.topology import Level, Topology
 
     level = Level(name="standin", size=n, scope="intra_node", p2p_bandwidth_GBps=link.GBps,
                   group_bandwidth_GBps=link.GBps, latency_us=link.latency_us)
+    return Topology(name="standin", device=device, levels=(level,))
+
+
+@functools.lru_cache(maxsize=16)
+def _device_model(link: Link, n: int):
+    from megatron_oases.pricing.device_model import device_model
+
     # The GPU entry is not read: only collectives are priced here.
-    return device_model(Topology(name="standin", levels=(level,)), gpu="h100-sxm")
+    return device_model(link_topology(link, n), gpu="h100-sxm")
 
 
 def link_matching(target_ms: float, calls, latency_us: float) -> Link:

@@ -176,6 +176,22 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     must be in it; the error names the missing ones). ``loop_overhead``: with the trainer's host
     work outside the events as the profile measured it (``describe.ops.LOOP_EVENTS``; 0 where it
     did not). ``forward_backward_only``: the events of forward and backward alone (no optimizer)."""
+    return _train_step(args, profile, world_size=world_size, topology=topology,
+                       forward_backward_only=forward_backward_only, loop_overhead=loop_overhead)
+
+
+def analytical_train_step(args: argparse.Namespace, *, topology: Topology, gpu: str | None = None,
+                          world_size: int | None = None, forward_backward_only: bool = False) -> SimResult:
+    """The simulated step of the trainer run ``args`` priced by the analytical device model of
+    ``gpu`` (default: the topology's ``device``) on ``topology``; as ``predict_train_step``
+    otherwise (our builds' ``local`` stack)."""
+    return _train_step(args, None, world_size=world_size, topology=topology, gpu=gpu,
+                       forward_backward_only=forward_backward_only, loop_overhead=False)
+
+
+def _train_step(args: argparse.Namespace, profile: ProfileDB | None, *, world_size: int | None,
+                topology: Topology | str | None, forward_backward_only: bool, loop_overhead: bool,
+                gpu: str | None = None) -> SimResult:
     model, strategy = sim_inputs_from_train_args(args, world_size)
     strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead and not forward_backward_only,
                                    optimizer_step=strategy.optimizer_step and not forward_backward_only)
@@ -184,7 +200,7 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
     # our builds carry no Apex: the local layer runs the ``local`` stack (pricing/stack.py)
     stack = stack_of(transformer_impl=cfg.megatron_lm.transformer_impl, apex=False, error=SimError)
     # the card's peak (the MFU shown) is that of the card the profile ran on, where the table has it
-    gpu = topo.device or gpu_of_device_name(profile.device) or "a100-80gb"
+    gpu = gpu or topo.device or (profile is not None and gpu_of_device_name(profile.device)) or "a100-80gb"
     dm = DeviceModel(gpu=gpu_spec(gpu), topology=topo, profile=profile,
                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
                      stack=stack)
