@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     missing = [f for f in a.files if not os.path.isfile(f)]
     if missing:
         p.error(f"OVERLAP_JSON {missing[0]} is not a file; give the --out file of scripts/bench_gpu_overlap.py")
+    from megatron_oases.errors import ConfigError
+    from megatron_oases.output_paths import check_output_file
+
+    try:
+        check_output_file("--out", a.out)
+    except ConfigError as e:
+        p.error(str(e))
     rows = [row for f in a.files for row in compare(f)]
     cols = ("file", "schedule", "recompute", "cuda_device_max_connections", "compute_ms", "sim_compute_ms",
             "standins_priced_ms", "sim_comm_ms", "sleep_step_ms", "sim_step_ms", "exposed_ms", "sim_exposed_ms")

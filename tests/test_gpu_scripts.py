@@ -251,3 +251,6 @@ def test_sim_vs_standin_prices_the_benchmark_s_collectives_as_the_simulator_does
     with pytest.raises(SystemExit):
         svs.main([str(tmp_path / "missing.json")])
     assert "OVERLAP_JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        svs.main(runs[:1] + ["--out", str(tmp_path / "no-such-folder" / "rows.json")])
+    assert "--out" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
