@@ -129,7 +129,7 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("megatron_lm/pretrain_gpt.py", "main"): "python -m megatron_oases.pretrain_gpt",
     ("sim/frontends/predict.py", "sim_inputs_from_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",
-    ("sim/frontends/predict.py", "predict_train_step"): "the simulator's trainer-flags front end",
+    ("sim/frontends/predict.py", "_train_step"): "the simulator's trainer-flags front end",
     ("bench_standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
     ("sim/frontends/predict.py", "_with_loop_overhead"):
         "the simulator's trainer-flags front end (the loop overhead's one-rank runs)",
@@ -154,6 +154,9 @@ ARGS_PARAMETERS: dict[tuple[str, str], str] = {
     ("runtime/spawn.py", "_rank_main"): "a function's positional arguments, not a namespace",
     ("runtime/spawn.py", "run_on_ranks"): "a function's positional arguments, not a namespace",
     ("topology/netns.py", "run"): "a command's argv list",
+    ("sim/frontends/predict.py", "predict_train_step"): "the simulator's trainer-flags front end",
+    ("sim/frontends/predict.py", "analytical_train_step"):
+        "the simulator's trainer-flags front end (scripts/sim_vs_standin.py)",
     ("sim/calibrate/loop_overhead.py", "single_rank_args"):
         "the trainer flags of the loop overhead's one-rank runs, for the front end's entries",
     ("topology/probe.py", "overlap"): "the probe's own command line",
