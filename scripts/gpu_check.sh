@@ -24,13 +24,16 @@
 #             replaced by a stand-in (sleep, copy and 16-block "channels" copy kernels) of a
 #             duration matched to compute; one step of each traced (json/traces/): the compute
 #             stream's idle time, while a stand-in ran vs with nothing running (OVERLAP_FLAGS:
-#             the trainer flags, default the mfu model; OVERLAP_TP: the TP size, default 2)
+#             the trainer flags, default the mfu model; OVERLAP_TP: the TP size, default 2;
+#             OVERLAP_ARGS: more benchmark flags, e.g. "--steps 1 --warmup 0")
 #   overlap-conn  the same with CUDA_DEVICE_MAX_CONNECTIONS=8 (the driver's default of 8
 #             hardware queues instead of the 1 Megatron asks for; unset, the trainer sets 1):
 #             does one queue serialise the stand-ins?
 #   overlap-rc  the overlap step with full recompute (uniform, 1 layer): the Oases paper's
 #             setting, where Oases' fine-grained recompute issues no collective and Megatron's
 #             repeats the forward's; the link matched to stock's step as in overlap
+#             (after any of the three: scripts/sim_vs_standin.py, the simulator's step, compute
+#             and exposed communication beside the measured ones, as step "sim-standin")
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -119,7 +122,7 @@ if want mfu; then
 fi
 if want overlap || want overlap-conn || want overlap-rc; then  # the mfu model at TP 2 (OVERLAP_FLAGS: other model flags of the trainer)
   if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
-  OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}")
+  OVB=($PY scripts/bench_gpu_overlap.py --tp "${OVERLAP_TP:-2}" ${OVERLAP_ARGS:-})
   want overlap && step overlap 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces" \
     --out "$OUT/json/overlap_standin.json" -- --device "$DEVICE" "${OVF[@]}"
   want overlap-conn && step overlap-conn 120 env CUDA_DEVICE_MAX_CONNECTIONS=8 "${OVB[@]}" --kinds sleep,channels \
@@ -127,6 +130,9 @@ if want overlap || want overlap-conn || want overlap-rc; then  # the mfu model a
   want overlap-rc && step overlap-rc 150 "${OVB[@]}" --kinds sleep,copy,channels --trace "$OUT/json/traces-rc" \
     --out "$OUT/json/overlap_standin_rc.json" -- --device "$DEVICE" "${OVF[@]}" \
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  if ls "$OUT"/json/overlap_standin*.json >/dev/null 2>&1; then
+    step sim-standin 30 $PY scripts/sim_vs_standin.py "$OUT"/json/overlap_standin*.json --out "$OUT/json/sim_vs_standin.json"
+  fi
 fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"
 

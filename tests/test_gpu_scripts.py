@@ -100,16 +100,21 @@ def test_gpu_check_on_cpu_says_no_gpu_installs_no_wheel_and_compares_last(tmp_pa
 
 def test_gpu_check_overlap_conn_runs_with_eight_hardware_queues(tmp_path):
     """On an H100 (2026-11-27) the step unset the variable, the trainer's runtime set it back to
-    1, and the "8 queues" run repeated the 1-queue one (its JSON recorded "1")."""
+    1, and the "8 queues" run repeated the 1-queue one (its JSON recorded "1"). The simulator's
+    comparison (sim-standin) follows the overlap steps."""
     import tarfile
 
     small = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
              "--micro-batch-size 2 --global-batch-size 4")
-    rc, summary, log = _gpu_check_on_cpu(tmp_path, "overlap-conn", OVERLAP_FLAGS=small)
-    assert rc == 0 and summary.startswith("overlap-conn rc=0"), log[-3000:]
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "overlap-conn", OVERLAP_FLAGS=small,
+                                         OVERLAP_ARGS="--steps 1 --warmup 0")
+    assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
+        ["overlap-conn", "rc=0"], ["sim-standin", "rc=0"]], log[-3000:]
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
         bench = json.load(tar.extractfile("json/overlap_standin_conn8.json"))
+        rows = json.load(tar.extractfile("json/sim_vs_standin.json"))
     assert bench["cuda_device_max_connections"] == "8"
+    assert [r["schedule"] for r in rows] == ["default", "oases"]  # the simulator beside it
 
 
 def test_gpu_check_installs_wheels_on_cpu_only_when_asked(tmp_path):
