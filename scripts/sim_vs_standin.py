@@ -11,7 +11,9 @@ compute only).
 
 The stand-ins and the simulator price each collective with the same ``DeviceModel.collective_ms``
 on the same link, so their communication totals agree by construction (the test checks it);
-what the comparison tests is the simulator's compute model and its overlap of the two.
+what the comparison tests is the simulator's compute model and its overlap of the two. A card
+the device model's table lacks (a CPU run: gpu_check.sh's test) is priced as an H100 SXM, so
+only the plumbing means anything there.
 """
 from __future__ import annotations
 
