@@ -470,6 +470,10 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
             init_torch_adam_state(tr.optimizer)
         state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                              metadata=metadata)
+        if is_loading:
+            from megatron_oases.runtime.dist_ckpt import main_params_by_position
+
+            main_params_by_position(state["optimizer"])
     if rng:
         from megatron_oases.runtime.dist_ckpt import rng_state
 
@@ -599,8 +603,9 @@ def load_checkpoint(tr) -> int:
     if load_optim:
         import torch
 
-        from megatron_oases.runtime.dist_ckpt import restore_adam_steps
+        from megatron_oases.runtime.dist_ckpt import main_params_as_lists, restore_adam_steps
 
+        main_params_as_lists(loaded["optimizer"], state["optimizer"])
         if crossing:
             loaded["optimizer"] = convert(loaded["optimizer"])
 

@@ -90,6 +90,43 @@ def _build_local(key, data, replica_id, flattened_range):
     return LocalNonpersistentObject(data)
 
 
+MAIN_PARAMS = "fp32_from_fp16_params"
+"""Megatron's ``Float16OptimizerWithFloat16Params`` (the plain optimizer in bf16 / fp16): its fp32
+main parameters in the sharded state, one list per param group."""
+
+
+def main_params_by_position(optimizer_state: dict) -> None:
+    """Key the plain mixed-precision optimizer's main parameters by position (``{group: {index:
+    tensor}}``) in the sharded state a load takes.
+
+    ``dist_checkpointing.load`` takes the local objects out of the state, loads the rest and
+    merges the two back; a list keeps no positions there, so a group holding both (on a 3-D rank
+    off the cube diagonal its empty vectors are local, ``keep_empty_params_local``) failed:
+    ``Cannot merge two lists with different lengths``. Dicts keep the positions;
+    ``main_params_as_lists`` turns the loaded state back for Megatron's ``load_state_dict``."""
+    for state in _holding_main_params(optimizer_state).values():
+        state[MAIN_PARAMS] = {i: dict(enumerate(group)) for i, group in
+                              enumerate(state[MAIN_PARAMS])}
+
+
+def main_params_as_lists(loaded: dict, sharded: dict) -> None:
+    """The loaded main parameters as Megatron's lists again, each group as long as in ``sharded``
+    (the state ``main_params_by_position`` keyed; a load drops an empty group)."""
+    for where, state in _holding_main_params(sharded).items():
+        into = loaded if where is None else loaded[where]
+        got = into.get(MAIN_PARAMS, {})
+        into[MAIN_PARAMS] = [[got[i][j] for j in range(len(group))]
+                             for i, group in state[MAIN_PARAMS].items()]
+
+
+def _holding_main_params(state: dict) -> dict:
+    """The optimizer states with ``MAIN_PARAMS``: ``{None: state}`` for one optimizer, ``{index:
+    state}`` for a ChainedOptimizer's (its sharded state is keyed by optimizer index)."""
+    if MAIN_PARAMS in state:
+        return {None: state}
+    return {k: sub for k, sub in state.items() if isinstance(sub, dict) and MAIN_PARAMS in sub}
+
+
 def init_torch_adam_state(optimizer) -> None:
     """Give every parameter of the distributed optimizer's inner ``torch.optim.Adam`` a zero state
     (``step``, moments) before a checkpoint load builds its sharded state dict.
