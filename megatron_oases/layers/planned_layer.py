@@ -19,6 +19,7 @@ import dataclasses
 from typing import Sequence
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
@@ -29,6 +30,18 @@ from megatron_oases.parallel.degree_groups import (DegreeGroups, narrow_batch_ma
 _BATCH_KWARGS = ("attention_mask", "padding_mask")
 MLP_BLOCK_PREFIXES = ("mlp.", "pre_mlp_layernorm.")
 """Parameters of the MLP block (its degree); everything else belongs to the attention block."""
+
+
+def _dense_mlp_parts(submodules):
+    """``mcore_compat.dense_mlp_parts`` of the layer's MLP; ValueError (the plan needs it) if it
+    is not Megatron's dense MLP."""
+    from megatron_oases.mcore_compat import dense_mlp_parts
+
+    parts = dense_mlp_parts(submodules.mlp)
+    if parts is None:
+        raise ValueError(f"--oases-plan with different attention and MLP degrees needs Megatron's "
+                         f"dense MLP (got {submodules.mlp})")
+    return parts
 
 
 def block_degrees(entry) -> tuple[int, int]:
@@ -65,10 +78,13 @@ class PlannedTransformerLayer(TransformerLayer):
         number = layer_number + get_transformer_layer_offset(config, vp_stage,
                                                              get_pg_rank(pg_collection.pp))
         degree, mlp_degree = block_degrees(layer_degrees[number - 1])
-        super().__init__(config, submodules, layer_number, hidden_dropout,
+        mlp_parts = _dense_mlp_parts(submodules) if mlp_degree != degree else None
+        built = dataclasses.replace(submodules, mlp=IdentityOp) if mlp_parts else submodules
+        super().__init__(config, built, layer_number, hidden_dropout,
                          _with_tp(pg_collection, degree_groups.sub[degree]), vp_stage)
-        if mlp_degree != degree:
-            self._rebuild_mlp(submodules, degree_groups.sub[mlp_degree])
+        if mlp_parts:
+            self.submodules_config = submodules
+            self._build_mlp(mlp_parts, degree_groups.sub[mlp_degree])
         self.tp_degree = degree
         """The attention block's degree (the layer's input side)."""
         self.mlp_degree = mlp_degree
@@ -91,28 +107,15 @@ class PlannedTransformerLayer(TransformerLayer):
             if degree_groups.replica_index(d) > 0 and getattr(p, "tensor_model_parallel", False):
                 p.tensor_model_parallel = False  # another replica's copy: not in the grad norm
 
-    def _rebuild_mlp(self, submodules, tp_group) -> None:
-        """The MLP block on its own TP sub-group (Megatron's ``TransformerLayer`` builds it on the
-        layer's group)."""
-        from megatron_oases.mcore_compat import dense_mlp_parts
-
-        parts = dense_mlp_parts(submodules.mlp)
-        if parts is None:
-            raise ValueError(f"--oases-plan with different attention and MLP degrees needs Megatron's "
-                             f"dense MLP (got {submodules.mlp})")
-        mlp_cls, mlp_submodules, mlp_params = parts
-        # Building it again draws its initial weights a second time; keep the generators where
-        # the layer's own build left them, so later draws (dropout masks) stay in stock order.
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        from megatron_oases.runtime import current_runtime
-
-        runtime = current_runtime()
-        with torch.random.fork_rng(devices=[runtime.device] if runtime.is_cuda else []):
-            tracker_states = get_cuda_rng_tracker().get_states()
-            self.mlp = mlp_cls(config=self.config, submodules=mlp_submodules, tp_group=tp_group,
-                               **mlp_params)
-            get_cuda_rng_tracker().set_states(tracker_states)
+    def _build_mlp(self, mlp_parts, tp_group) -> None:
+        """The MLP block on its own TP sub-group, built once, where Megatron's ``TransformerLayer``
+        builds it (last, nothing after it draws): its initial weights are then the draws stock
+        Megatron makes for it (``--use-cpu-initialization`` splits the same master weights), and
+        later draws stay in stock order. Building it a second time, after the layer, drew the
+        next layer's weights instead (issue 48)."""
+        mlp_cls, mlp_submodules, mlp_params = mlp_parts
+        self.mlp = mlp_cls(config=self.config, submodules=mlp_submodules, tp_group=tp_group,
+                           **mlp_params)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(self.layer_number)
 
