@@ -59,6 +59,8 @@ class MegatronLMOptions:
     record_memory_history: bool = False
     profile: bool = False
     inprocess_restart: bool = False
+    use_torch_fsdp2: bool = False
+    use_megatron_fsdp: bool = False
 
     @property
     def uneven_pipeline(self) -> bool:
@@ -184,6 +186,12 @@ class RunConfig:
     def selective_recompute(self) -> bool:
         """Megatron's selective recompute (the core attention) is asked for, in either spelling."""
         return self.recompute_granularity == "selective" or self.megatron_lm.recompute_activations
+
+    @property
+    def selective_recompute_flag(self) -> str:
+        """The spelling of selective recompute this run used, for refusals to name."""
+        return ("--recompute-granularity selective" if self.recompute_granularity == "selective"
+                else "--recompute-activations")
 
     def as_dict(self) -> dict[str, Any]:
         """The flat fields (the namespace's names) and their values; without ``megatron_lm``."""

@@ -435,7 +435,7 @@ def check_selective_recompute(cfg: RunConfig) -> None:
     ``SelfAttention``; the ATP and 3-D attention modules call ``DotProductAttention`` directly,
     so there it would do nothing: refused."""
     if cfg.selective_recompute and not backend(cfg.tp_backend).megatron_modules:
-        raise ConfigError(f"--recompute-granularity selective has no effect with --tp-backend {cfg.tp_backend} "
+        raise ConfigError(f"{cfg.selective_recompute_flag} has no effect with --tp-backend {cfg.tp_backend} "
                           f"(its attention does not checkpoint Megatron's core attention); use "
                           f"--recompute-granularity full or drop it")
 

@@ -8,8 +8,8 @@
 # mktemp folder removed on exit (WHEELS=0 skips that, WHEELS=1 forces it; default 1 on CUDA, 0
 # with DEVICE=cpu): `bash scripts/gpu_wheels.sh` puts megatron-core 0.19.2 and pulp for Python
 # 3.12 there.
-# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_FLAGS and FUSION_ARGS at small shapes runs env,
-# attn, mfu, overlap, overlap-conn, fusion, sim and compare on CPU (how the script is tested
+# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_FLAGS, LLAMA_SIZES and FUSION_ARGS at small shapes
+# runs env, attn, mfu, overlap, overlap-conn, overlap-summary, fusion, sim and compare on CPU (how the script is tested
 # before a lease; the numbers then mean nothing; env records that there is no GPU; train is
 # CUDA only): docs/gpu.md has the command.
 # Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
@@ -34,6 +34,13 @@
 #             repeats the forward's; the link matched to stock's step as in overlap
 #             (after any of the three: scripts/sim_vs_standin.py, the simulator's step, compute
 #             and exposed communication beside the measured ones, as step "sim-standin")
+#   overlap-summary  the benchmark with sleep and nccl stand-ins and comm-disabled, stock and Oases,
+#             without and with full recompute, at SUMMARY_LINKS GB/s (default "24 150": PCIe-like,
+#             NVLink-like) for two models: the mfu model at TP 2 (h4096) and one rank's shard of
+#             Llama-2-70B layers at TP 8 (llama2-70b-tp8: GQA, SwiGLU, sequence 4096, 4 layers,
+#             micro-batch 2; LLAMA_SIZES replaces its size flags); one run each (8 in all, about
+#             5 minutes on an H100), then json/overlap_summary.json: one record per kind, recompute,
+#             link and model (megatron_oases/bench_standin/summary.py)
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -51,7 +58,7 @@
 #             each profile the SM and memory clocks are read as found, then after SETTLE_S
 #             (default 5) seconds of GEMMs, under load (scripts/gpu_settle.py; summary.txt)
 # STEPS picks steps (default: "env attn mfu overlap overlap-conn overlap-rc sim sim-sizes compare"; the others are
-# "fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
+# "overlap-summary fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
 # schedules, SIM_HIDDEN the sim-sizes list.
 set -u
@@ -132,6 +139,30 @@ if want overlap || want overlap-conn || want overlap-rc; then  # the mfu model a
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   if ls "$OUT"/json/overlap_standin*.json >/dev/null 2>&1; then
     step sim-standin 30 $PY scripts/sim_vs_standin.py "$OUT"/json/overlap_standin*.json --out "$OUT/json/sim_vs_standin.json"
+  fi
+fi
+if want overlap-summary; then  # docs/gpu.md, "The next GPU call"
+  if [ -n "${OVERLAP_FLAGS:-}" ]; then read -r -a OVF <<<"$OVERLAP_FLAGS"; else OVF=("${MFU_MODEL[@]}"); fi
+  if [ -n "${LLAMA_SIZES:-}" ]; then read -r -a L70 <<<"$LLAMA_SIZES"; else
+  L70=(--num-layers 4 --hidden-size 8192 --num-attention-heads 64 --num-query-groups 8 --ffn-hidden-size 28672
+    --seq-length 4096 --max-position-embeddings 4096 --vocab-size 32000 --micro-batch-size 2 --bf16); fi
+  L70+=(--group-query-attention --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
+    --untie-embeddings-and-output-weights)
+  mkdir -p "$OUT/json/summary"
+  for model in h4096 llama2-70b-tp8; do
+    if [ "$model" = h4096 ]; then tp=2; flags=("${OVF[@]}"); else tp=8; flags=("${L70[@]}"); fi
+    for rc in none full; do
+      rcf=(); [ "$rc" = full ] && rcf=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+      for gbps in ${SUMMARY_LINKS:-24 150}; do
+        step "summary-$model-$rc-$gbps" 90 $PY scripts/bench_gpu_overlap.py --tp "$tp" --kinds sleep,nccl \
+          --link-gbps "$gbps" --label "$model" ${OVERLAP_ARGS:-} --out "$OUT/json/summary/overlap-$model-$rc-$gbps.json" \
+          -- --device "$DEVICE" "${flags[@]}" ${rcf[@]+"${rcf[@]}"}
+      done
+    done
+  done
+  if ls "$OUT"/json/summary/overlap-*.json >/dev/null 2>&1; then
+    step overlap-summary 30 $PY -m megatron_oases.bench_standin.summary "$OUT"/json/summary/overlap-*.json \
+      --out "$OUT/json/overlap_summary.json"
   fi
 fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"

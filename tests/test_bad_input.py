@@ -139,6 +139,8 @@ CASES = [
     ("schedule-unknown", ["--schedule", "fast"], "argument --schedule: invalid choice"),
     ("int-not-int", ["--num-layers", "four"], "argument --num-layers: invalid int value"),
     ("flag-unknown", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # Megatron-LM's FSDP wrappers: the trainer has no such flag (its DDP shards nothing)
+    ("fsdp2", ["--use-torch-fsdp2"], "unrecognized arguments: --use-torch-fsdp2"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-absent", ["--device", "cuda"], "--device cuda: no CUDA device is visible"))

@@ -164,9 +164,9 @@ def test_megatron_parse_args_takes_our_flags():
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-granularity",
       "selective"], "--recompute-granularity selective cannot be combined with --schedule oases"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--recompute-activations"],
-     "--recompute-granularity selective cannot be combined with --schedule oases"),
+     "--recompute-activations cannot be combined with --schedule oases"),
     (["--tensor-model-parallel-size", "2", "--tp-backend", "atp", "--atp-mesh", "1,2",
-      "--recompute-activations"], "--recompute-granularity selective has no effect with --tp-backend atp"),
+      "--recompute-activations"], "--recompute-activations has no effect with --tp-backend atp"),
     (["--oases-plan", "plan.json"], "--oases-plan plan.json: cannot be read"),
 ])
 def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, monkeypatch):
@@ -370,7 +370,7 @@ def _sha(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-TAGS = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+TAGS = tuple(__import__("megatron_oases.megatron_lm.checkout", fromlist=["TAGS"]).TAGS.values())
 """One tag per supported release; each gets its release's patch set (patches/README.md)."""
 
 

@@ -34,6 +34,8 @@ def _parser():
     p.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma",
                    action="store_true")
     p.add_argument("--softmax-type", default="vanilla")
+    p.add_argument("--use-torch-fsdp2", action="store_true")
+    p.add_argument("--use-megatron-fsdp", action="store_true")
     return extra_args_provider(p)
 
 
@@ -46,6 +48,9 @@ def _parser():
     (["--tp-backend", "atp", "--atp-mesh", "2,2"], ["--apply-layernorm-1p"], None),
     (["--tp-backend", "3d"], ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
     ([], ["--window-size", "64,0", "--add-qkv-bias"], None),  # stock: Megatron-LM's own layers
+    (["--schedule", "oases"], ["--use-torch-fsdp2"], "--use-torch-fsdp2"),
+    (["--tp-backend", "atp", "--atp-mesh", "2,2"], ["--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    ([], ["--use-torch-fsdp2"], None),  # stock: Megatron-LM's own FSDP, its own checks (GPU)
 ])
 def test_refused_only_where_a_build_drops_it(run, extra, refused, capsys, monkeypatch):
     world = 8 if "3d" in run else 4
@@ -105,3 +110,16 @@ def test_attention_backend_is_honoured_or_refused(extra, refused, capsys, monkey
         _backend_parser().parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and refused in err[0], err
+
+
+@pytest.mark.parametrize("flag", ["--use-torch-fsdp2", "--use-megatron-fsdp"])
+def test_fsdp_is_refused_on_cpu(flag):
+    """A stock run with a checkout keeps Megatron-LM's FSDP, which needs CUDA: on CPU the entry
+    refuses it in one line rather than at Megatron's asserts or the missing NVIDIA driver."""
+    from megatron_oases.run_config import run_config
+    from megatron_oases.runtime.cpu_training_compat import cpu_training_refusal
+
+    args = _parser().parse_args(BASE + [flag])
+    problem = cpu_training_refusal(run_config(args).megatron_lm)
+    assert problem.startswith(f"{flag} shards the model") and "\n" not in problem, problem
+    assert problem.endswith("it needs CUDA (this run is on CPU): drop it"), problem

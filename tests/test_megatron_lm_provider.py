@@ -155,12 +155,12 @@ def test_wrap_entry_and_unvalidated_args(monkeypatch):
         ensure_validated(bare)
 
 
-def _entry(env_path: str | None):
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
+def _entry(env_path: str | None, argv=("--help",)):
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM_PATH", "RANK")}
     if env_path is not None:
         env["MEGATRON_LM_PATH"] = env_path
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "megatron_oases.pretrain_gpt", "--help"],
+    return subprocess.run([sys.executable, "-m", "megatron_oases.pretrain_gpt", *argv],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -172,18 +172,41 @@ def test_entry_without_a_checkout():
     proc = _entry(None)
     if mcore_compat.megatron_training_in_wheel():
         assert proc.returncode == 0 and "--tp-backend {megatron,atp,3d}" in proc.stdout, proc.stderr
+        # the usage names the command run, not argparse's default (the script's file name)
+        assert proc.stdout.startswith("usage: python -m megatron_oases.pretrain_gpt "), proc.stdout
         return
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("megatron_oases.pretrain_gpt: error: set MEGATRON_LM_PATH to a "
-                               "Megatron-LM checkout of the installed release (core_v0.16.")
+    assert lines[0].startswith("python -m megatron_oases.pretrain_gpt: error: set MEGATRON_LM_PATH "
+                               "to a Megatron-LM checkout of the installed release (core_v0.16.1)")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # Megatron-LM asserts on these (or fails without a GPU); our builds shard nothing
+    (["--use-torch-fsdp2"], "does not support --use-torch-fsdp2"),
+    (["--use-megatron-fsdp"], "does not support --use-megatron-fsdp"),
+])
+def test_entry_errors_name_the_command_run(argv, needle):
+    """Without a checkout (megatron-core 0.17+): parse errors are one line prefixed with the
+    command the user ran, and FSDP stops at parse time, not at Megatron-LM's asserts."""
+    from megatron_oases import mcore_compat
+    from tests.test_megatron_lm_wheel import CPU_TRAIN
+
+    if not mcore_compat.megatron_training_in_wheel():
+        pytest.skip("the no-checkout entry needs megatron-core >= 0.17")
+    proc = _entry(None, [*CPU_TRAIN, *argv])
+    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]  # not import-time warnings
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("python -m megatron_oases.pretrain_gpt: error: ") and \
+        needle in lines[0], lines[0]
 
 
 def test_entry_with_a_bad_checkout_is_one_line():
     proc = _entry("/")
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("megatron_oases.pretrain_gpt: error: ")
+    assert len(lines) == 1 and lines[0].startswith("python -m megatron_oases.pretrain_gpt: error: ")
     assert "MEGATRON_LM_PATH=/ is not a Megatron-LM checkout: pretrain_gpt.py is missing" \
         in lines[0], proc.stderr
 
@@ -216,6 +239,28 @@ def test_checkout_version_check(tmp_path):
         check_versions(tmp_path)
     info.write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 9\n")
     check_versions(tmp_path)
+
+
+@pytest.mark.parametrize("installed, tag", [("0.19.2", "core_v0.19.0"), ("0.18.1", "core_v0.18.2"),
+                                            ("0.17.0", "core_v0.17.1"), ("0.16.1", "core_v0.16.1")])
+def test_version_hints_name_tags_that_exist(tmp_path, monkeypatch, installed, tag):
+    """megatron-core's wheel versions are not Megatron-LM's tags: the hints name the tag each
+    release is tested at (``checkout.TAGS``; core_v0.19.2 does not exist)."""
+    import megatron.core.package_info as package_info
+
+    from megatron_oases.errors import ConfigError
+    from megatron_oases.megatron_lm.checkout import ENV, check_versions, checkout_path
+
+    monkeypatch.setattr(package_info, "__version__", installed)
+    info = tmp_path / "megatron/core/package_info.py"
+    info.parent.mkdir(parents=True)
+    other = 17 if not installed.startswith("0.17") else 18
+    info.write_text(f"MAJOR = 0\nMINOR = {other}\nPATCH = 1\n")
+    with pytest.raises(ConfigError, match=f"is installed; check out tag {tag}$"):
+        check_versions(tmp_path)
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(ConfigError, match=f"git clone -b {tag} "):
+        checkout_path()
 
 
 def test_replica_sync_broadcasts_on_the_runtime_device(monkeypatch):

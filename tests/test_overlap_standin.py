@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megatron_oases.bench_standin.standins import Link, StandIns, calibrate, link_matching
+from megatron_oases.bench_standin.standins import (Link, StandIns, calibrate, calibrate_nccl, link_matching,
+                                                   nccl_channels)
 from megatron_oases.parallel.collectives import WatchedCall
 from megatron_oases.runtime.device import detect_runtime
 
@@ -51,6 +52,44 @@ def test_stand_ins_follow_the_call_and_return_handles(kind):
     assert torch.equal(x, torch.ones(256))  # a stand-in moves no data of the call
 
 
+def test_nccl_stand_ins_run_on_nccl_s_channels_for_the_link():
+    """Two blocks per 25 GB/s, at most NCCL's 32: a PCIe ring's duplicated channel, A100 and H100
+    NVLink's 24 and 32."""
+    assert [nccl_channels(g) for g in (1, 24, 24.1, 50, 150, 300, 450, 900)] == [2, 2, 2, 4, 12, 24, 32, 32]
+
+
+@pytest.mark.parametrize("kind, n, payload, wire", [("all_reduce", 2, 4096, 4096), ("all_gather", 4, 4096, 3072),
+                                                    ("reduce_scatter", 8, 8192, 7168)])
+def test_nccl_stand_in_moves_the_bytes_the_rank_sends(kind, n, payload, wire):
+    """The CPU twin of the ``nccl`` kind copies the ring's wire bytes (2(n-1)/n or (n-1)/n of the
+    payload) between the scratch buffers, no more; without ``calibrate_nccl`` it is refused."""
+    rt = detect_runtime("cpu")
+    cal, src, dst = calibrate(rt, 1 << 16, reps=1)
+    with pytest.raises(ValueError, match="calibrate_nccl"):
+        StandIns(rt, "nccl", Link(GBps=1.0, latency_us=0.0), cal, (src, dst))
+    cal = calibrate_nccl(rt, cal, src, dst, blocks=4)
+    assert (cal.nccl_blocks, cal.nccl_GBps) == (4, None)  # CPU: no rate to measure
+    dst.zero_()
+    stand = StandIns(rt, "nccl", Link(GBps=100.0, latency_us=0.0), cal, (src, dst))
+    assert stand(WatchedCall(kind, None, n, payload, (), False)) is None
+    assert int(dst[:wire].sum()) == wire and int(dst[wire:].sum()) == 0  # src is all ones
+    assert stand.issued[0].wire_bytes == wire
+
+
+def test_comm_disabled_stand_ins_take_no_time_and_move_nothing():
+    """The comm-disabled step's stand-ins are priced at zero and run no kernel, but are issued
+    (and waited) like the others."""
+    import torch
+
+    rt = detect_runtime("cpu")
+    cal, src, dst = calibrate(rt, 1 << 16, reps=1)
+    dst.zero_()
+    off = StandIns(rt, "copy", Link(GBps=1e-3, latency_us=5.0), cal, (src, dst), comm_disabled=True)
+    assert off(WatchedCall("all_reduce", None, 2, 4096, (), False)) is None
+    assert off(WatchedCall("all_gather", None, 2, 4096, (torch.ones(2),), True)).wait() is True
+    assert [i.ms for i in off.issued] == [0.0, 0.0] and int(dst.sum()) == 0
+
+
 def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str, int]]:
     """(kind, payload bytes) of one step's TP collectives in ``passes`` by the descriptions: the
     layers' (per sub-batch under Oases) and the head's; Megatron's vocab-parallel cross-entropy
@@ -71,10 +110,12 @@ def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str,
     return sorted(out)
 
 
-def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
+def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path, capsys):
+    from megatron_oases.bench_standin import summary
+
     out = tmp_path / "overlap.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_overlap.py"), "--tp", str(TP),
-           "--steps", "1", "--warmup", "1", "--out", str(out), "--",
+           "--steps", "1", "--warmup", "1", "--kinds", "sleep,copy,nccl", "--label", "tiny", "--out", str(out), "--",
            "--device", "cpu", "--num-layers", str(L), "--hidden-size", str(H),
            "--num-attention-heads", str(HEADS), "--seq-length", str(S), "--micro-batch-size", str(B)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
@@ -83,10 +124,13 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
     assert "stock / Oases with copy stand-ins" in proc.stdout and "meaningless" in proc.stdout
     res = json.loads(out.read_text())
     assert res["link"]["chosen_by"] == "--match-compute" and res["link"]["GBps"] > 0
+    assert res["calibration"]["nccl_blocks"] == nccl_channels(res["link"]["GBps"])
     for schedule in ("default", "oases"):
         r = res["schedules"][schedule]
         assert r["recompute"] == "none"
-        for kind in ("sleep", "copy"):
+        # comm-disabled: the same stand-ins issued, each of zero duration
+        assert r["comm_disabled"]["standins_per_step"] == r["collectives_per_step"] and r["comm_disabled"]["ms"] > 0
+        for kind in ("sleep", "copy", "nccl"):
             issued = r[kind]["issued"]
             # one stand-in per TP collective, as the layer and head descriptions name them
             assert r[kind]["standins_per_step"] == r["collectives_per_step"] == len(issued)
@@ -106,6 +150,24 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path):
             s, sf = r[kind]["standins_only"]["ms"], fwd["standins_only"]["ms"]
             assert r[kind]["pass_bound_ms"] == pytest.approx(max(cf, sf) + max(c - cf, s - sf))
             assert r[kind]["pass_bound_ms"] >= max(c, s) * (1 - 1e-9)
+            assert r[kind]["max_compute_standins_ms"] == max(c, s)
+    # the bound table: per kind, stock and Oases beside comm-disabled and max(compute, comm)
+    sch = res["schedules"]
+    assert [(b["model"], b["kind"], b["recompute"]) for b in res["bounds"]] == [
+        ("tiny", k, "none") for k in ("sleep", "copy", "nccl")]
+    for b in res["bounds"]:
+        assert list(b) == list(summary.FIELDS) and b["link_GBps"] == res["link"]["GBps"]
+        assert (b["stock_ms"], b["oases_ms"]) == (sch["default"][b["kind"]]["with_standins"]["ms"],
+                                                  sch["oases"][b["kind"]]["with_standins"]["ms"])
+        assert (b["comm_disabled_ms"], b["oases_comm_disabled_ms"]) == (sch["default"]["comm_disabled"]["ms"],
+                                                                        sch["oases"]["comm_disabled"]["ms"])
+        assert b["max_compute_comm_ms"] == max(sch["oases"]["comm_disabled"]["ms"],
+                                               sch["oases"][b["kind"]]["standins_only"]["ms"])
+    assert "comm-disabled ms" in proc.stdout and "max(compute, comm) ms" in proc.stdout
+    # gpu_check's overlap-summary step: the runs' records in one list
+    assert summary.main([str(out), str(out), "--out", str(tmp_path / "summary.json")]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text()) == res["bounds"] * 2
+    assert "Oases / comm-disabled" in capsys.readouterr().out
 
 
 def test_trainer_flags_pass_through_unabbreviated():
@@ -126,7 +188,7 @@ MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-a
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kinds", "foo"], "--kinds: 'foo' is not one of sleep, copy, channels"),
+    (["--kinds", "foo"], "--kinds: 'foo' is not one of sleep, copy, channels, nccl"),
     (["--kinds", "sleep,sleep"], "--kinds sleep,sleep names one twice"),
     (["--schedules", "foo"], "--schedules: 'foo' is not one of default, oases"),
     (["--steps", "0"], r"--steps must be >= 1 \(got 0\)"),
@@ -138,7 +200,7 @@ MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-a
     (["--tp", "1"], "--tp must be >= 2 .*no collective"),
     (["--tp", "3"], "--hidden-size 64 is not divisible by --tp 3"),
     (["--tp", "8"], "--num-attention-heads 4 is not divisible by --tp 8"),
-    (["--channels", "8"], "--channels sizes the channels stand-in, which --kinds sleep,copy does not run"),
+    (["--channels", "8"], "--channels sizes the channels and nccl stand-ins, neither of which --kinds sleep,copy runs"),
     (["--kinds", "channels", "--channels", "0"], r"--channels must be >= 1 \(got 0\)"),
     (["--out", "/proc/x/o.json"], "--out /proc/x/o.json: /proc is not a writable directory"),
     (["--out", "/"], "--out / is a directory; give a file name"),
@@ -162,7 +224,7 @@ def test_good_flags_pass_validation(tmp_path):
     from megatron_oases.bench_standin.measure import build_parser, validate_args
 
     a, rest = build_parser().parse_known_args(
-        ["--tp", "4", "--kinds", "channels,sleep", "--channels", "8", "--schedules", "oases", "--steps", "1",
+        ["--tp", "4", "--kinds", "nccl,sleep", "--channels", "8", "--schedules", "oases", "--steps", "1",
          "--warmup", "0", "--link-gbps", "10", "--latency-us", "0", "--scratch-mb", "1",
          "--trace", str(tmp_path / "traces"), "--out", str(tmp_path / "new" / "o.json")] + MODEL)
     validate_args(a, rest)
@@ -176,3 +238,16 @@ def test_script_refuses_bad_flags_in_one_line_with_status_2():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("bench_gpu_overlap.py: error: --schedules: 'foo' is not one of default, oases; "
                            "give a comma-separated list of them (e.g. --schedules default,oases)\n")
+
+
+def test_summary_refuses_a_missing_run_and_an_unwritable_out_in_one_line(tmp_path, capsys):
+    from megatron_oases.bench_standin import summary
+
+    for argv, message in (([str(tmp_path / "none.json"), "--out", str(tmp_path / "s.json")],
+                           f"OVERLAP_JSON {tmp_path / 'none.json'} is not a file"),
+                          ([__file__, "--out", str(tmp_path / "no" / "s.json")], "--out ")):
+        with pytest.raises(SystemExit) as exc:
+            summary.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "s.json").exists() and not (tmp_path / "no").exists()

@@ -7,7 +7,9 @@ reference trainer's (``train.setup`` with the trainer's own flags, ``--schedule 
 ``--optimizer-step``):
 
 * compute only: the fake collectives return at once (they cost ~0);
-* with stand-ins, per kind (``sleep``, ``copy``: ``standins``);
+* comm-disabled: every collective a stand-in of zero duration (the stream hand-offs stay): the
+  step with TP communication switched off, the bound a user understands;
+* with stand-ins, per kind (``sleep``, ``copy``, ``channels``, ``nccl``: ``standins``);
 * stand-ins only: the same stand-ins of one step back to back, no compute;
 * the forward pass alone, each of those ways (``forward_only``), so the step splits into its
   passes: the pass bound, sum over forward and backward of max(compute, stand-ins), is the
@@ -18,6 +20,9 @@ reference trainer's (``train.setup`` with the trainer's own flags, ``--schedule 
 ``--match-compute`` (default) picks the link speed at which one step's stand-ins of the first
 schedule take its compute-only time (the acceptance point of issue 34: Oases within 10% of
 max(compute, stand-in) and 1.3x faster than stock); ``--link-gbps`` fixes it instead.
+
+The bound table (``summary.records``) puts stock, Oases, comm-disabled and max(compute,
+communication) side by side per kind.
 
 ``--trace DIR`` also records one step of each schedule and stand-in kind with ``torch.profiler``
 (``DIR/<schedule>-<kind>.json.gz``, Chrome's format) and reports where the compute stream sat
@@ -47,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                "--num-layers, --bf16, --device, --recompute-granularity, ...")
     p.add_argument("--tp", type=int, default=2, help="TP size t of the fake world (default 2)")
     p.add_argument("--kinds", default="sleep,copy",
-                   help="stand-in kernels: sleep, copy, channels (default sleep,copy)")
+                   help="stand-in kernels: sleep, copy, channels, nccl (default sleep,copy)")
     p.add_argument("--channels", type=int, default=None,
-                   help="thread blocks of the channels stand-in (default: standins.CHANNELS, 16)")
+                   help="thread blocks of the channels and nccl stand-ins (default: 16 for channels; "
+                        "for nccl, NCCL's channels for the link: 2 per 25 GB/s, at most 32)")
     p.add_argument("--schedules", default="default,oases",
                    help="schedules to time, in order (default: default,oases)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (default 5)")
@@ -68,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a Chrome trace of one step per schedule and kind here, and report the "
                         "compute stream's idle time in it")
     p.add_argument("--out", default=None, help="write the results as JSON here (its folder is made when missing)")
+    p.add_argument("--label", default=None,
+                   help="the model's name in the bound table and the JSON (default: tp<t>)")
     return p
 
 
@@ -99,9 +107,9 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
             raise ConfigError(range_refusal(flag, value, low, inclusive=inclusive)
                               + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
     kinds = comma_names("--kinds", a.kinds, KINDS)
-    if a.channels is not None and "channels" not in kinds:
-        raise ConfigError(f"--channels sizes the channels stand-in, which --kinds {a.kinds} does not "
-                          f"run; add channels to --kinds or drop --channels")
+    if a.channels is not None and not {"channels", "nccl"} & set(kinds):
+        raise ConfigError(f"--channels sizes the channels and nccl stand-ins, neither of which --kinds "
+                          f"{a.kinds} runs; add one to --kinds or drop --channels")
     check_output_root("--trace", a.trace)
     if a.out is not None:  # a file in a folder made when missing, as --trace's is
         if os.path.isdir(a.out):
@@ -223,7 +231,8 @@ class Bench:
                 torch.cuda.empty_cache()
 
     def _measure(self, tr) -> dict:
-        from megatron_oases.bench_standin.standins import CHANNELS, StandIns, calibrate, link_matching
+        from megatron_oases.bench_standin.standins import (CHANNELS, StandIns, calibrate, calibrate_nccl,
+                                                           link_matching, nccl_channels)
         from megatron_oases.parallel.collectives import CommCounter
 
         a, rt = self.a, tr.runtime
@@ -247,16 +256,31 @@ class Bench:
             self.cal, *self.scratch = calibrate(rt, int(mib * 2**20), channels=channels)
         if self.link is None:
             self.link = link_matching(res["compute"]["ms"], calls, a.latency_us)
+        if "nccl" in self.kinds and self.cal.nccl_blocks is None:
+            self.cal = calibrate_nccl(rt, self.cal, *self.scratch, a.channels or nccl_channels(self.link.GBps))
+        res["comm_disabled"] = self._comm_disabled(rt, step)
         for kind in self.kinds:
             stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
             r = res[kind] = self._with_standins(rt, step, forward, stand, f"{tr.cfg.schedule}-{kind}")
             took = r["with_standins"]["ms"]
-            r["vs_max_compute_standin"] = took / max(res["compute"]["ms"], r["standins_only"]["ms"])
+            r["max_compute_standins_ms"] = max(res["compute"]["ms"], r["standins_only"]["ms"])
+            r["vs_max_compute_standin"] = took / r["max_compute_standins_ms"]
             r["pass_bound_ms"] = pass_bound(res["compute"]["ms"], res["compute_forward"]["ms"],
                                             r["standins_only"]["ms"], r["forward"]["standins_only"]["ms"])
             r["vs_pass_bound"] = took / r["pass_bound_ms"]
         res["peak_mem_mb"] = rt.max_memory_allocated() / 2**20
         return res
+
+    def _comm_disabled(self, rt, step) -> dict:
+        """Steps with every collective a stand-in of zero duration: communication switched off,
+        the side-stream hand-offs kept."""
+        from megatron_oases.bench_standin.standins import StandIns
+        from megatron_oases.parallel.collectives import replace_watched_collectives
+
+        off = StandIns(rt, "sleep", self.link, self.cal, tuple(self.scratch), comm_disabled=True)
+        with replace_watched_collectives(off):
+            out = _summary(_timed(rt, step, self.a.warmup, self.a.steps, before=off.clear))
+        return {**out, "standins_per_step": len(off.issued)}
 
     def _with_standins(self, rt, step, forward, stand, name: str) -> dict:
         """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone;
@@ -287,7 +311,7 @@ class Bench:
 
         from megatron_oases.mcore_compat import mcore_version
 
-        out = {"note": NOTE, "tp": self.a.tp, "trainer_flags": self.rest, "kinds": self.kinds,
+        out = {"note": NOTE, "tp": self.a.tp, "label": self.a.label, "trainer_flags": self.rest, "kinds": self.kinds,
                "steps": self.a.steps, "warmup": self.a.warmup, "optimizer_step": self.a.optimizer_step,
                "torch": torch.__version__, "megatron_core": str(mcore_version()), "schedules": {}}
         for s in self.a.schedules.split(","):
@@ -297,12 +321,16 @@ class Bench:
                        "chosen_by": "--link-gbps" if self.a.link_gbps is not None else "--match-compute"}
         out["calibration"] = {"sleep_cycles_per_ms": self.cal.sleep_cycles_per_ms,
                               "copy_GBps": self.cal.copy_GBps, "scratch_bytes": self.cal.scratch_bytes,
-                              "channel_GBps": self.cal.channel_GBps, "channels": self.cal.channels}
+                              "channel_GBps": self.cal.channel_GBps, "channels": self.cal.channels,
+                              "nccl_blocks": self.cal.nccl_blocks, "nccl_GBps": self.cal.nccl_GBps}
         out["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         sch = out["schedules"]
         if "default" in sch and "oases" in sch:
             out["stock_over_oases"] = {k: sch["default"][k]["with_standins"]["ms"] / sch["oases"][k]["with_standins"]["ms"]
                                        for k in self.kinds}
+        from megatron_oases.bench_standin.summary import records
+
+        out["bounds"] = records(out)
         return out
 
 
@@ -346,6 +374,8 @@ def print_report(out: dict) -> None:
     for s, r in out["schedules"].items():
         rows.append({"schedule": s, "stand-in": "none", "recompute": r["recompute"], "step ms": r["compute"]["ms"],
                      "forward ms": r["compute_forward"]["ms"], "collectives": r["collectives_per_step"]})
+        rows.append({"schedule": s, "stand-in": "comm-disabled", "recompute": r["recompute"],
+                     "step ms": r["comm_disabled"]["ms"], "collectives": r["comm_disabled"]["standins_per_step"]})
         for k in out["kinds"]:
             rk = r[k]
             rows.append({"schedule": s, "stand-in": k, "recompute": r["recompute"],
@@ -366,12 +396,29 @@ def print_report(out: dict) -> None:
           "(no schedule here overlaps across that boundary)")
     for k, v in out.get("stock_over_oases", {}).items():
         print(f"stock / Oases with {k} stand-ins: {v:.3f}x")
+    _print_bounds(out)
     from megatron_oases.bench_standin.trace_gaps import format_summary
 
     for s, r in out["schedules"].items():
         for k in out["kinds"]:
             if "trace" in r[k]:
                 print(format_summary(f"trace {s} {k}", r[k]["trace"]))
+
+
+def _print_bounds(out: dict) -> None:
+    """The bound table (``summary.records``), and a warning where the nccl stand-in's blocks
+    cannot move the link's bytes in time."""
+    from megatron_oases.bench import print_table
+    from megatron_oases.bench_standin.summary import TABLE_COLUMNS, table_rows
+
+    if out.get("bounds"):
+        print("comm-disabled: stock's step with every collective a stand-in of zero duration; "
+              "max(compute, comm): max(Oases comm-disabled, Oases stand-ins only)")
+        print_table(table_rows(out["bounds"]), list(TABLE_COLUMNS))
+    cal = out["calibration"]
+    if cal.get("nccl_GBps") and cal["nccl_GBps"] < out["link"]["GBps"]:
+        print(f"warning: the nccl stand-in's {cal['nccl_blocks']} blocks move at most {cal['nccl_GBps']:.4g} GB/s, "
+              f"less than the link's {out['link']['GBps']:.4g}: its stand-ins run longer than priced")
 
 
 def main(argv: list[str] | None = None) -> int:

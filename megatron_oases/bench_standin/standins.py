@@ -18,8 +18,15 @@ Two kernels bracket what NCCL does to the other stream's compute:
   the calibrated copy rate: uses memory bandwidth (and SMs) for the whole duration, more than
   NCCL does at a link's rate, so it bounds contention from above;
 * ``channels``: the same copies on ``channels`` thread blocks only (``channel_copy``, Triton), as
-  NCCL runs a collective on its channels: a few SMs and the bandwidth they draw, the closer model
-  of what NCCL takes from compute. On CPU it runs as ``copy``.
+  NCCL runs a collective on its channels: a few SMs and the bandwidth they draw. On CPU it runs
+  as ``copy``.
+* ``nccl``: what NCCL itself takes (``paced_copy``, Triton): as many resident blocks as NCCL has
+  channels for the link (``nccl_channels``) for the priced duration, moving the bytes the rank
+  sends (``ring_factor`` x payload) at the link's rate, not at memory speed. On CPU: the bytes
+  copied once, then a sleep for the rest of the duration.
+
+``comm_disabled`` stand-ins last zero time (the stream hand-offs stay): the step with TP
+communication switched off.
 
 Durations are priced by ``pricing.DeviceModel.collective_ms`` (the project's ring formula) on a
 one-level topology of the chosen link. On CPU (tests) there are no streams: the runtime's no-op
@@ -30,14 +37,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 
 import torch
 
-KINDS = ("sleep", "copy", "channels")
+KINDS = ("sleep", "copy", "channels", "nccl")
 CHANNELS = 16
 """Blocks of the ``channels`` stand-in: NCCL's channel count for a ring on an NVLink node."""
+NCCL_CHANNEL_GBps = 25.0
+"""Link bandwidth per pair of NCCL channels: NCCL launches two blocks per NVLink (25 GB/s a
+direction) to saturate it, and duplicates a PCIe or network ring's one channel."""
+NCCL_MAX_CHANNELS = 32
+"""NCCL's ``MAXCHANNELS``."""
+
+
+def nccl_channels(link_GBps: float) -> int:
+    """The blocks NCCL runs a ring collective on over this link: 2 per 25 GB/s, at most 32 (2 on
+    a 24 GB/s PCIe link, 12 at 150 GB/s, 24 on an A100's NVLink, 32 on an H100's)."""
+    return min(NCCL_MAX_CHANNELS, 2 * math.ceil(link_GBps / NCCL_CHANNEL_GBps))
+
+
+def wire_bytes(kind: str, payload_bytes: int, group_size: int) -> int:
+    """The bytes one rank sends over the link for the collective (ring algorithm)."""
+    from megatron_oases.describe.ops import ring_factor
+
+    return int(ring_factor(kind, group_size) * payload_bytes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +146,11 @@ class Calibration:
     channel_GBps: float | None = None
     """The same for ``channel_copy`` on ``channels`` blocks (CUDA, when calibrated with them)."""
     channels: int = CHANNELS
+    nccl_blocks: int | None = None
+    """Blocks of the ``nccl`` stand-in (``calibrate_nccl``)."""
+    nccl_GBps: float | None = None
+    """The most ``paced_copy`` moves on ``nccl_blocks`` blocks unpaced (CUDA): a link faster than
+    this is not kept up with."""
 
 
 def calibrate(rt, scratch_bytes: int, reps: int = 5,
@@ -146,6 +177,20 @@ def calibrate(rt, scratch_bytes: int, reps: int = 5,
     return Calibration(sleep_cycles_per_ms=cycles, copy_GBps=scratch_bytes / max(copy_ms, 1e-6) / 1e6,
                        scratch_bytes=scratch_bytes, channel_GBps=channel_GBps,
                        channels=channels or CHANNELS), src, dst
+
+
+def calibrate_nccl(rt, cal: Calibration, src: torch.Tensor, dst: torch.Tensor, blocks: int,
+                   reps: int = 5) -> Calibration:
+    """``cal`` with the ``nccl`` stand-in's blocks and, on CUDA, the rate they reach unpaced."""
+    if not rt.is_cuda:
+        return dataclasses.replace(cal, nccl_blocks=blocks)
+    from megatron_oases.bench_standin.paced_copy import paced_copy
+
+    stamps = torch.zeros(2 * blocks, dtype=torch.int64, device=rt.device)
+    run = lambda: paced_copy(src, dst, cal.scratch_bytes, ms=0.0, GBps=0.0, blocks=blocks, stamps=stamps)  # noqa: E731
+    run()  # compile
+    ms = statistics.median(time_ms(rt, run) for _ in range(reps))
+    return dataclasses.replace(cal, nccl_blocks=blocks, nccl_GBps=cal.scratch_bytes / max(ms, 1e-6) / 1e6)
 
 
 # ---- the stand-ins ---------------------------------------------------------------------------------
@@ -179,21 +224,31 @@ class Issued:
     async_op: bool
     group: object = dataclasses.field(compare=False, repr=False)
 
+    @property
+    def wire_bytes(self) -> int:
+        return wire_bytes(self.kind, self.payload_bytes, self.group_size)
+
 
 class StandIns:
     """The replacement for ``replace_watched_collectives``: each call runs a ``kernel`` stand-in
-    (``sleep`` or ``copy``) of its priced duration on its group's side stream; ``issued`` lists
-    them (``clear()`` between steps)."""
+    (one of ``KINDS``) of its priced duration, zero with ``comm_disabled``, on its group's side
+    stream; ``issued`` lists them (``clear()`` between steps)."""
 
-    def __init__(self, rt, kernel: str, link: Link, cal: Calibration, scratch: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, rt, kernel: str, link: Link, cal: Calibration, scratch: tuple[torch.Tensor, torch.Tensor],
+                 comm_disabled: bool = False):
         if kernel not in KINDS:
             raise ValueError(f"stand-in kind must be one of {', '.join(KINDS)} (got {kernel!r})")
         if kernel == "sleep" and rt.is_cuda and not cal.sleep_cycles_per_ms:
             raise ValueError("sleep stand-ins need the calibrated cycles per ms")
         if kernel == "channels" and rt.is_cuda and not cal.channel_GBps:
             raise ValueError("channels stand-ins need a calibration with channels (calibrate(..., channels=N))")
+        if kernel == "nccl" and not cal.nccl_blocks:
+            raise ValueError("nccl stand-ins need calibrate_nccl's blocks")
         self.rt, self.kernel, self.link, self.cal = rt, kernel, link, cal
+        self.comm_disabled = comm_disabled
         self._src, self._dst = scratch
+        self._stamps = (torch.zeros(2 * cal.nccl_blocks, dtype=torch.int64, device=rt.device)
+                        if kernel == "nccl" else None)
         self._streams: dict[int, object] = {}
         self.issued: list[Issued] = []
 
@@ -201,20 +256,21 @@ class StandIns:
         self.issued = []
 
     def __call__(self, call) -> StandInWork | None:
-        ms = self.link.collective_ms(call.kind, call.payload_bytes, call.group_size)
-        self.issued.append(Issued(call.kind, call.group_size, call.payload_bytes, ms, call.async_op, call.group))
-        return self.launch(call.group, ms, call.payload_bytes, call.tensors, call.async_op)
+        ms = 0.0 if self.comm_disabled else self.link.collective_ms(call.kind, call.payload_bytes, call.group_size)
+        issued = Issued(call.kind, call.group_size, call.payload_bytes, ms, call.async_op, call.group)
+        self.issued.append(issued)
+        return self.launch(issued, call.tensors, call.async_op)
 
-    def launch(self, group, ms: float, payload_bytes: int, keep: tuple = (), async_op: bool = True):
-        """Run one stand-in on ``group``'s side stream after the current stream's work so far."""
-        side = self._streams.get(id(group))
+    def launch(self, issued: Issued, keep: tuple = (), async_op: bool = True):
+        """Run ``issued`` on its group's side stream after the current stream's work so far."""
+        side = self._streams.get(id(issued.group))
         if side is None:
-            side = self._streams[id(group)] = self.rt.stream()
+            side = self._streams[id(issued.group)] = self.rt.stream()
         ready = self.rt.event()
         ready.record()
         side.wait_event(ready)
         with self.rt.use_stream(side):
-            self._run(ms, payload_bytes)
+            self._run(issued)
             done = self.rt.event()
             done.record()
         work = StandInWork(done, keep)
@@ -223,8 +279,12 @@ class StandIns:
         work.wait()
         return None
 
-    def _run(self, ms: float, payload_bytes: int) -> None:
+    def _run(self, issued: Issued) -> None:
+        ms, payload_bytes = issued.ms, issued.payload_bytes
         if ms <= 0:
+            return
+        if self.kernel == "nccl":
+            self._nccl(ms, issued.wire_bytes)
             return
         if self.kernel == "sleep":
             if self.rt.is_cuda:
@@ -248,8 +308,23 @@ class StandIns:
                 self._dst[:m].copy_(self._src[:m])
             total -= m
 
+    def _nccl(self, ms: float, nbytes: int) -> None:
+        """The collective's bytes at the link's rate on NCCL's blocks for ``ms`` (CUDA); on CPU
+        the bytes copied once (wrapping around the scratch), then a sleep for the rest of ``ms``."""
+        if self.rt.is_cuda:
+            from megatron_oases.bench_standin.paced_copy import paced_copy
+
+            paced_copy(self._src, self._dst, nbytes, ms=ms, GBps=self.link.GBps, blocks=self.cal.nccl_blocks,
+                       stamps=self._stamps)
+            return
+        t0 = time.perf_counter()
+        for start in range(0, nbytes, self.cal.scratch_bytes):
+            m = min(self.cal.scratch_bytes, nbytes - start)
+            self._dst[:m].copy_(self._src[:m])
+        time.sleep(max(0.0, ms / 1e3 - (time.perf_counter() - t0)))
+
     def replay(self, issued: list[Issued]) -> None:
         """The stand-ins of a step back to back, without compute (the stand-in-only time)."""
-        works = [self.launch(i.group, i.ms, i.payload_bytes) for i in issued]
+        works = [self.launch(i) for i in issued]
         for w in works:
             w.wait()

@@ -23,6 +23,11 @@ from megatron_oases.errors import ConfigError
 ENV = "MEGATRON_LM_PATH"
 SUPPORTED_TAGS = "core_v0.16.1, core_v0.17.x, core_v0.18.x or core_v0.19.x"
 """For messages; the rule is ``mcore_compat.supported`` and the installed MAJOR.MINOR."""
+TAGS = {(0, 16): "core_v0.16.1", (0, 17): "core_v0.17.1", (0, 18): "core_v0.18.2",
+        (0, 19): "core_v0.19.0"}
+"""The Megatron-LM tag each supported MAJOR.MINOR is tested at (patches/README.md), which hints
+name: megatron-core's wheel versions are not Megatron-LM's tags (megatron-core 0.19.2 has no
+core_v0.19.2; core_v0.19.0's package_info.py says 0.19.1)."""
 STOCK_MODULE = "megatron_lm_pretrain_gpt"
 """Name the checkout's pretrain_gpt.py is imported under (ours is megatron_oases.pretrain_gpt)."""
 
@@ -52,10 +57,11 @@ def checkout_version(root: Path) -> str | None:
 
 
 def _installed_tag() -> str:
-    """The Megatron-LM tag of the installed megatron-core (``core_v0.19.2``)."""
+    """The Megatron-LM tag to check out for the installed megatron-core (``TAGS``)."""
     from megatron.core.package_info import __version__ as installed
 
-    return "core_v" + ".".join(map(str, parse_version(installed)))
+    major, minor, _ = parse_version(installed)
+    return TAGS.get((major, minor), f"core_r{major}.{minor}.0")  # else the release branch
 
 
 def check_versions(root: Path) -> None:
@@ -72,7 +78,7 @@ def check_versions(root: Path) -> None:
                           f"{SUPPORTED_TAGS} (check out {_installed_tag()})")
     if found.split(".")[:2] != installed.split(".")[:2]:
         raise ConfigError(f"{ENV} checkout is Megatron-Core {found} but megatron-core {installed} "
-                          f"is installed; check out tag core_v{installed}")
+                          f"is installed; check out tag {_installed_tag()}")
 
 
 def add_to_path(root: Path) -> None:

@@ -61,13 +61,17 @@ def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
     group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
 
 
-def make_extra_args_provider(*others: Callable | None, stock_model: bool = True) -> Callable:
+def make_extra_args_provider(*others: Callable | None, stock_model: bool = True,
+                             prog: str | None = None) -> Callable:
     """An ``extra_args_provider`` that runs ``others`` (e.g. Megatron-LM's ModelOpt args) and then
     adds our flags, and makes the parser validate them after parsing. ``stock_model=False``: no
     Megatron-LM model provider (no checkout), so stock runs are our ``megatron`` build and are
-    validated as such."""
+    validated as such. ``prog``: the command errors and usage name, where argparse's default
+    (the script's file name) is not what the user ran (``python -m ...``)."""
 
     def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if prog is not None:
+            parser.prog = prog
         for other in others:
             if other is not None:
                 parser = other(parser)

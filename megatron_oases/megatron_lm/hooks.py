@@ -20,8 +20,10 @@ from megatron_oases.megatron_lm.model_provider import ModelProvider
 
 
 def wrap_entry(stock_model_provider: Callable | None,
-               stock_extra_args_provider: Callable | None = None) -> tuple[ModelProvider, Callable]:
-    """(model provider, extra_args_provider) for ``megatron.training.pretrain``."""
+               stock_extra_args_provider: Callable | None = None,
+               prog: str | None = None) -> tuple[ModelProvider, Callable]:
+    """(model provider, extra_args_provider) for ``megatron.training.pretrain``; ``prog``: the
+    command the parser's errors name (``flags.make_extra_args_provider``)."""
     return (ModelProvider(stock_model_provider),
             make_extra_args_provider(stock_extra_args_provider,
-                                     stock_model=stock_model_provider is not None))
+                                     stock_model=stock_model_provider is not None, prog=prog))

@@ -220,6 +220,12 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "tensor_parallel_num_weight_shards": ("--tensor-parallel-num-weight-shards", ALL),
     "use_mup": ("--use-mup", ALL),
     "mlp_chunks_for_training": ("--mlp-chunks-for-training", ALL),
+    # Data-parallel wrappers that shard the parameters: their unshard hooks fire on a module's
+    # forward, which the Oases tape and the ATP / 3-D layers call in parts (as for
+    # --overlap-param-gather), and no build of ours is parity-tested on sharded parameters.
+    # (Megatron-LM has no --use-custom-fsdp flag: it is set from --use-megatron-fsdp.)
+    "use_torch_fsdp2": ("--use-torch-fsdp2", ALL),
+    "use_megatron_fsdp": ("--use-megatron-fsdp", ALL),
 }
 """``dest: (flag, builds that refuse it)``: refused when the run uses one of those builds and the
 option differs from Megatron-LM's default."""

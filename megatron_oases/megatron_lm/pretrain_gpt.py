@@ -27,7 +27,8 @@ import sys  # noqa: E402
 
 from megatron_oases.errors import ConfigError  # noqa: E402
 
-PROG = "megatron_oases.pretrain_gpt"
+PROG = "python -m megatron_oases.pretrain_gpt"
+"""The command our errors and Megatron-LM's parser (``--help``, argparse's errors) name."""
 
 
 def entry_objects(stock):
@@ -38,7 +39,7 @@ def entry_objects(stock):
     modelopt = stock.add_modelopt_args if getattr(stock, "has_nvidia_modelopt", False) else None
     stock_provider = (functools.partial(stock.model_provider, stock.gpt_builder)
                       if stock.model_provider is not None else None)
-    return wrap_entry(stock_provider, modelopt)
+    return wrap_entry(stock_provider, modelopt, prog=PROG)
 
 
 def stock_module():

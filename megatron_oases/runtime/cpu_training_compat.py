@@ -58,6 +58,8 @@ CUDA_ONLY_FLAGS = (
     ("record_memory_history", "--record-memory-history", "records the CUDA allocator"),
     ("profile", "--profile", "drives the CUDA profiler"),
     ("inprocess_restart", "--inprocess-restart", "restarts NCCL in process"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "shards the model with torch FSDP2 on CUDA devices"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "shards the model in Megatron-FSDP's CUDA buffers"),
 )
 
 _installed = False

@@ -108,8 +108,9 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
                           f"only, not {cfg.tp_backend}; drop --sequence-parallel")
     if cfg.selective_recompute:
-        raise ConfigError("--recompute-granularity selective cannot be combined with --schedule "
-                          "oases (Oases recomputes whole layers); use full or none")
+        raise ConfigError(f"{cfg.selective_recompute_flag} cannot be combined with --schedule "
+                          f"oases (Oases recomputes whole layers); use --recompute-granularity "
+                          f"full or no recompute")
     if cfg.recompute_granularity == "full" and cfg.recompute_method != "uniform":
         raise ConfigError("--schedule oases recomputes every layer: use --recompute-method "
                           "uniform (block recomputes only some layers)")
