@@ -1,0 +1,74 @@
+"""``--oases-plan`` through Megatron-LM's own ``pretrain`` (``python -m megatron_oases.pretrain_gpt``,
+the wheel's ``megatron.training`` or a checkout) logs stock's losses at the same layout.
+
+Every plan shape the reference trainer's parity tests cover (``tests/test_planned_layers.py``)
+runs here too, plus issue 48's TP-2 plan with attention != MLP degrees and degrees varying between
+layers: before its fix, a planned layer whose MLP degree differs from its attention's built the
+MLP a second time, after the layer, from the next layer's draws, so Megatron-LM's CPU
+initialisation gave it other weights (the trainer re-initialises every layout, which hid it).
+fp32, dropout off unless named, tiny models (hidden 64, 2-4 layers, 2 iterations).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_megatron_lm_wheel import _same, _skip_without_entry, needs_cpu, train
+
+ITERS = 2
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
+                "--global-batch-size", "4"]),
+    "tp4": (4, ["--tensor-model-parallel-size", "4", "--micro-batch-size", "4",
+                "--global-batch-size", "4"]),
+    "pp2xtp2": (4, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                    "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
+                    "--global-batch-size", "16"]),
+    "tp4-dropout": (4, ["--tensor-model-parallel-size", "4", "--micro-batch-size", "4",
+                        "--global-batch-size", "4", "--hidden-dropout", "0.1"]),
+}
+"""(ranks, flags) of each stock layout a plan is compared against."""
+OASES = ["--schedule", "oases"]
+CASES = [
+    ("tp2", [2, 1, 1, 2], []),            # issue 48: attention != MLP, degrees vary by layer
+    ("tp4", [2, 2, 4, 4], []),            # per layer
+    ("tp4", [2, 4, 4, 1], []),            # per block: reshard inside and between layers
+    ("tp4", [2, 4, 4, 1], OASES),
+    ("tp4", [1, 1, 4, 4], OASES),         # degree 1 runs without the Oases split
+    ("pp2xtp2", [1, 1, 2, 2, 2, 2, 1, 1], []),  # pipeline stages, 1F1B over 4 micro-batches
+    ("tp4-dropout", [2, 4, 4, 1], []),    # replicas keep their slice of the whole batch's mask
+]
+
+
+@pytest.fixture(scope="module")
+def stock():
+    """{layout: stock losses}, each run once, on first use."""
+    _skip_without_entry()
+    found: dict = {}
+
+    def losses(layout):
+        if layout not in found:
+            ranks, flags = LAYOUTS[layout]
+            found[layout] = train(ranks, flags, ITERS)[0]
+        return found[layout]
+
+    return losses
+
+
+def _plan(tmp_path, tp: int, degrees: list[int]) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": tp,
+                                "num_layers": len(degrees) // 2, "degrees": degrees}))
+    return str(path)
+
+
+@needs_cpu
+@pytest.mark.parametrize("layout,degrees,schedule", CASES,
+                         ids=[f"{l}-{'_'.join(map(str, d))}{'-oases' if s else ''}"
+                              for l, d, s in CASES])
+def test_plan_in_megatron_lm_matches_stock(tmp_path, stock, layout, degrees, schedule):
+    ranks, flags = LAYOUTS[layout]
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1])
+    got, _ = train(ranks, flags + schedule + ["--oases-plan", _plan(tmp_path, tp, degrees)], ITERS)
+    _same(got, stock(layout), f"{layout} plan {degrees} {schedule}")
