@@ -114,7 +114,8 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--search", "--global-batch-size", "16", "--gpus", "0"], "--gpus must be >= 1 (got 0)"),
     (["--search", "--global-batch-size", "16", "--top", "-1"], "--top must be >= 0 (got -1)"),
     (["--search", "--global-batch-size", "16", "--memory-gb", "-1"], "--memory-gb must be > 0"),
-    (["--search", "--global-batch-size", "16", "--sequence-parallel"], "--search does not price --sequence-parallel"),
+    (["--search", "--global-batch-size", "16", "--sequence-parallel-options", "off,maybe"],
+     "--sequence-parallel-options"),
 ], ids=["tp-0", "pp-0", "global-batch-0", "microbatches-0", "memory-negative", "sp-at-tp-1", "sp-seq-length",
         "flash-fp32", "flash-fp32-short", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
         "search-top-negative", "search-memory-negative", "search-sp"])

@@ -78,3 +78,47 @@ def test_worker_processes_give_the_serial_ranking():
     forked = search(MODEL, space, dm, memory_limit_GB=6.0, jobs=2)
     assert len([c for c in serial if c.strategy is not None]) >= 16  # enough to use the workers
     assert write_csv(forked) == write_csv(serial)
+
+
+def test_sequence_parallel_is_searched_where_it_runs():
+    cands = candidates(MODEL, SearchSpace(gpus=16, global_batch=64, tp_sizes=(1, 4), pp_sizes=(1,)))
+    sp = {c.label for c in cands if c.sequence_parallel}
+    assert "tp4.pp1.dp4.sp" in sp and "tp4.pp1.dp4.sp.oases" in sp  # SP under Oases too
+    assert not any(c.tp == 1 or c.backend != "megatron" for c in cands if c.sequence_parallel)
+    off = candidates(MODEL, SearchSpace(gpus=16, global_batch=64, tp_sizes=(4,), pp_sizes=(1,),
+                                        sequence_parallel=(False,)))
+    assert not any(c.sequence_parallel for c in off)
+
+
+def test_refused_strategies_are_counted_unless_asked_for():
+    cands = _run(memory=6.0)
+    short, full = search_table(cands, top=3, show_refused=False), search_table(cands, top=3)
+    assert "--show-refused lists them" in short and "over the memory limit" in short
+    assert "memory" not in short.split("(")[0] and len(short.splitlines()) < len(full.splitlines())
+
+
+def test_the_printed_launch_command_is_accepted_by_the_trainer(capsys):
+    """The best strategy's trainer command parses and validates as the trainer's own flags, and
+    names what was searched (SP, Oases, backend) as the trainer reads it."""
+    import shlex
+
+    from megatron_oases.run_config import run_config
+    from megatron_oases.sim.frontends.cli import sim_main
+    from megatron_oases.train_args import build_parser, validate_config
+
+    argv = ["--search", "--topology", "local", "--gpu", "h100-sxm", "--gpus", "4", "--global-batch-size", "8",
+            "--num-layers", "4",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--vocab-size", "1024", "--swiglu", "--dtype", "fp32", "--jobs", "1"]
+    for extra in ([], ["--overlaps", "oases", "--sequence-parallel", "--tp-sizes", "2"]):
+        assert sim_main(argv + extra) == 0
+        out = capsys.readouterr().out
+        line = next(l for l in out.splitlines() if l.startswith("launch (trainer): "))
+        words = shlex.split(line.split(": ", 1)[1])
+        assert words[:4] == ["megatron-oases", "train", "--nproc-per-node", "4"]
+        cfg = validate_config(run_config(build_parser().parse_args(words[2:])), 4, cuda=False)
+        best = out.splitlines()[0].split("best ")[1].split(":")[0]
+        assert cfg.swiglu and cfg.vocab_size == 1024 and cfg.attention_backend == "local"
+        assert f"tp{cfg.tensor_model_parallel_size}.pp{cfg.pipeline_model_parallel_size}" in best
+        assert cfg.sequence_parallel == (".sp" in best) and (cfg.schedule == "oases") == (".oases" in best)
+        assert "launch (Megatron-LM): torchrun --nnodes 1 --nproc-per-node 4 -m megatron_oases.pretrain_gpt" in out

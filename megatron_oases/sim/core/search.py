@@ -39,6 +39,11 @@ class SearchSpace:
     """Recompute modes to try (``RECOMPUTE_MODES``): none, Megatron's full (every layer; Oases' own
     under the Oases schedule), selective (the core attention; Megatron 1-D, stock schedule)."""
     virtual_stages: Sequence[int] = (1,)
+    sequence_parallel: Sequence[bool] = (False, True)
+    """Sequence parallelism off / on; on is tried at TP > 1 for the backends whose record runs it
+    (``describe.backends``: Megatron 1-D)."""
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap`` on every candidate it applies to (SP, stock schedule)."""
     schedule: str = "1f1b"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
@@ -64,6 +69,7 @@ class Candidate:
     overlap: str
     recompute: str
     """A ``RECOMPUTE_MODES`` value."""
+    sequence_parallel: bool = False
     num_microbatches: int | None
     strategy: Strategy | None
     result: SimResult | None = None
@@ -84,6 +90,7 @@ class Candidate:
         r = self.result
         return {"strategy": self.label, "tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp,
                 "backend": self.backend, "overlap": self.overlap, "recompute": self.recompute,
+                "sequence_parallel": int(self.sequence_parallel),
                 "micro_batches": self.num_microbatches if self.num_microbatches is not None else "",
                 "iteration_ms": f"{r.iteration_ms:.3f}" if r else "",
                 "tokens_per_s": f"{r.tokens_per_s:.1f}" if r else "",
@@ -135,25 +142,37 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                         for rc in space.recompute:
                             if rc == "selective" and not selective_recompute_applies(backend, overlap):
                                 continue
-                            for vp in space.virtual_stages:
-                                if vp > 1 and pp == 1:
-                                    continue
-                                info = dict(tp=tp, pp=pp, dp=dp, vp=vp, backend=backend, overlap=overlap,
-                                            recompute=rc, num_microbatches=m)
-                                try:
-                                    st = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m, schedule=space.schedule,
-                                                  virtual_stages=vp, recompute=rc == "full",
-                                                  selective_recompute=rc == "selective", overlap=overlap,
-                                                  backend=backend, mesh=mesh,
-                                                  distributed_optimizer=space.distributed_optimizer,
-                                                  overlap_grad_reduce=space.overlap_grad_reduce,
-                                                  overlap_param_gather=space.overlap_param_gather,
-                                                  ddp_bucket_size=space.ddp_bucket_size)
-                                except SimError as e:
-                                    out.append(Candidate(strategy=None, reason=str(e), **info))
-                                    continue
-                                out.append(Candidate(strategy=st, **info))
+                            for sp in _sequence_parallel(space, tp, backend):
+                                for vp in space.virtual_stages:
+                                    if vp > 1 and pp == 1:
+                                        continue
+                                    out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
+                                                          mesh=mesh, overlap=overlap, recompute=rc,
+                                                          sequence_parallel=sp, num_microbatches=m))
     return out
+
+
+def _sequence_parallel(space: SearchSpace, tp: int, backend: str) -> tuple[bool, ...]:
+    """The SP settings a candidate takes: on only where it runs (TP > 1, a backend that has it)."""
+    runs = tp > 1 and record(backend).sequence_parallel
+    return tuple(sp for sp in dict.fromkeys(space.sequence_parallel) if runs or not sp)
+
+
+def _candidate(space: SearchSpace, *, mesh, **info) -> Candidate:
+    """One point of the space: its ``Strategy``, or the reason it cannot be built."""
+    try:
+        st = Strategy(tp=info["tp"], pp=info["pp"], dp=info["dp"], num_microbatches=info["num_microbatches"],
+                      schedule=space.schedule, virtual_stages=info["vp"], recompute=info["recompute"] == "full",
+                      selective_recompute=info["recompute"] == "selective", overlap=info["overlap"],
+                      backend=info["backend"], mesh=mesh, sequence_parallel=info["sequence_parallel"],
+                      tp_comm_overlap=(space.tp_comm_overlap and info["sequence_parallel"]
+                                       and info["overlap"] == "none"),
+                      distributed_optimizer=space.distributed_optimizer,
+                      overlap_grad_reduce=space.overlap_grad_reduce,
+                      overlap_param_gather=space.overlap_param_gather, ddp_bucket_size=space.ddp_bucket_size)
+    except SimError as e:
+        return Candidate(strategy=None, reason=str(e), **info)
+    return Candidate(strategy=st, **info)
 
 
 _WORK: tuple | None = None
@@ -218,7 +237,8 @@ def search(model: GPTShape, space: SearchSpace, device: DeviceModel, *,
     return sorted(done, key=order)
 
 
-COLUMNS = ("strategy", "tp", "pp", "dp", "vp", "backend", "overlap", "recompute", "micro_batches",
+COLUMNS = ("strategy", "tp", "pp", "dp", "vp", "backend", "overlap", "recompute", "sequence_parallel",
+           "micro_batches",
            "iteration_ms", "tokens_per_s", "mfu", "memory_GB", "feasible", "reason")
 
 
@@ -235,15 +255,17 @@ def write_csv(cands: Iterable[Candidate], path: str | os.PathLike | None = None)
     return buf.getvalue()
 
 
-def search_table(cands: Sequence[Candidate], top: int | None = None) -> str:
-    """Ranked plain-text table; infeasible rows show their reason instead of numbers."""
+def search_table(cands: Sequence[Candidate], top: int | None = None, *, show_refused: bool = True) -> str:
+    """Ranked plain-text table; infeasible rows show their reason instead of numbers (with
+    ``show_refused``; else they are counted by reason in one line)."""
     n_ok = sum(c.feasible for c in cands)
     best = next((c for c in cands if c.feasible), None)
     lines = [f"{len(cands)} strategies, {n_ok} feasible"
              + (f"; best {best.label}: {best.result.iteration_ms:.2f} ms" if best else "")]
     lines.append(f"{'#':>4} {'strategy':<34} {'m':>4} {'iter ms':>10} {'x best':>7} {'tokens/s':>12} "
                  f"{'MFU':>6} {'mem GB':>7}  status")
-    shown = cands if top is None else [*[c for c in cands if c.feasible][:top], *[c for c in cands if not c.feasible]]
+    refused = [c for c in cands if not c.feasible] if show_refused else []
+    shown = cands if top is None and show_refused else [*[c for c in cands if c.feasible][:top], *refused]
     for i, c in enumerate(shown, 1):
         r = c.result
         m = c.num_microbatches if c.num_microbatches is not None else "-"
@@ -256,4 +278,18 @@ def search_table(cands: Sequence[Candidate], top: int | None = None) -> str:
                      f"{100 * r.mfu:>5.1f}% {r.peak_memory_GB:>7.1f}  {status}")
     if top is not None and n_ok > top:
         lines.append(f"     ({n_ok - top} more feasible strategies in the CSV)")
+    if not show_refused and n_ok < len(cands):
+        lines.append(f"     {refused_summary(cands)}")
     return "\n".join(lines)
+
+
+def refused_summary(cands: Sequence[Candidate]) -> str:
+    """One line counting the infeasible strategies by kind of reason (their first word)."""
+    kinds: dict[str, int] = {}
+    for c in cands:
+        if not c.feasible:
+            kind = "memory" if c.reason.startswith("memory") else "split" if c.result is None else "other"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    named = {"memory": "over the memory limit", "split": "not a valid split", "other": "refused"}
+    parts = ", ".join(f"{n} {named[k]}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return f"({sum(kinds.values())} strategies refused: {parts}; --show-refused lists them)"

@@ -169,6 +169,8 @@ class Strategy:
             parts.append(f"vp{self.virtual_stages}")
         if self.schedule == "gpipe":
             parts.append("gpipe")
+        if self.sequence_parallel:
+            parts.append("sp")
         if self.overlap == "oases":
             parts.append("oases")
         if self.block_degrees is not None:

@@ -155,6 +155,11 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlaps", default="none,oases")
     g.add_argument("--recompute-options", default="off,full",
                    help="recompute modes to try: off, full (or on), selective (Megatron 1-D, stock schedule)")
+    g.add_argument("--sequence-parallel-options", default="off,on",
+                   help="sequence parallelism to try: off, on (on: at TP > 1, Megatron 1-D); --sequence-parallel "
+                        "alone tries on only")
+    g.add_argument("--show-refused", action="store_true",
+                   help="list the strategies that do not fit or do not split, with their reasons (default: counted)")
     g.add_argument("--jobs", type=int, default=None,
                    help="processes that share the simulations (default: the CPU count; 1: in this process)")
 
@@ -299,17 +304,18 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
 
     if a.global_batch_size is None:
         raise SimError("--search needs --global-batch-size")
-    if a.sequence_parallel:
-        raise SimError("--search does not price --sequence-parallel yet; simulate one strategy with it")
     from ..core.search import RECOMPUTE_MODES
 
     rc = comma_names("--recompute-options", a.recompute_options, RECOMPUTE_MODES, aliases={"on": "full"}, error=SimError)
+    sp = ("on",) if a.sequence_parallel else comma_names(
+        "--sequence-parallel-options", a.sequence_parallel_options, ("off", "on"), error=SimError)
     return SearchSpace(gpus=gpus, global_batch=a.global_batch_size,
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
                        backends=comma_names("--backends", a.backends, tuple(BACKENDS), error=SimError),
                        overlaps=comma_names("--overlaps", a.overlaps, OVERLAPS, error=SimError), recompute=rc,
                        virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
+                       sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
                        distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
 
@@ -348,7 +354,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 SEARCH_APPLIES = frozenset({"schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
                             "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                            "ddp_bucket_size", "sequence_parallel",
+                            "ddp_bucket_size", "sequence_parallel", "tp_comm_overlap",
                             # the model's core attention and the device's software stack
                             "use_flash_attn", "transformer_impl", "attention_backend", "masked_softmax_fusion"})
 """Strategy flags ``--search`` applies to every candidate; the other strategy flags name one
@@ -388,6 +394,33 @@ def check_numbers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             raise SimError(range_refusal(act.option_strings[0], value, AT_LEAST[act.dest]))
         if act.dest in ABOVE_ZERO and range_refusal(act.option_strings[0], value, 0, inclusive=False):
             raise SimError(range_refusal(act.option_strings[0], value, 0, inclusive=False))
+
+
+def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
+    """The model ``a`` prices as a launch's flags, each spelled out (a Megatron-LM launch has
+    other defaults than ours): every model flag with a value, every switch that is on (both parsers
+    use Megatron-LM's names; ``--dtype bf16`` is ``--bf16``), and the core attention priced
+    (``core_attention_of``: not given, Megatron's local one). A model flag the trainer lacks is
+    refused: the run could not be launched as priced."""
+    from ...train_args import build_parser as train_parser
+
+    trainer = {o for act in train_parser()._actions for o in act.option_strings}
+    out: list[str] = []
+    for act in (act for g in p._action_groups if g.title.split(" ")[0] == "model" for act in g._group_actions):
+        value, flag = getattr(a, act.dest), act.option_strings[0]
+        if act.dest in ("dtype", "fp32"):
+            out += [f"--{value}"] if act.dest == "dtype" and value != "fp32" and not a.fp32 else []
+        elif flag not in trainer:
+            if value != act.default:
+                raise SimError(f"{flag} has no trainer flag, so the searched run cannot be launched as priced; "
+                               f"drop it")
+        elif act.nargs == 0:
+            out += [flag] if value != act.default else []
+        elif value is not None and not (act.dest == "ffn_hidden_size" and not value):  # 0: 4 x hidden
+            out += [flag, str(value)]
+    core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,
+                             use_flash_attn=a.use_flash_attn, error=SimError)
+    return out + ["--attention-backend", a.attention_backend or ("auto" if core == "fused" else "local")]
 
 
 def trainer_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
@@ -523,10 +556,17 @@ def _largest_tp(a: argparse.Namespace, topo) -> int:
 
 def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     from ..core.search import search, search_table, write_csv
+    from .launch import launch_commands
 
     gpus = a.gpus or dm.topology.world_size
     cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb, jobs=a.jobs)
-    print(search_table(cands, top=a.top))
+    print(search_table(cands, top=a.top, show_refused=a.show_refused))
+    best = next((c for c in cands if c.feasible), None)
+    if best is not None:
+        nodes = dm.topology.num_nodes if gpus == dm.topology.world_size else max(1, gpus // dm.topology.ranks_per_node)
+        for form, cmd in launch_commands(best, model_flags(build_parser(), a), global_batch=a.global_batch_size,
+                                         num_layers=model.num_layers, gpus=gpus, nodes=nodes).items():
+            print(f"launch ({form}): {cmd}")
     if a.csv:
         write_csv(cands, a.csv)
         print(f"csv: {a.csv}")
