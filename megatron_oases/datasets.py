@@ -149,8 +149,21 @@ def validate_data_config(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"--eval-interval needs a validation split but --split "
                               f"{cfg.split} gives it weight 0; e.g. --split {DEFAULT_SPLIT}")
         for prefix in prefixes:
-            _check_split_documents(prefix, split, cfg.split or DEFAULT_SPLIT, eval_enabled(cfg))
+            _check_split_documents(prefix, split, cfg.split or DEFAULT_SPLIT,
+                                   used=(True, eval_enabled(cfg), False))
     return cfg
+
+
+def check_split_documents(data_path: list[str], split_flag: str | None) -> None:
+    """Megatron-LM's loop (``python -m megatron_oases.pretrain_gpt``, the patched checkout) builds
+    every split of nonzero weight, the test split even with ``--eval-iters 0``: each must have
+    documents in every ``--data-path`` prefix (``_check_split_documents``), one line if not."""
+    prefixes, _ = parse_blend(data_path)
+    split = parse_split(split_flag if split_flag is not None else DEFAULT_SPLIT)
+    for prefix in prefixes:
+        _check_files(prefix)
+        _check_split_documents(prefix, split, split_flag or DEFAULT_SPLIT,
+                               used=tuple(w > 0 for w in split))
 
 
 def _check_helpers() -> None:
@@ -179,10 +192,7 @@ def _check_prefix(prefix: str, vocab_size: int) -> None:
     holds every byte the .idx points to, and the token ids a bounded scan reads are < vocab."""
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
 
-    missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-    if missing:
-        raise ConfigError(f"--data-path {prefix}: {' and '.join(missing)} not found; pass the "
-                          "prefix of a .bin/.idx pair (without the extension)")
+    _check_files(prefix)
     with open(prefix + ".idx", "rb") as f:
         header = f.read(len(_INDEX_HEADER))
     if header != _INDEX_HEADER:
@@ -190,6 +200,13 @@ def _check_prefix(prefix: str, vocab_size: int) -> None:
                           "(bad header); rebuild it with preprocess_data.py or IndexedDatasetBuilder")
     dtype, tokens = _check_index_sizes(prefix)
     _check_token_ids(prefix, dtype, tokens, vocab_size)
+
+
+def _check_files(prefix: str) -> None:
+    missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    if missing:
+        raise ConfigError(f"--data-path {prefix}: {' and '.join(missing)} not found; pass the "
+                          "prefix of a .bin/.idx pair (without the extension)")
 
 
 def _check_index_sizes(prefix: str):
@@ -271,11 +288,12 @@ def _check_token_ids(prefix: str, dtype, tokens: int, vocab_size: int) -> None:
                               "the vocabulary size of the data's tokenizer as --vocab-size")
 
 
-def _check_split_documents(prefix: str, split: list[float], split_flag: str,
-                           need_valid: bool) -> None:
-    """Every split that is sampled has documents. Megatron-Core rounds ``weight x documents`` per
-    split, and a split left with none but asked for samples never finishes counting its epochs
-    (GPTDataset._get_num_epochs loops forever on 0 tokens), so a small file would hang the run."""
+def _check_split_documents(prefix: str, split: list[float], split_flag: str, *,
+                           used: tuple[bool, bool, bool]) -> None:
+    """Every split that is built (``used``: train, validation, test) has documents.
+    Megatron-Core rounds ``weight x documents`` per split, and a split left with none never
+    finishes counting its epochs (GPTDataset._get_num_epochs loops forever on 0 tokens, even for
+    0 samples), so a small file would hang the run."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -283,15 +301,16 @@ def _check_split_documents(prefix: str, split: list[float], split_flag: str,
     total = sum(split)
     matrix = convert_split_vector_to_split_matrix([w / total for w in split])
     n = IndexedDataset(prefix, multimodal=False, mmap=True).sequence_lengths.shape[0]
-    for i, name in enumerate(("train", "validation")):
-        if name == "validation" and not need_valid:
+    for i, name in enumerate(("train", "validation", "test")):
+        if not used[i]:
             continue
         docs = 0 if matrix[i] is None else (int(round(matrix[i][1] * n))
                                             - int(round(matrix[i][0] * n)))
         if docs == 0:
+            zero = ", or weight 0 to build none" if name == "test" else ""
             raise ConfigError(f"--split {split_flag} leaves the {name} split of --data-path "
-                              f"{prefix} no documents (it has {n}); give that split more weight "
-                              "or use more documents")
+                              f"{prefix} no documents (it has {n}); give that split more "
+                              f"weight{zero}, or use more documents")
 
 
 def eval_enabled(cfg: RunConfig) -> bool:

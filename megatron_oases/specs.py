@@ -211,3 +211,34 @@ def _layers_skip_tp_collectives(model) -> None:
     for m in model.decoder.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.explicit_expert_comm = True
+
+
+def build_line(cfg: RunConfig, *, world: int, device: str, dist_backend: str,
+               stock: bool = False) -> str:
+    """The one start-up line naming what the run builds (rank 0 of the trainer and of Megatron-LM's
+    entries prints it): the TP backend and its layout (TP size, ATP mesh, cube), the executor,
+    the plan, the parallel sizes and the device. ``stock``: Megatron-LM's own model provider
+    builds it (a stock run with a checkout), not these specs."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    cp = cfg.megatron_lm.context_parallel_size or 1
+    if stock:
+        model = "from Megatron-LM's own provider (stock, 1-D TP)"
+    elif cfg.tp_backend == "atp":
+        d1, d2 = cfg.atp_mesh
+        model = f"--tp-backend atp (mesh {d1}x{d2}, --atp-chunks {cfg.atp_chunks})"
+    elif cfg.tp_backend == "3d":
+        from megatron_oases.describe.cube_3d import cube_root
+
+        p = cube_root(tp)
+        model = f"--tp-backend 3d (cube {p}x{p}x{p})"
+    else:
+        model = f"--tp-backend {cfg.tp_backend} (1-D TP)"
+    executor = (f"--schedule {cfg.schedule}" if cfg.schedule == "default" or oases_runs(cfg)
+                else f"--schedule {cfg.schedule} (stock layers at TP 1: nothing to overlap)")
+    plan = "no plan"
+    if cfg.oases_layer_degrees:
+        degrees = " ".join(f"{a}/{m}" for a, m in cfg.oases_layer_degrees)
+        plan = f"--oases-plan {cfg.oases_plan} (attention/MLP degree per layer: {degrees})"
+    return (f"megatron_oases: model {model} | {executor} | {plan} | TP {tp} x PP {pp} x "
+            f"DP {world // (tp * pp * cp)}{f' x CP {cp}' if cp > 1 else ''} on {world} ranks | "
+            f"{device}, {dist_backend}")

@@ -16,8 +16,7 @@ import time
 from megatron_oases.errors import ConfigError
 from megatron_oases.run_config import RunConfig, run_config
 from megatron_oases.schedules.oases.options import oases_runs
-from megatron_oases.train_args import (build_parser, cuda_wanted, parallel_dims, validate_config,
-                                       world_size_of)
+from megatron_oases.train_args import build_parser, parallel_dims, validate_config, world_size_of
 from megatron_oases.vocab import vocab_padding_note
 
 
@@ -213,6 +212,12 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
     exits = ExitConditions(cfg)  # first: a signal during start-up stops after iteration one
     tr = setup(cfg)
     cfg = tr.cfg  # as validated: ffn size and the rest filled in
+    if torch.distributed.get_rank() == 0:
+        from megatron_oases.specs import build_line
+
+        print(build_line(cfg, world=torch.distributed.get_world_size(),
+                         device=tr.runtime.device.type, dist_backend=tr.runtime.backend),
+              flush=True)
     from megatron_oases import checkpoint
 
     first = checkpoint.load_checkpoint(tr) + 1 if cfg.load else 1
@@ -296,20 +301,20 @@ def _ended_by_signal(cfg: RunConfig, signals: tuple[int, ...]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from megatron_oases.runtime.quiet import quiet_known_warnings
+
+    quiet_known_warnings(cpu=False)  # before validation imports Megatron (its import-time notes)
     try:
-        import torch
-
-        from megatron_oases.runtime.quiet import quiet_known_warnings
-
-        quiet_known_warnings(cpu=not torch.cuda.is_available())
-
         cfg = run_config(args)  # the one RunConfig of this run; nothing below sees ``args``
         world = world_size_of(cfg)
-        cfg = validate_config(cfg, world, cuda_wanted(cfg))
+        cfg = validate_config(cfg, world, cuda=None)  # torch loads after the checks without it
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    import torch
+
+    quiet_known_warnings(cpu=not torch.cuda.is_available())
     note = vocab_padding_note(cfg)
     if note and os.environ.get("RANK", "0") == "0":
         print(f"{parser.prog}: {note}", flush=True)

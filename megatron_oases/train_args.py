@@ -111,7 +111,7 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                    help="normalise queries and keys per head (--normalization's kind)")
     g.add_argument("--hidden-dropout", type=float, default=DEFAULTS.hidden_dropout)
     g.add_argument("--attention-dropout", type=float, default=DEFAULTS.attention_dropout)
-    from megatron_oases.layers.core_attention import BACKEND_HELP, BACKENDS
+    from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS, BACKEND_HELP
 
     g.add_argument("--attention-backend", choices=BACKENDS, default=DEFAULTS.attention_backend,
                    help=BACKEND_HELP)
@@ -331,11 +331,13 @@ def _check_optimizer_flags(cfg: RunConfig) -> None:
                               f"drop it or pass --optimizer {'sgd' if cfg.optimizer == 'adam' else 'adam'}")
 
 
-def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
+def validate_config(cfg: RunConfig, world_size: int, cuda: bool | None) -> RunConfig:
     """Check every flag and combination; returns the run's config normalised: ``ffn_hidden_size``
     and ``max_position_embeddings`` filled in, ``recompute_num_layers`` set under full recompute,
     ``atp_mesh`` as (d1, d2) (``auto`` resolved), ``oases_layer_degrees`` from ``--oases-plan``.
-    Validating a config this returned again returns it unchanged (and is silent)."""
+    Validating a config this returned again returns it unchanged (and is silent).
+    ``cuda=None``: ``cuda_wanted(cfg)``, asked only after the checks that need no torch, so a
+    bad flag is refused before torch imports (``main``)."""
     check_sizes(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
                 num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                 num_attention_heads=cfg.num_attention_heads)  # before deriving from them
@@ -361,9 +363,6 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
                           f"than --seq-length {cfg.seq_length}")
     if cfg.bf16 and cfg.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    from megatron_oases.layers.core_attention import check_backend
-
-    check_backend(cfg.attention_backend, cuda=cuda, half=cfg.bf16 or cfg.fp16)
     _check_loss_scale(cfg)
     if cfg.gradient_accumulation_fusion:
         from megatron.core.tensor_parallel import layers
@@ -399,6 +398,10 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool) -> RunConfig:
 
     validate_exit_config(cfg)
 
+    from megatron_oases.layers.core_attention import check_backend  # imports torch: last
+
+    check_backend(cfg.attention_backend, cuda=cuda_wanted(cfg) if cuda is None else cuda,
+                  half=cfg.bf16 or cfg.fp16)
     from megatron_oases.datasets import validate_data_config
 
     return validate_data_config(cfg)
@@ -529,11 +532,7 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
                   f"h={shape.hidden_size} L={shape.num_layers} b={shape.micro_batch_size} s={shape.seq_length}; "
                   "`megatron-oases mesh` prints every mesh)", flush=True)
     if isinstance(mesh, str):
-        try:
-            d1, d2 = (int(v) for v in mesh.split(","))
-        except ValueError:
-            raise ConfigError(f"--atp-mesh must be D1,D2 (got {mesh!r})") from None
-        mesh = (d1, d2)
+        mesh = parse_atp_mesh(mesh)
     refused = atp_mesh_refusal(mesh, dims.tp)
     if refused:
         raise ConfigError(refused)
@@ -543,6 +542,15 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
         "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
     _refuse_split(cfg, dims, mesh)
     return tuple(mesh)
+
+
+def parse_atp_mesh(text: str) -> tuple[int, int]:
+    """``--atp-mesh D1,D2`` as (d1, d2); one line if it is not two integers."""
+    try:
+        d1, d2 = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--atp-mesh must be D1,D2 (got {text!r})") from None
+    return d1, d2
 
 
 def _refuse_split(cfg: RunConfig, dims: ParallelDims, mesh: tuple[int, int] | None = None) -> None:

@@ -142,7 +142,7 @@ def test_non_stock_runs_build_through_the_checkouts_model_provider():
 
 def test_wrap_entry_and_unvalidated_args(monkeypatch):
     stock = object()
-    model_provider, extra = wrap_entry(stock, None)
+    model_provider, extra = wrap_entry(stock, None, cpu_layer=False)  # parses only
     assert isinstance(model_provider, ModelProvider) and model_provider.stock is stock
     p = extra(argparse.ArgumentParser(allow_abbrev=False))
     assert any("--tp-backend" in a.option_strings for a in p._actions)

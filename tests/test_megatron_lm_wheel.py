@@ -131,8 +131,9 @@ def _same(losses, ref, what):
 @pytest.mark.parametrize("extra", [["--schedule", "oases"], ["--oases-plan", PLAN], ["--sequence-parallel"]],
                          ids=["oases", "plan", "sp"])
 def test_pretrain_tp2_matches_stock(stock_tp2, extra):
-    """Each build from the same weights: under the CPU layer the JIT warm-up's draws (whose
-    shapes follow --sequence-parallel) no longer move the CPU initialisation (``_keep_cpu_rng``)."""
+    """Each build from the same weights: under the CPU layer the JIT warm-up, whose draws' shapes
+    follow --sequence-parallel, does not run and so cannot move the CPU initialisation
+    (``_no_jit_warmup``)."""
     _same(train(2, TP2 + extra, ITERS)[0], stock_tp2, extra)
 
 

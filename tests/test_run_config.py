@@ -126,6 +126,7 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("megatron_lm/flags.py", "validate_megatron_args"): "Megatron-LM's parse hook",
     ("megatron_lm/model_provider.py", "uses_stock"): "called with its args by the patched checkout",
     ("megatron_lm/model_provider.py", "_builder"): "gpt_builder's signature: Megatron-LM's args",
+    ("megatron_lm/flags.py", "early_refusal"): "the entry's argv, read before Megatron-LM's parse",
     ("megatron_lm/pretrain_gpt.py", "main"): "python -m megatron_oases.pretrain_gpt",
     ("sim/frontends/predict.py", "sim_inputs_from_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",

@@ -46,6 +46,13 @@ from __future__ import annotations
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 """Megatron-LM's ``--attention-backend`` values (``AttnBackend``)."""
+BACKEND_HELP = ("core attention of every build, Megatron-LM's values: auto = torch's "
+                "scaled_dot_product_attention with its kernel choice (default: measured faster "
+                "than local on CPU), flash = SDPA's flash kernel only (CUDA: bf16/fp16), fused = "
+                "SDPA's cuDNN or memory-efficient kernels (on CPU flash and fused both use "
+                "torch's CPU kernels), unfused = SDPA's math kernel (materialised scores), "
+                "local = Megatron's DotProductAttention")
+"""The flag's help (the trainer's and Megatron-LM's), here where torch is not imported."""
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 CORE_ATTENTIONS = ("local", "unfused", "fused")
 """What a layer's core attention is: Megatron's ``DotProductAttention`` (``local``); torch's SDPA

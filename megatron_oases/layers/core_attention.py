@@ -49,17 +49,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS, check_flash_dtype
+from megatron_oases.describe.core_attention import (ATTENTION_BACKENDS as BACKENDS, BACKEND_HELP,  # noqa: F401
+                                                    check_flash_dtype)
 from megatron_oases.errors import ConfigError
 
 FLAG = "--attention-backend"
-
-BACKEND_HELP = ("core attention of every build, Megatron-LM's values: auto = torch's "
-                "scaled_dot_product_attention with its kernel choice (default: measured faster "
-                "than local on CPU), flash = SDPA's flash kernel only (CUDA: bf16/fp16), fused = "
-                "SDPA's cuDNN or memory-efficient kernels (on CPU flash and fused both use "
-                "torch's CPU kernels), unfused = SDPA's math kernel (materialised scores), "
-                "local = Megatron's DotProductAttention")
 
 
 def check_backend(backend, *, cuda: bool, half: bool) -> None:

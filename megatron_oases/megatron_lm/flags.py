@@ -61,13 +61,58 @@ def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
     group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
 
 
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+_EARLY_SHARED = ("--tensor-model-parallel-size", "--micro-batch-size")
+"""Megatron-LM flags ``early_refusal`` reads, as the reference trainer's parser defines them
+(same names); read only when given, since Megatron-LM's defaults are Megatron-LM's."""
+
+
+def early_refusal(argv: list[str]) -> str | None:
+    """The one-line refusal of what our flags decide alone, or None; no torch, no Megatron.
+
+    Importing them takes 20-30 s on a loaded machine before Megatron-LM's parser answers, so the
+    entry asks this first: argparse's errors for our flags (a bad choice or number), a stray
+    ``--atp-mesh`` / ``--atp-chunks``, ``--atp-mesh`` against a given
+    ``--tensor-model-parallel-size``, and ``--schedule oases`` against a given
+    ``--micro-batch-size``. The rules are the trainer's (``train_args``, ``describe``); Megatron-LM's
+    parse checks them again with everything else."""
+    from megatron_oases.describe.atp_meshes import atp_mesh_refusal
+    from megatron_oases.describe.split import split_refusal
+    from megatron_oases.train_args import build_parser, parse_atp_mesh, validate_atp_mesh
+
+    parser = add_flags(_RaisingParser(add_help=False, allow_abbrev=False))
+    trainer = {opt: a for a in build_parser()._actions for opt in a.option_strings}
+    for option in _EARLY_SHARED:
+        parser.add_argument(option, dest=trainer[option].dest, type=trainer[option].type,
+                            default=None)  # None: not given
+    try:
+        ns, _ = parser.parse_known_args(argv)
+        tp, micro = ns.tensor_model_parallel_size, ns.micro_batch_size
+        if ns.tp_backend != "atp":
+            validate_atp_mesh(run_config(ns), None)  # stray ATP flags; returns before the dims
+        elif ns.atp_mesh not in (None, "auto") and tp is not None:
+            refused = atp_mesh_refusal(parse_atp_mesh(ns.atp_mesh), tp)
+            if refused:
+                return refused
+        if ns.schedule == "oases" and micro is not None and split_refusal(micro):
+            return split_refusal(micro)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def make_extra_args_provider(*others: Callable | None, stock_model: bool = True,
-                             prog: str | None = None) -> Callable:
+                             prog: str | None = None, on_cpu: bool = False) -> Callable:
     """An ``extra_args_provider`` that runs ``others`` (e.g. Megatron-LM's ModelOpt args) and then
     adds our flags, and makes the parser validate them after parsing. ``stock_model=False``: no
     Megatron-LM model provider (no checkout), so stock runs are our ``megatron`` build and are
     validated as such. ``prog``: the command errors and usage name, where argparse's default
-    (the script's file name) is not what the user ran (``python -m ...``)."""
+    (the script's file name) is not what the user ran (``python -m ...``). ``on_cpu``: the CPU
+    training layer is installed (``hooks.install_cpu_layer``); CUDA-only flags are refused."""
 
     def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if prog is not None:
@@ -79,7 +124,7 @@ def make_extra_args_provider(*others: Callable | None, stock_model: bool = True,
         from megatron_oases.mcore_compat import repair_help_strings
 
         repair_help_strings(parser)  # Megatron's own, where a release broke one (--help)
-        return validating(parser, stock_model=stock_model)
+        return validating(parser, stock_model=stock_model, on_cpu=on_cpu)
 
     return extra_args_provider
 
@@ -89,7 +134,7 @@ extra_args_provider = make_extra_args_provider()
 
 
 def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
-               ) -> argparse.ArgumentParser:
+               on_cpu: bool = False) -> argparse.ArgumentParser:
     """Make ``parser.parse_args()`` / ``parse_known_args()`` also run ``validate_megatron_args``.
 
     argparse has no post-parse hook, so the parser's class becomes a subclass of its own whose
@@ -110,6 +155,9 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
                 cfg = validate_megatron_args(ns, defaults={a.dest: a.default for a in self._actions},
                                              stock_model=stock_model)
                 keep_on_megatron_args(ns, cfg)
+                if on_cpu:
+                    check_cpu_run(cfg)
+                announce(cfg, stock=stock_model and is_stock(cfg))
             except ConfigError as exc:
                 self.error(str(exc))
             return ns, extras
@@ -122,6 +170,36 @@ def validating(parser: argparse.ArgumentParser, *, stock_model: bool = True,
     _Validating.__name__ = _Validating.__qualname__ = f"OasesValidating{base.__name__}"
     parser.__class__ = _Validating
     return parser
+
+
+_announced = False
+
+
+def announce(cfg: RunConfig, stock: bool) -> None:
+    """Once per process, on rank 0, when the parse has validated the run: ``specs.build_line``
+    (the entries may parse twice). Here rather than in the model provider, which a stock run of a
+    checkout on 0.19 never calls (``mcore_compat.run_pretrain``)."""
+    global _announced
+    if _announced or os.environ.get("RANK", "0") != "0":
+        return
+    _announced = True
+    import torch
+
+    from megatron_oases.specs import build_line
+
+    print(build_line(cfg, world=int(os.environ.get("WORLD_SIZE", "1")),
+                     device="cuda" if torch.cuda.is_available() else "cpu",
+                     dist_backend=cfg.megatron_lm.distributed_backend, stock=stock), flush=True)
+
+
+def check_cpu_run(cfg: RunConfig) -> None:
+    """On CPU ranks: a flag that needs CUDA-only machinery, in one line
+    (``runtime.cpu_training_compat.cpu_training_refusal``)."""
+    from megatron_oases.runtime.cpu_training_compat import cpu_training_refusal
+
+    refused = cpu_training_refusal(cfg.megatron_lm)
+    if refused:
+        raise ConfigError(refused)
 
 
 def keep_on_megatron_args(args: argparse.Namespace, cfg: RunConfig) -> None:
@@ -205,6 +283,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
     if cfg.topology is not None:
         check_topology(cfg.topology)
     check_checkpoint_paths(cfg)
+    check_data_split(cfg)
     if is_stock(cfg) and stock_model:
         try:
             view, dims = trainer_view(cfg, world_size)
@@ -251,6 +330,16 @@ def _build_named(cfg: RunConfig) -> str:
             else f"--schedule {cfg.schedule}" if cfg.schedule != "default"
             else "--oases-plan" if cfg.oases_plan is not None
             else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")
+
+
+def check_data_split(cfg: RunConfig) -> None:
+    """``--data-path`` with ``--split`` (default 969,30,1) of any run through the entry: a split
+    that rounds to no documents of a small corpus would hang Megatron-LM's dataset build at 100%
+    CPU; refused in one line by the reference trainer's rule (``datasets``)."""
+    if cfg.data_path and not cfg.mock_data:
+        from megatron_oases.datasets import check_split_documents
+
+        check_split_documents(cfg.data_path, cfg.split)
 
 
 def check_checkpoint_paths(cfg: RunConfig) -> None:

@@ -11,9 +11,11 @@ provider, ``get_embedding_ranks``, stock model provider) come from
 
 We add our ``extra_args_provider`` and wrap the model provider (``megatron_lm.hooks.wrap_entry``),
 then call ``pretrain`` the way the installed release takes it (``mcore_compat.run_pretrain``).
-Arguments are parsed once up front, so ``--help`` and bad flags answer before any GPU work.
-Without CUDA, ``runtime.cpu_training_compat`` lets ``pretrain`` run on CPU + gloo ranks (flags
-that need CUDA-only machinery are refused first, in one line).
+Arguments are parsed once up front, so ``--help`` and bad flags answer before any GPU work;
+what our flags decide alone is refused even before torch and Megatron import
+(``flags.early_refusal``). Without CUDA, ``runtime.cpu_training_compat`` lets ``pretrain`` run on
+CPU + gloo ranks (installed by ``wrap_entry`` before the parse; flags that need CUDA-only
+machinery are refused there, in one line).
 """
 from __future__ import annotations
 
@@ -31,15 +33,16 @@ PROG = "python -m megatron_oases.pretrain_gpt"
 """The command our errors and Megatron-LM's parser (``--help``, argparse's errors) name."""
 
 
-def entry_objects(stock):
+def entry_objects(stock, cpu_layer: bool = False):
     """(model provider, extra_args_provider) built from a ``pretrain_gpt`` module: the
-    checkout's, or ``wheel_gpt`` (no stock model provider)."""
+    checkout's, or ``wheel_gpt`` (no stock model provider); ``cpu_layer`` as ``wrap_entry``'s
+    (the entry installs it; tests that only parse do not)."""
     from megatron_oases.megatron_lm.hooks import wrap_entry
 
     modelopt = stock.add_modelopt_args if getattr(stock, "has_nvidia_modelopt", False) else None
     stock_provider = (functools.partial(stock.model_provider, stock.gpt_builder)
                       if stock.model_provider is not None else None)
-    return wrap_entry(stock_provider, modelopt, prog=PROG)
+    return wrap_entry(stock_provider, modelopt, prog=PROG, cpu_layer=cpu_layer)
 
 
 def stock_module():
@@ -71,32 +74,25 @@ def _error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    from megatron_oases.megatron_lm.flags import early_refusal
+
+    refused = early_refusal(sys.argv[1:])  # before torch and Megatron import (20-30 s loaded)
+    if refused:
+        return _error(refused)
     try:
         stock = stock_module()
     except ConfigError as exc:
         return _error(str(exc))
-    model_provider, extra_args_provider = entry_objects(stock)
+    model_provider, extra_args_provider = entry_objects(stock, cpu_layer=True)  # CPU layer first
 
     from megatron.training.arguments import parse_args
 
     args = parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
     if hasattr(stock, "refusal") and stock.refusal(args):
         return _error(stock.refusal(args))
-    import torch
-
     from megatron_oases.run_config import run_config
 
     cfg = run_config(args)
-    if not torch.cuda.is_available():
-        from megatron_oases.runtime.cpu_training_compat import (
-            cpu_training_refusal,
-            install_cpu_training_compat,
-        )
-
-        problem = cpu_training_refusal(cfg.megatron_lm)
-        if problem:
-            return _error(problem)
-        install_cpu_training_compat()
     if cfg.use_distributed_optimizer and cfg.load is not None:
         import megatron.training.training as training
 

@@ -93,21 +93,21 @@ def _allow_no_cuda(initialize_megatron):
     return wrapped
 
 
-def _keep_cpu_rng(set_jit_fusion_options):
-    """``set_jit_fusion_options`` as ``pretrain`` calls it on CPU: its JIT warm-up draws
-    ``torch.rand(..., device="cuda")`` tensors whose shapes depend on the run (sequence
-    parallelism, batch, sequence); through the proxy they would come from the CPU generator and
-    shift ``--use-cpu-initialization``'s weights (a run with ``--sequence-parallel`` started from
-    other weights than one without). On a GPU they come from the CUDA generator: here the CPU
-    generator's state is kept around the call."""
+def _no_jit_warmup(set_jit_fusion_options):
+    """``set_jit_fusion_options`` as ``pretrain`` calls it on CPU: nothing. On torch >= 2.2 it
+    only warms up the fused bias-GeLU / SwiGLU / bias-dropout-add functions, which
+    torch.compile then builds for the CPU (75 s of a first launch on 2 cores, whatever the
+    ``--no-*-fusion`` flags say); a fusion a run uses compiles at its first call instead. The
+    warm-up's ``torch.rand(..., device="cuda")`` draws would also have come from the CPU generator
+    and moved ``--use-cpu-initialization``'s weights (their shapes follow
+    ``--sequence-parallel``)."""
 
     @functools.wraps(set_jit_fusion_options)
-    def wrapped(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return set_jit_fusion_options(*args, **kwargs)
+    def skipped(*args, **kwargs):
+        return None
 
-    wrapped.__cpu_compat_wrapped__ = set_jit_fusion_options
-    return wrapped
+    skipped.__cpu_compat_wrapped__ = set_jit_fusion_options
+    return skipped
 
 
 class _NoFusedKernels:
@@ -187,7 +187,7 @@ def install_cpu_training_compat(force: bool = False) -> bool:
     if not hasattr(training.initialize_megatron, "__cpu_compat_wrapped__"):
         training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
     if not hasattr(training.set_jit_fusion_options, "__cpu_compat_wrapped__"):
-        training.set_jit_fusion_options = _keep_cpu_rng(training.set_jit_fusion_options)
+        training.set_jit_fusion_options = _no_jit_warmup(training.set_jit_fusion_options)
     _installed = True
     return True
 
