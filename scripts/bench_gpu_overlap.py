@@ -1,6 +1,7 @@
 """The one-GPU overlap benchmark (issue 34, item 4): stock Megatron and the Oases executor as rank 0
 of a TP-t model, every TP collective replaced by a stand-in of priced duration on a side stream
-(sleep and copy kernels), against compute alone and the stand-ins alone. Benchmark only.
+(sleep, copy, channels and nccl kernels), against compute alone, communication switched off
+(comm-disabled) and the stand-ins alone. Benchmark only.
 
     python scripts/bench_gpu_overlap.py --tp 2 --out overlap.json -- \\
         --device cuda --bf16 --num-layers 4 --hidden-size 4096 --num-attention-heads 32 \\

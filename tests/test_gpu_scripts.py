@@ -259,3 +259,51 @@ def test_sim_vs_standin_prices_the_benchmark_s_collectives_as_the_simulator_does
     with pytest.raises(SystemExit):
         svs.main(runs[:1] + ["--out", str(tmp_path / "no-such-folder" / "rows.json")])
     assert "--out" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
+
+
+def _script_array(name: str) -> list[str]:
+    """The words of ``gpu_check.sh``'s bash array ``name`` (its ``=(...)`` and ``+=(...)`` parts)."""
+    import shlex
+
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh"), encoding="utf-8").read()
+    return [w for m in re.findall(rf"\b{name}\+?=\(([^)]*)\)", text) for w in shlex.split(m.replace("\\\n", " "))]
+
+
+@pytest.mark.parametrize("tp, array", [(2, "MFU_MODEL"), (8, "L70")])
+def test_overlap_summary_models_pass_the_benchmark_s_checks(tp, array):
+    """The next GPU call's two models (the hidden-4096 model at TP 2, one rank's shard of
+    Llama-2-70B at TP 8) as gpu_check.sh spells them pass the benchmark's and the trainer's
+    checks at their TP, with and without full recompute (the CPU run below shrinks them)."""
+    from megatron_oases.bench_standin.measure import build_parser, validate_args
+
+    flags = _script_array(array)
+    assert "--hidden-size" in flags and (array != "L70" or {"--swiglu", "--group-query-attention"} <= set(flags))
+    for rc in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]):
+        a, rest = build_parser().parse_known_args(["--tp", str(tp), "--kinds", "sleep,nccl", "--link-gbps", "24",
+                                                   "--label", array, "--device", "cpu", *flags, *rc])
+        validate_args(a, rest)
+
+
+def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp_path):
+    """The prepared GPU call's step at tiny sizes: 8 benchmark runs (2 models x 2 recompute x 2
+    links), then overlap_summary.json with a record per kind of each."""
+    import tarfile
+
+    from megatron_oases.bench_standin.summary import FIELDS
+
+    rc, summary, log = _gpu_check_on_cpu(
+        tmp_path, "overlap-summary", OVERLAP_ARGS="--steps 1 --warmup 0",
+        OVERLAP_FLAGS="--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                      "--micro-batch-size 2 --global-batch-size 4",
+        LLAMA_SIZES="--num-layers 1 --hidden-size 64 --num-attention-heads 8 --num-query-groups 8 --ffn-hidden-size 64 "
+                    "--seq-length 16 --max-position-embeddings 16 --vocab-size 1024 --micro-batch-size 2")
+    runs = [f"summary-{m}-{r}-{g}" for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24, 150)]
+    assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
+        [name, "rc=0"] for name in runs + ["overlap-summary"]], log[-3000:]
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        recs = json.load(tar.extractfile("json/overlap_summary.json"))
+    assert all(list(r) == list(FIELDS) for r in recs)
+    assert [(r["model"], r["recompute"], r["link_GBps"], r["kind"]) for r in recs] == [
+        (m, r, g, k) for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24.0, 150.0)
+        for k in ("sleep", "nccl")]
+    assert all(r["stock_ms"] > 0 and r["oases_ms"] > 0 and r["comm_disabled_ms"] > 0 for r in recs)

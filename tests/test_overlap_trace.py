@@ -1,6 +1,7 @@
 """The overlap benchmark's diagnosis tools on CPU: where a trace's compute stream sits idle
 (``bench_standin/trace_gaps.py``), the NCCL-like channel copy (``channel_copy.py``, under Triton's
-interpreter) and ``--trace`` / ``--kinds channels`` end to end. No timing is asserted."""
+interpreter), the ``nccl`` stand-in's paced copy (``paced_copy.py``: interpreted on a fake clock,
+and compiled for an H100) and ``--trace`` / ``--kinds channels`` end to end. No timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -64,6 +65,63 @@ def test_channel_copy_copies_with_few_blocks_under_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+PACED = """
+import torch
+from megatron_oases.bench_standin.paced_copy import BLOCK, paced_copy
+step = BLOCK * 4
+src = torch.randint(1, 255, (3 * step,), dtype=torch.uint8)
+
+def run(nbytes, ms, GBps, dst=None):
+    dst = torch.zeros_like(src) if dst is None else dst
+    clock, stamps = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    paced_copy(src, dst, nbytes, ms=ms, GBps=GBps, blocks=2, stamps=stamps, fake_clock=clock)
+    return dst, [int(e - s) for s, e in stamps.view(2, 2).tolist()]
+
+# a link that delivers one step of each block every 10 ticks; 5 steps wrap around 3 of scratch
+dst, took = run(5 * step, 0.0, 2 * step / 10)
+assert torch.equal(dst, src) and took[0] >= 20 and took[1] >= 10, took  # block 0's 3rd step at 20
+# unpaced: no wait between steps
+dst, unpaced = run(5 * step, 0.0, 0.0)
+assert unpaced[0] < 10 and unpaced[1] < 10, unpaced
+# the blocks stay resident for the duration (50 ticks), however few bytes they move
+dst, held = run(step + 4, 50e-6, 0.0)
+assert min(held) >= 50, held
+assert torch.equal(dst[:step + 4], src[:step + 4]) and int(dst[step + 4:].sum()) == 0  # whole words, no more
+print("ok")
+"""
+
+
+def test_paced_copy_moves_the_bytes_at_the_link_s_rate_and_holds_its_blocks_under_the_interpreter():
+    """The ``nccl`` stand-in's kernel on a fake clock (one tick a read): each block's steps are
+    released at the link's rate, every byte is copied (wrapping round the scratch), and the blocks
+    stay until the duration is over."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", PACED], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_paced_copy_compiles_for_an_h100_with_the_gpu_timer():
+    """The CUDA path (``%globaltimer``, the spin loops) compiles to an sm_90 binary with Triton's
+    own ptxas, no GPU needed: what the interpreter cannot run is checked here."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_oases.bench_standin.paced_copy import BLOCK, NUM_WARPS, _paced_copy
+
+    sig = {"src": "*i32", "dst": "*i32", "clock": "*i64", "stamps": "*i64", "n": "i32", "scratch_words": "i32",
+           "step_ns": "i64", "total_ns": "i64", "programs": "i32", "BLOCK": "constexpr", "FAKE_CLOCK": "constexpr"}
+    try:
+        kernel = triton.compile(ASTSource(fn=_paced_copy, signature=sig, constexprs={"BLOCK": BLOCK, "FAKE_CLOCK": False}),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    except (FileNotFoundError, RuntimeError) as e:  # a Triton without its CUDA toolchain
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert "%globaltimer" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
 def test_script_traces_a_step_per_schedule_and_kind(tmp_path):
