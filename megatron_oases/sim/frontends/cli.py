@@ -406,8 +406,10 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
 
     trainer = {o for act in train_parser()._actions for o in act.option_strings}
     out: list[str] = []
-    for act in (act for g in p._action_groups if g.title.split(" ")[0] == "model" for act in g._group_actions):
-        value, flag = getattr(a, act.dest), act.option_strings[0]
+    actions = [act for g in p._action_groups if g.title.split(" ")[0] == "model" for act in g._group_actions]
+    values = options_present(a, [act.dest for act in actions])
+    for act in actions:
+        value, flag = values[act.dest], act.option_strings[0]
         if act.dest in ("dtype", "fp32"):
             out += [f"--{value}"] if act.dest == "dtype" and value != "fp32" and not a.fp32 else []
         elif flag not in trainer:
