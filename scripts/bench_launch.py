@@ -87,10 +87,12 @@ def timed(cmd: list[str], root: str, wait_for: re.Pattern | None, timeout_s: flo
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=root, env=env, start_new_session=True)
-    seen, tail = None, []
+    seen, tail, startup = None, [], None
     try:
         for line in proc.stdout:
             tail = (tail + [line.rstrip()])[-20:]
+            if startup is None and line.startswith("megatron_oases: model "):
+                startup = line.rstrip()
             if seen is None and wait_for is not None and wait_for.search(line):
                 seen = time.perf_counter() - t0
             if time.perf_counter() - t0 > timeout_s:
@@ -102,7 +104,7 @@ def timed(cmd: list[str], root: str, wait_for: re.Pattern | None, timeout_s: flo
         rc = "timeout"
     total = time.perf_counter() - t0
     return {"seconds": seen if wait_for is not None else total, "exit_s": total, "rc": rc,
-            "startup_line": next((ln for ln in tail if "megatron_oases: model" in ln), None),
+            "startup_line": startup,
             "tail": tail[-3:]}
 
 

@@ -96,8 +96,9 @@ def _allow_no_cuda(initialize_megatron):
 def _no_jit_warmup(set_jit_fusion_options):
     """``set_jit_fusion_options`` as ``pretrain`` calls it on CPU: nothing. On torch >= 2.2 it
     only warms up the fused bias-GeLU / SwiGLU / bias-dropout-add functions, which
-    torch.compile then builds for the CPU (75 s of a first launch on 2 cores, whatever the
-    ``--no-*-fusion`` flags say); a fusion a run uses compiles at its first call instead. The
+    torch.compile then builds for the CPU whatever the ``--no-*-fusion`` flags say (8-9 s of a
+    cold 2-core launch, 75 s under heavy load); a fusion a run uses compiles at its first call
+    instead. The
     warm-up's ``torch.rand(..., device="cuda")`` draws would also have come from the CPU generator
     and moved ``--use-cpu-initialization``'s weights (their shapes follow
     ``--sequence-parallel``)."""
