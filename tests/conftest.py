@@ -52,3 +52,35 @@ def on_ranks():
         return run_on_ranks(fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s)
 
     return call
+
+
+# The fast tier (`pytest -m "not slow" tests`, README): the tests named in tests/slow_tests.txt
+# are marked `slow`; scripts/tier_tests.py writes that list from a `--durations=0` run, keeping
+# every test file's fastest test in the fast tier so that the tier still touches every module.
+SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def _slow_node_ids() -> set[str]:
+    if not os.path.exists(SLOW_LIST):
+        return set()
+    with open(SLOW_LIST, encoding="utf-8") as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: outside the fast tier (tests/slow_tests.txt; run with -m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = _slow_node_ids()
+    for item in items:
+        node = tier_node_id(item)
+        if node in slow or node.split("[", 1)[0] in slow:
+            item.add_marker(pytest.mark.slow)
+
+
+def tier_node_id(item) -> str:
+    """``tests/<file>::<test>[<params>]`` whatever pytest's rootdir (the list's key)."""
+    rel = os.path.relpath(str(item.path), os.path.dirname(SLOW_LIST)).replace(os.sep, "/")
+    return "tests/" + rel + item.nodeid[item.nodeid.index("::"):]

@@ -1,0 +1,89 @@
+"""Write tests/slow_tests.txt, the tests outside the fast tier, from a timed run of the suite.
+
+    python -m pytest -q tests --durations=0 -p no:cacheprovider > run.log
+    python scripts/tier_tests.py run.log --budget-s 180
+
+Tests are taken into the slow list, slowest first, until the rest add up to at most
+``--budget-s`` seconds of the timed run; each test file keeps its fastest test in the fast tier
+when that test takes at most ``--keep-s`` seconds, so the tier still imports and exercises every
+module the suite reaches. Timings from a loaded machine are inflated alike, so run it on an idle
+one (the budget is the run's seconds, not a promise for another machine). Prints the split.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOW_LIST = os.path.join(ROOT, "tests", "slow_tests.txt")
+# pytest's --durations lines: "12.34s call     tests/test_x.py::test_y[p]"
+DURATION = re.compile(r"^\s*([\d.]+)s\s+(setup|call|teardown)\s+(\S+::\S+.*?)\s*$")
+
+
+def test_seconds(log_lines) -> dict[str, float]:
+    """Seconds per test (setup + call + teardown) from a --durations=0 log."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for line in log_lines:
+        m = DURATION.match(line)
+        if m:
+            node = m.group(3)
+            node = node[node.index("tests/"):] if "tests/" in node else "tests/" + node
+            seconds[node] += float(m.group(1))
+    return dict(seconds)
+
+
+def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float) -> set[str]:
+    """The slow set: slowest first until the rest fit in ``budget_s``, bar each file's keeper."""
+    by_file: dict[str, list[str]] = collections.defaultdict(list)
+    for node in seconds:
+        by_file[node.split("::", 1)[0]].append(node)
+    keepers = set()
+    for nodes in by_file.values():
+        fastest = min(nodes, key=seconds.get)
+        if seconds[fastest] <= keep_s:
+            keepers.add(fastest)
+    fast_total = sum(seconds.values())
+    slow = set()
+    for node in sorted(seconds, key=seconds.get, reverse=True):
+        if fast_total <= budget_s:
+            break
+        if node in keepers:
+            continue
+        slow.add(node)
+        fast_total -= seconds[node]
+    return slow
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log", help="a pytest log run with --durations=0")
+    p.add_argument("--budget-s", type=float, default=180.0,
+                   help="seconds of the timed run the fast tier may take (default 180)")
+    p.add_argument("--keep-s", type=float, default=10.0,
+                   help="a file's fastest test stays fast if it takes at most this (default 10)")
+    p.add_argument("--out", default=SLOW_LIST, help="the list to write (default tests/slow_tests.txt)")
+    args = p.parse_args(argv)
+    with open(args.log, encoding="utf-8", errors="replace") as f:
+        seconds = test_seconds(f)
+    if not seconds:
+        print(f"{args.log}: no --durations lines; run pytest with --durations=0", file=sys.stderr)
+        return 2
+    slow = split_tiers(seconds, args.budget_s, args.keep_s)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write("# Outside the fast tier (marked `slow` by tests/conftest.py); written by\n"
+                "# scripts/tier_tests.py from a --durations=0 run. One pytest node id a line.\n")
+        f.writelines(node + "\n" for node in sorted(slow))
+    total = sum(seconds.values())
+    fast = total - sum(seconds[n] for n in slow)
+    print(f"{'tier':<6}{'tests':>7}{'seconds':>10}")
+    print(f"{'fast':<6}{len(seconds) - len(slow):>7}{fast:>10.1f}")
+    print(f"{'slow':<6}{len(slow):>7}{total - fast:>10.1f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The fast tier: scripts/tier_tests.py's split and tests/slow_tests.txt's entries."""
+import os
+
+from tests.conftest import SLOW_LIST
+from tests.script_modules import ROOT, load_script
+
+tiers = load_script("scripts/tier_tests.py")
+
+LOG = """\
+============================= slowest durations =============================
+30.00s call     tests/test_a.py::test_big[x]
+ 1.50s setup    tests/test_a.py::test_big[x]
+ 0.20s call     tests/test_a.py::test_small
+20.00s call     tests/test_b.py::test_only
+ 5.00s call     tests/test_c.py::test_mid
+ 1.00s call     tests/test_c.py::test_tiny
+"""
+
+
+def test_seconds_add_setup_call_and_teardown():
+    got = tiers.test_seconds(LOG.splitlines())
+    assert got["tests/test_a.py::test_big[x]"] == 31.5
+    assert len(got) == 5
+
+
+def test_the_split_fits_the_budget_and_keeps_each_files_fastest_test():
+    seconds = tiers.test_seconds(LOG.splitlines())
+    # test_b's only test (20 s) is over keep_s: it goes, and the rest fit in 7 s
+    assert tiers.split_tiers(seconds, budget_s=7.0, keep_s=10.0) == {
+        "tests/test_a.py::test_big[x]", "tests/test_b.py::test_only"}
+    # under keep_s it is test_b's keeper and stays fast, whatever the budget
+    assert tiers.split_tiers(seconds, budget_s=7.0, keep_s=25.0) == {
+        "tests/test_a.py::test_big[x]", "tests/test_c.py::test_mid"}
+
+
+def test_every_slow_entry_names_a_test_file_that_exists():
+    with open(SLOW_LIST, encoding="utf-8") as f:
+        nodes = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    missing = {n.split("::")[0] for n in nodes if not os.path.exists(os.path.join(ROOT, n.split("::")[0]))}
+    assert not missing, f"tests/slow_tests.txt names files that are gone: {sorted(missing)}"
