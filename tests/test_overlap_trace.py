@@ -112,16 +112,18 @@ def test_paced_copy_compiles_for_an_h100_with_the_gpu_timer():
 
     from megatron_oases.bench_standin.paced_copy import BLOCK, NUM_WARPS, _paced_copy
 
-    sig = {"src": "*i32", "dst": "*i32", "clock": "*i64", "stamps": "*i64", "n": "i32", "scratch_words": "i32",
-           "step_ns": "i64", "total_ns": "i64", "programs": "i32", "BLOCK": "constexpr", "FAKE_CLOCK": "constexpr"}
-    try:
-        kernel = triton.compile(ASTSource(fn=_paced_copy, signature=sig, constexprs={"BLOCK": BLOCK, "FAKE_CLOCK": False}),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-    except (FileNotFoundError, RuntimeError) as e:  # a Triton without its CUDA toolchain
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
-    assert "%globaltimer" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    for ns in ("i32", "i64"):  # Triton types an int argument by its value: both widths occur
+        sig = {"src": "*i32", "dst": "*i32", "clock": "*i64", "stamps": "*i64", "n": "i32", "scratch_words": "i32",
+               "step_ns": ns, "total_ns": ns, "programs": "i32", "BLOCK": "constexpr", "FAKE_CLOCK": "constexpr"}
+        try:
+            kernel = triton.compile(ASTSource(fn=_paced_copy, signature=sig,
+                                              constexprs={"BLOCK": BLOCK, "FAKE_CLOCK": False}),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+        except (FileNotFoundError, RuntimeError) as e:  # a Triton without its CUDA toolchain
+            if "ptxas" in str(e):
+                pytest.skip(f"no ptxas: {e}")
+            raise
+        assert "%globaltimer" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
 def test_script_traces_a_step_per_schedule_and_kind(tmp_path):
