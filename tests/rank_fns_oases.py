@@ -131,3 +131,39 @@ def all_collectives_of_one_step(argv: list[str]):
     watch_torch_distributed()
     _rebind_megatron_collectives()
     return _calls_and_sizes(_one_step_records(argv), lambda r: (r.kind, r.group_size))
+
+
+def main_grad_writes(argv: list[str], in_gemm: bool = True):
+    """One training step: ``{op: calls}`` of the ``add_`` and ``addmm_`` kernels that write the
+    ``main_grad`` of a linear weight (the layers' and the output layer's), on this rank.
+    ``in_gemm=False``: the executor without ``wgrad.accumulate_in_gemm`` (as before it)."""
+    import collections
+    import contextlib
+
+    if not in_gemm:
+        from megatron_oases.schedules.oases import wgrad
+
+        wgrad.accumulate_in_gemm = lambda linears, weights: contextlib.nullcontext()
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    tr = setup(run_config(build_parser().parse_args(argv)))
+    grads = {p.main_grad.data_ptr() for chunk in tr.model for n, p in chunk.named_parameters()
+             if p.dim() == 2 and hasattr(p, "main_grad") and ("layers." in n or "output_layer" in n)}
+    ops = {torch.ops.aten.add_.Tensor: "add_", torch.ops.aten.addmm_.default: "addmm_"}
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in ops and args[0].data_ptr() in grads:
+                counts[ops[func]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        train_step(tr, 1)
+    return dict(counts), len(grads)

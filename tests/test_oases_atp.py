@@ -56,14 +56,15 @@ def test_fine_grained_recompute_issues_no_collective():
     """Mesh (2,2), 2 micro-batches x 2 sub-batches. Per layer and sub-batch: forward 4 norm
     sums + f1..f4 + the head gather, backward 4 norm sums + 4 dX all-reduces + the head
     all-gather; the block's first layer all-gathers dX at its input and its last gathers the
-    output. Megatron-style recompute repeats the 9 forward collectives per layer."""
+    output; the head all-reduces the embedding and the output layer's input gradient.
+    Megatron-style recompute repeats the 9 forward collectives per layer."""
     from megatron_oases.runtime.spawn import run_on_ranks
 
     base = MODEL + OASES + RECOMPUTE + _layout(4, "2,2")
     fine = run_on_ranks(count_recompute_collectives, 4, args=(base,), timeout_s=240)
     coarse = run_on_ranks(count_recompute_collectives, 4,
                           args=(base + ["--no-oases-fine-grained-recompute"],), timeout_s=240)
-    per_micro_batch = 2 * (18 * LAYERS + 2)
+    per_micro_batch = 2 * (18 * LAYERS + 2 + 2)
     assert fine == [{"": 2 * per_micro_batch}] * 4
     assert coarse == [{"": 2 * per_micro_batch, "recompute": 2 * 2 * 9 * LAYERS}] * 4
 

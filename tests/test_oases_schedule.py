@@ -60,16 +60,17 @@ def test_four_rank_layouts_match_stock(layout, switches):
 
 
 def test_fine_grained_recompute_issues_no_collective():
-    """2 micro-batches x 4 layers x 2 sub-batches: 2 forward + 2 backward all-reduces each; the
-    Megatron-style recompute repeats the 2 forward ones."""
+    """2 micro-batches x 2 sub-batches: 2 forward + 2 backward all-reduces per layer (4), and
+    the head's 2 (the embedding's forward, the output layer's input gradient); the
+    Megatron-style recompute repeats the layers' 2 forward ones."""
     base = MODEL + OASES + TP2 + RECOMPUTE
     from megatron_oases.runtime.spawn import run_on_ranks
 
     fine = run_on_ranks(count_recompute_collectives, 2, args=(base,), timeout_s=120)[0]
     coarse = run_on_ranks(count_recompute_collectives, 2,
                           args=(base + ["--no-oases-fine-grained-recompute"],), timeout_s=120)[0]
-    assert fine == {"": 2 * 4 * 2 * 4}
-    assert coarse == {"": 2 * 4 * 2 * 4, "recompute": 2 * 4 * 2 * 2}
+    assert fine == {"": 2 * 2 * (4 * 4 + 2)}
+    assert coarse == {"": 2 * 2 * (4 * 4 + 2), "recompute": 2 * 4 * 2 * 2}
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -113,3 +114,45 @@ def test_tp1_runs_stock_layers_and_megatron_recompute():
     assert run_on_ranks(oases_state_at, 1, args=(argv,), timeout_s=60) == [(False, "full")]
     tp2 = run_on_ranks(oases_state_at, 2, args=(argv + ["--tensor-model-parallel-size", "2"],), timeout_s=60)
     assert tp2 == [(True, None)] * 2
+
+
+WHOLE = 16 * 4 * 32 * 4
+"""Bytes of one micro-batch's hidden states in MODEL (s x b x h x fp32)."""
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"],
+                                   ["--sequence-parallel", "--position-embedding-type", "rope"]],
+                         ids=["tp2", "tp2-sp", "tp2-sp-rope"])
+def test_no_tp_collective_moves_the_whole_micro_batch(extra):
+    """Stock runs the embedding's all-reduce and the output layer's input-gradient all-reduce
+    (under SP: the gathers and reduce-scatters of the head and the layers) on the whole
+    micro-batch; under Oases every TP collective, Megatron's own included, moves one sub-batch."""
+    from megatron_oases.runtime.spawn import run_on_ranks
+    from tests.rank_fns_oases import all_collectives_of_one_step
+
+    def whole(argv):
+        seen = run_on_ranks(all_collectives_of_one_step, 2, args=(MODEL + TP2 + RECOMPUTE + extra + argv,),
+                            timeout_s=180)[0]
+        return {kind: calls for (kind, group), (calls, sizes) in seen.items()
+                if group == 2 and WHOLE in sizes}
+
+    assert whole([])  # stock
+    assert whole(OASES) == {}
+
+
+def test_one_weight_gradient_accumulation_per_micro_batch():
+    """Stock adds each linear weight's gradient into ``main_grad`` once per micro-batch (one
+    GEMM, one add); the executor's two sub-batches accumulate inside their GEMMs (``addmm_``)
+    and add nothing (before: one GEMM and one add per sub-batch)."""
+    from megatron_oases.runtime.spawn import run_on_ranks
+    from tests.rank_fns_oases import main_grad_writes
+
+    argv = MODEL + TP2 + RECOMPUTE + ["--untie-embeddings-and-output-weights"]
+    stock, weights = run_on_ranks(main_grad_writes, 2, args=(argv,), timeout_s=180)[0]
+    oases, same = run_on_ranks(main_grad_writes, 2, args=(argv + OASES,), timeout_s=180)[0]
+    split, _ = run_on_ranks(main_grad_writes, 2, args=(argv + OASES, False), timeout_s=180)[0]
+    assert weights == same == 4 * 4 + 1  # 4 linears a layer, the output layer
+    assert stock == {"add_": 2 * weights}  # 2 micro-batches
+    assert oases == {"addmm_": 2 * 2 * weights}
+    # each sub-batch's GEMM result added (the output layer's two summed before its one add)
+    assert split == {"add_": 2 * 2 * (weights - 1) + 2}

@@ -56,6 +56,14 @@ def test_oases_sequence_parallel_with_dropout_matches_stock(n, layout):
             "stock --sequence-parallel")
 
 
+def test_oases_sequence_parallel_rope_matches_stock():
+    """RoPE (no learned positions): Megatron's embedding reduce-scatters its partial sums, the
+    Oases entry tape per sub-batch (``embedding.rs``); dropout on, against stock SP."""
+    model = MODEL + ["--position-embedding-type", "rope"] + DROPOUT + SP + TP2
+    _parity(run_training(2, model + OASES + RECOMPUTE), cached_training(2, model + RECOMPUTE),
+            "stock --sequence-parallel")
+
+
 B, S, H, LAYERS = 4, 16, 32, 4
 SUB_BATCH_ACTIVATION = S * (B // 2) * H * 4  # the full sequence of one sub-batch, fp32 bytes
 
@@ -63,7 +71,9 @@ SUB_BATCH_ACTIVATION = S * (B // 2) * H * 4  # the full sequence of one sub-batc
 def test_sequence_parallel_collectives_and_collective_free_recompute():
     """2 micro-batches x 4 layers x 2 sub-batches, each: forward all-gathers QKV's and fc1's input
     and reduce-scatters proj's and fc2's output; backward the conjugates (2 of each kind per
-    pass, one per attention / MLP block); no all-reduce. Fine-grained recompute issues none; Megatron-style recompute repeats
+    pass, one per attention / MLP block); no all-reduce. The head adds per micro-batch and
+    sub-batch the embedding's all-reduce (learned positions), the output layer's input
+    all-gather and its gradient's reduce-scatter. Fine-grained recompute issues none; Megatron-style recompute repeats
     the forward's 2 + 2. Payload: the sub-batch's full-sequence activation, as the all-reduce
     it replaces (whose ring moves twice the bytes)."""
     from megatron_oases.describe.registry import layer_description
@@ -79,8 +89,10 @@ def test_sequence_parallel_collectives_and_collective_free_recompute():
         assert kinds == ["all_gather"] * 2 + ["reduce_scatter"] * 2, pass_
         assert {c.payload_bytes for c in desc.collectives(pass_)} == size
     fine = run_on_ranks(collectives_by_tag_and_kind, 2, args=(base,), timeout_s=120)[0]
-    assert fine == {("", "all_gather"): (2 * per_pass, size),
-                    ("", "reduce_scatter"): (2 * per_pass, size)}
+    head = 2 * 2  # micro-batches x sub-batches
+    assert fine == {("", "all_gather"): (2 * per_pass + head, size),
+                    ("", "reduce_scatter"): (2 * per_pass + head, size),
+                    ("", "all_reduce"): (head, size)}
     coarse = run_on_ranks(collectives_by_tag_and_kind, 2,
                           args=(base + ["--no-oases-fine-grained-recompute"],), timeout_s=120)[0]
     assert coarse == {**fine, ("recompute", "all_gather"): (per_pass, size),

@@ -1,8 +1,10 @@
 """The GPT model head around the transformer layers: Megatron's vocab-parallel embedding on the
 first pipeline stage, the final norm and the vocab-parallel output layer + cross-entropy on the
-last. Every backend and schedule runs Megatron's own head, at the whole TP group, on the whole
-micro-batch (outside the Oases executor), so one description serves all of them; the simulator
-(events, memory) and the planner (memory constant) read it.
+last. Every backend runs Megatron's own head, at the whole TP group, so one description serves
+all of them; the simulator (events, memory) and the planner (memory constant) read it. Under the
+Oases schedule (``sub_batches`` > 1) the head's large TP collectives run per sub-batch inside the
+executor (``schedules/oases/head_tape.py``), beside the layers' sub-batch chains; its compute and
+the loss stay on the whole micro-batch.
 """
 from __future__ import annotations
 
@@ -17,25 +19,42 @@ class HeadOps:
     """The head's work on one stage, per micro-batch: before / after the layers in forward
     (``pre_forward``, ``post_forward``) and in backward (``pre_backward``: the logits' backward and
     its input-gradient all-reduce, ``post_backward``: the embedding's); ``output_wgrad``: the
-    output layer's weight gradient, which Megatron runs beside that all-reduce."""
+    output layer's weight gradient, which Megatron runs beside that all-reduce. The ``split_*``
+    fields hold the collectives that run once per sub-batch (one sub-batch's payload) at the
+    same places, in the layers' sub-batch chains: empty without the Oases split."""
 
     pre_forward: tuple = ()
     post_forward: tuple = ()
     pre_backward: tuple = ()
     post_backward: tuple = ()
     output_wgrad: Compute | None = None
+    split_pre_forward: tuple = ()
+    split_post_forward: tuple = ()
+    split_pre_backward: tuple = ()
+    split_post_backward: tuple = ()
 
 
 def head_ops(*, b: int, s: int, h: int, v: int, t: int, e: int, first: bool, last: bool,
-             sequence_parallel: bool = False, learned_positions: bool = True) -> HeadOps:
+             sequence_parallel: bool = False, learned_positions: bool = True,
+             sub_batches: int = 1) -> HeadOps:
     """The head's segments and collectives (FLOPs count a multiply-add as 2; ``v`` padded).
 
     ``sequence_parallel`` (Megatron-Core's ``LanguageModelEmbedding`` and SP output layer): with
     learned positions the embedding all-reduces, then keeps its chunk (backward: all-gather of
     the gradient); without (RoPE) it reduce-scatters instead (backward the same all-gather); the
     output layer all-gathers its input, and in backward re-gathers it for the weight gradient
-    and reduce-scatters the input gradient beside it."""
+    and reduce-scatters the input gradient beside it.
+
+    ``sub_batches`` (the Oases split, ``describe.split``): the embedding's collective (forward;
+    under SP also its backward all-gather) and the output layer's (its input-gradient
+    all-reduce; under SP its input all-gather and its gradient's reduce-scatter, with no
+    backward re-gather: the executor keeps the gathered input) move to the ``split_*`` fields,
+    per sub-batch."""
     act = b * s * h * e
+    if sub_batches > 1 and t > 1:
+        return _split_head(head_ops(b=b, s=s, h=h, v=v, t=t, e=e, first=first, last=last,
+                                    sequence_parallel=sequence_parallel,
+                                    learned_positions=learned_positions), sub_batches)
     if sequence_parallel and t > 1:
         return _sp_head(head_ops(b=b, s=s, h=h, v=v, t=t, e=e, first=first, last=last), act=act, t=t,
                         learned_positions=learned_positions)
@@ -97,6 +116,28 @@ def _sp_head(ops: HeadOps, *, act: int, t: int, learned_positions: bool) -> Head
         out["pre_backward"] = (op("logits.ag.wgrad", "all_gather"), ops.pre_backward[0],
                                op("logits.ag.bwd", "reduce_scatter"))
     return dataclasses.replace(ops, **out)
+
+
+_WHOLE = ("loss.ar",)
+"""The head's collectives that stay on the whole micro-batch under the Oases split."""
+_DROPPED = ("logits.ag.wgrad",)
+"""... and the one the executor does not issue (it keeps the output layer's gathered input)."""
+
+
+def _split_head(ops: HeadOps, n: int) -> HeadOps:
+    """``ops`` (the stock head) with its TP collectives per sub-batch (``n`` of them)."""
+    def compute(seq):
+        return tuple(o for o in seq if not isinstance(o, Collective) or o.name in _WHOLE)
+
+    def per_sub(seq):
+        return tuple(dataclasses.replace(o, payload_bytes=o.payload_bytes // n) for o in seq
+                     if isinstance(o, Collective) and o.name not in _WHOLE + _DROPPED)
+
+    return dataclasses.replace(
+        ops, pre_forward=compute(ops.pre_forward), post_forward=compute(ops.post_forward),
+        pre_backward=compute(ops.pre_backward), post_backward=compute(ops.post_backward),
+        split_pre_forward=per_sub(ops.pre_forward), split_post_forward=per_sub(ops.post_forward),
+        split_pre_backward=per_sub(ops.pre_backward), split_post_backward=per_sub(ops.post_backward))
 
 
 def head_param_tensors(*, v: int, h: int, seq: int, t: int, first: bool, last: bool,

@@ -26,6 +26,8 @@ class OasesBlockMixin:
     """Training forward of a ``TransformerBlock`` through the Oases executor."""
 
     oases_segments: list
+    oases_head: tuple[bool, bool] = (False, False)
+    """Whether the executor runs the head's (entry, exit) tapes (``head_tape.py``)."""
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         import torch
@@ -37,13 +39,31 @@ class OasesBlockMixin:
         if args or used:
             raise UnsupportedLayer(f"the Oases schedule does not support {used or 'positional'} "
                                    f"block arguments (e.g. cross-attention context) yet")
-        if not self.pre_process:
-            hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
-        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        entry, exit_ = self.oases_head
+        inputs = BlockInputs(attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb"))
+        if entry:  # the embedding's lookup ran outside (head_tape.OasesEmbeddingMixin)
+            pending = getattr(hidden_states, "oases_entry", None)
+            if pending is None:
+                raise UnsupportedLayer("--schedule oases: the block expected the embedding's "
+                                       "partial sums (its lookup ran without OasesEmbeddingMixin)")
+            stock_shape, stage_input = hidden_states.shape, pending.partial
+            inputs = dataclasses.replace(inputs, position_ids=pending.position_ids)
+            batch = stock_shape[1]
+        else:
+            if not self.pre_process:
+                hidden_states = self.input_tensor  # set by set_input_tensor (pipeline stages)
+            stage_input = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+            stock_shape, batch = stage_input.shape, stage_input.shape[1]
+        hidden_states = stage_input
         if len(self.layers):
             with _rng_context(self.config):
-                hidden_states = _run_segments(self.oases_segments, hidden_states, BlockInputs(
-                    attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb")))
+                hidden_states = _run_segments(self.oases_segments, stage_input, inputs, batch,
+                                              back_to_full=not exit_)
+        if exit_:  # the executor ran the final norm and the output layer (OasesOutputMixin)
+            from megatron_oases.schedules.oases.head_tape import placeholder
+
+            return placeholder(stock_shape, self.final_layernorm.weight.dtype, hidden_states.device,
+                               oases_logits=hidden_states)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
@@ -82,13 +102,21 @@ def enable_oases_schedule(model, options: OasesOptions):
 
     ``model`` is a ``GPTModel`` (its ``decoder``) or a ``TransformerBlock``. The config's own
     recompute must be off (Oases recomputes itself, per ``options``)."""
+    from megatron_oases.schedules.oases.head_tape import head_tapes
+
     block = getattr(model, "decoder", model)
     if block.config.recompute_granularity is not None:
         raise UnsupportedLayer("leave TransformerConfig.recompute_granularity unset with the "
                                "Oases schedule; OasesOptions.recompute selects its recompute")
     offset = _layer_offset(block)
     units = [u for i, layer in enumerate(block.layers) for u in _units(layer, offset + i)]
+    entry, exit_ = head_tapes(model, block, options.skip_collectives) if units else (None, None)
+    if units:  # the head runs on the whole TP group (a plan's full degree)
+        groups = units[0][1]
+        full = groups.tp_size if groups is not None else None
+        units = ([(full, groups, entry)] if entry else []) + units + ([(full, groups, exit_)] if exit_ else [])
     block.oases_segments = _segments(units, options)
+    block.oases_head = (entry is not None, exit_ is not None)
     block.__class__ = _oases_class(type(block))
     return model
 
@@ -130,10 +158,12 @@ def _segments(units, options: OasesOptions) -> list[_Segment]:
             for d, g, t in out]
 
 
-def _run_segments(segments, hidden_states, inputs: BlockInputs):
+def _run_segments(segments, hidden_states, inputs: BlockInputs, batch: int, back_to_full: bool):
+    """The segments in turn, resharding between degrees; ``back_to_full``: the result at the
+    whole TP group (not when the last segment ends in the logits)."""
     from megatron_oases.parallel.degree_groups import narrow_batch_mask, reshard_batch
 
-    batch, degree, groups = hidden_states.shape[1], None, None
+    degree, groups = None, None
     for seg in segments:
         seg_inputs = inputs
         if seg.groups is not None:
@@ -142,8 +172,9 @@ def _run_segments(segments, hidden_states, inputs: BlockInputs):
             seg_inputs = dataclasses.replace(inputs, attention_mask=narrow_batch_mask(
                 inputs.attention_mask, groups, seg.degree, batch))
         degree = seg.degree
-        hidden_states = OasesStage.apply(hidden_states, seg.runner, seg_inputs)
-    if groups is not None:
+        hidden_states = OasesStage.apply(hidden_states, seg.runner, seg_inputs,
+                                         *seg.runner.stage_params())
+    if groups is not None and back_to_full:
         hidden_states = reshard_batch(hidden_states, groups, degree, groups.tp_size)
     return hidden_states
 

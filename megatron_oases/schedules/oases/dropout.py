@@ -172,12 +172,14 @@ def kernel_rng(site, device):
 
 
 class SubBatchDropout(torch.nn.Module):
-    """Replaces ``DotProductAttention.attention_dropout`` (probabilities are [b, np, sq, sk])."""
+    """Replaces ``DotProductAttention.attention_dropout`` (probabilities are [b, np, sq, sk]) and
+    the embedding's dropout (``[s, b, h]``, ``batch_dim`` 1)."""
 
-    def __init__(self, p: float, site):
+    def __init__(self, p: float, site, batch_dim: int = 0):
         super().__init__()
         self.p = p
         self.site = site
+        self.batch_dim = batch_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training, self.site, batch_dim=0)
+        return dropout(x, self.p, self.training, self.site, batch_dim=self.batch_dim)

@@ -42,7 +42,7 @@ from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, BackwardAllGather,
                                                  BackwardAllReduce, BlockInputs, ForwardAllGather,
                                                  ForwardAllReduce, GatherSequence, LayerTape, Local,
-                                                 ReduceScatterSequence)
+                                                 ReduceScatterSequence, UnsupportedLayer)
 
 BARRIER = object()
 """Yielded by a program to wait until every other program reached its barrier too."""
@@ -91,6 +91,14 @@ def _bytes_of(saved) -> int:
     return total
 
 
+def _split_rows(t, sizes: list[int]) -> list:
+    """Each sub-batch's rows of a per-sample ``[b, ...]`` tensor (position ids); a shared one
+    (None, or a broadcast first dim) as it is."""
+    if t is None or t.dim() == 0 or t.shape[0] != sum(sizes) or len(sizes) == 1:
+        return [t] * len(sizes)
+    return list(torch.split(t, sizes, dim=0))
+
+
 def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
     grads[name] = g if name not in grads else grads[name] + g
 
@@ -131,6 +139,10 @@ class _StepState:
         self.saved = [[{} for _ in range(n_layers)] for _ in range(n_sub)]
         self.outputs = [None] * n_sub
         self.grad_inputs = [None] * n_sub
+        self.sizes: list[int] = []
+        """Each sub-batch's size (the outputs are released once concatenated)."""
+        self.stage_grads: dict = {}
+        """id(stage parameter) -> its gradient summed over the sub-batches (``LayerTape.stage_params``)."""
 
 
 class OasesRunner:
@@ -146,26 +158,53 @@ class OasesRunner:
         self._last_saved_bytes = 0
 
     # ----- forward -------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, inputs: BlockInputs) -> tuple[torch.Tensor, _StepState]:
-        sizes = sub_batch_sizes(hidden_states.shape[1], self.options.sub_batches)
-        subs = [s.contiguous() for s in torch.split(hidden_states, sizes, dim=1)]
-        masks = MicroBatchMasks([s.shape[1] for s in subs], redraw=self.options.recompute)
+    def stage_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients ``backward`` returns (``LayerTape.stage_params``)."""
+        return [get() for tape in self.tapes for _, get in tape.stage_params]
+
+    def forward(self, stage_input: torch.Tensor, inputs: BlockInputs) -> tuple[torch.Tensor, _StepState]:
+        dim = self.tapes[0].in_batch_dim
+        sizes = sub_batch_sizes(stage_input.shape[dim], self.options.sub_batches)
+        subs = [s.contiguous() for s in torch.split(stage_input, sizes, dim=dim)]
+        masks = MicroBatchMasks(sizes, redraw=self.options.recompute)
         state = _StepState(len(subs), len(self.tapes), masks,
-                           [dataclasses.replace(inputs, attention_mask=m)
-                            for m in self._split_mask(inputs.attention_mask, subs)])
+                           [dataclasses.replace(inputs, attention_mask=m, position_ids=p)
+                            for m, p in zip(self._split_mask(inputs.attention_mask, sizes),
+                                            _split_rows(inputs.position_ids, sizes))])
         programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(masks, i, recompute=False))
-        self._last_saved_bytes = _bytes_of(state.saved)
-        return torch.cat(state.outputs, dim=1), state
+        self._last_saved_bytes = _bytes_of([[kept for kept, tape in zip(sub, self.tapes) if tape.recompute]
+                                            for sub in state.saved])
+        out = torch.cat(state.outputs, dim=1)
+        self._share_output(state, out)
+        state.sizes, state.outputs = sizes, None
+        return out, state
+
+    def _share_output(self, state: _StepState, out: torch.Tensor) -> None:
+        """Where the last tape keeps its graph, point each sub-batch's output (its graph's root)
+        at its slice of the concatenated ``out``, so the two copies do not both stay alive until
+        backward (the logits of the output layer are the largest activation)."""
+        tape = self.tapes[-1]
+        last = tape.steps[-1]
+        if self._recomputes(tape) or not isinstance(last, Local) or tape.output not in last.outputs:
+            return
+        start = 0
+        for i, sub in enumerate(state.outputs):
+            root = state.saved[i][-1][last.name][1][tape.output]
+            if root._base is None and root.shape == sub.shape:
+                root.data = out.narrow(1, start, sub.shape[1])
+            start += sub.shape[1]
+
+    def _recomputes(self, tape: LayerTape) -> bool:
+        """Whether ``tape``'s local steps are recomputed in backward (else their graphs are kept)."""
+        return self.options.recompute and tape.recompute
 
     def _forward_program(self, i: int, x: torch.Tensor, state: _StepState):
-        keep_graph = not self.options.recompute
-        keep = set()
         for li, tape in enumerate(self.tapes):
             saved = state.saved[i][li]
-            if not keep_graph:
-                keep = set(tape.saved_boundaries(self.options.fine_grained_recompute))
+            keep_graph = not self._recomputes(tape)
+            keep = set() if keep_graph else set(tape.saved_boundaries(self.options.fine_grained_recompute))
             env = {tape.input: x}
             for step in tape.steps:
                 if isinstance(step, Local):
@@ -188,14 +227,15 @@ class OasesRunner:
         state.outputs[i] = x
 
     # ----- backward ------------------------------------------------------------------------
-    def backward(self, state: _StepState, grad_output: torch.Tensor) -> torch.Tensor:
-        sizes = [x.shape[1] for x in state.outputs]
-        grads = [g.contiguous() for g in torch.split(grad_output, sizes, dim=1)]
+    def backward(self, state: _StepState, grad_output: torch.Tensor):
+        """The gradient of the stage input, and of each of ``stage_params()`` (None if unused)."""
+        grads = [g.contiguous() for g in torch.split(grad_output, state.sizes, dim=1)]
         programs = [self._backward_program(i, g, state) for i, g in enumerate(grads)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(state.masks, i, recompute=True))
         assert not self._arrivals, "parameter gradients left undelivered"
-        return torch.cat(state.grad_inputs, dim=1)
+        stage = [state.stage_grads.pop(id(p), None) for p in self.stage_params()]
+        return torch.cat(state.grad_inputs, dim=self.tapes[0].in_batch_dim), stage
 
     def _recompute(self, i: int, li: int, state: _StepState):
         """Rebuild layer ``li``'s local graphs for sub-batch ``i`` from its saved boundaries."""
@@ -220,7 +260,7 @@ class OasesRunner:
     def _backward_program(self, i: int, grad: torch.Tensor, state: _StepState):
         for li in reversed(range(len(self.tapes))):
             tape = self.tapes[li]
-            if self.options.recompute:
+            if self._recomputes(tape):
                 graphs = yield from self._recompute(i, li, state)
                 if not self.options.cross_pass:
                     yield BARRIER
@@ -229,7 +269,7 @@ class OasesRunner:
             grads = {tape.output: grad}
             for step in reversed(tape.steps):
                 if isinstance(step, Local):
-                    self._local_backward(li, step, graphs.pop(step.name), grads, tape.params)
+                    self._local_backward(li, step, graphs.pop(step.name), grads, tape, state)
                 elif isinstance(step, ForwardAllReduce) and not step.reduce_grad:
                     grads[step.src] = grads.pop(step.dst)  # Eq. 1
                 elif isinstance(step, ForwardAllReduce):  # a statistic shared by the group
@@ -262,17 +302,24 @@ class OasesRunner:
                 yield BARRIER
         state.grad_inputs[i] = grad
 
-    def _local_backward(self, li: int, step: Local, graph, grads: dict, params) -> None:
+    def _local_backward(self, li: int, step: Local, graph, grads: dict, tape: LayerTape,
+                        state: _StepState) -> None:
         """One autograd call for a local step of one sub-batch. Every sub-batch but the last to
         reach the step adds its parameter gradients straight into the gradient buffers; the
         last one runs ``autograd.backward`` onto the parameters, so Megatron DDP's hooks fire
-        exactly once per micro-batch (``--overlap-grad-reduce``) with the whole sum."""
+        exactly once per micro-batch (``--overlap-grad-reduce``) with the whole sum. A step with
+        stage parameters (``LayerTape.stage_params``) returns theirs to the stage instead."""
         leaves, outs = graph
         roots = [(outs[n], grads.pop(n)) for n in step.outputs if n in grads]
         names = list(leaves)
         key = (li, step.name)
         arrived = self._arrivals.get(key, 0) + 1
-        step_params = self._step_params.get(key, params)
+        step_params = self._step_params.get(key, tape.params)
+        extra = tuple(get() for name, get in tape.stage_params if name == step.name)
+        if extra:
+            self._stage_param_backward(key, roots, leaves, step_params, extra, grads, state,
+                                       last=arrived == self.options.sub_batches)
+            return
         if arrived == self.options.sub_batches:
             self._arrivals.pop(key, None)
             torch.autograd.backward([r for r, _ in roots], [g for _, g in roots],
@@ -294,6 +341,35 @@ class OasesRunner:
                 used.append(prm)
         self._step_params[key] = tuple(used)
 
+    def _stage_param_backward(self, key, roots, leaves: dict, step_params, extra, grads: dict,
+                              state: _StepState, last: bool) -> None:
+        """``autograd.grad`` for a step whose ``extra`` parameters' gradients go back through the
+        stage's autograd edge (summed over the sub-batches), so a parameter the model also uses
+        outside the stage (the tied output weight) has its DDP hook fire once, after both uses."""
+        if last:
+            self._arrivals.pop(key, None)
+        else:
+            self._arrivals[key] = self._arrivals.get(key, 0) + 1
+        names = list(leaves)
+        got = torch.autograd.grad([r for r, _ in roots], [leaves[n] for n in names]
+                                  + list(step_params) + list(extra),
+                                  [g for _, g in roots], allow_unused=True)
+        for n, g in zip(names, got):
+            if g is not None:
+                _accumulate(grads, n, g)
+        for prm, g in zip(step_params, got[len(names):]):
+            if g is not None:
+                raise UnsupportedLayer(f"step {key[1]}: returns a stage parameter's gradient and "
+                                       f"delivers another parameter's; give it its own step")
+        self._step_params[key] = ()
+        for prm, g in zip(extra, got[len(names) + len(step_params):]):
+            if g is None:
+                continue
+            if getattr(prm, "grad_added_to_main_grad", False):
+                state.stage_grads[id(prm)] = g  # a placeholder: the GEMM accumulated into main_grad
+            else:
+                _accumulate(state.stage_grads, id(prm), g)
+
     # ----- helpers -------------------------------------------------------------------------
     def _forward_collective(self, step, env: dict, tape: LayerTape, recompute: bool):
         """Launch a forward collective step async (yield its handle), then store its output.
@@ -301,8 +377,8 @@ class OasesRunner:
         of a graph the backward still walks."""
         group = tape.group_of(step)
         with comm_tag("recompute") if recompute else contextlib.nullcontext():
-            if isinstance(step, ForwardAllReduce):
-                out = env[step.src].clone() if recompute else env[step.src]
+            if isinstance(step, ForwardAllReduce):  # in place, unless its input is kept
+                out = env[step.src].clone() if recompute or step.src == tape.input else env[step.src]
                 work = self._all_reduce(out, group)
             elif isinstance(step, ReduceScatterSequence):
                 out, work = self._reduce_scatter(env[step.src], step.dim, group)
@@ -333,9 +409,11 @@ class OasesRunner:
         return _reduce_scatter_into(t, dim, group, async_op=True)
 
     def saved_bytes(self) -> int:
-        """Bytes the last forward kept for backward, one micro-batch. With recompute that is all
-        the stage holds between the passes; without, only the step boundaries (the autograd
-        graphs' own saved tensors are not counted)."""
+        """Bytes the last forward kept for backward, one micro-batch, for the layers. With
+        recompute that is all the layers hold between the passes; without, only the step
+        boundaries (the autograd graphs' own saved tensors are not counted). The head's tapes
+        (``LayerTape.recompute`` False) keep what stock keeps for the embedding and the logits
+        and are not counted."""
         return self._last_saved_bytes
 
     def _collectives_off(self):
@@ -345,26 +423,28 @@ class OasesRunner:
         return stack
 
     @staticmethod
-    def _split_mask(mask, subs):
-        batch = sum(s.shape[1] for s in subs)
+    def _split_mask(mask, sizes):
+        batch = sum(sizes)
         if mask is None or mask.dim() == 0 or mask.shape[0] != batch or batch == 1:
-            return [mask] * len(subs)
+            return [mask] * len(sizes)
         from megatron_oases.layers.core_attention import split_batch
 
-        return split_batch(mask, [s.shape[1] for s in subs])
+        return split_batch(mask, sizes)
 
 
 class OasesStage(torch.autograd.Function):
     """The stage's layers as one autograd node whose backward runs the Oases backward."""
 
     @staticmethod
-    def forward(ctx, hidden_states, runner: OasesRunner, inputs: BlockInputs):
+    def forward(ctx, hidden_states, runner: OasesRunner, inputs: BlockInputs, *stage_params):
+        """``stage_params``: ``runner.stage_params()``, inputs so that their gradients flow back
+        through this node."""
         out, state = runner.forward(hidden_states, inputs)
         ctx.runner, ctx.state = runner, state
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ctx.runner.backward(ctx.state, grad_output)
+        grad, stage = ctx.runner.backward(ctx.state, grad_output)
         ctx.state = None
-        return grad, None, None
+        return (grad, None, None, *stage)

@@ -45,6 +45,8 @@ class BlockInputs:
 
     attention_mask: object = None
     rotary_pos_emb: object = None
+    position_ids: object = None
+    """The sub-batch's ``[b, s]`` position ids (the embedding's tail, ``head_tape.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +152,14 @@ class LayerTape:
     """Context in which the layer's linears issue no collective."""
     input: str = "x"
     output: str = "y"
+    recompute: bool = True
+    """Recompute this tape's local steps in backward when the run recomputes (the head's tapes
+    keep their graphs, as stock keeps the embedding's and the output layer's)."""
+    in_batch_dim: int = 1
+    """The batch dim of ``input`` (0 for the word embedding's ``[b, s, h]`` partial sums)."""
+    stage_params: tuple = ()
+    """(step name, getter) of parameters whose gradient the executor returns through the stage's
+    autograd edge instead of delivering it (the output weight, shared with the embedding)."""
 
     def group_of(self, step: Step) -> object:
         """The group a collective step runs on: its own, else the tape's."""
@@ -208,10 +218,15 @@ def _trainable(params) -> tuple[torch.nn.Parameter, ...]:
     return tuple(p for p in params if p.requires_grad)
 
 
-def _explicit_comm(linears):
+def _explicit_comm(linears, weights=None):
     """Context in which ``linears`` issue no collective. ``explicit_expert_comm`` is Megatron's
     own switch for "the caller communicates": the column linear then skips its dgrad all-reduce
-    and the row linear its output reduce."""
+    and the row linear its output reduce. Their weight gradients accumulate into ``main_grad``
+    inside the GEMM meanwhile (``wgrad.accumulate_in_gemm``; ``weights``: each linear's weight
+    getter, default its own)."""
+    from megatron_oases.schedules.oases.wgrad import accumulate_in_gemm
+
+    weights = weights or [functools.partial(getattr, m, "weight") for m in linears]
 
     @contextlib.contextmanager
     def collectives_off():
@@ -219,7 +234,8 @@ def _explicit_comm(linears):
         for m in linears:
             m.explicit_expert_comm = True
         try:
-            yield
+            with accumulate_in_gemm(linears, weights):
+                yield
         finally:
             for m, s in zip(linears, saved):
                 m.explicit_expert_comm = s

@@ -61,9 +61,9 @@ class ChunkEvents:
     layers: int
     forward_segments: tuple[tuple[tuple[Event, ...], int], ...]
     """(events, chains) in order: under oases the layers run as one chain per sub-batch of the
-    Oases split (``describe.split``) while the embedding and the output layer / loss run on the
-    whole micro-batch (1 chain), as in the trainer, where only the decoder layers go through the
-    Oases executor."""
+    Oases split (``describe.split``), and so do the head's TP collectives (``describe.head``'s
+    ``split_*``), while the embedding's and the logits' compute and the loss run on the whole
+    micro-batch (1 chain)."""
     backward_segments: tuple[tuple[tuple[Event, ...], int], ...]
     """Includes the recomputed forward of each layer before its backward when recompute is on."""
     send_forward: Event | None
@@ -155,10 +155,13 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
     shape, dims = _block_shape(m, s, t, chains)
-    # the embedding and the output layer run outside the Oases executor, on the whole micro-batch
+    # the head's compute runs on the whole micro-batch, its TP collectives per sub-batch under oases
     hb = m.micro_batch_size
     head_shape = f"b{hb}s{m.seq_length}h{m.hidden_size}v{m.padded_vocab_size}t{t}_{m.dtype}"
     head_dims = (("b", hb),) + dims[1:10]  # the layer's sizes, without dropout and executor
+    sub_shape = f"b{hb // chains}s{m.seq_length}h{m.hidden_size}v{m.padded_vocab_size}t{t}_{m.dtype}"
+    sub_dims = (("b", hb // chains),) + dims[1:10]
+    head_unit = None if s.block_degrees is None else t  # a plan runs the head at the whole TP group
     act = b * m.seq_length * m.hidden_size * e
     counts = stage_layer_counts(m, s)
     out = []
@@ -203,9 +206,13 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
             # the all-reduce of its input gradient
             hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e,
                           first=first, last=last, sequence_parallel=s.sequence_parallel,
-                          learned_positions=not m.variant.rotary)
+                          learned_positions=not m.variant.rotary, sub_batches=chains)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
+            split_pre_f, split_post_f, split_pre_b, split_post_b = (
+                [_collective(op, sub_shape, topo, tp_ranks, sub_dims) for op in ops]
+                for ops in (hd.split_pre_forward, hd.split_post_forward, hd.split_pre_backward,
+                            hd.split_post_backward))
             if s.loop_overhead:  # the trainer's host work of this chunk's micro-batch, up front
                 mb, per_layer = (head_ev(Compute(name=n, gemm_flops=0.0)) for n in LOOP_EVENTS)
                 pre_f = [mb] + [per_layer] * per_chunk + pre_f
@@ -223,13 +230,17 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                 prv = s.rank(pp=(g - 1) % s.pp)
                 send_b = Event(key=f"p2p:activation[{shape}]@ppx{group_tag(topo, (me, prv))}", name="send_backward",
                                kind="p2p", ranks=(me, prv), nbytes=act * chains, dims=dims)
-            fwd_segs = _segments((pre_f, 1), *fwd_parts, (post_f, 1))
-            bwd_segs = _segments((pre_b, 1), *bwd_parts, (post_b, 1))
+            fwd_segs = _segments((pre_f, 1), (split_pre_f, chains, head_unit), *fwd_parts,
+                                 (split_post_f, chains, head_unit), (post_f, 1))
+            bwd_segs = _segments((pre_b, 1), (split_pre_b, chains, head_unit), *bwd_parts,
+                                 (split_post_b, chains, head_unit), (post_b, 1))
             n_f, n_b = (sum(len(evs) for evs, _ in segs) for segs in (fwd_segs, bwd_segs))
             base = g * per_chunk if vp > 1 else offset
+            f0, b0 = len(pre_f) + len(split_pre_f), len(pre_b) + len(split_pre_b)
             where = _TensorWhere(layers=[base + i for i in range(per_chunk)],
-                                 starts=[len(pre_f) + x for x in starts], ends=[len(pre_b) + x for x in ends],
-                                 head_need=n_f - len(post_f), head_ready=len(pre_b), total_ready=n_b)
+                                 starts=[f0 + x for x in starts], ends=[b0 + x for x in ends],
+                                 head_need=n_f - len(post_f) - len(split_post_f), head_ready=len(pre_b),
+                                 total_ready=n_b)
             chunks.append(ChunkEvents(stage=st, chunk=c, layers=per_chunk, forward_segments=fwd_segs,
                                       backward_segments=bwd_segs, send_forward=send_f, send_backward=send_b,
                                       param_tensors=_chunk_tensors(m, s, first, last, where)))
