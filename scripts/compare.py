@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Speedup of each run over the stock baseline, from training logs: a table, a CSV, a PNG chart.
+"""Speedup and loss parity of each run against the stock baseline, from training logs: a table, a
+CSV, a PNG chart.
 
     python scripts/compare.py RESULTS_DIR [--csv OUT.csv] [--png OUT.png]
     python scripts/compare.py stock=a.log atp=b.jsonl oases=c.log [--baseline stock]
@@ -7,9 +8,10 @@
 Reads two log formats, line by line (a file may mix them; an iteration logged twice counts once):
 
 * ``megatron-oases train --log-json FILE``: one JSON object per iteration with ``iteration`` and
-  ``step_ms`` (and ``tflops_per_rank``, ``tokens_per_s``);
+  ``step_ms`` (and ``lm_loss``, ``tflops_per_rank``, ``tokens_per_s``);
 * Megatron-LM's stdout (and the reference trainer's): `` iteration k/ N | ... elapsed time per
-  iteration (ms): X`` (and ``throughput per GPU (TFLOP/s/GPU): Y`` or ``TFLOP/s per rank: Y``).
+  iteration (ms): X`` (and ``lm loss: L``, ``throughput per GPU (TFLOP/s/GPU): Y`` or
+  ``TFLOP/s per rank: Y``).
 
 A directory argument takes every ``*.log`` / ``*.jsonl`` below it; a file's case is its parent
 directory relative to the argument (``RESULTS/h4096/oases.log``: case ``h4096``, variant
@@ -25,7 +27,16 @@ Every run gets a status:
   (or in the results directory's ``status.txt``), or no iteration at all.
 
 A speedup is computed only between complete runs, over the iterations both logged, after the
-first ``--skip-first`` of them (default 1: warm-up); otherwise its cell says why. Lines after the
+first ``--skip-first`` of them (default 1: warm-up); otherwise its cell says why. The loss column
+is the largest relative difference ``|loss - baseline loss| / |baseline loss|`` over every
+iteration both runs logged a loss for (warm-up included; a crashed run up to its crash): parity
+holds at the same layout and seed, so a run whose ``seed`` argument differs from the baseline's
+says so instead.
+
+Timings of CPU ranks say little about GPU speedups: a line after the table names the runs whose
+log shows CPU ranks: the start-up line of both entries (``megatron_oases: model ... | cpu, gloo``,
+``specs.build_line``), a ``device`` argument of ``cpu``, or Megatron-LM's ``distributed_backend``
+``gloo`` (the entry's only backend on CPU; GPU runs use nccl). Lines after the
 table name the cause of every missing speedup and warn when runs of one case differ in
 ``transformer_impl``, precision or model flags, as far as the logs show them: Megatron-LM prints its
 arguments block; for the reference trainer, a sidecar ``<variant>.args.json`` next to the log
@@ -58,6 +69,9 @@ _STEP = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.eE+-]+)")
 _ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _TFLOPS = re.compile(r"(?:throughput per GPU \(TFLOP/s/GPU\)|TFLOP/s per rank):\s*([0-9.eE+-]+)")
 _TOKENS = re.compile(r"tokens/s:\s*([0-9.eE+-]+)")
+_LOSS = re.compile(r"\blm loss:\s*([-+]?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|inf))", re.I)
+_BUILD_DEVICE = re.compile(r"^megatron_oases: model .*\|\s*(cpu|cuda), \w+\s*$")
+"""``specs.build_line``, printed at start-up by both entries: its last field is the device."""
 _ARGS_BEGIN = re.compile(r"-{3,} arguments -{3,}")
 _ARGS_END = re.compile(r"-{3,} end of arguments -{3,}")
 _ARG_LINE = re.compile(r"^\s*(\w+) \.{2,} ?(.*?)\s*$")
@@ -85,13 +99,16 @@ class LogData:
     """What one log shows: per-iteration numbers, the announced length, a crash, the arguments."""
 
     iterations: dict[int, dict] = field(default_factory=dict)
-    """iteration number -> {"step_ms", "tflops", "tokens_per_s"} (first record of each number)."""
+    """iteration number -> {"step_ms", "tflops", "tokens_per_s", "loss"} (first record of each
+    number)."""
     total: int | None = None
     """N of `` iteration k/ N |`` (or the ``train_iters`` argument)."""
     crash: str | None = None
     """The first line that shows a failure."""
     settings: dict[str, str] = field(default_factory=dict)
     """Megatron-LM's arguments block, as printed (strings)."""
+    device: str | None = None
+    """"cpu" / "cuda" from the start-up line, where the log has one."""
 
     @property
     def step_ms(self) -> list[float]:
@@ -162,7 +179,8 @@ def parse_log(text: str) -> LogData:
                 seq = max(seq, it)
                 data.iterations.setdefault(it, {"step_ms": float(rec["step_ms"]),
                                                 "tflops": _num(rec.get("tflops_per_rank")),
-                                                "tokens_per_s": _num(rec.get("tokens_per_s"))})
+                                                "tokens_per_s": _num(rec.get("tokens_per_s")),
+                                                "loss": _num(rec.get("lm_loss"))})
                 continue
         m = _STEP.search(line)
         if m:
@@ -173,10 +191,14 @@ def parse_log(text: str) -> LogData:
             else:
                 it = seq + 1
             seq = max(seq, it)
-            t, k = _TFLOPS.search(line), _TOKENS.search(line)
+            t, k, loss = _TFLOPS.search(line), _TOKENS.search(line), _LOSS.search(line)
             data.iterations.setdefault(it, {"step_ms": float(m.group(1)),
                                             "tflops": float(t.group(1)) if t else None,
-                                            "tokens_per_s": float(k.group(1)) if k else None})
+                                            "tokens_per_s": float(k.group(1)) if k else None,
+                                            "loss": float(loss.group(1)) if loss else None})
+            continue
+        if (d := _BUILD_DEVICE.match(s)):
+            data.device = data.device or d.group(1)
             continue
         if any(p.search(s) for p in _CRASH):
             markers.append(s[:160])
@@ -287,6 +309,7 @@ def _read(path: Path, *, case: str, variant: str) -> Run:
         side = parse_log(stdout.read_text(encoding="utf-8", errors="replace"))
         log.crash = log.crash or side.crash
         log.total = log.total or side.total
+        log.device = log.device or side.device
     sidecar = read_sidecar(path)
     if sidecar:
         # A run's arguments without --bf16 / --fp16 ran in fp32 (both trainers' default).
@@ -298,6 +321,15 @@ def _read(path: Path, *, case: str, variant: str) -> Run:
     elif (n := log.settings.get("train_iters", "")).isdigit() and int(n) > 0:
         log.total, run.total_source = int(n), "args"
     return run
+
+
+def on_cpu(log: LogData) -> bool:
+    """Whether the log shows CPU ranks (the start-up line, a ``device`` argument, or Megatron-LM's
+    ``distributed_backend gloo``); see the module's docstring."""
+    device = log.device or log.settings.get("device")
+    if device in ("cpu", "cuda"):
+        return device == "cpu"
+    return log.settings.get("distributed_backend") == "gloo"
 
 
 def _log_interval(iters: list[int]) -> int:
@@ -343,7 +375,8 @@ def summarise(runs: list[Run], *, baseline: str, skip_first: int) -> list[dict]:
             "tflops": _mean(r.values("tflops", skip_first)),
             "tokens_per_s": _mean(r.values("tokens_per_s", skip_first)),
             "baseline": "", "speedup": math.nan, "speedup_note": "", "compared_iterations": 0,
-            "crash_line": r.log.crash or "", "_run": r})
+            "loss_rel_diff": math.nan, "loss_note": "", "loss_iterations": 0,
+            "device": "cpu" if on_cpu(r.log) else "", "crash_line": r.log.crash or "", "_run": r})
     ordered = []
     for case in dict.fromkeys(r["case"] for r in rows):
         group = [r for r in rows if r["case"] == case]
@@ -351,6 +384,7 @@ def summarise(runs: list[Run], *, baseline: str, skip_first: int) -> list[dict]:
         base = group[0] if group[0]["variant"] == baseline else None
         for r in group:
             _speedup(r, base, skip_first)
+            _loss_parity(r, base)
         ordered += group
     return ordered
 
@@ -376,6 +410,30 @@ def _speedup(row: dict, base: dict | None, skip_first: int) -> None:
                       / statistics.fmean(r[i]["step_ms"] for i in common))
 
 
+def _loss_parity(row: dict, base: dict | None) -> None:
+    """The largest relative loss difference from the baseline over the iterations both logged a
+    loss for; or, in ``loss_note``, why there is none."""
+    if base is None or row is base:
+        return
+    s, bs = row["_run"].log.settings, base["_run"].log.settings
+    if s.get("seed") is not None and bs.get("seed") is not None and s["seed"] != bs["seed"]:
+        row["loss_note"] = f"seed {s['seed']} vs {bs['seed']}"
+        return
+    b, r = base["_run"].log.iterations, row["_run"].log.iterations
+    common = [i for i in sorted(set(b) & set(r))
+              if b[i].get("loss") is not None and r[i].get("loss") is not None]
+    if not common:
+        row["loss_note"] = "no losses in common"
+        return
+    pairs = [(r[i]["loss"], b[i]["loss"]) for i in common]
+    if not all(math.isfinite(x) and math.isfinite(y) for x, y in pairs):
+        row["loss_note"] = "non-finite loss"
+        return
+    row["loss_iterations"] = len(common)
+    row["loss_rel_diff"] = max(abs(x - y) / abs(y) if y else (0.0 if x == y else math.inf)
+                               for x, y in pairs)
+
+
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
@@ -384,16 +442,24 @@ def _fmt(value: float, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def loss_cell(row: dict) -> str:
+    value = row["loss_rel_diff"]
+    if math.isnan(value):
+        return row["loss_note"] or "-"
+    return "0" if value == 0 else f"{value:.1e}"
+
+
 def speedup_cell(row: dict) -> str:
     return f"{row['speedup']:.3f}x" if not math.isnan(row["speedup"]) else row["speedup_note"] or "-"
 
 
 def format_table(rows: list[dict], baseline: str) -> str:
-    head = ["case", "variant", "status", "iters", "step ms", "+-", "TFLOP/s", "tokens/s", f"vs {baseline}"]
+    head = ["case", "variant", "status", "iters", "step ms", "+-", "TFLOP/s", "tokens/s",
+            f"loss vs {baseline}", f"vs {baseline}"]
     body = [[r["case"] or "-", r["variant"], r["status_detail"],
              f"{r['iterations']}/{r['expected_iterations'] or '?'}",
              _fmt(r["step_ms_mean"], ".1f"), _fmt(r["step_ms_std"], ".1f"), _fmt(r["tflops"], ".3g"),
-             _fmt(r["tokens_per_s"], ".0f"), speedup_cell(r)]
+             _fmt(r["tokens_per_s"], ".0f"), loss_cell(r), speedup_cell(r)]
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w)  # noqa: E731
@@ -430,7 +496,17 @@ def footer(rows: list[dict], baseline: str) -> list[str]:
                 out.append(f"note: {name}/{r['variant']}: the log does not say how many iterations "
                            f"were planned; judged against the longest run of case {name}")
         out += settings_warnings(group, baseline)
-    return out
+    return out + cpu_caveat(rows)
+
+
+def cpu_caveat(rows: list[dict]) -> list[str]:
+    """One line when any timing comes from CPU ranks (``on_cpu``)."""
+    names = [f"{r['case'] or '-'}/{r['variant']}" for r in rows if r["device"] == "cpu"]
+    if not names:
+        return []
+    which = "every run" if len(names) == len(rows) else ", ".join(names)
+    return [f"note: CPU timings ({which}): step times of CPU ranks do not predict GPU step "
+            f"times or speedups (loss parity does not depend on the device)"]
 
 
 def settings_warnings(group: list[dict], baseline: str) -> list[str]:
@@ -460,7 +536,8 @@ def settings_warnings(group: list[dict], baseline: str) -> list[str]:
 
 CSV_COLUMNS = ["case", "variant", "status", "status_detail", "iterations", "expected_iterations",
                "compared_iterations", "step_ms_mean", "step_ms_median", "step_ms_std", "tflops",
-               "tokens_per_s", "speedup", "speedup_note", "baseline", "crash_line", "file"]
+               "tokens_per_s", "speedup", "speedup_note", "baseline", "loss_rel_diff", "loss_note",
+               "loss_iterations", "device", "crash_line", "file"]
 
 
 def write_csv(rows: list[dict], path: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ compare = load_script("scripts/compare.py", "oases_compare")
 MEGATRON_LINE = (" [2025-11-22 01:02:03.456789] iteration {it:8d}/{n:8d} | consumed samples:"
                  "          {s:3d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "
                  "(TFLOP/s/GPU): {tf:.1f} | learning rate: 1.000000E-04 | global batch size:     8 |"
-                 " lm loss: 1.043210E+01 | loss scale: 1.0 | grad norm: 2.345 |")
+                 " lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 2.345 |")
 ARGS_BLOCK = """------------------------ arguments ------------------------
   bf16 ............................................ {bf16}
   exit_on_missing_checkpoint ...................... False
@@ -31,16 +32,21 @@ ARGS_BLOCK = """------------------------ arguments ------------------------
 """
 
 
-def megatron_log(step_ms, tflops=100.0, *, total=None, iters=None, tail="", args=None) -> str:
-    """Megatron-LM stdout logging ``step_ms`` at iterations ``iters`` (default 1, 2, ...) of
-    ``total`` (default: as many as logged), then ``tail``; ``args`` fills the arguments block."""
+def megatron_log(step_ms, tflops=100.0, *, total=None, iters=None, tail="", args=None,
+                 losses=None, head="") -> str:
+    """Megatron-LM stdout logging ``step_ms`` (and ``losses``, default 10.4321 each) at iterations
+    ``iters`` (default 1, 2, ...) of ``total`` (default: as many as logged), then ``tail``;
+    ``args`` fills the arguments block; ``head``: lines before it."""
     iters = iters or list(range(1, len(step_ms) + 1))
+    losses = losses or [10.4321] * len(step_ms)
     n = total or (iters[-1] if iters else 10)
-    lines = ["> building GPT model ..."]
+    lines = [head] if head else []
+    lines.append("> building GPT model ...")
     if args is not None:
         lines.append(ARGS_BLOCK.format(n=n, **{"bf16": True, "hidden": 1024, "impl": "local", **args}))
     lines.append("[before the start of training step] datetime: ...")
-    lines += [MEGATRON_LINE.format(it=it, n=n, s=8 * it, ms=ms, tf=tflops) for it, ms in zip(iters, step_ms)]
+    lines += [MEGATRON_LINE.format(it=it, n=n, s=8 * it, ms=ms, tf=tflops, loss=loss)
+              for it, ms, loss in zip(iters, step_ms, losses)]
     if tail:
         lines.append(tail)
     elif iters and iters[-1] == n:
@@ -48,10 +54,11 @@ def megatron_log(step_ms, tflops=100.0, *, total=None, iters=None, tail="", args
     return "\n".join(lines) + "\n"
 
 
-def json_log(step_ms, start=1) -> str:
-    return "".join(json.dumps({"iteration": start + i, "lm_loss": 5.0, "step_ms": ms,
+def json_log(step_ms, start=1, losses=None) -> str:
+    losses = losses or [5.0] * len(step_ms)
+    return "".join(json.dumps({"iteration": start + i, "lm_loss": loss, "step_ms": ms,
                                "tokens_per_s": 1000.0 / ms, "tflops_per_rank": 0.5}) + "\n"
-                   for i, ms in enumerate(step_ms))
+                   for i, (ms, loss) in enumerate(zip(step_ms, losses)))
 
 
 TRACEBACK = """Traceback (most recent call last):
@@ -66,11 +73,12 @@ def test_parse_both_formats():
     assert [v["tflops"] for v in log.iterations.values()] == [100.0] * 3
     log = compare.parse_log(json_log([20.0, 10.0]) + "not json {\n")
     assert log.step_ms == [20.0, 10.0] and sorted(log.iterations) == [1, 2] and log.total is None
-    assert log.iterations[2] == {"step_ms": 10.0, "tflops": 0.5, "tokens_per_s": 100.0}
+    assert log.iterations[2] == {"step_ms": 10.0, "tflops": 0.5, "tokens_per_s": 100.0, "loss": 5.0}
     trainer = (" iteration        2/       3 | lm loss: 5.5E+00 | grad norm: 1.569 | elapsed time per "
                "iteration (ms): 46.2 | tokens/s: 1385.3 | TFLOP/s per rank: 0.0001")
     log = compare.parse_log(trainer)
-    assert log.iterations == {2: {"step_ms": 46.2, "tflops": 0.0001, "tokens_per_s": 1385.3}}
+    assert log.iterations == {2: {"step_ms": 46.2, "tflops": 0.0001, "tokens_per_s": 1385.3,
+                                  "loss": 5.5}}
     assert log.total == 3
     # the same iteration as a JSON record and a text line counts once
     assert compare.parse_log(json_log([46.2], start=2) + trainer).step_ms == [46.2]
@@ -253,6 +261,66 @@ def test_labels_baseline_choice_and_missing_baseline(tmp_path, capsys):
     assert "no 'x' run in case -" in compare.format_table(rows, "x")
 
 
+def test_loss_parity_column(tmp_path, capsys):
+    """The loss column: the largest relative difference from the baseline's per-iteration losses
+    (warm-up included, up to a crash), in the table and the CSV; a run of another seed or with a
+    non-finite loss says so instead of a number."""
+    res = tmp_path / "res"
+    base = [10.0, 9.0, 8.0, 7.0]
+    _write(res, "c", "same.log", megatron_log([9.0] * 4, losses=base, args={}))
+    _write(res, "c", "oases.log", megatron_log([5.0] * 4, losses=[10.0, 9.0, 8.08, 7.0], args={}))
+    _write(res, "c", "atp.log", megatron_log([5.0] * 3, total=4, losses=[10.5, 9.0, 8.0],
+                                             tail=TRACEBACK, args={}))
+    _write(res, "c", "nan.log", megatron_log([5.0] * 4, losses=[10.0, math.nan, 8.0, 7.0], args={}))
+    seeded = megatron_log([5.0] * 4, losses=base, args={}).replace(
+        "  train_iters", "  seed ............................................ 7\n  train_iters")
+    _write(res, "c", "seed7.log", seeded)
+    _write(res, "c", "stock.log", megatron_log([9.0] * 4, losses=base, args={}).replace(
+        "  train_iters", "  seed ............................................ 1234\n  train_iters"))
+    _write(res, "j", "stock.jsonl", json_log([9.0] * 3, losses=[6.0, 5.0, 4.0]))
+    _write(res, "j", "oases.jsonl", json_log([5.0] * 3, losses=[6.0, 5.0, 4.0001]))
+    out_csv = tmp_path / "s.csv"
+    assert compare.main([str(res), "--csv", str(out_csv)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-5:] == ["loss", "vs", "stock", "vs", "stock"]
+    table = {tuple(line.split()[:2]): line.split() for line in lines[2:10]}
+    assert table["c", "oases"][-2:] == ["1.0e-02", "1.800x"]  # 0.08 / 8.0 at iteration 3
+    assert table["c", "same"][-2:] == ["0", "1.000x"]
+    assert table["c", "atp"][-2:] == ["5.0e-02", "crashed"]  # 0.5 / 10.0 before the crash
+    assert table["c", "nan"][-3:-1] == ["non-finite", "loss"]
+    assert table["c", "seed7"][-5:-1] == ["seed", "7", "vs", "1234"]
+    assert table["c", "stock"][-2:] == ["-", "1.000x"]  # the baseline itself
+    rows = {(r["case"], r["variant"]): r for r in csv.DictReader(open(out_csv))}
+    assert float(rows["j", "oases"]["loss_rel_diff"]) == pytest.approx(0.0001 / 4.0)
+    assert rows["j", "oases"]["loss_iterations"] == "3" and rows["j", "stock"]["loss_rel_diff"] == ""
+    assert rows["c", "seed7"]["loss_note"] == "seed 7 vs 1234"
+
+
+def test_cpu_timings_get_one_caveat_line(tmp_path, capsys):
+    """Runs whose logs show CPU ranks (the entries' start-up line, a ``device`` argument, or
+    Megatron-LM's gloo backend) get one caveat line after the table; GPU runs none."""
+    res = tmp_path / "res"
+    gpu = ("megatron_oases: model --tp-backend megatron (1-D TP) | --schedule default | no plan | "
+           "TP 2 x PP 1 x DP 1 on 2 ranks | cuda, nccl")
+    _write(res, "g", "stock.log", megatron_log([9.0] * 3, head=gpu))
+    _write(res, "g", "oases.log", megatron_log([5.0] * 3, head=gpu.replace("default", "oases")))
+    assert compare.main([str(res)]) == 0
+    assert "CPU timings" not in capsys.readouterr().out
+    _write(res, "c", "stock.log", megatron_log([9.0] * 3, head=gpu.replace("cuda, nccl", "cpu, gloo")))
+    _write(res, "c", "oases.jsonl", json_log([5.0] * 3))
+    _write(res, "c", "oases.args.json", json.dumps(["--device", "cpu", "--schedule", "oases"]))
+    args = ARGS_BLOCK.replace("  train_iters", "  distributed_backend ............................. "
+                              "gloo\n  train_iters")
+    _write(res, "c", "atp.log", megatron_log([5.0] * 3).replace(
+        "> building GPT model ...", args.format(bf16=False, hidden=1024, n=3, impl="local")))
+    assert compare.main([str(res)]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "CPU timings" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: CPU timings (c/stock, c/atp, c/oases): ")
+    rows = compare.summarise(compare.collect([str(res / "c")]), baseline="stock", skip_first=1)
+    assert [r["device"] for r in rows] == ["cpu"] * 3
+    assert "CPU timings (every run)" in compare.format_table(rows, "stock")
+
+
 def test_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch, capsys):
     log = tmp_path / "stock.log"
     log.write_text(megatron_log([10.0, 10.0]))
@@ -308,3 +376,5 @@ def test_smoke_reference_trainer_into_compare(tmp_path):
     assert all(r["status"] == "complete" and r["iterations"] == "3" and r["compared_iterations"] == "2"
                and float(r["speedup"]) > 0 for r in rows)
     assert float(rows[0]["speedup"]) == 1.0
+    # same seed, same layout: ATP's and Oases' losses are stock's (the loss column)
+    assert all(r["loss_iterations"] == "3" and float(r["loss_rel_diff"]) < 1e-5 for r in rows[1:])
