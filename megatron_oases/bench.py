@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import statistics
@@ -254,3 +255,70 @@ def counted_train(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(counted_train(sys.argv[1:]))
+
+
+# ---- shared by the ATP and 3-D benchmarks (scripts/bench_atp.py, bench_tp3d.py, bench_tp3d_scaling.py)
+def scaled_topology(name_or_path: str, scale: float, workdir: str) -> str:
+    """Write a copy of the topology with every bandwidth times ``scale``; return its path."""
+    import yaml
+
+    from megatron_oases.topology import load_topology
+    from megatron_oases.topology.loader import example_path
+
+    path = name_or_path if os.path.isfile(name_or_path) else str(example_path(name_or_path))
+    doc = yaml.safe_load(open(path, encoding="utf-8"))
+    if scale != 1.0:
+        for lvl in doc["levels"]:
+            for k in ("p2p_bandwidth_GBps", "group_bandwidth_GBps"):
+                lvl[k] = lvl[k] * scale
+            if lvl.get("p2p_matrix_GBps"):
+                lvl["p2p_matrix_GBps"] = [[v * scale for v in row] for row in lvl["p2p_matrix_GBps"]]
+        for e in (doc.get("calibration") or {}).get("allreduce_GBps", []) or []:
+            e["bandwidth_GBps"] = e["bandwidth_GBps"] * scale
+        doc["name"] = f"{doc['name']}-x{scale:g}"
+        doc["description"] = f"{doc.get('description', '')} (bandwidths x {scale:g})".strip()
+    out = os.path.join(workdir, f"{doc['name']}.yaml")
+    with open(out, "w", encoding="utf-8") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    load_topology(out)  # validate
+    return out
+
+
+def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: list[str]) -> dict:
+    """One trainer run under the counting wrapper; returns step and byte statistics."""
+    log = os.path.join(workdir, f"{tag}.jsonl")
+    stats = os.path.join(workdir, f"{tag}.stats")
+    cmd = counting_trainer(stats) + ["--", "--topology", topo_path] + flags + ["--log-json", log]
+    t0 = time.time()
+    launch_ranks(cmd, world, topology=None if a.no_emulate else topo_path, timeout=a.timeout)
+    paths = sorted(glob.glob(stats + ".rank*.json"))
+    return {**step_stats(log, a.warmup), **rank_stats(paths, a.warmup),
+            "wall_s": round(time.time() - t0, 1)}
+
+
+def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
+                       micro_batches: int, bpe: int = 4) -> float:
+    """Wire MB per rank per step of the transformer layers alone from the library's formulas (also
+    ``bench_tp3d``'s prediction; fp32 by default): 1-D 4 all-reduces of M h per layer, fwd + bwd;
+    3-D the four Linear3D GEMMs (``linear3d.predicted_gemm_bytes``, §3.1.2: one forward and two
+    backward GEMMs each, (p-1)/p^3 (48 M h + 36 h^2) in all, docs/tp3d.md); ATP Eq. 2's
+    all-reduces (``plan.atp_mesh.ATP_LAYER_ALLREDUCES``, x2) with the ring factor. Leaves out
+    LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
+    from .describe.ops import ring_factor
+    from .layers.linear3d import predicted_gemm_bytes
+    from .plan.atp_mesh import ATP_LAYER_ALLREDUCES
+
+    if P == 1:
+        return 0.0
+    ar = lambda d: ring_factor("all_reduce", d)  # noqa: E731
+    if kind == "1d":
+        elems = 4 * ar(P) * m * h
+    elif kind.startswith("3d"):
+        p = round(P ** (1 / 3))
+        gemms = ((m, h, 3 * h), (m, h, h), (m, h, 4 * h), (m, 4 * h, h))  # qkv, proj, fc1, fc2
+        elems = 3 * sum(predicted_gemm_bytes(*g, p, elem_size=1)["wire_bytes_per_rank"] for g in gemms)
+    else:
+        d = dict(zip((1, 2), mesh))
+        elems = 2 * m * sum(width * h / d[shard] * ar(d[axis])
+                            for _, axis, width, shard in ATP_LAYER_ALLREDUCES)
+    return elems * bpe * layers * micro_batches / 1e6

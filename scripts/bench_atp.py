@@ -38,52 +38,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from megatron_oases import bench  # noqa: E402
 
 
 # ---- launching -----------------------------------------------------------------------------------
-def scaled_topology(name_or_path: str, scale: float, workdir: str) -> str:
-    """Write a copy of the topology with every bandwidth times ``scale``; return its path."""
-    import yaml
-
-    from megatron_oases.topology import load_topology
-    from megatron_oases.topology.loader import example_path
-
-    path = name_or_path if os.path.isfile(name_or_path) else str(example_path(name_or_path))
-    doc = yaml.safe_load(open(path, encoding="utf-8"))
-    if scale != 1.0:
-        for lvl in doc["levels"]:
-            for k in ("p2p_bandwidth_GBps", "group_bandwidth_GBps"):
-                lvl[k] = lvl[k] * scale
-            if lvl.get("p2p_matrix_GBps"):
-                lvl["p2p_matrix_GBps"] = [[v * scale for v in row] for row in lvl["p2p_matrix_GBps"]]
-        for e in (doc.get("calibration") or {}).get("allreduce_GBps", []) or []:
-            e["bandwidth_GBps"] = e["bandwidth_GBps"] * scale
-        doc["name"] = f"{doc['name']}-x{scale:g}"
-        doc["description"] = f"{doc.get('description', '')} (bandwidths x {scale:g})".strip()
-    out = os.path.join(workdir, f"{doc['name']}.yaml")
-    with open(out, "w", encoding="utf-8") as f:
-        yaml.safe_dump(doc, f, sort_keys=False)
-    load_topology(out)  # validate
-    return out
-
-
-def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: list[str]) -> dict:
-    """One trainer run under the counting wrapper; returns step and byte statistics."""
-    log = os.path.join(workdir, f"{tag}.jsonl")
-    stats = os.path.join(workdir, f"{tag}.stats")
-    cmd = bench.counting_trainer(stats) + ["--", "--topology", topo_path] + flags + ["--log-json", log]
-    t0 = time.time()
-    bench.launch_ranks(cmd, world, topology=None if a.no_emulate else topo_path, timeout=a.timeout)
-    paths = sorted(glob.glob(stats + ".rank*.json"))
-    return {**bench.step_stats(log, a.warmup), **bench.rank_stats(paths, a.warmup),
-            "wall_s": round(time.time() - t0, 1)}
-
-
 # ---- the ATP benchmark ---------------------------------------------------------------------------
 def model_flags(a) -> list[str]:
     return bench.model_flags(a, a.tp)
@@ -94,7 +53,7 @@ def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
     from megatron_oases.plan.atp_mesh import search_mesh
     from megatron_oases.plan.mesh_cli import format_choice
 
-    topo_path = scaled_topology(topo_name, a.bw_scale, workdir)
+    topo_path = bench.scaled_topology(topo_name, a.bw_scale, workdir)
     shape = GPTShape(hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
                      micro_batch_size=a.micro_batch, seq_length=a.seq, dtype="fp32")
     choice = search_mesh(topo_path, a.tp, shape, min_gain=a.min_gain)
@@ -110,7 +69,7 @@ def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
     rows = []
     for name, mesh, k, flags in variants:
         tag = f"{os.path.basename(topo_path)[:-5]}-{name.replace(' ', '_')}"
-        r = run_variant(a, a.tp, topo_path, workdir, tag, model_flags(a) + flags)
+        r = bench.run_variant(a, a.tp, topo_path, workdir, tag, model_flags(a) + flags)
         row = {"topology": topo_name, "variant": name,
                "mesh": f"({mesh[0]},{mesh[1]})" if mesh else "-", "chunks": k,
                "pred_rank": pred[mesh][0] if mesh else None,

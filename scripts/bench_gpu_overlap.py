@@ -13,7 +13,6 @@ See megatron_oases/bench_standin/ and docs/gpu.md.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_oases.bench_standin.measure import main  # noqa: E402  (imports no Megatron)
 

@@ -30,7 +30,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, HERE)
 
 from megatron_oases.bench import bench_lock, loadavg, print_table  # noqa: E402
 from megatron_oases.run_config import DEFAULTS  # noqa: E402

@@ -45,9 +45,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from megatron_oases.bench import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
                                   launch_ranks, model_flags, step_stats)

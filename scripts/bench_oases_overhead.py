@@ -37,8 +37,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from megatron_oases.bench import (RECOMPUTE, TRAINER, bench_lock, launch_ranks, loadavg,  # noqa: E402
                                   print_table, step_stats)

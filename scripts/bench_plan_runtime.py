@@ -37,9 +37,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from megatron_oases.describe.split import sub_batches_at  # noqa: E402
 from megatron_oases.bench import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402

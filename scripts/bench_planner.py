@@ -22,7 +22,6 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_oases.plan.cost_model import build_cost_model  # noqa: E402
 from megatron_oases.plan.graph import PlanModel  # noqa: E402

@@ -39,9 +39,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from megatron_oases import bench  # noqa: E402
 from megatron_oases.bench import loadavg, step_stats  # noqa: E402

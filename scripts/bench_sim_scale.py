@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.describe.shapes import GPTShape

@@ -29,14 +29,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-import bench_atp  # noqa: E402  (its run_variant: one counted trainer launch)
-from bench_tp3d_scaling import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
 
 from megatron_oases import bench  # noqa: E402
+from megatron_oases.bench import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
@@ -70,7 +65,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        topo = (bench_atp.scaled_topology(a.topology, a.bw_scale, work) if a.topology
+        topo = (bench.scaled_topology(a.topology, a.bw_scale, work) if a.topology
                 else flat_topology(a.tp, a.link_GBps, work))
         choice = search_mesh(topo, a.tp, GPTShape(hidden_size=a.hidden, num_layers=a.layers,
                                                   num_attention_heads=a.heads, micro_batch_size=a.micro_batch,
@@ -86,8 +81,8 @@ def main(argv=None) -> int:
             m = meshes.get(v)
             flags = (["--tp-backend", "atp", "--atp-mesh", f"{m[0]},{m[1]}", "--atp-chunks",
                       str(a.atp_chunks)] if m else ["--tp-backend", "megatron" if v == "stock" else v])
-            r = bench_atp.run_variant(a, a.tp, topo, work, f"tp3d-{v}",
-                                      bench_atp.model_flags(a) + flags)
+            r = bench.run_variant(a, a.tp, topo, work, f"tp3d-{v}",
+                                      bench.model_flags(a, a.tp) + flags)
             label = (f"atp ({m[0]},{m[1]}) c{a.atp_chunks}" + (" pick" if v == "atp" else " argmin")
                      if m else v)
             row = {"variant": label,
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
           f"{a.micro_batches}, fp32; step_ms = median after {a.warmup} warm-up of {a.iters}; "
           f"wire_MB measured per rank per step (all collectives), pred_layer_MB = formulas, "
           f"transformer layers only; peak_mem = peak RSS per rank")
-    bench_atp.print_table(rows, cols)
+    bench.print_table(rows, cols)
     with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "peak_mem_mb", "loss", "wall_s"],
                            extrasaction="ignore")

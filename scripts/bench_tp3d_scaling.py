@@ -54,14 +54,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 from megatron_oases import bench  # noqa: E402
-from megatron_oases.describe.ops import ring_factor  # noqa: E402
-from megatron_oases.layers.linear3d import predicted_gemm_bytes  # noqa: E402
-from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES  # noqa: E402
+from megatron_oases.bench import predicted_layer_mb  # noqa: E402  (re-exported: the tests read it here)
 
 RANKS = (1, 2, 4, 8)
 
@@ -89,30 +84,6 @@ def variants_for(P: int, meshes: dict[int, list[tuple[int, int]]], with_3d: bool
     if with_3d and p >= 2 and p ** 3 == P:
         out.append((f"3d p={p}", ["--tp-backend", "3d"], None))
     return out
-
-
-def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
-                       micro_batches: int, bpe: int = 4) -> float:
-    """Wire MB per rank per step of the transformer layers alone from the library's formulas (also
-    ``bench_tp3d``'s prediction; fp32 by default): 1-D 4 all-reduces of M h per layer, fwd + bwd;
-    3-D the four Linear3D GEMMs (``linear3d.predicted_gemm_bytes``, §3.1.2: one forward and two
-    backward GEMMs each, (p-1)/p^3 (48 M h + 36 h^2) in all, docs/tp3d.md); ATP Eq. 2's
-    all-reduces (``plan.atp_mesh.ATP_LAYER_ALLREDUCES``, x2) with the ring factor. Leaves out
-    LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
-    if P == 1:
-        return 0.0
-    ar = lambda d: ring_factor("all_reduce", d)  # noqa: E731
-    if kind == "1d":
-        elems = 4 * ar(P) * m * h
-    elif kind.startswith("3d"):
-        p = round(P ** (1 / 3))
-        gemms = ((m, h, 3 * h), (m, h, h), (m, h, 4 * h), (m, 4 * h, h))  # qkv, proj, fc1, fc2
-        elems = 3 * sum(predicted_gemm_bytes(*g, p, elem_size=1)["wire_bytes_per_rank"] for g in gemms)
-    else:
-        d = dict(zip((1, 2), mesh))
-        elems = 2 * m * sum(width * h / d[shard] * ar(d[axis])
-                            for _, axis, width, shard in ATP_LAYER_ALLREDUCES)
-    return elems * bpe * layers * micro_batches / 1e6
 
 
 def scaling_metrics(rows: list[dict], study: str, cores: int) -> None:

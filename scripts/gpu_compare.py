@@ -16,8 +16,6 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 from megatron_oases.errors import ConfigError, OneLineErrorParser  # noqa: E402
 from megatron_oases.output_paths import check_output_file  # noqa: E402

@@ -36,9 +36,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for path in (ROOT, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+PUBLISHED = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
+"""The rows whose GEMMs and events this script times (scripts/validate_published.py's table)."""
 
 import torch  # noqa: E402
 
@@ -50,7 +49,7 @@ from megatron_oases.sim.frontends.published import sim_argv  # noqa: E402
 from megatron_oases.sim.calibrate.profiler import ProfileSettings, profile_compute, time_ms  # noqa: E402
 from megatron_oases.errors import OneLineErrorParser  # noqa: E402
 from megatron_oases.train_args import cuda_wanted  # noqa: E402
-from validate_published import load_rows  # noqa: E402  (the rows, read as the validation reads them)
+from megatron_oases.sim.frontends.published import load_rows  # noqa: E402  (as the validation reads them)
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--reps must be >= 1 (got {a.reps})")
     if a.limit_s <= 0:
         p.error(f"--limit-s must be > 0 (got {a.limit_s}): each part stops timing new shapes after it")
-    _, rows = load_rows()  # each row's flags merged over its source's defaults
+    _, rows = load_rows(PUBLISHED)  # each row's flags merged over its source's defaults
     if a.shrink:
         small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512}
         rows = [{**r, "flags": {**r["flags"], **small}} for r in rows]

@@ -30,8 +30,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from megatron_oases.describe.ops import ring_factor  # noqa: E402  (pure Python: the ring's bytes per rank)
 
@@ -345,7 +343,6 @@ def main() -> int:
         worker(args)
         return 0
 
-    sys.path.insert(0, ROOT)
     from megatron_oases.topology import Topology, load_topology
     from megatron_oases.topology.emulate import EmulatedCluster, describe
 

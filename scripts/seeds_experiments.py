@@ -24,8 +24,6 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from megatron_oases.flops import gpt_flops_per_iteration  # noqa: E402
 from megatron_oases.sim.frontends.published import (script_parser, selected, simulate_run,  # noqa: E402

@@ -34,34 +34,18 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from megatron_oases.pricing.stack import stack_of  # noqa: E402
 from megatron_oases.sim.calibrate import crossval  # noqa: E402
-from megatron_oases.sim.frontends.published import (iteration_flops, script_parser, selected, topology_path,  # noqa: E402
-                                          simulate_run, write_outputs)
+from megatron_oases.sim.frontends.published import (iteration_flops, script_parser, selected,
+                                                    simulate_run, write_outputs)
+from megatron_oases.sim.frontends.published import load_rows as published_rows
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
-UNITS = ("tflops_per_gpu", "s_per_iteration", "samples_per_gpu_s")
 
 
 def load_rows(path: str = DATA) -> tuple[dict, list[dict]]:
-    """(sources, rows) of the data file; each row's flags and topology merged over its source's defaults."""
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
-    sources, defaults = data["sources"], data.get("defaults", {})
-    rows = []
-    for row in data["rows"]:
-        if row["source"] not in sources or row["unit"] not in UNITS:
-            raise ValueError(f"row {row['id']}: unknown source {row['source']!r} or unit {row['unit']!r}")
-        base = defaults.get(row["source"], {})
-        flags = {**base.get("flags", {}), **row["flags"]}
-        stack = stack_of(transformer_impl=flags.get("transformer-impl", "local"),
-                         masked_softmax_fusion=not flags.get("no-masked-softmax-fusion", False)).name
-        topology = topology_path(row.get("topology", base.get("topology", "")), path)
-        rows.append({**base, **row, "flags": flags, "stack": stack, "topology": topology})
-    return sources, rows
+    """(sources, rows) of the data file (``published.load_rows``), by default the committed table."""
+    return published_rows(path)
 
 
 def predict_row(row: dict, sources: dict, tune=None) -> dict:

@@ -10,9 +10,34 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import yaml
+
 from ...flops import gpt_flops_per_iteration
+from ...pricing.stack import stack_of
 from .cli import build_parser, simulation_inputs
 from ..core.timeline import SimResult, simulate
+
+
+UNITS = ("tflops_per_gpu", "s_per_iteration", "samples_per_gpu_s")
+"""What a published row measured (``examples/validation/*.yaml``'s ``unit``)."""
+
+
+def load_rows(path: str) -> tuple[dict, list[dict]]:
+    """(sources, rows) of the data file; each row's flags and topology merged over its source's defaults."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    sources, defaults = data["sources"], data.get("defaults", {})
+    rows = []
+    for row in data["rows"]:
+        if row["source"] not in sources or row["unit"] not in UNITS:
+            raise ValueError(f"row {row['id']}: unknown source {row['source']!r} or unit {row['unit']!r}")
+        base = defaults.get(row["source"], {})
+        flags = {**base.get("flags", {}), **row["flags"]}
+        stack = stack_of(transformer_impl=flags.get("transformer-impl", "local"),
+                         masked_softmax_fusion=not flags.get("no-masked-softmax-fusion", False)).name
+        topology = topology_path(row.get("topology", base.get("topology", "")), path)
+        rows.append({**base, **row, "flags": flags, "stack": stack, "topology": topology})
+    return sources, rows
 
 
 def topology_path(topology: str, data_file: str) -> str:
