@@ -140,19 +140,22 @@ def test_no_tp_collective_moves_the_whole_micro_batch(extra):
     assert whole(OASES) == {}
 
 
-def test_one_weight_gradient_accumulation_per_micro_batch():
+@pytest.mark.parametrize("dtype,per_weight", [([], {"addmm_": 2 * 2}), (["--bf16"], {"add_": 2})],
+                         ids=["fp32", "bf16"])
+def test_one_weight_gradient_accumulation_per_micro_batch(dtype, per_weight):
     """Stock adds each linear weight's gradient into ``main_grad`` once per micro-batch (one
-    GEMM, one add); the executor's two sub-batches accumulate inside their GEMMs (``addmm_``)
-    and add nothing (before: one GEMM and one add per sub-batch)."""
+    GEMM, one add). The executor's sub-batches (before: one GEMM and one add each) accumulate
+    inside their GEMMs (fp32: ``addmm_`` into ``main_grad``, no add), or, with 16-bit
+    activations and an fp32 ``main_grad`` (no Apex), into one 16-bit sum added once."""
     from megatron_oases.runtime.spawn import run_on_ranks
     from tests.rank_fns_oases import main_grad_writes
 
-    argv = MODEL + TP2 + RECOMPUTE + ["--untie-embeddings-and-output-weights"]
+    argv = MODEL + TP2 + RECOMPUTE + ["--untie-embeddings-and-output-weights"] + dtype
     stock, weights = run_on_ranks(main_grad_writes, 2, args=(argv,), timeout_s=180)[0]
     oases, same = run_on_ranks(main_grad_writes, 2, args=(argv + OASES,), timeout_s=180)[0]
     split, _ = run_on_ranks(main_grad_writes, 2, args=(argv + OASES, False), timeout_s=180)[0]
     assert weights == same == 4 * 4 + 1  # 4 linears a layer, the output layer
     assert stock == {"add_": 2 * weights}  # 2 micro-batches
-    assert oases == {"addmm_": 2 * 2 * weights}
+    assert oases == {op: n * weights for op, n in per_weight.items()}
     # each sub-batch's GEMM result added (the output layer's two summed before its one add)
     assert split == {"add_": 2 * 2 * (weights - 1) + 2}

@@ -39,6 +39,7 @@ from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.parallel.collectives import reduce_scatter_into as _reduce_scatter_into
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
+from megatron_oases.schedules.oases.wgrad import sub_batch_sums
 from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, BackwardAllGather,
                                                  BackwardAllReduce, BlockInputs, ForwardAllGather,
                                                  ForwardAllReduce, GatherSequence, LayerTape, Local,
@@ -231,7 +232,7 @@ class OasesRunner:
         """The gradient of the stage input, and of each of ``stage_params()`` (None if unused)."""
         grads = [g.contiguous() for g in torch.split(grad_output, state.sizes, dim=1)]
         programs = [self._backward_program(i, g, state) for i, g in enumerate(grads)]
-        with self._collectives_off():
+        with self._collectives_off(), sub_batch_sums(self.options.sub_batches):
             interleave(programs, lambda i: active_sub_batch(state.masks, i, recompute=True))
         assert not self._arrivals, "parameter gradients left undelivered"
         stage = [state.stage_grads.pop(id(p), None) for p in self.stage_params()]
