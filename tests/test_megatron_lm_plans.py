@@ -6,7 +6,10 @@ runs here too, plus issue 48's TP-2 plan with attention != MLP degrees and degre
 layers: before its fix, a planned layer whose MLP degree differs from its attention's built the
 MLP a second time, after the layer, from the next layer's draws, so Megatron-LM's CPU
 initialisation gave it other weights (the trainer re-initialises every layout, which hid it).
-fp32, dropout off unless named, tiny models (hidden 64, 2-4 layers, 2 iterations).
+fp32, dropout off unless named, tiny models (hidden 64, 2-4 layers, 2 iterations). With hidden
+dropout the plan matched stock only once the CPU layer kept data loaders off the global generator
+(only TP rank 0 iterates one, and on CPU that generator is dropout's:
+``cpu_training_compat._loader_keeps_global_rng``).
 """
 from __future__ import annotations
 
@@ -72,3 +75,33 @@ def test_plan_in_megatron_lm_matches_stock(tmp_path, stock, layout, degrees, sch
     tp = int(flags[flags.index("--tensor-model-parallel-size") + 1])
     got, _ = train(ranks, flags + schedule + ["--oases-plan", _plan(tmp_path, tp, degrees)], ITERS)
     _same(got, stock(layout), f"{layout} plan {degrees} {schedule}")
+
+
+def test_cpu_data_loaders_leave_the_global_generator_alone():
+    """``iter(loader)`` draws the workers' base seed it drew before, from the loader's own copy of
+    the global generator, and leaves the global one where it was (it moved on TP rank 0 only)."""
+    import torch
+
+    from megatron_oases.runtime.cpu_training_compat import _loader_keeps_global_rng
+
+    def build(dataset, consumed_samples):
+        return torch.utils.data.DataLoader(dataset) if dataset is not None else None
+
+    wrapped = _loader_keeps_global_rng(build)
+    assert wrapped(None, 0) is None
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    seed = iter(wrapped(list(range(4)), 0))._base_seed
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seed == iter(build(list(range(4)), 0))._base_seed  # the draw the stock loader makes
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+@needs_cpu
+def test_cpu_layer_wraps_megatrons_loader_builder():
+    import megatron.training.training as training
+
+    from megatron_oases.runtime.cpu_training_compat import install_cpu_training_compat
+
+    assert install_cpu_training_compat()
+    assert hasattr(training.build_pretraining_data_loader, "__cpu_compat_wrapped__")

@@ -22,6 +22,10 @@ is absent, nothing global faked, only
   CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1, set here when unset (only CUDA reads it).
 * Megatron-Core's torch_dist checkpoint strategies (loaded lazily) get the Megatron-Core proxy
   (``runtime.dist_ckpt.dist_checkpointing``), so ``--save`` / ``--load`` work.
+* ``build_pretraining_data_loader`` inside ``megatron.training.training`` gives each loader its
+  own generator (``_loader_keeps_global_rng``): on CPU the global generator stands in for the
+  CUDA one that dropout draws from, and only TP rank 0 iterates a loader, so its draws would give
+  that rank other dropout masks than its TP peers.
 
 Flags that need the CUDA caching allocator (``--log-memory-to-tensorboard``,
 ``--record-memory-history``) or CUDA-only machinery (``--cuda-graph-impl``, ``--inprocess-restart``,
@@ -129,6 +133,26 @@ class _NoFusedKernels:
         return getattr(self._module, name)
 
 
+def _loader_keeps_global_rng(build_pretraining_data_loader):
+    """``build_pretraining_data_loader`` whose loader draws from its own generator, a copy of the
+    global one: each ``iter(loader)`` draws its workers' base seed (the same value as before), but
+    no longer moves the global generator. Only TP rank 0 of a stage builds loaders, and on CPU the
+    global generator is also the "CUDA" one hidden dropout draws from, so that draw gave TP rank 0
+    other masks than its peers (on a GPU the loader draws from the CPU generator, which dropout
+    does not read)."""
+
+    @functools.wraps(build_pretraining_data_loader)
+    def wrapped(*args, **kwargs):
+        loader = build_pretraining_data_loader(*args, **kwargs)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator()
+            loader.generator.set_state(torch.get_rng_state())
+        return loader
+
+    wrapped.__cpu_compat_wrapped__ = build_pretraining_data_loader
+    return wrapped
+
+
 def _no_device_arch(get_device_arch_version):
     """``get_device_arch_version`` as ``validate_args`` sees it on CPU: 0, no CUDA architecture
     (upstream reads ``torch.cuda.get_device_properties``). ``validate_args`` then treats the run
@@ -189,6 +213,9 @@ def install_cpu_training_compat(force: bool = False) -> bool:
         training.initialize_megatron = _allow_no_cuda(training.initialize_megatron)
     if not hasattr(training.set_jit_fusion_options, "__cpu_compat_wrapped__"):
         training.set_jit_fusion_options = _no_jit_warmup(training.set_jit_fusion_options)
+    loader = getattr(training, "build_pretraining_data_loader", None)
+    if loader is not None and not hasattr(loader, "__cpu_compat_wrapped__"):
+        training.build_pretraining_data_loader = _loader_keeps_global_rng(loader)
     _installed = True
     return True
 
