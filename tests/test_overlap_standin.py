@@ -94,7 +94,7 @@ def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str,
     """(kind, payload bytes) of one step's TP collectives in ``passes`` by the descriptions: the
     layers' (per sub-batch under Oases) and the head's; Megatron's vocab-parallel cross-entropy
     issues the described per-token fp32 reductions (``loss.ar``) as three all-reduces of equal
-    size."""
+    size; the head's other collectives run per sub-batch under Oases (``split_*``)."""
     from megatron_oases.describe.head import head_ops
     from megatron_oases.describe.registry import layer_description
     from megatron_oases.schedules.oases.options import OasesOptions
@@ -103,10 +103,13 @@ def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str,
     layer = layer_description(backend="megatron", mesh=None, micro_batch=B // subs, seq=S, hidden=H,
                               heads=HEADS, ffn=4 * H, tp=TP, bytes_per_element=4, schedule=schedule)
     out = [(c.kind, c.payload_bytes) for p in passes for c in layer.collectives(p)] * L * subs
-    head = head_ops(b=B, s=S, h=H, v=1024, t=TP, e=4, first=True, last=True)
+    head = head_ops(b=B, s=S, h=H, v=1024, t=TP, e=4, first=True, last=True, sub_batches=subs)
     for c in (c for p in passes for c in (*getattr(head, f"pre_{p}"), *getattr(head, f"post_{p}"))):
         if hasattr(c, "payload_bytes"):
             out += [(c.kind, c.payload_bytes // 3)] * 3 if c.name == "loss.ar" else [(c.kind, c.payload_bytes)]
+    for p in passes:  # under Oases the embedding's and output layer's collectives, per sub-batch
+        out += [(c.kind, c.payload_bytes) for c in (*getattr(head, f"split_pre_{p}"),
+                                                    *getattr(head, f"split_post_{p}"))] * subs
     return sorted(out)
 
 
@@ -137,9 +140,10 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path, capsys):
             assert sorted((k, b) for k, n, b, _ in issued) == _described(schedule)
             assert {n for _, n, _, _ in issued} == {TP}
             # async: Megatron's input-gradient all-reduces of the column linears (QKV, fc1 and
-            # the output layer) in stock; every layer collective under the Oases executor
+            # the output layer) in stock; under the Oases executor every collective but the
+            # loss's three (the layers' and the head's, per sub-batch)
             n_async = sum(a for *_, a in issued)
-            assert n_async == (2 * L + 1 if schedule == "default" else len(issued) - 4)
+            assert n_async == (2 * L + 1 if schedule == "default" else len(issued) - 3)
             assert r[kind]["with_standins"]["ms"] > 0 and r[kind]["standins_only"]["ms"] > 0
             # the forward pass alone: its stand-ins are the described forward collectives, the
             # first the step issued; the pass bound is made of the four measured times
