@@ -483,7 +483,9 @@ def test_patched_pretrain_gpt_hands_over_our_providers(tmp_path, stock, monkeypa
     tree = _copy_checkout(str(tmp_path / "mlm"))
     assert _apply(tree).returncode == 0
     monkeypatch.setenv("WORLD_SIZE", "1")
-    seen = _run_patched_main(os.path.join(tree, "pretrain_gpt.py"), TINY)
+    # without CUDA the patched script trains on CPU ranks (wrap_entry's CPU layer): gloo
+    cpu = [] if __import__("torch").cuda.is_available() else ["--distributed-backend", "gloo"]
+    seen = _run_patched_main(os.path.join(tree, "pretrain_gpt.py"), TINY + cpu)
     args, kwargs = seen["args"], seen["kwargs"]
     provider = kwargs.get("model_provider") or next(
         a for a in args if isinstance(a, ModelProvider))
