@@ -117,8 +117,38 @@ def test_dry_run_family_contents():
     assert "--atp-mesh auto --topology dgx-a100" in out
     out = dry_run("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4"}).stdout
     assert "weak-8gpu/3d.log" in out and "strong-8gpu/stock.log" in out and "--tp-backend 3d" in out
-    proc = dry_run("tp3d_scaling", {"NNODES": "4", "GPUS_PER_NODE": "4", "MODES": "weak"})
+    proc = dry_run("tp3d_scaling", {"NNODES": "4", "GPUS_PER_NODE": "4", "MODES": "weak",
+                                    "VARIANTS": "stock"})
     assert proc.returncode == 0 and "skip weak: no weak-scaling point for 16 GPUs" in proc.stderr
+    # 16 GPUs is no cube: the stock runs alone are a scaling point, with no 3-D run beside them
+    out = dry_run("tp3d_scaling", {"NNODES": "4", "GPUS_PER_NODE": "4", "VARIANTS": "stock"}).stdout
+    assert "strong-16gpu/stock.log" in out and "--tp-backend 3d" not in out
+
+
+def test_env_line_names_every_exported_variable(tmp_path):
+    """The dry run's ``# env:`` line lists every variable common.sh exports (found by diffing
+    the environment around ``oases_setup``, not from a list kept here), with its value, and the
+    site-specific NCCL_* ones set before sbatch."""
+    env = clean_env(DRY_RUN="1", MEGATRON_LM_PATH="/opt/Megatron-LM", NNODES="1",
+                    GPUS_PER_NODE="4", CKPT_DIR=str(tmp_path / "ckpt"), NCCL_SOCKET_IFNAME="ib0",
+                    RESULTS_DIR=str(tmp_path / "res"))
+    for name in ("OMP_NUM_THREADS", "NCCL_IB_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                 "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        env.pop(name, None)
+    script = ('source scripts/slurm/common.sh && oases_setup probe && echo "@@" '
+              '&& env -0 | tr "\\0" "\\n" | grep -E "^[A-Za-z_][A-Za-z0-9_]*="')
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    header, after = proc.stdout.split("@@\n")
+    line = next(ln for ln in header.splitlines() if ln.startswith("# env: "))
+    shown = dict(w.split("=", 1) for w in shlex.split(line[len("# env: "):]))
+    now = dict(ln.split("=", 1) for ln in after.splitlines() if "=" in ln)
+    shell_own = ("SHLVL", "_", "OLDPWD", "PWD")  # bash's, not common.sh's
+    exported = {k for k, v in now.items() if env.get(k) != v and k not in shell_own}
+    assert {"OMP_NUM_THREADS", "NCCL_IB_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"} <= exported
+    assert all(shown.get(k) == now[k] for k in exported), (exported, shown)
+    assert shown["NCCL_SOCKET_IFNAME"] == "ib0" and shown["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
 
 
 def test_master_address_from_scontrol(tmp_path):
@@ -353,6 +383,11 @@ def test_sigterm_to_the_batch_shell_saves_stops_and_a_resubmission_resumes(tmp_p
     ("oases_models", {"MICRO_BATCH_SIZE": "0"}, "MICRO_BATCH_SIZE=0 must be"),
     ("oases_models", {"NNODES": "1", "GPUS_PER_NODE": "3"}, "no model of MODELS (1024 2048 3072"),
     ("tp3d_scaling", {"NNODES": "2", "GPUS_PER_NODE": "4", "HIDDEN": "big"}, "HIDDEN=big must be"),
+    # TP is every GPU of the job; 3-D TP needs a cube of them (was: a TP 16 "cube" run printed)
+    ("tp3d_scaling", {"NNODES": "4", "GPUS_PER_NODE": "4"},
+     "16 GPUs for variant 3d: --tp-backend 3d: 3-D tensor parallelism needs "
+     "--tensor-model-parallel-size = p^3"),
+    ("single_node", {"NNODES": "2"}, "NNODES=2: single_node runs on 1 node(s); set NNODES=1"),
     ("atp_models", {"GPUS_PER_NODE": "8", "TOPOLOGY": "/no/such/topology.yaml"},
      "TOPOLOGY: topology /no/such/topology.yaml: no such file or shipped example"),
 ])

@@ -43,8 +43,12 @@
 #   NCCL_SOCKET_IFNAME (e.g. ib0), NCCL_IB_HCA (e.g. mlx5), NCCL_P2P_DISABLE=1 (PCIe-only runs,
 #   ATP's IC1), NCCL_NVLS_ENABLE: set them in the environment of sbatch to use them.
 #   CUDA_DEVICE_MAX_CONNECTIONS=1 always (Megatron-LM's TP overlap and our schedules need
-#   kernels issued in launch order).
+#   kernels issued in launch order); OMP_NUM_THREADS=1 unless set.
+# Every variable exported here goes through oases_export, so a dry run's "# env:" line and a
+# real run's env.txt list them all (env_report), with any other NCCL_* / TORCH_NCCL_* set.
 
+# oases_setup FAMILY [MAX_NODES]: settings, exports and checks of one job; MAX_NODES: the most
+# nodes the family's script runs on (single_node: 1).
 oases_setup() {
     FAMILY="$1"
     OASES_ROOT="${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
@@ -57,6 +61,11 @@ oases_setup() {
     LOG_INTERVAL="${LOG_INTERVAL:-1}"
     SAVE_INTERVAL="${SAVE_INTERVAL:-$TRAIN_ITERS}"
     require_positive_int NNODES GPUS_PER_NODE TRAIN_ITERS LOG_INTERVAL SAVE_INTERVAL
+    if [[ -n "${2:-}" ]] && (( NNODES > $2 )); then
+        echo "error: NNODES=$NNODES: $FAMILY runs on $2 node(s); set NNODES=$2" \
+             "(sbatch --nodes=$2), or use scripts/slurm/multi_node.sbatch for $NNODES nodes" >&2
+        exit 2
+    fi
     WORLD=$((NNODES * GPUS_PER_NODE))
     if [[ -z "${MASTER_ADDR:-}" ]]; then
         if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null; then
@@ -78,21 +87,23 @@ oases_setup() {
     STOPPING=0
     RUN_PID=
     SIGNAL_REQUEST="$(grep -m 1 '^#SBATCH --signal=' "$0" 2>/dev/null | cut -c 9-)"
-    [[ -n "$CKPT_DIR" ]] && export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
+    OASES_EXPORTED=()
+    [[ -n "$CKPT_DIR" ]] && oases_export TORCH_ELASTIC_SHUTDOWN_TIMEOUT "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
     trap on_preemption TERM
 
-    export CUDA_DEVICE_MAX_CONNECTIONS=1
-    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
-    export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
-    export PYTHONPATH="$OASES_ROOT:$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
-    export MEGATRON_LM_PATH OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    oases_export CUDA_DEVICE_MAX_CONNECTIONS 1
+    oases_export NCCL_DEBUG "${NCCL_DEBUG:-WARN}"
+    oases_export TORCH_NCCL_ASYNC_ERROR_HANDLING "${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    oases_export NCCL_IB_TIMEOUT "${NCCL_IB_TIMEOUT:-22}"
+    oases_export PYTHONPATH "$OASES_ROOT:$MEGATRON_LM_PATH${PYTHONPATH:+:$PYTHONPATH}"
+    oases_export MEGATRON_LM_PATH "$MEGATRON_LM_PATH"
+    oases_export OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}"
 
     check_topology
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "# DRY_RUN=1 $FAMILY: $NNODES node(s) x $GPUS_PER_NODE GPUs, results in $RESULTS_DIR"
-        echo "# env: CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS NCCL_DEBUG=$NCCL_DEBUG" \
-             "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING PYTHONPATH=$PYTHONPATH"
+        local -a report; mapfile -t report < <(env_report)
+        echo "# env: $(shell_words "${report[@]}")"
         local saves="no CKPT_DIR: nothing is saved"
         [[ -n "$CKPT_DIR" ]] && saves="checkpoints in $CKPT_DIR/<case>/<variant> (--save = --load: a resubmitted job resumes)"
         echo "# preemption: #SBATCH ${SIGNAL_REQUEST:-(no --signal request)}: SIGTERM before the time limit; $saves"
@@ -112,9 +123,25 @@ oases_setup() {
             echo "family=$FAMILY nodes=$NNODES gpus_per_node=$GPUS_PER_NODE job=${SLURM_JOB_ID:-none}"
             echo "oases=$(git -C "$OASES_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
             echo "megatron_lm=$(git -C "$MEGATRON_LM_PATH" describe --tags --always 2>/dev/null || echo unknown)"
-            env | grep -E '^(NCCL_|CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_)' | sort
+            env_report
         } > "$RESULTS_DIR/env.txt"
     fi
+}
+
+# oases_export NAME VALUE: export NAME=VALUE and list NAME in OASES_EXPORTED (env_report).
+oases_export() {
+    export "$1=$2"
+    OASES_EXPORTED+=("$1")
+}
+
+# NAME=VALUE lines: every variable oases_export set, then any other NCCL_* / TORCH_NCCL_* of the
+# environment (the site-specific ones passed through).
+env_report() {
+    local name
+    for name in "${OASES_EXPORTED[@]}"; do echo "$name=${!name}"; done
+    env | grep -E '^(NCCL_|TORCH_NCCL_)' | sort | while IFS= read -r line; do
+        [[ " ${OASES_EXPORTED[*]} " == *" ${line%%=*} "* ]] || echo "$line"
+    done
 }
 
 # require_positive_int NAME...: each variable a whole number >= 1, else one line and exit 2
