@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
-"""32-bit words a block moves per step (8 KiB)."""
+BLOCK = 8192
+"""32-bit words a block moves per step (32 KiB: 64 bytes a thread in flight, so one block is not
+held to a few GB/s by the memory latency; NCCL's slices are larger still)."""
 NUM_WARPS = 16
 """512 threads a block: NCCL's default thread count per channel (``NCCL_NTHREADS``)."""
 
