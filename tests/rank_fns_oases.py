@@ -167,3 +167,17 @@ def main_grad_writes(argv: list[str], in_gemm: bool = True):
     with Count():
         train_step(tr, 1)
     return dict(counts), len(grads)
+
+
+def oases_heads(argv: list[str]):
+    """(pipeline rank, [each model chunk's Oases block ``oases_head``: (entry, exit)])."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oases.run_config import run_config
+    from megatron_oases.schedules.oases.block import OasesBlockMixin
+    from megatron_oases.train import setup
+    from megatron_oases.train_args import build_parser
+
+    tr = setup(run_config(build_parser().parse_args(argv)))
+    heads = [m.oases_head for chunk in tr.model for m in chunk.modules() if isinstance(m, OasesBlockMixin)]
+    return ps.get_pipeline_model_parallel_rank(), heads

@@ -159,3 +159,15 @@ def test_one_weight_gradient_accumulation_per_micro_batch(dtype, per_weight):
     assert oases == {op: n * weights for op, n in per_weight.items()}
     # each sub-batch's GEMM result added (the output layer's two summed before its one add)
     assert split == {"add_": 2 * 2 * (weights - 1) + 2}
+
+
+def test_only_the_first_and_last_pipeline_stage_run_the_head():
+    """Interleaved PP 2 x TP 2 (two chunks a stage): the embedding's tape in the first stage's
+    first chunk, the output layer's in the last stage's last chunk, none elsewhere."""
+    from megatron_oases.runtime.spawn import run_on_ranks
+    from tests.rank_fns_oases import oases_heads
+
+    layout = TP2 + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                    "--global-batch-size", "16"]
+    got = run_on_ranks(oases_heads, 4, args=(MODEL + OASES + RECOMPUTE + layout,), timeout_s=180)
+    assert sorted(got) == [(0, [(True, False), (False, False)])] * 2 + [(1, [(False, False), (False, True)])] * 2
