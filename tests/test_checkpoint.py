@@ -534,6 +534,7 @@ def test_bf16_resume_into_3d_needed_the_optimizer_state(tmp_path_factory, tmp_pa
     BF16_CROSS_TOL, so the tolerance above tells a loaded optimizer state from a fresh one."""
     diffs, _ = _resume_diffs("bf16_dp2", "bf16_3d_tp8", "default", tmp_path_factory, tmp_path,
                              extra=["--no-load-optim"])
+    print(f"bf16_dp2 -> bf16_3d_tp8 --no-load-optim: {diffs}")
     assert diffs[4] <= BF16_CROSS_TOL < diffs[5], diffs
 
 
