@@ -27,6 +27,10 @@ from typing import Any
 
 _MISSING = object()
 
+SCHEDULES = ("default", "oases")
+"""``--schedule``: the TP layers' executor (Megatron's sequential one, or the Oases sub-batch
+overlap); here, below the planner, which records the executor a plan is made for."""
+
 DEFAULT_MIN_GAIN = 0.10
 """The gain over the 1-D mesh ``--atp-mesh auto`` and ``megatron-oases mesh`` need before they pick
 a 2-D mesh (``plan.atp_mesh.search_mesh``); here, below the planner, as ``RunConfig``'s default."""
@@ -253,14 +257,35 @@ def dtype_name(cfg: RunConfig) -> str:
     return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
 
 
-def mesh_search_shape(cfg: RunConfig, pp: int):
-    """The model ATP's mesh search prices for ``--atp-mesh auto`` (trainer and Megatron-LM paths):
-    one pipeline stage's layers at the run's micro-batch, sequence and element type."""
-    from megatron_oases.describe.shapes import GPTShape
+def filled_ffn_hidden_size(cfg: RunConfig, error: type[Exception] = ValueError) -> int:
+    """``--ffn-hidden-size``, or Megatron-LM's default for the run (``megatron_ffn_hidden_size``);
+    ``error`` (the caller's one-line class) where SwiGLU's default rounds down to 0."""
+    if cfg.ffn_hidden_size is not None:
+        return cfg.ffn_hidden_size
+    ffn = megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu)
+    if ffn < 1:  # --swiglu rounds 4h x 2/3 down to a multiple of 64
+        raise error(f"--swiglu with --hidden-size {cfg.hidden_size} gives Megatron-LM's default FFN size "
+                    f"int(4h x 2/3 / 64) x 64 = 0; pass --ffn-hidden-size or a --hidden-size of at least 24")
+    return ffn
 
+
+def mesh_search_shape(cfg: RunConfig, pp: int):
+    """The model ATP's mesh search prices for the run (``--atp-mesh auto`` on the trainer's and
+    Megatron-LM's paths, ``megatron-oases mesh``): one pipeline stage's layers of the run's layer
+    (its FFN size, filled in as Megatron-LM fills it, heads, and the SwiGLU / GQA / normalization
+    / bias variant) at the run's micro-batch, sequence and element type."""
+    from megatron_oases.describe.shapes import GPTShape, variant_from_flags
+
+    rope = cfg.position_embedding_type == "rope"
+    variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu,
+                                 normalization=cfg.normalization, add_bias_linear=cfg.add_bias_linear,
+                                 position_embedding_type="rope" if rope else "learned_absolute",
+                                 rotary_percent=cfg.rotary_percent if rope else 1.0,
+                                 qk_layernorm=cfg.qk_layernorm)
     return GPTShape(hidden_size=cfg.hidden_size, num_layers=max(cfg.num_layers // pp, 1),
                     num_attention_heads=cfg.num_attention_heads, micro_batch_size=cfg.micro_batch_size,
-                    seq_length=cfg.seq_length, dtype=dtype_name(cfg))
+                    seq_length=cfg.seq_length, dtype=dtype_name(cfg), variant=variant,
+                    ffn_hidden_size=filled_ffn_hidden_size(cfg))
 
 
 def options_present(args, names) -> dict[str, Any]:

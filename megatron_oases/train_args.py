@@ -17,10 +17,8 @@ from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
 from megatron_oases.errors import ConfigError, OneLineErrorParser, range_refusal
 from megatron_oases.output_paths import check_output_file
 from megatron_oases.parallel.dims import ParallelDims, check_sizes
-from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, gqa_groups,
-                                       megatron_ffn_hidden_size, mesh_search_shape)
-
-SCHEDULES = ("default", "oases")
+from megatron_oases.run_config import (DEFAULTS, SCHEDULES, RunConfig, check_gqa_flags,  # noqa: F401
+                                       filled_ffn_hidden_size, gqa_groups, mesh_search_shape)
 
 
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
@@ -341,12 +339,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool | None) -> RunCo
     check_sizes(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
                 num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                 num_attention_heads=cfg.num_attention_heads)  # before deriving from them
-    if cfg.ffn_hidden_size is None:  # Megatron-LM's defaults
-        cfg = dataclasses.replace(cfg, ffn_hidden_size=megatron_ffn_hidden_size(cfg.hidden_size, cfg.swiglu))
-        if cfg.ffn_hidden_size < 1:  # --swiglu rounds 4h x 2/3 down to a multiple of 64
-            raise ConfigError(f"--swiglu with --hidden-size {cfg.hidden_size} gives Megatron-LM's "
-                              f"default FFN size int(4h x 2/3 / 64) x 64 = 0; pass "
-                              f"--ffn-hidden-size or a --hidden-size of at least 24")
+    cfg = dataclasses.replace(cfg, ffn_hidden_size=filled_ffn_hidden_size(cfg, ConfigError))  # Megatron-LM's
     if cfg.max_position_embeddings is None:
         cfg = dataclasses.replace(cfg, max_position_embeddings=cfg.seq_length)
     _check_ranges(cfg)
@@ -509,7 +502,7 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
                               "priced on), or pass --atp-mesh D1,D2")
         from megatron_oases.describe.ops import ModelingError
         from megatron_oases.plan.atp_mesh import MeshError, search_mesh
-        from megatron_oases.plan.mesh_cli import pick_summary
+        from megatron_oases.plan.mesh_cli import model_summary, pick_summary
         from megatron_oases.topology import TopologyError, load_topology
 
         try:
@@ -529,7 +522,7 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
                  else os.environ.get("RANK", "0") == "0")
         if rank0:
             print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
-                  f"h={shape.hidden_size} L={shape.num_layers} b={shape.micro_batch_size} s={shape.seq_length}; "
+                  f"{model_summary(shape)}; "
                   "`megatron-oases mesh` prints every mesh)", flush=True)
     if isinstance(mesh, str):
         mesh = parse_atp_mesh(mesh)

@@ -75,6 +75,18 @@ def test_auto_uses_pipeline_stage_layers_and_dtype(capsys):
     assert f"predicted T_comm {pick.t_comm_s * 1e3:.3f} ms" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("ffn, want", [(16384, (2, 4)), (32768, (8, 1))])
+def test_auto_prices_the_runs_ffn(ffn, want, capsys, monkeypatch):
+    """The search prices the layer the run builds: on longhorn-v100 at TP 8, doubling
+    --ffn-hidden-size moves the pick from DeviceMesh(2, 4) to Megatron's (8, 1), whose all-reduces
+    do not grow with the FFN. (Was: (2, 4) for both, priced at 4h.)"""
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = _validate(BIG + ["--tensor-model-parallel-size", "8", "--topology", "longhorn-v100",
+                           "--ffn-hidden-size", str(ffn)], 8)
+    assert cfg.atp_mesh == want
+    assert f"h=4096 ffn={ffn} heads=32 L=24" in capsys.readouterr().out
+
+
 def test_auto_prints_once_on_rank_zero_only(capsys, monkeypatch):
     argv = BIG + ["--tensor-model-parallel-size", "8", "--topology", "dgx-a100"]
     monkeypatch.setenv("RANK", "3")

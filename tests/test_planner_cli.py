@@ -297,9 +297,9 @@ def test_sequence_parallel_plan_launches_without_oases_plan(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, why", [
-    (["--tensor-model-parallel-size", "8", "--families", "3d"],
-     ": --tp-backend 3d runs the stock executor (no Oases tape): plan with --sub-batches 1; or add megatron"),
-    (["--tensor-model-parallel-size", "4", "--families", "3d", "--sub-batches", "1", "--global-batch-size", "16"],
+    (["--tensor-model-parallel-size", "8", "--families", "3d", "--schedule", "oases"],
+     ": --tp-backend 3d runs the stock executor (no Oases tape): plan with --schedule default; or add megatron"),
+    (["--tensor-model-parallel-size", "4", "--families", "3d", "--global-batch-size", "16"],
      ": 3d has no layout at --tensor-model-parallel-size 4; or add megatron"),
 ])
 def test_no_strategy_of_the_families_says_why(tmp_path, capsys, extra, why):
@@ -310,3 +310,124 @@ def test_no_strategy_of_the_families_says_why(tmp_path, capsys, extra, why):
     assert plan_main(argv + extra) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(why) and len(err.splitlines()) == 1, err
+
+
+# ---- the launch a plan is made for (issue 47) ----------------------------------------------------
+LAUNCH_MODEL = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+                "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+                "--tensor-model-parallel-size", "2", "--global-batch-size", "16", "--quiet"]
+TRAIN_MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "256",
+               "--micro-batch-size", "4", "--global-batch-size", "16", "--tensor-model-parallel-size", "2"]
+
+
+def _plan(tmp_path, capsys, *extra) -> tuple[str, dict, str]:
+    out = tmp_path / "plan.json"
+    assert plan_main([*LAUNCH_MODEL, "--out", str(out), *extra]) == 0, capsys.readouterr().err
+    return str(out), json.loads(out.read_text()), capsys.readouterr().out
+
+
+def _train_validate(plan, world, *extra):
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
+
+    args = build_parser().parse_args([*TRAIN_MODEL, "--oases-plan", plan, *extra])
+    return validate_config(run_config(args), world, cuda=False)
+
+
+def test_plan_made_for_dp2_is_refused_at_dp4_in_one_line(tmp_path, capsys, monkeypatch):
+    """The plan records the launch's world (--nproc-per-node 4, TP 2: DP 2); the trainer and the
+    Megatron-LM entry run it at DP 2 and refuse it at DP 4 (was: DP from the topology's 16 GPUs,
+    unrecorded, any launch accepted)."""
+    plan, data, text = _plan(tmp_path, capsys, "--nproc-per-node", "4")
+    assert (data["world_size"], data["data_parallel_size"], data["micro_batch_size"], data["schedule"]) == \
+        (4, 2, 4, "default")
+    assert data["inputs"]["data_parallel_size"] == 2 and data["inputs"]["num_microbatches"] == 2
+    assert "made for: world 4 = TP 2 x DP 2, --micro-batch-size 4, --schedule default" in text
+    assert _train_validate(plan, 4).oases_layer_degrees is not None
+    with pytest.raises(ConfigError) as e:
+        _train_validate(plan, 8)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--oases-plan {plan}: was made for data-parallel size 2 (world 4)")
+    assert "this launch's is 4" in msg and "--data-parallel-size 4" in msg
+    # the Megatron-LM entry: the same check, one line on stderr, exit 2
+    from test_megatron_lm_flags import parse
+
+    monkeypatch.setenv("RANK", "0")
+    flags = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16",
+             "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "256",
+             "--max-position-embeddings", "256", "--num-layers", "2", "--oases-plan", plan]
+    parse(flags, world=4, monkeypatch=monkeypatch)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        parse(flags, world=8, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "was made for data-parallel size 2" in err
+
+
+def test_plan_takes_the_world_from_the_launch_flags(tmp_path, capsys):
+    _, by_nodes, _ = _plan(tmp_path, capsys, "--nproc-per-node", "2", "--nnodes", "4")
+    _, by_dp, _ = _plan(tmp_path, capsys, "--data-parallel-size", "4")
+    _, default, text = _plan(tmp_path, capsys)
+    assert (by_nodes["world_size"], by_nodes["data_parallel_size"]) == (8, 4) == (by_dp["world_size"],
+                                                                              by_dp["data_parallel_size"])
+    assert "the topology's ranks" in text and default["inputs"]["world_from"] == "topology"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--nnodes", "2"], "--nnodes needs --nproc-per-node"),
+    (["--nproc-per-node", "4", "--data-parallel-size", "4"], "is not the world of --nproc-per-node x --nnodes (4)"),
+    (["--nproc-per-node", "3"], "the launch's 3 ranks are not a multiple of --tensor-model-parallel-size 2"),
+    (["--nproc-per-node", "8", "--nnodes", "4"], "the launch's 32 ranks exceed the"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    (["--schedule", "default", "--sub-batches", "2"], "--sub-batches 2 contradicts --schedule default"),
+])
+def test_plan_launch_flags_bad_input_is_one_line(tmp_path, capsys, extra, needle):
+    out = tmp_path / "p.json"
+    assert plan_main([*LAUNCH_MODEL, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
+
+
+def test_sub_batches_follow_the_schedule(tmp_path, capsys):
+    """--schedule oases prices 2 sub-batches, the stock schedule (the trainer's default) 1;
+    --sub-batches alone still sets the executor; an odd micro-batch under oases names the fix."""
+    for extra, want in (([], (1, "default")), (["--schedule", "oases"], (2, "oases")),
+                        (["--sub-batches", "2"], (2, "oases")), (["--schedule", "default"], (1, "default"))):
+        _, data, _ = _plan(tmp_path, capsys, *extra)
+        assert (data["inputs"]["model"]["sub_batches"], data["schedule"]) == want, extra
+    argv = [*LAUNCH_MODEL, "--micro-batch-size", "3", "--global-batch-size", "24", "--out", str(tmp_path / "o.json")]
+    assert plan_main(argv) == 0  # the stock schedule runs an odd micro-batch
+    capsys.readouterr()
+    assert plan_main(argv + ["--schedule", "oases"]) == 2
+    assert "(--schedule default)" in capsys.readouterr().err
+
+
+def test_plan_made_for_another_micro_batch_or_schedule_is_refused(tmp_path, capsys):
+    plan, _, text = _plan(tmp_path, capsys, "--nproc-per-node", "4", "--schedule", "oases")
+    assert f"launch flags: --tensor-model-parallel-size 2 --oases-plan {plan} --schedule oases" in text
+    assert _train_validate(plan, 4, "--schedule", "oases").oases_layer_degrees is not None
+    with pytest.raises(ConfigError, match="was made for --schedule oases but the launch uses --schedule default; "
+                                          "plan again with --schedule default"):
+        _train_validate(plan, 4)
+    with pytest.raises(ConfigError, match="was made for --micro-batch-size 4 but the launch uses 8"):
+        _train_validate(plan, 4, "--schedule", "oases", "--micro-batch-size", "8", "--global-batch-size", "32")
+
+
+def test_a_plan_file_without_the_launch_record_loads_with_one_warning(tmp_path, capsys, monkeypatch):
+    """Files written before plans recorded their launch run as before, with one warning line on
+    rank 0 (not again when the run validates its config a second time)."""
+    plan, data, _ = _plan(tmp_path, capsys, "--nproc-per-node", "4")
+    for key in ("world_size", "data_parallel_size", "micro_batch_size", "schedule"):
+        del data[key]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    monkeypatch.setenv("RANK", "0")
+    cfg = _train_validate(plan, 8)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: --oases-plan {plan} does not record the launch"), err
+    from megatron_oases.train_args import validate_config
+
+    validate_config(cfg, 8, cuda=False)
+    monkeypatch.setenv("RANK", "3")
+    _train_validate(plan, 8)
+    assert capsys.readouterr().err == ""

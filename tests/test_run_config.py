@@ -132,6 +132,7 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "_train_step"): "the simulator's trainer-flags front end",
     ("bench_standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
+    ("plan/mesh_cli.py", "run_shape"): "megatron-oases mesh: the trainer's model flags",
     ("sim/frontends/predict.py", "_with_loop_overhead"):
         "the simulator's trainer-flags front end (the loop overhead's one-rank runs)",
 }

@@ -191,17 +191,18 @@ def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer
 
 
 def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int, pricer: Pricer | None = None,
-                     memory_gb: float | None = None, grad_sync: bool = False, granularity: str = "block",
+                     data_parallel: int | None = None, memory_gb: float | None = None, grad_sync: bool = False, granularity: str = "block",
                      degrees: tuple[int, ...] | None = None, gpu: str | None = None,
                      families: tuple[str, ...] = ("megatron",)) -> CostModel:
-    """Price every block x strategy and assemble the ILP arrays (Eq. 3-6)."""
+    """Price every block x strategy and assemble the ILP arrays (Eq. 3-6) for ``data_parallel``
+    replicas of the TP group (None: the topology's ranks / TP)."""
     if granularity not in GRANULARITIES:
         raise PlanError(f"--granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
     world = topology.world_size
-    if world % m.tp:
+    if data_parallel is None and world % m.tp:
         raise PlanError(f"topology {topology.name!r} has {world} ranks, not a multiple of "
                         f"--tensor-model-parallel-size {m.tp}")
-    dp = world // m.tp
+    dp = world // m.tp if data_parallel is None else data_parallel
     refused = batch_split_refusal(global_batch=global_batch_size, micro_batch=m.micro_batch_size, dp=dp)
     if refused:
         raise PlanError(refused)

@@ -310,7 +310,7 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     if refused:
         return refused
     if m.sub_batches > 1 and not backend(s.family).oases_tape:
-        return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --sub-batches 1"
+        return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --schedule default"
     return split_refusal(m.micro_batch_size, m.sub_batches)  # describe.split
 
 

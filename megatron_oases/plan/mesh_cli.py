@@ -6,12 +6,15 @@ runner-up is and which bandwidth (B1 or B2) limits it. Bad input is one line on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 
-from megatron_oases.describe.shapes import GPTShape, dtype_of
-from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, MeshChoice, MeshError, search_mesh
+from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.plan.atp_mesh import MeshChoice, MeshError, search_mesh
+from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, filled_ffn_hidden_size,
+                                       mesh_search_shape, run_config)
 
 PROG = "megatron-oases mesh"
 
@@ -26,18 +29,38 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Megatron-LM's flag names with ``megatron-oases train``'s defaults (``run_config.DEFAULTS``),
+    so the same flags price the same layer as the trainer's ``--atp-mesh auto``; ``--tp``,
+    ``--hidden`` and ``--layers`` are the older short names."""
     p = _Parser(prog=PROG, allow_abbrev=False, description="Search ATP's 2-D device meshes DeviceMesh(d1, d2) for a TP "
-                "group on a topology (ATP paper Eq. 2-4); axis 2 is the consecutive, innermost ranks.")
+                "group on a topology (ATP paper Eq. 3-4 bandwidths, the layer's collectives from its description); "
+                "axis 2 is the consecutive, innermost ranks. Flags and defaults are megatron-oases train's.")
     p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size N = d1 * d2")
-    p.add_argument("--hidden", type=int, required=True, help="hidden size h")
-    p.add_argument("--layers", type=int, required=True, help="transformer layers L")
-    p.add_argument("--micro-batch-size", type=int, required=True, help="micro-batch size b")
-    p.add_argument("--seq-length", type=int, required=True, help="sequence length s")
-    p.add_argument("--bytes-per-element", type=int, choices=(2, 4), default=2, help="activation bytes: 2 (bf16, default) or 4 (fp32)")
-    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int,
+                   default=DEFAULTS.tensor_model_parallel_size, help="TP group size N = d1 * d2")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=DEFAULTS.pipeline_model_parallel_size,
+                   help="pipeline stages: the search prices one stage's --num-layers / PP layers")
+    p.add_argument("--num-layers", "--layers", dest="num_layers", type=int, default=DEFAULTS.num_layers)
+    p.add_argument("--hidden-size", "--hidden", dest="hidden_size", type=int, default=DEFAULTS.hidden_size)
+    p.add_argument("--ffn-hidden-size", type=int, default=DEFAULTS.ffn_hidden_size,
+                   help="default 4 x hidden size; with --swiglu Megatron-LM's int(4h x 2/3 / 64) x 64")
+    p.add_argument("--num-attention-heads", type=int, default=DEFAULTS.num_attention_heads)
+    p.add_argument("--seq-length", type=int, default=DEFAULTS.seq_length)
+    p.add_argument("--micro-batch-size", type=int, default=DEFAULTS.micro_batch_size)
+    p.add_argument("--swiglu", action="store_true", help="SwiGLU MLP: fc1 computes gate and up (2 x ffn)")
+    p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--num-query-groups", type=int, default=DEFAULTS.num_query_groups,
+                   help="key/value groups under --group-query-attention (Megatron-LM's default 1)")
+    p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=DEFAULTS.normalization)
+    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    p.add_argument("--bf16", action="store_true", help="2-byte activations (neither --bf16 nor --fp16: fp32, "
+                   "as megatron-oases train)")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--bytes-per-element", type=int, choices=(2, 4), default=None,
+                   help="the element size instead of --bf16 / --fp16 (2 or 4)")
+    p.add_argument("--min-gain", type=float, default=DEFAULTS.atp_min_gain,
                    help="relative saving a 2-D mesh needs over Megatron's (N,1) to be picked "
-                        f"(default {DEFAULT_MIN_GAIN})")
+                        f"(default {DEFAULTS.atp_min_gain})")
     p.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT ('-' = stdout)")
     return p
 
@@ -48,9 +71,7 @@ def _gbps(x: float) -> str:
 
 def format_choice(choice: MeshChoice, shape: str = "") -> str:
     """The human table: one row per mesh, fastest first, then the pick and why."""
-    m = choice.model
-    head = (f"ATP mesh search: topology {choice.topology}{shape}, tp={choice.tp}, h={m.hidden_size} "
-            f"L={m.num_layers} b={m.micro_batch_size} s={m.seq_length}, {m.bytes_per_element} B/element")
+    head = f"ATP mesh search: topology {choice.topology}{shape}, tp={choice.tp}, {model_summary(choice.model)}"
     cols = ("mesh", "", "B1' GB/s", "B2' GB/s", "B1 GB/s", "B2 GB/s", "T_comm ms", "")
     rows = [cols]
     for c in choice.candidates:
@@ -75,6 +96,17 @@ def format_choice(choice: MeshChoice, shape: str = "") -> str:
     return "\n".join(lines)
 
 
+def model_summary(m: GPTShape) -> str:
+    """The priced layer in one phrase (the table's head, ``--atp-mesh auto``'s line)."""
+    v = m.variant
+    extra = ", ".join(x for x in (f"{m.num_query_groups} query groups" if v.query_groups else "",
+                                  "SwiGLU" if v.gated else "", v.normalization if v.normalization != "LayerNorm" else "")
+                      if x)
+    return (f"h={m.hidden_size} ffn={m.ffn_hidden_size} heads={m.num_attention_heads}"
+            f"{f' ({extra})' if extra else ''} "
+            f"L={m.num_layers} b={m.micro_batch_size} s={m.seq_length}, {m.bytes_per_element} B/element")
+
+
 def pick_summary(choice: MeshChoice) -> str:
     """One line: the picked mesh, its predicted T_comm and how it compares with Megatron's (N,1)
     (also what ``megatron-oases train --atp-mesh auto`` prints)."""
@@ -89,8 +121,36 @@ def pick_summary(choice: MeshChoice) -> str:
     return line
 
 
+def run_shape(args: argparse.Namespace) -> tuple[RunConfig, GPTShape]:
+    """The run's config from the flags and the shape ``--atp-mesh auto`` would price for it
+    (``run_config.mesh_search_shape``); ``MeshError`` naming the flag on bad input."""
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value <= 0:
+            raise MeshError(f"{flag} must be > 0 (got {value})")
+    if args.bf16 and args.fp16:
+        raise MeshError("--bf16 and --fp16 are exclusive; pick one")
+    if args.bytes_per_element is not None and (args.bf16 or args.fp16):
+        raise MeshError("--bytes-per-element and --bf16 / --fp16 both set the element size; give one")
+    if not 0 <= args.min_gain < 1:
+        raise MeshError(f"--min-gain must be in [0, 1) (got {args.min_gain})")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size <= 0:
+        raise MeshError(f"--ffn-hidden-size must be > 0 (got {args.ffn_hidden_size})")
+    cfg = run_config(args)  # this command's flags are the trainer's: one reading of them
+    if args.bytes_per_element is not None:
+        cfg = dataclasses.replace(cfg, bf16=args.bytes_per_element == 2)
+    check_gqa_flags(cfg, MeshError)
+    cfg = dataclasses.replace(cfg, ffn_hidden_size=filled_ffn_hidden_size(cfg, MeshError))
+    pp = cfg.pipeline_model_parallel_size
+    if cfg.num_layers > 0 and cfg.num_layers % pp:
+        raise MeshError(f"--num-layers {cfg.num_layers} is not divisible by --pipeline-model-parallel-size {pp} "
+                        "(the search prices one stage's layers)")
+    return cfg, mesh_search_shape(cfg, pp)
+
+
 def mesh_main(argv: list[str] | None = None) -> int:
     """Entry point of ``megatron-oases mesh``; returns the exit status (2 on bad input)."""
+    from megatron_oases.describe.ops import ModelingError
     from megatron_oases.errors import ConfigError
     from megatron_oases.output_paths import check_output_file
     from megatron_oases.topology import TopologyError, load_topology
@@ -98,24 +158,13 @@ def mesh_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
-        for flag, value in (("--tp", args.tp), ("--hidden", args.hidden), ("--layers", args.layers),
-                            ("--micro-batch-size", args.micro_batch_size),
-                            ("--seq-length", args.seq_length),
-                            ("--bytes-per-element", args.bytes_per_element)):
-            if value <= 0:
-                raise MeshError(f"{flag} must be > 0 (got {value})")
-        if not 0 <= args.min_gain < 1:
-            raise MeshError(f"--min-gain must be in [0, 1) (got {args.min_gain})")
+        cfg, model = run_shape(args)
         check_output_file("--json", args.json)  # before the table, not after it
-        # Eq. 2 reads no head count: one head keeps the shape valid for any --hidden
-        model = GPTShape(hidden_size=args.hidden, num_layers=args.layers, micro_batch_size=args.micro_batch_size,
-                         seq_length=args.seq_length, num_attention_heads=1,
-                         dtype=dtype_of(args.bytes_per_element, MeshError))
         topo = load_topology(args.topology)
-        choice = search_mesh(topo, args.tp, model, min_gain=args.min_gain)
+        choice = search_mesh(topo, cfg.tensor_model_parallel_size, model, min_gain=args.min_gain)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (_UsageError, MeshError, TopologyError, ConfigError) as e:
+    except (_UsageError, MeshError, ModelingError, TopologyError, ConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     shape = f" ({' x '.join(map(str, topo.sizes))}, {topo.world_size} ranks)"

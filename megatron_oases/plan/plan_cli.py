@@ -13,9 +13,9 @@ import sys
 from typing import Any
 
 from ..describe.core_attention import ATTENTION_BACKENDS, check_flash_dtype
-from ..describe.split import SUB_BATCHES
+from ..describe.split import SUB_BATCHES, split_refusal, sub_batches_at
 from ..errors import comma_names, range_refusal
-from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups
+from ..run_config import DEFAULTS, SCHEDULES, check_gqa_flags, gqa_groups
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import stated_fields
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
@@ -66,10 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "entry) runs by default")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="Oases fine-grained recompute (default on)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="the executor the launch runs (megatron-oases train's flag; default "
+                        f"{DEFAULTS.schedule}): oases prices the two-sub-batch overlap, default "
+                        "Megatron's sequential executor; the plan file records it")
     p.add_argument("--sub-batches", type=int, choices=(1, SUB_BATCHES), default=None,
-                   help="2: Oases two-sub-batch overlap (default); 1: stock sequential executor")
+                   help=f"follows --schedule ({SUB_BATCHES} under oases, 1 under default); given "
+                        "without it, sets it (older command lines)")
     p.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
     p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="the launch's ranks per node (megatron-oases train's / torchrun's flag); the "
+                        "world is --nproc-per-node x --nnodes, its data-parallel size world / TP")
+    p.add_argument("--nnodes", type=int, default=None, help="the launch's nodes (torchrun's flag; default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="the launch's data-parallel size, instead of its world; without either, the "
+                        "topology's ranks / TP. The plan file records it, and a launch of another "
+                        "data-parallel size refuses the plan")
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--memory-gb", type=float, default=None,
                    help="device memory for the model, GiB (default: the GPU's memory)")
@@ -84,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--families", default="megatron",
                    help="strategy families to consider, comma-separated: megatron (1-D TP at each "
                         "degree, default), atp (ATP's 2-D meshes d1 x d2 = T over the whole TP "
-                        "group) and 3d (the cube p^3 = T; stock executor, --sub-batches 1). The "
+                        "group) and 3d (the cube p^3 = T; stock executor, --schedule default). The "
                         "runtime runs ATP and 3-D as whole-model backends, so a plan is either all "
                         "one of them, launched with --tp-backend atp --atp-mesh / --tp-backend 3d, "
                         "or has none")
@@ -127,11 +140,31 @@ def _gqa_groups(a: argparse.Namespace) -> int | None:
     return gqa_groups(a)
 
 
+def _sub_batches(a: argparse.Namespace, stated: dict[str, Any]) -> int | None:
+    """The executor's sub-batches: ``--schedule``'s (``describe.split``); without it
+    ``--sub-batches``, else the model file's ``sub_batches`` (None: the file's), else the trainer's
+    default schedule's."""
+    if a.schedule is None:
+        if a.sub_batches is None and "sub_batches" in stated:
+            return None
+        return a.sub_batches or sub_batches_at(oases=DEFAULTS.schedule == "oases")
+    want = sub_batches_at(oases=a.schedule == "oases")
+    if a.sub_batches is not None and a.sub_batches != want:
+        raise PlanError(f"--sub-batches {a.sub_batches} contradicts --schedule {a.schedule} ({want} "
+                        f"sub-batch{'es' if want > 1 else ''}); drop --sub-batches")
+    return want
+
+
+def schedule_of(m: PlanModel) -> str:
+    """The ``--schedule`` a plan's model is priced for: oases with sub-batches, else default."""
+    return "oases" if m.sub_batches > 1 else "default"
+
+
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     over = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "seq_length": a.seq_length, "ffn_hidden_size": a.ffn_hidden_size, "vocab_size": a.vocab_size,
             "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
-            "sub_batches": a.sub_batches, "distributed_optimizer": a.distributed_optimizer,
+            "sub_batches": None, "distributed_optimizer": a.distributed_optimizer,
             "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
             "attention_backend": a.attention_backend, "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
             "num_query_groups": _gqa_groups(a), "position_embedding_type": a.position_embedding_type,
@@ -139,6 +172,7 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
             "sequence_parallel": a.sequence_parallel}
     config = _load_config(a.model)
     stated = stated_fields(config)
+    over["sub_batches"] = _sub_batches(a, stated)
     if over["attention_backend"] is None and "attention_backend" not in stated:
         # price what the plan's launch runs: our runtime's default core attention (a plan file
         # without the field is read as local instead: what it was priced with)
@@ -161,6 +195,9 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
 
     m = model_from_args(a)
     topo = load_topology(a.topology)
+    if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
+        raise PlanError(f"{split_refusal(m.micro_batch_size, m.sub_batches)} (--schedule default)")
+    world, dp = launch_world(a, topo.world_size, topo.name, m.tp)
     degrees = None
     if a.degrees is not None:  # "" restricts to nothing: refused, not read as "every degree"
         try:
@@ -184,7 +221,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     if not 0 < memory_gb < math.inf:  # nan too
         raise PlanError(f"--memory-gb must be a number > 0 (got {memory_gb:g})")
     cm = build_cost_model(m, topology=topo, global_batch_size=a.global_batch_size, pricer=pricer,
-                          memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
+                          data_parallel=dp, memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
                           degrees=degrees, families=comma_names("--families", a.families, family_names(),
                                                                 error=PlanError))
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
@@ -197,6 +234,9 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         "format": PLAN_FORMAT,
         "tensor_model_parallel_size": m.tp,
         "num_layers": m.num_layers,
+        # the launch it is made for (plan_file.check_plan_launch refuses another)
+        "world_size": world, "data_parallel_size": dp, "micro_batch_size": m.micro_batch_size,
+        "schedule": schedule_of(m),
         "block_kinds": ["attention", "mlp"],
         "degrees": degs,
         "strategies": [cm.strategies[k].label for k in sol.assignment],
@@ -216,6 +256,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
                        for r in rows],
         },
         "inputs": {"model": m.to_dict(), "topology": topo.name, "topology_arg": a.topology,
+                   "world_from": "launch" if world_given(a) else "topology",
                    "global_batch_size": a.global_batch_size, "data_parallel_size": cm.data_parallel,
                    "num_microbatches": cm.num_microbatches, "memory_gb": memory_gb, "grad_sync": a.grad_sync,
                    "candidate_degrees": cm.degrees,
@@ -226,13 +267,48 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     return data, cm, sol
 
 
+def world_given(a: argparse.Namespace) -> bool:
+    """Whether the flags name the launch's world (else the plan takes the topology's ranks)."""
+    return a.nproc_per_node is not None or a.data_parallel_size is not None
+
+
+def launch_world(a: argparse.Namespace, ranks: int, topology: str, tp: int) -> tuple[int, int]:
+    """(world size, data-parallel size) of the launch: ``--nproc-per-node`` x ``--nnodes``, or
+    ``--data-parallel-size`` x TP, else the topology's ``ranks``; one line naming the flag when
+    they disagree or do not fit."""
+    for flag, v in (("--nproc-per-node", a.nproc_per_node), ("--nnodes", a.nnodes),
+                    ("--data-parallel-size", a.data_parallel_size)):
+        if v is not None and v < 1:
+            raise PlanError(range_refusal(flag, v, 1))
+    if a.nnodes is not None and a.nproc_per_node is None:
+        raise PlanError("--nnodes needs --nproc-per-node (the launch's world is their product)")
+    world = a.nproc_per_node * (a.nnodes or 1) if a.nproc_per_node is not None else None
+    if a.data_parallel_size is not None:
+        if world is not None and world != a.data_parallel_size * tp:
+            raise PlanError(f"--data-parallel-size {a.data_parallel_size} x --tensor-model-parallel-size {tp} "
+                            f"is not the world of --nproc-per-node x --nnodes ({world}); give one of them")
+        world = a.data_parallel_size * tp
+    world = ranks if world is None else world
+    if world % tp:
+        raise PlanError(f"the launch's {world} ranks are not a multiple of --tensor-model-parallel-size {tp}")
+    if world > ranks:
+        raise PlanError(f"the launch's {world} ranks exceed the {ranks} of --topology {topology}; "
+                        "give the launch's cluster")
+    return world, world // tp
+
+
 def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
     inp, pred, m = data["inputs"], data["predicted"], data["inputs"]["model"]
     lines = [f"Oases plan: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
              f"s {m['seq_length']}, ffn {m['ffn_hidden_size']}, {m['dtype']}, micro-batch {m['micro_batch_size']}; "
              f"global batch {inp['global_batch_size']} = DP {inp['data_parallel_size']} x "
              f"{inp['num_microbatches']} micro-batches; TP group {data['tensor_model_parallel_size']} on "
-             f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)"]
+             f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)",
+             f"made for: world {data['world_size']} = TP {data['tensor_model_parallel_size']} x DP "
+             f"{data['data_parallel_size']}" + (" (the topology's ranks; pass --nproc-per-node / --nnodes or "
+                                                "--data-parallel-size for another launch)"
+                                                if inp.get("world_from") == "topology" else "")
+             + f", --micro-batch-size {data['micro_batch_size']}, --schedule {data['schedule']}"]
     if table:
         cols = ("block", "layer", "kind", "strategy", "time ms", "node ms", "edge ms", "grad ms", "memory MiB")
         rows = [cols] + [(str(b["block"]), str(b["layer"]), b["kind"], b["strategy"], f"{b['time_ms']:.2f}",

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,7 @@ def validate_plan_args(cfg, dims) -> tuple[tuple[int, int], ...] | None:
     if path is None:
         return None
     plan = load_plan(path, num_layers=cfg.num_layers, tp=dims.tp)
+    check_plan_launch(path, plan.raw, cfg, dims, warn=cfg.oases_layer_degrees is None)
     layers = tuple((plan.layer_degrees(i)["attention"], plan.layer_degrees(i)["mlp"])
                    for i in range(plan.num_layers))
     oases = cfg.schedule == "oases"
@@ -175,6 +177,34 @@ def validate_plan_args(cfg, dims) -> tuple[tuple[int, int], ...] | None:
                     + f": --micro-batch-size must be a multiple of {need} "
                       f"(got {cfg.micro_batch_size})")
     return layers
+
+
+LAUNCH_FIELDS = ("world_size", "data_parallel_size", "micro_batch_size", "schedule")
+"""What a plan file records of the launch it is made for (``megatron-oases plan``)."""
+
+
+def check_plan_launch(path: str, data: dict[str, Any], cfg, dims, *, warn: bool = True) -> None:
+    """Refuse a plan made for another launch (data-parallel size, micro-batch, ``--schedule``), one
+    line naming the flag. A file written before plans recorded their launch is loaded unchecked,
+    with one warning line on rank 0 (``warn``: the first validation of the run): refusing it would
+    stop launches that ran. ``cfg``: the run's ``RunConfig``; ``dims``: its ``ParallelDims``."""
+    made = {k: data.get(k) for k in LAUNCH_FIELDS}
+    if any(v is None for v in made.values()):
+        if warn and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {FLAG} {path} does not record the launch it was made for (world, micro-batch, "
+                  f"--schedule), so it is not checked against this one; plan again to have it checked",
+                  file=sys.stderr, flush=True)
+        return
+    if made["data_parallel_size"] != dims.dp:
+        _fail(path, f"was made for data-parallel size {made['data_parallel_size']} (world {made['world_size']}) "
+                    f"but this launch's is {dims.dp} (world {dims.world_size} / TP {dims.tp} / PP {dims.pp}); "
+                    f"plan again with --data-parallel-size {dims.dp}")
+    if made["micro_batch_size"] != cfg.micro_batch_size:
+        _fail(path, f"was made for --micro-batch-size {made['micro_batch_size']} but the launch uses "
+                    f"{cfg.micro_batch_size}; plan again or launch with --micro-batch-size {made['micro_batch_size']}")
+    if made["schedule"] != cfg.schedule:
+        _fail(path, f"was made for --schedule {made['schedule']} but the launch uses --schedule {cfg.schedule}; "
+                    f"plan again with --schedule {cfg.schedule} or launch with --schedule {made['schedule']}")
 
 
 # ---- launch command rewriting ------------------------------------------------------------------
@@ -218,16 +248,20 @@ def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:
     """The flags a plan sets on a launch command (None: remove the flag): the TP size, and
     ``--oases-plan`` or, for a whole-model plan, ``--tp-backend atp --atp-mesh d1,d2`` or
-    ``--tp-backend 3d``; a ``--sequence-parallel`` plan (uniform T) removes ``--oases-plan``."""
+    ``--tp-backend 3d``; a ``--sequence-parallel`` plan (uniform T) removes ``--oases-plan``; and
+    ``--schedule oases`` for a plan priced for it (removed for the default executor)."""
     tp = data["tensor_model_parallel_size"]
     backend = whole_model_backend(data)
+    # the executor it is priced for (None: Megatron's default, the flag removed); none in older files
+    schedule = {"--schedule": None if data["schedule"] == "default" else data["schedule"]} \
+        if data.get("schedule") else {}
     if backend is None and (data.get("inputs") or {}).get("model", {}).get("sequence_parallel"):
         # priced at uniform T only, and --oases-plan refuses --sequence-parallel (check_plan):
         # the launch is stock TP T
-        return {TP_FLAG: str(tp), FLAG: None}
+        return {TP_FLAG: str(tp), FLAG: None, **schedule}
     if backend is None:
-        return _per_block_flags(tp, plan_path)
-    return {TP_FLAG: str(tp), **backend, FLAG: None}
+        return {**_per_block_flags(tp, plan_path), **schedule}
+    return {TP_FLAG: str(tp), **backend, FLAG: None, **schedule}
 
 
 def _per_block_flags(tp: int, plan_path: str) -> dict[str, str | None]:
