@@ -40,9 +40,9 @@ step "3. profile the Oases run's events on this machine (2 ranks)"
 
 step "4. simulate: stock and Oases on the topology (analytical), the Oases run from the profile"
 "$OASES" sim --topology "$TOPO" --gpu rtx-3090 "${SIM_FLAGS[@]}" --num-microbatches 2 --recompute \
-    --overlap none | tee "$OUT/sim_stock.txt"
+    --schedule default | tee "$OUT/sim_stock.txt"
 "$OASES" sim --topology "$TOPO" --gpu rtx-3090 "${SIM_FLAGS[@]}" --num-microbatches 2 --recompute \
-    --overlap oases | tee "$OUT/sim_oases.txt"
+    --schedule oases | tee "$OUT/sim_oases.txt"
 "$OASES" sim --predict --profile "$OUT/profile.json" -- "${TRAIN[@]}" --schedule oases | tee "$OUT/predict_oases.txt"
 
 # One run: its --log-json into results/tiny/<name>.jsonl, its stdout into <name>.out, and its

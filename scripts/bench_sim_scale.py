@@ -1,6 +1,6 @@
 """Simulate one iteration of a 128-layer GPT on 3,072 GPUs and print the wall time + summary.
 
-Run: python scripts/bench_sim_scale.py [--tp 8 --pp 8 --dp 48 --overlap oases --virtual-stages 2]
+Run: python scripts/bench_sim_scale.py [--tp 8 --pp 8 --dp 48 --schedule oases --virtual-stages 2]
 The default uses Megatron's distributed optimizer (without it the 128-layer model's Adam states do
 not fit in 80 GB at TP 8 x PP 8, and the summary says so).
 Bad splits (TP x PP x DP != GPUs, layers not divisible by PP) print one error line, exit 2.
@@ -14,6 +14,7 @@ from pathlib import Path
 
 
 from megatron_oases.pricing.device_model import SimError, device_model
+from megatron_oases.sim.frontends.cli import EXECUTORS, OVERLAP_OF
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import SimResult, simulate, summary_table
@@ -52,15 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in (("gpus", 3072), ("layers", 128), ("tp", 8), ("pp", 8), ("dp", 48), ("microbatches", 32),
                           ("virtual-stages", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--overlap", default="oases", choices=("none", "oases"))
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    p.add_argument("--schedule", default="oases", choices=EXECUTORS, help="the TP executor (sim's --schedule)")
+    p.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument("--ddp-overlap", action="store_true",
                    help="--overlap-grad-reduce (and --overlap-param-gather with the distributed optimizer)")
     a = p.parse_args(argv)
     try:
         r, secs = run(gpus=a.gpus, layers=a.layers, tp=a.tp, pp=a.pp, dp=a.dp, microbatches=a.microbatches,
-                      overlap=a.overlap, schedule=a.schedule, virtual_stages=a.virtual_stages,
+                      overlap=OVERLAP_OF[a.schedule], schedule=a.pipeline_schedule, virtual_stages=a.virtual_stages,
                       distributed_optimizer=a.distributed_optimizer, ddp_overlap=a.ddp_overlap)
     except SimError as e:
         print(f"error: {e}", file=sys.stderr)

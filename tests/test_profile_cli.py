@@ -37,7 +37,7 @@ GBS = ["--global-batch-size", "4"]
     ([*MODEL, "--num-microbatches", "0"], "--num-microbatches must be >= 1 (got 0)"),
     ([*MODEL, "--search", "--global-batch-size", "0"], "--global-batch-size must be >= 1 (got 0)"),
     ([*MODEL, "--search", *GBS, "--gpus", "0"], "--gpus must be >= 1 (got 0)"),
-    ([*MODEL, "--search", *GBS, "--overlaps", "foo"], "--overlaps: 'foo' is not one of none, oases"),
+    ([*MODEL, "--search", *GBS, "--schedules", "foo"], "--schedules: 'foo' is not one of default, oases"),
     ([*MODEL, "--nproc", "0"], "--nproc must be >= 1 (got 0)"),
     ([*MODEL, "--reps", "0"], "--reps must be >= 1 (got 0)"),
     ([*MODEL, "--warmup", "-1"], "--warmup must be >= 0 (got -1)"),

@@ -292,7 +292,7 @@ def test_sim_main(tmp_path: Path, capsys):
     base = ["--topology", "2node-ib", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
             "--seq-length", "256", "--micro-batch-size", "2", "--vocab-size", "4096", "--num-microbatches", "4"]
     out = tmp_path / "t.json"
-    assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "2", "--overlap", "oases", "--trace", str(out)]) == 0
+    assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "2", "--schedule", "oases", "--trace", str(out)]) == 0
     assert "iteration" in capsys.readouterr().out and out.is_file()
     assert sim_main(base + ["--tp", "4", "--pp", "2", "--dp", "3"]) == 2
     assert capsys.readouterr().err.strip() == "error: TP 4 x PP 2 x DP 3 = 24 != 16 GPUs"

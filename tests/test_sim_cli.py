@@ -75,11 +75,11 @@ def test_bad_nodes_is_one_line(capsys):
     (["--tp", "2", "--csv", "x.csv"], "--csv applies to --search only"),
     (["--tp", "2", "--atp-mesh", "1,2"], "--atp-mesh needs --tp-backend atp"),
     (["--tp", "2", "--no-fine-grained-recompute"], "--no-fine-grained-recompute chooses how Oases recomputes"),
-    (["--tp", "2", "--overlap", "oases", "--no-fine-grained-recompute"], "and full recompute"),
+    (["--tp", "2", "--schedule", "oases", "--no-fine-grained-recompute"], "and full recompute"),
     (["--tp", "2", "--recompute", "--recompute-layers", "2"], "contradict each other"),
     (["--search", "--global-batch-size", "16", "--tp", "2"],
      "--tensor-model-parallel-size names one strategy, which --search enumerates"),
-    (["--search", "--global-batch-size", "16", "--overlap", "oases"], "--overlap names one strategy"),
+    (["--search", "--global-batch-size", "16", "--schedule", "oases"], "--schedule names one strategy"),
     (["--search", "--global-batch-size", "16", "--trace", "t.json"], "--trace names one strategy"),
     (["--predict", "--profile", "p.json", "--tp", "2", "--", "--num-layers", "2"],
      "--tensor-model-parallel-size has no effect with --predict"),
@@ -107,8 +107,8 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--tp", "16", "--seq-length", "520", "--sequence-parallel"], "--sequence-parallel splits --seq-length 520"),
     (["--attention-backend", "flash", "--dtype", "fp32"], "--attention-backend flash has no fp32 kernel; add --dtype"),
     (["--attention-backend", "flash", "--fp32"], "--attention-backend flash has no fp32 kernel"),
-    (["--search", "--global-batch-size", "16", "--overlaps", "foo"],
-     "--overlaps: 'foo' is not one of none, oases"),
+    (["--search", "--global-batch-size", "16", "--schedules", "foo"],
+     "--schedules: 'foo' is not one of default, oases"),
     (["--search", "--global-batch-size", "16", "--backends", "foo"], "--backends: 'foo' is not one of"),
     (["--search", "--global-batch-size", "16", "--recompute-options", "foo"], "--recompute-options: 'foo' is not one of off, full, selective; on = full"),
     (["--search", "--global-batch-size", "16", "--gpus", "0"], "--gpus must be >= 1 (got 0)"),
@@ -283,7 +283,7 @@ def test_megatron_recompute_flags():
                           "--recompute-num-layers", "2"], "not modeled"),
                         (["--recompute", "--recompute-granularity", "selective"], "not both"),
                         (["--recompute-activations", "--recompute-granularity", "full"], "give one"),
-                        (["--recompute-granularity", "selective", "--overlap", "oases"], "stock schedule"),
+                        (["--recompute-granularity", "selective", "--schedule", "oases"], "stock schedule"),
                         (["--recompute-granularity", "selective", "--tp-backend", "3d"], "megatron")):
         with pytest.raises(Exception, match=needle):
             _strategy(*bad)
@@ -307,3 +307,18 @@ def test_selective_recompute_reruns_the_core_attention_only(capsys):
     assert full.peak_memory_GB < sel.peak_memory_GB < none.peak_memory_GB
     assert sim_main([*base, "--recompute-granularity", "selective"]) == 0
     assert "recompute selective" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--overlap", "oases"], "--overlap is now --schedule default|oases"),
+    (["--search", "--overlaps", "none,oases"], "--overlaps is now --schedules default,oases"),
+])
+def test_the_executors_old_flag_names_are_refused_naming_the_new_ones(flags, needle, capsys):
+    """``--schedule`` is the TP executor in every front end (the trainer's name); the old
+    ``--overlap`` / ``--overlaps`` of ``sim`` name it in one line instead of silently aliasing."""
+    from megatron_oases.sim.frontends.cli import sim_main
+
+    with pytest.raises(SystemExit) as e:
+        sim_main(["--topology", "dgx-a100", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and needle in err[0]

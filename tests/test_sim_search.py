@@ -110,7 +110,7 @@ def test_the_printed_launch_command_is_accepted_by_the_trainer(capsys):
             "--num-layers", "4",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--vocab-size", "1024", "--swiglu", "--dtype", "fp32", "--jobs", "1"]
-    for extra in ([], ["--overlaps", "oases", "--sequence-parallel", "--tp-sizes", "2"]):
+    for extra in ([], ["--schedules", "oases", "--sequence-parallel", "--tp-sizes", "2"]):
         assert sim_main(argv + extra) == 0
         out = capsys.readouterr().out
         line = next(l for l in out.splitlines() if l.startswith("launch (trainer): "))

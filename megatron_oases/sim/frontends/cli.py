@@ -26,8 +26,25 @@ from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.registry import BACKENDS
 from ...run_config import check_gqa_flags, gqa_groups, options_present
-from ..core.strategy import OVERLAPS, Strategy
+from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
+
+EXECUTORS = ("default", "oases")
+"""``--schedule``'s values: the TP executor, named as the trainer names it (``RunConfig.schedule``)."""
+OVERLAP_OF = {"default": "none", "oases": "oases"}
+"""The simulator's ``Strategy.overlap`` of each executor."""
+
+
+class Renamed(argparse.Action):
+    """A flag that was renamed: one line naming the new one (argparse's exit 2), not a silent alias."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
 
 MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
 
@@ -85,10 +102,14 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                    help="per data-parallel replica; default: --global-batch-size / (micro-batch x DP), else 1")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B, as Megatron (sets --virtual-stages to layers / PP / this)")
-    g.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b"),
+                   help="the pipeline schedule: 1f1b (Megatron's; interleaved with --virtual-stages > 1) or gpipe")
     g.add_argument("--virtual-stages", default="1",
                    help="model chunks per device (interleaved 1F1B when > 1); with --search a list, e.g. 1,2")
-    g.add_argument("--overlap", default="none", choices=("none", "oases"))
+    g.add_argument("--schedule", default="default", choices=EXECUTORS,
+                   help="the TP executor, as the trainer's --schedule: default (stock Megatron) or oases (two "
+                        "sub-batches, one's TP collectives overlapped with the other's compute)")
+    g.add_argument("--overlap", action=Renamed, new="--schedule default|oases (the trainer's name for the executor)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="as Megatron: full (with --recompute-method) reruns whole layers; selective reruns "
                         "each layer's core attention (--tp-backend megatron, stock schedule)")
@@ -152,7 +173,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
     g.add_argument("--backends", default="megatron,atp",
                    help="TP backends to try: megatron,atp (add 3d: cube TP degrees p^3 only)")
-    g.add_argument("--overlaps", default="none,oases")
+    g.add_argument("--schedules", default="default,oases", help="TP executors to try: default, oases")
+    g.add_argument("--overlaps", action=Renamed, new="--schedules default,oases (the trainer's name for the executor)")
     g.add_argument("--recompute-options", default="off,full",
                    help="recompute modes to try: off, full (or on), selective (Megatron 1-D, stock schedule)")
     g.add_argument("--sequence-parallel-options", default="off,on",
@@ -239,9 +261,9 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
     if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
         raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
     granularity, rc_layers = recompute_from_args(a)
-    return Strategy(tp=a.tp, pp=a.pp, dp=dp, num_microbatches=micro or 1, schedule=a.schedule,
+    return Strategy(tp=a.tp, pp=a.pp, dp=dp, num_microbatches=micro or 1, schedule=a.pipeline_schedule,
                     virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
-                    selective_recompute=granularity == "selective", overlap=a.overlap,
+                    selective_recompute=granularity == "selective", overlap=OVERLAP_OF[a.schedule],
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
@@ -313,8 +335,9 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
                        backends=comma_names("--backends", a.backends, tuple(BACKENDS), error=SimError),
-                       overlaps=comma_names("--overlaps", a.overlaps, OVERLAPS, error=SimError), recompute=rc,
-                       virtual_stages=tuple(_virtual_stages(a)), schedule=a.schedule,
+                       overlaps=tuple(OVERLAP_OF[e] for e in comma_names("--schedules", a.schedules, EXECUTORS,
+                                                                          error=SimError)), recompute=rc,
+                       virtual_stages=tuple(_virtual_stages(a)), schedule=a.pipeline_schedule,
                        sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
                        distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
@@ -352,7 +375,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-SEARCH_APPLIES = frozenset({"schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
+SEARCH_APPLIES = frozenset({"pipeline_schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
                             "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                             "ddp_bucket_size", "sequence_parallel", "tp_comm_overlap",
                             # the model's core attention and the device's software stack
@@ -366,7 +389,7 @@ def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
     """The flags of the argument group ``title`` (its first word) that ``a`` sets away from their
     defaults, as their first option string."""
     actions = [act for g in p._action_groups if g.title.split(" ")[0] == title for act in g._group_actions
-               if act.dest not in skip and (only is None or act.dest in only)]
+               if act.dest not in skip and (only is None or act.dest in only) and act.default is not argparse.SUPPRESS]
     values = options_present(a, [act.dest for act in actions])
     return [act.option_strings[0] for act in actions if values[act.dest] != act.default]
 
@@ -458,7 +481,7 @@ def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one
         given = [*_set_flags(p, a, "strategy", skip=SEARCH_APPLIES), *one_strategy]
         if given:
             raise SimError(f"{given[0]} names one strategy, which --search enumerates; drop it (the search's "
-                           f"own flags: --tp-sizes, --pp-sizes, --backends, --overlaps, --recompute-options)")
+                           f"own flags: --tp-sizes, --pp-sizes, --backends, --schedules, --recompute-options)")
         return
     given = [*_set_flags(p, a, "search", skip=frozenset({"global_batch_size"})), *search_only]
     if given:
@@ -469,9 +492,9 @@ def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one
     if a.recompute and a.recompute_layers:
         raise SimError("--recompute (every layer) and --recompute-layers (the first K of each chunk) "
                        "contradict each other; give one")
-    if not a.fine_grained_recompute and (a.overlap != "oases" or recompute_from_args(a)[0] != "full"):
+    if not a.fine_grained_recompute and (a.schedule != "oases" or recompute_from_args(a)[0] != "full"):
         raise SimError("--no-fine-grained-recompute chooses how Oases recomputes and has no effect without "
-                       "--overlap oases and full recompute (--recompute); drop it or add them")
+                       "--schedule oases and full recompute (--recompute); drop it or add them")
 
 
 def sim_main(argv: list[str] | None = None) -> int:
