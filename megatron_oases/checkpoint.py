@@ -28,7 +28,7 @@ import sys
 import time
 import warnings
 
-from megatron_oases.errors import ConfigError
+from megatron_oases.errors import ConfigError, range_refusal
 from megatron_oases.output_paths import check_output_root
 from megatron_oases.run_config import DEFAULTS, RunConfig
 
@@ -161,12 +161,15 @@ def auto_resume(cfg) -> bool:
 
 
 def missing_step(root: str, step: int) -> str | None:
-    """Why ``--ckpt-step step`` cannot load from ``root`` (its iteration directory is not there),
-    or None."""
+    """Why ``--ckpt-step step`` cannot load from ``root`` (a negative step, or its iteration
+    directory is not there), or None."""
+    saved = ', '.join(map(str, saved_iterations(root))) or 'none'
+    if step < 0:  # iteration_dir would name iter_-000001
+        return f"{range_refusal('--ckpt-step', step, 0)}: give an iteration saved in {root} ({saved})"
     path = iteration_dir(root, step)
     if os.path.isdir(path):
         return None
-    return f"--ckpt-step {step}: {path} is missing (saved in {root}: {', '.join(map(str, saved_iterations(root))) or 'none'})"
+    return f"--ckpt-step {step}: {path} is missing (saved in {root}: {saved})"
 
 
 def find_checkpoint(root: str, *, missing_ok: bool = False,
@@ -452,13 +455,14 @@ def _content_metadata(tr, saved_format: str | None = None) -> dict:
 def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading: bool,
                    metadata: dict) -> dict:
     """Megatron-LM's checkpoint dict: ``model`` (or ``model0``, ``model1``.. per virtual stage),
-    ``optimizer``, ``rng_state``, ``iteration``, ``args``, ``checkpoint_version``."""
+    ``optimizer``, ``rng_state``, ``iteration``, ``args``, ``checkpoint_version``, and
+    Megatron-LM's ``consumed_valid_samples`` (in its ``args`` there; ours are the flags)."""
     from megatron.core import parallel_state as ps
 
     from megatron_oases.parallel.layout import _unwrap
 
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-             "args": _plain_flags(tr.cfg)}
+             "args": _plain_flags(tr.cfg), "consumed_valid_samples": tr.consumed_valid_samples}
     for i, chunk in enumerate(tr.model):
         key = "model" if len(tr.model) == 1 else f"model{i}"
         state[key] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
@@ -468,6 +472,8 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
         keep_empty_params_local(state)
         if is_loading:
             init_torch_adam_state(tr.optimizer)
+        else:
+            adam_state_before_first_step(tr.optimizer)
         state["optimizer"] = tr.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                              metadata=metadata)
         if is_loading:
@@ -479,6 +485,61 @@ def _sharded_state(tr, iteration: int, *, optimizer: bool, rng: bool, is_loading
 
         state["rng_state"] = rng_state(ps.get_data_parallel_group(with_context_parallel=True))
     return state
+
+
+def adam_state_before_first_step(optimizer) -> None:
+    """Before a save, give each parameter of torch's Adam without a state the one Adam's first
+    step creates (step 0, zero moments).
+
+    Until a step is taken (``--fp16``: while the loss scaler skips every step) Adam has no
+    state: a save then wrote no moments, which a load asks for (``KeyError: optimizer.state.
+    exp_avg...``), and the distributed optimizer's save stopped on the missing step. Same values
+    as Adam's own lazy start, so the run and a resume of it go on alike. Optimizers of Apex / TE
+    (no ``torch.optim.Adam``) are left alone."""
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW too
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                state.setdefault("step", torch.tensor(0.0))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in state:
+                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def zero_adam_step_back(loaded) -> None:
+    """Megatron saves the plain optimizer's Adam step (``common_step``) only when it is not 0, and
+    torch's Adam refuses moments without one: a checkpoint saved before the first step (see
+    ``adam_state_before_first_step``) gets its step 0 back before the load."""
+    import torch
+
+    if not isinstance(loaded, dict):
+        return
+    moments = loaded.get("state")
+    if (isinstance(moments, dict) and "param_groups" in loaded and "common_step" not in moments
+            and any(isinstance(v, dict) and "exp_avg" in v for v in moments.values())):
+        moments["common_step"] = torch.tensor(0.0)
+    for value in loaded.values():
+        zero_adam_step_back(value)
+
+
+def saved_valid_samples(common: dict, iteration: int) -> int:
+    """The checkpoint's ``consumed_valid_samples`` (where validation goes on); for one saved
+    before it was recorded, the validations its flags had made by ``iteration``."""
+    if "consumed_valid_samples" in common:
+        return int(common["consumed_valid_samples"])
+    from types import SimpleNamespace
+
+    from megatron_oases.datasets import validations_through
+
+    saved = SimpleNamespace(**{k: common["args"].get(k) for k in (
+        "eval_interval", "eval_iters", "train_iters", "global_batch_size")})
+    return validations_through(saved, iteration) * (saved.eval_iters or 0) * \
+        (saved.global_batch_size or 0)
 
 
 def save_checkpoint(tr, iteration: int) -> str:
@@ -611,6 +672,7 @@ def load_checkpoint(tr) -> int:
 
         from megatron_oases.runtime.dist_ckpt import adam_step_out_of_the_way
 
+        zero_adam_step_back(loaded["optimizer"])
         # the distributed optimizer copies into its (grad-requiring) main params
         with torch.no_grad(), adam_step_out_of_the_way(tr.optimizer):
             tr.optimizer.load_state_dict(loaded["optimizer"])
@@ -621,6 +683,7 @@ def load_checkpoint(tr) -> int:
         from megatron_oases.runtime.dist_ckpt import set_rng_state
 
         set_rng_state(loaded["rng_state"], ps.get_data_parallel_rank(with_context_parallel=True))
+    tr.consumed_valid_samples = saved_valid_samples(common, iteration)
     dist.barrier()
     if _rank0():
         print(f" loaded checkpoint from {os.path.abspath(cfg.load)} at iteration {iteration}"

@@ -319,7 +319,16 @@ def eval_enabled(cfg: RunConfig) -> bool:
 
 def num_evaluations(cfg: RunConfig) -> int:
     """Validations in a run: one per ``--eval-interval`` and one after the last iteration."""
-    return (cfg.train_iters // cfg.eval_interval + 1) if eval_enabled(cfg) else 0
+    return validations_through(cfg, cfg.train_iters)
+
+
+def validations_through(cfg, iteration: int) -> int:
+    """Validations a run of ``cfg`` has made once ``iteration`` ended (``evaluate.Validator``'s
+    rule). ``cfg``: a ``RunConfig``, or the flags a checkpoint saved (``eval_interval``,
+    ``eval_iters``, ``train_iters``), for checkpoints older than ``consumed_valid_samples``."""
+    if not eval_enabled(cfg):
+        return 0
+    return iteration // cfg.eval_interval + (iteration >= cfg.train_iters)
 
 
 def token_id_tokenizer(vocab_size: int, eod: int | None = None):

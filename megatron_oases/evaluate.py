@@ -7,7 +7,8 @@ mean over all K batches, micro-batches and data-parallel ranks (sum of masked to
 the sum of the loss mask), printed in Megatron's format on the logging rank, and PPL =
 exp(min(20, loss)). Validation batches follow each other over the run: the e-th validation uses
 validation batches e*K .. e*K+K-1, so no two validations repeat data (Megatron's valid iterator
-does the same).
+does the same). Where the next validation starts is the trainer's ``consumed_valid_samples``
+(Megatron-LM's name), which checkpoints keep, so a resumed run goes on where the saved one was.
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ class Validator:
 
         self.tr, self.log = tr, log
         self.enabled = eval_enabled(tr.cfg)
-        self.done = 0  # validations run so far; the next one starts at batch done * eval_iters
 
     def _run(self, where: str) -> float | None:
-        k = self.tr.cfg.eval_iters
-        loss = evaluate(self.tr, self.done * k, k)
-        self.done += 1
+        cfg = self.tr.cfg
+        first = self.tr.consumed_valid_samples // cfg.global_batch_size  # 0, or where a load left it
+        loss = evaluate(self.tr, first, cfg.eval_iters)
+        self.tr.consumed_valid_samples += cfg.eval_iters * cfg.global_batch_size
         if self.log and loss is not None:
             line = validation_line(where, loss)
             print("-" * len(line), line, "-" * len(line), sep="\n", flush=True)

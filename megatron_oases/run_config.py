@@ -150,6 +150,8 @@ class RunConfig:
     loss_scale: float | None = None
     initial_loss_scale: float = 2.0**32
     gradient_accumulation_fusion: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
+    """Megatron-LM's default: stop on a NaN or Inf loss or gradient norm (``train.nonfinite_stop``)."""
     # -- recompute
     recompute_granularity: str | None = None
     recompute_method: str | None = None

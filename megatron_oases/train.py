@@ -34,6 +34,9 @@ class Trainer:
     dp_rank: int
     dp_size: int
     data: object = None  # datasets.SyntheticData or MegatronData: train and validation batches
+    consumed_valid_samples: int = 0
+    """Megatron-LM's count of validation samples read so far (``evaluate.Validator``); saved in
+    checkpoints, so a resumed run validates on the batches the uninterrupted one would."""
 
 
 def setup(cfg: RunConfig) -> Trainer:
@@ -189,6 +192,44 @@ def train_step(tr: Trainer, iteration: int) -> dict:
             "forward_backward_host_ms": (issued - t0) * 1e3}
 
 
+class TrainingStopped(RuntimeError):
+    """Every rank stops training at once; the message is the run's one line (exit 1)."""
+
+
+def nonfinite_stop(tr: Trainer, iteration: int, out: dict) -> str | None:
+    """``--check-for-nan-in-loss-and-grad`` (on by default, as in Megatron-LM): the line that
+    stops training when this iteration's loss (known on the last stage) or gradient norm is NaN
+    or Inf, else None. A step the fp16 loss scaler skipped has no norm to check (inf gradients
+    are its signal), as in Megatron; its loss still counts. Collective: one MAX all-reduce over
+    the world, so every rank stops after the same iteration, before anything is saved."""
+    import math
+
+    import torch
+
+    if not tr.cfg.check_for_nan_in_loss_and_grad:
+        return None
+    norm = out["grad_norm"] if out["update_successful"] else None
+    bad = [v is not None and kind(v) for v in (out["loss"], norm) for kind in (math.isnan, math.isinf)]
+    flags = torch.tensor([float(b) for b in bad], device=tr.runtime.device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    nan_loss, inf_loss, nan_norm, inf_norm = (bool(f) for f in flags.tolist())
+    what = [f"the {name} is {'NaN' if nan else 'Inf'}" for name, nan, inf in (
+        ("loss", nan_loss, inf_loss), ("gradient norm", nan_norm, inf_norm)) if nan or inf]
+    if not what:
+        return None
+    cfg = tr.cfg
+    fix = f"lower --lr (now {cfg.lr:g})"
+    if cfg.load:
+        fix += (", or resume from an earlier checkpoint (--ckpt-step N"
+                + ("" if cfg.verify_integrity else "; drop --no-verify-integrity to check its files")
+                + ")")
+    if cfg.data_path:
+        fix += ", or check the --data-path files"
+    return (f"iteration {iteration}: {' and '.join(what)}; stopped without saving it "
+            f"(--check-for-nan-in-loss-and-grad): try a {fix}; "
+            f"--no-check-for-nan-in-loss-and-grad trains on regardless")
+
+
 def is_logging_rank() -> bool:
     """Megatron prints from the last rank (last pipeline stage, first TP/DP rank there)."""
     import torch.distributed as dist
@@ -262,10 +303,14 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
                       f"grad norm: {norm} | elapsed time per iteration (ms): "
                       f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
                       f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
-            rec.update(validator.after_iteration(it))  # --eval-interval: validation loss fields
+            stopped = nonfinite_stop(tr, it, out)
+            if not stopped:
+                rec.update(validator.after_iteration(it))  # --eval-interval: validation loss fields
             if json_file:
                 json_file.write(json.dumps(rec) + "\n")
                 json_file.flush()
+            if stopped:
+                raise TrainingStopped(stopped)
             stop = exits.reason(it, tr.runtime.device) if exits.active else None
             if checkpoint.should_save(cfg, it) or (stop and cfg.save):
                 checkpoint.save_checkpoint(tr, it)
@@ -279,8 +324,13 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
     return tr, records
 
 
-def _spawned_rank(cfg: RunConfig) -> None:
-    run(cfg)
+def _spawned_rank(cfg: RunConfig) -> str | None:
+    """One spawned rank's run; the line of a ``TrainingStopped``, for the launcher to print."""
+    try:
+        run(cfg)
+    except TrainingStopped as exc:
+        return str(exc)
+    return None
 
 
 def _ended_by_signal(cfg: RunConfig, signals: tuple[int, ...]) -> str:
@@ -337,9 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # No bound on the run's length: a rank that makes no progress (an iteration) for
             # --dist-timeout + 60 s ends it, named; a hung collective raises after --dist-timeout.
-            run_on_ranks(_spawned_rank, cfg.nproc_per_node, args=(cfg,), timeout_s=None,
-                         stall_timeout_s=cfg.dist_timeout + 60, env=exit_signal.launcher_env(),
-                         forward_signals=exit_signal.forwarded_signals(cfg))
+            stopped = run_on_ranks(
+                _spawned_rank, cfg.nproc_per_node, args=(cfg,), timeout_s=None,
+                stall_timeout_s=cfg.dist_timeout + 60, env=exit_signal.launcher_env(),
+                forward_signals=exit_signal.forwarded_signals(cfg))[0]
         except RankFailure as exc:
             if exc.killed_by and exc.killed_by <= set(exc.signals) and not exc.tracebacks:
                 # the ranks died of a signal the launcher forwarded: one line, not a report
@@ -347,13 +398,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 128 + exc.signals[-1]
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1
-        return 0
-    run(cfg)
-    import torch.distributed as dist
+    else:
+        stopped = _spawned_rank(cfg)  # this process is one rank (torchrun, srun)
+        import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if stopped and os.environ.get("RANK", "0") == "0":
+        print(f"{parser.prog}: error: {stopped}", file=sys.stderr, flush=True)
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":

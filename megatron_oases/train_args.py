@@ -147,6 +147,12 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                         "Apex's fused_weight_gradient_mlp_cuda; Megatron-LM's default on GPU). "
                         "Applies to Megatron's linears: all of --tp-backend megatron's, and the "
                         "output layer of atp / 3d, whose own linears accumulate unfused")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="train on after a NaN or Inf loss or gradient norm. By default, as in "
+                        "Megatron-LM, every rank stops after that iteration with one line naming "
+                        "it (exit 1) and saves nothing from it; an --fp16 step the loss scaler "
+                        "skips (inf gradients) is not one, its loss is still checked")
     g.add_argument("--recompute-granularity", choices=("full", "selective"),
                    default=DEFAULTS.recompute_granularity)
     g.add_argument("--recompute-method", choices=("uniform", "block"),

@@ -134,6 +134,9 @@ CASES = [
                         "--num-attention-heads", "8", "--micro-batch-size", "4", "--global-batch-size", "4",
                         "--swiglu"],
      "--tp-backend 3d runs --swiglu without linear biases only"),
+    # checkpoint steps: iteration_dir would name iter_-000001 (issue 48)
+    ("ckpt-step-neg", ["--load", "ck", "--ckpt-step", "-1"],
+     "--ckpt-step must be >= 0 (got -1): give an iteration saved in ck (none)"),
     # argparse's own errors: one line too, without the usage block.
     ("backend-unknown", ["--tp-backend", "bogus"], "argument --tp-backend: invalid choice: 'bogus'"),
     ("schedule-unknown", ["--schedule", "fast"], "argument --schedule: invalid choice"),

@@ -600,3 +600,30 @@ def test_optimizer_format_flag_needs_what_it_acts_on(argv, tmp_path, capsys):
     argv = [a.replace("X", str(tmp_path / "s")) for a in argv]
     err = _main_error(MODEL + ["--nproc-per-node", "1"] + argv, capsys)
     assert "dist-ckpt-optim-fully-reshardable" in err and "drop it" in err, err
+
+
+FP16_SKIPPING = ["--fp16", "--initial-loss-scale", "1048576", "--train-iters", "6"]
+"""At this scale the loss scaler skips iterations 1-3 (plain) or 1-4 (distributed optimizer, DP 2)
+of MODEL, and steps from there on."""
+
+
+@pytest.mark.parametrize("ranks, extra", [(1, []), (2, ["--use-distributed-optimizer"])],
+                         ids=["plain", "distributed"])
+def test_fp16_checkpoint_saved_before_the_first_step_resumes(ranks, extra, tmp_path):
+    """Issue 48: a checkpoint saved while the fp16 loss scaler had skipped every step held no Adam
+    state (the plain optimizer's then failed to load, ``KeyError: optimizer.state.exp_avg...``;
+    the distributed optimizer's failed to save). Saved at 2, it resumes with the uninterrupted
+    run's losses, updates included; the skipped steps (inf gradients) do not stop training."""
+    ckpt, log = str(tmp_path / "ck"), tmp_path / "whole.jsonl"
+    argv = MODEL + FP16_SKIPPING + extra
+    run_on_ranks(train, ranks, args=(argv + ["--save", ckpt, "--save-interval", "2",
+                                             "--log-json", str(log)],), timeout_s=TIMEOUT)
+    with open(log, encoding="utf-8") as f:
+        whole = {r["iteration"]: r for r in map(json.loads, f)}
+    assert whole[1]["grad_norm"] is None and whole[2]["grad_norm"] is None
+    assert whole[5]["grad_norm"] is not None and whole[6]["grad_norm"] is not None
+    resumed = run_on_ranks(train, ranks, args=(argv + ["--load", ckpt, "--ckpt-step", "2"],),
+                           timeout_s=TIMEOUT)[-1]["losses"]
+    assert sorted(resumed) == [3, 4, 5, 6]
+    for it, loss in resumed.items():
+        assert _rel(loss, whole[it]["lm_loss"]) <= RESUME_TOL, (it, loss, whole[it]["lm_loss"])

@@ -224,8 +224,34 @@ def test_exit_duration_stops_after_the_iteration_and_saves(tmp_path):
     assert sorted(losses(run.stdout)) == [1] and tracker(d) == 1
     assert re.search(r" exiting program after \d+\.\d\d minutes \(--exit-duration-in-mins 0.0001\)",
                      run.stdout), run.stdout
-    nosave = _one_rank(["--train-iters", "6", "--exit-duration-in-mins", "0.0001"])
-    assert nosave.returncode == 0 and sorted(losses(nosave.stdout)) == [1]
+
+
+def _valid_losses(path) -> dict:
+    """Validation losses of ``--log-json``, by iteration and kind (interval / end)."""
+    with open(path, encoding="utf-8") as f:
+        return {(r["iteration"], k): r[k] for r in map(json.loads, f)
+                for k in ("valid_lm_loss", "end_valid_lm_loss") if k in r}
+
+
+def test_a_resumed_run_validates_on_the_uninterrupted_runs_batches(tmp_path):
+    """Issue 48: after a resume validation restarted at batch 0 (6.251636 vs 6.253666 at
+    iteration 6) while the training losses were identical. The checkpoint keeps Megatron-LM's
+    consumed_valid_samples: stopped at 3 (--exit-interval) and resumed, iterations 4 and 6 and
+    the end validate on the uninterrupted run's batches."""
+    flags = ["--train-iters", "6", "--eval-interval", "2", "--eval-iters", "2"]
+    whole = tmp_path / "whole.jsonl"
+    assert _one_rank(flags + ["--log-json", str(whole)]).returncode == 0
+    d, log = str(tmp_path / "ck"), tmp_path / "log.jsonl"
+    cmd = flags + ["--exit-interval", "3", "--save", d, "--load", d, "--log-json", str(log)]
+    first = _one_rank(cmd)
+    assert first.returncode == 0 and tracker(d) == 3, first.stderr[-3000:]
+    second = _one_rank(cmd)
+    assert second.returncode == 0 and tracker(d) == 6, second.stderr[-3000:]
+    want = _valid_losses(whole)
+    got = _valid_losses(log)
+    assert sorted(got) == [(4, "valid_lm_loss"), (6, "end_valid_lm_loss"), (6, "valid_lm_loss")]
+    assert got == {k: want[k] for k in got}
+    assert len(set(want.values())) == 4  # each validation read other batches
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -238,8 +264,12 @@ def test_exit_duration_stops_after_the_iteration_and_saves(tmp_path):
     (["--exit-interval", "0"], "--exit-interval must be >= 1 (got 0)"),
     (["--exit-interval", "10"], "--exit-interval 10 never stops training before --train-iters 10"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0 (got 0.0)"),
+    (["--exit-interval", "2"], "--exit-interval saves a checkpoint before exiting and needs "
+                               "--save DIR"),
+    (["--exit-duration-in-mins", "5"], "--exit-duration-in-mins saves a checkpoint before "
+                                       "exiting and needs --save DIR"),
 ], ids=["handler-without-save", "signal-without-handler", "uncatchable", "interval-0",
-        "interval-past-the-end", "duration-0"])
+        "interval-past-the-end", "duration-0", "interval-without-save", "duration-without-save"])
 def test_bad_exit_flags_are_refused_in_one_line_before_start_up(flags, message, tmp_path, capsys):
     import torch.distributed as dist
 

@@ -67,3 +67,29 @@ def test_tp2_with_a_vocabulary_megatron_pads_differently_matches_one_rank():
     model = MODEL + ["--vocab-size", "1100", "--make-vocab-size-divisible-by", "128",
                      "--train-iters", "2"]
     _assert_close(_losses(2, model + ["--tensor-model-parallel-size", "2"]), _losses(1, model))
+
+
+def test_a_nan_loss_stops_every_rank_in_one_line_and_saves_nothing_after_it(tmp_path, capsys):
+    """Issue 48: ``--lr 1e30`` logged ``lm loss: NAN`` from iteration 2 and exited 0. As Megatron-LM
+    (``--check-for-nan-in-loss-and-grad``, on by default) training stops there: one line naming
+    the iteration, exit 1, the checkpoint of iteration 1 the last one. PP 2: the first stage has
+    no loss of its own and must stop with the last."""
+    import os
+
+    from megatron_oases.train import main
+
+    d = tmp_path / "ck"
+    argv = MODEL + ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--lr", "1e30",
+                    "--train-iters", "4", "--save", str(d), "--save-interval", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("megatron-oases train: error: iteration 2: the loss is NaN"), err
+    assert "--check-for-nan-in-loss-and-grad): try a lower --lr (now 1e+30)" in err[0], err
+    assert (d / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def test_no_check_for_nan_trains_on():
+    losses = _losses(1, MODEL + ["--lr", "1e30", "--no-check-for-nan-in-loss-and-grad"])
+    assert len(losses) == 3 and losses[2] != losses[2]  # NaN, and all 3 iterations ran
