@@ -179,12 +179,21 @@ def test_megatron_parse_args_refuses_bad_combinations(extra, needle, capsys, mon
 
 
 # ---- every option of Megatron-LM's GPT builder is honoured or refused --------------------------
+def _read(path: str) -> str:
+    """The checkout's ``path`` ("" where it has none)."""
+    full = os.path.join(CHECKOUT, path)
+    return open(full).read() if os.path.isfile(full) else ""
+
+
 def _builder_reads() -> set[str]:
     """``args.X`` (and ``getattr/hasattr(args, "X")``) in the checkout's three GPT builders."""
     import ast
 
+    config_from_args = next(  # moved to argument_utils.py at core_v0.19
+        p for p in ("megatron/training/argument_utils.py", "megatron/training/arguments.py")
+        if "def core_transformer_config_from_args(" in _read(p))
     where = {"gpt_builders.py": {"gpt_builder", "_get_transformer_layer_spec"},
-             "megatron/training/arguments.py": {"core_transformer_config_from_args"},
+             config_from_args: {"core_transformer_config_from_args"},
              "model_provider.py": {"model_provider"}}
     out = set()
     for path, funcs in where.items():

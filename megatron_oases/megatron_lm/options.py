@@ -119,7 +119,8 @@ GATED = {
         "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16",
         "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_param_gather",
         "fp8_output_proj")},
-    **{name: "fp4" for name in ("fp4_recipe", "fp4_param", "fp4_quantizer_factory")},
+    **{name: "fp4" for name in ("fp4_recipe", "fp4_param", "fp4_quantizer_factory",
+                                "fp4_param_gather")},
     **{name: "mtp_num_layers" for name in ("mtp_loss_scaling_factor", "mtp_standalone",
                                            "mtp_use_repeated_layer", "mtp_detach_heads",
                                            "mtp_hybrid_override_pattern")},
@@ -173,6 +174,7 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "experimental_attention_variant": ("--experimental-attention-variant", ALL),
     "heterogeneous_layers_config_path": ("--heterogeneous-layers-config-path", ALL),
     "mtp_num_layers": ("--mtp-num-layers", ALL),
+    "hybrid_layer_pattern": ("--hybrid-layer-pattern", ALL),  # core_v0.19: hybrid (Mamba/DSA) layers
     "modelopt_enabled": ("--modelopt-enabled", ALL),
     # Precision recipes of Transformer Engine / Kitchen.
     "fp8": ("--fp8-format", ALL),
