@@ -31,10 +31,17 @@ def model_flags(path: str, tool: str) -> list[str]:
         m = model_from_mapping(raw, source=f"--model {path}")
     except PlanError as e:
         raise ValueError(str(e)) from None
-    if tool == "mesh":
-        return ["--tp", str(m.tp), "--hidden", str(m.hidden_size), "--layers", str(m.num_layers),
-                "--micro-batch-size", str(m.micro_batch_size), "--seq-length", str(m.seq_length),
-                "--bytes-per-element", str(m.bytes_per_element)]
+    dtype = {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(m.dtype, [])
+    if tool == "mesh":  # the layer the picker prices, in the trainer's names (no vocabulary, no kernel)
+        v = m.variant
+        return (["--tensor-model-parallel-size", str(m.tp), "--hidden-size", str(m.hidden_size),
+                 "--num-layers", str(m.num_layers), "--num-attention-heads", str(m.num_attention_heads),
+                 "--ffn-hidden-size", str(m.ffn_hidden_size), "--micro-batch-size", str(m.micro_batch_size),
+                 "--seq-length", str(m.seq_length), *dtype]
+                + (["--swiglu"] if v.gated else [])
+                + (["--group-query-attention", "--num-query-groups", str(v.query_groups)] if v.query_groups else [])
+                + (["--normalization", v.normalization] if v.normalization != "LayerNorm" else [])
+                + ([] if v.bias else ["--disable-bias-linear"]))
     out = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
            "--ffn-hidden-size", str(m.ffn_hidden_size), "--vocab-size", str(m.padded_vocab_size),
@@ -45,7 +52,7 @@ def model_flags(path: str, tool: str) -> list[str]:
     if tool == "sim":
         return out + ["--dtype", m.dtype, "--tp", str(m.tp)]
     out += ["--max-position-embeddings", str(m.seq_length), "--tensor-model-parallel-size", str(m.tp)]
-    return out + ({"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(m.dtype, []))
+    return out + dtype
 
 
 def main(argv: list[str] | None = None) -> int:

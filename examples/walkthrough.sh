@@ -32,7 +32,7 @@ step "1. ATP mesh for TP 2 on $TOPO"
 
 step "2. Oases planner: a TP degree per layer (analytical RTX 3090 prices; a demonstration, not this CPU)"
 "$OASES" plan --model "$MODEL" --topology "$TOPO" --gpu rtx-3090 --global-batch-size 8 \
-    --out "$OUT/plan.json" --rewrite-cmd "megatron-oases train --nproc-per-node 2 --tensor-model-parallel-size 2" \
+    --nproc-per-node 2 --schedule oases --out "$OUT/plan.json" --rewrite-cmd "megatron-oases train --nproc-per-node 2 --tensor-model-parallel-size 2" \
     | tee "$OUT/plan.txt"
 
 step "3. profile the Oases run's events on this machine (2 ranks)"

@@ -43,7 +43,14 @@ def test_every_model_file_parses_for_plan_train_sim_and_mesh():
         s = sim_parser().parse_args(model_flags.model_flags(path, "sim"))
         assert (s.num_layers, s.hidden_size, s.tp, s.dtype) == (m.num_layers, m.hidden_size, m.tp, m.dtype)
         k = mesh_parser().parse_args(["--topology", "dgx-a100"] + model_flags.model_flags(path, "mesh"))
-        assert (k.tp, k.hidden, k.layers, k.seq_length) == (m.tp, m.hidden_size, m.num_layers, m.seq_length)
+        from megatron_oases.plan.mesh_cli import run_shape
+
+        _, shape = run_shape(k)  # the layer the picker prices is the planner's
+        assert k.tensor_model_parallel_size == m.tp, path
+        assert (shape.hidden_size, shape.num_layers, shape.seq_length, shape.num_attention_heads,
+                shape.ffn_hidden_size, shape.dtype, shape.variant) == \
+            (m.hidden_size, m.num_layers, m.seq_length, m.num_attention_heads, m.ffn_hidden_size,
+             m.dtype, m.variant), path  # (rotary and QK-norm are no flags of mesh: no model file has them)
 
 
 def test_a_stated_attention_backend_reaches_every_tool(tmp_path):
