@@ -185,6 +185,24 @@ def test_pretrain_3d_eight_ranks():
     assert cube == pytest.approx(stock, rel=1e-5)
 
 
+@needs_cpu
+def test_pretrain_3d_bf16_saves_and_resumes(tmp_path):
+    """The cube in bf16 with the plain optimizer saves at 2 and a resume from 2 logs the saving
+    run's losses (its first line after the restart one iteration's, its second the mean of two).
+    The save failed on the ranks off the cube diagonal (``KeyError``: the optimizer found no
+    sharded tensor for their empty vectors), then the load (``Cannot merge two lists``)."""
+    _skip_without_entry()
+    ckpt = str(tmp_path / "ckpt")
+    cube = ["--tensor-model-parallel-size", "8", "--num-attention-heads", "8", "--micro-batch-size",
+            "4", "--global-batch-size", "4", "--tp-backend", "3d", "--bf16"]
+    saved, log = train(8, cube + ["--save", ckpt, "--save-interval", "2"], 4, timeout_s=540)
+    assert "successfully saved checkpoint from iteration       2" in log
+    resumed, log = train(8, cube + ["--load", ckpt, "--ckpt-step", "2"], 4, timeout_s=540)
+    assert "successfully loaded checkpoint" in log and sorted(resumed) == [3, 4]
+    assert resumed[3] == pytest.approx(saved[3], rel=1e-6)
+    assert resumed[4] == pytest.approx((saved[3] + saved[4]) / 2, rel=1e-6)
+
+
 def test_entry_refuses_what_the_wheel_path_does_not_build(capsys, monkeypatch):
     """Without a checkout: options our megatron spec cannot honour on a stock run stop Megatron's
     ``parse_args`` with one line (exit 2), as for our other builds; flags of pretrain_gpt.py's

@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_oases.run_config import run_config
 
     cfg = run_config(args)
+    if cfg.tp_backend == "3d":  # its ranks off the cube diagonal hold empty vector parameters
+        import megatron.training.training as training
+
+        from megatron_oases.runtime.dist_ckpt import with_empty_params_local
+
+        training.save_checkpoint = with_empty_params_local(training.save_checkpoint, 2)
+        training.load_checkpoint = with_empty_params_local(training.load_checkpoint, 1)
     if cfg.use_distributed_optimizer and cfg.load is not None:
         import megatron.training.training as training
 

@@ -409,3 +409,47 @@ def with_torch_adam_state(load_checkpoint):
             del optimizer.load_state_dict
     wrapped.oases_torch_adam_state = True
     return wrapped
+
+
+def with_empty_params_local(checkpoint_fn, optimizer_index: int):
+    """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` (the optimizer is positional
+    argument ``optimizer_index``) for a run whose ranks hold empty parameters (3-D): the
+    optimizer's sharded state is built as the reference trainer's (``checkpoint.py``): empty
+    parameters local (``keep_empty_params_local``; without it the optimizer finds no sharded
+    tensor for them: ``KeyError`` on the ranks off the cube diagonal), the fp32 main parameters
+    keyed by position for a load and turned back into lists before ``load_state_dict``. The entry
+    (``megatron_lm.pretrain_gpt``) rebinds both functions of ``megatron.training.training``."""
+    import functools
+
+    @functools.wraps(checkpoint_fn)
+    def wrapped(*args, **kwargs):
+        optimizer = args[optimizer_index] if len(args) > optimizer_index \
+            else kwargs.get("optimizer")
+        if optimizer is None:
+            return checkpoint_fn(*args, **kwargs)
+        saved = {k: vars(optimizer)[k] for k in ("sharded_state_dict", "load_state_dict")
+                 if k in vars(optimizer)}
+        build, load, built = optimizer.sharded_state_dict, optimizer.load_state_dict, []
+
+        def sharded_state_dict(model_state, *a, **kw):
+            keep_empty_params_local(model_state)
+            out = build(model_state, *a, **kw)
+            if kw.get("is_loading", a[0] if a else False):
+                main_params_by_position(out)
+                built.append(out)
+            return out
+
+        def load_state_dict(state):
+            if built:
+                main_params_as_lists(state, built[-1])
+            return load(state)
+        optimizer.sharded_state_dict, optimizer.load_state_dict = sharded_state_dict, load_state_dict
+        try:
+            return checkpoint_fn(*args, **kwargs)
+        finally:
+            for k in ("sharded_state_dict", "load_state_dict"):
+                if k in saved:
+                    setattr(optimizer, k, saved[k])
+                else:
+                    delattr(optimizer, k)
+    return wrapped
