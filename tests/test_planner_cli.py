@@ -416,18 +416,20 @@ def test_plan_made_for_another_micro_batch_or_schedule_is_refused(tmp_path, caps
 
 def test_a_plan_file_without_the_launch_record_loads_with_one_warning(tmp_path, capsys, monkeypatch):
     """Files written before plans recorded their launch run as before, with one warning line on
-    rank 0 (not again when the run validates its config a second time)."""
+    rank 0, on stdout (not again when the run validates its config a second time)."""
     plan, data, _ = _plan(tmp_path, capsys, "--nproc-per-node", "4")
     for key in ("world_size", "data_parallel_size", "micro_batch_size", "schedule"):
         del data[key]
     (tmp_path / "plan.json").write_text(json.dumps(data))
     monkeypatch.setenv("RANK", "0")
     cfg = _train_validate(plan, 8)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"warning: --oases-plan {plan} does not record the launch"), err
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: --oases-plan {plan} does not record the launch"), lines
+    assert out.err == ""  # stderr stays for the one line of a refusal
     from megatron_oases.train_args import validate_config
 
     validate_config(cfg, 8, cuda=False)
     monkeypatch.setenv("RANK", "3")
     _train_validate(plan, 8)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().out == ""

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,14 +185,15 @@ LAUNCH_FIELDS = ("world_size", "data_parallel_size", "micro_batch_size", "schedu
 def check_plan_launch(path: str, data: dict[str, Any], cfg, dims, *, warn: bool = True) -> None:
     """Refuse a plan made for another launch (data-parallel size, micro-batch, ``--schedule``), one
     line naming the flag. A file written before plans recorded their launch is loaded unchecked,
-    with one warning line on rank 0 (``warn``: the first validation of the run): refusing it would
+    with one warning line on rank 0 (``warn``: the first validation of the run), on stdout like the
+    run's other notes, so that a refusal is still the one line on stderr: refusing the file would
     stop launches that ran. ``cfg``: the run's ``RunConfig``; ``dims``: its ``ParallelDims``."""
     made = {k: data.get(k) for k in LAUNCH_FIELDS}
     if any(v is None for v in made.values()):
         if warn and os.environ.get("RANK", "0") == "0":
             print(f"warning: {FLAG} {path} does not record the launch it was made for (world, micro-batch, "
                   f"--schedule), so it is not checked against this one; plan again to have it checked",
-                  file=sys.stderr, flush=True)
+                  flush=True)
         return
     if made["data_parallel_size"] != dims.dp:
         _fail(path, f"was made for data-parallel size {made['data_parallel_size']} (world {made['world_size']}) "
