@@ -60,8 +60,9 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
-def _garble(it: str) -> str:
-    """Overwrite 64 bytes in the middle of the largest shard file (same size); returns its name."""
+def _garble(it: str, nan: bool = False) -> str:
+    """Overwrite 64 bytes in the middle of the largest shard file (same size; ``nan``: with 0xFF
+    bytes, float32 NaNs where tensors are stored); returns its name."""
     name = max((f for f in os.listdir(it) if f.endswith(".distcp")),
                key=lambda f: os.path.getsize(os.path.join(it, f)))
     path = os.path.join(it, name)
@@ -70,7 +71,7 @@ def _garble(it: str) -> str:
         f.seek(size // 2)
         old = f.read(64)
         f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in old))
+        f.write(b"\xff" * 64 if nan else bytes(b ^ 0xFF for b in old))
     assert os.path.getsize(path) == size
     return name
 
@@ -222,3 +223,18 @@ def test_legacy_checkpoint_passes_with_the_note(capsys):
                   ref["ranks"], False)
     out = capsys.readouterr().out
     assert out.count("has no integrity.json") == 1 and "not verified" in out, out
+
+
+def test_a_garbled_shard_loaded_unverified_stops_at_its_nan(two_ranks, tmp_path, capsys):
+    """Issue 48: a shard garbled in place and loaded with --no-verify-integrity trained on with
+    ``lm loss: NAN`` and exited 0. The NaN check stops the run in one line (exit 1) whose way
+    out names the checksums and an older --ckpt-step, and saves nothing after it."""
+    ckpt = _copy(two_ranks[0], tmp_path / "c")
+    _garble(os.path.join(ckpt, "iter_0000004"), nan=True)
+    capsys.readouterr()
+    assert main(DISTOPT + ["--nproc-per-node", "2", "--train-iters", "8", "--load", ckpt,
+                           "--no-verify-integrity", "--save", ckpt]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is NaN" in err[0], err
+    assert "resume from an earlier checkpoint (--ckpt-step N; drop --no-verify-integrity" in err[0]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
