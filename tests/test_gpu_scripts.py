@@ -84,7 +84,10 @@ def _gpu_check_on_cpu(tmp_path, steps: str, **env) -> tuple[int, str, str]:
     out = tmp_path / "out"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], capture_output=True, text=True, timeout=240, cwd=work,
                           env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DEVICE": "cpu",
-                               "STEPS": steps, "BUDGET_S": "200", "TMPDIR": str(tmp), **env})
+                               "STEPS": steps, "BUDGET_S": "200", "TMPDIR": str(tmp),
+                               # one intra-op thread: on a loaded 2-core host torch's spinning
+                               # threads made a 1-step CPU benchmark take minutes
+                               "OMP_NUM_THREADS": "1", **env})
     assert not list(tmp.glob("gpu_check_site.*"))  # a wheel folder, when made, is gone at exit
     return proc.returncode, (out / "summary.txt").read_text(), (out / "check.log").read_text()
 
