@@ -627,3 +627,16 @@ def test_fp16_checkpoint_saved_before_the_first_step_resumes(ranks, extra, tmp_p
     assert sorted(resumed) == [3, 4, 5, 6]
     for it, loss in resumed.items():
         assert _rel(loss, whole[it]["lm_loss"]) <= RESUME_TOL, (it, loss, whole[it]["lm_loss"])
+
+
+def test_validation_count_of_a_checkpoint_saved_without_it():
+    """Checkpoints from before consumed_valid_samples still load, going on after the validations
+    their flags had made: one per --eval-interval, and the end one at --train-iters."""
+    from megatron_oases.checkpoint import saved_valid_samples
+
+    flags = {"eval_interval": 2, "eval_iters": 3, "train_iters": 6, "global_batch_size": 8}
+    assert saved_valid_samples({"args": flags}, 5) == 2 * 3 * 8
+    assert saved_valid_samples({"args": flags}, 6) == 4 * 3 * 8
+    assert saved_valid_samples({"args": {**flags, "eval_interval": None}}, 6) == 0
+    assert saved_valid_samples({"args": {}}, 6) == 0
+    assert saved_valid_samples({"args": flags, "consumed_valid_samples": 48}, 5) == 48
