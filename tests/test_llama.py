@@ -116,14 +116,17 @@ def _train_log(tmp_path, name, n, argv):
 
 
 def _resume_in_stock_tp2(tmp_path, n: int, model: list[str], layout: list[str]) -> None:
-    """Train 4 iterations under ``layout`` (the reference), train 2 and save, then resume in
-    stock TP 2 from that checkpoint: iterations 3 and 4 must be the reference's (Adam state too)."""
+    """Train 4 iterations under ``layout``, saving at 2 (and 4): the reference; then resume in
+    stock TP 2 from the iteration-2 checkpoint: iterations 3 and 4 must be the reference's (Adam
+    state too). One run both saves and gives the reference (a separate uninterrupted run cost
+    another launch of n ranks; a save that disturbed the run would still show as a mismatch)."""
     model = [a for a in model if a not in ("--train-iters", "3")] + ["--optimizer", "adam"]
-    ref = _train_log(tmp_path, "ref", n, model + layout + ["--train-iters", "4"])
     ckpt = str(tmp_path / "ckpt")
-    _train_log(tmp_path, "save", n, model + layout + ["--train-iters", "2", "--save", ckpt,
-                                                      "--save-interval", "2"])
-    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--train-iters", "4", "--load", ckpt])
+    ref = _train_log(tmp_path, "ref", n, model + layout + ["--train-iters", "4", "--save", ckpt,
+                                                           "--save-interval", "2"])
+    assert sorted(ref) == [1, 2, 3, 4]
+    stock = _train_log(tmp_path, "stock", 2, model + TP2 + ["--train-iters", "4", "--load", ckpt,
+                                                           "--ckpt-step", "2"])
     assert sorted(stock) == [3, 4]
     for it in (3, 4):
         assert stock[it] == pytest.approx(ref[it], rel=TOL), (it, stock, ref)
