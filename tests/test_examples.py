@@ -177,6 +177,10 @@ def test_walkthrough_end_to_end(tmp_path):
         assert line.split()[2] == "complete" and line.split()[3] == "4/4", line
         assert re.search(r"\d\.\d{3}x$", line), line
     assert body["stock"].endswith("1.000x")
+    for name in ("oases", "oases-plan"):  # the loss column: stock's losses
+        cell = body[name].split()[-2]
+        assert cell == "0" or float(cell) < 1e-5, body[name]
+    assert [line for line in table if line.startswith("note: CPU timings (every run)")]
     assert not [line for line in table if line.startswith("warning:")]
     rows = {r["variant"]: r for r in csv.DictReader(open(out / "speedup.csv"))}
     assert {r["status"] for r in rows.values()} == {"complete"}
