@@ -14,7 +14,7 @@ import pytest
 
 from megatron_oases.describe.saved import CPU_KERNELS, layer_saved_bytes
 from megatron_oases.runtime.spawn import run_on_ranks
-from tests.rank_fns_saved import saved_bytes_of_one_forward
+from tests.rank_fns_saved import saved_bytes_of_forwards
 
 RC = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 ROPE, QKN = ["--position-embedding-type", "rope"], ["--qk-layernorm"]
@@ -49,8 +49,10 @@ def _argv(layers, *, tp, b, s, h, a, dropout, bf16, extra, attention="local"):
 
 def _measured_per_layer(**kw) -> int:
     """One layer's saved bytes (``_argv``'s keywords; ``attention``: the ``--attention-backend``)."""
-    one, two = (run_on_ranks(saved_bytes_of_one_forward, kw["tp"], args=(_argv(n, **kw),),
-                             timeout_s=180) for n in (1, 2))
+    # both models in one spawned group (a spawn per model cost more than the forwards)
+    ranks = run_on_ranks(saved_bytes_of_forwards, kw["tp"], args=([_argv(n, **kw) for n in (1, 2)],),
+                         timeout_s=180)
+    one, two = [r[0] for r in ranks], [r[1] for r in ranks]
     assert one[0] == one[-1] and two[0] == two[-1]  # TP ranks keep the same bytes
     return two[0] - one[0]
 
