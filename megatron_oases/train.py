@@ -215,9 +215,11 @@ def nonfinite_stop(tr: Trainer, iteration: int, out: dict) -> str | None:
     nan_loss, inf_loss, nan_norm, inf_norm = (bool(f) for f in flags.tolist())
     what = [f"the {name} is {'NaN' if nan else 'Inf'}" for name, nan, inf in (
         ("loss", nan_loss, inf_loss), ("gradient norm", nan_norm, inf_norm)) if nan or inf]
-    if not what:
-        return None
-    cfg = tr.cfg
+    return _nonfinite_line(tr.cfg, iteration, what) if what else None
+
+
+def _nonfinite_line(cfg: RunConfig, iteration: int, what: list[str]) -> str:
+    """The stop's one line: what was not finite, and the ways out that fit this run."""
     fix = f"lower --lr (now {cfg.lr:g})"
     if cfg.load:
         fix += (", or resume from an earlier checkpoint (--ckpt-step N"
