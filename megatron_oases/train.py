@@ -209,7 +209,8 @@ def nonfinite_stop(tr: Trainer, iteration: int, out: dict) -> str | None:
     if not tr.cfg.check_for_nan_in_loss_and_grad:
         return None
     norm = out["grad_norm"] if out["update_successful"] else None
-    bad = [v is not None and kind(v) for v in (out["loss"], norm) for kind in (math.isnan, math.isinf)]
+    bad = [v is not None and kind(v)
+           for v in (out["loss"], norm) for kind in (math.isnan, math.isinf)]
     flags = torch.tensor([float(b) for b in bad], device=tr.runtime.device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     nan_loss, inf_loss, nan_norm, inf_norm = (bool(f) for f in flags.tolist())
