@@ -199,8 +199,10 @@ def test_sigterm_without_the_handler_ends_the_ranks_and_says_so(tmp_path):
 def _one_rank(args: list[str]) -> subprocess.CompletedProcess:
     from megatron_oases.runtime.spawn import free_port
 
+    # OMP_NUM_THREADS=1: a lone rank started this way keeps torch's default threads, which spin
+    # for the cores the other tests' ranks need on a loaded 2-core host
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "megatron_oases.train", *MODEL, *args],
                           capture_output=True, text=True, timeout=DEADLINE_S, env=env)
 
