@@ -393,8 +393,9 @@ def test_cli_resumes_in_the_same_directory_and_prints_megatron_lines(tmp_path):
     base = [sys.executable, "-m", "megatron_oases.train", *MODEL, "--save", d, "--load", d]
 
     def launch(*extra):  # one rank, as torchrun starts it (no spawn: half the imports)
+        # OMP_NUM_THREADS=1: torch's default threads spin for the cores of a loaded host
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
         return subprocess.run(base + list(extra), capture_output=True, text=True,
                               timeout=TIMEOUT, env=env)
 
