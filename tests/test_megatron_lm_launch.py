@@ -145,6 +145,9 @@ def test_wrap_entry_lets_megatron_validate_tp2_on_cpu():
     if entry_source() is None:
         pytest.skip("no megatron.training: megatron-core 0.16 without MEGATRON_LM_PATH")
     argv = [a for a in CPU_TRAIN] + ["--tensor-model-parallel-size", "2"]
+    nccl = [a for a in argv if a not in ("--distributed-backend", "gloo")]
+    # one interpreter for both argv (a second one cost another import of megatron.training): the
+    # gloo one validates, then the nccl one must stop Megatron's parse with one line, status 2
     code = f"""
         import sys
         from megatron_oases import mcore_compat
@@ -156,22 +159,27 @@ def test_wrap_entry_lets_megatron_validate_tp2_on_cpu():
         import megatron.training.training as training
         initialize._warmup_jit_function = lambda *a, **k: 1 / 0  # the warm-up must not run
         assert training.set_jit_fusion_options(tp_size=2) is None
-        sys.argv = ['pretrain_gpt.py', *sys.argv[1:]]
-        if hasattr(arguments, 'parse_and_validate_args'):
-            args = arguments.parse_and_validate_args(extra_args_provider=extra,
-                args_defaults={{'tokenizer_type': 'GPT2BPETokenizer'}})
-        else:  # 0.17: pretrain parses and validates
-            args = arguments.parse_args(extra)
+        def validate(argv):
+            sys.argv = ['pretrain_gpt.py', *argv]
+            if hasattr(arguments, 'parse_and_validate_args'):
+                return arguments.parse_and_validate_args(extra_args_provider=extra,
+                    args_defaults={{'tokenizer_type': 'GPT2BPETokenizer'}})
+            args = arguments.parse_args(extra)  # 0.17: pretrain parses and validates
             arguments.validate_args(args, {{'tokenizer_type': 'GPT2BPETokenizer'}})
-        print('validated', args.tensor_model_parallel_size, provider.uses_stock(args))
+            return args
+        args = validate({argv!r})
+        print('validated', args.tensor_model_parallel_size, provider.uses_stock(args), flush=True)
+        print('--- nccl', file=sys.stderr, flush=True)
+        validate({nccl!r})
+        print('nccl validated')
     """
-    env = {"WORLD_SIZE": "2", "RANK": "0"}
-    rc, stdout, stderr = _python(code.replace("sys.argv[1:]", repr(argv)), env=env)
-    assert rc == 0 and "validated 2 False" in stdout, stderr[-3000:]
-    nccl = [a for a in argv if a not in ("--distributed-backend", "gloo")]
-    rc, stdout, stderr = _python(code.replace("sys.argv[1:]", repr(nccl)), env=env)
-    errors = [ln for ln in stderr.splitlines() if "error:" in ln]
-    assert rc == 2 and len(errors) == 1 and "--distributed-backend gloo" in errors[0], stderr[-3000:]
+    rc, stdout, stderr = _python(code, env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert "validated 2 False" in stdout, stderr[-3000:]
+    before, _, after = stderr.partition("--- nccl\n")
+    assert not [ln for ln in before.splitlines() if "error:" in ln], before[-3000:]
+    errors = [ln for ln in after.splitlines() if "error:" in ln]
+    assert rc == 2 and "nccl validated" not in stdout, stdout[-2000:] + stderr[-3000:]
+    assert len(errors) == 1 and "--distributed-backend gloo" in errors[0], stderr[-3000:]
 
 
 @needs_cpu
