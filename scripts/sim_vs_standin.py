@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from megatron_oases.bench_standin.summary import parse_overlap_files
 
 
 def compare(path: str) -> list[dict]:
@@ -63,19 +64,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", metavar="OVERLAP_JSON", help="bench_gpu_overlap.py --out files")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
-    a = p.parse_args(argv)
-    missing = [f for f in a.files if not os.path.isfile(f)]
-    if missing:
-        p.error(f"OVERLAP_JSON {missing[0]} is not a file; give the --out file of scripts/bench_gpu_overlap.py")
-    from megatron_oases.errors import ConfigError
-    from megatron_oases.output_paths import check_output_file
-
-    try:
-        check_output_file("--out", a.out)
-    except ConfigError as e:
-        p.error(str(e))
+    a = parse_overlap_files(p, argv, out_help="write the rows as JSON here", out_required=False)
     rows = [row for f in a.files for row in compare(f)]
     cols = ("file", "schedule", "recompute", "cuda_device_max_connections", "compute_ms", "sim_compute_ms",
             "standins_priced_ms", "sim_comm_ms", "sleep_step_ms", "sim_step_ms", "exposed_ms", "sim_exposed_ms")

@@ -57,13 +57,14 @@ TABLE_COLUMNS = ("model", "stand-in", "recompute", "link GB/s", "stock ms", "Oas
                  "Oases comm-disabled ms", "max(compute, comm) ms", "stock / Oases", "Oases / comm-disabled")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from megatron_oases.errors import ConfigError, OneLineErrorParser
+def parse_overlap_files(p, argv: list[str] | None, *, out_help: str, out_required: bool):
+    """``OVERLAP_JSON ... --out F`` of the scripts that read the benchmark's JSON files (this one,
+    ``scripts/sim_vs_standin.py``): each file exists and ``--out`` is writable, or one line."""
+    from megatron_oases.errors import ConfigError
     from megatron_oases.output_paths import check_output_file
 
-    p = OneLineErrorParser(prog="megatron_oases.bench_standin.summary", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", metavar="OVERLAP_JSON", help="bench_gpu_overlap.py --out files")
-    p.add_argument("--out", required=True, help="write the records here (a JSON list)")
+    p.add_argument("--out", required=out_required, default=None, help=out_help)
     a = p.parse_args(argv)
     missing = [f for f in a.files if not os.path.isfile(f)]
     if missing:
@@ -72,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         check_output_file("--out", a.out)
     except ConfigError as e:
         p.error(str(e))
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_oases.errors import OneLineErrorParser
+
+    p = OneLineErrorParser(prog="megatron_oases.bench_standin.summary", description=__doc__.split("\n\n")[0])
+    a = parse_overlap_files(p, argv, out_help="write the records here (a JSON list)", out_required=True)
     recs = []
     for path in a.files:
         with open(path, encoding="utf-8") as f:
