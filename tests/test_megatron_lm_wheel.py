@@ -14,6 +14,7 @@ what ``tests/test_megatron_lm_checkout.py`` uses.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -45,6 +46,7 @@ def _plan_file() -> str:
     with os.fdopen(fd, "w") as f:
         json.dump({"format": "megatron-oases-plan/1", "tensor_model_parallel_size": 2,
                    "num_layers": 2, "degrees": [1, 1, 2, 2]}, f)
+    atexit.register(os.remove, path)  # made at collection: gone when pytest exits, not left in /tmp
     return path
 
 
