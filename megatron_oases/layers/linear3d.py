@@ -306,9 +306,10 @@ class LayerNorm3D(torch.nn.Module):
     """LayerNorm (or RMSNorm) over a hidden dim split in ``other_dir(input_dir)``; keeps the
     direction state.
 
-    Mean and variance (RMSNorm: the mean square) are partial sums all-reduced over the p ranks
-    that share a row block; gamma and beta are diagonal vectors applied with Algorithm 7 (mul,
-    then add). ``rms=True`` has no beta (``self.bias`` is None).
+    Mean and variance (RMSNorm: the mean square) are fp32 partial sums all-reduced over the p
+    ranks that share a row block; the normalised activation is cast back to the input dtype, and
+    gamma and beta are diagonal vectors applied with Algorithm 7 (mul, then add). ``rms=True``
+    has no beta (``self.bias`` is None).
     """
 
     def __init__(self, hidden: int, groups: CubeGroups, *, input_dir: str = "y", eps: float = 1e-5,
@@ -333,13 +334,19 @@ class LayerNorm3D(torch.nn.Module):
         return reduce_from_group(copy_to_group(t.sum(-1, keepdim=True), g), g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics and normalisation in fp32 (as Megatron's fused norms, torch's layer_norm and
+        # ATPNorm), then gamma / beta in the input dtype. In fp16 the backward of rsqrt (-r^3 / 2)
+        # overflows once the variance is below ~6e-4 (r > 40: GPT's 0.02-std embeddings), so
+        # every gradient upstream of the norm became inf / NaN and the loss scaler skipped every
+        # step; a fp16 sum of squares also overflows once |x| > 256.
+        xf = x.float()
         if self.rms:
-            y = x * torch.rsqrt(self._sum_hidden(x * x) / self.hidden + self.eps)
-            return vector_op_3d(y, self.weight, self.groups, self.col_dir, "mul")
-        mean = self._sum_hidden(x) / self.hidden
-        xc = x - mean
+            y = xf * torch.rsqrt(self._sum_hidden(xf * xf) / self.hidden + self.eps)
+            return vector_op_3d(y.to(x.dtype), self.weight, self.groups, self.col_dir, "mul")
+        mean = self._sum_hidden(xf) / self.hidden
+        xc = xf - mean
         var = self._sum_hidden(xc * xc) / self.hidden
-        y = xc * torch.rsqrt(var + self.eps)
+        y = (xc * torch.rsqrt(var + self.eps)).to(x.dtype)
         y = vector_op_3d(y, self.weight, self.groups, self.col_dir, "mul")
         return vector_op_3d(y, self.bias, self.groups, self.col_dir, "add")
 
