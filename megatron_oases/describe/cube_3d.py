@@ -39,6 +39,12 @@ def cube_side(tp: int) -> int:
     return p
 
 
+STATS_BYTES = 4
+"""Bytes of one norm statistic on the wire: ``LayerNorm3D`` computes and all-reduces its
+statistics in fp32 whatever the activations' dtype (``layers/linear3d.py``; in fp16 the rsqrt's
+backward overflowed)."""
+
+
 def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, tp: int,
                       bytes_per_element: int = 2, variant: LayerVariant = GPT2) -> LayerDescription:
     """A GPT layer on the cube of ``tp = p^3`` ranks: GPT-2's (LayerNorm, biased linears, GeLU
@@ -86,7 +92,7 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
                 coll(f"{name}.rs", c_dir, act_out, "reduce_scatter"))
 
     def norm(name: str, backward: bool = False) -> tuple[Collective, ...]:
-        stats = tuple(coll(f"{name}.{k}", "z", e * tok / q, "all_reduce")
+        stats = tuple(coll(f"{name}.{k}", "z", STATS_BYTES * tok / q, "all_reduce")
                       for k in (("mean", "var") if layer_norm else ("var",)))
         beta = vector(f"{name}.beta", h, "z", backward) if layer_norm else ()
         return stats + vector(f"{name}.gamma", h, "z", backward) + beta
