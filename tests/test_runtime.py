@@ -124,7 +124,8 @@ def test_launcher_refuses_more_cuda_ranks_than_visible_gpus(monkeypatch, capsys)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     started = []
-    monkeypatch.setattr(spawn, "run_on_ranks", lambda *a, **k: started.append(a))
+    # a launch returns each rank's result: None, no rank stopped on a NaN (train._spawned_rank)
+    monkeypatch.setattr(spawn, "run_on_ranks", lambda *a, **k: started.append(a) or [None] * a[1])
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1",
