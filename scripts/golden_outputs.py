@@ -41,7 +41,7 @@ COMMANDS: dict[str, list[str]] = {
     "sim-llama-sp-interleaved": ["sim", "--topology", "dgx-h100-ndr8", "--nodes", "2", *LLAMA,
                                  "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
                                  "--num-layers-per-virtual-pipeline-stage", "2", "--data-parallel-size", "2",
-                                 "--sequence-parallel", "--distributed-optimizer", "--overlap-grad-reduce",
+                                 "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
                                  "--num-microbatches", "8", "--attention-backend", "flash"],
     "sim-llama-oases-te": ["sim", "--topology", "dgx-a100", *LLAMA, "--tensor-model-parallel-size", "8",
                            "--schedule", "oases", "--transformer-impl", "transformer_engine"],

@@ -152,7 +152,7 @@ def test_a_megatron_lm_flag_the_simulator_does_not_know_is_one_line(capsys):
 
 @pytest.mark.parametrize("flags", [["--attention-backend", "flash"], ["--use-flash-attn"],
                                    ["--transformer-impl", "transformer_engine"], ["--no-masked-softmax-fusion"],
-                                   ["--distributed-optimizer"], ["--virtual-stages", "1,2"]])
+                                   ["--use-distributed-optimizer"], ["--virtual-stages", "1,2"]])
 def test_search_takes_the_flags_it_applies_to_every_candidate(flags, capsys):
     """The core attention, the software stack and the DP / pipeline options hold for every
     strategy a search ranks: accepted with --search (they change its prices)."""
@@ -312,10 +312,12 @@ def test_selective_recompute_reruns_the_core_attention_only(capsys):
 @pytest.mark.parametrize("flags, needle", [
     (["--overlap", "oases"], "--overlap is now --schedule default|oases"),
     (["--search", "--overlaps", "none,oases"], "--overlaps is now --schedules default,oases"),
+    (["--distributed-optimizer"], "--distributed-optimizer is now --use-distributed-optimizer"),
 ])
 def test_the_executors_old_flag_names_are_refused_naming_the_new_ones(flags, needle, capsys):
-    """``--schedule`` is the TP executor in every front end (the trainer's name); the old
-    ``--overlap`` / ``--overlaps`` of ``sim`` name it in one line instead of silently aliasing."""
+    """``--schedule`` is the TP executor in every front end (the trainer's name), the distributed
+    optimizer ``--use-distributed-optimizer`` (Megatron-LM's); ``sim``'s old names say the new
+    one in one line instead of silently aliasing."""
     from megatron_oases.sim.frontends.cli import sim_main
 
     with pytest.raises(SystemExit) as e:

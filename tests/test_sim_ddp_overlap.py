@@ -110,15 +110,15 @@ def test_param_gather_overlap_hides_part_of_the_all_gather():
 
 
 def test_param_gather_overlap_needs_the_distributed_optimizer(capsys):
-    with pytest.raises(SimError, match="--overlap-param-gather needs --distributed-optimizer"):
+    with pytest.raises(SimError, match="--overlap-param-gather needs --use-distributed-optimizer"):
         Strategy(dp=2, overlap_grad_reduce=True, overlap_param_gather=True)
     argv = ["--topology", "dgx-a100", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads",
             "16", "--seq-length", "512", "--micro-batch-size", "2", "--tp", "8", "--overlap-grad-reduce",
             "--overlap-param-gather"]
     assert sim_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--overlap-param-gather" in err[0] and "--distributed-optimizer" in err[0]
-    assert sim_main([*argv, "--distributed-optimizer"]) == 0
+    assert len(err) == 1 and "--overlap-param-gather" in err[0] and "--use-distributed-optimizer" in err[0]
+    assert sim_main([*argv, "--use-distributed-optimizer"]) == 0
     assert "DP overlap grad + param" in capsys.readouterr().out
 
 

@@ -128,7 +128,7 @@ class Strategy:
     def _check_ddp_overlap(self) -> None:
         """Megatron-LM's own limits on the DDP overlap flags (``megatron/training/arguments.py``)."""
         if self.overlap_param_gather and not self.distributed_optimizer:
-            raise SimError("--overlap-param-gather needs --distributed-optimizer (Megatron all-gathers "
+            raise SimError("--overlap-param-gather needs --use-distributed-optimizer (Megatron all-gathers "
                            "parameters only under the distributed optimizer)")
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise SimError("--overlap-param-gather needs --overlap-grad-reduce (as Megatron-LM)")

@@ -130,11 +130,13 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-backend", default="megatron", choices=BACKENDS,
                    help="TP layer: megatron (1-D), atp (2-D mesh, --atp-mesh), 3d (cube, TP = p^3)")
     g.add_argument("--atp-mesh", default=None, metavar="D1,D2")
-    g.add_argument("--distributed-optimizer", action="store_true")
+    g.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: optimizer states sharded over DP")
+    g.add_argument("--distributed-optimizer", action=Renamed, new="--use-distributed-optimizer (Megatron-LM's name)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="DP reduction per bucket, overlapping the last micro-batch's backward")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
+                   help="with --use-distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=0,
                    help="parameters per DP bucket (default: Megatron's max(40M, 1M x DP))")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=0,
