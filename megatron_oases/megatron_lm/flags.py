@@ -183,12 +183,11 @@ def announce(cfg: RunConfig, stock: bool) -> None:
     if _announced or os.environ.get("RANK", "0") != "0":
         return
     _announced = True
-    import torch
-
+    from megatron_oases.runtime.device import detect_runtime
     from megatron_oases.specs import build_line
 
     print(build_line(cfg, world=int(os.environ.get("WORLD_SIZE", "1")),
-                     device="cuda" if torch.cuda.is_available() else "cpu",
+                     device=detect_runtime().device.type,  # the runtime layer's one choice
                      dist_backend=cfg.megatron_lm.distributed_backend, stock=stock), flush=True)
 
 
