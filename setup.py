@@ -8,7 +8,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_oases", "megatron_oases.*"]),
+    # benchmarks/: the benchmark harness, its own top-level package beside the library (it imports
+    # megatron_oases, never the reverse), so scripts and tests import it without sys.path edits.
+    packages=find_packages(include=["megatron_oases", "megatron_oases.*", "benchmarks", "benchmarks.*"]),
     package_data={"megatron_oases": ["topology/examples/*.yaml"]},
     install_requires=[
         "torch>=2.6",

@@ -148,7 +148,7 @@ def forward_backward(tr: Trainer, batches: list, forward_only: bool = False) -> 
     """Forward and backward of one global batch's micro-batches through Megatron's schedule, the
     model's gradient buffers zeroed first; no host synchronisation inside. Returns the schedule's
     per-micro-batch loss dicts (last stage). The trainer's step and the one-GPU overlap benchmark
-    (``bench_standin``) both run it; the benchmark also times the forward pass alone
+    (``benchmarks.standin``) both run it; the benchmark also times the forward pass alone
     (``forward_only``: autograd still records, as in the step, but nothing runs backward)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -9,7 +9,7 @@ and the flat ``emu-flat4``), runs the reference trainer with TP = 4 inside an Em
 and prints the median step time after warm-up next to ``search_mesh``'s predicted T_comm and
 ranking for the same topology and model (what ``megatron-oases mesh`` prints), marks the search's
 pick and the measured-fastest mesh, and gives the best ATP mesh over stock. Also recorded per
-variant: bytes each rank sends per step (the counting trainer of ``megatron_oases.bench``: every
+variant: bytes each rank sends per step (the counting trainer of ``benchmarks.harness``: every
 collective, Megatron's own included, through ``CommCounter``; groups of one excluded) and the
 peak RSS per rank.
 
@@ -39,13 +39,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases import bench  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 
 # ---- launching -----------------------------------------------------------------------------------
 # ---- the ATP benchmark ---------------------------------------------------------------------------
 def model_flags(a) -> list[str]:
-    return bench.model_flags(a, a.tp)
+    return harness.model_flags(a, a.tp)
 
 
 def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
@@ -53,7 +53,7 @@ def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
     from megatron_oases.plan.atp_mesh import search_mesh
     from megatron_oases.plan.mesh_cli import format_choice
 
-    topo_path = bench.scaled_topology(topo_name, a.bw_scale, workdir)
+    topo_path = harness.scaled_topology(topo_name, a.bw_scale, workdir)
     shape = GPTShape(hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
                      micro_batch_size=a.micro_batch, seq_length=a.seq, dtype="fp32")
     choice = search_mesh(topo_path, a.tp, shape, min_gain=a.min_gain)
@@ -69,7 +69,7 @@ def bench_topology(a, topo_name: str, workdir: str) -> tuple[list[dict], dict]:
     rows = []
     for name, mesh, k, flags in variants:
         tag = f"{os.path.basename(topo_path)[:-5]}-{name.replace(' ', '_')}"
-        r = bench.run_variant(a, a.tp, topo_path, workdir, tag, model_flags(a) + flags)
+        r = harness.run_variant(a, a.tp, topo_path, workdir, tag, model_flags(a) + flags)
         row = {"topology": topo_name, "variant": name,
                "mesh": f"({mesh[0]},{mesh[1]})" if mesh else "-", "chunks": k,
                "pred_rank": pred[mesh][0] if mesh else None,
@@ -115,8 +115,8 @@ COLS = ["topology", "variant", "chunks", "pred_t_comm_ms", "pred_rank", "step_ms
         "vs_stock", "wire_MB_per_rank", "peak_mem_mb_max_rank", "mark"]
 
 
-_fmt = bench.fmt
-print_table = bench.print_table
+_fmt = harness.fmt
+print_table = harness.print_table
 
 
 def main(argv=None) -> int:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], choices=(1, 2, 4))
     p.add_argument("--min-gain", type=float, default=None,
                    help="search margin over (N,1) (default: the search's own, 0.10)")
-    bench.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
+    harness.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_atp")

@@ -8,13 +8,13 @@ of a TP-t model, every TP collective replaced by a stand-in of priced duration o
         --seq-length 4096 --micro-batch-size 2
 
 Flags before ``--`` are the benchmark's (``--help``), the rest the reference trainer's.
-See megatron_oases/bench_standin/ and docs/gpu.md.
+See benchmarks/standin/ and docs/gpu.md.
 """
 import os
 import sys
 
 
-from megatron_oases.bench_standin.measure import main  # noqa: E402  (imports no Megatron)
+from benchmarks.standin.measure import main  # noqa: E402  (imports no Megatron)
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_oases.bench import bench_lock, loadavg, print_table  # noqa: E402
+from benchmarks.harness import bench_lock, loadavg, print_table  # noqa: E402
 from megatron_oases.run_config import DEFAULTS  # noqa: E402
 
 FIRST_ITERATION = re.compile(r"iteration\s+1/")

@@ -46,7 +46,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases.bench import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
+from benchmarks.harness import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
                                   launch_ranks, model_flags, step_stats)
 
 VARIANTS = {

@@ -38,7 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases.bench import (RECOMPUTE, TRAINER, bench_lock, launch_ranks, loadavg,  # noqa: E402
+from benchmarks.harness import (RECOMPUTE, TRAINER, bench_lock, launch_ranks, loadavg,  # noqa: E402
                                   print_table, step_stats)
 
 SKIP = ["--oases-skip-tp-collectives"]

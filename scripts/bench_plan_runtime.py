@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from megatron_oases.describe.split import sub_batches_at  # noqa: E402
-from megatron_oases.bench import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402
+from benchmarks.harness import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402
                                   launch_ranks, loadavg, model_flags, print_table, step_stats,
                                   two_level_topology_yaml, write_topology)
 

@@ -40,8 +40,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases import bench  # noqa: E402
-from megatron_oases.bench import loadavg, step_stats  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import loadavg, step_stats  # noqa: E402
 
 # name -> (trainer flags for the split / schedule, what it exercises)
 CONFIGS = {
@@ -98,10 +98,10 @@ def wait_quiet(max_runnable: float, max_wait_s: float) -> float:
 
 @contextlib.contextmanager
 def bench_lock():
-    """``bench.bench_lock``, saying when it had to wait."""
-    with bench.bench_lock() as waited:
+    """``harness.bench_lock``, saying when it had to wait."""
+    with harness.bench_lock() as waited:
         if waited > 1:
-            print(f"    (waited {waited:.0f} s for {bench.BENCH_LOCK})", flush=True)
+            print(f"    (waited {waited:.0f} s for {harness.BENCH_LOCK})", flush=True)
         yield
 
 
@@ -109,15 +109,15 @@ def topology_yaml(world: int, a) -> str:
     """Two ranks: one emulated node. Four: 2 nodes x 2 ranks (TP inside a node, DP / PP across).
     Eight (the 3-D cube): one node."""
     if world == 2:
-        return bench.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
+        return harness.topology_yaml("acc-flat2", "bench_sim_accuracy, 1 node x 2 ranks",
                                           [("lo", 2, "intra_node", a.intra_GBps, 20)])
     if world == 4:
         # 4 ranks share 2 cores: compute is ~2x slower, so the links are too (comm ~ compute)
-        return bench.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
+        return harness.two_level_topology_yaml("acc-2x2", "bench_sim_accuracy, 2 nodes x 2 ranks",
                                                     a.intra_GBps / 2, a.inter_GBps)
     if world == 8:
         # 8 ranks share 2 cores: compute is ~4x slower, so the links are too
-        return bench.topology_yaml("acc-flat8", "bench_sim_accuracy, 1 node x 8 ranks",
+        return harness.topology_yaml("acc-flat8", "bench_sim_accuracy, 1 node x 8 ranks",
                                    [("lo", 8, "intra_node", a.intra_GBps / 4, 20)])
     raise SystemExit(f"no topology for {world} ranks")
 

@@ -9,7 +9,7 @@ Runs the reference trainer with TP = 8 inside an EmulatedCluster for
 
 and reports per variant: median step time after warm-up, bytes each rank sends per step
 (*measured*: every ``torch.distributed`` collective of a training step counted on every rank,
-the counting trainer of ``megatron_oases.bench``; groups of one excluded), the bytes the docs' formulas *predict* for
+the counting trainer of ``benchmarks.harness``; groups of one excluded), the bytes the docs' formulas *predict* for
 the transformer layers alone (docs/tp3d.md, docs/atp_mesh.md Eq. 2), and peak RSS per rank.
 
 Default topology: one emulated node of 8 ranks (flat), ``--link-GBps`` per rank (the node's lo
@@ -30,13 +30,13 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases import bench  # noqa: E402
-from megatron_oases.bench import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
     name = f"bench-flat{world}"
-    return bench.write_topology(workdir, name, bench.flat_topology_yaml(name, world, link_GBps))
+    return harness.write_topology(workdir, name, harness.flat_topology_yaml(name, world, link_GBps))
 
 
 def main(argv=None) -> int:
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-argmin", action="store_true",
                    help="do not also run Eq. 2's raw argmin mesh when min_gain overrules it")
     p.add_argument("--min-gain", type=float, default=None, help="ATP search margin (default 0.10)")
-    bench.add_model_args(p, hidden=256, heads=8, seq=64, iters=4, warmup=1)
+    harness.add_model_args(p, hidden=256, heads=8, seq=64, iters=4, warmup=1)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_tp3d")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        topo = (bench.scaled_topology(a.topology, a.bw_scale, work) if a.topology
+        topo = (harness.scaled_topology(a.topology, a.bw_scale, work) if a.topology
                 else flat_topology(a.tp, a.link_GBps, work))
         choice = search_mesh(topo, a.tp, GPTShape(hidden_size=a.hidden, num_layers=a.layers,
                                                   num_attention_heads=a.heads, micro_batch_size=a.micro_batch,
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
             m = meshes.get(v)
             flags = (["--tp-backend", "atp", "--atp-mesh", f"{m[0]},{m[1]}", "--atp-chunks",
                       str(a.atp_chunks)] if m else ["--tp-backend", "megatron" if v == "stock" else v])
-            r = bench.run_variant(a, a.tp, topo, work, f"tp3d-{v}",
-                                      bench.model_flags(a, a.tp) + flags)
+            r = harness.run_variant(a, a.tp, topo, work, f"tp3d-{v}",
+                                      harness.model_flags(a, a.tp) + flags)
             label = (f"atp ({m[0]},{m[1]}) c{a.atp_chunks}" + (" pick" if v == "atp" else " argmin")
                      if m else v)
             row = {"variant": label,
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
           f"{a.micro_batches}, fp32; step_ms = median after {a.warmup} warm-up of {a.iters}; "
           f"wire_MB measured per rank per step (all collectives), pred_layer_MB = formulas, "
           f"transformer layers only; peak_mem = peak RSS per rank")
-    bench.print_table(rows, cols)
+    harness.print_table(rows, cols)
     with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "peak_mem_mb", "loss", "wall_s"],
                            extrasaction="ignore")

@@ -24,7 +24,7 @@ weak    the problem grows with P as in the paper's Table 1 ("we mainly adjust th
 Every run is one trainer launch of P ranks in one emulated node (flat topology, ``--link-GBps``
 per rank: the node's lo is limited to P x that, so every rank has the same link at every P; a
 1-rank run has no collective and runs without namespaces). Per run the counting trainer
-(``python -m megatron_oases.bench --timed``) records, per rank and step: wire bytes of every
+(``python -m benchmarks.harness --timed``) records, per rank and step: wire bytes of every
 collective (``CommCounter``, Megatron's own calls included), the time the rank spent blocked in
 collectives (the call, or ``wait()`` of an async handle), the process CPU time (all threads) and the parameter bytes it holds. Each timed
 run holds an exclusive ``flock`` on ``--lock`` (other benchmarks on the box wait, and this one
@@ -55,8 +55,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from megatron_oases import bench  # noqa: E402
-from megatron_oases.bench import predicted_layer_mb  # noqa: E402  (re-exported: the tests read it here)
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import predicted_layer_mb  # noqa: E402  (re-exported: the tests read it here)
 
 RANKS = (1, 2, 4, 8)
 
@@ -124,19 +124,19 @@ def markdown_table(rows: list[dict], cols: list[str], headers: dict[str, str] | 
     out = ["| " + " | ".join(headers.get(c, c) for c in cols) + " |",
            "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        out.append("| " + " | ".join(bench.fmt(r.get(c)) for c in cols) + " |")
+        out.append("| " + " | ".join(harness.fmt(r.get(c)) for c in cols) + " |")
     return "\n".join(out)
 
 
 # ---- launching ----------------------------------------------------------------------------------
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
     name = f"scaling-flat{world}"
-    return bench.write_topology(workdir, name, bench.flat_topology_yaml(name, world, link_GBps))
+    return harness.write_topology(workdir, name, harness.flat_topology_yaml(name, world, link_GBps))
 
 
 def model_flags(a, P: int, hidden: int, micro_batch: int) -> list[str]:
     ns = argparse.Namespace(**{**vars(a), "hidden": hidden, "micro_batch": micro_batch})
-    return bench.model_flags(ns, P)
+    return harness.model_flags(ns, P)
 
 
 def run_point(a, pt: dict, rep: int, workdir: str) -> dict:
@@ -146,20 +146,20 @@ def run_point(a, pt: dict, rep: int, workdir: str) -> dict:
     tag = f"{a.study}-P{P}-{pt['variant'].replace(' ', '_').replace('(', '').replace(')', '').replace(',', 'x').replace('=', '')}-r{rep}"
     log = os.path.join(workdir, tag + ".jsonl")
     stats = os.path.join(workdir, tag + ".stats")
-    cmd = [*bench.counting_trainer(stats, timed=True), "--", "--topology", topo, *model_flags(a, P, pt["hidden"], pt["micro_batch"]), *pt["flags"],
+    cmd = [*harness.counting_trainer(stats, timed=True), "--", "--topology", topo, *model_flags(a, P, pt["hidden"], pt["micro_batch"]), *pt["flags"],
            "--log-json", log]
     env = {"OMP_NUM_THREADS": "1"} if pt["variant"] == "serial 1thr" else {}
-    with bench.bench_lock(a.lock) as waited:
-        load0 = bench.loadavg()
+    with harness.bench_lock(a.lock) as waited:
+        load0 = harness.loadavg()
         t0 = time.time()
-        bench.launch_ranks(cmd, P, topology=None if a.no_emulate else topo, env=env, timeout=a.timeout)
+        harness.launch_ranks(cmd, P, topology=None if a.no_emulate else topo, env=env, timeout=a.timeout)
         wall = time.time() - t0
-        load1 = bench.loadavg()
+        load1 = harness.loadavg()
     recs = [json.loads(line) for line in open(log, encoding="utf-8")]
     timed = [r["step_ms"] for r in recs[a.warmup:]] or [r["step_ms"] for r in recs]
     return {"steps_ms": timed, "loss": recs[-1]["lm_loss"], "wall_s": round(wall, 1),
             "lock_wait_s": round(waited, 1), "loadavg_before": load0, "loadavg_after": load1,
-            **bench.rank_stats([f"{stats}.rank{r}.json" for r in range(P)], a.warmup)}
+            **harness.rank_stats([f"{stats}.rank{r}.json" for r in range(P)], a.warmup)}
 
 
 def points(a) -> list[dict]:
@@ -240,7 +240,7 @@ def write_outputs(out: str, cfg: dict, cores: int, rows: list[dict], runs: dict,
     loads = [float(r["loadavg_before"].split()[0]) for rs in runs.values() for r in rs]
     desc = describe(cfg, cores, started, done, loads)
     print("\n" + desc)
-    bench.print_table(rows, COLS)
+    harness.print_table(rows, COLS)
     with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=COLS + ["micro_batch", "step_ms_pooled", "run_medians_ms",
                                                  "loadavg", "loadavg_best", "comm_ms_max_rank",
@@ -267,10 +267,10 @@ def main(argv=None) -> int:
                    help="ATP meshes to run (default 2,2 4,2 8,1)")
     p.add_argument("--no-3d", action="store_true")
     p.add_argument("--link-GBps", type=float, default=0.05, help="per-rank rate of the flat node")
-    bench.add_model_args(p, hidden=512, heads=8, seq=64, iters=5, warmup=2)
+    harness.add_model_args(p, hidden=512, heads=8, seq=64, iters=5, warmup=2)
     p.set_defaults(hidden=None, micro_batch=None)  # per study, below
     p.add_argument("--repeats", type=int, default=2, help="launches per point (interleaved)")
-    p.add_argument("--lock", default=bench.BENCH_LOCK)
+    p.add_argument("--lock", default=harness.BENCH_LOCK)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None)

@@ -40,7 +40,7 @@
 #             Llama-2-70B layers at TP 8 (llama2-70b-tp8: GQA, SwiGLU, sequence 4096, 4 layers,
 #             micro-batch 2; LLAMA_SIZES replaces its size flags); one run each (8 in all, about
 #             5 minutes on an H100), then json/overlap_summary.json: one record per kind, recompute,
-#             link and model (megatron_oases/bench_standin/summary.py)
+#             link and model (benchmarks/standin/summary.py)
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -161,7 +161,7 @@ if want overlap-summary; then  # docs/gpu.md, "The next GPU call"
     done
   done
   if ls "$OUT"/json/summary/overlap-*.json >/dev/null 2>&1; then
-    step overlap-summary 30 $PY -m megatron_oases.bench_standin.summary "$OUT"/json/summary/overlap-*.json \
+    step overlap-summary 30 $PY -m benchmarks.standin.summary "$OUT"/json/summary/overlap-*.json \
       --out "$OUT/json/overlap_summary.json"
   fi
 fi

@@ -22,12 +22,12 @@ import json
 import os
 import sys
 
-from megatron_oases.bench_standin.summary import parse_overlap_files
+from benchmarks.standin.summary import parse_overlap_files
 
 
 def compare(path: str) -> list[dict]:
     """One row per schedule of the benchmark's JSON ``path``."""
-    from megatron_oases.bench_standin.standins import Link, link_topology
+    from benchmarks.standin.standins import Link, link_topology
     from megatron_oases.pricing.device_model import gpu_of_device_name
     from megatron_oases.sim.frontends.predict import analytical_train_step
     from megatron_oases.train_args import build_parser

@@ -1,4 +1,4 @@
-"""The benchmark helpers (``megatron_oases.bench``): topologies they write load, statistics read
+"""The benchmark helpers (``benchmarks.harness``): topologies they write load, statistics read
 the trainer's logs, and the counting trainer records Megatron's own collectives per step."""
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import os
 
 import pytest
 
-from megatron_oases import bench
+from benchmarks import harness
 from megatron_oases.topology import load_topology
 
 
 def test_topology_yaml_loads(tmp_path):
-    flat = load_topology(bench.write_topology(str(tmp_path), "f4", bench.flat_topology_yaml("f4", 4, 0.1)))
+    flat = load_topology(harness.write_topology(str(tmp_path), "f4", harness.flat_topology_yaml("f4", 4, 0.1)))
     assert flat.world_size == 4 and len(flat.levels) == 1
-    two = bench.two_level_topology_yaml("t", "2 x 2", 1.0, 0.1, device="a100-80gb")
-    topo = load_topology(bench.write_topology(str(tmp_path), "t", two))
+    two = harness.two_level_topology_yaml("t", "2 x 2", 1.0, 0.1, device="a100-80gb")
+    topo = load_topology(harness.write_topology(str(tmp_path), "t", two))
     assert topo.world_size == 4 and [lv.size for lv in topo.levels] == [2, 2]
 
 
@@ -24,19 +24,19 @@ def test_step_and_rank_stats(tmp_path):
     log = tmp_path / "run.jsonl"
     log.write_text("".join(json.dumps({"step_ms": ms, "peak_mem_mb": 10.0, "lm_loss": 5.0 - i})
                            + "\n" for i, ms in enumerate([900.0, 100.0, 120.0, 110.0])))
-    st = bench.step_stats(str(log), warmup=1)
+    st = harness.step_stats(str(log), warmup=1)
     assert st["step_ms"] == 110.0 and st["step_ms_min"] == 100.0 and st["loss"] == 2.0
     for r, wire in enumerate([1e6, 3e6]):
         steps = [{"wire_bytes": wire, "calls": 4, "comm_s": 0.0, "cpu_s": 0.5, "param_bytes": 8,
                   "peak_mem_mb": 5.0 + r, "kinds": {"all_reduce": {"calls": 4, "wire_bytes": wire}}}] * 2
         (tmp_path / f"s.rank{r}.json").write_text(json.dumps({"rank": r, "steps": steps}))
-    rs = bench.rank_stats(sorted(glob.glob(str(tmp_path / "s.rank*.json"))), warmup=1)
+    rs = harness.rank_stats(sorted(glob.glob(str(tmp_path / "s.rank*.json"))), warmup=1)
     assert rs["wire_MB_per_rank"] == 2.0 and rs["wire_MB_max_rank"] == 3.0
     assert rs["peak_mem_mb_max_rank"] == 6.0 and rs["kinds_rank0"]["all_reduce"]["calls"] == 4
 
 
 def test_lock_yields_the_wait(tmp_path):
-    with bench.bench_lock(str(tmp_path / "lock")) as waited:
+    with harness.bench_lock(str(tmp_path / "lock")) as waited:
         assert waited >= 0
 
 
@@ -45,8 +45,8 @@ def _counted(tmp_path, layers: int) -> dict:
     flags = ["--tensor-model-parallel-size", "2", "--num-layers", str(layers), "--hidden-size", "32",
              "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--vocab-size", "128", "--train-iters", "2", "--device", "cpu"]
-    bench.launch_ranks(bench.counting_trainer(stats) + ["--"] + flags, 2, timeout=240)
-    return bench.rank_stats([f"{stats}.rank{r}.json" for r in range(2)], warmup=0)
+    harness.launch_ranks(harness.counting_trainer(stats) + ["--"] + flags, 2, timeout=240)
+    return harness.rank_stats([f"{stats}.rank{r}.json" for r in range(2)], warmup=0)
 
 
 def test_counting_trainer_counts_megatrons_layer_all_reduces(tmp_path):

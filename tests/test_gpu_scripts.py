@@ -277,7 +277,7 @@ def test_overlap_summary_models_pass_the_benchmark_s_checks(tp, array):
     """The next GPU call's two models (the hidden-4096 model at TP 2, one rank's shard of
     Llama-2-70B at TP 8) as gpu_check.sh spells them pass the benchmark's and the trainer's
     checks at their TP, with and without full recompute (the CPU run below shrinks them)."""
-    from megatron_oases.bench_standin.measure import build_parser, validate_args
+    from benchmarks.standin.measure import build_parser, validate_args
 
     flags = _script_array(array)
     assert "--hidden-size" in flags and (array != "L70" or {"--swiglu", "--group-query-attention"} <= set(flags))
@@ -292,7 +292,7 @@ def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp
     links), then overlap_summary.json with a record per kind of each."""
     import tarfile
 
-    from megatron_oases.bench_standin.summary import FIELDS
+    from benchmarks.standin.summary import FIELDS
 
     rc, summary, log = _gpu_check_on_cpu(
         tmp_path, "overlap-summary", OVERLAP_ARGS="--steps 1 --warmup 0",

@@ -182,3 +182,15 @@ def test_the_run_config_does_not_import_the_planner():
 def test_the_runtime_does_not_import_the_run_config():
     """``runtime/`` is where code runs; it takes the fields it needs, never the run's config type."""
     assert _edges_from(import_graph(), "megatron_oases.runtime", "megatron_oases.run_config") == []
+
+
+def test_the_library_never_imports_the_benchmark_harness():
+    """``benchmarks/`` (the harness: counting trainer, one-GPU stand-ins) sits beside the package
+    and imports it; ``megatron_oases`` is what a run installs and must run without it."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(PKG.parent)}:{node.lineno}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert bad == []

@@ -1,4 +1,4 @@
-"""The one-GPU overlap benchmark (megatron_oases/bench_standin/, scripts/bench_gpu_overlap.py) on
+"""The one-GPU overlap benchmark (benchmarks/standin/, scripts/bench_gpu_overlap.py) on
 CPU: stand-ins run synchronously there, so the mechanics are tested (pricing, handles, counts,
 the whole script end to end), not the overlap. No timing is asserted."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_oases.bench_standin.standins import (Link, StandIns, calibrate, calibrate_nccl, link_matching,
+from benchmarks.standin.standins import (Link, StandIns, calibrate, calibrate_nccl, link_matching,
                                                    nccl_channels)
 from megatron_oases.parallel.collectives import WatchedCall
 from megatron_oases.runtime.device import detect_runtime
@@ -114,7 +114,7 @@ def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str,
 
 
 def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path, capsys):
-    from megatron_oases.bench_standin import summary
+    from benchmarks.standin import summary
 
     out = tmp_path / "overlap.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_overlap.py"), "--tp", str(TP),
@@ -177,7 +177,7 @@ def test_script_runs_stock_and_oases_with_both_stand_ins(tmp_path, capsys):
 def test_trainer_flags_pass_through_unabbreviated():
     """The trainer's ``--optimizer`` is not taken for the benchmark's ``--optimizer-step``, and
     the trainer's parser gets every flag the benchmark does not know."""
-    from megatron_oases.bench_standin.measure import build_parser, trainer_config
+    from benchmarks.standin.measure import build_parser, trainer_config
 
     a, rest = build_parser().parse_known_args(
         ["--optimizer", "sgd", "--tp", "4", "--out", "x.json", "--micro-batch-size", "4", "--schedule", "oases"])
@@ -216,7 +216,7 @@ MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-a
 def test_bad_flags_are_refused_before_the_model_is_built(flags, message):
     """Each bad benchmark flag is one ``ConfigError`` naming it, from the checks ``main`` runs
     right after parsing (no model is built here); the trainer's sizes are checked at --tp."""
-    from megatron_oases.bench_standin.measure import build_parser, validate_args
+    from benchmarks.standin.measure import build_parser, validate_args
     from megatron_oases.errors import ConfigError
 
     a, rest = build_parser().parse_known_args(flags + MODEL)
@@ -225,7 +225,7 @@ def test_bad_flags_are_refused_before_the_model_is_built(flags, message):
 
 
 def test_good_flags_pass_validation(tmp_path):
-    from megatron_oases.bench_standin.measure import build_parser, validate_args
+    from benchmarks.standin.measure import build_parser, validate_args
 
     a, rest = build_parser().parse_known_args(
         ["--tp", "4", "--kinds", "nccl,sleep", "--channels", "8", "--schedules", "oases", "--steps", "1",
@@ -245,7 +245,7 @@ def test_script_refuses_bad_flags_in_one_line_with_status_2():
 
 
 def test_summary_refuses_a_missing_run_and_an_unwritable_out_in_one_line(tmp_path, capsys):
-    from megatron_oases.bench_standin import summary
+    from benchmarks.standin import summary
 
     for argv, message in (([str(tmp_path / "none.json"), "--out", str(tmp_path / "s.json")],
                            f"OVERLAP_JSON {tmp_path / 'none.json'} is not a file"),

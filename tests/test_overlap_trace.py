@@ -1,5 +1,5 @@
 """The overlap benchmark's diagnosis tools on CPU: where a trace's compute stream sits idle
-(``bench_standin/trace_gaps.py``), the NCCL-like channel copy (``channel_copy.py``, under Triton's
+(``benchmarks/standin/trace_gaps.py``), the NCCL-like channel copy (``channel_copy.py``, under Triton's
 interpreter), the ``nccl`` stand-in's paced copy (``paced_copy.py``: interpreted on a fake clock,
 and compiled for an H100) and ``--trace`` / ``--kinds channels`` end to end. No timing is asserted."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_oases.bench_standin.trace_gaps import format_summary, summarize
+from benchmarks.standin.trace_gaps import format_summary, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def test_the_compute_stream_is_the_one_with_the_most_kernels_not_the_busiest():
 def test_channel_copy_copies_with_few_blocks_under_the_triton_interpreter():
     pytest.importorskip("triton")
     code = ("import torch\n"
-            "from megatron_oases.bench_standin.channel_copy import channel_copy\n"
+            "from benchmarks.standin.channel_copy import channel_copy\n"
             "src = torch.randint(0, 255, (40_003,), dtype=torch.uint8); dst = torch.zeros_like(src)\n"
             "channel_copy(src, dst, 40_001, 3)\n"
             "assert torch.equal(src[:40_000], dst[:40_000]) and int(dst[40_000:].sum()) == 0\n"
@@ -69,7 +69,7 @@ def test_channel_copy_copies_with_few_blocks_under_the_triton_interpreter():
 
 PACED = """
 import torch
-from megatron_oases.bench_standin.paced_copy import BLOCK, paced_copy
+from benchmarks.standin.paced_copy import BLOCK, paced_copy
 step = BLOCK * 4
 src = torch.randint(1, 255, (3 * step,), dtype=torch.uint8)
 
@@ -110,7 +110,7 @@ def test_paced_copy_compiles_for_an_h100_with_the_gpu_timer():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megatron_oases.bench_standin.paced_copy import BLOCK, NUM_WARPS, _paced_copy
+    from benchmarks.standin.paced_copy import BLOCK, NUM_WARPS, _paced_copy
 
     for ns in ("i32", "i64"):  # Triton types an int argument by its value: both widths occur
         sig = {"src": "*i32", "dst": "*i32", "clock": "*i64", "stamps": "*i64", "n": "i32", "scratch_words": "i32",

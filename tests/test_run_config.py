@@ -13,6 +13,19 @@ from megatron_oases.run_config import (DEFAULTS, FLAT_FIELDS, MegatronLMOptions,
                                        run_config)
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "megatron_oases"
+HARNESS = PKG.parent / "benchmarks"
+"""The benchmark harness beside the package: its entries read a run's flags too."""
+
+
+def _sources():
+    """(name, path) of every module of the package (relative to it) and of the harness
+    (``benchmarks/...``)."""
+    for path in sorted(PKG.rglob("*.py")):
+        yield path.relative_to(PKG).as_posix(), path
+    for path in sorted(HARNESS.rglob("*.py")):
+        yield path.relative_to(PKG.parent).as_posix(), path
+
+
 NAMESPACE_NAMES = {"args", "a", "view", "ns", "namespace"}
 EXEMPT: dict[tuple[str, str], str] = {
     # (file, function): reason -- none: Megatron-LM's own options named in a table are read
@@ -24,8 +37,7 @@ def namespace_getattr_reads() -> list[tuple[str, str, int]]:
     """(file, enclosing function, line) of every ``getattr(<namespace>, ...)`` outside
     ``run_config.py``, where <namespace> is one of the names run arguments go by."""
     out = []
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(PKG).as_posix()
+    for rel, path in _sources():
         if rel == "run_config.py":
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -131,7 +143,7 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("sim/frontends/predict.py", "sim_inputs_from_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "profile_train_args"): "the simulator's trainer-flags front end",
     ("sim/frontends/predict.py", "_train_step"): "the simulator's trainer-flags front end",
-    ("bench_standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
+    ("benchmarks/standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
     ("plan/mesh_cli.py", "run_shape"): "megatron-oases mesh: the trainer's model flags",
     ("sim/frontends/predict.py", "_with_loop_overhead"):
         "the simulator's trainer-flags front end (the loop overhead's one-rank runs)",
@@ -170,8 +182,7 @@ parser take ``parser`` (``add_*_args(parser)``) and need no entry."""
 
 def _functions():
     """(file, function node) of every function of the package."""
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(PKG).as_posix()
+    for rel, path in _sources():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield rel, node

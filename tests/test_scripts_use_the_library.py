@@ -1,6 +1,7 @@
 """Scripts import the installed library (scripts/setup.sh installs it; the GPU check and SLURM
 scripts set PYTHONPATH): none edits sys.path, and none imports another script, so a shared
-helper lives in the package (``megatron_oases.bench`` for the benchmark harness)."""
+helper lives in a package (``benchmarks.harness`` for the benchmark harness, installed beside
+the library)."""
 import ast
 import glob
 import os

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_oases.bench_standin.standins import Link, link_topology
+from benchmarks.standin.standins import Link, link_topology
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.pricing.device_model import DeviceModel, gpu_spec
 from megatron_oases.pricing.stack import LOCAL

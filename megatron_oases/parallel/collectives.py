@@ -144,7 +144,7 @@ def replace_watched_collectives(fn):
     """Benchmark only: while active, every collective ``watch_torch_distributed`` sees on a group
     of 2+ ranks runs ``fn(WatchedCall)`` instead, and the call returns what ``fn`` returns (a work
     handle for ``async_op``, else None); counters still record it. The one-GPU overlap benchmark
-    (``megatron_oases.bench_standin``) puts stand-ins of known duration there, for Megatron's own
+    (``benchmarks.standin``) puts stand-ins of known duration there, for Megatron's own
     collectives and ours alike. Needs ``watch_torch_distributed`` installed."""
     if not _WATCH["installed"]:
         raise RuntimeError("replace_watched_collectives needs watch_torch_distributed() installed "

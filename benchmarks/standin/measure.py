@@ -94,7 +94,7 @@ _RANGES = (
 def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     """Every benchmark flag and the trainer's flags at each schedule, before any model is built
     (``ConfigError``, one line naming the flag)."""
-    from megatron_oases.bench_standin.standins import KINDS
+    from benchmarks.standin.standins import KINDS
     from megatron_oases.output_paths import check_output_root
     from megatron_oases.train_args import SCHEDULES, cuda_wanted, validate_config
 
@@ -171,7 +171,7 @@ def _step(tr, batches, optimizer_step: bool, forward_only: bool = False) -> None
 
 
 def _timed(rt, fn, warmup: int, steps: int, before=None) -> list[float]:
-    from megatron_oases.bench_standin.standins import time_ms
+    from benchmarks.standin.standins import time_ms
 
     for _ in range(warmup):
         fn()
@@ -231,7 +231,7 @@ class Bench:
                 torch.cuda.empty_cache()
 
     def _measure(self, tr) -> dict:
-        from megatron_oases.bench_standin.standins import (CHANNELS, StandIns, calibrate, calibrate_nccl,
+        from benchmarks.standin.standins import (CHANNELS, StandIns, calibrate, calibrate_nccl,
                                                            link_matching, nccl_channels)
         from megatron_oases.parallel.collectives import CommCounter
 
@@ -274,7 +274,7 @@ class Bench:
     def _comm_disabled(self, rt, step) -> dict:
         """Steps with every collective a stand-in of zero duration: communication switched off,
         the side-stream hand-offs kept."""
-        from megatron_oases.bench_standin.standins import StandIns
+        from benchmarks.standin.standins import StandIns
         from megatron_oases.parallel.collectives import replace_watched_collectives
 
         off = StandIns(rt, "sleep", self.link, self.cal, tuple(self.scratch), comm_disabled=True)
@@ -328,7 +328,7 @@ class Bench:
         if "default" in sch and "oases" in sch:
             out["stock_over_oases"] = {k: sch["default"][k]["with_standins"]["ms"] / sch["oases"][k]["with_standins"]["ms"]
                                        for k in self.kinds}
-        from megatron_oases.bench_standin.summary import records
+        from benchmarks.standin.summary import records
 
         out["bounds"] = records(out)
         return out
@@ -339,7 +339,7 @@ def _traced(rt, step, trace_dir: str, name: str) -> dict:
     ``.gz`` path itself) and the compute stream's idle time in it (``trace_gaps.summarize``)."""
     import torch
 
-    from megatron_oases.bench_standin.trace_gaps import load_trace, summarize
+    from benchmarks.standin.trace_gaps import load_trace, summarize
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if rt.is_cuda:
@@ -355,7 +355,7 @@ def _traced(rt, step, trace_dir: str, name: str) -> dict:
 
 
 def _link(gbps: float, latency_us: float):
-    from megatron_oases.bench_standin.standins import Link
+    from benchmarks.standin.standins import Link
 
     return Link(GBps=gbps, latency_us=latency_us)
 
@@ -368,7 +368,7 @@ def _recompute(cfg) -> str:
 
 
 def print_report(out: dict) -> None:
-    from megatron_oases.bench import print_table
+    from benchmarks.harness import print_table
 
     rows = []
     for s, r in out["schedules"].items():
@@ -397,7 +397,7 @@ def print_report(out: dict) -> None:
     for k, v in out.get("stock_over_oases", {}).items():
         print(f"stock / Oases with {k} stand-ins: {v:.3f}x")
     _print_bounds(out)
-    from megatron_oases.bench_standin.trace_gaps import format_summary
+    from benchmarks.standin.trace_gaps import format_summary
 
     for s, r in out["schedules"].items():
         for k in out["kinds"]:
@@ -408,8 +408,8 @@ def print_report(out: dict) -> None:
 def _print_bounds(out: dict) -> None:
     """The bound table (``summary.records``), and a warning where the nccl stand-in's blocks
     cannot move the link's bytes in time."""
-    from megatron_oases.bench import print_table
-    from megatron_oases.bench_standin.summary import TABLE_COLUMNS, table_rows
+    from benchmarks.harness import print_table
+    from benchmarks.standin.summary import TABLE_COLUMNS, table_rows
 
     if out.get("bounds"):
         print("comm-disabled: stock's step with every collective a stand-in of zero duration; "
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_args(a, rest)
     except ConfigError as e:
         parser.error(str(e))
-    from megatron_oases.bench_standin.fake_world import init_fake_world
+    from benchmarks.standin.fake_world import init_fake_world
     from megatron_oases.runtime.quiet import quiet_known_warnings
 
     import torch

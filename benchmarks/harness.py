@@ -4,7 +4,7 @@ launch (emulated cluster or local processes), step statistics from ``--log-json`
 table, and a counting trainer that records every collective of each step with ``CommCounter``.
 
 The counting trainer runs per rank as
-``python -m megatron_oases.bench --stats-out PREFIX [--timed] -- <trainer flags>`` and writes
+``python -m benchmarks.harness --stats-out PREFIX [--timed] -- <trainer flags>`` and writes
 ``PREFIX.rank<R>.json``; ``rank_stats`` reads those files back.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ TRAINER = [sys.executable, "-m", "megatron_oases.train"]
 
 def counting_trainer(stats_out: str, *, timed: bool = False) -> list[str]:
     """The counting trainer as a per-rank command (append ``--`` and the trainer flags)."""
-    return [sys.executable, "-m", "megatron_oases.bench", "--stats-out", stats_out,
+    return [sys.executable, "-m", "benchmarks.harness", "--stats-out", stats_out,
             *(["--timed"] if timed else [])]
 
 
@@ -216,7 +216,7 @@ def counted_train(argv: list[str]) -> int:
     every collective of each training step recorded by a ``CommCounter`` (Megatron's own calls
     through ``watch_torch_distributed``; groups of one rank carry no traffic), with ``--timed`` the
     time blocked in them, and the step's process CPU time; writes ``PREFIX.rank<R>.json``."""
-    p = argparse.ArgumentParser(prog="python -m megatron_oases.bench")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness")
     p.add_argument("--stats-out", required=True)
     p.add_argument("--timed", action="store_true")
     a, rest = p.parse_known_args(argv)
@@ -304,9 +304,9 @@ def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
     backward GEMMs each, (p-1)/p^3 (48 M h + 36 h^2) in all, docs/tp3d.md); ATP Eq. 2's
     all-reduces (``plan.atp_mesh.ATP_LAYER_ALLREDUCES``, x2) with the ring factor. Leaves out
     LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
-    from .describe.ops import ring_factor
-    from .layers.linear3d import predicted_gemm_bytes
-    from .plan.atp_mesh import ATP_LAYER_ALLREDUCES
+    from megatron_oases.describe.ops import ring_factor
+    from megatron_oases.layers.linear3d import predicted_gemm_bytes
+    from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES
 
     if P == 1:
         return 0.0

@@ -6,7 +6,7 @@ duration, ``comm_disabled``) and max(compute, communication). The benchmark prin
 bound table; ``gpu_check.sh``'s ``overlap-summary`` step collects its runs' records into
 ``overlap_summary.json``:
 
-    python -m megatron_oases.bench_standin.summary OVERLAP_JSON... --out overlap_summary.json
+    python -m benchmarks.standin.summary OVERLAP_JSON... --out overlap_summary.json
 """
 from __future__ import annotations
 
@@ -79,14 +79,14 @@ def parse_overlap_files(p, argv: list[str] | None, *, out_help: str, out_require
 def main(argv: list[str] | None = None) -> int:
     from megatron_oases.errors import OneLineErrorParser
 
-    p = OneLineErrorParser(prog="megatron_oases.bench_standin.summary", description=__doc__.split("\n\n")[0])
+    p = OneLineErrorParser(prog="benchmarks.standin.summary", description=__doc__.split("\n\n")[0])
     a = parse_overlap_files(p, argv, out_help="write the records here (a JSON list)", out_required=True)
     recs = []
     for path in a.files:
         with open(path, encoding="utf-8") as f:
             recs += records(json.load(f))
     recs.sort(key=lambda r: (r["model"], r["recompute"] != "none", r["link_GBps"]))  # kinds keep their order
-    from megatron_oases.bench import print_table
+    from benchmarks.harness import print_table
 
     if recs:
         print_table(table_rows(recs), list(TABLE_COLUMNS))

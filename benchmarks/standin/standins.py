@@ -170,7 +170,7 @@ def calibrate(rt, scratch_bytes: int, reps: int = 5,
         cycles = (long_ - short) / max(t_long - t_short, 1e-6)
     channel_GBps = None
     if rt.is_cuda and channels:
-        from megatron_oases.bench_standin.channel_copy import channel_copy
+        from benchmarks.standin.channel_copy import channel_copy
 
         med(lambda: channel_copy(src, dst, scratch_bytes, channels))  # compile
         channel_GBps = scratch_bytes / max(med(lambda: channel_copy(src, dst, scratch_bytes, channels)), 1e-6) / 1e6
@@ -184,7 +184,7 @@ def calibrate_nccl(rt, cal: Calibration, src: torch.Tensor, dst: torch.Tensor, b
     """``cal`` with the ``nccl`` stand-in's blocks and, on CUDA, the rate they reach unpaced."""
     if not rt.is_cuda:
         return dataclasses.replace(cal, nccl_blocks=blocks)
-    from megatron_oases.bench_standin.paced_copy import paced_copy
+    from benchmarks.standin.paced_copy import paced_copy
 
     stamps = torch.zeros(2 * blocks, dtype=torch.int64, device=rt.device)
     run = lambda: paced_copy(src, dst, cal.scratch_bytes, ms=0.0, GBps=0.0, blocks=blocks, stamps=stamps)  # noqa: E731
@@ -301,7 +301,7 @@ class StandIns:
         while total > 0:
             m = min(chunk, total)
             if on_channels:
-                from megatron_oases.bench_standin.channel_copy import channel_copy
+                from benchmarks.standin.channel_copy import channel_copy
 
                 channel_copy(self._src, self._dst, max(m, 4), self.cal.channels)
             else:
@@ -312,7 +312,7 @@ class StandIns:
         """The collective's bytes at the link's rate on NCCL's blocks for ``ms`` (CUDA); on CPU
         the bytes copied once (wrapping around the scratch), then a sleep for the rest of ``ms``."""
         if self.rt.is_cuda:
-            from megatron_oases.bench_standin.paced_copy import paced_copy
+            from benchmarks.standin.paced_copy import paced_copy
 
             paced_copy(self._src, self._dst, nbytes, ms=ms, GBps=self.link.GBps, blocks=self.cal.nccl_blocks,
                        stamps=self._stamps)
