@@ -199,6 +199,17 @@ class RunConfig:
         return ("--recompute-granularity selective" if self.recompute_granularity == "selective"
                 else "--recompute-activations")
 
+    @property
+    def layout(self):
+        """The TP backend's layout of this run (``describe.layout.Layout``): its record reads
+        ``--atp-mesh`` (D1,D2 text, or (d1, d2) once validated) or the TP size
+        (``Backend.parse_layout``; ModelingError, one line, if it is not one)."""
+        from megatron_oases.describe.backends import backend
+
+        mesh = self.atp_mesh
+        text = mesh if mesh is None or isinstance(mesh, str) else ",".join(map(str, mesh))
+        return backend(self.tp_backend).parse_layout(text, self.tensor_model_parallel_size)
+
     def as_dict(self) -> dict[str, Any]:
         """The flat fields (the namespace's names) and their values; without ``megatron_lm``."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
