@@ -12,9 +12,10 @@ import math
 import os
 
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal
-from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend
+from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend  # noqa: F401
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
 from megatron_oases.errors import ConfigError, OneLineErrorParser, range_refusal
+from megatron_oases.flags import add_flag, add_flags, option
 from megatron_oases.output_paths import check_output_file
 from megatron_oases.parallel.dims import ParallelDims, check_sizes
 from megatron_oases.run_config import (DEFAULTS, SCHEDULES, RunConfig, check_gqa_flags,  # noqa: F401
@@ -22,105 +23,42 @@ from megatron_oases.run_config import (DEFAULTS, SCHEDULES, RunConfig, check_gqa
 
 
 def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
+    """The trainer's flags: the shared ones from the flag table (``megatron_oases.flags``), its own
+    (optimizer, init, data, logging, checkpoints, exit) here and in the modules they configure."""
     p = OneLineErrorParser(
         prog=prog, allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
         description="Reference GPT pretraining loop on Megatron-Core (GPTModel, Megatron DDP and "
                     "optimizer, get_forward_backward_func). The stock baseline every "
                     "megatron_oases feature is compared against. Runs on CUDA+NCCL or CPU+gloo.")
     g = p.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=int, default=DEFAULTS.nproc_per_node,
-                   help="spawn this many local ranks (omit under torchrun / srun, which set RANK "
-                        "and WORLD_SIZE)")
-    g.add_argument("--device", choices=("cuda", "cpu"), default=DEFAULTS.device,
-                   help="default: cuda when available, else cpu (gloo)")
+    add_flags(g, ("nproc_per_node", "device"))
     g.add_argument("--dist-timeout", type=float, default=DEFAULTS.dist_timeout,
                    help="seconds before a hung collective is aborted, on every process group "
                         "(Megatron's TP/PP/DP groups too); with --nproc-per-node, a rank that "
                         "makes no progress for this long (+60 s) ends the run, naming the rank")
-    g.add_argument("--topology", default=DEFAULTS.topology,
-                   help="cluster topology YAML (file or shipped example name); validated at start")
+    add_flag(g, "topology", note="validated at start")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int,
-                   default=DEFAULTS.tensor_model_parallel_size)
-    g.add_argument("--pipeline-model-parallel-size", type=int,
-                   default=DEFAULTS.pipeline_model_parallel_size)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
-                   default=DEFAULTS.num_layers_per_virtual_pipeline_stage,
-                   help="enables the interleaved 1F1B schedule")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--tp-backend", choices=tuple(TP_BACKENDS), default=DEFAULTS.tp_backend,
-                   help="tensor-parallel layer implementation: " + "; ".join(
-                       f"{name} = {b.summary}" for name, b in TP_BACKENDS.items())
-                   + " (atp needs --atp-mesh; 3d needs --tensor-model-parallel-size p^3)")
-    g.add_argument("--atp-mesh", default=DEFAULTS.atp_mesh, metavar="D1,D2|auto",
-                   help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size (d2 is the fastest-"
-                        "varying, innermost axis); auto picks it from --topology with the search "
-                        "`megatron-oases mesh` prints")
-    g.add_argument("--atp-chunks", type=int, choices=(1, 2, 4), default=DEFAULTS.atp_chunks,
-                   help="ATP chunk-based overlap: split the batch into this many chunks")
-    g.add_argument("--schedule", choices=SCHEDULES, default=DEFAULTS.schedule,
-                   help="executor of the TP layers: default = Megatron's sequential one; oases = "
-                        "two sub-batches per micro-batch whose TP collectives overlap the other's "
-                        "compute (see the oases group)")
-    from megatron_oases.plan.plan_file import PLAN_HELP
-
-    g.add_argument("--oases-plan", default=DEFAULTS.oases_plan, metavar="FILE", help=PLAN_HELP)
+    add_flags(g, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
+                  "overlap_grad_reduce", "tp_backend", "atp_mesh", "atp_chunks", "schedule", "oases_plan"))
     from megatron_oases.schedules.oases.options import add_oases_args
 
     add_oases_args(p)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=DEFAULTS.num_layers)
-    g.add_argument("--hidden-size", type=int, default=DEFAULTS.hidden_size)
-    g.add_argument("--ffn-hidden-size", type=int, default=DEFAULTS.ffn_hidden_size,
-                   help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=DEFAULTS.num_attention_heads)
-    g.add_argument("--seq-length", type=int, default=DEFAULTS.seq_length)
+    add_flags(g, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length"))
     g.add_argument("--max-position-embeddings", type=int, default=DEFAULTS.max_position_embeddings,
                    help="default: --seq-length")
-    g.add_argument("--vocab-size", type=int, default=DEFAULTS.vocab_size,
-                   help="token ids 0..V-1 of the data, synthetic or --data-path/--mock-data "
-                        "(padded as megatron_oases.vocab.padded_vocab_size says)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int,
-                   default=DEFAULTS.make_vocab_size_divisible_by,
-                   help="pad the vocabulary to a multiple of this; with the TP-invariant init "
-                        "(default) the padding does not grow with TP (see padded_vocab_size)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"),
-                   default=DEFAULTS.normalization)
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
-                   default=DEFAULTS.position_embedding_type,
-                   help="as Megatron-LM: learned absolute positions, "
-                   "rotary embeddings (RoPE) or none")
-    g.add_argument("--rotary-base", type=int, default=DEFAULTS.rotary_base,
-                   help="RoPE base (rope only)")
-    g.add_argument("--rotary-percent", type=float, default=DEFAULTS.rotary_percent,
-                   help="part of each head's dimension that RoPE rotates, in (0, 1] (rope only)")
-    g.add_argument("--swiglu", action="store_true",
-                   help="gated linear unit with SiLU (SwiGLU) MLP; --ffn-hidden-size then defaults "
-                        "to Megatron-LM's int(4h x 2/3 / 64) x 64")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention with --num-query-groups key/value groups")
-    g.add_argument("--num-query-groups", type=int, default=DEFAULTS.num_query_groups,
-                   help="key/value groups under --group-query-attention (Megatron-LM's default 1)")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
-                   help="linears without bias (Llama-style)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalise queries and keys per head (--normalization's kind)")
-    g.add_argument("--hidden-dropout", type=float, default=DEFAULTS.hidden_dropout)
-    g.add_argument("--attention-dropout", type=float, default=DEFAULTS.attention_dropout)
-    from megatron_oases.describe.core_attention import ATTENTION_BACKENDS as BACKENDS, BACKEND_HELP
-
-    g.add_argument("--attention-backend", choices=BACKENDS, default=DEFAULTS.attention_backend,
-                   help=BACKEND_HELP)
+    add_flags(g, ("vocab_size", "make_vocab_size_divisible_by", "normalization", "position_embedding_type",
+                  "rotary_base", "rotary_percent", "swiglu", "group_query_attention", "num_query_groups",
+                  "add_bias_linear", "qk_layernorm", "hidden_dropout", "attention_dropout",
+                  "attention_backend"))
     g.add_argument("--init-method-std", type=float, default=DEFAULTS.init_method_std)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    add_flag(g, "untie_embeddings_and_output_weights")
     g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
                    help="keep Megatron's own init (depends on TP/PP); by default every parameter "
                         "is drawn from (seed, global name) so all layouts start identical")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=DEFAULTS.micro_batch_size)
-    g.add_argument("--global-batch-size", type=int, default=DEFAULTS.global_batch_size)
+    add_flags(g, ("micro_batch_size", "global_batch_size"))
     g.add_argument("--train-iters", type=int, default=DEFAULTS.train_iters)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default=DEFAULTS.optimizer,
                    help="Megatron's optimizer; sgd keeps parity runs free of Adam's amplification "
@@ -132,9 +70,7 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=DEFAULTS.adam_beta1)
     g.add_argument("--adam-beta2", type=float, default=DEFAULTS.adam_beta2)
     g.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 params (Float16Module), fp32 main params and gradient reduction")
-    g.add_argument("--fp16", action="store_true", help="fp16 params with loss scaling")
+    add_flags(g, ("bf16", "fp16"))
     g.add_argument("--loss-scale", type=float, default=DEFAULTS.loss_scale,
                    help="constant loss scale > 0 (--fp16; Megatron also applies it with --bf16 "
                         "or --use-distributed-optimizer); default: dynamic under --fp16")
@@ -153,11 +89,7 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                         "Megatron-LM, every rank stops after that iteration with one line naming "
                         "it (exit 1) and saves nothing from it; an --fp16 step the loss scaler "
                         "skips (inf gradients) is not one, its loss is still checked")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"),
-                   default=DEFAULTS.recompute_granularity)
-    g.add_argument("--recompute-method", choices=("uniform", "block"),
-                   default=DEFAULTS.recompute_method)
-    g.add_argument("--recompute-num-layers", type=int, default=DEFAULTS.recompute_num_layers)
+    add_flags(g, ("recompute_granularity", "recompute_method", "recompute_num_layers"))
     from megatron_oases.datasets import add_data_args
 
     add_data_args(p)
@@ -201,34 +133,34 @@ def cuda_wanted(cfg: RunConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device is None and torch.cuda.is_available())
 
 
-# (flag, attribute, lowest allowed, lowest inclusive?, highest exclusive or None)
+# (field, lowest allowed, lowest inclusive?, highest exclusive or None); the flag is option(field)
 _RANGES = (
-    ("--global-batch-size", "global_batch_size", 1, True, None),
-    ("--micro-batch-size", "micro_batch_size", 1, True, None),
-    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", 1, True, None),
-    ("--ffn-hidden-size", "ffn_hidden_size", 1, True, None),
-    ("--dist-timeout", "dist_timeout", 0.0, False, None),
-    ("--lr", "lr", 0.0, True, None),
-    ("--init-method-std", "init_method_std", 0.0, True, None),
-    ("--weight-decay", "weight_decay", 0.0, True, None),
-    ("--clip-grad", "clip_grad", 0.0, True, None),
-    ("--adam-beta1", "adam_beta1", 0.0, True, 1.0),
-    ("--adam-beta2", "adam_beta2", 0.0, True, 1.0),
-    ("--sgd-momentum", "sgd_momentum", 0.0, True, 1.0),
-    ("--hidden-dropout", "hidden_dropout", 0.0, True, 1.0),
-    ("--attention-dropout", "attention_dropout", 0.0, True, 1.0),
-    ("--train-iters", "train_iters", 1, True, None),
-    ("--seq-length", "seq_length", 1, True, None),
-    ("--vocab-size", "vocab_size", 1, True, None),
-    ("--log-interval", "log_interval", 1, True, None),
+    ("global_batch_size", 1, True, None),
+    ("micro_batch_size", 1, True, None),
+    ("make_vocab_size_divisible_by", 1, True, None),
+    ("ffn_hidden_size", 1, True, None),
+    ("dist_timeout", 0.0, False, None),
+    ("lr", 0.0, True, None),
+    ("init_method_std", 0.0, True, None),
+    ("weight_decay", 0.0, True, None),
+    ("clip_grad", 0.0, True, None),
+    ("adam_beta1", 0.0, True, 1.0),
+    ("adam_beta2", 0.0, True, 1.0),
+    ("sgd_momentum", 0.0, True, 1.0),
+    ("hidden_dropout", 0.0, True, 1.0),
+    ("attention_dropout", 0.0, True, 1.0),
+    ("train_iters", 1, True, None),
+    ("seq_length", 1, True, None),
+    ("vocab_size", 1, True, None),
+    ("log_interval", 1, True, None),
 )
 
 
 def _check_ranges(cfg: RunConfig) -> None:
     """Each numeric flag within its range (the table above), one line naming the flag."""
     values = cfg.as_dict()
-    for flag, name, low, inclusive, high in _RANGES:
-        refusal = range_refusal(flag, values[name], low, inclusive=inclusive, high=high)
+    for name, low, inclusive, high in _RANGES:
+        refusal = range_refusal(option(name), values[name], low, inclusive=inclusive, high=high)
         if refusal:
             raise ConfigError(refusal)
 

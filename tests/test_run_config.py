@@ -156,6 +156,7 @@ ARGS_PARAMETERS: dict[tuple[str, str], str] = {
     ("run_config.py", "options_present"): "Megatron-LM's own options, named in a table",
     ("megatron_lm/flags.py", "keep_on_megatron_args"): "the one write onto Megatron-LM's args",
     ("megatron_lm/flags.py", "parse_known_args"): "argparse's own method (args: the argv)",
+    ("flags.py", "parse_known_args"): "argparse's own method (args: the argv)",
     ("megatron_lm/model_provider.py", "ensure_validated"): "Megatron-LM's args from get_args()",
     ("megatron_lm/model_provider.py", "_megatron_config_from_args"):
         "Megatron-LM's core_transformer_config_from_args reads its args",

@@ -2,9 +2,10 @@
 
 ``extra_args_provider(parser)`` adds the ``megatron_oases`` group (``--tp-backend``, ``--atp-mesh``,
 ``--atp-chunks``, ``--topology``, ``--schedule``, ``--oases-plan``) and the ``oases`` group of
-``schedules.oases.options``. Every flag reuses the reference trainer's
-definition (``train_args.build_parser``), so help texts and defaults live in one place; none of
-Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is redefined.
+``schedules.oases.options``: the entries of the flag table (``megatron_oases.flags``) that
+Megatron-LM's parser lacks, declared there once for every front end, so help texts and defaults
+live in one place; none of Megatron-LM's own flags (``--tensor-model-parallel-size`` ...) is
+redefined.
 
 Validation runs when the parser has parsed (Megatron-LM's ``parse_args`` calls
 ``parser.parse_args()``; the provider makes that call also validate), so a bad launch stops
@@ -31,34 +32,18 @@ from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, mesh_search_shape, run_config
 
-_FROM_TRAINER = ("--tp-backend", "--atp-mesh", "--atp-chunks", "--topology", "--schedule",
-                 "--oases-plan")
-
-_HELP_EXTRA = {
-    "--atp-mesh": "; or auto: pick the mesh with that search on --topology at start-up",
-}
-
-_METAVAR = {"--atp-mesh": "D1,D2|auto", "--topology": "FILE", "--oases-plan": "FILE"}
-
 def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add our flags to ``parser`` (Megatron-LM's, or any parser without them); returns it."""
-    from megatron_oases.schedules.oases.options import add_oases_args
-    from megatron_oases.train_args import build_parser
+    """Add our flags to ``parser`` (Megatron-LM's, or any parser without them); returns it: the
+    flag table's entries Megatron-LM lacks (``flags.MEGATRON_LM_ADDITIONS``), the Oases switches
+    in their own group."""
+    from megatron_oases.flags import MEGATRON_LM_ADDITIONS, add_flags as add_table_flags
+    from megatron_oases.schedules.oases.options import OASES_FLAGS, add_oases_args
 
-    trainer = {opt: a for a in build_parser()._actions for opt in a.option_strings}
     group = parser.add_argument_group(
         "megatron_oases", "tensor-parallel backends, schedules and planning (docs/megatron_lm.md)")
-    for option in _FROM_TRAINER:
-        _copy_store_flag(group, trainer[option], option)
+    add_table_flags(group, [dest for dest in MEGATRON_LM_ADDITIONS if dest not in OASES_FLAGS])
     add_oases_args(parser)
     return parser
-
-
-def _copy_store_flag(group, action: argparse.Action, option: str) -> None:
-    kwargs = {"dest": action.dest, "default": action.default, "type": action.type,
-              "metavar": _METAVAR.get(option, action.metavar),
-              "help": (action.help or "") + _HELP_EXTRA.get(option, ""), "choices": action.choices}
-    group.add_argument(option, **{k: v for k, v in kwargs.items() if v is not None})
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -66,9 +51,9 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-_EARLY_SHARED = ("--tensor-model-parallel-size", "--micro-batch-size")
-"""Megatron-LM flags ``early_refusal`` reads, as the reference trainer's parser defines them
-(same names); read only when given, since Megatron-LM's defaults are Megatron-LM's."""
+_EARLY_SHARED = ("tensor_model_parallel_size", "micro_batch_size")
+"""Megatron-LM flags ``early_refusal`` reads, as the flag table declares them (Megatron-LM's
+names); read only when given, since Megatron-LM's defaults are Megatron-LM's."""
 
 
 def early_refusal(argv: list[str]) -> str | None:
@@ -82,12 +67,12 @@ def early_refusal(argv: list[str]) -> str | None:
     parse checks them again with everything else."""
     from megatron_oases.describe.atp_meshes import atp_mesh_refusal
     from megatron_oases.describe.split import split_refusal
-    from megatron_oases.train_args import build_parser, parse_atp_mesh, validate_atp_mesh
+    from megatron_oases.flags import FLAGS
+    from megatron_oases.train_args import parse_atp_mesh, validate_atp_mesh
 
     parser = add_flags(_RaisingParser(add_help=False, allow_abbrev=False))
-    trainer = {opt: a for a in build_parser()._actions for opt in a.option_strings}
-    for option in _EARLY_SHARED:
-        parser.add_argument(option, dest=trainer[option].dest, type=trainer[option].type,
+    for dest in _EARLY_SHARED:
+        parser.add_argument(FLAGS[dest].name, dest=dest, type=FLAGS[dest].type,
                             default=None)  # None: not given
     try:
         ns, _ = parser.parse_known_args(argv)

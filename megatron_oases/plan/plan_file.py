@@ -140,12 +140,6 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
     return Plan(tp=tp, num_layers=num_layers, degrees=tuple(degrees), raw=data)
 
 
-PLAN_HELP = ("run the per-block TP degrees of a plan written by `megatron-oases plan` (attention "
-             "and MLP blocks of degree t < T run on TP sub-groups of t ranks, each replica on its "
-             "slice of the micro-batch; works with --schedule default and oases); needs "
-             "--tp-backend megatron")
-
-
 def validate_plan_args(cfg, dims) -> tuple[tuple[int, int], ...] | None:
     """Check ``--oases-plan`` against the launch before any process group exists; returns the
     run's ``oases_layer_degrees``: per layer, the (attention, mlp) TP degrees (None without a

@@ -25,7 +25,7 @@ from megatron_oases.describe.backends import BACKENDS, backend
 from megatron_oases.describe.split import SUB_BATCHES, split_refusal
 from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.dims import ParallelDims
-from megatron_oases.run_config import DEFAULTS, RunConfig
+from megatron_oases.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,25 +48,17 @@ class OasesOptions:
 
 
 def add_oases_args(parser: argparse.ArgumentParser) -> None:
-    """The ``oases`` argument group (Table 3's ablation switches)."""
+    """The ``oases`` argument group (Table 3's ablation switches), for the trainer and Megatron-LM."""
+    from megatron_oases.flags import add_flags
+
     g = parser.add_argument_group(
         "oases", f"Oases schedule (--schedule oases): {SUB_BATCHES} sub-batches per micro-batch, "
                  "fine-grained recompute, cross-pass recompute/backward overlap")
-    g.add_argument("--oases-cross-pass", action=argparse.BooleanOptionalAction,
-                   default=DEFAULTS.oases_cross_pass,
-                   help="overlap one sub-batch's recompute with the other's backward across "
-                        "layer boundaries (off: a barrier between each layer's recompute and "
-                        "backward pass)")
-    g.add_argument("--oases-fine-grained-recompute", action=argparse.BooleanOptionalAction,
-                   default=DEFAULTS.oases_fine_grained_recompute,
-                   help="with --recompute-granularity full: save each forward all-reduce's "
-                        "output so recomputation starts after it and issues no collective "
-                        "(off: Megatron-style full recompute from each layer's input)")
-    g.add_argument("--oases-skip-tp-collectives", action="store_true",
-                   help="benchmark only: the transformer layers launch no TP collective (with "
-                        "--schedule oases: the executor's; with the default schedule: the "
-                        "Megatron linears'), to time compute alone (the perfect-overlap bound, "
-                        "the executor-overhead benchmark); losses are wrong")
+    add_flags(g, OASES_FLAGS)
+
+
+OASES_FLAGS = ("oases_cross_pass", "oases_fine_grained_recompute", "oases_skip_tp_collectives")
+"""The ``oases`` group's flags (declared in ``megatron_oases.flags``)."""
 
 
 def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
