@@ -11,7 +11,7 @@ setup(
     # benchmarks/: the benchmark harness, its own top-level package beside the library (it imports
     # megatron_oases, never the reverse), so scripts and tests import it without sys.path edits.
     packages=find_packages(include=["megatron_oases", "megatron_oases.*", "benchmarks", "benchmarks.*"]),
-    package_data={"megatron_oases": ["topology/examples/*.yaml"]},
+    package_data={"megatron_oases": ["topology/examples/*.yaml", "pricing/gemm_table.json"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1,<0.20",  # megatron_oases/mcore_compat.py bridges the releases

@@ -51,6 +51,10 @@
 #             once, after every other step, wherever it stands in STEPS (the steps before it
 #             leave it COMPARE_S=30 seconds of the budget)
 #   measure   scripts/gpu_measure.py: GEMM shapes, dispatch cost and layer events vs the model
+#   gemm      scripts/gpu_measure.py --what table: every shape of the simulator's measured GEMM
+#             table (megatron_oases/pricing/gemm_table.json) in bf16 on this card, back to back
+#             (json/gpu_table.json; scripts/gemm_table_build.py --gemms adds it to the table;
+#             GEMM_ARGS: more flags, e.g. "--table-shapes 64x64x64 --reps 2" on CPU)
 #   pytest    the Oases schedule tests (gloo ranks; the device machine's torch)
 #   sim       the simulator on this GPU: `profile` a one-GPU trainer run (stock and Oases), train
 #             it, and `sim --predict` its step from the profile (measured vs predicted)
@@ -58,7 +62,7 @@
 #             each profile the SM and memory clocks are read as found, then after SETTLE_S
 #             (default 5) seconds of GEMMs, under load (scripts/gpu_settle.py; summary.txt)
 # STEPS picks steps (default: "env attn mfu overlap overlap-conn overlap-rc sim sim-sizes compare"; the others are
-# "overlap-summary fusion train measure pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
+# "overlap-summary fusion train measure gemm pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
 # schedules, SIM_HIDDEN the sim-sizes list.
 set -u
@@ -188,6 +192,7 @@ fi
 fi
 
 want measure && step measure 150 $PY scripts/gpu_measure.py --out "$OUT/json" --limit-s 40 ${MEASURE:-}
+want gemm && step gemm 150 $PY scripts/gpu_measure.py --out "$OUT/json" --what table --device "$DEVICE" --reps 20 --limit-s 100 ${GEMM_ARGS:-}
 want pytest && step pytest 150 $PY -m pytest -q -x -p no:cacheprovider ${PYTESTS:-tests/test_oases_schedule.py tests/test_gpu_twins.py}
 sim_model() {  # sim_model NAME SCHEDULES FLAGS...: profile the model's events, train it, predict its step
   local name=$1 scheds=$2; shift 2

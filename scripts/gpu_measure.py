@@ -122,6 +122,54 @@ def measure_gemms(rows: list[dict], device, reps: int, limit_s: float) -> dict:
     return {"shapes": table, "rows": per_row}
 
 
+def time_gemm_sustained(m: int, n: int, k: int, dtype, device, reps: int) -> float:
+    """Milliseconds of one GEMM in a run of ``reps`` issued back to back (one pair of events, no
+    synchronisation between them: the clocks and queue of a training step, not of a lone GEMM;
+    inputs rotated over three sets), median of three runs after a warm-up run."""
+    sets = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+            for _ in range(3)]
+    out = torch.empty(m, n, device=device, dtype=dtype)
+
+    def run():
+        for i in range(reps):
+            a, b = sets[i % 3]
+            torch.mm(a, b, out=out)
+
+    return time_ms(run, warmup=1, reps=3, device=device) / reps
+
+
+def gemm_table_shapes() -> list[tuple[int, int, int]]:
+    """Every distinct (M, N, K) of the device model's measured GEMM table, any card."""
+    from megatron_oases.pricing.gemm_table import load_tables
+
+    return sorted({(p.m, p.n, p.k) for t in load_tables().values() for p in t.points})
+
+
+def measure_table(shapes: list[tuple[int, int, int]], device, reps: int, limit_s: float) -> dict:
+    """The table's shapes timed on this card in bf16 (``time_gemm_sustained``), in the format
+    ``scripts/gemm_table_build.py --gemms`` adds to the table."""
+    start = time.perf_counter()
+    out = []
+    for m, n, k in shapes:
+        if time.perf_counter() - start > limit_s:
+            break
+        ms = time_gemm_sustained(m, n, k, torch.bfloat16, device, reps)
+        out.append({"m": m, "n": n, "k": k, "dtype": "bf16", "measured_ms": round(ms, 5),
+                    "measured_tflops": round(2.0 * m * n * k / ms / 1e9, 1)})
+    return {"shapes": out, "complete": len(out) == len(shapes),
+            "method": f"torch.mm, {reps} back to back per timing, median of 3 after a warm-up run"}
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MxNxK, e.g. 4096x6144x4096 (got {text!r})") from None
+    if min(m, n, k) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1 (got {text!r})")
+    return m, n, k
+
+
 def measure_dispatch(device) -> dict:
     """Host microseconds per eager kernel issue (median of 5 runs of 2,000 issues)."""
     x = torch.ones(8, device=device)
@@ -255,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for gpu_gemms.json, gpu_dispatch.json, gpu_events*.json")
     p.add_argument("--rows", nargs="+", default=None, help="row ids (default: every H100 row)")
     p.add_argument("--what", nargs="+", default=["gemms", "dispatch", "events", "tiny"],
-                   choices=["gemms", "dispatch", "events", "tiny", "kernels"])
+                   choices=["gemms", "dispatch", "events", "tiny", "kernels", "table"],
+                   help="table: the measured GEMM table's shapes (pricing/gemm_table.json) in bf16, "
+                        "timed back to back, into gpu_table.json (gpu_check.sh's gemm step)")
+    p.add_argument("--table-shapes", type=_shape, nargs="+", default=None, metavar="MxNxK",
+                   help="with --what table: these shapes instead of the table's (tests on CPU)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--event-rows", nargs="+", default=None, help="rows whose events are timed (default: --rows' first two)")
     p.add_argument("--limit-s", type=float, default=60.0, help="stop timing new shapes / events after this long (per part)")
@@ -291,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         results["gemms"] = measure_gemms(chosen, device, a.reps, a.limit_s)
         _print("GEMMs per row (measured / model)", results["gemms"]["rows"])
         _print("GEMM shapes", results["gemms"]["shapes"])
+    if "table" in a.what:
+        results["table"] = measure_table(a.table_shapes or gemm_table_shapes(), device, a.reps, a.limit_s)
+        meta["method"] = results["table"]["method"]
+        _print("GEMM table shapes", results["table"]["shapes"])
     if "dispatch" in a.what:
         results["dispatch"] = measure_dispatch(device)
         _print("host dispatch", [results["dispatch"]])

@@ -93,6 +93,11 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 )}
 
 
+def _measured_stacks() -> tuple[str, ...]:
+    from .gemm_table import MEASURED_STACKS
+    return MEASURED_STACKS
+
+
 def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
@@ -344,6 +349,9 @@ class DeviceModel:
     ``megatron-oases train`` runs (no Apex), measured on an H200. The host runs ahead of the GPU,
     so a compute event costs max(GPU time, the stack's host time): only work too small to cover
     its own launches is slowed."""
+    use_gemm_table: bool = True
+    """Price GEMMs near measured shapes from ``pricing.gemm_table`` (False: the factor model
+    alone, as before issue 49)."""
     profile: ProfileDB | None = None
     """Measured times; when given, every event must be in it (``strict``) or falls back."""
     strict_profile: bool = True
@@ -367,11 +375,7 @@ class DeviceModel:
 
     def gpu_compute_ms(self, c: Compute) -> float:
         peak_per_ms = self.peak_tflops * 1e9  # FLOP per ms
-        t = 0.0
-        if c.gemm_flops:
-            ideal = c.gemm_flops / peak_per_ms / self.gemm_utilisation(c.gemms)
-            t += ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency * self.gemm_shape_factor,
-                                         half_ms=self.gemm_half_ms)
+        t = self.gemm_ms(c) if c.gemm_flops else 0.0
         fused = self.fused_attention and self.bytes_per_element <= 2
         ew = self.stack.elementwise_bytes(c, scores_on_chip=fused)
         if c.attention_flops and fused:
@@ -383,6 +387,64 @@ class DeviceModel:
                 ideal, max_efficiency=self.max_gemm_efficiency, half_ms=self.gemm_half_ms)
             t += ideal / eff
         return t + ew / (self.gpu.hbm_GBps * 1e6 * self.memory_efficiency)
+
+    def gemm_ms(self, c: Compute) -> float:
+        """The segment's GEMM time: each GEMM near measured shapes of this card and stack at the
+        measured efficiency (``pricing.gemm_table``), the rest (or every GEMM, where the table has
+        none for the card, dtype or stack) by the factor model: tile / wave quantization times the
+        best-shape ceiling times the cross-validated ``gemm_shape_factor``, with the segment's
+        fixed cost ``gemm_half_ms``."""
+        table = self.gemm_table()
+        rest, t = c.gemms, 0.0
+        if table is not None and c.gemms:
+            rest = []
+            for m, n, k in c.gemms:
+                tf = table.tflops(m, n, k)
+                if tf is None:
+                    rest.append((m, n, k))
+                else:  # in the segment's FLOP count (a GQA / SwiGLU count may differ from 2 M N K)
+                    t += c.gemm_flops * m * n * k / sum(a * b * d for a, b, d in c.gemms) / (tf * 1e9)
+            rest = tuple(rest)
+            if not rest:
+                return t
+            flops = c.gemm_flops * sum(m * n * k for m, n, k in rest) / sum(m * n * k for m, n, k in c.gemms)
+        else:
+            flops = c.gemm_flops
+        ideal = flops / (self.peak_tflops * 1e9) / self.gemm_utilisation(rest)
+        return t + ideal / gemm_efficiency(ideal, max_efficiency=self.max_gemm_efficiency * self.gemm_shape_factor,
+                                           half_ms=self.gemm_half_ms)
+
+    def gemm_table(self):
+        """The measured GEMM table pricing this card under this stack, or None
+        (``gemm_table.table_for``; ``use_gemm_table`` off: always None)."""
+        if not self.use_gemm_table:
+            return None
+        from .gemm_table import table_for
+        return table_for(self.gpu.name, self.bytes_per_element, self.stack.name)
+
+    def pricing_notes(self, gemms: "list[tuple[int, int, int]] | tuple" = ()) -> list[str]:
+        """One line each for what this device model prices from another card or a fitted
+        constant rather than a measurement on this card: the GEMMs (how many of ``gemms`` the
+        measured table priced) and the stack's host costs."""
+        table = self.gemm_table()
+        factor = f"the cross-validated gemm_shape_factor {self.gemm_shape_factor:g}"
+        if table is None:
+            why = (f"the {self.stack.name} stack's GEMMs were not measured" if self.bytes_per_element == 2
+                   and self.stack.name not in _measured_stacks() else f"no measured GEMM table for {self.gpu.name}"
+                   + (" in 16-bit" if self.bytes_per_element == 2 else " in fp32"))
+            lines = [f"GEMMs: {why}: priced by tile/wave quantization x {factor}"]
+        else:
+            shapes = sorted(set(gemms))
+            hit = sum(table.tflops(*g) is not None for g in shapes)
+            lines = [f"GEMMs: measured table for {self.gpu.name} bf16 ({len(table.points)} points) priced "
+                     f"{hit} of {len(shapes)} shapes; the rest by {factor}"]
+        host = self.stack.host_measured_on
+        if not host:
+            lines.append(f"host cost ({self.stack.name}): not measured on any card ({self.stack.source})")
+        elif self.gpu.name not in host:
+            lines.append(f"host cost ({self.stack.name}): measured on {', '.join(host)}, none on "
+                         f"{self.gpu.name}: borrowed")
+        return lines
 
     def gemm_utilisation(self, gemms: tuple[tuple[int, int, int], ...]) -> float:
         """FLOP-weighted tile / wave utilisation of a segment's GEMMs (1 where shapes or the SM

@@ -60,6 +60,9 @@ class SoftwareStack:
     p, m, v in one kernel), which Megatron imports when either is installed."""
     source: str = ""
     """Where the numbers come from (measured on what, or fitted how)."""
+    host_measured_on: tuple[str, ...] = ()
+    """The cards (``pricing.device_model.GPUS`` names) this stack's host costs were measured on;
+    on any other card the simulator says it borrows them (``DeviceModel.pricing_notes``)."""
 
     def kernels(self, c: Compute) -> int:
         """Kernels the event launches under this stack (at least one)."""
@@ -111,7 +114,7 @@ def is_backward(c: Compute) -> bool:
 #    (tests/test_optimizer_traffic.py). With Apex present (``stack_of``) ``local`` keeps its fused Adam.
 LOCAL = SoftwareStack(
     name="local", dispatch_us=42.1, layer_framework_us=287.0, elementwise_factor=(3.65, 2.51),
-    score_factor=(4.36, 3.05), adam_bytes_per_param=80.0,
+    score_factor=(4.36, 3.05), adam_bytes_per_param=80.0, host_measured_on=("h200-sxm",),
     source="measured on an H200 (examples/gpu/h200-2026-11-26/, docs/gpu.md): Megatron-Core's local layer "
            "without Apex")
 
