@@ -326,11 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--reps must be >= 1 (got {a.reps})")
     if a.limit_s <= 0:
         p.error(f"--limit-s must be > 0 (got {a.limit_s}): each part stops timing new shapes after it")
-    _, rows = load_rows(PUBLISHED)  # each row's flags merged over its source's defaults
+    rows_needed = set(a.what) - {"table"}  # the table's shapes need no published row
+    _, rows = load_rows(PUBLISHED) if rows_needed else ({}, [])  # each row's flags merged over its source's defaults
     if a.shrink:
         small = {"hidden-size": 128, "num-attention-heads": 2, "seq-length": 64, "vocab-size": 512}
         rows = [{**r, "flags": {**r["flags"], **small}} for r in rows]
-    wanted = a.rows or [r["id"] for r in rows if r["id"].startswith("h100-")]
+    wanted = a.rows or [r["id"] for r in rows if r["id"].startswith("h100-")] if rows_needed else []
     chosen = chosen_rows(p, "--rows", rows, wanted)
     ev_rows = chosen_rows(p, "--event-rows", rows, a.event_rows or wanted[:2])
     device = torch.device("cuda" if cuda else "cpu")

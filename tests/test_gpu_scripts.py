@@ -310,3 +310,32 @@ def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp
         (m, r, g, k) for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24.0, 150.0)
         for k in ("sleep", "nccl")]
     assert all(r["stock_ms"] > 0 and r["oases_ms"] > 0 and r["comm_disabled_ms"] > 0 for r in recs)
+
+
+def test_gpu_check_gemm_step_times_the_table_s_shapes_into_a_file_the_table_builder_reads(tmp_path):
+    """Issue 49 item 1: the gemm step (``gpu_measure.py --what table``) on CPU at two tiny shapes;
+    on a GPU it times every shape of ``pricing/gemm_table.json`` and the builder adds the file."""
+    import tarfile
+
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "gemm", GEMM_ARGS="--table-shapes 32x16x8 16x16x16 --reps 2")
+    assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [["gemm", "rc=0"]], log[-3000:]
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        data = json.load(tar.extractfile("json/gpu_table.json"))
+    shapes = data["table"]["shapes"]
+    assert [(s["m"], s["n"], s["k"]) for s in shapes] == [(32, 16, 8), (16, 16, 16)] and data["table"]["complete"]
+    assert all(s["measured_ms"] > 0 and s["dtype"] == "bf16" for s in shapes) and "back to back" in data["meta"]["method"]
+    path = tmp_path / "gpu_table.json"
+    path.write_text(json.dumps({**data, "meta": {**data["meta"], "device": "NVIDIA H100 80GB HBM3"}}))
+    pts = load_script("scripts/gemm_table_build.py").from_gemms(str(path))
+    assert [(p["gpu"], p["m"], p["ms"]) for p in pts] == [("h100-sxm", s["m"], s["measured_ms"]) for s in shapes]
+    assert "back to back" in pts[0]["source"]
+
+
+def test_gpu_measure_table_shapes_default_to_the_table_and_refuse_bad_ones(tmp_path, capsys):
+    gm = load_script("scripts/gpu_measure.py")
+    from megatron_oases.pricing.gemm_table import load_tables
+
+    assert set(gm.gemm_table_shapes()) == {(p.m, p.n, p.k) for t in load_tables().values() for p in t.points}
+    with pytest.raises(SystemExit) as exc:
+        gm.main(["--out", str(tmp_path / "m"), "--what", "table", "--table-shapes", "64x64"])
+    assert exc.value.code == 2 and "expected MxNxK" in capsys.readouterr().err
