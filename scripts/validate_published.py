@@ -36,8 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from megatron_oases.sim.calibrate import crossval  # noqa: E402
-from megatron_oases.sim.frontends.published import (iteration_flops, script_parser, selected,
-                                                    simulate_run, write_outputs)
+from megatron_oases.sim.frontends.published import (error_pct, iteration_flops, per_source_table, script_parser,
+                                                    selected, simulate_run, write_outputs)
 from megatron_oases.sim.frontends.published import load_rows as published_rows
 
 DATA = os.path.join(ROOT, "examples", "validation", "published_megatron.yaml")
@@ -103,6 +103,7 @@ def cross_validate(rows: list[dict], sources: dict, *, gemm_factors=crossval.GEM
     ratios = crossval.grid_errors(rows, lambda r, t: predict_row(r, sources, t)["predicted"],
                                   gemm_factors=gemm_factors, host_us=host_us)
     held, folds = crossval.leave_one_source_out(rows, ratios)
+    everyone = crossval.fit(rows, ratios)  # in-source: the fit that saw every row (reported only as the gap)
     by_id = {r["id"]: r for r in rows}
     unreachable = set(crossval.infeasible(ratios))
     results = []
@@ -111,7 +112,9 @@ def cross_validate(rows: list[dict], sources: dict, *, gemm_factors=crossval.GEM
         res = predict_row(row, sources, crossval.tune(h["gemm_shape_factor"], h["layer_framework_us"]))
         results.append({**res, "stack": row["stack"], "fit_sources": " ".join(h["fit_sources"]),
                         "gemm_shape_factor": h["gemm_shape_factor"], "layer_framework_us": h["layer_framework_us"],
-                        "unreachable": h["id"] in unreachable})
+                        "unreachable": h["id"] in unreachable,
+                        "in_source_error_pct": error_pct(row["unit"], ratios[h["id"]][(
+                            everyone["gemm_shape_factor"], everyone["layer_framework_us"][row["stack"]])])})
     order = {r["id"]: i for i, r in enumerate(rows)}
     return sorted(results, key=lambda r: order[r["id"]]), folds, crossval.spread(folds)
 
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     results, folds, spread = cross_validate(rows, sources, gemm_factors=tuple(a.gemm_factors),
                                             host_us=tuple(a.host_us))
     print(format_table(results))
+    print(per_source_table(results))
     print(format_spread(spread, folds))
     summary = {**error_summary(results), "fitted": spread, "folds": folds}
     write_outputs(results, summary=summary, sources=sources, source_key="source", out=a.out)

@@ -68,3 +68,17 @@ def test_table_spans_cards_stacks_batches_and_deep_pipelines(table):
     mbs = {r["flags"].get("micro-batch-size", 1) for r in rows}
     assert {1, 2, 4, 8} <= mbs
     assert max(r["flags"].get("pp", 1) for r in rows) >= 32
+
+
+def test_error_from_ratio_and_per_source_table():
+    """The held-out / in-source table reads errors in the row's unit: a time 10% too long is +10%,
+    a rate 10% too high +10%; the gap is the held-out median minus the in-source one."""
+    from megatron_oases.sim.frontends.published import error_pct, per_source_table
+
+    assert error_pct("s_per_iteration", 1 / 1.1) == 10.0 and error_pct("tflops_per_gpu", 1.1) == 10.0
+    rows = [{"source": "a", "error_pct": 4.0, "in_source_error_pct": -1.0},
+            {"source": "a", "error_pct": -6.0, "in_source_error_pct": 3.0},
+            {"source": "b", "error_pct": 2.0, "in_source_error_pct": 2.0}]
+    table = per_source_table(rows).splitlines()
+    assert table[2] == "| `a` | 2 | 5.0% | 6.0% | 2.0% | 3.0% | +3.0 |"
+    assert table[-1] == "| **all** | 3 | 4.0% | 6.0% | 2.0% | 3.0% | +2.0 |"

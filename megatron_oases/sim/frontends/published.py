@@ -14,6 +14,7 @@ import yaml
 
 from ...flops import gpt_flops_per_iteration
 from ...pricing.stack import stack_of
+from ...flags import option
 from .cli import build_parser, simulation_inputs
 from ..core.timeline import SimResult, simulate
 
@@ -51,7 +52,7 @@ def topology_path(topology: str, data_file: str) -> str:
 
 def sim_argv(topology: str, nodes: int | None, flags: dict) -> list[str]:
     """The ``megatron-oases sim`` command line of a run (flag dict -> ``--name value`` / ``--name``)."""
-    argv = ["--topology", topology] + ([] if nodes is None else ["--nodes", str(nodes)])
+    argv = [option("topology"), topology] + ([] if nodes is None else ["--nodes", str(nodes)])
     for name, value in flags.items():
         if value is True:
             argv.append(f"--{name}")
@@ -92,6 +93,38 @@ def selected(rows: list[dict], wanted: list[str] | None) -> list[dict]:
     if unknown:
         raise ValueError(f"unknown rows: {', '.join(unknown)}")
     return [r for r in rows if r["id"] in wanted]
+
+
+def error_pct(unit: str, ratio: float) -> float:
+    """Signed error (percent, in the row's unit) of a prediction whose speed ratio is ``ratio``
+    (``sim.calibrate.crossval.grid_errors``: measured / predicted for a time, predicted / measured
+    for a rate)."""
+    from ..calibrate.crossval import TIME_UNITS
+
+    predicted_over_measured = 1.0 / ratio if unit in TIME_UNITS else ratio
+    return round(100.0 * (predicted_over_measured - 1.0), 1)
+
+
+def per_source_table(results: list[dict]) -> str:
+    """Per source and overall: held-out |error| (the fit without the source) against in-source
+    |error| (the fit on every row, the source included), median and max, and the gap between the
+    medians: how much of the agreement the held-out number would lose to a fit that saw the row.
+    ``results``: rows with ``source``, ``error_pct`` (held out) and ``in_source_error_pct``."""
+    import statistics
+
+    def line(name: str, rs: list[dict]) -> str:
+        out = [abs(r["error_pct"]) for r in rs]
+        ins = [abs(r["in_source_error_pct"]) for r in rs]
+        gap = statistics.median(out) - statistics.median(ins)
+        return (f"| {name} | {len(rs)} | {statistics.median(out):.1f}% | {max(out):.1f}% | "
+                f"{statistics.median(ins):.1f}% | {max(ins):.1f}% | {gap:+.1f} |")
+
+    lines = ["| source | rows | held-out median | held-out max | in-source median | in-source max | gap (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for src in dict.fromkeys(r["source"] for r in results):
+        lines.append(line(f"`{src}`", [r for r in results if r["source"] == src]))
+    lines.append(line("**all**", results))
+    return "\n".join(lines)
 
 
 def write_outputs(results: list[dict], *, summary: dict, sources: dict, source_key: str, out: str,
