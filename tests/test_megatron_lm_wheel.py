@@ -5,9 +5,10 @@ wheel's ``megatron.training`` and ``megatron_lm.wheel_gpt``).
 With ``--mock-data``, dropout off and CPU initialisation, stock TP 2, ``--schedule oases``,
 ``--tp-backend atp`` and ``--oases-plan`` log the same losses (rel 1e-5), a ``--load`` resume
 logs the uninterrupted run's, and ``--tp-backend 3d`` on 8 ranks logs stock's (one rank). Without a
-checkout on 0.16 (its wheel has no ``megatron.training``) the module skips, saying so. Every run
-is a torchrun with a deadline; the whole module takes about 5 minutes on 2 cores (the 8-rank
-runs are most of it).
+checkout on 0.16 (its wheel has no ``megatron.training``) the module skips, saying so. Stock TP 2,
+the reference of every TP-2 build, is a torchrun launch; the builds run the entry's ``main`` on
+forkserver ranks (``entry_on_ranks``: the same rank path, without torchrun's interpreter and
+imports per rank), so each is compared with a real torchrun launch too. Every run has a deadline.
 
 The helpers here (TINY, the plan file, ``torchrun_entry``, ``losses_of``, ``train``) are also
 what ``tests/test_megatron_lm_checkout.py`` uses.
@@ -85,6 +86,16 @@ def torchrun_entry(nproc, argv, timeout_s=300):
     return proc.returncode, out
 
 
+def entry_on_ranks(nproc, argv, timeout_s=300):
+    """``megatron_oases.pretrain_gpt``'s ``main(argv)`` on ``nproc`` forkserver ranks
+    (``tests/rank_fns_main.py``: the entry's own rank path without an interpreter per rank, 5-10 s
+    less a launch, 20-40 s less at 8 ranks on 2 cores): (status, every rank's output)."""
+    from tests.rank_fns_main import main_on_ranks
+
+    env = {"MEGATRON_LM_PATH": CHECKOUT if entry_source() == "checkout" else ""}
+    return main_on_ranks("megatron_oases.megatron_lm.pretrain_gpt", nproc, argv, timeout_s, env)
+
+
 def losses_of(log):
     """{iteration: reported lm loss} from Megatron-LM's log lines."""
     import re
@@ -93,9 +104,11 @@ def losses_of(log):
         r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|", log)}
 
 
-def train(nproc, extra, iters, timeout_s=300):
-    """Train ``iters`` iterations of CPU_TRAIN + ``extra``: (losses, log); asserts success."""
-    rc, log = torchrun_entry(nproc, CPU_TRAIN + ["--train-iters", str(iters)] + extra, timeout_s)
+def train(nproc, extra, iters, timeout_s=300, torchrun=False):
+    """Train ``iters`` iterations of CPU_TRAIN + ``extra``: (losses, log); asserts success. On
+    forkserver ranks (``entry_on_ranks``) unless ``torchrun``."""
+    launch = torchrun_entry if torchrun else entry_on_ranks
+    rc, log = launch(nproc, CPU_TRAIN + ["--train-iters", str(iters)] + extra, timeout_s)
     assert rc == 0, log[-4000:]
     losses = losses_of(log)
     assert losses and max(losses) == iters, log[-3000:]
@@ -116,11 +129,11 @@ ITERS = 6
 
 @pytest.fixture(scope="module")
 def stock_tp2():
-    """Stock TP 2's losses (the reference of every TP-2 build)."""
+    """Stock TP 2's losses (the reference of every TP-2 build), launched by torchrun."""
     _skip_without_entry()
     if __import__("torch").cuda.is_available():
         pytest.skip("the CPU training layer is only installed without CUDA")
-    return train(2, TP2, ITERS)[0]
+    return train(2, TP2, ITERS, torchrun=True)[0]
 
 
 def _same(losses, ref, what):
