@@ -4,8 +4,9 @@
 The signal tests run ``megatron-oases train --nproc-per-node 4`` (TP2 x DP2) as a subprocess and
 signal the launcher, as a scheduler signals the job: it must forward the signal, the ranks must
 finish the iteration, save and exit 0, and the same command (no flag changed) must resume with
-the uninterrupted run's losses. The time limits run one rank as torchrun starts it (no spawn: half
-the imports). Deadlines are generous: 2 shared cores.
+the uninterrupted run's losses. The uninterrupted reference and the time limits run the
+trainer's rank path (``main`` as under torchrun) on forkserver ranks (``tests/rank_fns_main.py``:
+no interpreter and imports per launch). Deadlines are generous: 2 shared cores.
 """
 from __future__ import annotations
 
@@ -112,9 +113,12 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> float:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Losses of the uninterrupted run, full precision (``--log-json``)."""
+    from tests.rank_fns_main import main_on_ranks
+
     log = tmp_path_factory.mktemp("uninterrupted") / "log.jsonl"
-    run = Run(_cli() + FOUR_RANKS + MODEL + ["--train-iters", str(ITERS), "--log-json", str(log)])
-    assert run.finish() == 0, run.out[-3000:]
+    rc, out = main_on_ranks("megatron_oases.train", 4, FOUR_RANKS[2:] + MODEL + [
+        "--train-iters", str(ITERS), "--log-json", str(log)], timeout_s=DEADLINE_S)
+    assert rc == 0, out[-3000:]
     out = json_losses(log)
     assert sorted(out) == list(range(1, ITERS + 1))
     return out
@@ -197,14 +201,12 @@ def test_sigterm_without_the_handler_ends_the_ranks_and_says_so(tmp_path):
 
 
 def _one_rank(args: list[str]) -> subprocess.CompletedProcess:
-    from megatron_oases.runtime.spawn import free_port
+    """``megatron_oases.train``'s ``main`` as one rank torchrun started (RANK, WORLD_SIZE=1, ...),
+    on a forkserver rank; stdout and stderr both hold its merged output."""
+    from tests.rank_fns_main import main_on_ranks
 
-    # OMP_NUM_THREADS=1: a lone rank started this way keeps torch's default threads, which spin
-    # for the cores the other tests' ranks need on a loaded 2-core host
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_oases.train", *MODEL, *args],
-                          capture_output=True, text=True, timeout=DEADLINE_S, env=env)
+    rc, out = main_on_ranks("megatron_oases.train", 1, MODEL + args, timeout_s=DEADLINE_S)
+    return subprocess.CompletedProcess(["megatron_oases.train", *MODEL, *args], rc, out, out)
 
 
 def test_exit_interval_stops_saves_and_the_same_command_goes_on(tmp_path):
