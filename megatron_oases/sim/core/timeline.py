@@ -260,6 +260,34 @@ def price_events(stages: list[StageEvents], device: DeviceModel) -> dict[str, fl
             for k, e in uniq.items()}
 
 
+def pipeline_send_ms(ev: Event | None, price: dict[str, float], device: DeviceModel, strategy: Strategy) -> float:
+    """A pipeline send's time as Megatron-Core runs it: the sequence-parallel shard only, and
+    between nodes at the sending GPU's share of its node's network cards, not the whole node's.
+
+    * With ``--sequence-parallel`` the activation between stages is ``[s / TP, b, h]`` on each TP
+      rank (Megatron-Core's ``get_tensor_shapes`` divides the sequence), not the full ``[s, b, h]``
+      the send event carries.
+    * A topology's inter-node bandwidth is a node's aggregate over its cards (DGX A100: 8 x 200 Gb/s
+      HDR, one card per GPU). ``DeviceModel.p2p_ms`` gives one pair of ranks all of it, as if a
+      single GPU drove every card; NCCL sends a point-to-point message through the card next to
+      the GPU, and in the pipeline every rank of a stage sends at once (each TP rank its copy, each
+      DP replica its own). The send gets the share the collectives already get for a
+      one-GPU-per-node group (``DeviceModel.nic_share``): an eighth of a DGX node, one card.
+
+    Measured sends (a profile) keep their price; the latency is paid once either way."""
+    if ev is None:
+        return 0.0
+    t = price[ev.key]
+    if device.profile is not None and ev.key in device.profile.events_ms:
+        return t
+    a, b = ev.ranks
+    latency_ms = device.topology.link_latency(a, b) / 1e3
+    wire = t - latency_ms
+    if strategy.sequence_parallel and strategy.tp > 1:
+        wire /= strategy.tp
+    return wire / min(1.0, device.nic_share((a, b), a, b)) + latency_ms
+
+
 def host_splits(stages: list[StageEvents], device: DeviceModel) -> dict[str, tuple[float, float]]:
     """(GPU ms, host ms) of each analytically priced compute event with a host cost: the templates
     let the host issue ahead of the GPU (``run_template``); measured events keep their price."""
@@ -403,8 +431,8 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
         return cache[k]
     templates = tuple(tuple((template(ch.forward_segments), template(ch.backward_segments))
                             for ch in st.chunks) for st in stages)
-    p2p = [[(price[ch.send_forward.key] if ch.send_forward else 0.0,
-             price[ch.send_backward.key] if ch.send_backward else 0.0) for ch in st.chunks] for st in stages]
+    p2p = [[(pipeline_send_ms(ch.send_forward, price, device, s), pipeline_send_ms(ch.send_backward, price, device, s))
+            for ch in st.chunks] for st in stages]
     orders = [schedule_order(s.schedule, i, s.pp, s.num_microbatches, s.virtual_stages) for i in range(s.pp)]
     contention = device.profile.contention if device.profile is not None else {}
     if s.pp > 1 and any(k in contention for k in price):
