@@ -103,15 +103,15 @@ def test_atp_matches_one_rank(n, layout, qk):
 
 
 def _train_log(tmp_path, name, n, argv):
+    """``megatron-oases train`` on ``n`` ranks (its rank path on forkserver ranks,
+    ``tests/rank_fns_main.py``): {iteration: loss} of its ``--log-json``."""
     import json
-    import subprocess
-    import sys
+
+    from tests.rank_fns_main import main_on_ranks
 
     log = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "megatron_oases.train", "--nproc-per-node", str(n),
-                           "--device", "cpu", *argv, "--log-json", str(log)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rc, out = main_on_ranks("megatron_oases.train", n, ["--device", "cpu", *argv, "--log-json", str(log)])
+    assert rc == 0, out[-4000:]
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, log.read_text().splitlines())}
 
 
