@@ -46,19 +46,12 @@ def chunk_readings(argv: list[str]) -> dict:
 
 
 def readings_of(argvs: list[list[str]]) -> list[dict]:
-    """``chunk_readings`` of each command line in turn, in one spawned group (a spawn costs more
-    than these tiny models); Megatron's model-parallel state is torn down between them."""
-    from megatron.core import parallel_state as ps
-
+    """``chunk_readings`` of each command line in turn, in one spawned group
+    (``rank_fns_saved.each_in_turn``)."""
     from tests.rank_fns_contract import _rebind_megatron_collectives
+    from tests.rank_fns_saved import each_in_turn
     from megatron_oases.parallel.collectives import watch_torch_distributed
 
     watch_torch_distributed()  # Megatron's own all-gathers / reduce-scatters (sequence parallelism)
     _rebind_megatron_collectives()
-    out = []
-    for argv in argvs:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        out.append(chunk_readings(argv))
-    ps.destroy_model_parallel()
-    return out
+    return each_in_turn(chunk_readings, argvs)
