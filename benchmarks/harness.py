@@ -296,29 +296,20 @@ def run_variant(a, world: int, topo_path: str, workdir: str, tag: str, flags: li
             "wall_s": round(time.time() - t0, 1)}
 
 
-def predicted_layer_mb(P: int, kind: str, mesh, m: int, h: int, layers: int,
-                       micro_batches: int, bpe: int = 4) -> float:
-    """Wire MB per rank per step of the transformer layers alone from the library's formulas (also
-    ``bench_tp3d``'s prediction; fp32 by default): 1-D 4 all-reduces of M h per layer, fwd + bwd;
-    3-D the four Linear3D GEMMs (``linear3d.predicted_gemm_bytes``, §3.1.2: one forward and two
-    backward GEMMs each, (p-1)/p^3 (48 M h + 36 h^2) in all, docs/tp3d.md); ATP Eq. 2's
-    all-reduces (``plan.atp_mesh.ATP_LAYER_ALLREDUCES``, x2) with the ring factor. Leaves out
-    LayerNorm / bias / embedding / output-layer traffic. 0 on one rank."""
-    from megatron_oases.describe.ops import ring_factor
-    from megatron_oases.layers.linear3d import predicted_gemm_bytes
-    from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES
+def predicted_layer_mb(P: int, backend: str, mesh, *, seq: int, micro_batch: int, hidden: int, heads: int,
+                       layers: int, micro_batches: int, ffn: int | None = None, bpe: int = 4) -> float:
+    """Wire MB per rank per step of the transformer layers alone (also ``bench_tp3d``'s
+    prediction; fp32 by default): every collective of ``describe``'s layer for ``backend`` at
+    TP ``P`` (``describe.registry.layer_description``: the layer the trainer builds, GPT-2's at
+    ``ffn`` = 4h by default; ``mesh`` ATP's (d1, d2), else None), forward and backward, at its
+    ring's wire bytes, times the layers and micro-batches. Leaves out the embedding, the output
+    layer, the block edges into and out of a 3-D cube and the gradients' reduction. 0 on one
+    rank."""
+    from megatron_oases.describe.registry import layer_description
 
     if P == 1:
         return 0.0
-    ar = lambda d: ring_factor("all_reduce", d)  # noqa: E731
-    if kind == "1d":
-        elems = 4 * ar(P) * m * h
-    elif kind.startswith("3d"):
-        p = round(P ** (1 / 3))
-        gemms = ((m, h, 3 * h), (m, h, h), (m, h, 4 * h), (m, 4 * h, h))  # qkv, proj, fc1, fc2
-        elems = 3 * sum(predicted_gemm_bytes(*g, p, elem_size=1)["wire_bytes_per_rank"] for g in gemms)
-    else:
-        d = dict(zip((1, 2), mesh))
-        elems = 2 * m * sum(width * h / d[shard] * ar(d[axis])
-                            for _, axis, width, shard in ATP_LAYER_ALLREDUCES)
-    return elems * bpe * layers * micro_batches / 1e6
+    desc = layer_description(backend=backend, mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden,
+                             heads=heads, ffn=ffn or 4 * hidden, tp=P, bytes_per_element=bpe)
+    wire = sum(c.wire_bytes_per_rank for c in desc.collectives("forward") + desc.collectives("backward"))
+    return wire * layers * micro_batches / 1e6

@@ -86,9 +86,9 @@ def main(argv=None) -> int:
             label = (f"atp ({m[0]},{m[1]}) c{a.atp_chunks}" + (" pick" if v == "atp" else " argmin")
                      if m else v)
             row = {"variant": label,
-                   "pred_layer_MB_per_rank": predicted_layer_mb(a.tp, "1d" if v == "stock" else v, m,
-                                                                a.seq * a.micro_batch, a.hidden, a.layers,
-                                                                a.micro_batches), **r}
+                   "pred_layer_MB_per_rank": predicted_layer_mb(
+                       a.tp, flags[1], m, seq=a.seq, micro_batch=a.micro_batch, hidden=a.hidden,
+                       heads=a.heads, layers=a.layers, micro_batches=a.micro_batches), **r}
             rows.append(row)
             print(f"  {label:16s} {row['step_ms']:9.1f} ms  {row.get('wire_MB_per_rank', 0):7.2f} "
                   f"MB/rank  ({row['wall_s']} s)", flush=True)

@@ -56,7 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.harness import predicted_layer_mb  # noqa: E402  (re-exported: the tests read it here)
+from benchmarks.harness import predicted_layer_mb  # noqa: E402
+from megatron_oases.describe.cube_3d import cube_root  # noqa: E402
 
 RANKS = (1, 2, 4, 8)
 
@@ -80,8 +81,8 @@ def variants_for(P: int, meshes: dict[int, list[tuple[int, int]]], with_3d: bool
             raise ValueError(f"ATP mesh ({d1},{d2}) does not have {P} ranks")
         out.append((f"atp ({d1},{d2})", ["--tp-backend", "atp", "--atp-mesh", f"{d1},{d2}"],
                     (d1, d2)))
-    p = round(P ** (1 / 3))
-    if with_3d and p >= 2 and p ** 3 == P:
+    p = cube_root(P)  # describe.cube_3d: the one test of a cube
+    if with_3d and p and p >= 2:
         out.append((f"3d p={p}", ["--tp-backend", "3d"], None))
     return out
 
@@ -178,11 +179,11 @@ def points(a) -> list[dict]:
         else:
             vs = variants_for(P, meshes, with_3d=not a.no_3d)
         for label, flags, mesh in vs:
-            kind = "1d" if label.startswith("serial") else label
             out.append({"P": P, "variant": label, "hidden": h, "micro_batch": b, "flags": flags,
                         "global_batch": b * a.micro_batches,
-                        "pred_layer_MB": predicted_layer_mb(P, kind, mesh, a.seq * b, h, a.layers,
-                                                            a.micro_batches)})
+                        "pred_layer_MB": predicted_layer_mb(P, flags[1], mesh, seq=a.seq, micro_batch=b, hidden=h,
+                                                            heads=a.heads, layers=a.layers,
+                                                            micro_batches=a.micro_batches)})
     return out
 
 

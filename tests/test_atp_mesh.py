@@ -10,13 +10,13 @@ import pytest
 
 from megatron_oases.plan.atp_mesh import (
     AxisBandwidth, MeshCost, MeshError, axis_bandwidth, axis_groups, calibration_from_measurements,
-    closed_form_t_comm, enumerate_meshes, eq2_t_comm, measurement_plan, mesh_cost, search_mesh,
-    valid_tp_sizes, with_calibration,
+    enumerate_meshes, measurement_plan, mesh_cost, search_mesh, valid_tp_sizes, with_calibration,
 )
 from megatron_oases.plan.mesh_cli import mesh_main
 from megatron_oases.describe.ops import ModelingError
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.topology import Topology, load_topology
+from tests.atp_eq2 import closed_form_t_comm, eq2_t_comm
 
 # The paper's default run: batch 4, sequence 2048 (§5), model M2, fp16.
 M2 = GPTShape(hidden_size=4096, num_layers=24, num_attention_heads=32, micro_batch_size=4, seq_length=2048,

@@ -1,12 +1,12 @@
 """Pure helpers of scripts/bench_tp3d_scaling.py (no ranks, no timing)."""
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from benchmarks.harness import predicted_layer_mb
+from megatron_oases.describe.gemm_3d import GEMMS_PER_LINEAR, gemm_3d_bytes
+from tests.atp_eq2 import ATP_LAYER_ALLREDUCES
+from tests.script_modules import load_script
 
-import bench_tp3d_scaling as S  # noqa: E402
+S = load_script("scripts/bench_tp3d_scaling.py")
 
 
 def test_weak_shape_keeps_gemm_work_per_rank():
@@ -31,14 +31,30 @@ def test_variants_for():
         S.variants_for(4, {4: [(4, 2)]})
 
 
-def test_predicted_layer_mb_matches_docs():
-    m, h, L, mb = 256, 256, 2, 2  # docs/tp3d.md's benchmark: stock 7.34, 3-D 11.01, ATP (4,2) 6.82 MB
-    assert S.predicted_layer_mb(8, "1d", None, m, h, L, mb) == pytest.approx(7.340032)
-    assert S.predicted_layer_mb(8, "3d p=2", None, m, h, L, mb) == pytest.approx(11.010048)
-    assert S.predicted_layer_mb(8, "atp (4,2)", (4, 2), m, h, L, mb) == pytest.approx(6.815744)
-    # ATP (P,1) sends what 1-D TP sends; one rank sends nothing
-    assert S.predicted_layer_mb(8, "atp (8,1)", (8, 1), m, h, L, mb) == pytest.approx(7.340032)
-    assert S.predicted_layer_mb(1, "1d", None, m, h, L, mb) == 0.0
+def test_predicted_layer_mb_is_the_described_layer_and_the_papers_formulas_at_ffn_4h():
+    """The benchmarks' prediction sums ``describe``'s layer; the papers' formulas for the GEMMs'
+    and linears' collectives are its oracle (docs/tp3d.md's shape: M = 256 tokens, h 256)."""
+    seq, b, h, heads, L, mb, e = 64, 4, 256, 8, 2, 2, 4
+    m = seq * b
+    pred = lambda P, backend, mesh=None: predicted_layer_mb(  # noqa: E731
+        P, backend, mesh, seq=seq, micro_batch=b, hidden=h, heads=heads, layers=L, micro_batches=mb)
+    scale = e * L * mb / 1e6
+    # 1-D: four all-reduces of M h per layer (two forward, two backward), ring factor 2(P-1)/P
+    assert pred(8, "megatron") == pytest.approx(4 * 2 * 7 / 8 * m * h * scale)
+    assert pred(8, "atp", (8, 1)) == pytest.approx(pred(8, "megatron"))  # ATP (P,1) is 1-D TP
+    # 3-D: each linear three GEMMs of §3.1.2's cost; the described layer adds the norms' statistics
+    # and bias vectors, well under 1% here
+    gemms = sum(gemm_3d_bytes(m, n, k, 2, elem_size=1)["wire_bytes_per_rank"]
+                for n, k in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)))
+    oracle = GEMMS_PER_LINEAR * gemms * scale
+    assert oracle < pred(8, "3d") < 1.01 * oracle
+    # ATP (4,2): Eq. 2's all-reduces, forward and backward, at the ring factor; the described layer
+    # moves its norms' statistics too and gathers part of the attention instead, within 1% here
+    d = {1: 4, 2: 2}
+    eq2 = 2 * m * sum(width * h / d[shard] * 2 * (d[axis] - 1) / d[axis]
+                      for _, axis, width, shard in ATP_LAYER_ALLREDUCES) * scale
+    assert pred(8, "atp", (4, 2)) == pytest.approx(eq2, rel=0.01)
+    assert pred(1, "megatron") == 0.0
 
 
 def test_scaling_metrics():

@@ -10,7 +10,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_oases.layers.linear3d import Linear3D, LayerNorm3D, gemm_layouts, predicted_gemm_bytes
+from megatron_oases.describe.gemm_3d import gemm_3d_bytes
+from megatron_oases.layers.linear3d import Linear3D, LayerNorm3D, gemm_layouts
 from megatron_oases.parallel.cube import Cube, CubeGroups, build_cube_groups, other_dir
 from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.spawn import run_on_ranks
@@ -77,10 +78,10 @@ def test_indivisible_dims_are_one_clear_line():
 
 
 def test_predicted_bytes_formula():
-    pred = predicted_gemm_bytes(8, 12, 16, 2)
+    pred = gemm_3d_bytes(8, 12, 16, 2)
     assert pred["shard_bytes_per_rank"] == (96 + 192 + 128) / 8 * 4
     assert pred["wire_bytes_per_rank"] == pred["shard_bytes_per_rank"]  # (p - 1) = 1 at p = 2
-    assert predicted_gemm_bytes(8, 12, 16, 4)["wire_bytes_per_rank"] == 3 * (96 + 192 + 128) / 64 * 4
+    assert gemm_3d_bytes(8, 12, 16, 4)["wire_bytes_per_rank"] == 3 * (96 + 192 + 128) / 64 * 4
 
 
 # --- one spawn of 8 ranks ---
@@ -152,7 +153,7 @@ def test_memory_balance_and_no_replicated_weight(cube_results):
 
 def test_forward_gemm_bytes_match_paper_formula(cube_results):
     m, n, k = rank_fns_3d.M, rank_fns_3d.N, rank_fns_3d.K
-    pred = predicted_gemm_bytes(m, n, k, P)
+    pred = gemm_3d_bytes(m, n, k, P)
     for r in cube_results:
         for key in ("bytes.gemm_fwd", "bytes.linear_fwd"):
             recs = r[key]

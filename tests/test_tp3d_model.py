@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_oases.layers.linear3d import predicted_gemm_bytes
+from megatron_oases.describe.gemm_3d import gemm_3d_bytes
 from megatron_oases.errors import ConfigError
 from megatron_oases.runtime.spawn import run_on_ranks
 from tests import rank_fns_3d_model as R
@@ -122,7 +122,7 @@ def test_forward_gemm_bytes_match_paper_formula(cube_run):
             gemm = rec[:3]  # then the bias: broadcast on the diagonal + all-gather in x
             assert [k for k, *_ in gemm] == ["all_gather", "all_gather", "reduce_scatter"], name
             assert all(size == P for _, size, _, _ in gemm), name
-            pred = predicted_gemm_bytes(tokens, b[name]["in"], b[name]["out"], P)
+            pred = gemm_3d_bytes(tokens, b[name]["in"], b[name]["out"], P)
             assert sum(w for *_, w in gemm) == pred["wire_bytes_per_rank"], name
             assert sum(pl for _, _, pl, _ in gemm) == pred["payload_bytes"], name
             assert [k for k, *_ in rec[3:]] == ["broadcast", "all_gather"], name

@@ -399,16 +399,3 @@ def cube_sharded_state_dict(module: torch.nn.Module, groups: CubeGroups, prefix:
                 sub.get_extra_state(), key, sharded_offsets, replica_id=(0, tp_rank, dp_rank))
     return out
 
-
-def predicted_gemm_bytes(m: int, n: int, k: int, p: int, elem_size: int = 4) -> dict:
-    """The paper's §3.1.2 cost of one forward GEMM (M x N by N x K on p^3 ranks).
-
-    "Each forward algorithm uses all-gather and reduce-scatter operations to move
-    (MN + NK + MK) / p^3 across p processors": each rank contributes its three shards, of
-    (MN + NK + MK) / p^3 elements in total, to three collectives of p ranks each. With ring
-    collectives a rank sends (p - 1) of the p shards of each, hence the wire bytes below.
-    """
-    shard = (m * n + n * k + m * k) / p ** 3
-    return {"collectives": 3, "group_size": p, "shard_bytes_per_rank": shard * elem_size,
-            "payload_bytes": p * shard * elem_size,
-            "wire_bytes_per_rank": (p - 1) * shard * elem_size}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
+from megatron_oases.describe.plan_degrees import degree_refusal
 from megatron_oases.errors import ConfigError
 
 
@@ -83,9 +84,8 @@ def build_degree_groups(tp_groups: Sequence[Sequence[int]], degrees: Iterable[in
     tp = len(tp_groups[0])
     wanted = sorted(set(degrees) | {tp})
     for d in wanted:
-        if d < 1 or tp % d or d & (d - 1):
-            raise ConfigError(f"--oases-plan: degree {d} is not a power of two dividing "
-                              f"--tensor-model-parallel-size {tp}")
+        if degree_refusal(d, tp):  # describe.plan_degrees
+            raise ConfigError(f"--oases-plan: {degree_refusal(d, tp)}")
     sub, reshard, tp_index = {}, {}, None
     for ranks in tp_groups:
         _check_ascending(ranks)

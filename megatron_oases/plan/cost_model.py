@@ -39,6 +39,7 @@ from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.describe.planned import reshard_shape
 from megatron_oases.describe.shapes import batch_split_refusal
+from megatron_oases.describe.plan_degrees import replica_share
 from megatron_oases.describe.split import split_refusal, sub_batch_sizes, sub_batches_at
 from megatron_oases.topology import Topology
 
@@ -119,7 +120,7 @@ class CostModel:
 
 def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
     fam = family_of(s)
-    share = m.micro_batch_size * s.degree // m.tp
+    share = replica_share(m.micro_batch_size, s.degree, m.tp)  # describe.plan_degrees
     chains = sub_batches_at(s.degree, oases=m.sub_batches > 1)  # as the runtime runs the block
     if chains > 1:
         sub, scale = sub_batch_sizes(share, chains)[0], 1.0
@@ -174,11 +175,11 @@ def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer
     hi = max(a.degree, b.degree)
     if other.family == "megatron":
         runs = 1
-        shape, dims = reshard_shape(share=m.micro_batch_size * hi // m.tp, seq=m.seq_length, hidden=m.hidden_size,
+        shape, dims = reshard_shape(share=replica_share(m.micro_batch_size, hi, m.tp), seq=m.seq_length, hidden=m.hidden_size,
                                     degree=hi, dtype=m.dtype)
     else:
         runs = m.sub_batches
-        samples = m.micro_batch_size * hi // m.tp // m.sub_batches or 1
+        samples = replica_share(m.micro_batch_size, hi, m.tp) // m.sub_batches or 1
         shape, dims = event_shape(m, samples, dataclasses.replace(other, degree=hi))
 
     def total(first, first_ranks, more) -> float:

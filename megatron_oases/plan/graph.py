@@ -27,7 +27,8 @@ from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.backends import BACKENDS, backend
 from megatron_oases.describe.layer_query import LayerQuery
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
-from megatron_oases.describe.split import split_refusal, sub_batches_at
+from megatron_oases.describe.plan_degrees import degree_refusal, micro_batch_multiple, plan_degrees
+from megatron_oases.describe.split import split_refusal
 from megatron_oases.describe.planned import ATTENTION_FIRST_BWD, MLP_FIRST, degree_reshard, split_at
 from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
                                                 layer_param_tensors)
@@ -318,17 +319,15 @@ def _megatron_feasible(s: BlockStrategy, m: PlanModel) -> str:
     """A Megatron 1-D block at a degree dividing T, on its replica's share of the micro-batch
     (its key/value groups: :func:`attention_fits`, attention blocks only)."""
     d = s.degree
-    if d < 1 or m.tp % d:
-        return f"degree {d} does not divide T={m.tp}"
-    refused = _record_refusal(s, m, query_groups=None)
+    refused = degree_refusal(d, m.tp) or _record_refusal(s, m, query_groups=None)  # describe.plan_degrees
     if refused:
         return refused
-    share = m.micro_batch_size * d
-    if share % m.tp:
-        return f"micro-batch {m.micro_batch_size} does not split over {m.tp // d} replicas"
-    share //= m.tp
-    if split_refusal(share, sub_batches_at(d, oases=m.sub_batches > 1)):  # describe.split
-        return f"a replica's {share} sample(s) do not split into {m.sub_batches} sub-batches"
+    need, _ = micro_batch_multiple((d,), tp=m.tp, oases=m.sub_batches > 1)
+    if m.micro_batch_size % need:
+        share = m.micro_batch_size * d / m.tp
+        if share != int(share):
+            return f"micro-batch {m.micro_batch_size} does not split over {m.tp // d} replicas"
+        return f"a replica's {int(share)} sample(s) do not split into {m.sub_batches} sub-batches"
     return ""
 
 
@@ -385,7 +384,7 @@ def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[
     if m.tp & (m.tp - 1):
         raise PlanError(f"--tensor-model-parallel-size {m.tp} must be a power of two for the planner's "
                         "megatron family (block degrees are powers of two dividing it); plan --families atp")
-    all_d = [1 << i for i in range(m.tp.bit_length()) if m.tp % (1 << i) == 0]
+    all_d = list(plan_degrees(m.tp))  # describe.plan_degrees
     if degrees:
         bad = [d for d in degrees if d not in all_d]
         if bad:

@@ -3,16 +3,17 @@ its backward working set (``PlanModel`` in, numbers out; read by the families an
 model)."""
 from __future__ import annotations
 
+from megatron_oases.describe.optimizer import state_bytes_per_param as model_state_bytes
 from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes, oases_kept_beyond_stock
 from megatron_oases.describe.split import sub_batches_at
 from .model import PlanModel
 
 
 def state_bytes_per_param(m: PlanModel, shard: int) -> float:
-    """Weights (e) + fp32 main grads (4) + Adam m, v (8) + fp32 master copy when e = 2 (4), the
-    optimizer part divided by ``shard`` (distributed optimizer); as ``sim.core.memory``."""
-    e = m.bytes_per_element
-    return e + 4 + ((4 if e == 2 else 0) + 8) / shard
+    """Model-state bytes of one parameter (weights, gradient buffer, optimizer states; the last
+    divided by ``shard``, the distributed optimizer's): ``describe.optimizer``, as the simulator."""
+    return sum(model_state_bytes(bytes_per_element=m.bytes_per_element, grad_reduce_bytes=m.grad_reduce_bytes,
+                                 shard=shard))
 
 
 def block_activation_bytes(m: PlanModel, kind: str, samples: int, degree: int) -> float:

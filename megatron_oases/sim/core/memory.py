@@ -1,9 +1,10 @@
 """Memory per device: model states + the activations the schedule keeps alive (DistSim's
 feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
 
-* Model states per parameter: weights (e bytes), fp32 gradient buffer (4), Adam in fp32 (m, v: 8)
-  plus fp32 master weights when the weights are 2-byte (4): 18 bytes with bf16, 16 with fp32.
-  The distributed optimizer shards master weights and moments over DP.
+* Model states per parameter (``describe.optimizer``, the planner's too): weights (e bytes), fp32
+  gradient buffer (4), Adam in fp32 (m, v: 8) plus fp32 master weights when the weights are 2-byte
+  (4): 18 bytes with bf16, 16 with fp32. The distributed optimizer shards master weights and
+  moments over DP.
 * Activations per micro-batch and layer (``describe.registry.layer_activation_bytes``; dropout
   masks only where dropout is on); the Oases schedule without recompute keeps its two step
   boundaries on top (``describe.saved.oases_kept_beyond_stock``); with recompute a recomputed
@@ -25,6 +26,7 @@ import dataclasses
 import itertools
 
 from ...describe.head import head_saved_bytes
+from ...describe.optimizer import state_bytes_per_param
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
@@ -54,9 +56,12 @@ class StageMemory:
 
 
 def model_state_bytes(params: int, model: GPTShape, strategy: Strategy) -> tuple[float, float, float]:
-    e = model.bytes_per_element
+    """(weights, gradient buffer, optimizer states) bytes of ``params`` parameters on one rank
+    (``describe.optimizer``, as the planner)."""
     shard = strategy.dp if strategy.distributed_optimizer else 1
-    return e * params, float(model.grad_reduce_bytes) * params, ((4 if e == 2 else 0) + 8) * params / shard
+    per = state_bytes_per_param(bytes_per_element=model.bytes_per_element,
+                                grad_reduce_bytes=model.grad_reduce_bytes, shard=shard)
+    return tuple(b * params for b in per)
 
 
 def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
