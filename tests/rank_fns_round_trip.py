@@ -10,7 +10,8 @@ def chunk_readings(argv: list[str]) -> dict:
     """One micro-batch's forward and backward through this rank's model chunk (stage): the
     collectives issued per pass (``CommCounter``: kind, group size, payload bytes), the bytes the
     forward keeps for backward (``SavedTensorLedger``: autograd's saved storages and the Oases
-    executor's step state, parameters excluded) and the parameters of each decoder layer.
+    executor's step state, parameters excluded), the parameters of each decoder layer and of
+    the whole chunk.
     A later pipeline stage takes a random hidden state as its input (``set_input_tensor``)."""
     import torch
 
@@ -42,7 +43,7 @@ def chunk_readings(argv: list[str]) -> dict:
                             if r.group_size > 1)  # a one-rank group issues nothing
     layers = [sum(p.numel() for p in layer.parameters()) for layer in gpt.decoder.layers]
     return {"forward": rows(fwd), "backward": rows(bwd), "saved": kept, "layer_params": layers,
-            "rank": int(os.environ["RANK"])}
+            "params": sum(p.numel() for p in params), "rank": int(os.environ["RANK"])}
 
 
 def readings_of(argvs: list[list[str]]) -> list[dict]:

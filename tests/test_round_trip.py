@@ -171,12 +171,15 @@ class Layer:
     backward: list
     saved: float
     params: list
+    rank_params: int = 0
+    """The whole stage's parameters on rank 0 (the larger run's): the layers, embedding, output
+    layer and final norm."""
 
 
 def trainer_layer(big: dict, small: dict) -> Layer:
     return Layer(forward=_rows_diff(big["forward"], small["forward"]),
                  backward=_rows_diff(big["backward"], small["backward"]),
-                 saved=big["saved"] - small["saved"], params=big["layer_params"])
+                 saved=big["saved"] - small["saved"], params=big["layer_params"], rank_params=big["params"])
 
 
 def _sim_chunk(argv: list[str], world: int):
@@ -187,15 +190,17 @@ def _sim_chunk(argv: list[str], world: int):
     from megatron_oases.train_args import build_parser
 
     model, strategy = sim_inputs_from_train_args(build_parser().parse_args(argv), world)
-    chunk = build_stage_events(model, strategy, local_topology(world))[0].chunks[0]
 
     def rows(segments):
         return sorted((ev.op.kind, len(ev.ranks), ev.nbytes) for evs, chains in segments for ev in evs
                       for _ in range(chains) if ev.kind == "collective" and len(ev.ranks) > 1)
 
+    stage = build_stage_events(model, strategy, local_topology(world))[0]
+    chunk = stage.chunks[0]
     params = [sum(layer_tensors(model, strategy, i)) for i in stage_layers(model, strategy, 0)]
     return {"forward": rows(chunk.forward_segments), "backward": rows(chunk.backward_segments),
-            "saved": chunk_activation_bytes(model, strategy, chunk)[0], "layer_params": params}
+            "saved": chunk_activation_bytes(model, strategy, chunk)[0], "layer_params": params,
+            "params": stage.params_per_rank}
 
 
 def sim_layer(big_argv, small_argv, world) -> Layer:
@@ -322,9 +327,11 @@ def _readings(row: Row, trainer_readings):
 
 
 @pytest.mark.parametrize("row", _cases("params"))
-def test_parameters_per_layer(row, trainer_readings):
+def test_parameters_per_layer_and_rank(row, trainer_readings):
+    """Each layer's parameters (and, the simulator's, the whole stage's on rank 0: embedding,
+    output layer and final norm with the layers)."""
     got, sim, plan = _readings(row, trainer_readings)
-    assert got.params == sim.params
+    assert (got.params, got.rank_params) == (sim.params, sim.rank_params)
     assert [sum(got.params) / len(got.params)] == plan.params
 
 
