@@ -47,7 +47,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from benchmarks.harness import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
-                                  launch_ranks, model_flags, step_stats)
+                                launch_ranks, model_flags, step_stats)
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer  # noqa: E402
+from megatron_oases.describe.split import sub_batch_sizes  # noqa: E402
 
 VARIANTS = {
     "stock": ["--schedule", "default"] + RECOMPUTE,
@@ -169,6 +171,23 @@ def _interference(one, a, comm_ms: float) -> dict:
             "gemm_busy_ms": gemm_busy, "gemm_slowdown": gemm_busy / alone}
 
 
+def step_collectives(a, tp: int, *, sequence_parallel: bool) -> tuple[int, int]:
+    """(elements each, count) of the TP collectives of the layers in one Oases training step:
+    ``describe``'s Megatron 1-D layer under the Oases tape (it keeps the all-gathered inputs, so
+    its backward gathers no input again) on one sub-batch (``describe.split``), times the
+    sub-batches, the layers and the micro-batches. Each moves one sub-batch's full-sequence
+    ``[s, b, h]`` activation: 4 all-reduces a layer and sub-batch, or under sequence parallelism
+    4 all-gathers and 4 reduce-scatters (``comm_only_main`` alternates them)."""
+    subs = sub_batch_sizes(a.micro_batch)
+    layer = megatron_1d_gpt_layer(micro_batch=subs[0], seq=a.seq, hidden=a.hidden, heads=a.heads,
+                                  ffn=4 * a.hidden, tp=tp, bytes_per_element=1,
+                                  sequence_parallel=sequence_parallel, keeps_gathered_input=True)
+    ops = layer.collectives("forward") + layer.collectives("backward")
+    sizes = {c.payload_bytes for c in ops}
+    assert len(sizes) == 1, f"the layer's collectives move different sizes: {sorted(sizes)}"
+    return sizes.pop(), len(ops) * len(subs) * a.layers * a.micro_batches
+
+
 def bench_tp(a, tp: int, workdir: str) -> list[dict]:
     topo = None
     if not a.no_emulate:
@@ -186,17 +205,14 @@ def bench_tp(a, tp: int, workdir: str) -> list[dict]:
                "wall_s": round(time.time() - t0, 1)}
         rows.append(row)
         print(f"  tp={tp} {name:9s} {row['step_ms']:9.1f} ms", flush=True)
-    # Communication alone, per layer and sub-batch: 4 all-reduces of one sub-batch activation
-    # (forward 2, backward 2), or with sequence parallelism 4 all-gathers and 4 reduce-scatters
-    # (the gathered side is the sub-batch's full-sequence activation).
-    sub = a.micro_batch // 2
+    # Communication alone: the Oases step's TP collectives (step_collectives), back to back.
     kinds = [("comm", [])] if any(not v.endswith("-sp") for v in a.variants) else []
     kinds += [("comm-sp", ["--sequence-parallel"])] if any(v.endswith("-sp") for v in a.variants) else []
     for name, extra in kinds:
-        count = a.layers * 2 * (8 if extra else 4) * a.micro_batches
+        elements, count = step_collectives(a, tp, sequence_parallel=bool(extra))
         out = os.path.join(workdir, f"tp{tp}-{name}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--elements",
-               str(a.seq * sub * a.hidden), "--count", str(count), "--repeats", str(a.iters),
+               str(elements), "--count", str(count), "--repeats", str(a.iters),
                "--out", out, "--hidden", str(a.hidden)] + extra
         if topo is None:
             from megatron_oases.runtime.spawn import run_on_ranks
