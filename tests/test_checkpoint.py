@@ -383,32 +383,26 @@ def test_save_and_load_same_empty_dir_starts_fresh(tmp_path):
 
 def test_cli_resumes_in_the_same_directory_and_prints_megatron_lines(tmp_path):
     """``--save D --load D`` (Megatron-LM's auto-resume): the first run starts fresh and saves
-    every iteration and at the end; the second continues at iteration 3."""
-    import subprocess
-    import sys
-
-    from megatron_oases.runtime.spawn import free_port
+    every iteration and at the end; the second continues at iteration 3. Each is the trainer's
+    ``main`` as one rank torchrun started, on a forkserver rank (``tests/rank_fns_main.py``)."""
+    from tests.rank_fns_main import main_on_ranks
 
     d = str(tmp_path / "ck")
-    base = [sys.executable, "-m", "megatron_oases.train", *MODEL, "--save", d, "--load", d]
 
-    def launch(*extra):  # one rank, as torchrun starts it (no spawn: half the imports)
-        # OMP_NUM_THREADS=1: torch's default threads spin for the cores of a loaded host
-        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-        return subprocess.run(base + list(extra), capture_output=True, text=True,
-                              timeout=TIMEOUT, env=env)
+    def launch(*extra):  # (status, the rank's stdout and stderr)
+        return main_on_ranks("megatron_oases.train", 1, [*MODEL, "--save", d, "--load", d, *extra],
+                             timeout_s=TIMEOUT)
 
-    one = launch("--train-iters", "2", "--save-interval", "1")
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert f" no checkpoint in {d} yet; starting from iteration 0" in one.stdout, one.stdout
+    rc, one = launch("--train-iters", "2", "--save-interval", "1")
+    assert rc == 0, one[-3000:]
+    assert f" no checkpoint in {d} yet; starting from iteration 0" in one, one
     for it in (1, 2):
-        assert f" saving checkpoint at iteration {it} to {d}\n" in one.stdout, one.stdout
-    two = launch("--train-iters", "3")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert f" loaded checkpoint from {d} at iteration 2\n" in two.stdout, two.stdout
-    assert " iteration        3/       3 |" in two.stdout and " iteration        2/" not in two.stdout
-    assert f" saving checkpoint at iteration 3 to {d}\n" in two.stdout  # at the end of training
+        assert f" saving checkpoint at iteration {it} to {d}\n" in one, one
+    rc, two = launch("--train-iters", "3")
+    assert rc == 0, two[-3000:]
+    assert f" loaded checkpoint from {d} at iteration 2\n" in two, two
+    assert " iteration        3/       3 |" in two and " iteration        2/" not in two
+    assert f" saving checkpoint at iteration 3 to {d}\n" in two  # at the end of training
     assert open(os.path.join(d, TRACKER)).read() == "3"
 
 

@@ -352,21 +352,22 @@ TINY = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--train-i
 
 def test_smoke_reference_trainer_into_compare(tmp_path):
     """The reference trainer's --log-json output, default schedule and our variants, through
-    compare.py (what a results directory of real runs goes through)."""
+    compare.py (what a results directory of real runs goes through). Each run is the trainer's
+    ``main`` on its 2 ranks as torchrun starts them (forkserver ranks, ``tests/rank_fns_main.py``:
+    no interpreter and imports per run)."""
+    from tests.rank_fns_main import main_on_ranks
+
     case = tmp_path / "results" / "tiny"
     case.mkdir(parents=True)
     variants = {"stock": [], "atp-1x2-c2": ["--tp-backend", "atp", "--atp-mesh", "1,2",
                                             "--atp-chunks", "2"],
                 "oases": ["--schedule", "oases"]}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    assert TINY[:2] == ["--nproc-per-node", "2"]
     for name, extra in variants.items():
-        proc = subprocess.run([sys.executable, "-m", "megatron_oases.train", *TINY, *extra,
-                               "--log-json", str(case / f"{name}.jsonl")],
-                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "elapsed time per iteration (ms)" in proc.stdout
+        rc, out = main_on_ranks("megatron_oases.train", 2, [*TINY[2:], *extra, "--log-json",
+                                                            str(case / f"{name}.jsonl")])
+        assert rc == 0, out[-3000:]
+        assert "elapsed time per iteration (ms)" in out
     out_csv = tmp_path / "speedup.csv"
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "results"), "--csv", str(out_csv)],
                           capture_output=True, text=True, timeout=120)

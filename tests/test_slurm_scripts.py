@@ -300,8 +300,9 @@ def test_dry_run_with_ckpt_dir_saves_and_loads_the_same_directory(tmp_path):
 
 def _stand_ins(tmp_path):
     """srun and torchrun stand-ins: the 'training' resumes from --load's latest iteration, prints
-    an iteration line every 0.1 s and, on SIGTERM (or at the end), saves the iteration it
-    reached to --save and exits 0, as Megatron-LM's --exit-signal-handler does."""
+    an iteration line every STANDIN_STEP_S seconds (default 0.1) and, on SIGTERM (or at the end),
+    saves the iteration it reached to --save and exits 0, as Megatron-LM's --exit-signal-handler
+    does."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "srun").write_text("#!/bin/sh\nwhile [ \"${1#--}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n")
@@ -314,7 +315,7 @@ save_and_exit() { mkdir -p "$save"; echo "$it" > "$save/latest_checkpointed_iter
 trap save_and_exit TERM
 while [ "$it" -lt "$iters" ]; do
   it=$((it + 1)); echo " iteration $it/$iters | elapsed time per iteration (ms): 100.0 |"
-  sleep 0.1 & wait $!
+  sleep "${STANDIN_STEP_S:-0.1}" & wait $!
 done
 save_and_exit
 """)
@@ -357,6 +358,7 @@ def test_sigterm_to_the_batch_shell_saves_stops_and_a_resubmission_resumes(tmp_p
     status = (res / "status.txt").read_text()
     assert "h1024 stock exit=0 (stopped by SIGTERM; resumes when resubmitted)" in status
 
+    env["STANDIN_STEP_S"] = "0.005"  # no signal to wait for: the rest of both runs goes fast
     again = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=180)
     assert again.returncode == 0, again.stderr
