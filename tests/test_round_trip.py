@@ -229,11 +229,15 @@ def plan_argv(argv: list[str], world: int) -> list[str]:
     from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser
 
+    from megatron_oases.plan.plan_cli import build_parser as plan_parser
+
     cfg = run_config(build_parser().parse_args(argv))
     dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
     oases_fine = (cfg.schedule == "oases" and cfg.recompute_granularity == "full"
                   and cfg.oases_fine_grained_recompute)
-    return [*argv, "--dtype", dtype, "--plan-recompute" if oases_fine else "--no-plan-recompute",
+    # plan's name for it (--recompute before the flag table renamed it --plan-recompute)
+    name = "plan-recompute" if "--plan-recompute" in plan_parser()._option_string_actions else "recompute"
+    return [*argv, "--dtype", dtype, f"--{name}" if oases_fine else f"--no-{name}",
             "--nproc-per-node", str(world), "--topology", "local"]
 
 
