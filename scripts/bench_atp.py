@@ -29,17 +29,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import json
 import os
 import sys
 import tempfile
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness
 
 
 # ---- launching -----------------------------------------------------------------------------------

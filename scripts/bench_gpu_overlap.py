@@ -10,11 +10,9 @@ of a TP-t model, every TP collective replaced by a stand-in of priced duration o
 Flags before ``--`` are the benchmark's (``--help``), the rest the reference trainer's.
 See benchmarks/standin/ and docs/gpu.md.
 """
-import os
 import sys
 
-
-from benchmarks.standin.measure import main  # noqa: E402  (imports no Megatron)
+from benchmarks.standin.measure import main  # (imports no Megatron)
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

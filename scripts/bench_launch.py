@@ -29,10 +29,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import bench_lock, loadavg, print_table
+from megatron_oases.run_config import DEFAULTS
 
-from benchmarks.harness import bench_lock, loadavg, print_table  # noqa: E402
-from megatron_oases.run_config import DEFAULTS  # noqa: E402
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIRST_ITERATION = re.compile(r"iteration\s+1/")
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -43,13 +43,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from benchmarks.harness import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,  # noqa: E402
+from benchmarks.harness import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,
                                 launch_ranks, model_flags, step_stats)
-from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer  # noqa: E402
-from megatron_oases.describe.split import sub_batch_sizes  # noqa: E402
+from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
+from megatron_oases.describe.split import sub_batch_sizes
 
 VARIANTS = {
     "stock": ["--schedule", "default"] + RECOMPUTE,

@@ -35,10 +35,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from benchmarks.harness import (RECOMPUTE, TRAINER, bench_lock, launch_ranks, loadavg,  # noqa: E402
+from benchmarks.harness import (RECOMPUTE, TRAINER, bench_lock, launch_ranks, loadavg,
                                   print_table, step_stats)
 
 SKIP = ["--oases-skip-tp-collectives"]

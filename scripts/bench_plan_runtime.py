@@ -35,11 +35,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from megatron_oases.describe.split import sub_batches_at  # noqa: E402
-from benchmarks.harness import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,  # noqa: E402
+from megatron_oases.describe.split import sub_batches_at
+from benchmarks.harness import (RECOMPUTE, TRAINER, add_model_args, bench_lock, fmt,
                                   launch_ranks, loadavg, model_flags, print_table, step_stats,
                                   two_level_topology_yaml, write_topology)
 

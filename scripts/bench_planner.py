@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import os
 import resource
 import sys
 import time
 
-
-from megatron_oases.plan.cost_model import build_cost_model  # noqa: E402
-from megatron_oases.plan.graph import PlanModel  # noqa: E402
-from megatron_oases.plan.ilp import evaluate, min_memory, solve  # noqa: E402
-from megatron_oases.plan.plan_file import compact_notation  # noqa: E402
-from megatron_oases.topology import load_topology  # noqa: E402
+from megatron_oases.plan.cost_model import build_cost_model
+from megatron_oases.plan.graph import PlanModel
+from megatron_oases.plan.ilp import evaluate, min_memory, solve
+from megatron_oases.plan.plan_file import compact_notation
+from megatron_oases.topology import load_topology
 
 GiB = float(1 << 30)
 TABLE6 = ((2048, 24, 32, 4, 4), (4096, 16, 64, 4, 4), (8192, 8, 128, 8, 8))  # h, L, heads, T, micro-batch

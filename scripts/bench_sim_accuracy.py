@@ -37,11 +37,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from benchmarks import harness
+from benchmarks.harness import loadavg, step_stats
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import loadavg, step_stats  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (trainer flags for the split / schedule, what it exercises)
 CONFIGS = {

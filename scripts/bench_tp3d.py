@@ -27,11 +27,9 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import predicted_layer_mb  # noqa: E402  (the layers' wire bytes, one formula)
+from benchmarks import harness
+from benchmarks.harness import predicted_layer_mb  # (the layers' wire bytes, one formula)
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:

@@ -52,12 +52,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
-from benchmarks import harness  # noqa: E402
-from benchmarks.harness import predicted_layer_mb  # noqa: E402
-from megatron_oases.describe.cube_3d import cube_root  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import predicted_layer_mb
+from megatron_oases.describe.cube_3d import cube_root
 
 RANKS = (1, 2, 4, 8)
 
