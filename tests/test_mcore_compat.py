@@ -116,12 +116,14 @@ def test_layers_train_on_release(release):
                     f"MCORE_RELEASES=\"{release}\" installs it there)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [target, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    probe = subprocess.run([sys.executable, "-c", "import megatron.core as m; print(m.__version__)"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    found = probe.stdout.strip()  # 0.18+ may append "+<git hash>" of the current directory
-    assert mc.parse_version(found) == mc.parse_version(release), probe.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_layers_train_on_installed_release",
-                          f"{__file__}::test_dense_mlp_parts_reads_both_spec_forms"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # One interpreter prints the megatron-core it imports, then runs the tests on it (a separate
+    # probe cost another torch + Megatron import per release).
+    tests = [f"{__file__}::test_layers_train_on_installed_release",
+             f"{__file__}::test_dense_mlp_parts_reads_both_spec_forms"]
+    code = ("import sys, megatron.core as m, pytest; print(m.__version__, flush=True); "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    found = out.stdout.split("\n", 1)[0].strip()  # 0.18+ may append "+<git hash>" of the cwd
+    assert mc.parse_version(found) == mc.parse_version(release), out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
