@@ -96,9 +96,11 @@ def test_local_reproduces_the_h200_layer_events():
 def test_flags_pick_the_stack():
     assert stack_of() is APEX_FUSED  # Megatron-LM's defaults: Apex's fused softmax
     assert stack_of(apex=False) is LOCAL  # our trainer: no Apex, torch's softmax and torch's AdamW
-    unfused = stack_of(masked_softmax_fusion=False)  # Apex present: its fused Adam stays
+    unfused = stack_of(masked_softmax_fusion=False)  # Apex present: its fused Adam and wgrad accumulation stay
     assert unfused.name == "local" and unfused.adam_bytes_per_param == APEX_FUSED.adam_bytes_per_param
-    assert dataclasses.replace(unfused, adam_bytes_per_param=LOCAL.adam_bytes_per_param, source=LOCAL.source) == LOCAL
+    assert unfused.fused_grad_accumulation and APEX_FUSED.fused_grad_accumulation and not LOCAL.fused_grad_accumulation
+    assert dataclasses.replace(unfused, adam_bytes_per_param=LOCAL.adam_bytes_per_param, source=LOCAL.source,
+                               fused_grad_accumulation=False) == LOCAL
     assert stack_of(transformer_impl="transformer_engine") is TRANSFORMER_ENGINE
     with pytest.raises(SimError, match="no-masked-softmax-fusion"):
         stack_of(transformer_impl="transformer_engine", masked_softmax_fusion=False, error=SimError)

@@ -60,6 +60,11 @@ class SoftwareStack:
     p, m, v in one kernel), which Megatron imports when either is installed."""
     source: str = ""
     """Where the numbers come from (measured on what, or fitted how)."""
+    fused_grad_accumulation: bool = False
+    """The weight-gradient GEMM accumulates into DDP's fp32 ``main_grad`` itself (Megatron's
+    ``--gradient-accumulation-fusion``, on by default where Apex's ``fused_weight_gradient_mlp_cuda``
+    or Transformer Engine is present): no separate add kernel (its fp32 epilogue, inside the GEMM,
+    is not priced apart)."""
     host_measured_on: tuple[str, ...] = ()
     """The cards (``pricing.device_model.GPUS`` names) this stack's host costs were measured on;
     on any other card the simulator says it borrows them (``DeviceModel.pricing_notes``)."""
@@ -135,10 +140,12 @@ LOCAL = SoftwareStack(
 # into its GEMM and the bias into the GEMM epilogue (attention 12 -> 7, MLP 5 -> 3: 0.6).
 APEX_FUSED = SoftwareStack(
     name="apex-fused", dispatch_us=LOCAL.dispatch_us, layer_framework_us=LOCAL.layer_framework_us,
+    fused_grad_accumulation=True,
     source="host cost: local's, measured on an H200 (the same eager Megatron layer; the published table "
            "cannot identify it); kernels and bytes: the description's")
 TRANSFORMER_ENGINE = SoftwareStack(  # fitted: 800 us in the 3 folds that see a TE row
     name="transformer_engine", dispatch_us=9.05, layer_framework_us=800.0, kernel_factor=0.6,
+    fused_grad_accumulation=True,
     source="fitted (leave-one-source-out, docs/sim_validation.md); kernels from TE's fused modules")
 
 STACKS: dict[str, SoftwareStack] = {s.name: s for s in (LOCAL, APEX_FUSED, TRANSFORMER_ENGINE)}
@@ -162,5 +169,5 @@ def stack_of(*, transformer_impl: str = "local", masked_softmax_fusion: bool = T
         return LOCAL
     if masked_softmax_fusion:
         return APEX_FUSED
-    return dataclasses.replace(LOCAL, adam_bytes_per_param=APEX_FUSED.adam_bytes_per_param,
+    return dataclasses.replace(LOCAL, adam_bytes_per_param=APEX_FUSED.adam_bytes_per_param, fused_grad_accumulation=True,
                                source=LOCAL.source + "; Adam: Apex's fused Adam")

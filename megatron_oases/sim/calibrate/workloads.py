@@ -221,11 +221,17 @@ def _tail_workload(name: str, dims: dict, mk: _Maker, dtype: torch.dtype, device
 
 
 def compute_workload(name: str, dims: dict, device: torch.device) -> Forward:
+    from ...pricing.device_model import GRAD_ACCUMULATE
+
     """A no-argument function running the event's work once (what the profiler times)."""
     dtype = TORCH_DTYPES[str(dims.get("dtype", "fp32"))]
     if "exec" in dims and name in LAYER_EVENTS:  # a Megatron 1-D layer event: time the real layer
         return megatron_layer_workload(name, dims, device, dtype)
     mk = _Maker(dtype, device)
+    if name == GRAD_ACCUMULATE:  # DDP's main_grad += grad (fp32 += the model's dtype)
+        n = int(dims["grad_elems"])
+        main, grad = torch.zeros(n, dtype=torch.float32, device=device), mk.t(n, grad=False)
+        return lambda: main.add_(grad)
     if name in ("optimizer", "grad_norm"):
         return _tail_workload(name, dims, mk, dtype, device)
     if name == "logits.wgrad":  # the output layer's weight gradient, grad_output.t() @ input

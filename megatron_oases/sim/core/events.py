@@ -180,7 +180,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
             return _collective(op, head_shape, topo, tp_ranks, head_dims)
 
         fwd_l = [ev(op) for op in layer.forward]
-        bwd_l = [ev(op) for op in layer.backward]
+        bwd_l = [ev(op) for op in layer.backward] + [_grad_event(m, sum(layer_tensors(m, s, 0)), chains)]
         fine = s.overlap == "oases" and s.fine_grained_recompute
         rec_l = [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
         chunks = []
@@ -198,7 +198,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                         for j in range(per_chunk)]
             else:
                 blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
-                fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks)
+                fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks, g * per_chunk)
                 # each layer: (reshard, block) parts for its attention and its MLP
                 starts = [sum(len(p[0]) for p in fwd_parts[:4 * i]) for i in range(per_chunk)]
                 ends = [sum(len(p[0]) for p in bwd_parts[:4 * (j + 1)]) for j in range(per_chunk)]
@@ -246,6 +246,32 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                                       param_tensors=_chunk_tensors(m, s, first, last, where)))
         out.append(_stage_tail(m, s, topo, st, tuple(chunks), chains))
     return out
+
+
+def grad_accumulate(params: int, bytes_per_element: int, chains: int) -> Compute:
+    """A layer's weight gradients (``params`` on this rank) added into Megatron DDP's fp32
+    ``main_grad`` once per micro-batch, as one of ``chains`` sub-batch events sharing it: read
+    main_grad, read the gradient, write main_grad ((8 + e) bytes a parameter in e-byte training;
+    DDP's hook, stock and Oases alike since ``schedules/oases/wgrad.py``). Under Oases with 16-bit
+    weights each sub-batch after the first accumulates into the first's 16-bit sum (``addmm_``
+    reads it: e bytes a parameter); with fp32 weights each sub-batch's GEMM accumulates into
+    main_grad itself (its 4-byte read) and no add follows. A stack with gradient-accumulation
+    fusion (Apex's or Transformer Engine's fp32-output weight GEMM) prices it 0
+    (``DeviceModel.gpu_compute_ms``)."""
+    from ...pricing.device_model import GRAD_ACCUMULATE
+
+    e = bytes_per_element
+    per_param = 4.0 if e == 4 and chains > 1 else ((8 + e) + e * (chains - 1)) / chains
+    return Compute(name=GRAD_ACCUMULATE, gemm_flops=0.0, elementwise_bytes=per_param * params)
+
+
+def _grad_event(m: GPTShape, params: int, chains: int) -> Event:
+    """``grad_accumulate`` as the layer's event, keyed by what it moves: the elements of one
+    fp32 += e-byte add of the same bytes (what the profiler's workload adds,
+    ``sim.calibrate.workloads``)."""
+    op = grad_accumulate(params, m.bytes_per_element, chains)
+    n = round(op.elementwise_bytes / (8 + m.bytes_per_element))
+    return _compute(op, f"n{n}_{m.dtype}", (("grad_elems", n), ("dtype", m.dtype)))
 
 
 class _TensorWhere(NamedTuple):
@@ -382,7 +408,7 @@ def _reshard_events(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[in
 
 
 def _planned_chunk(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int, ...],
-                   degrees: tuple[int, ...]) -> tuple[list[tuple], list[tuple]]:
+                   degrees: tuple[int, ...], first_layer: int = 0) -> tuple[list[tuple], list[tuple]]:
     """(forward, backward) parts (events, chains, degree) of a chunk's blocks (attention, mlp,
     attention, ...) at their ``degrees``, resharded between degrees and to degree T at the
     chunk's edges (``layers/planned_layer.py``, ``schedules/oases/block.py``)."""
@@ -400,8 +426,10 @@ def _planned_chunk(m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int
         d = degrees[i]
         chains = block_sub_batches(s, d)
         _, ops_b = _blocks_at(m, s, d)[kinds[i % 2]]
-        bwd += [(_reshard_events(m, s, topo, tp_ranks, d, edge[i + 2])[1], 1),
-                ([_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_b], chains, d)]
+        evs = [_op_event(op, m, s, topo, tp_ranks, d, chains) for op in ops_b]
+        if i % 2 == 0:  # the layer's last block backward: its gradients accumulated (grad_accumulate)
+            evs.append(_grad_event(m, sum(layer_tensors(m, s, first_layer + i // 2)), chains))
+        bwd += [(_reshard_events(m, s, topo, tp_ranks, d, edge[i + 2])[1], 1), (evs, chains, d)]
     bwd.append((_reshard_events(m, s, topo, tp_ranks, s.tp, edge[1])[1], 1))
     return fwd, bwd
 
