@@ -303,7 +303,7 @@ def test_sim_main(tmp_path: Path, capsys):
 
 def test_atp_description_matches_megatron_flops_and_eq2_forward_volume():
     from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
-    from megatron_oases.plan.atp_mesh import ATP_LAYER_ALLREDUCES
+    from tests.atp_eq2 import ATP_LAYER_ALLREDUCES
     from megatron_oases.describe.atp_2d import atp_2d_gpt_layer
 
     b, s, h, a, e = 2, 128, 512, 8, 2
