@@ -392,7 +392,7 @@ def check_query_groups_split(cfg: RunConfig, dims: ParallelDims) -> None:
     groups = query_groups(cfg)
     plan = cfg.oases_layer_degrees  # set by validate_plan_args
     for degree in sorted({a for a, _ in plan}) if plan else [dims.tp]:
-        if groups % backend("megatron").kv_groups_divisor(degree, None):
+        if groups % rec.kv_groups_divisor(degree, None):
             where = (f"attention degree {degree} of --oases-plan" if plan
                      else f"--tensor-model-parallel-size {degree}")
             raise ConfigError(f"--num-query-groups {groups} must be divisible by the {where} "
@@ -406,23 +406,9 @@ def llama_features(cfg: RunConfig) -> list[str]:
           ("--qk-layernorm", cfg.qk_layernorm)]
     return [flag for flag, active in on if active]
 
-
-def _refuse_features(cfg: RunConfig, backend_flag: str,
-                     supported: tuple[str, ...] = ()) -> None:
-    used = [flag for flag in llama_features(cfg) if flag not in supported]
-    if used:
-        raise ConfigError(f"{backend_flag} does not support {', '.join(used)} yet; use "
-                          f"--tp-backend megatron (stock or --schedule oases) for this model")
-
-
-def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | None:
-    """Parse --atp-mesh into (d1, d2) and check it against TP and the model; returns the mesh
-    (None without ``--tp-backend atp``).
-
-    ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
-    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, returns the pick
-    and prints it with its predicted time on rank 0. It runs before any process group exists;
-    a second validation of the returned config (``train.setup``) sees (d1, d2) and is silent.
+    ``--atp-mesh auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search
+    (:func:`auto_mesh`) first. It runs before any process group exists; a second validation of
+    the returned config (``train.setup``) sees (d1, d2) and is silent.
     """
     if cfg.tp_backend != "atp":
         if cfg.atp_mesh is not None:
@@ -475,8 +461,6 @@ def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | N
     return tuple(mesh)
 
 
-def parse_atp_mesh(text: str) -> tuple[int, int]:
-    """``--atp-mesh D1,D2`` as (d1, d2); one line if it is not two integers."""
     try:
         d1, d2 = (int(v) for v in text.split(","))
     except ValueError:
@@ -491,18 +475,3 @@ def _refuse_split(cfg: RunConfig, dims: ParallelDims, mesh: tuple[int, int] | No
         ffn=cfg.ffn_hidden_size, micro_batch=cfg.micro_batch_size, query_groups=query_groups(cfg))
     if refused:
         raise ConfigError(refused)
-
-
-def validate_3d_config(cfg: RunConfig, dims: ParallelDims) -> None:
-    """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
-    if cfg.tp_backend != "3d":
-        return
-    _refuse_features(cfg, "--tp-backend 3d", supported=(
-        "--position-embedding-type rope", "--swiglu", "--group-query-attention", "--qk-layernorm"))
-    if cfg.swiglu and cfg.add_bias_linear:
-        raise ConfigError("--tp-backend 3d runs --swiglu without linear biases only; add "
-                          "--disable-bias-linear")
-    _refuse_split(cfg, dims)
-    if cfg.sequence_parallel:
-        raise ConfigError("--tp-backend 3d does not support --sequence-parallel (its activations "
-                          "are already split p^3 ways); drop it")

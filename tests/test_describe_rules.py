@@ -97,3 +97,14 @@ def test_the_described_cube_gemms_move_what_section_3_1_2_says(variant):
         assert sum(c.payload_bytes for c in gemm) == pytest.approx(want["payload_bytes"]), name
         assert sum(c.wire_bytes_per_rank for c in gemm) == pytest.approx(want["wire_bytes_per_rank"]), name
         assert {c.group_size for c in gemm} == {want["group_size"]} and len(gemm) == want["collectives"]
+
+
+@pytest.mark.parametrize("tp, seq", [(4, 62), (1, 64)])
+def test_the_planner_refuses_sequence_parallelism_in_the_trainers_words(tp, seq):
+    from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
+    from megatron_oases.plan.graph import PlanError, model_from_mapping
+
+    with pytest.raises(PlanError) as e:
+        model_from_mapping({"hidden_size": 256, "num_layers": 2, "num_attention_heads": 8, "seq_length": seq,
+                            "micro_batch_size": 4, "tp": tp, "sequence_parallel": True})
+    assert str(e.value) == sequence_parallel_refusal(tp, seq) != ""

@@ -52,8 +52,9 @@ import torch.nn.functional as F
 from megatron_oases.describe.core_attention import (ATTENTION_BACKENDS as BACKENDS, BACKEND_HELP,  # noqa: F401
                                                     check_flash_dtype)
 from megatron_oases.errors import ConfigError
+from megatron_oases.flags import option
 
-FLAG = "--attention-backend"
+FLAG = option("attention_backend")
 
 
 def check_backend(backend, *, cuda: bool, half: bool) -> None:

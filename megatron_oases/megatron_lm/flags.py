@@ -28,9 +28,11 @@ import os
 import sys
 from typing import Callable
 
+from megatron_oases.describe.backends import backend
 from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.run_config import RunConfig, megatron_ffn_hidden_size, mesh_search_shape, run_config
+from megatron_oases.flags import option
 
 def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add our flags to ``parser`` (Megatron-LM's, or any parser without them); returns it: the
@@ -220,11 +222,11 @@ def trainer_view(cfg: RunConfig, world_size: int | None = None,
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    for flag, value in (("--num-layers", cfg.num_layers), ("--hidden-size", cfg.hidden_size),
-                        ("--num-attention-heads", cfg.num_attention_heads),
-                        ("--micro-batch-size", cfg.micro_batch_size)):
+    for dest, value in (("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
+                        ("num_attention_heads", cfg.num_attention_heads),
+                        ("micro_batch_size", cfg.micro_batch_size)):
         if value is None:
-            raise ConfigError(f"{flag} is required")
+            raise ConfigError(f"{option(dest)} is required")
     view = dataclasses.replace(cfg, sequence_parallel=bool(cfg.sequence_parallel))
     cp = cfg.megatron_lm.context_parallel_size or 1
     if world_size % cp:
@@ -312,7 +314,7 @@ def _build_named(cfg: RunConfig) -> str:
     """The flag that makes this run one of our builds, as the refusals name it."""
     return (f"--tp-backend {cfg.tp_backend}" if cfg.tp_backend != "megatron"
             else f"--schedule {cfg.schedule}" if cfg.schedule != "default"
-            else "--oases-plan" if cfg.oases_plan is not None
+            else option("oases_plan") if cfg.oases_plan is not None
             else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")
 
 

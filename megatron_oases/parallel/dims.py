@@ -17,12 +17,13 @@ def check_sizes(*, tp: int, pp: int, num_layers: int, hidden_size: int,
     """The degrees and model sizes ``ParallelDims`` splits are >= 1. Validation calls it before
     it derives anything from them (the default ``--ffn-hidden-size`` 4 x hidden, the query groups
     from the heads), so a bad size is named as the flag the user gave."""
-    for flag, value in (("--tensor-model-parallel-size", tp),
-                        ("--pipeline-model-parallel-size", pp),
-                        ("--num-layers", num_layers), ("--hidden-size", hidden_size),
-                        ("--num-attention-heads", num_attention_heads)):
+    from megatron_oases.flags import option
+
+    for dest, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("num_layers", num_layers), ("hidden_size", hidden_size),
+                        ("num_attention_heads", num_attention_heads)):
         if value < 1:
-            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+            raise ConfigError(f"{option(dest)} must be >= 1 (got {value})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

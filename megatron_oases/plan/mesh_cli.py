@@ -12,6 +12,7 @@ import math
 import sys
 
 from megatron_oases.describe.shapes import GPTShape
+from megatron_oases.flags import add_flag, add_flags, option
 from megatron_oases.plan.atp_mesh import MeshChoice, MeshError, search_mesh
 from megatron_oases.run_config import (DEFAULTS, RunConfig, check_gqa_flags, filled_ffn_hidden_size,
                                        mesh_search_shape, run_config)
@@ -29,33 +30,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    """Megatron-LM's flag names with ``megatron-oases train``'s defaults (``run_config.DEFAULTS``),
-    so the same flags price the same layer as the trainer's ``--atp-mesh auto``; ``--tp``,
-    ``--hidden`` and ``--layers`` are the older short names."""
+    """Megatron-LM's flag names with ``megatron-oases train``'s defaults, from the flag table
+    (``megatron_oases.flags``), so the same flags price the same layer as the trainer's
+    ``--atp-mesh auto``; ``--tp``, ``--hidden`` and ``--layers`` are the older short names, kept
+    as aliases."""
     p = _Parser(prog=PROG, allow_abbrev=False, description="Search ATP's 2-D device meshes DeviceMesh(d1, d2) for a TP "
                 "group on a topology (ATP paper Eq. 3-4 bandwidths, the layer's collectives from its description); "
                 "axis 2 is the consecutive, innermost ranks. Flags and defaults are megatron-oases train's.")
-    p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int,
-                   default=DEFAULTS.tensor_model_parallel_size, help="TP group size N = d1 * d2")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=DEFAULTS.pipeline_model_parallel_size,
-                   help="pipeline stages: the search prices one stage's --num-layers / PP layers")
-    p.add_argument("--num-layers", "--layers", dest="num_layers", type=int, default=DEFAULTS.num_layers)
-    p.add_argument("--hidden-size", "--hidden", dest="hidden_size", type=int, default=DEFAULTS.hidden_size)
-    p.add_argument("--ffn-hidden-size", type=int, default=DEFAULTS.ffn_hidden_size,
-                   help="default 4 x hidden size; with --swiglu Megatron-LM's int(4h x 2/3 / 64) x 64")
-    p.add_argument("--num-attention-heads", type=int, default=DEFAULTS.num_attention_heads)
-    p.add_argument("--seq-length", type=int, default=DEFAULTS.seq_length)
-    p.add_argument("--micro-batch-size", type=int, default=DEFAULTS.micro_batch_size)
-    p.add_argument("--swiglu", action="store_true", help="SwiGLU MLP: fc1 computes gate and up (2 x ffn)")
-    p.add_argument("--group-query-attention", action="store_true")
-    p.add_argument("--num-query-groups", type=int, default=DEFAULTS.num_query_groups,
-                   help="key/value groups under --group-query-attention (Megatron-LM's default 1)")
-    p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=DEFAULTS.normalization)
-    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
-    p.add_argument("--bf16", action="store_true", help="2-byte activations (neither --bf16 nor --fp16: fp32, "
-                   "as megatron-oases train)")
-    p.add_argument("--fp16", action="store_true")
+    add_flag(p, "topology", required=True)
+    add_flag(p, "tensor_model_parallel_size", "--tp", note="N = d1 x d2")
+    add_flag(p, "pipeline_model_parallel_size", note="the search prices one stage's --num-layers / PP layers")
+    add_flag(p, "num_layers", "--layers")
+    add_flag(p, "hidden_size", "--hidden")
+    add_flags(p, ("ffn_hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "swiglu",
+                  "group_query_attention", "num_query_groups", "normalization", "add_bias_linear",
+                  "position_embedding_type", "rotary_percent", "qk_layernorm"))
+    add_flag(p, "bf16", note="2-byte activations (neither --bf16 nor --fp16: fp32, as megatron-oases train)")
+    add_flag(p, "fp16")
     p.add_argument("--bytes-per-element", type=int, choices=(2, 4), default=None,
                    help="the element size instead of --bf16 / --fp16 (2 or 4)")
     p.add_argument("--min-gain", type=float, default=DEFAULTS.atp_min_gain,
@@ -124,10 +115,10 @@ def pick_summary(choice: MeshChoice) -> str:
 def run_shape(args: argparse.Namespace) -> tuple[RunConfig, GPTShape]:
     """The run's config from the flags and the shape ``--atp-mesh auto`` would price for it
     (``run_config.mesh_search_shape``); ``MeshError`` naming the flag on bad input."""
-    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+    for dest, value in (("tensor_model_parallel_size", args.tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", args.pipeline_model_parallel_size)):
         if value <= 0:
-            raise MeshError(f"{flag} must be > 0 (got {value})")
+            raise MeshError(f"{option(dest)} must be > 0 (got {value})")
     if args.bf16 and args.fp16:
         raise MeshError("--bf16 and --fp16 are exclusive; pick one")
     if args.bytes_per_element is not None and (args.bf16 or args.fp16):

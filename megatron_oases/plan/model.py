@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
-from megatron_oases.describe.megatron_1d import tp_split_refusal
+from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_split_refusal
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
@@ -44,9 +44,8 @@ class PlanModel(GPTShape):
         super().__post_init__()
         if not is_positive_int(self.tp):
             raise PlanError(f"--tensor-model-parallel-size must be a positive integer (got {self.tp!r})")
-        if self.sequence_parallel and self.seq_length % self.tp:
-            raise PlanError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
-                            f"--tensor-model-parallel-size {self.tp}")
+        if self.sequence_parallel and sequence_parallel_refusal(self.tp, self.seq_length):  # the trainer's rule
+            raise PlanError(sequence_parallel_refusal(self.tp, self.seq_length))
         if not self.tied_embeddings:
             raise PlanError("--untie-embeddings-and-output-weights is not priced by the planner (its head "
                             "memory is the tied embedding's); plan with tied embeddings")

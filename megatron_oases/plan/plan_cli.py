@@ -12,10 +12,11 @@ import math
 import sys
 from typing import Any
 
-from ..describe.core_attention import ATTENTION_BACKENDS, check_flash_dtype
+from ..describe.core_attention import check_flash_dtype
 from ..describe.split import SUB_BATCHES, split_refusal, sub_batches_at
 from ..errors import comma_names, range_refusal
-from ..run_config import DEFAULTS, SCHEDULES, check_gqa_flags, gqa_groups
+from ..flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import stated_fields
 from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
@@ -29,7 +30,10 @@ class _UsageError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(RecordsGiven, argparse.ArgumentParser):
+    """argparse's complaints as one-line errors; the namespace records the flags given
+    (``given``), which win over the ``--model`` file, which wins over the flags' defaults."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise _UsageError(message)
 
@@ -40,54 +44,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="CONFIG", help="YAML/JSON with num_layers, hidden_size, num_attention_heads, "
                    "seq_length, ffn_hidden_size, vocab_size, micro_batch_size, tensor_model_parallel_size "
                    "(flags below override it)")
-    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "ffn-hidden-size",
-                 "vocab-size", "micro-batch-size"):
-        p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
-                   help="TP group size T; the megatron family's block degrees are powers of two dividing it")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None)
-    p.add_argument("--group-query-attention", action="store_true", default=None)
-    p.add_argument("--num-query-groups", type=int, default=None,
-                   help="with --group-query-attention (default 1): a block's degree must divide it")
-    p.add_argument("--swiglu", action="store_true", default=None)
-    p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
-    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
-    p.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default=None)
-    p.add_argument("--rotary-percent", type=float, default=None, help="part of each head RoPE rotates (rope only)")
-    p.add_argument("--qk-layernorm", action="store_true", default=None)
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="price Megatron's sequence parallelism at the uniform degree T only")
-    p.add_argument("--hidden-dropout", type=float, default=None, help="default 0, as megatron-oases train")
-    p.add_argument("--attention-dropout", type=float, default=None, help="default 0, as megatron-oases train")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="Megatron-LM's core attention (describe/core_attention.py): flash, fused, auto keep no "
-                        "s x s scores (SDPA on our builds), unfused and local do; not given (and not in "
-                        "--model): auto, what the plan's runtime (megatron-oases train, our Megatron-LM "
-                        "entry) runs by default")
-    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
-                   help="Oases fine-grained recompute (default on)")
-    p.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help="the executor the launch runs (megatron-oases train's flag; default "
-                        f"{DEFAULTS.schedule}): oases prices the two-sub-batch overlap, default "
-                        "Megatron's sequential executor; the plan file records it")
+    add_flags(p, ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+                  "vocab_size", "micro_batch_size"))
+    add_flag(p, "tensor_model_parallel_size", "--tp",
+             note="T: the megatron family's block degrees are powers of two dividing it")
+    add_flags(p, ("dtype", "group_query_attention"))
+    add_flag(p, "num_query_groups", note="a block's degree must divide it")
+    add_flags(p, ("swiglu", "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent",
+                  "qk_layernorm"))
+    add_flag(p, "sequence_parallel", note="priced at the uniform degree T only")
+    add_flags(p, ("hidden_dropout", "attention_dropout", "attention_backend"))
+    p.add_argument("--plan-recompute", action=argparse.BooleanOptionalAction, default=True,
+                   help="price Oases fine-grained recompute (the launch's --recompute-granularity full "
+                        "--recompute-method uniform); default on, or the --model file's recompute")
+    p.add_argument("--recompute", "--no-recompute", action=Renamed, new="--plan-recompute / --no-plan-recompute "
+                   "(sim's --recompute is Megatron's full recompute)")
+    add_flag(p, "schedule", note="oases prices the two-sub-batch overlap, default Megatron's sequential "
+             "executor; the plan file records it")
     p.add_argument("--sub-batches", type=int, choices=(1, SUB_BATCHES), default=None,
                    help=f"follows --schedule ({SUB_BATCHES} under oases, 1 under default); given "
                         "without it, sets it (older command lines)")
-    p.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
-    p.add_argument("--topology", required=True, help="topology YAML path or shipped example name")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="the launch's ranks per node (megatron-oases train's / torchrun's flag); the "
-                        "world is --nproc-per-node x --nnodes, its data-parallel size world / TP")
+    add_flag(p, "use_distributed_optimizer")
+    add_flag(p, "topology", required=True)
+    add_flag(p, "nproc_per_node", note="the world is --nproc-per-node x --nnodes, its data-parallel size world / TP")
     p.add_argument("--nnodes", type=int, default=None, help="the launch's nodes (torchrun's flag; default 1)")
-    p.add_argument("--data-parallel-size", type=int, default=None,
-                   help="the launch's data-parallel size, instead of its world; without either, the "
-                        "topology's ranks / TP. The plan file records it, and a launch of another "
-                        "data-parallel size refuses the plan")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="device memory for the model, GiB (default: the GPU's memory)")
-    p.add_argument("--gpu", default=None, help="GPU model of the device model (default: the topology's device)")
-    p.add_argument("--profile", default=None, help="ProfileDB JSON (megatron-oases-profile/*) of measured event times")
+    add_flag(p, "data_parallel_size", note="instead of the launch's world; the plan file records it, and a "
+             "launch of another data-parallel size refuses the plan")
+    add_flag(p, "global_batch_size")
+    add_flags(p, ("memory_gb", "gpu", "profile"))
     p.add_argument("--strict-profile", action="store_true", help="fail when the profile lacks an event")
     p.add_argument("--granularity", choices=("block", "layer"), default="layer",
                    help="layer: one degree per TransformerLayer, as in Table 6 (default); block: "
@@ -144,10 +128,10 @@ def _sub_batches(a: argparse.Namespace, stated: dict[str, Any]) -> int | None:
     """The executor's sub-batches: ``--schedule``'s (``describe.split``); without it
     ``--sub-batches``, else the model file's ``sub_batches`` (None: the file's), else the trainer's
     default schedule's."""
-    if a.schedule is None:
+    if "schedule" not in (given_in(a) or ()):
         if a.sub_batches is None and "sub_batches" in stated:
             return None
-        return a.sub_batches or sub_batches_at(oases=DEFAULTS.schedule == "oases")
+        return a.sub_batches or sub_batches_at(oases=a.schedule == "oases")
     want = sub_batches_at(oases=a.schedule == "oases")
     if a.sub_batches is not None and a.sub_batches != want:
         raise PlanError(f"--sub-batches {a.sub_batches} contradicts --schedule {a.schedule} ({want} "
@@ -160,28 +144,37 @@ def schedule_of(m: PlanModel) -> str:
     return "oases" if m.sub_batches > 1 else "default"
 
 
+MODEL_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+                "num_attention_heads": "num_attention_heads", "seq_length": "seq_length",
+                "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size",
+                "micro_batch_size": "micro_batch_size", "tp": "tensor_model_parallel_size", "dtype": "dtype",
+                "recompute": "plan_recompute", "distributed_optimizer": "use_distributed_optimizer",
+                "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
+                "attention_backend": "attention_backend", "swiglu": "swiglu", "normalization": "normalization",
+                "add_bias_linear": "add_bias_linear", "position_embedding_type": "position_embedding_type",
+                "rotary_percent": "rotary_percent", "qk_layernorm": "qk_layernorm",
+                "sequence_parallel": "sequence_parallel"}
+"""``PlanModel`` field -> the flag (``dest``) that sets it."""
+
+
 def model_from_args(a: argparse.Namespace) -> PlanModel:
-    over = {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
-            "seq_length": a.seq_length, "ffn_hidden_size": a.ffn_hidden_size, "vocab_size": a.vocab_size,
-            "micro_batch_size": a.micro_batch_size, "tp": a.tp, "dtype": a.dtype, "recompute": a.recompute,
-            "sub_batches": None, "distributed_optimizer": a.distributed_optimizer,
-            "hidden_dropout": a.hidden_dropout, "attention_dropout": a.attention_dropout,
-            "attention_backend": a.attention_backend, "swiglu": a.swiglu, "normalization": a.normalization, "add_bias_linear": a.add_bias_linear,
-            "num_query_groups": _gqa_groups(a), "position_embedding_type": a.position_embedding_type,
-            "rotary_percent": a.rotary_percent, "qk_layernorm": a.qk_layernorm,
-            "sequence_parallel": a.sequence_parallel}
+    """The priced model: each field from its flag when given, else from the ``--model`` file,
+    else the flag's default (``megatron-oases train``'s, from the flag table)."""
     config = _load_config(a.model)
     stated = stated_fields(config)
+    values = options_present(a, MODEL_FIELDS.values())
+    given = given_in(a)
+    given = set(values) if given is None else given  # a namespace built by hand: all given
+    over = {field: values[dest] for field, dest in MODEL_FIELDS.items()
+            if dest in given or field not in stated}
+    if "num_query_groups" in given or "group_query_attention" in given or "num_query_groups" not in stated:
+        over["num_query_groups"] = _gqa_groups(a)
     over["sub_batches"] = _sub_batches(a, stated)
-    if over["attention_backend"] is None and "attention_backend" not in stated:
-        # price what the plan's launch runs: our runtime's default core attention (a plan file
-        # without the field is read as local instead: what it was priced with)
-        over["attention_backend"] = DEFAULTS.attention_backend
     model = model_from_mapping(config, source=f"--model {a.model}" if a.model else "model flags", **over)
     # the plan prices a GPU, where flash has no fp32 kernel (a model file may still state it for
     # a CPU run of the trainer, whose torch kernels take fp32)
-    check_flash_dtype(over["attention_backend"] or stated.get("attention_backend"), half=model.dtype != "fp32",
-                      half_flags="--dtype bf16 or fp16", error=PlanError)
+    check_flash_dtype(over.get("attention_backend") or stated.get("attention_backend"),
+                      half=model.dtype != "fp32", half_flags="--dtype bf16 or fp16", error=PlanError)
     return model
 
 
@@ -276,7 +269,7 @@ def launch_world(a: argparse.Namespace, ranks: int, topology: str, tp: int) -> t
     """(world size, data-parallel size) of the launch: ``--nproc-per-node`` x ``--nnodes``, or
     ``--data-parallel-size`` x TP, else the topology's ``ranks``; one line naming the flag when
     they disagree or do not fit."""
-    for flag, v in (("--nproc-per-node", a.nproc_per_node), ("--nnodes", a.nnodes),
+    for flag, v in ((option("nproc_per_node"), a.nproc_per_node), ("--nnodes", a.nnodes),
                     ("--data-parallel-size", a.data_parallel_size)):
         if v is not None and v < 1:
             raise PlanError(range_refusal(flag, v, 1))
@@ -325,8 +318,8 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
                  f"{pred['uniform_tp_memory_gib']:.2f} GiB")
     lines.append(line)
     backend = whole_model_backend(data)
-    if backend is not None and "--atp-mesh" in backend:
-        lines.append(f"plan: every block on ATP mesh {backend['--atp-mesh'].replace(',', 'x')} "
+    if backend is not None and option("atp_mesh") in backend:
+        lines.append(f"plan: every block on ATP mesh {backend[option('atp_mesh')].replace(',', 'x')} "
                      "(the whole TP group)")
     elif backend is not None:
         lines.append("plan: every block on the 3-D cube (the whole TP group)")
@@ -371,7 +364,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     if a.rewrite_cmd is not None:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
     runs_with = (launch_flags(whole_model_backend(data)) if whole_model_backend(data)
-                 else "--oases-plan" if flags.get("--oases-plan") else
+                 else option("oases_plan") if flags.get(option("oases_plan")) else
                  "uniform TP and --sequence-parallel, without --oases-plan (which refuses it)")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
           "(megatron_oases.pretrain_gpt) run the plan with " + runs_with)

@@ -20,8 +20,8 @@ from megatron_oases.describe.backends import backend
 from .graph import BLOCK_KINDS, FAMILIES, strategy_of_label
 
 PLAN_FORMAT = "megatron-oases-plan/1"
-FLAG = "--oases-plan"
-TP_FLAG = "--tensor-model-parallel-size"
+FLAG = option("oases_plan")
+TP_FLAG = option("tensor_model_parallel_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +114,7 @@ def load_plan(path: str | os.PathLike, *, num_layers: int, tp: int) -> Plan:
         _fail(p, str(e))
     if backend is not None:
         how = " ".join(f"{k} {v}" for k, v in backend.items())
-        _fail(p, f"runs the whole model as --tp-backend {backend['--tp-backend']}, which is a backend, "
+        _fail(p, f"runs the whole model as --tp-backend {backend[option('tp_backend')]}, which is a backend, "
                  f"not a per-block plan: launch with {how} instead of {FLAG}")
     ftp, flayers, kinds, degrees = (data.get("tensor_model_parallel_size"), data.get("num_layers"),
                                     data.get("block_kinds", list(BLOCK_KINDS)), data.get("degrees"))
@@ -247,7 +247,7 @@ def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | N
     tp = data["tensor_model_parallel_size"]
     backend = whole_model_backend(data)
     # the executor it is priced for (None: Megatron's default, the flag removed); none in older files
-    schedule = {"--schedule": None if data["schedule"] == "default" else data["schedule"]} \
+    schedule = {option("schedule"): None if data["schedule"] == "default" else data["schedule"]} \
         if data.get("schedule") else {}
     if backend is None and (data.get("inputs") or {}).get("model", {}).get("sequence_parallel"):
         # priced at uniform T only, and --oases-plan refuses --sequence-parallel (check_plan):

@@ -30,6 +30,7 @@ from . import netns
 from .loader import load_topology
 from .netns import DEFAULT_PREFIX, EmulationError, cleanup_stale  # noqa: F401  (re-exported)
 from .spec import Topology
+from ..flags import add_flag
 
 ADDRESS_RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range, never routed
 NODE_IFNAME = "emu0"
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a command once per rank of an emulated cluster: one network namespace per "
                     "node, links rate-limited with tc tbf as the topology describes (needs root).",
         epilog="example: megatron-oases emulate --topology emu-2x2 -- python -m my.train --tp 2")
-    p.add_argument("--topology", help="YAML file or name of a shipped example (emu-flat4, emu-2x2, ...)")
+    add_flag(p, "topology", note="e.g. emu-flat4, emu-2x2")
     p.add_argument("--timeout", type=float, default=600, help="seconds before all ranks are killed (default 600)")
     p.add_argument("--quiet", action="store_true", help="do not stream any rank's output live")
     p.add_argument("--stream-rank", type=int, default=-1,

@@ -304,8 +304,13 @@ class Topology:
                 return c.bandwidth_GBps
         return None
 
-    def check_world_size(self, n: int, flag: str = "--nproc-per-node") -> None:
-        """Fail early when a launcher's world size disagrees with the description."""
+    def check_world_size(self, n: int, flag: str | None = None) -> None:
+        """Fail early when a launcher's world size disagrees with the description (``flag``: what
+        set it, by default the trainer's ``--nproc-per-node``)."""
+        if flag is None:
+            from megatron_oases.flags import option
+
+            flag = option("nproc_per_node")
         if n != self.world_size:
             raise TopologyError(f"describes {self.world_size} ranks ({' x '.join(map(str, self.sizes))}) "
                                 f"but {flag}={n}; set {flag}={self.world_size} or pick another topology",

@@ -12,6 +12,7 @@ import shlex
 
 from ...describe.backends import backend as record
 from ..core.search import Candidate
+from ...flags import option
 
 
 def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int) -> list[str]:
@@ -22,13 +23,13 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int) -> list[
         if (flag, value) != ("--tp-backend", "megatron"):
             out += [flag] + ([value] if value is not None else [])
     if st.virtual_stages > 1:
-        out += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (st.pp * st.virtual_stages))]
+        out += [option("num_layers_per_virtual_pipeline_stage"), str(num_layers // (st.pp * st.virtual_stages))]
     if st.overlap == "oases":
-        out += ["--schedule", "oases"]
+        out += [option("schedule"), "oases"]
     if st.recompute:
-        out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        out += [option("recompute_granularity"), "full", option("recompute_method"), "uniform"]
     if st.selective_recompute:
-        out += ["--recompute-granularity", "selective"]
+        out += [option("recompute_granularity"), "selective"]
     if st.sequence_parallel:
         out.append("--sequence-parallel")
     if st.tp_comm_overlap:

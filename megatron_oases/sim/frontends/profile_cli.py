@@ -15,10 +15,11 @@ import argparse
 import os
 import sys
 
-from ...errors import ConfigError, OneLineErrorParser
+from ...errors import ConfigError
+from ...flags import add_flag
 from ...output_paths import check_output_file
 from ...topology import TopologyError, load_topology
-from .cli import _largest_tp, _set_flags, _split, add_model_args, add_search_args, add_strategy_args, \
+from .cli import SimParser, _largest_tp, _set_flags, _split, add_model_args, add_search_args, add_strategy_args, \
     check_numbers, check_search_scope, model_from_args, search_space_from_args, strategy_from_args, \
     trainer_run_flags
 from ..calibrate.profiler import resolve_topology
@@ -26,19 +27,18 @@ from ...pricing.device_model import ProfileDB, SimError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
-                                allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p = SimParser(prog="megatron-oases profile", description=__doc__.splitlines()[0],
+                  allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
+                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--out", required=True, help="ProfileDB JSON to write")
     p.add_argument("--merge", action="store_true", help="keep the entries --out already has; measure only new ones")
-    p.add_argument("--topology", default=None, help="the cluster the ranks at hand belong to (default: local)")
+    add_flag(p, "topology", note="the cluster the ranks at hand belong to (default: local)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     g = p.add_argument_group("ranks (the ranks at hand; --emulate starts the run's own)")
     g.add_argument("--nproc", type=int, default=None, help="ranks at hand (default: 2, or the trainer's world size)")
-    g.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="default: the trainer's --device with -- <train flags>, else cuda when available")
+    add_flag(g, "device", note="with -- <train flags>, the trainer's --device")
     g.add_argument("--threads", type=int, default=None, help="torch threads for compute events")
     g.add_argument("--max-comm-mb", type=float, default=256.0, help="larger payloads are timed at this size and scaled")
     g = p.add_argument_group("emulate (--emulate)")
