@@ -55,6 +55,7 @@ import time
 
 from benchmarks import harness
 from benchmarks.harness import predicted_layer_mb
+from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.cube_3d import cube_root
 
 RANKS = (1, 2, 4, 8)
@@ -75,8 +76,9 @@ def variants_for(P: int, meshes: dict[int, list[tuple[int, int]]], with_3d: bool
     """(label, trainer TP-backend flags, ATP mesh) for the runs at P ranks (P > 1)."""
     out = [("1d", ["--tp-backend", "megatron"], None)]
     for d1, d2 in meshes.get(P, []):
-        if d1 * d2 != P:
-            raise ValueError(f"ATP mesh ({d1},{d2}) does not have {P} ranks")
+        refused = atp_mesh_refusal((d1, d2), P)  # describe.atp_meshes: ATP's rule, in the trainer's words
+        if refused:
+            raise ValueError(refused)
         out.append((f"atp ({d1},{d2})", ["--tp-backend", "atp", "--atp-mesh", f"{d1},{d2}"],
                     (d1, d2)))
     p = cube_root(P)  # describe.cube_3d: the one test of a cube
