@@ -46,7 +46,7 @@ def compare(path: str) -> list[dict]:
         sleep = m.get("sleep", {}).get("with_standins", {}).get("ms")
         compute = m["compute"]["ms"]
         rows.append({
-            "file": os.path.basename(path), "schedule": schedule, "recompute": m["recompute"],
+            "file": os.path.basename(path), "path": path, "schedule": schedule, "recompute": m["recompute"],
             "cuda_device_max_connections": bench.get("cuda_device_max_connections"), "gpu": gpu,
             "link_GBps": bench["link"]["GBps"],
             "compute_ms": compute, "sim_compute_ms": st.compute_ms,
@@ -55,6 +55,34 @@ def compare(path: str) -> list[dict]:
             "exposed_ms": None if sleep is None else sleep - compute, "sim_exposed_ms": st.exposed_comm_ms,
         })
     return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per benchmark file, stock's ``sleep`` step over Oases' (the speedup), measured and simulated,
+    and the simulated one's error against the measured one."""
+    out = []
+    for f in dict.fromkeys(r["path"] for r in rows):
+        by = {r["schedule"]: r for r in rows if r["path"] == f}
+        st, oa = by.get("default"), by.get("oases")
+        if not st or not oa or not st["sleep_step_ms"] or not oa["sleep_step_ms"]:
+            continue
+        meas, sim = st["sleep_step_ms"] / oa["sleep_step_ms"], st["sim_step_ms"] / oa["sim_step_ms"]
+        out.append({"file": f, "recompute": oa["recompute"], "measured": meas, "simulated": sim,
+                    "error_pct": 100 * (sim / meas - 1)})
+    return out
+
+
+def notes(path: str) -> list[str]:
+    """The device model's lines on what it borrows or fits for this benchmark's card and stack."""
+    from megatron_oases.pricing.device_model import device_model, gpu_of_device_name
+    from megatron_oases.pricing.stack import LOCAL
+    from benchmarks.standin.standins import Link, link_topology
+
+    with open(path, encoding="utf-8") as f:
+        bench = json.load(f)
+    gpu = gpu_of_device_name(bench["device"]) or "h100-sxm"
+    dm = device_model(link_topology(Link(GBps=1.0, latency_us=1.0), bench["tp"], gpu), stack=LOCAL)
+    return dm.pricing_notes()
 
 
 def _fmt(v) -> str:
@@ -71,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(_fmt(row[c]) for c in cols))
+    for r in ratios(rows):
+        print(f"{r['file']} ({r['recompute']}): stock / Oases measured {r['measured']:.3f}x, "
+              f"simulated {r['simulated']:.3f}x ({r['error_pct']:+.1f}%)")
+    for line in dict.fromkeys(n for f in a.files for n in notes(f)):
+        print(line)
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

@@ -71,7 +71,7 @@ def test_half_the_tokens_costs_more_than_half_on_the_h100():
     ("h100-sxm", LOCAL, "measured table for h100-sxm", "measured on h200-sxm, none on h100-sxm: borrowed"),
     ("h200-sxm", LOCAL, "measured table for h200-sxm", None),
     ("a100-80gb", LOCAL, "no measured GEMM table for a100-80gb", "none on a100-80gb: borrowed"),
-    ("h100-sxm", TRANSFORMER_ENGINE, "the transformer_engine stack's GEMMs were not measured", "not measured on any card"),
+    ("h100-sxm", TRANSFORMER_ENGINE, "the transformer_engine stack's GEMMs were not measured", "not measured for this stack on any card"),
 ])
 def test_the_notes_say_what_is_borrowed_or_fitted(gpu, stack, gemm_line, host_line):
     notes = _dm(gpu, stack).pricing_notes([(8192, 6144, 4096), (64, 64, 64)])

@@ -448,11 +448,14 @@ class DeviceModel:
         else:
             shapes = sorted(set(gemms))
             hit = sum(table.tflops(*g) is not None for g in shapes)
-            lines = [f"GEMMs: measured table for {self.gpu.name} bf16 ({len(table.points)} points) priced "
-                     f"{hit} of {len(shapes)} shapes; the rest by {factor}"]
+            which = (f"priced {hit} of {len(shapes)} GEMM shapes" if shapes
+                     else "prices GEMMs within a factor 2 of its shapes")
+            lines = [f"GEMMs: measured table for {self.gpu.name} bf16 ({len(table.points)} points) {which}; "
+                     f"the rest by {factor}"]
         host = self.stack.host_measured_on
         if not host:
-            lines.append(f"host cost ({self.stack.name}): not measured on any card ({self.stack.source})")
+            why = self.stack.source.split(";")[0].removeprefix("host cost: ")
+            lines.append(f"host cost ({self.stack.name}): not measured for this stack on any card ({why})")
         elif self.gpu.name not in host:
             lines.append(f"host cost ({self.stack.name}): measured on {', '.join(host)}, none on "
                          f"{self.gpu.name}: borrowed")
