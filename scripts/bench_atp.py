@@ -36,6 +36,7 @@ import tempfile
 
 
 from benchmarks import harness
+from megatron_oases.run_config import DEFAULT_MIN_GAIN
 
 
 # ---- launching -----------------------------------------------------------------------------------
@@ -123,17 +124,13 @@ def main(argv=None) -> int:
                    help="multiply every bandwidth of each topology by this (ratios kept)")
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], choices=(1, 2, 4))
-    p.add_argument("--min-gain", type=float, default=None,
-                   help="search margin over (N,1) (default: the search's own, 0.10)")
+    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
+                   help=f"search margin over (N,1) (default: the search's own, {DEFAULT_MIN_GAIN})")
     harness.add_model_args(p, hidden=512, heads=8, seq=128, iters=5, warmup=2)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_atp")
     a = p.parse_args(argv)
-    if a.min_gain is None:
-        from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN
-
-        a.min_gain = DEFAULT_MIN_GAIN
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows, summaries = [], []
     with tempfile.TemporaryDirectory() as work:

@@ -30,6 +30,7 @@ import tempfile
 
 from benchmarks import harness
 from benchmarks.harness import predicted_layer_mb  # (the layers' wire bytes, one formula)
+from megatron_oases.run_config import DEFAULT_MIN_GAIN
 
 
 def flat_topology(world: int, link_GBps: float, workdir: str) -> str:
@@ -48,18 +49,17 @@ def main(argv=None) -> int:
     p.add_argument("--atp-chunks", type=int, default=1, choices=(1, 2, 4))
     p.add_argument("--no-argmin", action="store_true",
                    help="do not also run Eq. 2's raw argmin mesh when min_gain overrules it")
-    p.add_argument("--min-gain", type=float, default=None, help="ATP search margin (default 0.10)")
+    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
+                   help=f"ATP search margin (default {DEFAULT_MIN_GAIN})")
     harness.add_model_args(p, hidden=256, heads=8, seq=64, iters=4, warmup=1)
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="results/bench_tp3d")
     a = p.parse_args(argv)
     from megatron_oases.describe.shapes import GPTShape
-    from megatron_oases.plan.atp_mesh import DEFAULT_MIN_GAIN, search_mesh
+    from megatron_oases.plan.atp_mesh import search_mesh
     from megatron_oases.plan.mesh_cli import format_choice
 
-    if a.min_gain is None:
-        a.min_gain = DEFAULT_MIN_GAIN
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as work:
