@@ -20,33 +20,21 @@ from ...output_paths import check_output_file
 from ...topology import TopologyError
 from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
-from ...describe.core_attention import ATTENTION_BACKENDS, TRANSFORMER_IMPLS, attention_kernels_of, \
-    check_flash_dtype, core_attention_of
+from ...describe.core_attention import TRANSFORMER_IMPLS, attention_kernels_of, check_flash_dtype, \
+    core_attention_of
 from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
+from ...describe.backends import backend as record
 from ...describe.registry import BACKENDS
-from ...run_config import check_gqa_flags, gqa_groups, options_present
+from ...flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ...run_config import DEFAULTS, SCHEDULES, check_gqa_flags, filled_ffn_hidden_size, gqa_groups, options_present
 from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
 
-EXECUTORS = ("default", "oases")
-"""``--schedule``'s values: the TP executor, named as the trainer names it (``RunConfig.schedule``)."""
 OVERLAP_OF = {"default": "none", "oases": "oases"}
-"""The simulator's ``Strategy.overlap`` of each executor."""
+"""The simulator's ``Strategy.overlap`` of each ``--schedule`` (``run_config.SCHEDULES``)."""
 
 
-class Renamed(argparse.Action):
-    """A flag that was renamed: one line naming the new one (argparse's exit 2), not a silent alias."""
-
-    def __init__(self, option_strings, dest, new: str, **kw):
-        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {self.new}")
-
-
-MODEL_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -59,16 +47,17 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+               "vocab_size", "make_vocab_size_divisible_by", "dtype")
+"""The model flags of the flag table ``sim`` takes, before its own (``--fp32``, the gradient reduction's)."""
+LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "num_query_groups", "swiglu",
+               "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
+               "qk_layernorm", "hidden_dropout", "attention_dropout")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (Megatron flag names)")
-    for name in MODEL_FLAGS:
-        g.add_argument(f"--{name}", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=51200,
-                   help="vocabulary; padded as Megatron pads it (a multiple of "
-                        "--make-vocab-size-divisible-by x TP)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=0, help="default 4 x hidden")
-    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    g = p.add_argument_group("model (Megatron flag names, megatron-oases train's defaults)")
+    add_flags(g, MODEL_FLAGS)
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="reduce data-parallel gradients in fp32 under --dtype fp16 (Megatron-LM's flag; "
@@ -77,49 +66,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="reduce data-parallel gradients in bf16 under --dtype bf16 (Megatron-LM's flag; NeMo's "
                         "grad_sync_dtype bf16); refused where Megatron-LM would ignore it (another dtype) or "
                         "override another flag with it (--accumulate-allreduce-grads-in-fp32)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention (default 1)")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (--ffn-hidden-size is the gate's size)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="part of each head RoPE rotates (rope only)")
-    g.add_argument("--rotary-base", type=int, default=10000,
-                   help="accepted as Megatron takes it (rope only); it changes no cost")
-    g.add_argument("--qk-layernorm", action="store_true", help="normalise queries and keys per head")
-    g.add_argument("--hidden-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
-    g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0, as megatron-oases train")
+    add_flags(g, LAYER_FLAGS)
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("strategy (Megatron flag names; --tp/--pp/--dp are aliases)")
-    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
-                   help="default: the GPUs the topology leaves, GPUs / (TP x PP)")
+    add_flag(g, "tensor_model_parallel_size", "--tp")
+    add_flag(g, "pipeline_model_parallel_size", "--pp")
+    add_flag(g, "data_parallel_size", "--dp")
     g.add_argument("--num-microbatches", type=int, default=None,
-                   help="per data-parallel replica; default: --global-batch-size / (micro-batch x DP), else 1")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="interleaved 1F1B, as Megatron (sets --virtual-stages to layers / PP / this)")
+                   help="per data-parallel replica; default: --global-batch-size / (micro-batch x DP)")
+    add_flag(g, "num_layers_per_virtual_pipeline_stage", note="sets --virtual-stages to layers / PP / this")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b"),
                    help="the pipeline schedule: 1f1b (Megatron's; interleaved with --virtual-stages > 1) or gpipe")
     g.add_argument("--virtual-stages", default="1",
                    help="model chunks per device (interleaved 1F1B when > 1); with --search a list, e.g. 1,2")
-    g.add_argument("--schedule", default="default", choices=EXECUTORS,
-                   help="the TP executor, as the trainer's --schedule: default (stock Megatron) or oases (two "
-                        "sub-batches, one's TP collectives overlapped with the other's compute)")
+    add_flag(g, "schedule")
     g.add_argument("--overlap", action=Renamed, new="--schedule default|oases (the trainer's name for the executor)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="as Megatron: full (with --recompute-method) reruns whole layers; selective reruns "
-                        "each layer's core attention (--tp-backend megatron, stock schedule)")
+    add_flag(g, "recompute_granularity")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron-LM's short form of --recompute-granularity selective")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with --recompute-granularity full: uniform (every layer) or block (the first "
-                        "--recompute-num-layers of each chunk)")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="with --recompute-method block: layers recomputed per chunk (uniform: 1 only)")
+    add_flags(g, ("recompute_method", "recompute_num_layers"))
     g.add_argument("--recompute", action="store_true",
                    help="short form of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--recompute-layers", type=int, default=0,
@@ -127,14 +94,9 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                         "--recompute-num-layers K")
     g.add_argument("--no-fine-grained-recompute", dest="fine_grained_recompute", action="store_false",
                    help="oases: recompute from each layer's input (repeats the forward all-reduces)")
-    g.add_argument("--tp-backend", default="megatron", choices=BACKENDS,
-                   help="TP layer: megatron (1-D), atp (2-D mesh, --atp-mesh), 3d (cube, TP = p^3)")
-    g.add_argument("--atp-mesh", default=None, metavar="D1,D2")
-    g.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true",
-                   help="Megatron's distributed optimizer: optimizer states sharded over DP")
+    add_flags(g, ("tp_backend", "atp_mesh", "use_distributed_optimizer"))
     g.add_argument("--distributed-optimizer", action=Renamed, new="--use-distributed-optimizer (Megatron-LM's name)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="DP reduction per bucket, overlapping the last micro-batch's backward")
+    add_flag(g, "overlap_grad_reduce")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: per-bucket parameter all-gather ahead of the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=0,
@@ -151,26 +113,20 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                         "causal blocks skipped")
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="transformer_engine: Megatron-Core's TE layer, whose attention is fused (as --use-flash-attn)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="Megatron-LM's: flash, fused, auto run a fused kernel (SDPA on our builds, TE's with "
-                        "transformer_engine); unfused (SDPA's math kernel on our builds) and local keep the "
-                        "s x s scores. Not given: fused with transformer_engine or --use-flash-attn, else "
-                        "Megatron's local attention")
+    add_flag(g, "attention_backend", note="with --transformer-impl transformer_engine, TE's kernels")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                    help="Megatron-LM's: torch's softmax (fp32, dtype copies) instead of Apex's fused kernel, "
                         "the software stack `local` (pricing/stack.py); default with --transformer-impl "
                         "local: apex-fused")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's sequence parallelism (--tp-backend megatron): all-gathers and "
-                        "reduce-scatters instead of all-reduces, norms and residual on s/t tokens")
+    add_flag(g, "sequence_parallel")
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search (--search)")
     g.add_argument("--search", action="store_true", help="rank every TP x PP x DP strategy (+ backends, oases, recompute)")
     g.add_argument("--gpus", type=int, default=None, help="default: the topology's world size")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per iteration; without --search it sets the micro-batches per replica")
+    add_flag(g, "global_batch_size", note="without --search it sets the micro-batches per replica, unless "
+             "--num-microbatches is given")
     g.add_argument("--tp-sizes", default=None, help="e.g. 1,2,4,8 (default: powers of two up to heads)")
     g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
     g.add_argument("--backends", default="megatron,atp",
@@ -190,14 +146,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
 
 def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
     """The model, its vocabulary padded as Megatron pads it at TP ``tp``."""
-    given = (a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.micro_batch_size)
-    missing = [f"--{n}" for n, value in zip(MODEL_FLAGS, given, strict=True) if value is None]
-    if missing:
-        raise SimError(f"the model needs {', '.join(missing)}")
-    for flag, value in (("--vocab-size", a.vocab_size),
-                        ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)):
-        if range_refusal(flag, value, 1):
-            raise SimError(range_refusal(flag, value, 1))
+    for dest, value in (("vocab_size", a.vocab_size), ("make_vocab_size_divisible_by", a.make_vocab_size_divisible_by)):
+        if range_refusal(option(dest), value, 1):
+            raise SimError(range_refusal(option(dest), value, 1))
     dtype = "fp32" if a.fp32 else a.dtype
     check_flash_dtype(a.attention_backend, half=dtype != "fp32", half_flags="--dtype bf16 or fp16", error=SimError)
     multiple = a.make_vocab_size_divisible_by * tp
@@ -205,7 +156,7 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
                              use_flash_attn=a.use_flash_attn, error=SimError)
     return GPTShape(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                     seq_length=a.seq_length, padded_vocab_size=-(-a.vocab_size // multiple) * multiple,
-                    micro_batch_size=a.micro_batch_size, ffn_hidden_size=a.ffn_hidden_size, dtype=dtype,
+                    micro_batch_size=a.micro_batch_size, ffn_hidden_size=filled_ffn_hidden_size(a, SimError), dtype=dtype,
                     tied_embeddings=not a.untie_embeddings_and_output_weights,
                     hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
                     variant=_variant(a),
@@ -246,15 +197,18 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
     vps = _virtual_stages(a)
     if len(vps) != 1:
         raise SimError("--virtual-stages takes one value unless --search is given")
-    dp = a.dp
+    dp = a.data_parallel_size
     if dp is None:
-        dp = world // (a.tp * a.pp) if world and world % (a.tp * a.pp) == 0 else 1
+        dp = world // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size) if world and world % (a.tensor_model_parallel_size * a.pipeline_model_parallel_size) == 0 else 1
     micro = a.num_microbatches
-    if a.global_batch_size is not None:
+    gbs_given = "global_batch_size" in (given_in(a) or {"global_batch_size"})
+    if micro is None or gbs_given:
         per = a.micro_batch_size * dp if a.micro_batch_size else 0
         if not per or a.global_batch_size % per:
+            default = "" if gbs_given else (" (megatron-oases train's default; give --global-batch-size or "
+                                            "--num-microbatches)")
             raise SimError(f"--global-batch-size {a.global_batch_size} is not a multiple of "
-                           f"--micro-batch-size {a.micro_batch_size} x DP {dp}")
+                           f"--micro-batch-size {a.micro_batch_size} x DP {dp}{default}")
         if micro is not None and micro != a.global_batch_size // per:
             raise SimError(f"--num-microbatches {micro} disagrees with --global-batch-size "
                            f"{a.global_batch_size} / (micro-batch {a.micro_batch_size} x DP {dp}); give one")
@@ -263,7 +217,7 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
     if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
         raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
     granularity, rc_layers = recompute_from_args(a)
-    return Strategy(tp=a.tp, pp=a.pp, dp=dp, num_microbatches=micro or 1, schedule=a.pipeline_schedule,
+    return Strategy(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, dp=dp, num_microbatches=micro or 1, schedule=a.pipeline_schedule,
                     virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
                     selective_recompute=granularity == "selective", overlap=OVERLAP_OF[a.schedule],
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
@@ -317,10 +271,10 @@ def _virtual_stages(a: argparse.Namespace) -> list[int]:
         return _ints(a.virtual_stages, "--virtual-stages")
     if a.virtual_stages != "1":
         raise SimError("give --virtual-stages or --num-layers-per-virtual-pipeline-stage, not both")
-    if n < 1 or not a.num_layers or a.num_layers % (a.pp * n):
+    if n < 1 or not a.num_layers or a.num_layers % (a.pipeline_model_parallel_size * n):
         raise SimError(f"--num-layers-per-virtual-pipeline-stage {n} must divide --num-layers "
-                       f"{a.num_layers} / --pipeline-model-parallel-size {a.pp}")
-    return [a.num_layers // (a.pp * n)]
+                       f"{a.num_layers} / --pipeline-model-parallel-size {a.pipeline_model_parallel_size}")
+    return [a.num_layers // (a.pipeline_model_parallel_size * n)]
 
 
 def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
@@ -337,26 +291,28 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
                        backends=comma_names("--backends", a.backends, tuple(BACKENDS), error=SimError),
-                       overlaps=tuple(OVERLAP_OF[e] for e in comma_names("--schedules", a.schedules, EXECUTORS,
+                       overlaps=tuple(OVERLAP_OF[e] for e in comma_names("--schedules", a.schedules, SCHEDULES,
                                                                           error=SimError)), recompute=rc,
                        virtual_stages=tuple(_virtual_stages(a)), schedule=a.pipeline_schedule,
                        sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
-                       distributed_optimizer=a.distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
+                       distributed_optimizer=a.use_distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
+class SimParser(RecordsGiven, OneLineErrorParser):
+    """``sim``'s and ``profile``'s parser: one-line errors, and the flags given recorded
+    (``--global-batch-size`` given or at its default, against ``--num-microbatches``)."""
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
-                                allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
-    p.add_argument("--topology", default=None,
-                   help="YAML path, shipped example name, or local (one flat level, as `profile` uses by default)")
+    p = SimParser(prog="megatron-oases sim", description=__doc__.splitlines()[0],
+                  allow_abbrev=False,  # as Megatron-LM: a flag is spelled out
+                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog="\n".join(__doc__.splitlines()[1:]))
+    add_flag(p, "topology", note="or local (one flat level, as `profile` uses by default)")
     p.add_argument("--nodes", type=int, default=None,
                    help="replicate the topology's node to this many nodes (its inter-node level)")
-    p.add_argument("--gpu", default=None, help="GPU model; default: the topology's device")
-    p.add_argument("--profile", default=None, help="ProfileDB JSON of measured event times (ms)")
-    p.add_argument("--memory-gb", type=float, default=None, help="device memory (GiB); default: the GPU's")
+    add_flags(p, ("gpu", "profile", "memory_gb"))
     add_model_args(p)
     add_strategy_args(p)
     add_search_args(p)
@@ -378,7 +334,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 SEARCH_APPLIES = frozenset({"pipeline_schedule", "virtual_stages", "num_layers_per_virtual_pipeline_stage",
-                            "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                            "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                             "ddp_bucket_size", "sequence_parallel", "tp_comm_overlap",
                             # the model's core attention and the device's software stack
                             "use_flash_attn", "transformer_impl", "attention_backend", "masked_softmax_fusion"})
@@ -396,7 +352,7 @@ def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
     return [act.option_strings[0] for act in actions if values[act.dest] != act.default]
 
 
-AT_LEAST = {"tp": 1, "pp": 1, "dp": 1, "num_microbatches": 1, "global_batch_size": 1, "gpus": 1, "top": 0,
+AT_LEAST = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "num_microbatches": 1, "global_batch_size": 1, "gpus": 1, "top": 0,
             "jobs": 1,
             # profile's own
             "nproc": 1, "warmup": 0, "reps": 1, "threads": 1, "repeats": 1}
@@ -447,7 +403,7 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,
                              use_flash_attn=a.use_flash_attn, error=SimError)
-    return out + ["--attention-backend", a.attention_backend or ("auto" if core == "fused" else "local")]
+    return out + [option("attention_backend"), a.attention_backend or ("auto" if core == "fused" else "local")]
 
 
 def trainer_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
