@@ -305,11 +305,12 @@ def predicted_layer_mb(P: int, backend: str, mesh, *, seq: int, micro_batch: int
     ring's wire bytes, times the layers and micro-batches. Leaves out the embedding, the output
     layer, the block edges into and out of a 3-D cube and the gradients' reduction. 0 on one
     rank."""
+    from megatron_oases.describe.atp_2d import atp_layout
     from megatron_oases.describe.registry import layer_description
 
     if P == 1:
         return 0.0
-    desc = layer_description(backend=backend, mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden,
+    desc = layer_description(backend=backend, layout=None if mesh is None else atp_layout(*mesh), micro_batch=micro_batch, seq=seq, hidden=hidden,
                              heads=heads, ffn=ffn or 4 * hidden, tp=P, bytes_per_element=bpe)
     wire = sum(c.wire_bytes_per_rank for c in desc.collectives("forward") + desc.collectives("backward"))
     return wire * layers * micro_batches / 1e6

@@ -90,7 +90,7 @@ _TABLE = (
     _bool("--overlap-grad-reduce", "overlap_grad_reduce",
           help="data-parallel gradient reduction per bucket, overlapping the last micro-batch's backward"),
     # -- backend, layout and executor
-    Flag("--tp-backend", "tp_backend", choices=tuple(TP_BACKENDS), megatron_lm=True,
+    Flag("--tp-backend", "tp_backend", choices=TP_BACKENDS, megatron_lm=True,  # the records, live
          help="tensor-parallel layer implementation: " + "; ".join(
              f"{name} = {b.summary}" for name, b in TP_BACKENDS.items())
          + " (atp needs --atp-mesh; 3d needs --tensor-model-parallel-size p^3)"),

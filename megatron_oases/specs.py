@@ -15,7 +15,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_oases.describe.backends import backend
+from megatron_oases.describe.backends import backend, resolve
 from megatron_oases.mcore_compat import quiet_gpt_model_deprecation
 from megatron_oases.run_config import RunConfig, gqa_groups
 from megatron_oases.schedules.oases.options import oases_runs
@@ -111,14 +111,15 @@ def _megatron_spec(cfg: RunConfig, groups) -> ModuleSpec:
 def _atp_groups(cfg: RunConfig):
     from megatron_oases.parallel.mesh import mesh_groups_from_megatron
 
-    return mesh_groups_from_megatron(*cfg.atp_mesh)
+    layout = cfg.layout
+    return mesh_groups_from_megatron(layout["d1"], layout["d2"])
 
 
 def _atp_spec(cfg: RunConfig, groups) -> ModuleSpec:
     from megatron_oases.layers.atp_spec import get_gpt_layer_atp_spec
 
-    d1, d2 = cfg.atp_mesh
-    return get_gpt_layer_atp_spec(d1, d2, cfg.atp_chunks, mesh_groups=groups)
+    layout = cfg.layout
+    return get_gpt_layer_atp_spec(layout["d1"], layout["d2"], cfg.atp_chunks, mesh_groups=groups)
 
 
 def _cube_groups(cfg: RunConfig):
@@ -133,20 +134,15 @@ def _cube_spec(cfg: RunConfig, groups) -> ModuleSpec:
     return get_gpt_layer_3d_spec(cube_groups=groups)
 
 
-SPEC_BUILDERS: dict[str, SpecBuilder] = {
-    "megatron": SpecBuilder(groups=_no_groups, spec=_megatron_spec),
-    "atp": SpecBuilder(groups=_atp_groups, spec=_atp_spec),
-    "3d": SpecBuilder(groups=_cube_groups, spec=_cube_spec),
-}
-"""``--tp-backend`` name -> how its layers are built; the same names as ``describe.backends``
-(``tests/test_backend_records.py``)."""
+megatron_builder = SpecBuilder(groups=_no_groups, spec=_megatron_spec)
+atp_builder = SpecBuilder(groups=_atp_groups, spec=_atp_spec)
+cube_builder = SpecBuilder(groups=_cube_groups, spec=_cube_spec)
+"""How each backend's layers are built; its record in ``describe.backends`` names its builder
+(``Backend.spec_builder``, ``tests/test_backend_records.py``)."""
 
 
 def _builder(cfg: RunConfig) -> SpecBuilder:
-    try:
-        return SPEC_BUILDERS[cfg.tp_backend]
-    except KeyError:
-        raise ValueError(f"unknown --tp-backend {cfg.tp_backend!r}") from None
+    return resolve(backend(cfg.tp_backend).spec_builder)
 
 
 def backend_groups(cfg: RunConfig):
@@ -223,16 +219,8 @@ def build_line(cfg: RunConfig, *, world: int, device: str, dist_backend: str,
     cp = cfg.megatron_lm.context_parallel_size or 1
     if stock:
         model = "from Megatron-LM's own provider (stock, 1-D TP)"
-    elif cfg.tp_backend == "atp":
-        d1, d2 = cfg.atp_mesh
-        model = f"--tp-backend atp (mesh {d1}x{d2}, --atp-chunks {cfg.atp_chunks})"
-    elif cfg.tp_backend == "3d":
-        from megatron_oases.describe.cube_3d import cube_root
-
-        p = cube_root(tp)
-        model = f"--tp-backend 3d (cube {p}x{p}x{p})"
-    else:
-        model = f"--tp-backend {cfg.tp_backend} (1-D TP)"
+    else:  # the record's words for its layout: 1-D TP, mesh 2x4, cube 2x2x2
+        model = f"--tp-backend {cfg.tp_backend} ({backend(cfg.tp_backend).run_words(cfg.layout, cfg)})"
     executor = (f"--schedule {cfg.schedule}" if cfg.schedule == "default" or oases_runs(cfg)
                 else f"--schedule {cfg.schedule} (stock layers at TP 1: nothing to overlap)")
     plan = "no plan"

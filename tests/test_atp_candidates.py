@@ -15,6 +15,7 @@ from megatron_oases.plan.graph import BlockStrategy, PlanModel, candidate_strate
 from megatron_oases.run_config import run_config
 from megatron_oases.sim.core.search import SearchSpace, candidates
 from megatron_oases.train_args import build_parser, validate_config
+from megatron_oases.describe.atp_2d import atp_layout
 
 # 24 heads of 8, an FFN of 768 and the vocabulary split over every mesh of TP 6, 8 and 12.
 SHAPE = dict(num_layers=2, hidden_size=192, num_attention_heads=24, seq_length=16, micro_batch_size=2,
@@ -33,8 +34,8 @@ def test_planner_and_search_offer_the_same_meshes(tp):
     plan = candidate_strategies(PlanModel(**SHAPE, tp=tp, sub_batches=1), families=("atp",))
     space = SearchSpace(gpus=tp, global_batch=2, tp_sizes=(tp,), pp_sizes=(1,), backends=("atp",),
                         overlaps=("none",), recompute=("off",))
-    searched = [c.strategy.mesh for c in candidates(GPTShape(**SHAPE), space)]
-    assert [s.mesh for s in plan] == searched == list(atp_meshes(tp, with_1d=False))
+    searched = [c.strategy.layout.shape for c in candidates(GPTShape(**SHAPE), space)]
+    assert [s.layout.shape for s in plan] == searched == list(atp_meshes(tp, with_1d=False))
     if tp == 6:
         assert (2, 3) in searched
 
@@ -53,7 +54,7 @@ def test_every_check_refuses_3x3_at_tp8_in_the_same_words():
             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"]
     trainer = _raised(ConfigError, validate_config, run_config(build_parser().parse_args(argv)), 8, False)
     runtime = _raised(ConfigError, DeviceMesh, 3, 3, tuple(range(8)))
-    planner = feasible(BlockStrategy(degree=8, family="atp", mesh=(3, 3)), PlanModel(**SHAPE, tp=8))
+    planner = feasible(BlockStrategy(degree=8, family="atp", layout=atp_layout(3, 3)), PlanModel(**SHAPE, tp=8))
     picker = _raised(MeshError, search_mesh, "dgx-a100", 8, GPTShape(**SHAPE), meshes=[(3, 3)])
     groups = _raised(MeshError, axis_groups, 8, 3, 3, 1)
     assert trainer == runtime == planner == picker == groups == want
@@ -63,7 +64,7 @@ def test_the_simulators_strategy_refuses_in_the_same_words():
     from megatron_oases.pricing.device_model import SimError
     from megatron_oases.sim.core.strategy import Strategy
 
-    got = _raised(SimError, Strategy, tp=8, pp=1, dp=1, num_microbatches=1, backend="atp", mesh=(3, 3))
+    got = _raised(SimError, Strategy, tp=8, pp=1, dp=1, num_microbatches=1, backend="atp", layout=atp_layout(3, 3))
     assert got == atp_mesh_refusal((3, 3), 8)
 
 

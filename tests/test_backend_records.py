@@ -3,22 +3,20 @@ of each backend's divisibility rule: every consumer offers the table's names, th
 what the record's check refuses in the same words, and the planner and the simulator accept and
 refuse the same shapes.
 
-Consumers that do not read the table yet (the trainer's and Megatron-LM's flags, the simulator's
-CLI) are held to the same names; the planner iterates the table (a fake fourth record shows up in
-its families)."""
+Every consumer reads the table (a fake fourth record with a three-axis layout runs through all of
+them: ``tests/test_fake_backend.py``)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
 
-from megatron_oases.describe import backends, registry
-from megatron_oases.describe.backends import BACKENDS, Backend, backend
+from megatron_oases.describe import registry
+from megatron_oases.describe.backends import BACKENDS, Backend, backend, resolve
 from megatron_oases.describe.ops import GPT2, LayerVariant, ModelingError
 from megatron_oases.errors import ConfigError
 from megatron_oases.plan import graph
-from megatron_oases.plan.graph import BlockStrategy, PlanModel, attention_fits, candidate_strategies, feasible
+from megatron_oases.plan.graph import BlockStrategy, PlanModel, attention_fits, feasible
 from megatron_oases.pricing.device_model import SimError
 from megatron_oases.run_config import run_config
 
@@ -42,20 +40,23 @@ def test_every_consumer_offers_the_tables_names():
     from megatron_oases.sim.frontends.cli import build_parser as sim_parser
     from megatron_oases.train_args import build_parser
 
-    assert registry.BACKENDS == tuple(BACKENDS)
+    assert tuple(registry.BACKENDS) == tuple(BACKENDS)
     assert set(graph.family_names()) == NAMES
-    assert set(graph.FAMILIES) == NAMES  # the planner prices every record
+    assert all(graph.family_of(BlockStrategy(degree=1, family=n)) for n in NAMES)  # the planner prices every record
     assert _choices(build_parser(), "--tp-backend") == NAMES  # the trainer
     assert _choices(add_flags(argparse.ArgumentParser()), "--tp-backend") == NAMES  # Megatron-LM's flags
     assert _choices(sim_parser(), "--tp-backend") == NAMES
 
 
-def test_the_runtime_builds_every_record():
-    """``specs.SPEC_BUILDERS`` (process groups and layer spec per backend: the runtime's half of
-    a record) names the same backends."""
-    from megatron_oases.specs import SPEC_BUILDERS
+def test_every_record_names_a_runtime_spec_builder_and_workloads_that_exist():
+    """The record names (``module:function``) its runtime half (process groups and layer spec,
+    ``specs.SpecBuilder``), its profiling workloads and its Oases tape; each resolves."""
+    from megatron_oases.specs import SpecBuilder
 
-    assert set(SPEC_BUILDERS) == NAMES
+    for b in BACKENDS.values():
+        assert isinstance(resolve(b.spec_builder), SpecBuilder), b.name
+        assert callable(resolve(b.profile_workloads)), b.name
+        assert b.oases_tape is None or callable(resolve(b.oases_tape)), b.name
 
 
 @pytest.mark.parametrize("tp", [6, 8, 12])
@@ -67,8 +68,8 @@ def test_the_simulators_search_offers_each_records_layouts(tp):
                      micro_batch_size=4, ffn_hidden_size=tp * 192, padded_vocab_size=tp * 64)
     space = SearchSpace(gpus=tp, global_batch=4, tp_sizes=[tp], pp_sizes=[1], backends=tuple(BACKENDS),
                         overlaps=("none",), recompute=("off",))
-    offered = {(c.backend, c.strategy.mesh) for c in candidates(shape, space) if c.strategy is not None}
-    assert offered == {(n, mesh) for n, b in BACKENDS.items() for mesh in b.meshes(tp)}
+    offered = {(c.backend, c.strategy.layout) for c in candidates(shape, space) if c.strategy is not None}
+    assert offered == {(n, layout) for n, b in BACKENDS.items() for layout in b.layouts(tp)}
 
 
 def test_an_unknown_backend_is_named():
@@ -79,23 +80,23 @@ def test_an_unknown_backend_is_named():
 # ---- one divisibility rule: the record, the trainer, the planner and the simulator agree -------------
 
 def _grid():
-    """(backend, tp, mesh, hidden, heads, ffn, query groups, micro-batch): sizes that split over
+    """(backend, tp, layout, hidden, heads, ffn, query groups, micro-batch): sizes that split over
     some layouts and not others (hidden always divisible by the heads; an FFN of 36 splits over
     ATP's d1 = 4 but not over TP 8, which every consumer refuses: the record's check includes
     Megatron's TP split)."""
     for name, tp in (("megatron", 4), ("atp", 4), ("atp", 8), ("3d", 8)):
-        for mesh in BACKENDS[name].meshes(tp):
+        for layout in BACKENDS[name].layouts(tp):
             for hidden, heads, ffn, groups, b in itertools.product(
                     (96, 128), (4, 8, 16), (192, 96, 64, 36), (None, 2, 4), (2, 4)):
                 if hidden % heads == 0 and (groups is None or heads % groups == 0):
-                    yield name, tp, mesh, hidden, heads, ffn, groups, b
+                    yield name, tp, layout, hidden, heads, ffn, groups, b
 
 
 GRID = list(_grid())
 
 
-def _refusal(name, tp, mesh, hidden, heads, ffn, groups, b) -> str:
-    return BACKENDS[name].refusal(tp=tp, mesh=mesh, hidden=hidden, heads=heads, ffn=ffn, micro_batch=b,
+def _refusal(name, tp, layout, hidden, heads, ffn, groups, b) -> str:
+    return BACKENDS[name].refusal(tp=tp, layout=layout, hidden=hidden, heads=heads, ffn=ffn, micro_batch=b,
                                   query_groups=groups)
 
 
@@ -103,13 +104,13 @@ def _record(*case) -> bool:
     return not _refusal(*case)
 
 
-def _trainer_refusal(name, tp, mesh, hidden, heads, ffn, groups, b) -> str:
+def _trainer_refusal(name, tp, layout, hidden, heads, ffn, groups, b) -> str:
     from megatron_oases.train_args import build_parser, validate_config
 
     argv = ["--tensor-model-parallel-size", str(tp), "--tp-backend", name, "--num-layers", "2",
             "--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--ffn-hidden-size", str(ffn),
             "--micro-batch-size", str(b), "--global-batch-size", str(b), "--seq-length", "16"]
-    argv += ["--atp-mesh", f"{mesh[0]},{mesh[1]}"] if mesh else []
+    argv += [x for flag in BACKENDS[name].launch_flags(layout).items() for x in flag if flag[0] != "--tp-backend"]
     argv += ["--group-query-attention", "--num-query-groups", str(groups)] if groups else []
     try:
         validate_config(run_config(build_parser().parse_args(argv)), tp, False)
@@ -118,18 +119,18 @@ def _trainer_refusal(name, tp, mesh, hidden, heads, ffn, groups, b) -> str:
     return ""
 
 
-def _planner(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
+def _planner(name, tp, layout, hidden, heads, ffn, groups, b) -> bool:
     try:
         m = PlanModel(num_layers=2, hidden_size=hidden, num_attention_heads=heads, seq_length=16,
                       micro_batch_size=b, ffn_hidden_size=ffn, padded_vocab_size=tp * 64, tp=tp, sub_batches=1,
                       variant=LayerVariant(query_groups=groups) if groups else GPT2)
     except ConfigError:
         return False
-    s = BlockStrategy(degree=tp, family=name, mesh=mesh)
+    s = BlockStrategy(degree=tp, family=name, layout=layout)
     return not feasible(s, m) and attention_fits(s, m)
 
 
-def _simulator(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
+def _simulator(name, tp, layout, hidden, heads, ffn, groups, b) -> bool:
     from megatron_oases.describe.shapes import GPTShape
     from megatron_oases.sim.core.strategy import Strategy, check
 
@@ -137,9 +138,9 @@ def _simulator(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
         m = GPTShape(num_layers=2, hidden_size=hidden, num_attention_heads=heads, seq_length=16,
                      micro_batch_size=b, ffn_hidden_size=ffn, padded_vocab_size=tp * 64,
                      variant=LayerVariant(query_groups=groups) if groups else GPT2)
-        s = Strategy(tp=tp, backend=name, mesh=mesh)
+        s = Strategy(tp=tp, backend=name, layout=layout)
         check(m, s, tp)
-        registry.layer_description(backend=name, mesh=mesh, micro_batch=b, seq=16, hidden=hidden, heads=heads,
+        registry.layer_description(backend=name, layout=layout, micro_batch=b, seq=16, hidden=hidden, heads=heads,
                                    ffn=ffn, tp=tp, bytes_per_element=2, variant=m.variant)
     except SimError:
         return False
@@ -147,8 +148,8 @@ def _simulator(name, tp, mesh, hidden, heads, ffn, groups, b) -> bool:
 
 
 def _ids(case) -> str:
-    name, tp, mesh, hidden, heads, ffn, groups, b = case
-    return f"{name}-t{tp}{'-m%dx%d' % mesh if mesh else ''}-h{hidden}a{heads}f{ffn}g{groups}b{b}"
+    name, tp, layout, hidden, heads, ffn, groups, b = case
+    return f"{name}-t{tp}-{layout.label}-h{hidden}a{heads}f{ffn}g{groups}b{b}"
 
 
 def _disagreements(consumer) -> list[str]:
@@ -173,17 +174,3 @@ def test_the_simulator_decides_as_the_record():
     """``sim.core.strategy.check`` reads the record (it used to accept Megatron 1-D key/value
     groups that the TP degree does not divide, which the trainer and the planner refuse)."""
     assert _disagreements(_simulator) == []
-
-
-# ---- the planner iterates the table ---------------------------------------------------------------
-
-def test_a_fourth_record_is_one_of_the_planners_families(monkeypatch):
-    fake = dataclasses.replace(BACKENDS["atp"], name="fake", meshes=lambda tp: ((tp, 1), (tp // 2, 2)))
-    monkeypatch.setitem(backends.BACKENDS, "fake", fake)
-    assert "fake" in graph.family_names()
-    m = PlanModel(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=16, micro_batch_size=2,
-                  ffn_hidden_size=256, padded_vocab_size=256, tp=4)
-    offered = [s for s in candidate_strategies(m, families=("fake",))]
-    assert [(s.family, s.mesh) for s in offered] == [("fake", (4, 1)), ("fake", (2, 2))]
-    with pytest.raises(ConfigError, match="unknown family 'nope' \\(known: megatron, atp, 3d, fake\\)"):
-        candidate_strategies(m, families=("nope",))

@@ -12,6 +12,7 @@ from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology
+from megatron_oases.describe.atp_2d import atp_layout
 from tests.rank_fns_contract import layer_contract
 
 B, S, H, A = 4, 8, 32, 8
@@ -30,7 +31,7 @@ def _check_cube(argv: list[str], *, heads: int, ffn: int, variant=None) -> None:
                                                  B, S, H), timeout_s=180)
     desc = cube_3d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=ffn, tp=8, bytes_per_element=4,
                              variant=variant)
-    leave, enter_b = block_edges(backend="3d", mesh=None, micro_batch=B, seq=S, hidden=H, tp=8,
+    leave, enter_b = block_edges(backend="3d", layout=None, micro_batch=B, seq=S, hidden=H, tp=8,
                                  bytes_per_element=4)
     for pass_, edge in (("forward", leave), ("backward", enter_b)):
         want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edge))
@@ -66,18 +67,18 @@ def test_3d_description_refuses_what_the_cube_cannot_split():
         cube_3d_gpt_layer(micro_batch=2, seq=8, hidden=32, heads=8, ffn=128, tp=8)
 
 
-@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
+@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", atp_layout(4, 2), "oases")])
 def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
     topo = load_topology("dgx-a100")
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
                      micro_batch_size=4, ffn_hidden_size=4096)
-    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, overlap=overlap,
                   recompute=overlap == "oases")
     res = simulate(model, st, device_model(topo))
     assert res.iteration_ms > 0
 
 
-@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", (4, 2), "oases")])
+@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", atp_layout(4, 2), "oases")])
 def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
     """GQA, SwiGLU, RMSNorm and no bias are priced from the backend's description: the
     weights a rank holds are the description's parameters (SwiGLU's third matrix outweighs
@@ -88,7 +89,7 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
     topo = load_topology("dgx-a100")
     kw = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
               micro_batch_size=4, ffn_hidden_size=2816)
-    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, mesh=mesh, overlap=overlap,
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, overlap=overlap,
                   recompute=overlap == "oases")
     llama = GPTShape(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",
                                                     bias=False))

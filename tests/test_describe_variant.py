@@ -14,7 +14,7 @@ SHAPE = dict(micro_batch=4, seq=16, hidden=64, heads=8, ffn=256, tp=2, bytes_per
 
 
 def _key(variant):
-    return layer_shape(b=4, s=16, h=64, a=8, f=256, t=2, v=128, dtype="bf16", backend="megatron", mesh=None,
+    return layer_shape(b=4, s=16, h=64, a=8, f=256, t=2, v=128, dtype="bf16", backend="megatron", layout=None,
                        hidden_dropout=0.0, attention_dropout=0.0, chains=1, variant=variant)
 
 

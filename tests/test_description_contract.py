@@ -11,6 +11,7 @@ from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.ops import GPT2, LayerVariant
 from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
+from megatron_oases.describe.atp_2d import atp_layout
 from tests.rank_fns_contract import layer_contract
 
 B, S, H, A = 4, 8, 32, 4
@@ -36,12 +37,12 @@ def _check_atp(argv: list[str], d1: int, d2: int, *, heads: int, ffn: int, chunk
     desc = atp_2d_gpt_layer(micro_batch=B, seq=S, hidden=H, heads=heads, ffn=ffn, d1=d1, d2=d2,
                             bytes_per_element=4, chunks=chunks, variant=variant)
     edges = dict(zip(("forward", "backward"), block_edges(
-        backend="atp", mesh=(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
+        backend="atp", layout=atp_layout(d1, d2), micro_batch=B, seq=S, hidden=H, tp=n, bytes_per_element=4)))
     for pass_ in ("forward", "backward"):
         want = sorted((c.kind, c.group_size, c.payload_bytes) for c in (*desc.collectives(pass_), *edges[pass_]))
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
-    per_rank = layer_params("atp", H, ffn, n, (d1, d2), heads=heads, variant=variant)
+    per_rank = layer_params("atp", H, ffn, n, atp_layout(d1, d2), heads=heads, variant=variant)
     assert {out["params"] for out in outs} == {per_rank}
 
 

@@ -22,5 +22,5 @@ MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-
     ("--oases-fine-grained-recompute", 3), ("--no-oases-fine-grained-recompute", 1)])
 def test_saved_bytes_per_layer_equal_the_memory_model(flag, inputs_per_layer):
     saved = run_on_ranks(oases_saved_bytes_after_one_step, 2, args=(MODEL + [flag],), timeout_s=120)
-    want = LAYERS * inputs_per_layer * layer_input_bytes("megatron", b=B, s=S, h=H, e=4, mesh=None)
+    want = LAYERS * inputs_per_layer * layer_input_bytes("megatron", b=B, s=S, h=H, e=4, layout=None)
     assert saved == [want, want]

@@ -82,7 +82,7 @@ def test_sequence_parallel_collectives_and_collective_free_recompute():
     per_pass = 2 * LAYERS * 2 * 2  # of each kind: micro-batches x layers x sub-batches x blocks
     size = {SUB_BATCH_ACTIVATION}
     # what the simulator prices: the Oases SP layer of one sub-batch (no backward re-gather)
-    desc = layer_description(backend="megatron", mesh=None, micro_batch=B // 2, seq=S, hidden=H, heads=4,
+    desc = layer_description(backend="megatron", layout=None, micro_batch=B // 2, seq=S, hidden=H, heads=4,
                              ffn=4 * H, tp=2, bytes_per_element=4, sequence_parallel=True, schedule="oases")
     for pass_ in ("forward", "backward"):
         kinds = sorted(c.kind for c in desc.collectives(pass_))

@@ -100,7 +100,7 @@ def _described(schedule: str, passes=("forward", "backward")) -> list[tuple[str,
     from megatron_oases.schedules.oases.options import OasesOptions
 
     subs = OasesOptions(recompute=False).sub_batches if schedule == "oases" else 1
-    layer = layer_description(backend="megatron", mesh=None, micro_batch=B // subs, seq=S, hidden=H,
+    layer = layer_description(backend="megatron", layout=None, micro_batch=B // subs, seq=S, hidden=H,
                               heads=HEADS, ffn=4 * H, tp=TP, bytes_per_element=4, schedule=schedule)
     out = [(c.kind, c.payload_bytes) for p in passes for c in layer.collectives(p)] * L * subs
     head = head_ops(b=B, s=S, h=H, v=1024, t=TP, e=4, first=True, last=True, sub_batches=subs)

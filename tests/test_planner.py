@@ -18,6 +18,7 @@ from megatron_oases.plan.ilp import (MemoryInfeasible, PlanProblem, brute_force,
                                      solve_ilp)
 from megatron_oases.plan.pricing import DevicePricer, resolve_gpu
 from megatron_oases.topology import Level, Topology, load_topology
+from megatron_oases.describe.atp_2d import atp_layout
 
 GiB = float(1 << 30)
 
@@ -74,7 +75,7 @@ def test_candidates_are_feasible_powers_of_two():
     m6 = small_model(tp=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=384, micro_batch_size=6)
     with pytest.raises(PlanError, match="--tensor-model-parallel-size 6 must be a power of two"):
         candidate_strategies(m6)
-    assert [s.mesh for s in candidate_strategies(m6, families=("atp",))] == [(3, 2), (2, 3), (1, 6)]
+    assert [s.layout.shape for s in candidate_strategies(m6, families=("atp",))] == [(3, 2), (2, 3), (1, 6)]
 
 
 def test_reshard_groups_and_payload():
@@ -176,7 +177,7 @@ def test_memory_terms_agree_with_the_simulator():
         s = BlockStrategy(degree=d)
         assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("megatron", 256, 1024, d, None)
         acts = sum(block_activation_bytes(m, k, 4, d) for k in ("attention", "mlp"))
-        want = layer_activation_bytes("megatron", b=4, s=64, h=256, a=8, f=1024, t=d, e=2, mesh=None,
+        want = layer_activation_bytes("megatron", b=4, s=64, h=256, a=8, f=1024, t=d, e=2, layout=None,
                                       hidden_dropout=False, attention_dropout=False)  # PlanModel's 0.0
         assert acts == pytest.approx(want)
     assert state_bytes_per_param(m, 1) == 18 and state_bytes_per_param(dataclasses.replace(m, dtype="fp32"), 1) == 16
@@ -412,7 +413,7 @@ def test_atp_family_splits_prices_and_counts_like_the_simulator():
     from megatron_oases.describe.registry import layer_params
 
     m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=8)
-    s = BlockStrategy(degree=8, family="atp", mesh=(4, 2))
+    s = BlockStrategy(degree=8, family="atp", layout=atp_layout(4, 2))
     fam = family_of(s)
     blocks = fam.split(fam.describe(s, m, 2))
     desc = atp_2d_gpt_layer(micro_batch=2, seq=64, hidden=256, heads=8, ffn=1024, d1=4, d2=2, bytes_per_element=2)
@@ -420,7 +421,7 @@ def test_atp_family_splits_prices_and_counts_like_the_simulator():
     assert sum(len(b.fwd_compute) + len(b.fwd_comm) for b in blocks) == len(desc.forward)
     assert sum(len(b.bwd_compute) + len(b.bwd_comm) for b in blocks) == len(desc.backward)
     assert blocks[1].fwd_compute[0].name == "atp.ln2" and blocks[0].bwd_compute[0].name == "atp.proj.bwd"
-    assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("atp", 256, 1024, 8, (4, 2))
+    assert fam.params(s, m, "attention") + fam.params(s, m, "mlp") == layer_params("atp", 256, 1024, 8, atp_layout(4, 2))
     assert fam.group_ranks(s, "mesh2") == (0, 1) and fam.group_ranks(s, "mesh1") == (0, 2, 4, 6)
     assert s.label == "atp4x2"
     with pytest.raises(PlanError, match="--families"):
@@ -461,7 +462,7 @@ def test_atp_event_keys_are_the_simulators():
     sim = unique_events(build_stage_events(
         GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
                  micro_batch_size=4),  # one sub-batch
-        SimStrategy(tp=8, backend="atp", mesh=(4, 2), recompute=True), topo))
+        SimStrategy(tp=8, backend="atp", layout=atp_layout(4, 2), recompute=True), topo))
     ours = {k for k in pricer.events if "m4x2" in k and "grad" not in k}
     assert any("atp.leave" in k for k in ours) and any("compute:atp.qkv" in k for k in ours)
     assert ours <= set(sim), sorted(ours - set(sim))

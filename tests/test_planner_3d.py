@@ -99,7 +99,7 @@ def test_llama_models_on_every_family_follow_their_descriptions():
         if s.family == "megatron":
             continue
         total = fam.params(s, m, "attention") + fam.params(s, m, "mlp")
-        assert total == layer_params(s.family, 256, 512, 8, s.mesh, heads=8, variant=variant)
+        assert total == layer_params(s.family, 256, 512, 8, s.layout, heads=8, variant=variant)
     feasible = {s.label for s in candidate_strategies(m, families=("atp", "3d"))}
     assert "3d8" in feasible  # 2 groups over p = 2
     assert not any(lbl.startswith("atp") for lbl in feasible)  # 2 groups never cover 8 mesh ranks

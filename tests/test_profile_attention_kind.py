@@ -15,6 +15,7 @@ from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.pricing.device_model import ProfileDB, SimError
 from megatron_oases.sim.core.events import build_stage_events, unique_events
 from megatron_oases.sim.calibrate.profiler import local_topology
+from megatron_oases.describe.atp_2d import atp_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--nproc-per-node", "1", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -204,7 +205,7 @@ def _plan_model(**kw):
 
 @pytest.mark.parametrize("kind", ["local", "fused"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("family,degree,mesh", [("megatron", 2, None), ("atp", 4, (2, 2)), ("3d", 8, None)])
+@pytest.mark.parametrize("family,degree,mesh", [("megatron", 2, None), ("atp", 4, atp_layout(2, 2)), ("3d", 8, None)])
 def test_plan_memory_matches_the_simulator(kind, dropout, family, degree, mesh):
     """A block's saved bytes (no recompute, stock executor) sum to the layer's bytes the
     simulator keeps (``sim.core.memory.chunk_activation_bytes`` less the head), for each family, with
@@ -214,12 +215,12 @@ def test_plan_memory_matches_the_simulator(kind, dropout, family, degree, mesh):
     from megatron_oases.sim.core.strategy import Strategy
 
     m = _plan_model(core_attention=kind, hidden_dropout=dropout, attention_dropout=dropout)
-    strategy = BlockStrategy(degree=degree, family=family, mesh=mesh) if mesh else \
+    strategy = BlockStrategy(degree=degree, family=family, layout=mesh) if mesh else \
         BlockStrategy(degree=degree, family=family)
     fam = family_of(strategy)
     plan = sum(fam.memory(strategy, m, k, m.micro_batch_size)[0] for k in ("attention", "mlp"))
     sim_model = m  # a PlanModel is the simulator's GPTShape
-    s = Strategy(tp=degree, backend=family, mesh=mesh)
+    s = Strategy(tp=degree, backend=family, layout=mesh)
     chunk = types.SimpleNamespace(layers=1, chunk=0, stage=0)
     per_mb, _ = sim_memory.chunk_activation_bytes(sim_model, s, chunk)
     assert plan == pytest.approx(per_mb - sim_memory._head_bytes(sim_model, s, chunk), rel=1e-9)

@@ -17,6 +17,7 @@ from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import run_segments, run_template, simulate
 from megatron_oases.sim.core.trace import chrome_trace, timeline_events, write_chrome_trace
 from megatron_oases.topology import Level, Topology, load_topology
+from megatron_oases.describe.atp_2d import atp_layout
 from tests.script_modules import load_script
 
 EPS = 1e-9
@@ -92,7 +93,7 @@ def test_profile_overrides_and_names_missing(tmp_path: Path):
 CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=8, schedule=sch, overlap=ov, recompute=rc, virtual_stages=vp)
            for sch, vp in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)) for ov in ("none", "oases") for rc in (False, True)
            if sch == "1f1b" or vp == 1]
-CONFIGS += [Strategy(tp=4, pp=2, dp=2, num_microbatches=4, backend="atp", mesh=(2, 2), recompute=True, virtual_stages=2),
+CONFIGS += [Strategy(tp=4, pp=2, dp=2, num_microbatches=4, backend="atp", layout=atp_layout(2, 2), recompute=True, virtual_stages=2),
             Strategy(tp=2, pp=2, dp=4, num_microbatches=3, distributed_optimizer=True)]
 MODEL8 = GPTShape(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
                   micro_batch_size=2)

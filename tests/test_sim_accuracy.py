@@ -19,6 +19,7 @@ from megatron_oases.sim.calibrate.profiler import local_topology
 from megatron_oases.sim.core.schedules import schedule_order
 from megatron_oases.sim.core.placement import place_pipeline
 from megatron_oases.sim.core.timeline import run_template, simulate
+from megatron_oases.describe.atp_2d import atp_layout
 from tests.script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,9 +95,9 @@ def test_sibling_groups_inside_the_tp_group():
                         ("cube_y", {(0, 4), (1, 5), (2, 6), (3, 7)})):
         assert set(sibling_groups(axis_ranks(axis, tp_ranks, None), cube)) == lines
     assert sibling_groups(tp_ranks, cube) == (tp_ranks,)
-    mesh = Strategy(tp=4, dp=2, backend="atp", mesh=(2, 2))  # two replicas of a 2 x 2 mesh
+    mesh = Strategy(tp=4, dp=2, backend="atp", layout=atp_layout(2, 2))  # two replicas of a 2 x 2 mesh
     for axis in ("mesh1", "mesh2"):
-        groups = sibling_groups(axis_ranks(axis, (0, 1, 2, 3), (2, 2)), mesh)
+        groups = sibling_groups(axis_ranks(axis, (0, 1, 2, 3), atp_layout(2, 2)), mesh)
         assert len(groups) == 4 and sorted(r for g in groups for r in g) == list(range(8))
 
 

@@ -14,6 +14,7 @@ from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.memory import GiB, model_state_bytes
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import Level, Topology
+from megatron_oases.describe.atp_2d import atp_layout
 
 MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
                  micro_batch_size=4)
@@ -29,11 +30,11 @@ def test_korthikanti_formula():
     tests/test_saved_bytes_budget.py): fp32 norm statistics (16 bytes a token on CUDA), the
     causal mask built per call (s^2 bools) and the softmax output in fp32 (+2 a s^2 b / t)."""
     b, s, h, a, t = 4, 2048, 4096, 32, 8
-    got = layer_activation_bytes("megatron", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=None)
+    got = layer_activation_bytes("megatron", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, layout=None)
     korthikanti = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
     assert got == pytest.approx(korthikanti + 16 * s * b + s * s + 2 * a * s * s * b / t)
-    assert layer_input_bytes("megatron", b=b, s=s, h=h, e=2, mesh=None) == 2 * s * b * h
-    atp = layer_activation_bytes("atp", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, mesh=(4, 2))
+    assert layer_input_bytes("megatron", b=b, s=s, h=h, e=2, layout=None) == 2 * s * b * h
+    atp = layer_activation_bytes("atp", b=b, s=s, h=h, a=a, f=4 * h, t=t, e=2, layout=atp_layout(4, 2))
     assert atp < got  # ATP also shards the LayerNorm / residual side (by d2)
 
 
@@ -67,7 +68,7 @@ def test_recompute_and_oases_fine_grained():
     b, s, h, e = MODEL.micro_batch_size, MODEL.seq_length, MODEL.hidden_size, 2
     inp = b * s * h * e
     full = layer_activation_bytes("megatron", b=b, s=s, h=h, a=MODEL.num_attention_heads, f=MODEL.ffn_hidden_size, t=2,
-                                  e=e, mesh=None,
+                                  e=e, layout=None,
                                   hidden_dropout=False, attention_dropout=False)  # MODEL's dropout is 0
     none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
     oases = _mem(recompute=True, overlap="oases").memory[1]
@@ -87,7 +88,7 @@ def test_selective_recompute_keeps_the_inventory_without_score_tensors():
     running its backward has them again (the working set)."""
     m = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
     b, s, h, a, t = m.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, 2
-    kw = dict(b=b, s=s, h=h, a=a, f=m.ffn_hidden_size, t=t, e=2, mesh=None)
+    kw = dict(b=b, s=s, h=h, a=a, f=m.ffn_hidden_size, t=t, e=2, layout=None)
     full = layer_activation_bytes("megatron", **kw)
     kept = layer_activation_bytes("megatron", recompute_core_attention=True, **kw)
     # fp32 softmax output, the dropped-out probabilities and their 1-byte mask, the causal mask; + 4

@@ -15,6 +15,7 @@ from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology, needed_events, plan_comm
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.topology import load_topology
+from megatron_oases.describe.atp_2d import atp_layout
 
 TINY = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, padded_vocab_size=128,
                 micro_batch_size=2, dtype="fp32")
@@ -101,7 +102,7 @@ def test_every_compute_event_has_a_workload():
     topo = local_topology(4)
     strats = [Strategy(tp=2, pp=2, num_microbatches=2, recompute=True),
               Strategy(tp=2, pp=2, num_microbatches=2, selective_recompute=True),
-              Strategy(tp=4, backend="atp", mesh=(2, 2), num_microbatches=2),
+              Strategy(tp=4, backend="atp", layout=atp_layout(2, 2), num_microbatches=2),
               Strategy(tp=2, dp=2, overlap="oases", distributed_optimizer=True)]
     events = needed_events(TINY, strats, topo)
     names = {e.name for e in events.values() if e.kind == "compute"}
@@ -363,7 +364,7 @@ def test_missing_link_named():
     with pytest.raises(SimError, match=r"no link between ranks 0 and 8 \(level 'ring-of-rings'"):
         simulate(model, Strategy(tp=2, pp=2, dp=4, optimizer_step=False), dm)
     with pytest.raises(SimError, match="no link between ranks 0 and 2"):
-        simulate(model, Strategy(tp=4, dp=4, backend="atp", mesh=(2, 2)), dm)
+        simulate(model, Strategy(tp=4, dp=4, backend="atp", layout=atp_layout(2, 2)), dm)
     assert simulate(model, Strategy(tp=4, dp=4), dm).iteration_ms > 0  # the 4-ring 0-1-2-3 is linked
 
 

@@ -13,6 +13,7 @@ from megatron_oases.pricing.device_model import SimError
 from megatron_oases.sim.core.events import build_stage_events
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.calibrate.profiler import local_topology
+from megatron_oases.describe.atp_2d import atp_layout
 from tests.test_sim_plan import OASES, TINY_PROFILE, _args, _stages
 
 SP = ["--sequence-parallel"]
@@ -28,7 +29,7 @@ def test_the_simulated_step_issues_the_sp_description_s_collectives(tmp_path: Pa
     model, strategy, stages = _stages(_args(tmp_path, None, SP + schedule))
     assert strategy.sequence_parallel
     oases = bool(schedule)
-    desc = layer_description(backend="megatron", mesh=None, micro_batch=B // 2 if oases else B, seq=S, hidden=H,
+    desc = layer_description(backend="megatron", layout=None, micro_batch=B // 2 if oases else B, seq=S, hidden=H,
                              heads=4, ffn=4 * H, tp=2, bytes_per_element=4, sequence_parallel=True,
                              schedule="oases" if oases else "stock")
     per_layer = {p: sorted((c.kind, c.payload_bytes) for c in desc.collectives(p)) for p in ("forward", "backward")}
@@ -57,7 +58,7 @@ def test_a_sequence_parallel_run_profiles_and_predicts_here(tmp_path: Path, sche
 
 
 def test_sequence_parallel_is_refused_off_megatron_layers_in_one_line():
-    for kw in (dict(tp=4, backend="atp", mesh=(2, 2)), dict(tp=8, backend="3d"), dict(tp=2, block_degrees=(1, 2))):
+    for kw in (dict(tp=4, backend="atp", layout=atp_layout(2, 2)), dict(tp=8, backend="3d"), dict(tp=2, block_degrees=(1, 2))):
         with pytest.raises(SimError, match="--sequence-parallel is modeled for --tp-backend megatron"):
             Strategy(sequence_parallel=True, **kw)
 

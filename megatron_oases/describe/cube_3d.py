@@ -15,7 +15,8 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 """
 from __future__ import annotations
 
-from .layer_query import LayerQuery, Mesh
+from .layer_query import LayerQuery
+from .layout import Layout
 from .megatron_1d import tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -149,7 +150,7 @@ def cube_block_edges(*, micro_batch: int, seq: int, hidden: int, tp: int,
 
 # ---- the backend record's pieces (``describe.backends``) ------------------------------------------
 
-def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int, micro_batch: int,
+def cube_3d_refusal(*, tp: int, layout: Layout | None, hidden: int, heads: int, ffn: int, micro_batch: int,
                     query_groups: int | None = None) -> str:
     """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
     ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
@@ -158,6 +159,17 @@ def cube_3d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn:
     return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
             or cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
                                      query_groups=query_groups))
+
+
+def cube_3d_run_refusal(cfg) -> str:
+    """The trainer's refusals of the cube's layers with the run's other flags (``cfg``: a
+    ``RunConfig``): SwiGLU only without linear biases, no sequence parallelism."""
+    if cfg.swiglu and cfg.add_bias_linear:
+        return "--tp-backend 3d runs --swiglu without linear biases only; add --disable-bias-linear"
+    if cfg.sequence_parallel:
+        return ("--tp-backend 3d does not support --sequence-parallel (its activations are already split "
+                "p^3 ways); drop it")
+    return ""
 
 
 def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_batch: int,
@@ -185,15 +197,31 @@ def cube_3d_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int, micro_b
     return ""
 
 
-def cube_3d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+def cube_3d_kv_groups_divisor(tp: int, layout: Layout | None) -> int:
     """The heads split over p, so the key/value groups do."""
     return cube_side(tp)
 
 
-def cube_3d_meshes(tp: int) -> tuple[Mesh | None, ...]:
-    """The one layout of a cube TP group, or none when TP is not p^3 (p >= 2)."""
+AXES = ("x", "y", "z")
+"""The cube's axes (``parallel.cube.Cube``): x splits the weights, y and z the activations."""
+
+
+def cube_3d_layouts(tp: int) -> tuple[Layout, ...]:
+    """The one layout of a cube TP group, ``{"x": p, "y": p, "z": p}``, or none when TP is not
+    p^3 (p >= 2)."""
     p = cube_root(tp)
-    return (None,) if p is not None and p >= 2 else ()
+    return (Layout(zip(AXES, (p,) * 3)),) if p is not None and p >= 2 else ()
+
+
+def cube_3d_layout_refusal(layout: Layout | None, tp: int) -> str:
+    """TP is a cube p^3 (p >= 2) and the layout is that cube (:func:`cube_side`'s words)."""
+    try:
+        p = cube_side(tp)
+    except ModelingError as e:
+        return str(e)
+    if layout is None or layout == Layout(zip(AXES, (p,) * 3)):
+        return ""
+    return f"--tp-backend 3d lays out --tensor-model-parallel-size {tp} as the cube x=y=z={p} (got {layout})"
 
 
 def cube_3d_layer(q: LayerQuery) -> LayerDescription:
@@ -202,14 +230,14 @@ def cube_3d_layer(q: LayerQuery) -> LayerDescription:
                              tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant)
 
 
-def cube_3d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+def cube_3d_edges(*, layout: Layout | None, micro_batch: int, seq: int, hidden: int, tp: int,
                   bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """The record's block edges: :func:`cube_block_edges`."""
     return cube_block_edges(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
                             bytes_per_element=bytes_per_element)
 
 
-def cube_3d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+def cube_3d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
     """TP position 0's line of the cube in its default order: cube_z consecutive, cube_x stride p,
     cube_y stride p^2 (``parallel.cube.Cube``, order "zxy")."""
     p = cube_side(len(tp_ranks))
@@ -217,12 +245,12 @@ def cube_3d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) 
     return tp_ranks[::stride][:p]
 
 
-def cube_3d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+def cube_3d_vector_splits(t: int, layout: Layout | None) -> tuple[int, int]:
     """TP position 0 holds a diagonal block of every vector (N / p^2)."""
     return (cube_side(t) ** 2,) * 2
 
 
-def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, layout: Layout | None,
                         hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                         recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: every saved tensor is a rank's own block, 1/t of the TP-1
@@ -234,16 +262,16 @@ def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: in
     return b * s * (e * 4 * h + 2 * h + e * (4 * h + variant.mlp_saved_per_ffn * f)) / t + core
 
 
-def cube_3d_input_split(t: int, mesh: Mesh | None) -> int:
+def cube_3d_input_split(t: int, layout: Layout | None) -> int:
     """Hidden states between layers are ``[s, b/p^2, h/p]``: 1/t of the whole."""
     return t
 
 
-def cube_3d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
+def cube_3d_launch_flags(layout: Layout | None) -> dict[str, str]:
     """``--tp-backend 3d`` (the cube's side is the TP size's cube root)."""
     return {"--tp-backend": "3d"}
 
 
-def cube_3d_event_tag(mesh: Mesh | None) -> str:
+def cube_3d_event_tag(layout: Layout | None) -> str:
     """``cube``: the degree t = p^3 in the key gives p."""
     return "cube"

@@ -5,6 +5,7 @@ from typing import Union
 
 from .backends import backend as record
 from .core_attention import attention_kernels_refusal
+from .layout import Layout
 from .ops import GPT2, LayerVariant
 
 
@@ -41,21 +42,21 @@ def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int
 
 
 def layer_shape(*, b: int, s: int, h: int, a: int, f: int, t: int, v: int, dtype: str, backend: str,
-                mesh: tuple[int, int] | None, hidden_dropout: float, attention_dropout: float,
+                layout: Layout | None, hidden_dropout: float, attention_dropout: float,
                 chains: int, variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                 core_attention: str = "local", attention_kernels: str = "auto"
                 ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """(shape, dims) naming one layer's events in profiles, the one spelling of the simulator and
-    the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the ATP mesh or the cube,
+    the planner: ``b`` samples per (sub-)batch, model sizes, TP degree, the backend's layout tag
+    and dims (``Backend.event_tag``, ``Backend.dims``: the ATP mesh, the cube),
     dtype, and ``layer_event_tag``'s dropout and executor; ``dims`` are the same sizes as data.
     Sequence parallelism (norms and residual work on s/t tokens) adds ``_sp`` and ``("sp", 1)``;
     an SDPA core attention (``core_attention`` fused or unfused, every backend: the ATP and 3-D
     layers take it too) ``attention_tag``'s suffix and ``("attn", kind)`` (and its kernels,
     ``attention_kernels``, where not torch's choice); other layers keep their keys."""
-    mesh_tag = record(backend).event_tag(mesh)  # the ATP mesh or the cube
+    mesh_tag = record(backend).event_tag(layout)  # the ATP mesh or the cube
     tag, tag_dims = layer_event_tag(hidden_dropout, attention_dropout, chains, backend)
-    d1, d2 = mesh or (t, 1)
-    dims = (("b", b), ("s", s), ("h", h), ("a", a), ("f", f), ("t", t), ("d1", d1), ("d2", d2),
+    dims = (("b", b), ("s", s), ("h", h), ("a", a), ("f", f), ("t", t), *record(backend).dims(t, layout),
             ("v", v), ("dtype", dtype)) + tag_dims
     if not variant.is_default:  # GPT-2's layer keeps its keys and dims
         dims += (("groups", variant.query_groups or a), ("gated", int(variant.gated)),

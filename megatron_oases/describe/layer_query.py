@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from .layout import Layout
 from .ops import GPT2, LayerVariant
-
-Mesh = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerQuery:
-    """What to describe: the (sub-)batch, the model's sizes, the TP degree and the ATP mesh, and the
-    options only some backends describe (``registry.layer_description`` names which)."""
+    """What to describe: the (sub-)batch, the model's sizes, the TP degree and the backend's layout
+    (``describe.layout``), and the options only some backends describe
+    (``registry.layer_description`` names which)."""
 
-    mesh: Mesh | None
+    layout: Layout | None
     micro_batch: int
     seq: int
     hidden: int

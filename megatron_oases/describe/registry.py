@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from .backends import BACKENDS as RECORDS, backend as record
 from .layer_query import LayerQuery
+from .layout import Layout
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
 
-BACKENDS = tuple(RECORDS)
-"""The ``--tp-backend`` names, in the records' order."""
+BACKENDS = RECORDS
+"""The ``--tp-backend`` names, in the records' order (the table itself, so that a record added
+later, as the tests' fake backend, is one of them)."""
 
 
-def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int,
+def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, seq: int,
                       hidden: int, heads: int, ffn: int, tp: int, bytes_per_element: int,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                       schedule: str = "stock", attention_dropout: bool = False,
@@ -30,38 +32,38 @@ def layer_description(*, backend: str, mesh: tuple[int, int] | None, micro_batch
         raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
                             f"(got {backend})")
     return record(backend).layer(LayerQuery(
-        mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp,
+        layout=layout, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp,
         bytes_per_element=bytes_per_element, variant=variant, sequence_parallel=sequence_parallel,
         schedule=schedule, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
         recompute_core_attention=recompute_core_attention, core_attention=core_attention))
 
 
-def block_edges(*, backend: str, mesh: tuple[int, int] | None, micro_batch: int, seq: int, hidden: int,
+def block_edges(*, backend: str, layout: Layout | None, micro_batch: int, seq: int, hidden: int,
                 tp: int, bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """(forward, backward) collectives where a run of a backend's layers meets Megatron's
     replicated ``[s, b, h]`` (embedding, pipeline sends, output layer): leaving all-gathers,
     entering splits (its backward all-gathers). None for Megatron 1-D or ATP with d2 = 1."""
-    return record(backend).block_edges(mesh=mesh, micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
+    return record(backend).block_edges(layout=layout, micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp,
                                        bytes_per_element=bytes_per_element)
 
 
-def axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: tuple[int, int] | None) -> tuple[int, ...]:
+def axis_ranks(axis: str, tp_ranks: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
     """The group of the representative (TP position 0) on ``axis``, from the backend that names the
     axis: tp; mesh1 (stride d2), mesh2; cube_z (consecutive), cube_x (stride p), cube_y (stride p^2)
     in the cube's default order."""
     for b in RECORDS.values():
         if axis in b.axes:
-            return b.axis_ranks(axis, tp_ranks, mesh)
+            return b.axis_ranks(axis, tp_ranks, layout)
     raise ModelingError(f"unknown collective axis {axis!r}")
 
 
-def layer_params(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *, heads: int = 1,
+def layer_params(backend: str, h: int, f: int, t: int, layout: Layout | None, *, heads: int = 1,
                  variant: LayerVariant = GPT2) -> int:
     """Weights + biases + norms of one layer on one TP rank."""
-    return sum(layer_param_tensors(backend, h, f, t, mesh, heads=heads, variant=variant))
+    return sum(layer_param_tensors(backend, h, f, t, layout, heads=heads, variant=variant))
 
 
-def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, int] | None, *,
+def layer_param_tensors(backend: str, h: int, f: int, t: int, layout: Layout | None, *,
                         heads: int = 1, variant: LayerVariant = GPT2) -> tuple[int, ...]:
     """Sizes of one layer's parameter tensors on one TP rank (they sum to :func:`layer_params`):
     QKV, proj, fc1, fc2 weights and biases, two norms' weight and bias (0: no such tensor), then
@@ -74,7 +76,7 @@ def layer_param_tensors(backend: str, h: int, f: int, t: int, mesh: tuple[int, i
     nb = 1 if variant.normalization == "LayerNorm" else 0
     qk_norms = (h // heads, nb * h // heads) * 2 if variant.qk_norm else ()
     # the vectors' splits: (QKV and fc1 outputs, proj and fc2 outputs and norms)
-    out_split, h_split = record(backend).vector_splits(t, mesh)
+    out_split, h_split = record(backend).vector_splits(t, layout)
     return (qkv * h // t, b * qkv // out_split, h * h // t, b * h // h_split, h * fc1 // t,
             b * fc1 // out_split, h * f // t, b * h // h_split, h // h_split, nb * h // h_split,
             h // h_split, nb * h // h_split, *qk_norms)
@@ -92,20 +94,20 @@ def block_param_tensors(kind: str, tensors: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: int, t: int, e: int,
-                           mesh: tuple[int, int] | None, hidden_dropout: bool = True,
+                           layout: Layout | None, hidden_dropout: bool = True,
                            attention_dropout: bool = True, variant: LayerVariant = GPT2,
                            recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
     CUDA kernels): the backend's ``saved_bytes`` (Megatron 1-D: the measured inventory,
     ``describe.saved``; ATP and 3-D: Korthikanti's terms, ``atp_2d.atp_2d_saved_bytes``,
     ``cube_3d.cube_3d_saved_bytes``)."""
-    return record(backend).saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, mesh=mesh, hidden_dropout=hidden_dropout,
+    return record(backend).saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, layout=layout, hidden_dropout=hidden_dropout,
                                        attention_dropout=attention_dropout, variant=variant,
                                        recompute_core_attention=recompute_core_attention,
                                        core_attention=core_attention)
 
 
-def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, mesh: tuple[int, int] | None,
+def layer_input_bytes(backend: str, *, b: int, s: int, h: int, e: int, layout: Layout | None,
                       t: int = 1) -> float:
     """One [s, b, h] hidden state as a rank holds it (sharded by d2 under ATP, by t under 3-D)."""
-    return b * s * h * e / record(backend).input_split(t, mesh)
+    return b * s * h * e / record(backend).input_split(t, layout)

@@ -67,10 +67,10 @@ def early_refusal(argv: list[str]) -> str | None:
     ``--tensor-model-parallel-size``, and ``--schedule oases`` against a given
     ``--micro-batch-size``. The rules are the trainer's (``train_args``, ``describe``); Megatron-LM's
     parse checks them again with everything else."""
-    from megatron_oases.describe.atp_meshes import atp_mesh_refusal
+    from megatron_oases.describe.ops import ModelingError
     from megatron_oases.describe.split import split_refusal
     from megatron_oases.flags import FLAGS
-    from megatron_oases.train_args import parse_atp_mesh, validate_atp_mesh
+    from megatron_oases.train_args import validate_layout
 
     parser = add_flags(_RaisingParser(add_help=False, allow_abbrev=False))
     for dest in _EARLY_SHARED:
@@ -79,15 +79,12 @@ def early_refusal(argv: list[str]) -> str | None:
     try:
         ns, _ = parser.parse_known_args(argv)
         tp, micro = ns.tensor_model_parallel_size, ns.micro_batch_size
-        if ns.tp_backend != "atp":
-            validate_atp_mesh(run_config(ns), None)  # stray ATP flags; returns before the dims
-        elif ns.atp_mesh not in (None, "auto") and tp is not None:
-            refused = atp_mesh_refusal(parse_atp_mesh(ns.atp_mesh), tp)
-            if refused:
-                return refused
+        validate_layout(run_config(ns), None)  # a stray --atp-mesh / --atp-chunks; before the dims
+        if ns.atp_mesh not in (None, "auto") and tp is not None:
+            backend(ns.tp_backend).parse_layout(ns.atp_mesh, tp)  # the record's words (describe.backends)
         if ns.schedule == "oases" and micro is not None and split_refusal(micro):
             return split_refusal(micro)
-    except ConfigError as exc:
+    except (ConfigError, ModelingError) as exc:
         return str(exc)
     return None
 
@@ -200,7 +197,7 @@ def keep_on_megatron_args(args: argparse.Namespace, cfg: RunConfig) -> None:
 
 def is_stock(cfg: RunConfig) -> bool:
     """Stock Megatron-LM model and schedule: none of our backends or schedules selected."""
-    return cfg.tp_backend == "megatron" and cfg.schedule == "default" and cfg.oases_plan is None
+    return backend(cfg.tp_backend).megatron_modules and cfg.schedule == "default" and cfg.oases_plan is None
 
 
 def _virtual_stages(cfg: RunConfig) -> int | None:
@@ -283,7 +280,7 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
         raise ConfigError(refused)
     _check_non_stock(cfg, what)
     view, dims = trainer_view(cfg, world_size)
-    if cfg.tp_backend == "atp" and view.atp_mesh == "auto":
+    if view.atp_mesh == "auto" and backend(cfg.tp_backend).layout_flag:
         view = dataclasses.replace(view, atp_mesh=resolve_auto_mesh(view, dims))
     view = validate_backend_config(view, dims)
     if cfg.recompute_granularity == "full" and cfg.recompute_num_layers is None:
@@ -312,7 +309,7 @@ _MEGATRON_DEFAULTS: dict | None = None
 
 def _build_named(cfg: RunConfig) -> str:
     """The flag that makes this run one of our builds, as the refusals name it."""
-    return (f"--tp-backend {cfg.tp_backend}" if cfg.tp_backend != "megatron"
+    return (f"--tp-backend {cfg.tp_backend}" if not backend(cfg.tp_backend).megatron_modules
             else f"--schedule {cfg.schedule}" if cfg.schedule != "default"
             else option("oases_plan") if cfg.oases_plan is not None
             else "--tp-backend megatron without a Megatron-LM checkout (our megatron spec)")

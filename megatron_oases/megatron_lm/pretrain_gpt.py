@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(extra_args_provider)  # --help, and our one-line errors (exit 2), before CUDA
     if hasattr(stock, "refusal") and stock.refusal(args):
         return _error(stock.refusal(args))
+    from megatron_oases.describe.backends import backend
     from megatron_oases.run_config import run_config
 
     cfg = run_config(args)
-    if cfg.tp_backend == "3d":  # its ranks off the cube diagonal hold empty vector parameters
+    if backend(cfg.tp_backend).empty_local_params:  # the cube's ranks off its diagonal: empty vectors
         import megatron.training.training as training
 
         from megatron_oases.runtime.dist_ckpt import with_empty_params_local

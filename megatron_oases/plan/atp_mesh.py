@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from megatron_oases.describe.atp_2d import atp_layout
 from megatron_oases.describe.atp_meshes import atp_mesh_refusal, atp_meshes
 from megatron_oases.describe.backends import backend
 from megatron_oases.describe.ops import Collective, ring_factor
@@ -229,7 +230,7 @@ def layer_collectives(model: GPTShape, d1: int, d2: int) -> tuple[Collective, ..
     """One layer's collectives, forward then backward, on DeviceMesh(d1, d2): ``describe``'s ATP
     layer for ``model``'s sizes and variant, as ``sim --tp-backend atp`` builds it (groups of one
     are left out there)."""
-    layer = layer_description(backend="atp", mesh=(d1, d2), micro_batch=model.micro_batch_size,
+    layer = layer_description(backend="atp", layout=atp_layout(d1, d2), micro_batch=model.micro_batch_size,
                               seq=model.seq_length, hidden=model.hidden_size, heads=model.num_attention_heads,
                               ffn=model.ffn_hidden_size, tp=d1 * d2, bytes_per_element=model.bytes_per_element,
                               variant=model.variant)
@@ -267,7 +268,7 @@ def model_refusal(model: GPTShape, tp: int) -> str:
     """Why ATP cannot split ``model`` over ``tp`` ranks ("" when it can): the backend record's check
     at Megatron's (tp, 1). After Megatron's TP split of the hidden size, heads and FFN passes, every
     mesh d1 x d2 = tp splits the model too (d1 and d2 divide tp), so one check covers them all."""
-    return backend("atp").refusal(tp=tp, mesh=(tp, 1), hidden=model.hidden_size, heads=model.num_attention_heads,
+    return backend("atp").refusal(tp=tp, layout=atp_layout(tp, 1), hidden=model.hidden_size, heads=model.num_attention_heads,
                                   ffn=model.ffn_hidden_size, query_groups=model.variant.query_groups)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_oases.describe.backends import backend
 from megatron_oases.describe.ops import Collective
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
@@ -99,7 +100,7 @@ class CostModel:
     def uniform(self, degree: int) -> tuple[int, ...] | None:
         """The assignment with every block at Megatron 1-D ``degree`` (None if that strategy is not
         a candidate)."""
-        ks = [k for k, s in enumerate(self.strategies) if s.family == "megatron" and s.degree == degree]
+        ks = [k for k, s in enumerate(self.strategies) if family_of(s).mixes and s.degree == degree]
         return (ks[0],) * len(self.blocks) if ks else None
 
     def breakdown(self, assignment) -> list[dict[str, Any]]:
@@ -137,7 +138,7 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
     def hidden_by_wgrad(cs) -> float:
         """Stock Megatron (one sub-batch, 1-D TP) runs a column-parallel linear's input-gradient
         all-reduce async beside its weight-gradient GEMM: that much of the collective is hidden."""
-        if m.sub_batches != 1 or s.family != "megatron" or s.degree == 1:
+        if m.sub_batches != 1 or not backend(s.family).megatron_modules or s.degree == 1:
             return 0.0
         out = 0.0
         for c in cs:
@@ -170,10 +171,10 @@ def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer
     """(forward, backward) all-gather ms of one micro-batch (every sub-batch) between a and b:
     between Megatron degrees one reshard of the whole share (the runtime's, keyed as the
     simulator keys it); at an ATP / 3-D edge the backend's conversion, once per sub-batch."""
-    other = a if a.family != "megatron" else b  # the family that knows how to enter / leave it
+    other = a if not family_of(a).mixes else b  # the family that knows how to enter / leave it
     rs = family_of(other).reshard(a, b, m)
     hi = max(a.degree, b.degree)
-    if other.family == "megatron":
+    if family_of(other).mixes:
         runs = 1
         shape, dims = reshard_shape(share=replica_share(m.micro_batch_size, hi, m.tp), seq=m.seq_length, hidden=m.hidden_size,
                                     degree=hi, dtype=m.dtype)

@@ -23,15 +23,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from megatron_oases.describe.atp_meshes import atp_mesh_refusal
 from megatron_oases.describe.backends import BACKENDS, backend
 from megatron_oases.describe.layer_query import LayerQuery
+from megatron_oases.describe.layout import Layout
 from megatron_oases.describe.ops import Collective, Compute, LayerDescription, ModelingError
 from megatron_oases.describe.plan_degrees import degree_refusal, micro_batch_multiple, plan_degrees
 from megatron_oases.describe.split import split_refusal
-from megatron_oases.describe.planned import ATTENTION_FIRST_BWD, MLP_FIRST, degree_reshard, split_at
+from megatron_oases.describe.planned import degree_reshard, split_at
 from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
-                                                layer_param_tensors)
+                                                layer_input_bytes, layer_param_tensors)
 
 from .memory import block_activation_bytes, block_memory
 from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
@@ -45,14 +45,19 @@ class BlockStrategy:
     degree: int
     """Ranks that shard one replica of the block; ``T / degree`` replicas split the batch."""
     family: str = "megatron"
-    """megatron (1-D TP) | atp (``mesh`` = (d1, d2), d1 x d2 = degree)."""
-    mesh: tuple[int, ...] | None = None
+    """A backend record (``describe.backends``): megatron (1-D TP at any degree) | atp | 3d."""
+    layout: Layout | None = None
+    """The record's layout of the ``degree`` ranks (ATP's ``{"d1": 4, "d2": 2}``; None: the
+    record's at that degree)."""
 
     @property
     def label(self) -> str:
-        if self.family == "megatron":
+        """``tp4`` for a per-block degree; else the family and its layout's label (``atp4x2``,
+        ``3d8``): the names plan files store (:func:`strategy_of_label` reads them back)."""
+        rec = backend(self.family)
+        if rec.per_block_plans:
             return f"tp{self.degree}"
-        return f"{self.family}{'x'.join(map(str, self.mesh or (self.degree,)))}"
+        return f"{self.family}{rec.label(self.layout, self.degree)}"
 
     def replicas(self, tp: int) -> int:
         return tp // self.degree
@@ -60,15 +65,14 @@ class BlockStrategy:
 
 def strategy_of_label(label: str) -> BlockStrategy | None:
     """The strategy a :attr:`BlockStrategy.label` names (``tp4``, ``atp4x2``, ``3d8``), None if
-    the label is not one."""
+    the label is not one (the record reads its layout's part: ``Backend.layout_of_label``)."""
     if label.startswith("tp") and label[2:].isdigit():
         return BlockStrategy(degree=int(label[2:]))
-    for name in BACKENDS:
-        dims = label[len(name):].split("x") if name != "megatron" and label.startswith(name) else []
-        if dims and all(d.isdigit() for d in dims):
-            sizes = tuple(int(d) for d in dims)
-            degree = sizes[0] if len(sizes) == 1 else sizes[0] * sizes[1]
-            return BlockStrategy(degree=degree, family=name, mesh=sizes if len(sizes) > 1 else None)
+    for name, rec in BACKENDS.items():
+        layout = (rec.layout_of_label(label[len(name):])
+                  if not rec.per_block_plans and label.startswith(name) else None)
+        if layout is not None:
+            return BlockStrategy(degree=layout.size, family=name, layout=layout)
     return None
 
 
@@ -121,7 +125,7 @@ def describe_layer(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescrip
     """The layer of ``s``'s backend record (``describe.backends``) on one replica's ``samples``;
     under Oases (``sub_batches`` > 1) Megatron's tape keeps the gathered column inputs."""
     return backend(s.family).layer(LayerQuery(
-        mesh=s.mesh, micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size, heads=m.num_attention_heads,
+        layout=s.layout, micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size, heads=m.num_attention_heads,
         ffn=m.ffn_hidden_size, tp=s.degree, bytes_per_element=m.bytes_per_element, variant=m.variant,
         sequence_parallel=m.sequence_parallel, schedule="oases" if m.sub_batches > 1 else "stock",
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
@@ -146,7 +150,7 @@ def _megatron_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> R
 def block_params(s: BlockStrategy, m: PlanModel, kind: str) -> int:
     """Weights + biases + norm of one block on one rank: the family's layer parameters
     (``describe.registry.layer_param_tensors``) that belong to the block."""
-    tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, s.mesh,
+    tensors = layer_param_tensors(s.family, m.hidden_size, m.ffn_hidden_size, s.degree, s.layout,
                                   heads=m.num_attention_heads, variant=m.variant)
     return sum(block_param_tensors(kind, tensors))
 
@@ -175,14 +179,13 @@ def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tu
     return split
 
 
-_atp_split = _split_named("atp.ln2", "atp.proj.bwd")
 
 
 def _whole_group_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
     """TP rank 0's group on a mesh axis or a line of the cube, as the simulator places it
     (``describe.registry.axis_ranks``)."""
     try:
-        return axis_ranks(axis, tuple(range(s.degree)), s.mesh)
+        return axis_ranks(axis, tuple(range(s.degree)), s.layout)
     except ModelingError:
         raise PlanError(f"strategy {s.label}: unknown collective axis {axis!r}") from None
 
@@ -195,8 +198,8 @@ def _edge_reshard(src: BlockStrategy, dst: BlockStrategy, m: PlanModel) -> Resha
     strategies are used (``mixes=False``)."""
     if src == dst:
         return Reshard(forward=None, backward=None)
-    edge = src if src.family != "megatron" else dst
-    leave, enter_b = block_edges(backend=edge.family, mesh=edge.mesh, micro_batch=m.micro_batch_size // m.sub_batches,
+    edge = src if not family_of(src).mixes else dst
+    leave, enter_b = block_edges(backend=edge.family, layout=edge.layout, micro_batch=m.micro_batch_size // m.sub_batches,
                                  seq=m.seq_length, hidden=m.hidden_size, tp=edge.degree,
                                  bytes_per_element=m.bytes_per_element)
     steps = tuple((op, _whole_group_ranks(edge, op.axis)) for op in (leave if src is edge else enter_b))
@@ -221,10 +224,10 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
     h/d2; MLP: fc1 sum f/d1, fc2 sum h/d2); without recompute the block's share of ATP's full
     activations (``describe.registry.layer_activation_bytes``, split in proportion to Megatron's)."""
-    d1, d2 = s.mesh
+    d1, d2 = s.layout["d1"], s.layout["d2"]
     e, h, f, tok = m.bytes_per_element, m.hidden_size, m.ffn_hidden_size, samples * m.seq_length
-    layer = layer_activation_bytes("atp", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
-                                   t=s.degree, e=e, mesh=s.mesh, **_saved_flags(m))
+    layer = layer_activation_bytes(s.family, b=samples, s=m.seq_length, h=h, a=m.num_attention_heads, f=f,
+                                   t=s.degree, e=e, layout=s.layout, **_saved_flags(m))
     both = {k: block_activation_bytes(m, k, samples, s.degree) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
     grads = 2 * e * tok * h / d2
@@ -235,42 +238,54 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
     return saved, full + grads
 
 
-# ---- 3-D TP (paper 002): the cube p x p x p = T over the whole TP group ---------------------------
+# ---- any other whole-group backend (the 3-D cube p x p x p = T, paper 002) -----------------------
 
-def _cube_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
-    """Every saved tensor is a rank's own block (1/T of the dense layer's); with recompute a block
-    keeps its input block only (the cube runs the stock executor's full recompute)."""
-    e, h, tok = m.bytes_per_element, m.hidden_size, samples * m.seq_length
-    layer = layer_activation_bytes("3d", b=samples, s=m.seq_length, h=h, a=m.num_attention_heads,
-                                   f=m.ffn_hidden_size, t=s.degree, e=e, mesh=None, **_saved_flags(m))
+def _whole_group_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
+    """The record's saved bytes (``layer_activation_bytes``), split between the blocks in
+    proportion to Megatron's; with recompute a block keeps its input as a rank holds it
+    (``layer_input_bytes``: the cube's own block, 1/T) and runs the stock executor's full
+    recompute; backward's working set adds two such hidden states."""
+    kw = dict(b=samples, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, layout=s.layout)
+    layer = layer_activation_bytes(s.family, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.degree,
+                                   **kw, **_saved_flags(m))
     both = {k: block_activation_bytes(m, k, samples, 1) for k in ("attention", "mlp")}
     full = layer * both[kind] / sum(both.values())
-    grads = 2 * e * tok * h / s.degree
+    block_input = layer_input_bytes(s.family, t=s.degree, **kw)
     if not m.recompute:
-        return full, grads
-    return e * tok * h / s.degree, full + grads
+        return full, 2 * block_input
+    return block_input, full + 2 * block_input
+
+
+def _whole_group_family(name: str) -> Family:
+    """The planner's pricing of a record without its own entry in ``FAMILIES``: its layer over
+    the whole TP group, entered and left at its block edges, cut into blocks where its record
+    says (``Backend.block_split``), with :func:`_whole_group_memory`."""
+    return Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
+                  params=block_params, memory=_whole_group_memory,
+                  split=_split_named(*backend(name).block_split), mixes=False)
 
 
 FAMILIES: dict[str, Family] = {
     "megatron": Family(describe=describe_layer, group_ranks=_megatron_ranks, reshard=_megatron_reshard,
                        params=block_params, memory=_megatron_memory,
-                       split=_split_named(MLP_FIRST, ATTENTION_FIRST_BWD)),
+                       split=_split_named(*backend("megatron").block_split)),
     "atp": Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
-                  params=block_params, memory=_atp_memory, split=_atp_split, mixes=False),
-    "3d": Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
-                 params=block_params, memory=_cube_memory, split=_split_named("3d.ln2", "3d.proj.bwd"), mixes=False),
+                  params=block_params, memory=_atp_memory, split=_split_named(*backend("atp").block_split),
+                  mixes=False),
 }
-"""The planner's pricing of each backend record's layers (``describe.backends``): how blocks of
-the family reshard, and what they hold in memory. The families offered are the records
-(:func:`family_names`); one without an entry here is refused when priced (:func:`family_of`)."""
+"""The planner's own pricing of some records' layers (``describe.backends``): Megatron's per-block
+degrees and their reshards, ATP's fine-grained recompute. The families offered are the records
+(:func:`family_names`); a record without an entry here is priced as a whole-group backend
+(:func:`_whole_group_family`: the 3-D cube, a new backend)."""
 
 
 def family_of(s: BlockStrategy) -> Family:
-    try:
+    if s.family in FAMILIES:
         return FAMILIES[s.family]
-    except KeyError:
-        raise PlanError(f"strategy family {s.family!r} is not supported by the planner yet "
-                        f"(known: {', '.join(FAMILIES)})") from None
+    if s.family in BACKENDS:
+        return _whole_group_family(s.family)
+    raise PlanError(f"strategy family {s.family!r} is not supported by the planner "
+                    f"(known: {', '.join(BACKENDS)})")
 
 
 def split_blocks(desc: LayerDescription) -> list[BlockOps]:
@@ -299,12 +314,11 @@ def split_blocks(desc: LayerDescription) -> list[BlockOps]:
 def feasible(s: BlockStrategy, m: PlanModel) -> str:
     """Why ``s`` cannot run ``m`` (empty string: it can): the backend record's divisibility check
     (``describe.backends``), the Oases split (``describe.split``), and where its blocks run."""
-    if s.family == "megatron":
+    if family_of(s).mixes:
         return _megatron_feasible(s, m)
-    if s.family == "atp":
-        refused = atp_mesh_refusal(s.mesh, m.tp)
-        if refused:
-            return refused
+    refused = backend(s.family).layout_refusal(s.layout, m.tp)  # the layout's own rule (ATP: d1 x d2 = T)
+    if refused:
+        return refused
     if s.degree != m.tp:
         return f"a {s.family} block covers the whole TP group: degree {s.degree} must be T={m.tp}"
     refused = _record_refusal(s, m, query_groups=m.variant.query_groups)
@@ -332,8 +346,8 @@ def _megatron_feasible(s: BlockStrategy, m: PlanModel) -> str:
 
 
 def _record_refusal(s: BlockStrategy, m: PlanModel, *, query_groups: int | None) -> str:
-    """The record's one divisibility check for ``m`` at ``s``'s degree and mesh."""
-    return backend(s.family).refusal(tp=s.degree, mesh=s.mesh, hidden=m.hidden_size, heads=m.num_attention_heads,
+    """The record's one divisibility check for ``m`` at ``s``'s degree and layout."""
+    return backend(s.family).refusal(tp=s.degree, layout=s.layout, hidden=m.hidden_size, heads=m.num_attention_heads,
                                      ffn=m.ffn_hidden_size, micro_batch=m.micro_batch_size, query_groups=query_groups)
 
 
@@ -346,24 +360,27 @@ def family_names() -> tuple[str, ...]:
 def attention_fits(s: BlockStrategy, m: PlanModel) -> bool:
     """Whether ``s`` can run an attention block: Megatron's attention gives each rank whole
     key/value groups, so a block's degree must divide them (GQA)."""
-    return m.num_query_groups % backend(s.family).kv_groups_divisor(s.degree, s.mesh) == 0
+    return m.num_query_groups % backend(s.family).kv_groups_divisor(s.degree, s.layout) == 0
 
 
 def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
                          families: tuple[str, ...] = ("megatron",)) -> list[BlockStrategy]:
     """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
     ``degrees`` restricts them), then for each other family asked, in the records' order, every
-    layout its record offers at T that can (``Backend.meshes``: for ATP every mesh d1 x d2 = T,
+    layout its record offers at T that can (``Backend.layouts``: for ATP every mesh d1 x d2 = T,
     ``describe.atp_meshes.atp_meshes``, d2 = 1 being the megatron family's layout; the cube)."""
     known = family_names()
     bad = [f for f in families if f not in known]
     if bad:
         raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(known)})")
-    out = _megatron_candidates(m, degrees) if "megatron" in families else []
+    out = []
     why = ""  # the first reason a family's layout was left out, for the refusal below
     for name in known:
-        if name != "megatron" and name in families:
-            layouts = [BlockStrategy(degree=m.tp, family=name, mesh=mesh) for mesh in backend(name).meshes(m.tp)]
+        if name in families and backend(name).per_block_plans:
+            out += _megatron_candidates(m, degrees, name)
+    for name in known:
+        if name in families and not backend(name).per_block_plans:
+            layouts = [BlockStrategy(degree=m.tp, family=name, layout=x) for x in backend(name).layouts(m.tp)]
             if not layouts:
                 why = why or f"{name} has no layout at --tensor-model-parallel-size {m.tp}"
             for s in layouts:
@@ -378,7 +395,7 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
     return out
 
 
-def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[BlockStrategy]:
+def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None, family: str) -> list[BlockStrategy]:
     """Per-block degrees are powers of two dividing T (the runtime's degree groups and plan files
     hold only those), so this family needs T itself a power of two; ATP and 3-D do not."""
     if m.tp & (m.tp - 1):
@@ -396,9 +413,10 @@ def _megatron_candidates(m: PlanModel, degrees: tuple[int, ...] | None) -> list[
             raise PlanError(f"--sequence-parallel is priced at the uniform degree {m.tp} only; "
                             f"drop --degrees or include {m.tp}")
         all_d = [m.tp]
-    out = [BlockStrategy(degree=d) for d in all_d if not feasible(BlockStrategy(degree=d), m)]
+    offered = [BlockStrategy(degree=d, family=family) for d in all_d]
+    out = [s for s in offered if not feasible(s, m)]
     if not out:
-        why = "; ".join(f"tp{d}: {feasible(BlockStrategy(degree=d), m)}" for d in all_d)
+        why = "; ".join(f"{s.label}: {feasible(s, m)}" for s in offered)
         raise PlanError(f"no block strategy can run this model ({why}); raise --micro-batch-size")
     return out
 

@@ -19,7 +19,7 @@ from ..flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import stated_fields
-from .plan_file import (PLAN_FORMAT, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
+from .plan_file import (PLAN_FORMAT, strategy_layouts, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
 
 PROG = "megatron-oases plan"
@@ -233,6 +233,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         "block_kinds": ["attention", "mlp"],
         "degrees": degs,
         "strategies": [cm.strategies[k].label for k in sol.assignment],
+        "layouts": strategy_layouts(cm.strategies[k] for k in sorted(set(sol.assignment))),  # plan_file
         "compact": compact_notation(degs),
         "compact_layers": compact_notation(per_layer) if per_layer else None,
         "granularity": a.granularity,

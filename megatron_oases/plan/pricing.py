@@ -45,7 +45,7 @@ def event_shape(m: PlanModel, samples: int, strategy) -> tuple[str, Dims]:
     the Oases executor) and core attention."""
     return layer_shape(b=samples, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                        f=m.ffn_hidden_size, t=strategy.degree, v=m.padded_vocab_size, dtype=m.dtype,
-                       backend=strategy.family, mesh=strategy.mesh, hidden_dropout=m.hidden_dropout,
+                       backend=strategy.family, layout=strategy.layout, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=m.sub_batches, variant=m.variant,
                        sequence_parallel=m.sequence_parallel and backend(strategy.family).sequence_parallel,
                        core_attention=m.core_attention, attention_kernels=m.attention_kernels)

@@ -2,16 +2,14 @@
 
 Layers that convert Megatron's layout at their block's edges (``layers/boundary.py``) name their
 backend in ``tp_backend``; Megatron-Core's own ``TransformerLayer`` (and the planned layer, which
-is one on TP sub-groups) has none and is ``"megatron"``. A backend whose layers are not described
-as steps has no row and is refused with the backends that have one.
+is one on TP sub-groups) has none and is ``"megatron"``. The backend's record
+(``describe.backends``) names its tape builder (``Backend.oases_tape``); a backend whose layers
+are not described as steps names none and is refused with the backends that have one.
 """
 from __future__ import annotations
 
-from megatron_oases.schedules.oases.atp_tape import atp_layer_tape
-from megatron_oases.schedules.oases.tape import LayerTape, UnsupportedLayer, megatron_layer_tape
-
-TAPES = {"megatron": megatron_layer_tape, "atp": atp_layer_tape}
-"""``--tp-backend`` name -> builder of the tape of one of its layers."""
+from megatron_oases.describe.backends import BACKENDS, backend, resolve
+from megatron_oases.schedules.oases.tape import LayerTape, UnsupportedLayer
 
 
 def layer_backend(layer) -> str:
@@ -20,11 +18,11 @@ def layer_backend(layer) -> str:
 
 
 def layer_tape(layer, index: int) -> LayerTape:
-    """The tape of layer ``index`` of a block, built by its backend's row of ``TAPES``."""
-    backend = layer_backend(layer)
-    build = TAPES.get(backend)
-    if build is None:
-        raise UnsupportedLayer(f"--schedule oases: layer {index}: --tp-backend {backend} has no "
-                               f"tape (its layers are not described as steps); tapes exist for "
-                               f"{', '.join(TAPES)}")
-    return build(layer, index)
+    """The tape of layer ``index`` of a block, built by its backend record's ``oases_tape``."""
+    name = layer_backend(layer)
+    ref = backend(name).oases_tape
+    if ref is None:
+        taped = ", ".join(n for n, b in BACKENDS.items() if b.oases_tape)
+        raise UnsupportedLayer(f"--schedule oases: layer {index}: --tp-backend {name} has no "
+                               f"tape (its layers are not described as steps); tapes exist for {taped}")
+    return resolve(ref)(layer, index)

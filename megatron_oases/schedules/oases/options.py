@@ -79,7 +79,7 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
                           f"collectives, and --schedule oases runs stock layers there); drop it or "
                           f"use --tensor-model-parallel-size 2 or more")
     if cfg.schedule != "oases":
-        if cfg.oases_skip_tp_collectives and (cfg.tp_backend != "megatron" or cfg.sequence_parallel):
+        if cfg.oases_skip_tp_collectives and (not backend(cfg.tp_backend).megatron_modules or cfg.sequence_parallel):
             raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
                               "--tp-backend megatron without --sequence-parallel (the Megatron "
                               "linears' switch would drop the sequence gathers and shrink the "
@@ -90,7 +90,7 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--schedule oases does not support --tp-backend {cfg.tp_backend} "
                           f"yet (its layers are not described as tapes); use --tp-backend "
                           f"{taped} with it")
-    if cfg.tp_backend == "atp" and cfg.atp_chunks > 1:
+    if cfg.atp_chunks > 1:  # validation refuses it without --tp-backend atp (train_args.validate_layout)
         raise ConfigError(f"--atp-chunks {cfg.atp_chunks} cannot be combined with --schedule "
                           f"oases: Oases overlaps the ATP collectives with the other sub-batch "
                           f"instead; use --atp-chunks 1 with it")

@@ -7,7 +7,9 @@ Every compute segment of a layer description (``attention``, ``mlp``, ``atp.qkv`
 a forward function of the right shapes (from the event's ``dims``): GEMMs through ``F.linear``,
 Megatron's unfused attention core (baddbmm, causal mask, softmax, bmm) or, when the dims name
 an SDPA core attention (``attn``), torch's SDPA, LayerNorm, GeLU, the
-residual adds. ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
+residual adds; each backend's record names the function that builds its layer's
+(``Backend.profile_workloads``: :func:`megatron_forward`, :func:`atp_forward`,
+:func:`cube_forward`). ``<name>.bwd`` is the autograd backward of ``<name>`` (dgrad + wgrad), timed with
 the forward's graph retained; ``logits.wgrad`` is the output layer's weight gradient alone.
 ``optimizer`` is the step's tail (zero grads, clip, AdamW as Megatron falls back to
 ``torch.optim.AdamW``), ``grad_norm`` the L2 norm of the gradients, both
@@ -76,13 +78,34 @@ def _sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) 
 
 
 def _forward(name: str, d: dict, mk: _Maker) -> Forward:
+    """The event's forward: the head's (embedding, logits), else the one its backend's record
+    names (``Backend.profile_workloads``: each returns None for an event not of its layer)."""
+    from ...describe.backends import BACKENDS, resolve
+
+    for build in (_head_forward, *(resolve(b.profile_workloads) for b in BACKENDS.values())):
+        fwd = build(name, d, mk)
+        if fwd is not None:
+            return fwd
+    raise SimError(f"no profiling workload for compute event {name!r}")
+
+
+def _sizes(d: dict) -> tuple[int, ...]:
+    """b, s, h, a, f, t, d1, d2, v of an event's dims (``describe.event_key.layer_shape``)."""
     b, s, h, a, f, t = (int(d.get(k, 1)) for k in ("b", "s", "h", "a", "f", "t"))
-    d1, d2, v = int(d.get("d1", t)), int(d.get("d2", 1)), int(d.get("v", 1))
+    return b, s, h, a, f, t, int(d.get("d1", t)), int(d.get("d2", 1)), int(d.get("v", 1))
+
+
+def _causal_mask(s: int, mk: _Maker) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
+
+
+def megatron_forward(name: str, d: dict, mk: _Maker) -> Forward | None:
+    """Megatron 1-D's layer events without a real layer (``attention``, ``mlp``)."""
+    b, s, h, a, f, t, _, _, _ = _sizes(d)
     hd = h // a
     attn = core_attention_backend(d)  # the event's core attention, as --attention-backend
-    if name in ("attention", "mlp", "atp.core") or name.startswith("logits"):
-        mask = torch.ones(s, s, dtype=torch.bool, device=mk.device).triu(1)
     if name == "attention":
+        mask = _causal_mask(s, mk)
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, wq, bq, wp = mk.w(h), mk.w(h), mk.w(3 * h // t, h), mk.w(3 * h // t), mk.w(h, h // t)
         return lambda: F.linear(_attention_core(F.linear(F.layer_norm(prev + res, (h,), lw, lb), wq, bq),
@@ -91,6 +114,12 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
         prev, res = mk.t(s, b, h), mk.t(s, b, h)
         lw, lb, w1, b1, w2 = mk.w(h), mk.w(h), mk.w(f // t, h), mk.w(f // t), mk.w(h, f // t)
         return lambda: F.linear(F.gelu(F.linear(F.layer_norm(prev + res, (h,), lw, lb), w1, b1)), w2)
+    return None
+
+
+def _head_forward(name: str, d: dict, mk: _Maker) -> Forward | None:
+    """The embedding and the output layer (Megatron's on every backend)."""
+    b, s, h, a, f, t, _, _, v = _sizes(d)
     if name == "embedding":
         vt = v // t
         tokens = torch.randint(0, v, (b, s), generator=mk.gen).to(mk.device)
@@ -113,8 +142,17 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
             pred = lf.gather(-1, target)
             return torch.log(lf.exp().sum(-1, keepdim=True)) - pred
         return head
-    if name.startswith("3d."):
-        return _cube_forward(name, d, mk)
+    return None
+
+
+def atp_forward(name: str, d: dict, mk: _Maker) -> Forward | None:
+    """ATP's layer events (``describe/atp_2d.py``) on one rank of the mesh ``d1 x d2``."""
+    if not name.startswith("atp."):
+        return None
+    b, s, h, a, f, t, d1, d2, _ = _sizes(d)
+    hd = h // a
+    attn = core_attention_backend(d)
+    mask = _causal_mask(s, mk) if name == "atp.core" else None
     n = d1 * d2
     if name in ("atp.ln1", "atp.ln2"):
         prev, res = mk.t(s, b, h // d2), mk.t(s, b, h // d2)
@@ -141,6 +179,11 @@ def _forward(name: str, d: dict, mk: _Maker) -> Forward:
         x, wt = mk.t(s, b, f // d1), mk.w(h // d2, f // d1)
         return lambda: F.linear(F.gelu(x), wt)
     raise SimError(f"no profiling workload for compute event {name!r}")
+
+
+def cube_forward(name: str, d: dict, mk: _Maker) -> Forward | None:
+    """The cube's layer events (``describe/cube_3d.py``)."""
+    return _cube_forward(name, d, mk) if name.startswith("3d.") else None
 
 
 def _cube_forward(name: str, d: dict, mk: _Maker) -> Forward:

@@ -12,6 +12,7 @@ import functools
 import math
 from typing import NamedTuple
 
+from ...describe.backends import backend as record
 from ...describe.head import head_ops, head_param_tensors
 from ...describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ...describe.event_key import layer_shape
@@ -145,14 +146,14 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     s, m = strategy, model
     chains = block_sub_batches(s)
     b, e, t, vp = m.micro_batch_size // chains, m.bytes_per_element, s.tp, s.virtual_stages
-    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+    layer = layer_description(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
                               schedule="oases" if s.overlap == "oases" else "stock",
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
                               recompute_core_attention=s.selective_recompute, core_attention=m.core_attention)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
-    leave, enter_b = block_edges(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+    leave, enter_b = block_edges(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
     shape, dims = _block_shape(m, s, t, chains)
     # the head's compute runs on the whole micro-batch, its TP collectives per sub-batch under oases
@@ -333,7 +334,7 @@ def _block_shape(m: GPTShape, s: Strategy, degree: int, chains: int):
     b = m.micro_batch_size * degree // s.tp // chains
     return layer_shape(b=b, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads, f=m.ffn_hidden_size, t=degree,
                        v=m.padded_vocab_size, dtype=m.dtype,
-                       backend=s.backend, mesh=s.mesh, hidden_dropout=m.hidden_dropout,
+                       backend=s.backend, layout=s.layout, hidden_dropout=m.hidden_dropout,
                        attention_dropout=m.attention_dropout, chains=block_sub_batches(s),
                        variant=m.variant, sequence_parallel=s.sequence_parallel, core_attention=m.core_attention,
                        attention_kernels=m.attention_kernels)
@@ -347,10 +348,10 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     shape, dims = shape_dims or _block_shape(m, s, degree, chains)
     if isinstance(op, Compute):
         return _compute(op, shape, dims)
-    coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.mesh), dims)
+    coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.layout), dims)
     if s.tp_comm_overlap and (gemm := _ub_gemm(op.name, m, degree)) is not None:
         return dataclasses.replace(coll, key=coll.key + "~ub", hidden_by=gemm)
-    if chains == 1 and s.backend == "megatron" and op.name in STOCK_ASYNC_DGRAD:
+    if chains == 1 and record(s.backend).megatron_modules and op.name in STOCK_ASYNC_DGRAD:
         b = m.micro_batch_size * degree // s.tp
         wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size,
                              heads=m.num_attention_heads, f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,
@@ -384,7 +385,7 @@ def _blocks_at(m: GPTShape, s: Strategy, degree: int) -> dict[str, tuple[tuple, 
     """The Megatron 1-D layer at ``degree`` on one sub-batch of its replica's share, split into
     its attention and MLP blocks (``describe.planned.megatron_blocks``)."""
     b = m.micro_batch_size * degree // s.tp // block_sub_batches(s, degree)
-    layer = layer_description(backend=s.backend, mesh=s.mesh, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+    layer = layer_description(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=degree,
                               bytes_per_element=m.bytes_per_element, variant=m.variant,
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
@@ -459,7 +460,7 @@ def layer_tensors(model: GPTShape, strategy: Strategy, layer: int) -> tuple[int,
     the block it belongs to (``describe.registry.MLP_PARAM_TENSORS``)."""
     m, s = model, strategy
     degrees = (s.tp, s.tp) if s.block_degrees is None else s.block_degrees[2 * layer:2 * layer + 2]
-    at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.mesh, heads=m.num_attention_heads,
+    at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.layout, heads=m.num_attention_heads,
                                  variant=m.variant)
           for d in set(degrees)}
     return tuple(at[degrees[1] if i in MLP_PARAM_TENSORS else degrees[0]][i] for i in range(len(at[degrees[0]])))
@@ -471,7 +472,7 @@ def _replica_allreduce(m: GPTShape, s: Strategy, topo: Topology, stage: int) -> 
     runs it; the q/k norms are left out (Megatron's TP reduction already sums them)."""
     if s.block_degrees is None:
         return ()
-    n_layer = len(layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, s.tp, s.mesh,
+    n_layer = len(layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, s.tp, s.layout,
                                       heads=m.num_attention_heads))  # no q/k norms
     sizes: dict[int, int] = {}
     for layer in stage_layers(m, s, stage):

@@ -67,7 +67,7 @@ def model_state_bytes(params: int, model: GPTShape, strategy: Strategy) -> tuple
 def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
-    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, mesh=s.mesh)
+    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, layout=s.layout)
     layer_kw = dict(a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
                     attention_dropout=m.attention_dropout > 0, variant=m.variant,
                     core_attention=m.core_attention, **kw)

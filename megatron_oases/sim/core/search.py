@@ -135,7 +135,7 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                 out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
                 continue
             for backend in space.backends:
-                for mesh in record(backend).meshes(tp):  # ATP's meshes; the cube at TP = p^3 only
+                for layout in record(backend).layouts(tp):  # ATP's meshes; the cube at TP = p^3 only
                     for overlap in space.overlaps:
                         if overlap == "oases" and not record(backend).oases_tape:
                             continue  # the runtime has no Oases tape for the cube
@@ -147,7 +147,7 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                                     if vp > 1 and pp == 1:
                                         continue
                                     out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
-                                                          mesh=mesh, overlap=overlap, recompute=rc,
+                                                          layout=layout, overlap=overlap, recompute=rc,
                                                           sequence_parallel=sp, num_microbatches=m))
     return out
 
@@ -158,13 +158,13 @@ def _sequence_parallel(space: SearchSpace, tp: int, backend: str) -> tuple[bool,
     return tuple(sp for sp in dict.fromkeys(space.sequence_parallel) if runs or not sp)
 
 
-def _candidate(space: SearchSpace, *, mesh, **info) -> Candidate:
+def _candidate(space: SearchSpace, *, layout, **info) -> Candidate:
     """One point of the space: its ``Strategy``, or the reason it cannot be built."""
     try:
         st = Strategy(tp=info["tp"], pp=info["pp"], dp=info["dp"], num_microbatches=info["num_microbatches"],
                       schedule=space.schedule, virtual_stages=info["vp"], recompute=info["recompute"] == "full",
                       selective_recompute=info["recompute"] == "selective", overlap=info["overlap"],
-                      backend=info["backend"], mesh=mesh, sequence_parallel=info["sequence_parallel"],
+                      backend=info["backend"], layout=layout, sequence_parallel=info["sequence_parallel"],
                       tp_comm_overlap=(space.tp_comm_overlap and info["sequence_parallel"]
                                        and info["overlap"] == "none"),
                       distributed_optimizer=space.distributed_optimizer,

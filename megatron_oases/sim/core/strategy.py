@@ -1,16 +1,16 @@
 """How the model is split and scheduled (``Strategy``), and whether a model fits that split.
 
 The simulator's one description of a parallel layout: TP / PP / DP, the pipeline schedule, the TP
-backend and its mesh, recompute, the Oases overlap, a per-block plan and the DDP overlap flags.
-``Strategy.__post_init__`` refuses what needs no model (the backend and its mesh read from
+backend and its layout, recompute, the Oases overlap, a per-block plan and the DDP overlap flags.
+``Strategy.__post_init__`` refuses what needs no model (the backend and its layout read from
 ``describe``); ``check`` what needs the model (layer and batch splits, divisibility by TP).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ...describe.atp_meshes import atp_mesh_refusal
 from ...describe.backends import backend as record
+from ...describe.layout import Layout
 from ...describe.megatron_1d import sequence_parallel_refusal
 from ...describe.registry import BACKENDS
 from ...describe.shapes import GPTShape
@@ -47,9 +47,10 @@ class Strategy:
     fine_grained_recompute: bool = True
     """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
     backend: str = "megatron"
-    """TP layer: megatron (1-D) | atp (2-D mesh, needs ``mesh``) | 3d (cube, tp = p^3)."""
-    mesh: tuple[int, int] | None = None
-    """ATP DeviceMesh(d1, d2) with d1 * d2 = tp."""
+    """TP layer: a ``describe.backends`` record (megatron 1-D, atp 2-D mesh, 3d cube)."""
+    layout: Layout | None = None
+    """The backend's layout of the TP group (``describe.layout``: ``{"d1": 2, "d2": 4}``); None:
+    the record's layout at ``tp`` (``Backend.default_layout``; ATP needs one)."""
     distributed_optimizer: bool = False
     """Optimizer states (fp32 master + Adam moments) sharded over DP."""
     optimizer_step: bool = True
@@ -96,13 +97,7 @@ class Strategy:
             raise SimError(f"overlap must be one of {', '.join(OVERLAPS)} (got {self.overlap!r})")
         if self.backend not in BACKENDS:
             raise SimError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
-        if self.backend == "atp":
-            refused = atp_mesh_refusal(self.mesh, self.tp)
-            if refused:
-                raise SimError(refused)
-            object.__setattr__(self, "mesh", (int(self.mesh[0]), int(self.mesh[1])))
-        elif self.mesh is not None:
-            raise SimError("a mesh needs backend 'atp'")
+        self._check_layout()
         if self.recompute_layers < 0:
             raise SimError(f"recompute_layers must be >= 0 (got {self.recompute_layers})")
         if self.selective_recompute:
@@ -116,6 +111,17 @@ class Strategy:
         if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
             raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
         self._check_ddp_overlap()
+
+    def _check_layout(self) -> None:
+        """The record's layout rule; a strategy without a layout takes the record's at ``tp``
+        (a TP size the record has none for is refused by :func:`check`, with the model)."""
+        rec = record(self.backend)
+        layout = self.layout if self.layout is not None else rec.default_layout(self.tp)
+        if layout is not None or rec.layout_flag:
+            refused = rec.layout_refusal(layout, self.tp)
+            if refused:
+                raise SimError(refused)
+        object.__setattr__(self, "layout", layout)
 
     def _check_selective(self) -> None:
         """Where Megatron's selective recompute takes effect (as the trainer refuses the rest)."""
@@ -148,7 +154,7 @@ class Strategy:
         bad = [d for d in self.block_degrees if d < 1 or self.tp % d or d & (d - 1)]
         if bad:
             raise SimError(f"--oases-plan: degree {bad[0]} is not a power of two dividing TP {self.tp}")
-        if self.backend != "megatron":
+        if not record(self.backend).per_block_plans:
             raise SimError(f"--oases-plan runs Megatron 1-D TP sub-groups, not backend {self.backend!r}")
         if self.recompute:
             raise SimError("--oases-plan with --recompute-granularity full is not modeled by the simulator yet")
@@ -161,10 +167,9 @@ class Strategy:
     def label(self) -> str:
         """Short name: ``tp8.pp8.dp48`` + backend / schedule / overlap / recompute markers."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
-        if self.backend == "atp":
-            parts.append(f"atp{self.mesh[0]}x{self.mesh[1]}")
-        elif self.backend == "3d":
-            parts.append("3d")
+        tag = record(self.backend).tag(self.layout)  # atp2x4, 3d; Megatron's none
+        if tag:
+            parts.append(tag)
         if self.virtual_stages > 1:
             parts.append(f"vp{self.virtual_stages}")
         if self.schedule == "gpipe":
@@ -216,8 +221,9 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     if s.overlap == "oases" and split_refusal(m.micro_batch_size):
         raise SimError(split_refusal(m.micro_batch_size))
     if s.overlap == "oases" and not record(s.backend).oases_tape:
-        raise SimError("oases overlap runs the megatron and atp TP backends (the runtime has no Oases "
-                       "tape for 3d); use overlap none with backend 3d")
+        taped = " and ".join(name for name in BACKENDS if record(name).oases_tape)
+        raise SimError(f"oases overlap runs the {taped} TP backends (the runtime has no Oases "
+                       f"tape for {s.backend}); use overlap none with backend {s.backend}")
     if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
         raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
                        f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
@@ -226,7 +232,7 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     # the backend's own split (the trainer's and the planner's rule, in their words); under a plan
     # the key/value groups divide by each attention block's degree instead (plan.graph)
     groups = None if s.block_degrees is not None else m.variant.query_groups or m.num_attention_heads
-    refused = record(s.backend).refusal(tp=s.tp, mesh=s.mesh, hidden=m.hidden_size, heads=m.num_attention_heads,
+    refused = record(s.backend).refusal(tp=s.tp, layout=s.layout, hidden=m.hidden_size, heads=m.num_attention_heads,
                                         ffn=m.ffn_hidden_size, micro_batch=m.micro_batch_size, query_groups=groups)
     if refused:
         raise SimError(refused)

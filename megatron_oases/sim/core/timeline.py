@@ -16,6 +16,7 @@ from ...flops import gpt_flops_per_iteration
 from ...pricing.device_model import DeviceModel, SimError
 from ...pricing.event import Event
 from ...describe.shapes import GPTShape
+from ...describe.backends import backend as record
 from .events import GradBucket, StageEvents, build_stage_events, unique_events
 from .strategy import Strategy
 from .contention import level_prices
@@ -502,8 +503,8 @@ def summary_table(r: SimResult) -> str:
     """Plain-text per-stage breakdown plus the headline numbers."""
     s = r.strategy
     vp = f" x {s.virtual_stages} virtual" if s.virtual_stages > 1 else ""
-    be = (f", ATP mesh {s.mesh[0]}x{s.mesh[1]}" if s.backend == "atp"
-          else ", 3-D cube" if s.backend == "3d" else "")
+    title = record(s.backend).title(s.layout)  # "ATP mesh 2x4", "3-D cube"; Megatron's none
+    be = f", {title}" if title else ""
     if s.block_degrees is not None:
         be += f", per-block degrees {list(s.block_degrees)}"
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "

@@ -57,7 +57,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     if cfg.optimizer != "adam":
         raise SimError(f"--optimizer {cfg.optimizer} is not modeled by the simulator (it profiles and "
                        f"prices Adam's step); drop it or use --optimizer adam to predict")
-    if backend == "atp" and cfg.atp_chunks > 1:
+    if cfg.atp_chunks > 1:  # validation refuses it without --tp-backend atp
         raise SimError("--atp-chunks > 1 (chunked ATP overlap) is not modeled by the simulator yet; use 1")
     dtype = dtype_name(cfg)
     core = run_core_attention(cfg)
@@ -79,7 +79,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         selective_recompute=cfg.selective_recompute,
                         overlap="oases" if oases_runs(cfg) else "none",
                         fine_grained_recompute=cfg.oases_fine_grained_recompute,
-                        backend=backend, mesh=tuple(cfg.atp_mesh) if backend == "atp" else None,
+                        backend=backend, layout=cfg.layout,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
                         overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
                         block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel),
