@@ -66,3 +66,15 @@ def test_a_stock_plan_runs_a_micro_batch_of_one(tmp_path, capsys, schedule):
     assert (data["schedule"], data["inputs"]["model"]["sub_batches"], data["micro_batch_size"]) == ("default", 1, 1)
     cfg, _ = _trainer([*argv, "--oases-plan", path], 2)
     assert cfg.oases_layer_degrees is not None
+
+
+@pytest.mark.xfail(strict=True, reason="plan prices Oases fine-grained recompute unless told otherwise "
+                                       "(--plan-recompute defaults on) and takes none of the trainer's recompute "
+                                       "flags, while the trainer recomputes nothing without them")
+def test_plan_prices_the_recompute_the_launch_runs(tmp_path, capsys):
+    argv = [*MODEL, "--micro-batch-size", "4", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
+            "--nproc-per-node", "4"]
+    _, data = _plan_from_train_argv(tmp_path, capsys, argv)
+    cfg, _ = _trainer(argv, 4)
+    assert cfg.recompute_granularity is None
+    assert data["inputs"]["model"]["recompute"] is False
