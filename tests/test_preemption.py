@@ -4,9 +4,10 @@
 The signal tests run ``megatron-oases train --nproc-per-node 4`` (TP2 x DP2) as a subprocess and
 signal the launcher, as a scheduler signals the job: it must forward the signal, the ranks must
 finish the iteration, save and exit 0, and the same command (no flag changed) must resume with
-the uninterrupted run's losses. The uninterrupted reference and the time limits run the
-trainer's rank path (``main`` as under torchrun) on forkserver ranks (``tests/rank_fns_main.py``:
-no interpreter and imports per launch). Deadlines are generous: 2 shared cores.
+the uninterrupted run's losses. The uninterrupted reference, those resumes and the time limits
+run the trainer's rank path (``main`` as under torchrun) on forkserver ranks
+(``tests/rank_fns_main.py``: no interpreter and imports per launch). Deadlines are generous: 2
+shared cores.
 """
 from __future__ import annotations
 
@@ -124,6 +125,18 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
+def _resubmitted(cmd: list[str]) -> tuple[int, str]:
+    """``cmd`` (a launch of FOUR_RANKS) run again, no flag changed, on its ranks' path: the
+    trainer's ``main`` with the same flags on 4 forkserver ranks (``tests/rank_fns_main.py``; the
+    launcher, which only starts the ranks and forwards signals, is what the first launch tested).
+    (status, output)."""
+    from tests.rank_fns_main import main_on_ranks
+
+    flags = cmd[len(_cli()):]
+    assert flags[:2] == FOUR_RANKS[:2]
+    return main_on_ranks("megatron_oases.train", 4, flags[2:], timeout_s=DEADLINE_S)
+
+
 def test_sigterm_mid_iteration_saves_exits_0_and_the_same_command_resumes(tmp_path, uninterrupted):
     """SIGTERM to the launcher after the first iteration: every rank finishes the iteration it is
     in, saves, and the run exits 0; the same command resumes from that checkpoint and its losses
@@ -147,9 +160,9 @@ def test_sigterm_mid_iteration_saves_exits_0_and_the_same_command_resumes(tmp_pa
     assert sorted(json_losses(log)) == list(range(1, stopped + 1))
     assert_same_losses(json_losses(log), uninterrupted)
 
-    second = Run(cmd)  # resubmitted: no flag changed
-    assert second.finish() == 0, second.out[-3000:]
-    assert f" loaded checkpoint from {d} at iteration {stopped}" in second.out
+    rc, out = _resubmitted(cmd)
+    assert rc == 0, out[-3000:]
+    assert f" loaded checkpoint from {d} at iteration {stopped}" in out
     resumed = json_losses(log)
     assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
     diff = assert_same_losses(resumed, uninterrupted)
@@ -181,9 +194,9 @@ def test_second_sigterm_during_the_save_keeps_the_previous_checkpoint(tmp_path, 
     assert not os.path.exists(os.path.join(d, f"iter_{saving:07d}"))
     assert any(n.startswith(f"iter_{saving:07d}.tmp-") for n in os.listdir(d)), os.listdir(d)
 
-    again = Run(cmd)
-    assert again.finish() == 0, again.out[-3000:]
-    assert f" loaded checkpoint from {d} at iteration 2" in again.out
+    rc, out = _resubmitted(cmd)
+    assert rc == 0, out[-3000:]
+    assert f" loaded checkpoint from {d} at iteration 2" in out
     resumed = json_losses(log)
     assert sorted(resumed) == list(range(3, ITERS + 1))
     diff = assert_same_losses(resumed, uninterrupted)
