@@ -217,10 +217,9 @@ def atp_2d_layouts(tp: int) -> tuple[Layout, ...]:
 
 
 def atp_2d_launch_flags(layout: Layout | None) -> dict[str, str]:
-    """``--tp-backend atp --atp-mesh d1,d2`` (the names from the flag table)."""
-    from megatron_oases.flags import option
-
-    return {option("tp_backend"): "atp", option("atp_mesh"): ",".join(map(str, layout.shape))}
+    """``--tp-backend atp --atp-mesh d1,d2`` (literal names: ``describe`` sits below the flag
+    table, ``megatron_oases.flags``, which reads the records)."""
+    return {"--tp-backend": "atp", "--atp-mesh": ",".join(map(str, layout.shape))}
 
 
 def atp_2d_event_tag(layout: Layout | None) -> str:
