@@ -92,13 +92,15 @@ def _gpu_check_on_cpu(tmp_path, steps: str, **env) -> tuple[int, str, str]:
     return proc.returncode, (out / "summary.txt").read_text(), (out / "check.log").read_text()
 
 
-def test_gpu_check_on_cpu_says_no_gpu_installs_no_wheel_and_compares_last(tmp_path):
-    """DEVICE=cpu: the env step succeeds saying no GPU is used, .whl/ is left alone, and compare
-    runs once, after the other steps, wherever STEPS names it."""
-    rc, summary, log = _gpu_check_on_cpu(tmp_path, "compare env")
+def test_gpu_check_on_cpu_says_no_gpu_compares_last_and_installs_wheels_when_asked(tmp_path):
+    """DEVICE=cpu: the env step succeeds saying no GPU is used, and compare runs once, after the
+    other steps, wherever STEPS names it; WHEELS=1 installs .whl/ into a private folder, removed
+    at exit (without it .whl/ is left alone on CPU: the overlap tests below)."""
+    rc, summary, log = _gpu_check_on_cpu(tmp_path, "compare env", WHEELS="1")
     assert rc == 0, log[-3000:]
     assert [line.split()[:2] for line in summary.splitlines()] == [["env", "rc=0"], ["compare", "rc=0"]], summary
-    assert "no GPU used (DEVICE=cpu)" in log and "=== wheels" not in log
+    assert "no GPU used (DEVICE=cpu)" in log
+    assert f"-> {tmp_path / 'tmp'}/gpu_check_site." in log  # a private folder, removed at exit
 
 
 def test_gpu_check_overlap_conn_runs_with_eight_hardware_queues(tmp_path):
@@ -113,17 +115,12 @@ def test_gpu_check_overlap_conn_runs_with_eight_hardware_queues(tmp_path):
                                          OVERLAP_ARGS="--steps 1 --warmup 0")
     assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
         ["overlap-conn", "rc=0"], ["sim-standin", "rc=0"]], log[-3000:]
+    assert "=== wheels" not in log  # DEVICE=cpu leaves .whl/ alone unless WHEELS=1
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
         bench = json.load(tar.extractfile("json/overlap_standin_conn8.json"))
         rows = json.load(tar.extractfile("json/sim_vs_standin.json"))
     assert bench["cuda_device_max_connections"] == "8"
     assert [r["schedule"] for r in rows] == ["default", "oases"]  # the simulator beside it
-
-
-def test_gpu_check_installs_wheels_on_cpu_only_when_asked(tmp_path):
-    rc, summary, log = _gpu_check_on_cpu(tmp_path, "env", WHEELS="1")
-    assert f"-> {tmp_path / 'tmp'}/gpu_check_site." in log  # a private folder, removed at exit
-    assert summary.startswith("env rc=0")
 
 
 def test_gpu_compare_help_and_a_missing_folder():
@@ -303,6 +300,7 @@ def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp
     runs = [f"summary-{m}-{r}-{g}" for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24, 150)]
     assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
         [name, "rc=0"] for name in runs + ["overlap-summary"]], log[-3000:]
+    assert "=== wheels" not in log
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
         recs = json.load(tar.extractfile("json/overlap_summary.json"))
     assert all(list(r) == list(FIELDS) for r in recs)
