@@ -431,9 +431,13 @@ def test_publish_replaces_an_existing_iteration(tmp_path):
 # sharded tensors like the plain optimizer's, so it loads at any DP/TP size, backend and
 # schedule, and with or without --use-distributed-optimizer. Each case is compared with the
 # uninterrupted run of the *target* layout (which also provides the checkpoints: one launch per
-# layout and schedule). A lower learning rate than MODEL's keeps iteration 6 clear of the loss
-# spike where float-rounding differences between layouts grow past 1e-6.
+# layout and schedule). A lower learning rate than MODEL's keeps the run clear of the loss
+# spike where float-rounding differences between layouts grow past 1e-6. Saved at 2 of 4: the
+# first iteration after a resume checks the weights, the second the optimizer state as well.
 RESHARD_MODEL = MODEL + ["--micro-batch-size", "2", "--lr", "3e-3"]
+SAVED, ITERS = 2, 4
+AFTER = tuple(range(SAVED + 1, ITERS + 1))
+"""The iterations a resume from SAVED trains: (3, 4)."""
 DIST = ["--use-distributed-optimizer"]
 RESHARD_LAYOUTS = {  # name: (ranks, flags)
     "dist_dp2": (4, DIST + ["--tensor-model-parallel-size", "2"]),  # TP2 x DP2
@@ -457,13 +461,14 @@ _UNINTERRUPTED: dict = {}
 
 
 def _uninterrupted(layout: str, schedule: str, tmp_path_factory) -> dict:
-    """6 iterations of ``layout``, saving at 3 and 6: its losses and checkpoint (cached)."""
+    """ITERS iterations of ``layout``, saving at SAVED and ITERS: its losses and checkpoint
+    (cached)."""
     if (layout, schedule) not in _UNINTERRUPTED:
         n, flags = RESHARD_LAYOUTS[layout]
         ckpt = str(tmp_path_factory.mktemp(f"{layout}_{schedule}") / "ckpt")
         argv = RESHARD_MODEL + flags + ["--schedule", schedule]
-        losses = run_on_ranks(train, n, args=(argv + ["--train-iters", "6", "--save", ckpt,
-                                                      "--save-interval", "3"],),
+        losses = run_on_ranks(train, n, args=(argv + ["--train-iters", str(ITERS), "--save", ckpt,
+                                                      "--save-interval", str(SAVED)],),
                               timeout_s=TIMEOUT)[-1]["losses"]
         _UNINTERRUPTED[layout, schedule] = {"n": n, "argv": argv, "ckpt": ckpt,
                                             "losses": losses}
@@ -472,16 +477,16 @@ def _uninterrupted(layout: str, schedule: str, tmp_path_factory) -> dict:
 
 def _resume_diffs(src: str, dst: str, schedule: str, tmp_path_factory, tmp_path,
                   extra=()) -> tuple[dict, dict]:
-    """Resume ``dst`` from ``src``'s iteration 3; relative differences of iterations 4-6 from
-    ``dst``'s uninterrupted run, and the resumed losses."""
+    """Resume ``dst`` from ``src``'s iteration SAVED; relative differences of the iterations
+    AFTER from ``dst``'s uninterrupted run, and the resumed losses."""
     saved = _uninterrupted(src, schedule, tmp_path_factory)
     target = _uninterrupted(dst, schedule, tmp_path_factory)
-    ckpt = _copy_at(saved["ckpt"], 3, tmp_path)
+    ckpt = _copy_at(saved["ckpt"], SAVED, tmp_path)
     argv = [a for a in target["argv"] if a != "--no-dist-ckpt-optim-fully-reshardable"]  # no save
     got = run_on_ranks(train, target["n"], args=(argv + list(extra) + [
-        "--train-iters", "6", "--load", ckpt],), timeout_s=TIMEOUT)[-1]["losses"]
-    assert sorted(got) == [4, 5, 6], got
-    return {it: _rel(got[it], target["losses"][it]) for it in (4, 5, 6)}, got
+        "--train-iters", str(ITERS), "--load", ckpt],), timeout_s=TIMEOUT)[-1]["losses"]
+    assert tuple(sorted(got)) == AFTER, got
+    return {it: _rel(got[it], target["losses"][it]) for it in AFTER}, got
 
 
 @pytest.mark.parametrize("schedule", ["default", "oases"])
@@ -492,8 +497,9 @@ def _resume_diffs(src: str, dst: str, schedule: str, tmp_path_factory, tmp_path,
 def test_distributed_optimizer_resumes_at_another_size(src, dst, schedule, tmp_path_factory,
                                                        tmp_path):
     """DP2 (TP2 x DP2) <-> DP4 (TP1 x DP4) with the distributed optimizer, and distributed <->
-    plain optimizer: iterations 4-6 equal the target layout's uninterrupted run (Adam state
-    included: without it iteration 5 is off by > 1e-4, see the --no-load-optim test below)."""
+    plain optimizer: the iterations after the resume equal the target layout's uninterrupted run
+    (Adam state included: without it the second is off by > 1e-4, see the --no-load-optim test
+    below)."""
     diffs, _ = _resume_diffs(src, dst, schedule, tmp_path_factory, tmp_path)
     print(f"{src} -> {dst} ({schedule}): max rel diff {max(diffs.values()):.3g} {diffs}")
     assert max(diffs.values()) <= RESUME_TOL, diffs
@@ -508,7 +514,7 @@ def test_distributed_optimizer_resumes_from_atp_into_3d(tmp_path_factory, tmp_pa
     assert max(diffs.values()) <= RESUME_TOL, diffs
 
 
-BF16_CROSS_TOL = 1e-3  # bf16, another layout: the layouts' own iterations 1-3 differ by ~1e-4
+BF16_CROSS_TOL = 1e-3  # bf16, another layout: the layouts' own first iterations differ by ~1e-4
 
 
 @pytest.mark.parametrize("src, dst", [("bf16_3d_tp8", "bf16_3d_tp8"), ("bf16_dp2", "bf16_3d_tp8"),
@@ -525,12 +531,13 @@ def test_bf16_plain_optimizer_resumes_on_3d_and_atp(src, dst, tmp_path_factory, 
 
 
 def test_bf16_resume_into_3d_needed_the_optimizer_state(tmp_path_factory, tmp_path):
-    """TP 2 -> cube in bf16 with --no-load-optim: iteration 4 still matches, 5 is off by more than
-    BF16_CROSS_TOL, so the tolerance above tells a loaded optimizer state from a fresh one."""
+    """TP 2 -> cube in bf16 with --no-load-optim: the first iteration after the resume still
+    matches, the second is off by more than BF16_CROSS_TOL, so the tolerance above tells a loaded
+    optimizer state from a fresh one."""
     diffs, _ = _resume_diffs("bf16_dp2", "bf16_3d_tp8", "default", tmp_path_factory, tmp_path,
                              extra=["--no-load-optim"])
     print(f"bf16_dp2 -> bf16_3d_tp8 --no-load-optim: {diffs}")
-    assert diffs[4] <= BF16_CROSS_TOL < diffs[5], diffs
+    assert diffs[AFTER[0]] <= BF16_CROSS_TOL < diffs[AFTER[1]], diffs
 
 
 def test_main_params_keep_their_positions_through_a_load():
@@ -551,10 +558,11 @@ def test_main_params_keep_their_positions_through_a_load():
 
 
 def test_resharded_resume_needed_the_optimizer_state(tmp_path_factory, tmp_path):
-    """The same resume with --no-load-optim: iteration 4 still matches, 5 does not."""
+    """The same resume with --no-load-optim: the first iteration after it still matches, the
+    second does not."""
     diffs, _ = _resume_diffs("dist_dp2", "dist_dp4", "default", tmp_path_factory, tmp_path,
                              extra=["--no-load-optim"])
-    assert diffs[4] <= RESUME_TOL and diffs[5] > 1e-4, diffs
+    assert diffs[AFTER[0]] <= RESUME_TOL and diffs[AFTER[1]] > 1e-4, diffs
 
 
 def test_dp_reshardable_resumes_in_its_own_layout(tmp_path_factory, tmp_path):
@@ -579,7 +587,7 @@ def test_dp_reshardable_into_another_layout_is_refused(flags, names, tmp_path_fa
     from megatron_oases.train_args import build_parser, validate_config
 
     saved = _uninterrupted("dist_dp2_dp_reshardable", "default", tmp_path_factory)
-    ckpt = _copy_at(saved["ckpt"], 3, tmp_path)
+    ckpt = _copy_at(saved["ckpt"], SAVED, tmp_path)
     argv = RESHARD_MODEL + (flags or ["--tensor-model-parallel-size", "2"]) + ["--load", ckpt]
     err = _main_error(argv + ["--nproc-per-node", "4"], capsys)
     assert "dp_reshardable" in err and "distributed optimizer, TP2 PP1 DP2" in err, err
