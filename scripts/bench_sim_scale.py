@@ -14,7 +14,8 @@ from pathlib import Path
 
 
 from megatron_oases.pricing.device_model import SimError, device_model
-from megatron_oases.sim.frontends.cli import EXECUTORS, OVERLAP_OF
+from megatron_oases.run_config import SCHEDULES
+from megatron_oases.sim.frontends.cli import OVERLAP_OF
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import SimResult, simulate, summary_table
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in (("gpus", 3072), ("layers", 128), ("tp", 8), ("pp", 8), ("dp", 48), ("microbatches", 32),
                           ("virtual-stages", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--schedule", default="oases", choices=EXECUTORS, help="the TP executor (sim's --schedule)")
+    p.add_argument("--schedule", default="oases", choices=SCHEDULES, help="the TP executor (sim's --schedule)")
     p.add_argument("--pipeline-schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     p.add_argument("--ddp-overlap", action="store_true",

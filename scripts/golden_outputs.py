@@ -77,6 +77,16 @@ COMMANDS: dict[str, list[str]] = {
                       "--micro-batch-size", "2", "--seq-length", "2048", "--num-attention-heads", "32", "--bf16"],
 }
 
+# sim's defaults are the trainer's (megatron_oases.flags: --attention-backend auto, --global-batch-size 8); the
+# commands recorded before that state what they priced then: Megatron's local attention, one micro-batch
+PINNED = ("--attention-backend", "local")
+ONE_MICROBATCH = ("--num-microbatches", "1")
+for _argv in COMMANDS.values():
+    if _argv[0] == "sim" and not {"--attention-backend", "--use-flash-attn", "--transformer-impl"} & set(_argv):
+        _argv += PINNED
+    if _argv[0] == "sim" and not {"--num-microbatches", "--global-batch-size"} & set(_argv):
+        _argv += ONE_MICROBATCH
+
 _TIMING = re.compile(r"(\bin \d+(\.\d+)? ?(s|ms)\b|took \d|elapsed|wall|^solver: )", re.I)
 
 

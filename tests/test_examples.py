@@ -41,7 +41,7 @@ def test_every_model_file_parses_for_plan_train_sim_and_mesh():
              m.ffn_hidden_size), path
         assert (t.bf16, t.fp16) == (m.dtype == "bf16", m.dtype == "fp16"), path
         s = sim_parser().parse_args(model_flags.model_flags(path, "sim"))
-        assert (s.num_layers, s.hidden_size, s.tp, s.dtype) == (m.num_layers, m.hidden_size, m.tp, m.dtype)
+        assert (s.num_layers, s.hidden_size, s.tensor_model_parallel_size, s.dtype) == (m.num_layers, m.hidden_size, m.tp, m.dtype)
         k = mesh_parser().parse_args(["--topology", "dgx-a100"] + model_flags.model_flags(path, "mesh"))
         from megatron_oases.plan.mesh_cli import run_shape
 

@@ -20,6 +20,8 @@ LLAMA2_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-he
               "--disable-bias-linear", "--position-embedding-type", "rope", "--seq-length", "4096",
               "--micro-batch-size", "1", "--vocab-size", "32000", "--untie-embeddings-and-output-weights",
               "--tp", "8", "--pp", "8", "--global-batch-size", "64"]
+LOCAL = ("--attention-backend", "local")
+"""Megatron's local attention (``sim``'s default is the trainer's, ``auto``: a fused kernel)."""
 
 
 @pytest.mark.parametrize("flags, kind", [
@@ -70,7 +72,7 @@ def test_llama2_70b_peak_drops_by_what_the_local_attention_keeps():
     """TP 8 x PP 8 on 64 A100s, micro-batch 1, sequence 4096, no recompute: stage 0 keeps 8
     micro-batches of 10 layers; without fused attention 113.5 GB (infeasible on 80 GB), with it
     51.9 GB. Every flag that selects the fused kernel gives the same peak."""
-    local, strategy, _, unfused = _llama2_70b()
+    local, strategy, _, unfused = _llama2_70b(*LOCAL)
     assert local.core_attention == "local"
     per_layer = _dropped_per_layer(b=1, s=4096, h=8192, a=64, g=8, t=8, e=2)
     for flags in (["--attention-backend", "flash"], ["--use-flash-attn"], ["--transformer-impl", "transformer_engine"]):
@@ -110,7 +112,7 @@ def test_fused_attention_never_keeps_more(mode):
     """Full recompute keeps each layer's input either way (only the recomputed layer's working set
     shrinks); selective recompute keeps the same checkpoint inputs; without recompute the stock and
     Oases schedules keep less (the Oases schedule also builds no causal mask per sub-batch)."""
-    model, strategy, dm, _ = _llama2_70b()
+    model, strategy, dm, _ = _llama2_70b(*LOCAL)
     model = dataclasses.replace(model, micro_batch_size=2)  # the Oases schedule splits it in two
     s = dataclasses.replace(strategy, num_microbatches=32, **mode)
     unfused = simulate(model, s, dm)

@@ -130,8 +130,10 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
         assert plan_main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert match in err and len(err.splitlines()) == 1, err
-    assert plan_main(["--topology", "pcie-3090-2node", "--global-batch-size", "8"]) == 2
-    assert "missing num_layers" in capsys.readouterr().err
+    # no model flags, no --model: the trainer's defaults (megatron_oases.flags), as its launch runs them
+    assert plan_main(["--topology", "pcie-3090-2node", "--data-parallel-size", "1", "--quiet",
+                      "--out", str(tmp_path / "d.json")]) == 0
+    assert "Oases plan: 4 layers, h 64, 4 heads, s 32" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stated_in", ["flags", "model-file"])

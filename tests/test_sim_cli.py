@@ -103,10 +103,11 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1 (got 0)"),
     (["--num-microbatches", "0"], "--num-microbatches must be >= 1 (got 0)"),
     (["--memory-gb", "-1"], "--memory-gb must be > 0 (got -1.0)"),
-    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--sequence-parallel", "--num-microbatches", "1"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tp", "16", "--seq-length", "520", "--sequence-parallel"], "--sequence-parallel splits --seq-length 520"),
-    (["--attention-backend", "flash", "--dtype", "fp32"], "--attention-backend flash has no fp32 kernel; add --dtype"),
-    (["--attention-backend", "flash", "--fp32"], "--attention-backend flash has no fp32 kernel"),
+    (["--attention-backend", "flash", "--dtype", "fp32", "--num-microbatches", "1"],
+     "--attention-backend flash has no fp32 kernel; add --dtype"),
+    (["--attention-backend", "flash", "--fp32", "--num-microbatches", "1"], "--attention-backend flash has no fp32 kernel"),
     (["--search", "--global-batch-size", "16", "--schedules", "foo"],
      "--schedules: 'foo' is not one of default, oases"),
     (["--search", "--global-batch-size", "16", "--backends", "foo"], "--backends: 'foo' is not one of"),
@@ -284,7 +285,7 @@ def test_megatron_recompute_flags():
                         (["--recompute", "--recompute-granularity", "selective"], "not both"),
                         (["--recompute-activations", "--recompute-granularity", "full"], "give one"),
                         (["--recompute-granularity", "selective", "--schedule", "oases"], "stock schedule"),
-                        (["--recompute-granularity", "selective", "--tp-backend", "3d"], "megatron")):
+                        (["--recompute-granularity", "selective", "--tp-backend", "3d", "--tp", "8"], "megatron")):
         with pytest.raises(Exception, match=needle):
             _strategy(*bad)
 

@@ -118,7 +118,7 @@ def test_the_printed_launch_command_is_accepted_by_the_trainer(capsys):
         assert words[:4] == ["megatron-oases", "train", "--nproc-per-node", "4"]
         cfg = validate_config(run_config(build_parser().parse_args(words[2:])), 4, cuda=False)
         best = out.splitlines()[0].split("best ")[1].split(":")[0]
-        assert cfg.swiglu and cfg.vocab_size == 1024 and cfg.attention_backend == "local"
+        assert cfg.swiglu and cfg.vocab_size == 1024 and cfg.attention_backend == "auto"  # sim's default: the trainer's
         assert f"tp{cfg.tensor_model_parallel_size}.pp{cfg.pipeline_model_parallel_size}" in best
         assert cfg.sequence_parallel == (".sp" in best) and (cfg.schedule == "oases") == (".oases" in best)
         assert "launch (Megatron-LM): torchrun --nnodes 1 --nproc-per-node 4 -m megatron_oases.pretrain_gpt" in out
