@@ -78,9 +78,9 @@ CUBE_SAVED = ("describe.cube_3d.cube_3d_saved_bytes is Korthikanti's terms, not 
               "the runtime keeps more (sim and plan read it)")
 PLAN_NO_MEGATRON_RECOMPUTE = ("plan takes none of Megatron's recompute modes (--recompute-granularity full / "
                               "selective, Oases' coarse recompute): it prices Oases fine-grained recompute or none")
-SIM_PLAN_SAVED = "sim.core.memory prices a per-block plan's layers at the uniform TP degree (block_degrees unread)"
-PLAN_OASES_RESHARD_SAVED = ("the planner's memory is per block: under the Oases schedule the trainer also keeps "
-                            "each reshard's output where the degree changes (the next block's share)")
+PLAN_OASES_RESHARD_SAVED = ("describe.planned.planned_block_saved_bytes (the planner's and the simulator's) is per "
+                            "block: under the Oases schedule the trainer also keeps each reshard's output where the "
+                            "degree changes (the next block's share)")
 
 
 def _xf(saved: str = "", saved_sim: str = "", saved_plan: str = "", collectives: str = "") -> dict[str, str]:
@@ -107,10 +107,9 @@ GRID = [
     Row("llama-tp2-oases-fine", 2, (*LLAMA, *FINE)),
     Row("gpt2-tp2-oases-full", 2, (*COARSE,), xfail=_RC),
     Row("gpt2-tp2-sp-oases", 2, (*SP, *OASES)),
-    Row("gpt2-tp2-plan-2-1", 2, plan=(2, 1), xfail=_xf(saved_sim=SIM_PLAN_SAVED)),
-    Row("gpt2-tp2-plan-1-1-oases", 2, (*OASES,), plan=(1, 1), xfail=_xf(saved_sim=SIM_PLAN_SAVED)),
-    Row("gpt2-tp2-plan-1-2-oases", 2, (*OASES,), plan=(1, 2),
-        xfail=_xf(saved_sim=SIM_PLAN_SAVED, saved_plan=PLAN_OASES_RESHARD_SAVED)),
+    Row("gpt2-tp2-plan-2-1", 2, plan=(2, 1)),
+    Row("gpt2-tp2-plan-1-1-oases", 2, (*OASES,), plan=(1, 1)),
+    Row("gpt2-tp2-plan-1-2-oases", 2, (*OASES,), plan=(1, 2), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
     Row("gpt2-atp-1x2", 2, (*_atp(1, 2),), xfail=_xf(saved=ATP_SAVED)),
     Row("gpt2-atp-2x1", 2, (*_atp(2, 1),), xfail=_xf(saved=ATP_LINE_SAVED)),
     Row("llama-atp-1x2", 2, (*LLAMA, *_atp(1, 2)), xfail=_xf(saved=ATP_SAVED)),
@@ -125,9 +124,8 @@ GRID = [
     Row("llama-tp2-dp2-oases", 2, (*LLAMA, *OASES), dp=2),
     Row("gpt2-tp2-pp2", 2, pp=2),
     Row("gpt2-tp2-pp2-sp", 2, (*SP,), pp=2),
-    Row("gpt2-tp4-plan-4-2", 4, plan=(4, 2), xfail=_xf(saved_sim=SIM_PLAN_SAVED)),
-    Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4),
-        xfail=_xf(saved_sim=SIM_PLAN_SAVED, saved_plan=PLAN_OASES_RESHARD_SAVED)),
+    Row("gpt2-tp4-plan-4-2", 4, plan=(4, 2)),
+    Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
     Row("gpt2-atp-2x2", 4, (*_atp(2, 2),), xfail=_xf(saved=ATP_SAVED)),
     Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2)), xfail=_xf(saved=ATP_SAVED)),
     Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES), xfail=_xf(saved=ATP_SAVED)),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from .megatron_1d import CORE_ATTENTION_RECOMPUTE
-from .ops import Collective, LayerDescription, Op
+from .ops import GPT2, Collective, LayerDescription, LayerVariant, Op
+from .saved import block_saved_bytes, oases_kept_beyond_stock
+from .split import sub_batches_at
 
 MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", CORE_ATTENTION_RECOMPUTE, "attention.bwd")
 """Megatron 1-D's ops where the MLP block starts (forward) and the attention block (backward):
@@ -69,3 +71,25 @@ def megatron_blocks(desc: LayerDescription) -> dict[str, tuple[tuple[Op, ...], t
     attn_f, mlp_f = split_at(desc.forward, MLP_FIRST)
     mlp_b, attn_b = split_at(desc.backward, ATTENTION_FIRST_BWD)
     return {"attention": (attn_f, attn_b), "mlp": (mlp_f, mlp_b)}
+
+
+def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, seq: int, hidden: int, heads: int,
+                              ffn: int, bytes_per_element: int, oases: bool, variant: LayerVariant = GPT2,
+                              hidden_dropout: bool = False, attention_dropout: bool = False,
+                              core_attention: str = "local") -> float:
+    """Bytes a planned block (``kind``: attention | mlp) of degree ``degree`` keeps for backward,
+    without recompute, on its replica's ``samples``: Megatron's block inventory at that degree
+    (``saved.block_saved_bytes``) and, under the Oases schedule (``oases``, TP > 1), its step
+    boundary: half a layer's ``saved.oases_kept_beyond_stock``, at degree 1 too (that block runs
+    in the executor, on one sub-batch). The planner's memory and the simulator's read it;
+    ``tests/test_round_trip.py`` measures it. Where the degree changes under the Oases schedule
+    the trainer also keeps the reshard's output, which is not counted here."""
+    e = bytes_per_element
+    kept = block_saved_bytes(kind, b=samples, s=seq, h=hidden, a=heads, f=ffn, t=degree, e=e,
+                             hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
+                             core_attention=core_attention)
+    if oases and tp > 1:  # at TP 1 no executor runs (schedules/oases/options.oases_runs)
+        kept += oases_kept_beyond_stock(samples * seq * hidden * e, s=seq, h=hidden, a=heads, e=e, variant=variant,
+                                        sub_batches=sub_batches_at(degree, oases=True),
+                                        core_attention=core_attention, attention_dropout=attention_dropout) / 2
+    return kept

@@ -4,8 +4,8 @@ model)."""
 from __future__ import annotations
 
 from megatron_oases.describe.optimizer import state_bytes_per_param as model_state_bytes
-from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes, oases_kept_beyond_stock
-from megatron_oases.describe.split import sub_batches_at
+from megatron_oases.describe.planned import planned_block_saved_bytes
+from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes
 from .model import PlanModel
 
 
@@ -48,23 +48,17 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     all-reduce output (3 [s, b, h] tensors per layer, as ``sim.core.memory``); while a block runs
     backward its recomputed activations exist, plus the output and input gradients (2 e s b h).
     Without recompute the full activations are saved (under the Oases executor also its step
-    boundary, ``describe.saved.oases_kept_beyond_stock``, at every degree of a TP group of more
-    than one rank: a degree-1 block runs in the executor too, on one sub-batch) and the working
+    boundary: ``describe.planned.planned_block_saved_bytes``, the simulator's too) and the working
     set is the two gradients.
     """
     one = samples * m.seq_length * m.hidden_size * m.bytes_per_element
     if m.sequence_parallel and degree > 1:
         return _sp_block_memory(m, samples, degree), 2 * one
-    full = block_activation_bytes(m, kind, samples, degree)
     if m.recompute:
-        return (2 if kind == "attention" else 1) * one, full + 2 * one
-    if m.sub_batches > 1 and m.tp > 1:  # the Oases executor's step boundary, one per block
-        # a degree-1 block of a plan runs its share whole (one sub-batch) but in the executor all the
-        # same: it keeps its boundary and builds nothing anew per sub-batch (tests/test_round_trip.py);
-        # at TP 1 no executor runs (schedules/oases/options.oases_runs)
-        full += oases_kept_beyond_stock(one, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
-                                        e=m.bytes_per_element, variant=m.variant,
-                                        sub_batches=sub_batches_at(degree, oases=True),
-                                        core_attention=m.core_attention,
-                                        attention_dropout=m.attention_dropout > 0) / 2
-    return full, 2 * one
+        return (2 if kind == "attention" else 1) * one, block_activation_bytes(m, kind, samples, degree) + 2 * one
+    return planned_block_saved_bytes(kind, samples=samples, degree=degree, tp=m.tp, seq=m.seq_length,
+                                     hidden=m.hidden_size, heads=m.num_attention_heads, ffn=m.ffn_hidden_size,
+                                     bytes_per_element=m.bytes_per_element, oases=m.sub_batches > 1,
+                                     variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
+                                     attention_dropout=m.attention_dropout > 0,
+                                     core_attention=m.core_attention), 2 * one

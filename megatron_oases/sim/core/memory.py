@@ -16,6 +16,9 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   (``GPTShape.core_attention``: ``--use-flash-attn``, ``--attention-backend flash|fused|auto``,
   Transformer Engine) keeps no s x s tensor: the same inventory functions leave those terms out
   (``describe.saved.core_attention_bytes``), so the planner's memory constraint sees the same bytes.
+* Under a per-block plan (``--oases-plan``, without recompute) each block keeps its inventory at
+  its degree on its replica's share, and under Oases its step boundary
+  (``describe.planned.planned_block_saved_bytes``, the planner's too; was: the uniform degree's).
 * The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
 * How many micro-batches are alive comes from the stage's op order (GPipe: all of them; 1F1B:
   ``pp - stage``; interleaved: Megatron's warm-up), walked op by op.
@@ -27,6 +30,7 @@ import itertools
 
 from ...describe.head import head_saved_bytes
 from ...describe.optimizer import state_bytes_per_param
+from ...describe.planned import planned_block_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
@@ -67,6 +71,8 @@ def model_state_bytes(params: int, model: GPTShape, strategy: Strategy) -> tuple
 def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEvents) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, working set while a recomputed layer runs backward)."""
     m, s = model, strategy
+    if s.block_degrees is not None and not (s.recompute or s.selective_recompute):
+        return _planned_layers_bytes(m, s, chunk) + _head_bytes(m, s, chunk), 0.0
     kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, layout=s.layout)
     layer_kw = dict(a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.tp, hidden_dropout=m.hidden_dropout > 0,
                     attention_dropout=m.attention_dropout > 0, variant=m.variant,
@@ -92,6 +98,20 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
         full, saved, kept = _sp_layer_bytes(m, s)
     per_mb = n_rc * saved + (n - n_rc) * kept + _head_bytes(m, s, chunk)
     return per_mb, (full if n_rc else 0.0)
+
+
+def _planned_layers_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:
+    """What a chunk's layers keep per micro-batch under a per-block plan (no recompute): each
+    block at its degree on its replica's share (``describe.planned.planned_block_saved_bytes``, the
+    planner's too); the chunk's blocks as ``events`` reads them from the plan."""
+    g = chunk.chunk * s.pp + chunk.stage
+    degrees = s.block_degrees[2 * g * chunk.layers:2 * (g + 1) * chunk.layers]
+    return sum(planned_block_saved_bytes(
+        kind, samples=m.micro_batch_size * d // s.tp, degree=d, tp=s.tp, seq=m.seq_length, hidden=m.hidden_size,
+        heads=m.num_attention_heads, ffn=m.ffn_hidden_size, bytes_per_element=m.bytes_per_element,
+        oases=s.overlap == "oases", variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
+        attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
+        for kind, d in zip(("attention", "mlp") * chunk.layers, degrees))
 
 
 def _head_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:
