@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 
-from megatron_oases.describe.atp_meshes import atp_mesh_refusal
+from megatron_oases.describe.layout import Layout
 from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS, backend  # noqa: F401
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal
 from megatron_oases.errors import ConfigError, OneLineErrorParser, range_refusal
@@ -355,8 +355,7 @@ def validate_backend_config(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
     from megatron_oases.plan.plan_file import validate_plan_args
     from megatron_oases.schedules.oases.options import validate_oases_config
 
-    cfg = dataclasses.replace(cfg, atp_mesh=validate_atp_mesh(cfg, dims))
-    validate_3d_config(cfg, dims)
+    cfg = dataclasses.replace(cfg, atp_mesh=validate_layout(cfg, dims))
     check_selective_recompute(cfg)
     validate_oases_config(cfg, dims)
     cfg = dataclasses.replace(cfg, oases_layer_degrees=validate_plan_args(cfg, dims))
@@ -387,102 +386,95 @@ def check_topology(path: str) -> None:
 def check_query_groups_split(cfg: RunConfig, dims: ParallelDims) -> None:
     """Megatron 1-D attention gives each rank whole key/value groups: the groups must divide by
     the attention's TP degree (each attention block's degree under --oases-plan)."""
-    if cfg.tp_backend != "megatron":
+    rec = backend(cfg.tp_backend)
+    if not rec.per_block_plans:  # the others' groups: the record's split (validate_layout)
         return
     groups = query_groups(cfg)
     plan = cfg.oases_layer_degrees  # set by validate_plan_args
     for degree in sorted({a for a, _ in plan}) if plan else [dims.tp]:
-        if groups % backend("megatron").kv_groups_divisor(degree, None):
+        if groups % rec.kv_groups_divisor(degree, None):
             where = (f"attention degree {degree} of --oases-plan" if plan
                      else f"--tensor-model-parallel-size {degree}")
             raise ConfigError(f"--num-query-groups {groups} must be divisible by the {where} "
                               f"(each rank holds whole key/value groups)")
 
 
-def validate_atp_mesh(cfg: RunConfig, dims: ParallelDims) -> tuple[int, int] | None:
-    """Parse --atp-mesh into (d1, d2) and check it against TP and the model; returns the mesh
-    (None without ``--tp-backend atp``).
+def validate_layout(cfg: RunConfig, dims: ParallelDims | None) -> tuple[int, ...] | None:
+    """The TP backend's layout and refusals, from its record (``describe.backends``): the layout
+    flag's text (``--atp-mesh``; none for a backend whose layout follows from the TP size), then
+    the record's refusal of the run's other flags and of the model's split, in its words.
+    Returns ``atp_mesh`` as validated ((d1, d2); None for a backend without the flag).
+    ``dims`` None: only the flags given to a backend that takes none (before the degrees).
 
-    ``auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search (ATP
-    Eq. 2-4, ``plan.atp_mesh.search_mesh``) for this model and micro-batch, returns the pick
-    and prints it with its predicted time on rank 0. It runs before any process group exists;
-    a second validation of the returned config (``train.setup``) sees (d1, d2) and is silent.
+    ``--atp-mesh auto`` prices every mesh on ``--topology`` with ``megatron-oases mesh``'s search
+    (:func:`auto_mesh`) first. It runs before any process group exists; a second validation of
+    the returned config (``train.setup``) sees (d1, d2) and is silent.
     """
-    if cfg.tp_backend != "atp":
-        if cfg.atp_mesh is not None:
-            raise ConfigError("--atp-mesh needs --tp-backend atp")
-        if cfg.atp_chunks != DEFAULTS.atp_chunks:
-            raise ConfigError(f"--atp-chunks {cfg.atp_chunks} splits ATP's layers and has no effect "
-                              f"without --tp-backend atp; drop it or add --tp-backend atp")
-        return None
-    mesh = cfg.atp_mesh
-    if mesh is None:
-        raise ConfigError("--tp-backend atp needs --atp-mesh D1,D2 (e.g. from `megatron-oases mesh`)")
-    if mesh == "auto":
-        if cfg.topology is None:
-            raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
-                              "priced on), or pass --atp-mesh D1,D2")
-        from megatron_oases.describe.ops import ModelingError
-        from megatron_oases.plan.atp_mesh import MeshError, search_mesh
-        from megatron_oases.plan.mesh_cli import model_summary, pick_summary
-        from megatron_oases.topology import TopologyError, load_topology
+    from megatron_oases.describe.ops import ModelingError
 
-        try:
-            topology = load_topology(cfg.topology)
-        except (TopologyError, OSError) as exc:
-            raise ConfigError(f"--topology: {exc}") from None
-        try:
-            shape = mesh_search_shape(cfg, dims.pp)
-            choice = search_mesh(topology, dims.tp, shape,
-                                 min_gain=cfg.atp_min_gain)
-        except (MeshError, ModelingError) as exc:
-            raise ConfigError(f"--atp-mesh auto on --topology {cfg.topology}: {exc}") from None
-        mesh = (choice.pick.d1, choice.pick.d2)
-        import torch.distributed as dist
-
-        rank0 = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
-                 else os.environ.get("RANK", "0") == "0")
-        if rank0:
-            print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
-                  f"{model_summary(shape)}; "
-                  "`megatron-oases mesh` prints every mesh)", flush=True)
-    if isinstance(mesh, str):
-        mesh = parse_atp_mesh(mesh)
-    refused = atp_mesh_refusal(mesh, dims.tp)
+    rec = backend(cfg.tp_backend)
+    text = cfg.atp_mesh
+    if text is not None and not isinstance(text, str):
+        text = ",".join(map(str, text))  # validated before: (d1, d2)
+    try:
+        if rec.parse_text is None:
+            if text is not None:
+                rec.parse_layout(text, 0)  # one line naming the backend that takes the flag
+            if cfg.atp_chunks != DEFAULTS.atp_chunks:
+                raise ConfigError(f"--atp-chunks {cfg.atp_chunks} splits ATP's layers and has no effect "
+                                  f"without --tp-backend atp; drop it or add --tp-backend atp")
+        if dims is None:
+            return None
+        if text == "auto":
+            text = auto_mesh(cfg, dims)
+        layout = rec.parse_layout(text, dims.tp)
+    except ModelingError as exc:
+        raise ConfigError(str(exc)) from None
+    refused = rec.run_refusal(cfg)
     if refused:
         raise ConfigError(refused)
-    if cfg.sequence_parallel:
-        raise ConfigError("--tp-backend atp does not support --sequence-parallel yet; drop it")
-    _refuse_split(cfg, dims, mesh)
-    return tuple(mesh)
+    if not rec.per_block_plans:  # a per-block backend's groups: check_query_groups_split
+        _refuse_split(cfg, dims, layout)
+    return layout.shape if rec.layout_flag else None
 
 
-def parse_atp_mesh(text: str) -> tuple[int, int]:
-    """``--atp-mesh D1,D2`` as (d1, d2); one line if it is not two integers."""
+def auto_mesh(cfg: RunConfig, dims: ParallelDims) -> str:
+    """``--atp-mesh auto``: the mesh ``megatron-oases mesh``'s search (ATP Eq. 2-4,
+    ``plan.atp_mesh.search_mesh``) picks on ``--topology`` for this model and micro-batch, as
+    ``D1,D2`` text; rank 0 prints it with its predicted time."""
+    if cfg.topology is None:
+        raise ConfigError("--atp-mesh auto needs --topology FILE (the cluster the meshes are "
+                          "priced on), or pass --atp-mesh D1,D2")
+    from megatron_oases.describe.ops import ModelingError
+    from megatron_oases.plan.atp_mesh import MeshError, search_mesh
+    from megatron_oases.plan.mesh_cli import model_summary, pick_summary
+    from megatron_oases.topology import TopologyError, load_topology
+
     try:
-        d1, d2 = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--atp-mesh must be D1,D2 (got {text!r})") from None
-    return d1, d2
+        topology = load_topology(cfg.topology)
+    except (TopologyError, OSError) as exc:
+        raise ConfigError(f"--topology: {exc}") from None
+    try:
+        shape = mesh_search_shape(cfg, dims.pp)
+        choice = search_mesh(topology, dims.tp, shape,
+                             min_gain=cfg.atp_min_gain)
+    except (MeshError, ModelingError) as exc:
+        raise ConfigError(f"--atp-mesh auto on --topology {cfg.topology}: {exc}") from None
+    import torch.distributed as dist
+
+    rank0 = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
+             else os.environ.get("RANK", "0") == "0")
+    if rank0:
+        print(f"--atp-mesh auto: {pick_summary(choice)} (topology {topology.name}, tp={dims.tp}, "
+              f"{model_summary(shape)}; "
+              "`megatron-oases mesh` prints every mesh)", flush=True)
+    return f"{choice.pick.d1},{choice.pick.d2}"
 
 
-def _refuse_split(cfg: RunConfig, dims: ParallelDims, mesh: tuple[int, int] | None = None) -> None:
+def _refuse_split(cfg: RunConfig, dims: ParallelDims, layout: Layout | None) -> None:
     """The backend record's divisibility check (``describe.backends``), in its words."""
     refused = backend(cfg.tp_backend).refusal(
-        tp=dims.tp, mesh=mesh, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+        tp=dims.tp, layout=layout, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
         ffn=cfg.ffn_hidden_size, micro_batch=cfg.micro_batch_size, query_groups=query_groups(cfg))
     if refused:
         raise ConfigError(refused)
-
-
-def validate_3d_config(cfg: RunConfig, dims: ParallelDims) -> None:
-    """--tp-backend 3d: TP is a cube p^3 (p >= 2); the model and micro-batch split over it."""
-    if cfg.tp_backend != "3d":
-        return
-    if cfg.swiglu and cfg.add_bias_linear:
-        raise ConfigError("--tp-backend 3d runs --swiglu without linear biases only; add "
-                          "--disable-bias-linear")
-    _refuse_split(cfg, dims)
-    if cfg.sequence_parallel:
-        raise ConfigError("--tp-backend 3d does not support --sequence-parallel (its activations "
-                          "are already split p^3 ways); drop it")

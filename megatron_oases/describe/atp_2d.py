@@ -2,8 +2,9 @@
 tables in ``layers/atp_linear.py``, ``atp_attention.py`` and ``atp_norm.py``."""
 from __future__ import annotations
 
-from .atp_meshes import atp_meshes
-from .layer_query import LayerQuery, Mesh
+from .atp_meshes import atp_mesh_refusal, atp_meshes
+from .layer_query import LayerQuery
+from .layout import Layout
 from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -81,16 +82,54 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
 
 # ---- the backend record's pieces (``describe.backends``) ------------------------------------------
 
-def atp_2d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int,
+AXES = ("d1", "d2")
+"""The mesh's axes: d1 shards the column-first outputs (FFN, heads), d2 the hidden states."""
+
+
+def atp_2d_mesh(layout: Layout | None, tp: int) -> tuple[int, int]:
+    """(d1, d2) of ``layout``; without one, Megatron's layout (tp, 1)."""
+    return (layout["d1"], layout["d2"]) if layout is not None else (tp, 1)
+
+
+def atp_layout(d1: int, d2: int) -> Layout:
+    """ATP's ``DeviceMesh(d1, d2)`` as a layout."""
+    return Layout(d1=d1, d2=d2)
+
+
+def atp_2d_layout_refusal(layout: Layout | None, tp: int) -> str:
+    """The mesh's own rule d1 x d2 = TP (``atp_meshes.atp_mesh_refusal``), in ``--atp-mesh``'s words."""
+    if layout is not None and layout.names != AXES:
+        return f"--atp-mesh must be two sizes D1,D2 (got a layout on {', '.join(layout.names)})"
+    return atp_mesh_refusal(None if layout is None else layout.shape, tp)
+
+
+def atp_2d_parse_mesh(text: str, tp: int) -> Layout:
+    """``--atp-mesh D1,D2`` as a layout; one line if it is not two integers >= 1."""
+    try:
+        d1, d2 = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ModelingError(f"--atp-mesh must be D1,D2 (got {text!r})") from None
+    if d1 < 1 or d2 < 1:
+        raise ModelingError(atp_mesh_refusal((d1, d2), tp))
+    return atp_layout(d1, d2)
+
+def atp_2d_refusal(*, tp: int, layout: Layout | None, hidden: int, heads: int, ffn: int,
                    micro_batch: int | None = None, query_groups: int | None = None) -> str:
     """The record's divisibility check: Megatron's TP split of the model over the group's ``tp``
     ranks (``megatron_1d.tp_split_refusal``: the embedding and the output layer are Megatron's on
     every backend, and every consumer refuses it first), then the mesh's
     (:func:`atp_2d_split_refusal`). The mesh's own rule d1 x d2 = TP
     (``atp_meshes.atp_mesh_refusal``) comes before both. No micro-batch rule."""
-    d1, d2 = mesh or (tp, 1)
+    d1, d2 = atp_2d_mesh(layout, tp)
     return (tp_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn)
             or atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn, query_groups=query_groups))
+
+
+def atp_2d_run_refusal(cfg) -> str:
+    """The trainer's refusals of ATP's layers with the run's other flags (``cfg``: a ``RunConfig``)."""
+    if cfg.sequence_parallel:
+        return "--tp-backend atp does not support --sequence-parallel yet; drop it"
+    return ""
 
 
 def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
@@ -102,44 +141,45 @@ def atp_2d_split_refusal(*, d1: int, d2: int, hidden: int, heads: int, ffn: int,
     n = d1 * d2
     if hidden % n or heads % n or ffn % d1 or hidden % d2:
         return f"ATP mesh {d1}x{d2}: hidden {hidden}, heads {heads} must be divisible by {n} and ffn {ffn} by {d1}"
-    if query_groups and query_groups % atp_2d_kv_groups_divisor(n, (d1, d2)):
+    if query_groups and query_groups % atp_2d_kv_groups_divisor(n, atp_layout(d1, d2)):
         return (f"--tp-backend atp gives each of its {n} ranks whole key/value groups: --num-query-groups "
                 f"{query_groups} must be divisible by --tensor-model-parallel-size {n}")
     return ""
 
 
-def atp_2d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+def atp_2d_kv_groups_divisor(tp: int, layout: Layout | None) -> int:
     """Each of the d1 x d2 ranks holds whole key/value groups."""
-    d1, d2 = mesh or (tp, 1)
+    d1, d2 = atp_2d_mesh(layout, tp)
     return d1 * d2
 
 
 def atp_2d_layer(q: LayerQuery) -> LayerDescription:
-    """The record's layer: ATP's on ``q.mesh``."""
-    assert q.mesh is not None
+    """The record's layer: ATP's on ``q.layout``."""
+    assert q.layout is not None
     return atp_2d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
-                            d1=q.mesh[0], d2=q.mesh[1], bytes_per_element=q.bytes_per_element, variant=q.variant)
+                            d1=q.layout["d1"], d2=q.layout["d2"], bytes_per_element=q.bytes_per_element, variant=q.variant)
 
 
-def atp_2d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+def atp_2d_edges(*, layout: Layout | None, micro_batch: int, seq: int, hidden: int, tp: int,
                  bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """ATP keeps ``[s, b, h/d2]`` between its layers: leaving its run of layers all-gathers over
     axis 2, entering splits (its backward all-gathers). None with d2 = 1 (Megatron's layout)."""
-    if mesh is None or mesh[1] == 1:
+    if layout is None or layout["d2"] == 1:
         return (), ()
     full = micro_batch * seq * hidden * bytes_per_element
-    return ((Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=mesh[1], payload_bytes=full),),
-            (Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=mesh[1],
+    d2 = layout["d2"]
+    return ((Collective(name="atp.leave", kind="all_gather", axis="mesh2", group_size=d2, payload_bytes=full),),
+            (Collective(name="atp.enter.bwd", kind="all_gather", axis="mesh2", group_size=d2,
                         payload_bytes=full),))
 
 
-def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
     """Axis 2 is the fastest-varying (consecutive ranks), axis 1 strides by d2."""
-    d1, d2 = mesh or (len(tp_ranks), 1)
+    d1, d2 = atp_2d_mesh(layout, len(tp_ranks))
     return tp_ranks[:d2] if axis == "mesh2" else tp_ranks[::d2]
 
 
-def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, layout: Layout | None,
                        hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                        recompute_core_attention: bool, core_attention: str) -> float:
     """Korthikanti's terms, not measured: ATP shards norms and residual-side tensors by d2, the
@@ -148,41 +188,46 @@ def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int
     the fused kernel's logsumexp. Without a mesh, Megatron's inventory."""
     flags = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
                  recompute_core_attention=recompute_core_attention, core_attention=core_attention)
-    if mesh is None:
-        return megatron_1d_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, mesh=None, **flags)
+    if layout is None:
+        return megatron_1d_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, layout=None, **flags)
     if recompute_core_attention:
         raise ModelingError("selective recompute is described for --tp-backend megatron only (got atp)")
-    d1, d2 = mesh
+    d1, d2 = atp_2d_mesh(layout, t)
     n = d1 * d2
     core = korthikanti_core_bytes(b=b, s=s, a=a, n=n, e=e, attention_dropout=attention_dropout,
                                   core_attention=core_attention)
     return b * s * (e * (3 * h / d2 + 3 * h / n + h / d1 + variant.mlp_saved_per_ffn * f / d1) + 2 * h / d2) + core
 
 
-def atp_2d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+def atp_2d_vector_splits(t: int, layout: Layout | None) -> tuple[int, int]:
     """(QKV / fc1 output vectors, hidden-size vectors) split ways: column-first outputs by d1,
     the hidden dim by d2 (without a mesh, Megatron's (t, 1))."""
-    return mesh if mesh is not None else (t, 1)
+    return atp_2d_mesh(layout, t)
 
 
-def atp_2d_input_split(t: int, mesh: Mesh | None) -> int:
+def atp_2d_input_split(t: int, layout: Layout | None) -> int:
     """Hidden states between layers are ``[s, b, h/d2]``."""
-    return mesh[1] if mesh is not None else 1
+    return atp_2d_mesh(layout, t)[1]
 
 
-def atp_2d_meshes(tp: int) -> tuple[Mesh | None, ...]:
+def atp_2d_layouts(tp: int) -> tuple[Layout, ...]:
     """Every mesh d1 x d2 = TP with d2 >= 2 (``atp_meshes.atp_meshes``: d2 = 1 is Megatron's layout,
     offered by the megatron backend)."""
-    return atp_meshes(tp, with_1d=False)
+    return tuple(atp_layout(d1, d2) for d1, d2 in atp_meshes(tp, with_1d=False))
 
 
-def atp_2d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
-    """``--tp-backend atp --atp-mesh d1,d2`` (the names from the flag table)."""
-    from megatron_oases.flags import option
+def atp_2d_launch_flags(layout: Layout | None) -> dict[str, str]:
+    """``--tp-backend atp --atp-mesh d1,d2`` (literal names: ``describe`` sits below the flag
+    table, ``megatron_oases.flags``, which reads the records)."""
+    return {"--tp-backend": "atp", "--atp-mesh": ",".join(map(str, layout.shape))}
 
-    return {option("tp_backend"): "atp", option("atp_mesh"): f"{mesh[0]},{mesh[1]}"}
 
-
-def atp_2d_event_tag(mesh: Mesh | None) -> str:
+def atp_2d_event_tag(layout: Layout | None) -> str:
     """The mesh, ``m{d1}x{d2}``."""
-    return f"m{mesh[0]}x{mesh[1]}"
+    return f"m{layout.label}"
+
+
+def atp_2d_event_dims(tp: int, layout: Layout | None) -> tuple[tuple[str, int], ...]:
+    """``d1``, ``d2``: the profiler's ATP workloads read them (``sim.calibrate.workloads``)."""
+    d1, d2 = atp_2d_mesh(layout, tp)
+    return ("d1", d1), ("d2", d2)

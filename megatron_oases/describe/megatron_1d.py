@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .core_attention import attention_kernel
-from .layer_query import LayerQuery, Mesh
+from .layer_query import LayerQuery
+from .layout import Layout
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import CUDA_KERNELS, layer_saved_bytes
 
@@ -209,7 +210,7 @@ def tp_split_refusal(*, tp: int, hidden: int, heads: int, ffn: int | None) -> st
     return ""
 
 
-def megatron_1d_refusal(*, tp: int, mesh: Mesh | None, hidden: int, heads: int, ffn: int,
+def megatron_1d_refusal(*, tp: int, layout: Layout | None, hidden: int, heads: int, ffn: int,
                         query_groups: int | None = None, micro_batch: int | None = None) -> str:
     """The record's divisibility check: :func:`tp_split_refusal`, and with ``query_groups`` the
     attention's rule (each rank holds whole key/value groups: the groups divide by the attention's
@@ -232,7 +233,7 @@ def megatron_1d_layer(q: LayerQuery) -> LayerDescription:
                                  core_attention=q.core_attention)
 
 
-def megatron_1d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, mesh: Mesh | None,
+def megatron_1d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, layout: Layout | None,
                             hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                             recompute_core_attention: bool, core_attention: str) -> float:
     """The measured inventory of Megatron's local layer (``describe.saved``; with dropout, e = 2,
@@ -243,45 +244,50 @@ def megatron_1d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e
                              recompute_core_attention=recompute_core_attention, core_attention=core_attention)
 
 
-def megatron_1d_vector_splits(t: int, mesh: Mesh | None) -> tuple[int, int]:
+def megatron_1d_vector_splits(t: int, layout: Layout | None) -> tuple[int, int]:
     """(QKV / fc1 output vectors, hidden-size vectors) split ways: column-parallel biases by t;
     row-parallel biases and norms replicated."""
     return t, 1
 
 
-def megatron_1d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], mesh: Mesh | None) -> tuple[int, ...]:
+def megatron_1d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
     """Every collective runs on the whole TP group (axis ``tp``)."""
     return tp_ranks
 
 
-def megatron_1d_edges(*, mesh: Mesh | None, micro_batch: int, seq: int, hidden: int, tp: int,
+def megatron_1d_edges(*, layout: Layout | None, micro_batch: int, seq: int, hidden: int, tp: int,
                       bytes_per_element: int) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """None: its layers take and give Megatron's replicated ``[s, b, h]``."""
     return (), ()
 
 
-def megatron_1d_input_split(t: int, mesh: Mesh | None) -> int:
+def megatron_1d_input_split(t: int, layout: Layout | None) -> int:
     """Hidden states between layers are whole on every rank."""
     return 1
 
 
-def megatron_1d_meshes(tp: int) -> tuple[Mesh | None, ...]:
-    """One layout at every TP size."""
-    return (None,)
+def megatron_1d_layouts(tp: int) -> tuple[Layout, ...]:
+    """One layout at every TP size: the whole group on one axis, ``{"tp": tp}``."""
+    return (Layout(tp=tp),)
 
 
-def megatron_1d_kv_groups_divisor(tp: int, mesh: Mesh | None) -> int:
+def megatron_1d_layout_refusal(layout: Layout | None, tp: int) -> str:
+    """Its one layout lays out the whole TP group on one axis."""
+    if layout is None or layout == Layout(tp=tp):
+        return ""
+    return f"--tp-backend megatron lays out --tensor-model-parallel-size {tp} as tp={tp} (got {layout})"
+
+
+def megatron_1d_kv_groups_divisor(tp: int, layout: Layout | None) -> int:
     """Each of the (attention's) ``tp`` ranks holds whole key/value groups."""
     return tp
 
 
-def megatron_1d_launch_flags(mesh: Mesh | None) -> dict[str, str]:
-    """``--tp-backend megatron`` (the default; the name from the flag table)."""
-    from megatron_oases.flags import option
-
-    return {option("tp_backend"): "megatron"}
+def megatron_1d_launch_flags(layout: Layout | None) -> dict[str, str]:
+    """None: Megatron 1-D is the default ``--tp-backend``."""
+    return {}
 
 
-def megatron_1d_event_tag(mesh: Mesh | None) -> str:
+def megatron_1d_event_tag(layout: Layout | None) -> str:
     """No layout tag: the degree ``t`` in the key says it all."""
     return ""

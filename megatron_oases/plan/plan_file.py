@@ -14,11 +14,13 @@ from typing import Any
 
 from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.errors import ConfigError
-from megatron_oases.flags import option
 
 from megatron_oases.describe.backends import backend
+from megatron_oases.describe.layout import Layout
+from megatron_oases.describe.ops import ModelingError
 
-from .graph import BLOCK_KINDS, FAMILIES, strategy_of_label
+from .graph import BLOCK_KINDS, BlockStrategy, family_of, strategy_of_label
+from megatron_oases.flags import option
 
 PLAN_FORMAT = "megatron-oases-plan/1"
 FLAG = option("oases_plan")
@@ -153,7 +155,7 @@ def validate_plan_args(cfg, dims) -> tuple[tuple[int, int], ...] | None:
     layers = tuple((plan.layer_degrees(i)["attention"], plan.layer_degrees(i)["mlp"])
                    for i in range(plan.num_layers))
     oases = cfg.schedule == "oases"
-    if cfg.tp_backend != "megatron":
+    if not backend(cfg.tp_backend).per_block_plans:
         raise ConfigError(f"{FLAG} runs Megatron 1-D TP sub-groups and cannot be combined with "
                           f"--tp-backend {cfg.tp_backend}; use --tp-backend megatron")
     if cfg.sequence_parallel:
@@ -222,22 +224,47 @@ def _tokens(cmd: str) -> list[tuple[int, int, str]]:
     return out
 
 
+def strategy_layouts(strategies) -> dict[str, dict[str, Any]]:
+    """What a plan file stores of its strategies' layouts (``layouts``): each whole-group
+    strategy's label -> its backend and its layout's JSON form (``{"tp_backend": "atp",
+    "layout": {"d1": 4, "d2": 2}}``), so a reader needs no label syntax; per-block degrees
+    (``tp4``) have none."""
+    return {s.label: {"tp_backend": s.family, "layout": s.layout.to_json()}
+            for s in strategies if not family_of(s).mixes and s.layout is not None}
+
+
+def _strategy(label: Any, stored: dict[str, Any]) -> BlockStrategy | None:
+    """The strategy a plan file names ``label``: from its ``layouts`` entry, else from the label
+    itself (files written before layouts were stored: ``atp4x2`` is the mesh (4, 2), ``3d8`` the
+    cube of 8)."""
+    if not isinstance(label, str):
+        return None
+    entry = stored.get(label)
+    if not isinstance(entry, dict):
+        return strategy_of_label(label)
+    try:
+        layout = Layout.from_json(entry.get("layout"), backend(entry.get("tp_backend")).layout_axes)
+    except ModelingError as e:
+        raise ConfigError(f"plan strategy {label!r}: {e}; plan again") from None
+    return BlockStrategy(degree=layout.size, family=entry["tp_backend"], layout=layout)
+
+
 def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
     """The backend flags of a plan that runs the whole model as one backend (``strategies`` all
     one layout of a family that does not mix with others, e.g. ``atp<d1>x<d2>`` or ``3d<T>``,
     written by ``megatron-oases plan --families ...,atp,3d``): its record's ``launch_flags``
     (``{"--tp-backend": ..., ["--atp-mesh": "d1,d2"]}``); None for a per-block (Megatron) plan."""
     labels = data.get("strategies") or []
-    strategies = {lab: strategy_of_label(lab) if isinstance(lab, str) else None for lab in labels}
-    whole = {lab for lab, s in strategies.items() if s is not None and s.family in FAMILIES
-             and not FAMILIES[s.family].mixes}
+    stored = data.get("layouts") or {}
+    strategies = {lab: _strategy(lab, stored) for lab in labels}
+    whole = {lab for lab, s in strategies.items() if s is not None and not family_of(s).mixes}
     if not whole:
         return None
     s = strategies[next(iter(whole))]
-    if len(whole) != 1 or len(whole) != len(set(labels)) or s.mesh not in backend(s.family).meshes(s.degree):
+    if len(whole) != 1 or len(whole) != len(set(labels)) or s.layout not in backend(s.family).layouts(s.degree):
         raise ConfigError(f"plan strategies {sorted(set(labels))} mix a whole-model backend (ATP mesh or "
                           f"3-D cube) with other layouts, which the runtime cannot run; plan again")
-    return backend(s.family).launch_flags(s.mesh)
+    return backend(s.family).launch_flags(s.layout)
 
 
 def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | None]:

@@ -213,15 +213,13 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
             raise SimError(f"--num-microbatches {micro} disagrees with --global-batch-size "
                            f"{a.global_batch_size} / (micro-batch {a.micro_batch_size} x DP {dp}); give one")
         micro = a.global_batch_size // per
-    mesh = tuple(_ints(a.atp_mesh, "--atp-mesh")) if a.atp_mesh else None
-    if a.tp_backend == "atp" and (mesh is None or len(mesh) != 2):
-        raise SimError("--tp-backend atp needs --atp-mesh D1,D2")
+    layout = record(a.tp_backend).parse_layout(a.atp_mesh, a.tensor_model_parallel_size)  # describe.backends
     granularity, rc_layers = recompute_from_args(a)
     return Strategy(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, dp=dp, num_microbatches=micro or 1, schedule=a.pipeline_schedule,
                     virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
                     selective_recompute=granularity == "selective", overlap=OVERLAP_OF[a.schedule],
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
-                    mesh=mesh if a.tp_backend == "atp" else None, distributed_optimizer=a.use_distributed_optimizer,
+                    layout=layout, distributed_optimizer=a.use_distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
                     tp_comm_overlap=a.tp_comm_overlap, first_stage_layers=a.decoder_first_pipeline_num_layers,
@@ -297,11 +295,11 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
                        sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
                        distributed_optimizer=a.use_distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
+
+
 class SimParser(RecordsGiven, OneLineErrorParser):
     """``sim``'s and ``profile``'s parser: one-line errors, and the flags given recorded
     (``--global-batch-size`` given or at its default, against ``--num-microbatches``)."""
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -445,8 +443,8 @@ def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one
     if given:
         what = "the GPUs are TP x PP x DP" if given[0] == "--gpus" else "the flags name one strategy"
         raise SimError(f"{given[0]} applies to --search only ({what} without it); drop it or add --search")
-    if a.atp_mesh is not None and a.tp_backend != "atp":
-        raise SimError("--atp-mesh needs --tp-backend atp")
+    if a.atp_mesh is not None and record(a.tp_backend).parse_text is None:  # refused in the record's words
+        record(a.tp_backend).parse_layout(a.atp_mesh, a.tensor_model_parallel_size)
     if a.recompute and a.recompute_layers:
         raise SimError("--recompute (every layer) and --recompute-layers (the first K of each chunk) "
                        "contradict each other; give one")

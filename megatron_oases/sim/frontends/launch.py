@@ -19,9 +19,8 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int) -> list[
     """The trainer / Megatron-LM flags that run candidate ``c``'s strategy."""
     st = c.strategy
     out = [option("tensor_model_parallel_size"), str(st.tp), option("pipeline_model_parallel_size"), str(st.pp)]
-    for flag, value in record(st.backend).launch_flags(st.mesh).items():
-        if (flag, value) != (option("tp_backend"), "megatron"):
-            out += [flag] + ([value] if value is not None else [])
+    for flag, value in record(st.backend).launch_flags(st.layout).items():  # the default backend: none
+        out += [flag] + ([value] if value is not None else [])
     if st.virtual_stages > 1:
         out += [option("num_layers_per_virtual_pipeline_stage"), str(num_layers // (st.pp * st.virtual_stages))]
     if st.overlap == "oases":
