@@ -479,6 +479,8 @@ def sim_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(summary_table(r))
+    if profile is None:  # what the analytical model borrows or fits rather than measured here (issue 49)
+        print("\n".join(dm.pricing_notes()))
     _write_outputs(a, r)
     return 0
 
