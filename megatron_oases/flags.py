@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from megatron_oases.describe.backends import BACKENDS as TP_BACKENDS
+from megatron_oases.describe.layout import BACKEND_FLAG
 from megatron_oases.describe.core_attention import ATTENTION_BACKENDS, BACKEND_HELP
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.run_config import DEFAULTS, SCHEDULES
@@ -90,11 +91,11 @@ _TABLE = (
     _bool("--overlap-grad-reduce", "overlap_grad_reduce",
           help="data-parallel gradient reduction per bucket, overlapping the last micro-batch's backward"),
     # -- backend, layout and executor
-    Flag("--tp-backend", "tp_backend", choices=TP_BACKENDS, megatron_lm=True,  # the records, live
+    Flag(BACKEND_FLAG, "tp_backend", choices=TP_BACKENDS, megatron_lm=True,  # the records, live
          help="tensor-parallel layer implementation: " + "; ".join(
              f"{name} = {b.summary}" for name, b in TP_BACKENDS.items())
          + " (atp needs --atp-mesh; 3d needs --tensor-model-parallel-size p^3)"),
-    Flag("--atp-mesh", "atp_mesh", metavar="D1,D2|auto", megatron_lm=True,
+    Flag(TP_BACKENDS["atp"].layout_flag, "atp_mesh", metavar="D1,D2|auto", megatron_lm=True,
          help="ATP DeviceMesh(d1, d2) with d1 x d2 = TP size (d2 is the fastest-varying, innermost "
               "axis); auto picks it from --topology with the search `megatron-oases mesh` prints"),
     Flag("--atp-chunks", "atp_chunks", type=int, choices=(1, 2, 4), megatron_lm=True,

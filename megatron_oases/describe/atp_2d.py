@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .atp_meshes import atp_mesh_refusal, atp_meshes
 from .layer_query import LayerQuery
-from .layout import Layout
+from .layout import BACKEND_FLAG, Layout
 from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -219,7 +219,7 @@ def atp_2d_layouts(tp: int) -> tuple[Layout, ...]:
 def atp_2d_launch_flags(layout: Layout | None) -> dict[str, str]:
     """``--tp-backend atp --atp-mesh d1,d2`` (literal names: ``describe`` sits below the flag
     table, ``megatron_oases.flags``, which reads the records)."""
-    return {"--tp-backend": "atp", "--atp-mesh": ",".join(map(str, layout.shape))}
+    return {BACKEND_FLAG: "atp", "--atp-mesh": ",".join(map(str, layout.shape))}
 
 
 def atp_2d_event_tag(layout: Layout | None) -> str:

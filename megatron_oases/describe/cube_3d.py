@@ -16,7 +16,7 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 from __future__ import annotations
 
 from .layer_query import LayerQuery
-from .layout import Layout
+from .layout import BACKEND_FLAG, Layout
 from .megatron_1d import tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import korthikanti_core_bytes
@@ -269,7 +269,7 @@ def cube_3d_input_split(t: int, layout: Layout | None) -> int:
 
 def cube_3d_launch_flags(layout: Layout | None) -> dict[str, str]:
     """``--tp-backend 3d`` (the cube's side is the TP size's cube root)."""
-    return {"--tp-backend": "3d"}
+    return {BACKEND_FLAG: "3d"}
 
 
 def cube_3d_event_tag(layout: Layout | None) -> str:

@@ -14,6 +14,10 @@ from typing import Any, Iterable, Mapping
 
 from .ops import ModelingError
 
+BACKEND_FLAG = "--tp-backend"
+"""The flag that names a run's TP backend (each record's ``launch_flags`` key); ``megatron_oases.flags``
+declares it under this name, so the name is written once below the front ends."""
+
 
 class Layout:
     """Named axis sizes, in order (frozen, hashable; equal when names and sizes are)."""

@@ -9,6 +9,7 @@ from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_sp
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
+from megatron_oases.flags import option
 from megatron_oases.run_config import megatron_ffn_hidden_size
 
 __all__ = ["BLOCK_KINDS", "DTYPES", "PlanError", "PlanModel", "model_from_mapping"]
@@ -124,8 +125,7 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
     d.update({k: v for k, v in overrides.items() if v is not None})
     missing = [name for name in _REQUIRED if name not in d]
     if missing:
-        flags = ", ".join("--tensor-model-parallel-size" if m == "tp" else "--" + m.replace("_", "-")
-                          for m in missing)
+        flags = ", ".join(option("tensor_model_parallel_size" if m == "tp" else m) for m in missing)
         raise PlanError(f"{source}: missing {', '.join(missing)} (set them in the file or pass {flags})")
     variant = variant_from_flags(**{k: d.pop(k) for k in _VARIANT_FLAGS if k in d}, error=PlanError)
     if "ffn_hidden_size" in d and not is_positive_int(d["ffn_hidden_size"]):
