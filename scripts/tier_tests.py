@@ -3,6 +3,12 @@
     python -m pytest -q tests --durations=0 -p no:cacheprovider > run.log
     python scripts/tier_tests.py run.log --budget-s 180
 
+Several logs merge per test file, later ones winning: ``tier_tests.py full.log files.log`` takes
+the files ``files.log`` timed (a run of the test files that changed) from it and every other
+file from ``full.log``, so one changed file does not need another run of the whole suite. A test
+the later run skipped has no timing there and leaves the list: time a file where it skips
+nothing, or leave it out of the later log.
+
 Tests are taken into the slow list, slowest first, until the rest add up to at most
 ``--budget-s`` seconds of the timed run; each test file keeps its fastest test in the fast tier
 when that test takes at most ``--keep-s`` seconds, so the tier still imports and exercises every
@@ -35,6 +41,17 @@ def test_seconds(log_lines) -> dict[str, float]:
     return dict(seconds)
 
 
+def merge_by_file(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each test file's seconds from the last run that timed it (a test removed from a file
+    leaves with the file's older timings)."""
+    merged: dict[str, float] = {}
+    for seconds in runs:
+        files = {node.split("::", 1)[0] for node in seconds}
+        merged = {n: s for n, s in merged.items() if n.split("::", 1)[0] not in files}
+        merged.update(seconds)
+    return merged
+
+
 def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float) -> set[str]:
     """The slow set: slowest first until the rest fit in ``budget_s``, bar each file's keeper."""
     by_file: dict[str, list[str]] = collections.defaultdict(list)
@@ -59,18 +76,22 @@ def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float) -> se
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("log", help="a pytest log run with --durations=0")
+    p.add_argument("log", nargs="+",
+                   help="pytest logs run with --durations=0 (later ones replace the files they time)")
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="seconds of the timed run the fast tier may take (default 180)")
     p.add_argument("--keep-s", type=float, default=10.0,
                    help="a file's fastest test stays fast if it takes at most this (default 10)")
     p.add_argument("--out", default=SLOW_LIST, help="the list to write (default tests/slow_tests.txt)")
     args = p.parse_args(argv)
-    with open(args.log, encoding="utf-8", errors="replace") as f:
-        seconds = test_seconds(f)
-    if not seconds:
-        print(f"{args.log}: no --durations lines; run pytest with --durations=0", file=sys.stderr)
-        return 2
+    runs = []
+    for log in args.log:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            runs.append(test_seconds(f))
+        if not runs[-1]:
+            print(f"{log}: no --durations lines; run pytest with --durations=0", file=sys.stderr)
+            return 2
+    seconds = merge_by_file(runs)
     slow = split_tiers(seconds, args.budget_s, args.keep_s)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write("# Outside the fast tier (marked `slow` by tests/conftest.py); written by\n"

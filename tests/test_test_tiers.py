@@ -33,6 +33,16 @@ def test_the_split_fits_the_budget_and_keeps_each_files_fastest_test():
         "tests/test_a.py::test_big[x]", "tests/test_c.py::test_mid"}
 
 
+def test_a_later_log_replaces_the_files_it_times():
+    """A run of the changed files over a full run: their tests (renamed and removed ones too)
+    come from the later log, every other file from the full one."""
+    full = tiers.test_seconds(LOG.splitlines())
+    later = tiers.test_seconds(["2.00s call     tests/test_a.py::test_renamed"])
+    assert tiers.merge_by_file([full, later]) == {
+        "tests/test_a.py::test_renamed": 2.0, "tests/test_b.py::test_only": 20.0,
+        "tests/test_c.py::test_mid": 5.0, "tests/test_c.py::test_tiny": 1.0}
+
+
 def test_every_slow_entry_names_a_test_file_that_exists():
     with open(SLOW_LIST, encoding="utf-8") as f:
         nodes = [line.strip() for line in f if line.strip() and not line.startswith("#")]
