@@ -165,7 +165,7 @@ def test_profile_search_on_gloo_ranks_then_simulate(tmp_path: Path, capsys):
                      "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "128", "--dtype", "fp32",
                      "--tp", "2"]) == 2
     err = capsys.readouterr().err
-    assert "lacks 20 event(s)" in err and "[b2s32h32a4f128t2_fp32]@tpx2:local" in err
+    assert "lacks 20 event(s)" in err and "[b2s32h32a4f128t2_fp32_fusedattn]@tpx2:local" in err  # sim and profile: auto
 
 
 def test_predict_maps_trainer_flags():
