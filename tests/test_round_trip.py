@@ -69,13 +69,12 @@ def _atp(d1: int, d2: int) -> list[str]:
 CUBE = ["--tp-backend", "3d"]
 
 # Known disagreements (strict xfails: each must still fail), by quantity; each is a bug at its home.
-ATP_SAVED = ("describe.atp_2d.atp_2d_saved_bytes is Korthikanti's terms, not the ATP layer's inventory: "
-             "the runtime keeps more (sim and plan read it)")
-ATP_LINE_SAVED = ("ATP with d2 = 1: the simulator reads describe.atp_2d.atp_2d_saved_bytes (Korthikanti's terms), "
-                  "the planner offers the mesh as the megatron family's layout (Megatron's inventory); the ATP "
-                  "layer keeps more than either")
-CUBE_SAVED = ("describe.cube_3d.cube_3d_saved_bytes is Korthikanti's terms, not the 3-D layer's inventory: "
-              "the runtime keeps more (sim and plan read it)")
+ATP_OASES_SAVED = ("the Oases executor keeps every local step's outputs (its backward roots) for the whole "
+                   "micro-batch: under ATP the QKV all-reduce's output and its bias-added copy, fc1's output, "
+                   "the proj and fc2 partials and the residuals (h1, y), none of which backward reads; "
+                   "describe.atp_2d.atp_2d_saved_bytes prices stock's inventory plus Megatron 1-D's two boundaries")
+ATP_LINE_SAVED = ("ATP with d2 = 1: the planner offers the mesh as the megatron family's layout (Megatron's "
+                  "inventory: torch's norms); the ATP layer's norms keep more (describe.saved.mesh_norm_bytes)")
 PLAN_NO_MEGATRON_RECOMPUTE = ("plan takes none of Megatron's recompute modes (--recompute-granularity full / "
                               "selective, Oases' coarse recompute): it prices Oases fine-grained recompute or none")
 PLAN_OASES_RESHARD_SAVED = ("describe.planned.planned_block_saved_bytes (the planner's and the simulator's) is per "
@@ -110,10 +109,10 @@ GRID = [
     Row("gpt2-tp2-plan-2-1", 2, plan=(2, 1)),
     Row("gpt2-tp2-plan-1-1-oases", 2, (*OASES,), plan=(1, 1)),
     Row("gpt2-tp2-plan-1-2-oases", 2, (*OASES,), plan=(1, 2), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
-    Row("gpt2-atp-1x2", 2, (*_atp(1, 2),), xfail=_xf(saved=ATP_SAVED)),
-    Row("gpt2-atp-2x1", 2, (*_atp(2, 1),), xfail=_xf(saved=ATP_LINE_SAVED)),
-    Row("llama-atp-1x2", 2, (*LLAMA, *_atp(1, 2)), xfail=_xf(saved=ATP_SAVED)),
-    Row("gpt2-atp-1x2-oases", 2, (*_atp(1, 2), *OASES), xfail=_xf(saved=ATP_SAVED)),
+    Row("gpt2-atp-1x2", 2, (*_atp(1, 2),)),
+    Row("gpt2-atp-2x1", 2, (*_atp(2, 1),), xfail=_xf(saved_plan=ATP_LINE_SAVED)),
+    Row("llama-atp-1x2", 2, (*LLAMA, *_atp(1, 2))),
+    Row("gpt2-atp-1x2-oases", 2, (*_atp(1, 2), *OASES), xfail=_xf(saved=ATP_OASES_SAVED)),
     Row("gpt2-tp1-dp2", 1, dp=2),
     Row("gpt2-tp1-pp2", 1, pp=2),
     Row("gpt2-tp4", 4),
@@ -126,13 +125,13 @@ GRID = [
     Row("gpt2-tp2-pp2-sp", 2, (*SP,), pp=2),
     Row("gpt2-tp4-plan-4-2", 4, plan=(4, 2)),
     Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
-    Row("gpt2-atp-2x2", 4, (*_atp(2, 2),), xfail=_xf(saved=ATP_SAVED)),
-    Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2)), xfail=_xf(saved=ATP_SAVED)),
-    Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES), xfail=_xf(saved=ATP_SAVED)),
-    Row("gpt2-atp-4x1", 4, (*_atp(4, 1),), xfail=_xf(saved=ATP_LINE_SAVED)),
+    Row("gpt2-atp-2x2", 4, (*_atp(2, 2),)),
+    Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2))),
+    Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES), xfail=_xf(saved=ATP_OASES_SAVED)),
+    Row("gpt2-atp-4x1", 4, (*_atp(4, 1),), xfail=_xf(saved_plan=ATP_LINE_SAVED)),
     Row("gpt2-atp-1x4-full", 4, (*_atp(1, 4), *FULL), xfail=_RC),
-    Row("gpt2-cube-8", 8, (*CUBE,), xfail=_xf(saved=CUBE_SAVED)),
-    Row("llama-cube-8", 8, (*LLAMA, *CUBE), xfail=_xf(saved=CUBE_SAVED)),
+    Row("gpt2-cube-8", 8, (*CUBE,)),
+    Row("llama-cube-8", 8, (*LLAMA, *CUBE)),
     Row("gpt2-cube-8-full", 8, (*CUBE, *FULL), xfail=_RC),
 ]
 

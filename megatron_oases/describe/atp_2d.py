@@ -7,7 +7,7 @@ from .layer_query import LayerQuery
 from .layout import BACKEND_FLAG, Layout
 from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
-from .saved import korthikanti_core_bytes
+from .saved import mesh_layer_saved_bytes
 
 
 def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, d1: int,
@@ -182,21 +182,20 @@ def atp_2d_axis_ranks(axis: str, tp_ranks: tuple[int, ...], layout: Layout | Non
 def atp_2d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, layout: Layout | None,
                        hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                        recompute_core_attention: bool, core_attention: str) -> float:
-    """Korthikanti's terms, not measured: ATP shards norms and residual-side tensors by d2, the
-    proj input by d1, the FFN by d1 (the variant keeps ``mlp_saved_per_ffn`` x ffn), heads by
-    d1 x d2; the core attention keeps Korthikanti's s^2 term where its kernel keeps scores, else
-    the fused kernel's logsumexp. Without a mesh, Megatron's inventory."""
+    """The ATP layer's inventory (``describe.saved.mesh_layer_saved_bytes``, measured on CPU): the
+    residual stream, the norms and the QKV and fc1 inputs on h / d2 features, the heads on d1 x d2
+    ranks, the proj input gathered to h / d1 (a fused kernel also keeps its heads' own context when
+    d2 > 1), the FFN on d1. Without a mesh, Megatron's inventory."""
     flags = dict(hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
-                 recompute_core_attention=recompute_core_attention, core_attention=core_attention)
+                 core_attention=core_attention)
     if layout is None:
-        return megatron_1d_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, layout=None, **flags)
+        return megatron_1d_saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, layout=None,
+                                       recompute_core_attention=recompute_core_attention, **flags)
     if recompute_core_attention:
         raise ModelingError("selective recompute is described for --tp-backend megatron only (got atp)")
     d1, d2 = atp_2d_mesh(layout, t)
-    n = d1 * d2
-    core = korthikanti_core_bytes(b=b, s=s, a=a, n=n, e=e, attention_dropout=attention_dropout,
-                                  core_attention=core_attention)
-    return b * s * (e * (3 * h / d2 + 3 * h / n + h / d1 + variant.mlp_saved_per_ffn * f / d1) + 2 * h / d2) + core
+    return mesh_layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, e=e, residual_split=d2, norm_width=h / d2,
+                                  heads_split=d1 * d2, context_split=d1, ffn_split=d1, **flags)
 
 
 def atp_2d_vector_splits(t: int, layout: Layout | None) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from .layer_query import LayerQuery
 from .layout import BACKEND_FLAG, Layout
 from .megatron_1d import tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
-from .saved import korthikanti_core_bytes
+from .saved import mesh_layer_saved_bytes
 
 _OTHER = {"y": "z", "z": "y"}
 
@@ -253,13 +253,17 @@ def cube_3d_vector_splits(t: int, layout: Layout | None) -> tuple[int, int]:
 def cube_3d_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, t: int, e: int, layout: Layout | None,
                         hidden_dropout: bool, attention_dropout: bool, variant: LayerVariant,
                         recompute_core_attention: bool, core_attention: str) -> float:
-    """Korthikanti's terms, not measured: every saved tensor is a rank's own block, 1/t of the TP-1
-    layer's (the variant's MLP keeps ``mlp_saved_per_ffn`` x ffn); the core attention as ATP's."""
+    """The 3-D layer's inventory (``describe.saved.mesh_layer_saved_bytes``, measured on CPU): every
+    activation is a rank's own block, 1/t of the TP-1 layer's; the norms work on rows of h / p
+    features and keep the diagonal weight expanded to them (h / p, p the cube's side); the proj's
+    input is the core attention's context (one storage)."""
     if recompute_core_attention:
         raise ModelingError("selective recompute is described for --tp-backend megatron only (got 3d)")
-    core = korthikanti_core_bytes(b=b, s=s, a=a, n=t, e=e, attention_dropout=attention_dropout,
-                                  core_attention=core_attention)
-    return b * s * (e * 4 * h + 2 * h + e * (4 * h + variant.mlp_saved_per_ffn * f)) / t + core
+    p = cube_side(t)
+    return mesh_layer_saved_bytes(b=b, s=s, h=h, a=a, f=f, e=e, residual_split=t, norm_width=h / p,
+                                  norm_weight_copy=h / p, heads_split=t, context_split=t, ffn_split=t,
+                                  hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                                  variant=variant, core_attention=core_attention)
 
 
 def cube_3d_input_split(t: int, layout: Layout | None) -> int:

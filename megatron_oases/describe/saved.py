@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .core_attention import attention_kernel, draws_in_kernel, keeps_scores
+from .core_attention import attention_kernel, draws_in_kernel
 from .ops import GPT2, LayerVariant
 from .split import SUB_BATCHES, recompute_boundaries
 
@@ -194,14 +194,56 @@ def logsumexp_bytes(*, b: int, s: int, heads: float) -> float:
     return 4 * b * heads * s
 
 
-def korthikanti_core_bytes(*, b: int, s: int, a: int, n: int, e: int, attention_dropout: bool,
-                           core_attention: str) -> float:
-    """The core attention's saved bytes on a rank's ``a / n`` heads (ATP and 3-D): Korthikanti's
-    s^2 term (softmax output, dropped-out probabilities, dropout mask) where the kernel keeps the
-    scores, else the fused kernel's statistics."""
+def mesh_norm_bytes(*, rows: float, width: float, e: int, weight_copy: float = 0) -> float:
+    """What ATP's and 3-D's norms (``ATPNorm``, ``LayerNorm3D``: torch ops whatever the device,
+    statistics in fp32 so their sums can be all-reduced) keep on ``rows`` vectors of ``width``
+    features (measured on CPU, fp32): the fp32 input (LayerNorm: centred) that the statistic's
+    square and the scale's product keep, the fp32 reciprocal root per row, the normalised
+    activation in e bytes that the weight's product keeps, and ``weight_copy`` more elements (the
+    3-D norm's expanded diagonal weight, e bytes). Stock Megatron's norms keep the input and
+    recompute the normalised activation instead (``_norm_beyond_input``)."""
+    return rows * (width * (4 + e) + 4) + e * weight_copy
+
+
+def mesh_layer_saved_bytes(*, b: int, s: int, h: int, a: int, f: int, e: int, residual_split: int,
+                           norm_width: float, norm_weight_copy: float = 0, heads_split: int,
+                           context_split: int, ffn_split: int, hidden_dropout: bool, attention_dropout: bool,
+                           kernels: Kernels = CUDA_KERNELS, variant: LayerVariant = GPT2,
+                           core_attention: str = "local") -> float:
+    """What one ATP or 3-D layer keeps for backward per micro-batch (stock schedule, no
+    recompute), the inventory of their modules (measured on CPU; ``describe.atp_2d``,
+    ``describe.cube_3d`` name the splits):
+
+    * per norm (two): ``mesh_norm_bytes`` on the rank's share of the residual stream
+      (``residual_split`` ways, rows of ``norm_width`` features);
+    * the QKV and fc1 inputs (the norms' outputs, e bytes, same share);
+    * the core attention on the rank's ``a / heads_split`` heads, as Megatron's at that degree
+      (``core_attention_bytes``);
+    * the proj input, the context on ``h / context_split`` features; where it is gathered from the
+      heads' own (``context_split != heads_split``: ATP with d2 > 1), a fused kernel also keeps its
+      own output, the context of its heads;
+    * the MLP on ffn / ``ffn_split`` features: GeLU's input and output (2), or SwiGLU's fc1 output
+      (gate and up, views of it), silu(gate) and their product (4: ``torch.chunk`` then
+      ``act(gate) * up``; Megatron's layer keeps 5, ``LayerVariant.mlp_saved_per_ffn``);
+    * with hidden dropout, one mask per block on the residual share (the kernel's bytes, as
+      Megatron's ``bias_dropout_add``: assumed, the grid runs without dropout)."""
+    tok = b * s
+    share = tok * h / residual_split
+    norm = mesh_norm_bytes(rows=share / norm_width, width=norm_width, e=e, weight_copy=norm_weight_copy)
+    qkv, attention = core_attention_bytes(b=b, s=s, h=h, a=a, t=heads_split, e=e, attention_dropout=attention_dropout,
+                                          kernels=kernels, variant=variant, core_attention=core_attention)
     kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
-                              fused_dropout=CUDA_KERNELS.fused_attention_dropout)
-    return a * s * s * b / n * (2 * e + 1) if keeps_scores(kernel) else logsumexp_bytes(b=b, s=s, heads=a / n)
+                              fused_dropout=kernels.fused_attention_dropout)
+    own_context = e * tok * h / heads_split if kernel == "fused" and context_split != heads_split else 0
+    mask = e if kernels.dropout_mask is None else kernels.dropout_mask
+    return (2 * norm + 2 * e * share + qkv + attention + e * tok * h / context_split + own_context
+            + e * tok * MESH_MLP_SAVED_PER_FFN[variant.gated] * f / ffn_split
+            + (2 * share * mask if hidden_dropout else 0))
+
+
+MESH_MLP_SAVED_PER_FFN = {False: 2, True: 4}
+"""Activations of width ffn the ATP and 3-D MLPs keep per token (``ATPMLP.activate``,
+``TP3DMLP.forward``; measured on CPU), GeLU's and SwiGLU's."""
 
 
 SDPA_MATH_BYTES = 4
