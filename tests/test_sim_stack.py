@@ -68,6 +68,7 @@ def _event_price(row: dict, event: str, **overrides) -> float:
     """The local stack's analytical price on an H200 of one layer event of a published row."""
     flags = {k: v for k, v in row["flags"].items() if k not in ("transformer-impl", "tp-comm-overlap")}
     flags.update(overrides, **{"no-masked-softmax-fusion": True})
+    flags.setdefault("attention-backend", "local")  # Megatron's layer, as the measured rows (sim's default: auto)
     a = build_parser().parse_args(sim_argv(row["topology"], row["nodes"], flags) + ["--gpu", "h200-sxm"])
     model, strategy, dm = simulation_inputs(a)
     assert dm.stack.name == LOCAL.name and dm.stack.elementwise_factor == LOCAL.elementwise_factor
@@ -117,7 +118,8 @@ def test_the_same_a100_model_on_three_stacks():
     """local (torch's fp32 softmax, unfused element-wise, eager host cost) > apex-fused (fused
     softmax and bias kernels) > transformer_engine (fused attention, fewer kernels)."""
     times = {}
-    for name, extra in (("local", {"no-masked-softmax-fusion": True}), ("apex-fused", {}),
+    local = {"attention-backend": "local"}  # Megatron's local layer (sim's default is the trainer's auto)
+    for name, extra in (("local", {"no-masked-softmax-fusion": True, **local}), ("apex-fused", local),
                         ("transformer_engine", {"transformer-impl": "transformer_engine"})):
         times[name] = simulate_run("dgx-a100-hdr8", 1, {**A100_MODEL, **extra}).iteration_ms
     assert times["local"] > times["apex-fused"] > times["transformer_engine"] > 0
