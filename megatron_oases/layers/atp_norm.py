@@ -96,12 +96,13 @@ class ATPNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh_groups.group(2)
-        total = sum_over_axis(self.first_partial(x), group)
+        xf = x.float()  # one fp32 copy: RMSNorm's square and scale both keep it for backward
+        total = sum_over_axis(self.first_partial(xf), group)
         if self.kind == "LayerNorm":
-            base, part = self.centre(x, total)
+            base, part = self.centre(xf, total)
             total = sum_over_axis(part, group)
         else:
-            base = x.float()
+            base = xf
         return self.normalize(x, base, total)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
