@@ -69,10 +69,11 @@ def _atp(d1: int, d2: int) -> list[str]:
 CUBE = ["--tp-backend", "3d"]
 
 # Known disagreements (strict xfails: each must still fail), by quantity; each is a bug at its home.
-ATP_OASES_SAVED = ("the Oases executor keeps every local step's outputs (its backward roots) for the whole "
-                   "micro-batch: under ATP the QKV all-reduce's output and its bias-added copy, fc1's output, "
-                   "the proj and fc2 partials and the residuals (h1, y), none of which backward reads; "
-                   "describe.atp_2d.atp_2d_saved_bytes prices stock's inventory plus Megatron 1-D's two boundaries")
+ATP_OASES_SAVED = ("the Oases executor holds every local step's inputs and outputs (its graph's leaves and "
+                   "roots) until backward, which reads none of these: under ATP the QKV all-reduce's output and "
+                   "its bias-added copy, fc1's output before its bias, the proj and fc2 partials, the residuals "
+                   "h1 and y, the norms' partial sums (1x2: 197,632 bytes a layer); the simulator prices stock's "
+                   "inventory plus Megatron 1-D's two step boundaries (describe.saved.oases_kept_beyond_stock)")
 ATP_LINE_SAVED = ("ATP with d2 = 1: the planner offers the mesh as the megatron family's layout (Megatron's "
                   "inventory: torch's norms); the ATP layer's norms keep more (describe.saved.mesh_norm_bytes)")
 PLAN_NO_MEGATRON_RECOMPUTE = ("plan takes none of Megatron's recompute modes (--recompute-granularity full / "
