@@ -16,9 +16,12 @@ is shared between stacks by default. Three stacks:
   and writes). Its host cost per kernel and per layer event is local's, measured (the same
   eager Megatron layer around Apex's kernels; the published table cannot identify it, see below).
 * ``transformer_engine``: Megatron-Core's TE layer (LayerNorm fused into the following GEMM,
-  GEMM epilogues, fused attention by default): fewer kernels, the description's bytes less the
-  norms' separate passes; host cost per layer event fitted by leave-one-source-out cross-validation
-  (``scripts/validate_published.py``).
+  GEMM epilogues, fused attention by default): fewer kernels (``kernel_factor``), the description's
+  element-wise bytes as apex-fused (TE's LayerNormLinear still writes the norm's output, which
+  backward keeps); host cost per layer event fitted by leave-one-source-out cross-validation
+  (``scripts/validate_published.py``). With a fused core attention on both, apex-fused and TE
+  therefore differ in host cost only: equal on a GPU-bound run, TE's 800 us per event showing on a
+  host-bound one.
 
 The core attention (fused kernel or s x s scores) is a separate axis, named once in
 ``describe.core_attention``: a stack with a fused core attention drops the scores' traffic
