@@ -39,10 +39,7 @@ def _trainer(argv: list[str], world: int):
 
 
 @pytest.mark.parametrize("nproc, tp, pp", [
-    (2, 2, 1), (4, 2, 1), (8, 2, 1), (8, 4, 1), (4, 1, 1),
-    pytest.param(8, 2, 2, marks=pytest.mark.xfail(
-        strict=True, reason="plan takes no --pipeline-model-parallel-size: its data-parallel size is world / TP, "
-                            "the trainer's world / (TP x PP), so the trainer refuses the plan")),
+    (2, 2, 1), (4, 2, 1), (8, 2, 1), (8, 4, 1), (4, 1, 1), (8, 2, 2), (8, 4, 2),
 ], ids=lambda v: str(v))
 def test_plan_reads_the_launch_world_as_the_trainer_does(tmp_path, capsys, nproc, tp, pp):
     argv = [*MODEL, "--micro-batch-size", "4", "--global-batch-size", str(4 * 2 * nproc),
@@ -51,6 +48,7 @@ def test_plan_reads_the_launch_world_as_the_trainer_does(tmp_path, capsys, nproc
     path, data = _plan_from_train_argv(tmp_path, capsys, argv)
     _, dims = _trainer(argv, nproc)
     assert (data["world_size"], data["data_parallel_size"]) == (dims.world_size, dims.dp)
+    assert data["pipeline_model_parallel_size"] == dims.pp and len(data["degrees"]) == 2 * 2  # every layer
     assert data["micro_batch_size"] == 4 and data["schedule"] == "default"
     cfg, _ = _trainer([*argv, "--oases-plan", path], nproc)  # the trainer takes the plan it was given
     assert cfg.oases_layer_degrees is not None

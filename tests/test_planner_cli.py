@@ -366,6 +366,42 @@ def test_plan_made_for_dp2_is_refused_at_dp4_in_one_line(tmp_path, capsys, monke
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "was made for data-parallel size 2" in err
 
 
+def test_plan_made_for_pp2_is_refused_at_pp1_in_one_line(tmp_path, capsys, monkeypatch):
+    """A plan for two pipeline stages (world 4 = TP 2 x PP 2 x DP 1) records PP; the trainer runs
+    it at PP 2 and refuses it at PP 1 (world 2, DP 1 too), naming the flag; so does the Megatron-LM
+    entry."""
+    plan, data, _ = _plan(tmp_path, capsys, "--nproc-per-node", "4", "--pipeline-model-parallel-size", "2")
+    assert (data["pipeline_model_parallel_size"], data["data_parallel_size"], len(data["degrees"])) == (2, 1, 4)
+    assert _train_validate(plan, 4, "--pipeline-model-parallel-size", "2").oases_layer_degrees is not None
+    with pytest.raises(ConfigError) as e:
+        _train_validate(plan, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--oases-plan {plan}: was made for --pipeline-model-parallel-size 2 "
+                                               "but this launch runs --pipeline-model-parallel-size 1"), msg
+    from test_megatron_lm_flags import parse
+
+    monkeypatch.setenv("RANK", "0")
+    flags = [*TRAIN_MODEL, "--max-position-embeddings", "256", "--oases-plan", plan]
+    with pytest.raises(SystemExit) as exc:
+        parse(flags, world=2, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--pipeline-model-parallel-size 2" in err
+
+
+def test_plan_prices_one_stage_of_the_pipeline(tmp_path, capsys):
+    """PP 2 prices each stage's one layer (the plan's table: 2 blocks), its first stage keeping two
+    micro-batches in flight; a layer count PP does not divide is one line naming the flag."""
+    _, one, _ = _plan(tmp_path, capsys, "--nproc-per-node", "2")
+    _, two, _ = _plan(tmp_path, capsys, "--nproc-per-node", "4", "--pipeline-model-parallel-size", "2")
+    assert len(one["predicted"]["blocks"]) == 4 and len(two["predicted"]["blocks"]) == 2
+    b1, b2 = one["predicted"]["blocks"][0], two["predicted"]["blocks"][0]
+    assert b1["degree"] == b2["degree"] and b2["memory_bytes"] > b1["memory_bytes"]  # 2 micro-batches in flight
+    assert plan_main([*LAUNCH_MODEL, "--out", str(tmp_path / "p.json"), "--nproc-per-node", "6",
+                      "--pipeline-model-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--num-layers 2 is not a multiple of --pipeline-model-parallel-size 3; give a divisor"), err
+
+
 def test_plan_takes_the_world_from_the_launch_flags(tmp_path, capsys):
     _, by_nodes, _ = _plan(tmp_path, capsys, "--nproc-per-node", "2", "--nnodes", "4")
     _, by_dp, _ = _plan(tmp_path, capsys, "--data-parallel-size", "4")

@@ -115,6 +115,7 @@ class CostModel:
                         "node_ms": float(p.node[v, k]) - grad, "edge_in_ms": edge, "grad_sync_ms": grad,
                         "time_ms": float(p.node[v, k]) + edge,
                         "state_bytes": c.state_bytes, "saved_bytes": c.saved_bytes,
+                        "memory_bytes": float(p.mem[v, k]),  # the saved bytes of each micro-batch in flight
                         "runtime_bytes": c.runtime_bytes})
         return out
 
@@ -195,9 +196,13 @@ def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer
 def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int, pricer: Pricer | None = None,
                      data_parallel: int | None = None, memory_gb: float | None = None, grad_sync: bool = False, granularity: str = "block",
                      degrees: tuple[int, ...] | None = None, gpu: str | None = None,
-                     families: tuple[str, ...] = ("megatron",)) -> CostModel:
+                     families: tuple[str, ...] = ("megatron",), pipeline: int = 1) -> CostModel:
     """Price every block x strategy and assemble the ILP arrays (Eq. 3-6) for ``data_parallel``
-    replicas of the TP group (None: the topology's ranks / TP)."""
+    replicas of the TP group (None: the topology's ranks / TP). ``pipeline``: the stages of a
+    pipeline whose one stage ``m`` is (its layers; each stage runs the same degrees): 1F1B runs a
+    stage's forward and backward ``num_microbatches + pipeline - 1`` times in the time of an
+    iteration (its bubble), and the first stage keeps ``min(pipeline, num_microbatches)``
+    micro-batches' saved bytes at its peak, as the simulator's schedule does."""
     if granularity not in GRANULARITIES:
         raise PlanError(f"--granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
     world = topology.world_size
@@ -209,6 +214,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     if refused:
         raise PlanError(refused)
     n_micro = global_batch_size // (m.micro_batch_size * dp)
+    runs, in_flight = n_micro + pipeline - 1, min(pipeline, n_micro)
     if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
         raise PlanError(split_refusal(m.micro_batch_size, m.sub_batches))
     pricer = pricer or DevicePricer(topology=topology, model=m, gpu=gpu)
@@ -246,7 +252,7 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         else:
             f, g = C[kd] + M[kd], Cb[kd] + Mb[kd]
         edge_terms = (embed_b if v == 0 else 0) + (head_f if v == N - 1 else 0)
-        node[v] = n_micro * (f + g + edge_terms) + (arr(kd, "grad_sync_ms") if grad_sync else 0)
+        node[v] = runs * (f + g + edge_terms) + (arr(kd, "grad_sync_ms") if grad_sync else 0)
         if kd == "attention":  # GQA: a degree that splits a key/value group is not allowed
             node[v] = np.where([attention_fits(s, m) for s in strategies], node[v], np.inf)
     edge = np.zeros((max(N - 1, 0), K, K))
@@ -265,8 +271,8 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
             bwd = np.where(change, lost_b, same_b)
         else:
             fwd, bwd = rf, rb
-        edge[v] = n_micro * (fwd + bwd)
-    mem = np.array([arr(kd, "state_bytes") + arr(kd, "saved_bytes") for kd in kinds])
+        edge[v] = runs * (fwd + bwd)
+    mem = np.array([arr(kd, "state_bytes") + in_flight * arr(kd, "saved_bytes") for kd in kinds])
     peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
     e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.padded_vocab_size, m.tp, m.micro_batch_size, m.seq_length)
     # the head on the plan's one stage (describe.head): embedding + final norm (+ an untied output

@@ -7,6 +7,7 @@ command). Bad input is one line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -66,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it, sets it (older command lines)")
     add_flag(p, "use_distributed_optimizer")
     add_flag(p, "topology", required=True)
-    add_flag(p, "nproc_per_node", note="the world is --nproc-per-node x --nnodes, its data-parallel size world / TP")
+    add_flag(p, "pipeline_model_parallel_size", note="the plan prices one stage's layers (each stage runs the "
+             "same degrees), 1F1B's bubble and the first stage's micro-batches in flight; the plan file records it")
+    add_flag(p, "nproc_per_node", note="the world is --nproc-per-node x --nnodes, its data-parallel size "
+             "world / (TP x PP)")
     p.add_argument("--nnodes", type=int, default=None, help="the launch's nodes (torchrun's flag; default 1)")
     add_flag(p, "data_parallel_size", note="instead of the launch's world; the plan file records it, and a "
              "launch of another data-parallel size refuses the plan")
@@ -190,7 +194,9 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     topo = load_topology(a.topology)
     if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
         raise PlanError(f"{split_refusal(m.micro_batch_size, m.sub_batches)} (--schedule default)")
-    world, dp = launch_world(a, topo.world_size, topo.name, m.tp)
+    pp = a.pipeline_model_parallel_size
+    world, dp = launch_world(a, topo.world_size, topo.name, m.tp, pp)
+    stage = stage_model(m, pp)
     degrees = None
     if a.degrees is not None:  # "" restricts to nothing: refused, not read as "every degree"
         try:
@@ -213,12 +219,12 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         memory_gb = gpu_spec(resolve_gpu(a.gpu or topo.device or "")).memory_GB
     if not 0 < memory_gb < math.inf:  # nan too
         raise PlanError(f"--memory-gb must be a number > 0 (got {memory_gb:g})")
-    cm = build_cost_model(m, topology=topo, global_batch_size=a.global_batch_size, pricer=pricer,
+    cm = build_cost_model(stage, topology=topo, pipeline=pp, global_batch_size=a.global_batch_size, pricer=pricer,
                           data_parallel=dp, memory_gb=memory_gb, grad_sync=a.grad_sync == "exposed", granularity=a.granularity,
                           degrees=degrees, families=comma_names("--families", a.families, family_names(),
                                                                 error=PlanError))
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
-    degs = [cm.strategies[k].degree for k in sol.assignment]
+    degs = [cm.strategies[k].degree for k in sol.assignment] * pp  # every stage runs the same degrees
     per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
     uni = cm.uniform(m.tp)
     uni_t, uni_m = evaluate(cm.problem, uni) if uni else (None, None)
@@ -228,7 +234,8 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         "tensor_model_parallel_size": m.tp,
         "num_layers": m.num_layers,
         # the launch it is made for (plan_file.check_plan_launch refuses another)
-        "world_size": world, "data_parallel_size": dp, "micro_batch_size": m.micro_batch_size,
+        "world_size": world, "data_parallel_size": dp, "pipeline_model_parallel_size": pp,
+        "micro_batch_size": m.micro_batch_size,
         "schedule": schedule_of(m),
         "block_kinds": ["attention", "mlp"],
         "degrees": degs,
@@ -246,7 +253,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
                         "strategy": r["strategy"],
                         "time_ms": r["time_ms"], "node_ms": r["node_ms"], "edge_in_ms": r["edge_in_ms"],
                         "grad_sync_ms": r["grad_sync_ms"],
-                        "memory_bytes": r["state_bytes"] + r["saved_bytes"], "backward_peak_bytes": r["runtime_bytes"]}
+                        "memory_bytes": r["memory_bytes"], "backward_peak_bytes": r["runtime_bytes"]}
                        for r in rows],
         },
         "inputs": {"model": m.to_dict(), "topology": topo.name, "topology_arg": a.topology,
@@ -266,29 +273,42 @@ def world_given(a: argparse.Namespace) -> bool:
     return a.nproc_per_node is not None or a.data_parallel_size is not None
 
 
-def launch_world(a: argparse.Namespace, ranks: int, topology: str, tp: int) -> tuple[int, int]:
+def stage_model(m: PlanModel, pp: int) -> PlanModel:
+    """The model of one pipeline stage: its ``num_layers / pp`` layers (Megatron's even split,
+    which the trainer requires); one line naming the flag when they do not divide."""
+    if m.num_layers % pp:
+        raise PlanError(f"{option('num_layers')} {m.num_layers} is not a multiple of "
+                        f"{option('pipeline_model_parallel_size')} {pp}; give a divisor")
+    return dataclasses.replace(m, num_layers=m.num_layers // pp)
+
+
+def launch_world(a: argparse.Namespace, ranks: int, topology: str, tp: int, pp: int = 1) -> tuple[int, int]:
     """(world size, data-parallel size) of the launch: ``--nproc-per-node`` x ``--nnodes``, or
-    ``--data-parallel-size`` x TP, else the topology's ``ranks``; one line naming the flag when
-    they disagree or do not fit."""
+    ``--data-parallel-size`` x TP x PP, else the topology's ``ranks``; DP = world / (TP x PP), as
+    the trainer derives it. One line naming the flag when they disagree or do not fit."""
     for flag, v in ((option("nproc_per_node"), a.nproc_per_node), ("--nnodes", a.nnodes),
-                    ("--data-parallel-size", a.data_parallel_size)):
+                    ("--data-parallel-size", a.data_parallel_size),
+                    (option("pipeline_model_parallel_size"), pp)):
         if v is not None and v < 1:
             raise PlanError(range_refusal(flag, v, 1))
     if a.nnodes is not None and a.nproc_per_node is None:
         raise PlanError("--nnodes needs --nproc-per-node (the launch's world is their product)")
     world = a.nproc_per_node * (a.nnodes or 1) if a.nproc_per_node is not None else None
+    model = tp * pp
     if a.data_parallel_size is not None:
-        if world is not None and world != a.data_parallel_size * tp:
-            raise PlanError(f"--data-parallel-size {a.data_parallel_size} x --tensor-model-parallel-size {tp} "
-                            f"is not the world of --nproc-per-node x --nnodes ({world}); give one of them")
-        world = a.data_parallel_size * tp
+        if world is not None and world != a.data_parallel_size * model:
+            raise PlanError(f"--data-parallel-size {a.data_parallel_size} x --tensor-model-parallel-size {tp} x "
+                            f"{option('pipeline_model_parallel_size')} {pp} is not the world of --nproc-per-node x "
+                            f"--nnodes ({world}); give one of them")
+        world = a.data_parallel_size * model
     world = ranks if world is None else world
-    if world % tp:
-        raise PlanError(f"the launch's {world} ranks are not a multiple of --tensor-model-parallel-size {tp}")
+    if world % model:
+        raise PlanError(f"the launch's {world} ranks are not a multiple of --tensor-model-parallel-size {tp} x "
+                        f"{option('pipeline_model_parallel_size')} {pp}")
     if world > ranks:
         raise PlanError(f"the launch's {world} ranks exceed the {ranks} of --topology {topology}; "
                         "give the launch's cluster")
-    return world, world // tp
+    return world, world // model
 
 
 def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
@@ -298,8 +318,9 @@ def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
              f"global batch {inp['global_batch_size']} = DP {inp['data_parallel_size']} x "
              f"{inp['num_microbatches']} micro-batches; TP group {data['tensor_model_parallel_size']} on "
              f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)",
-             f"made for: world {data['world_size']} = TP {data['tensor_model_parallel_size']} x DP "
-             f"{data['data_parallel_size']}" + (" (the topology's ranks; pass --nproc-per-node / --nnodes or "
+             f"made for: world {data['world_size']} = TP {data['tensor_model_parallel_size']} x "
+             + (f"PP {pp} x " if (pp := data.get("pipeline_model_parallel_size", 1)) > 1 else "")
+             + f"DP {data['data_parallel_size']}" + (" (the topology's ranks; pass --nproc-per-node / --nnodes or "
                                                 "--data-parallel-size for another launch)"
                                                 if inp.get("world_from") == "topology" else "")
              + f", --micro-batch-size {data['micro_batch_size']}, --schedule {data['schedule']}"]

@@ -25,6 +25,7 @@ from megatron_oases.flags import option
 PLAN_FORMAT = "megatron-oases-plan/1"
 FLAG = option("oases_plan")
 TP_FLAG = option("tensor_model_parallel_size")
+PP_FLAG = option("pipeline_model_parallel_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +181,7 @@ LAUNCH_FIELDS = ("world_size", "data_parallel_size", "micro_batch_size", "schedu
 
 
 def check_plan_launch(path: str, data: dict[str, Any], cfg, dims, *, warn: bool = True) -> None:
-    """Refuse a plan made for another launch (data-parallel size, micro-batch, ``--schedule``), one
+    """Refuse a plan made for another launch (pipeline stages, data-parallel size, micro-batch, ``--schedule``), one
     line naming the flag. A file written before plans recorded their launch is loaded unchecked,
     with one warning line on rank 0 (``warn``: the first validation of the run), on stdout like the
     run's other notes, so that a refusal is still the one line on stderr: refusing the file would
@@ -192,6 +193,11 @@ def check_plan_launch(path: str, data: dict[str, Any], cfg, dims, *, warn: bool 
                   f"--schedule), so it is not checked against this one; plan again to have it checked",
                   flush=True)
         return
+    # a file without it was made before plan took the flag: for one stage
+    made_pp = data.get("pipeline_model_parallel_size", 1)
+    if made_pp != dims.pp:
+        _fail(path, f"was made for {PP_FLAG} {made_pp} but this launch runs {PP_FLAG} {dims.pp}; plan again "
+                    f"with {PP_FLAG} {dims.pp} or launch with {PP_FLAG} {made_pp}")
     if made["data_parallel_size"] != dims.dp:
         _fail(path, f"was made for data-parallel size {made['data_parallel_size']} (world {made['world_size']}) "
                     f"but this launch's is {dims.dp} (world {dims.world_size} / TP {dims.tp} / PP {dims.pp}); "
