@@ -99,7 +99,8 @@ def layer_activation_bytes(backend: str, *, b: int, s: int, h: int, a: int, f: i
                            recompute_core_attention: bool = False, core_attention: str = "local") -> float:
     """Bytes one layer keeps for backward per micro-batch (no recompute, no SP, stock schedule;
     CUDA kernels): the backend's ``saved_bytes`` (Megatron 1-D: the measured inventory,
-    ``describe.saved``; ATP and 3-D: Korthikanti's terms, ``atp_2d.atp_2d_saved_bytes``,
+    ``describe.saved``; ATP and 3-D: their layers' measured inventory,
+    ``saved.mesh_layer_saved_bytes`` through ``atp_2d.atp_2d_saved_bytes`` and
     ``cube_3d.cube_3d_saved_bytes``)."""
     return record(backend).saved_bytes(b=b, s=s, h=h, a=a, f=f, t=t, e=e, layout=layout, hidden_dropout=hidden_dropout,
                                        attention_dropout=attention_dropout, variant=variant,
