@@ -66,13 +66,40 @@ def test_a_stock_plan_runs_a_micro_batch_of_one(tmp_path, capsys, schedule):
     assert cfg.oases_layer_degrees is not None
 
 
-@pytest.mark.xfail(strict=True, reason="plan prices Oases fine-grained recompute unless told otherwise "
-                                       "(--plan-recompute defaults on) and takes none of the trainer's recompute "
-                                       "flags, while the trainer recomputes nothing without them")
-def test_plan_prices_the_recompute_the_launch_runs(tmp_path, capsys):
+@pytest.mark.parametrize("recompute, want", [
+    ([], (False, False, True)),
+    (["--recompute-granularity", "selective"], (False, True, True)),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], (True, False, True)),
+    (["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--no-oases-fine-grained-recompute"], (True, False, False)),
+], ids=["none", "selective", "full", "oases-coarse"])
+def test_plan_prices_the_recompute_the_launch_runs(tmp_path, capsys, recompute, want):
+    """plan reads the trainer's recompute flags (was: Oases fine-grained recompute unless
+    --no-plan-recompute, whatever the launch ran)."""
     argv = [*MODEL, "--micro-batch-size", "4", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
-            "--nproc-per-node", "4"]
+            "--nproc-per-node", "4", *recompute]
     _, data = _plan_from_train_argv(tmp_path, capsys, argv)
     cfg, _ = _trainer(argv, 4)
-    assert cfg.recompute_granularity is None
-    assert data["inputs"]["model"]["recompute"] is False
+    model = data["inputs"]["model"]
+    assert (model["recompute"], model["selective_recompute"], model["fine_grained_recompute"]) == want
+    assert model["recompute"] == (cfg.recompute_granularity == "full")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--plan-recompute"], "--plan-recompute is now the trainer's --recompute-granularity full|selective"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method uniform|block"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+     "--recompute-method block --recompute-num-layers 1 recomputes 1 of a stage's 2 layers"),
+    (["--recompute-method", "uniform"], "--recompute-method / --recompute-num-layers need --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--families", "atp", "--tensor-model-parallel-size", "4"],
+     "--recompute-granularity selective checkpoints Megatron's core attention"),
+    (["--recompute-granularity", "selective", "--schedule", "oases"],
+     "--recompute-granularity selective cannot be combined with --schedule oases"),
+])
+def test_recompute_the_planner_cannot_price_is_one_line(tmp_path, capsys, argv, needle):
+    base = [*MODEL, "--micro-batch-size", "4", "--global-batch-size", "16", "--nproc-per-node", "4",
+            "--topology", "dgx-a100", "--out", str(tmp_path / "p.json"), "--quiet"]
+    assert plan_main([*base, *(["--tensor-model-parallel-size", "2"] if "--families" not in argv else []),
+                      *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

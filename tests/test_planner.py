@@ -197,7 +197,7 @@ def test_event_keys_are_the_simulators():
         sim = unique_events(build_stage_events(
             GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
                      micro_batch_size=8 * d // 8),
-            SimStrategy(tp=d, dp=8 // d, overlap="oases", recompute=True), topo))
+            SimStrategy(tp=d, dp=8 // d, schedule="oases", recompute=True), topo))
         ours = {k for k in pricer.events
                 if f"t{d}_" in k and ("compute:" in k or "all_reduce:" in k) and "grad" not in k}
         assert ours and ours <= set(sim), sorted(ours - set(sim))
@@ -231,7 +231,7 @@ def test_degree_one_blocks_and_reshards_are_the_simulators_events():
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer, granularity="block")
     sim = unique_events(build_stage_events(
         GPTShape(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=64, padded_vocab_size=51200,
-                 micro_batch_size=8), SimStrategy(tp=8, overlap="oases", block_degrees=(1, 8, 2, 1)), topo))
+                 micro_batch_size=8), SimStrategy(tp=8, schedule="oases", block_degrees=(1, 8, 2, 1)), topo))
     planned = [k for k in sim if "t1_" in k or "reshard" in k]
     assert any(k.startswith("compute:attention[b1s64") for k in planned)  # 8 x 1/8 samples, one run
     assert sum("reshard" in k for k in planned) >= 2
@@ -258,7 +258,7 @@ def test_planner_prices_each_event_as_the_simulator(core_attention):
     shape = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=2048,
                      padded_vocab_size=51200, micro_batch_size=8, core_attention=core_attention)
     dm = device_model(topo, bytes_per_element=shape.bytes_per_element, fused_attention=shape.fused_attention)
-    sim = unique_events(build_stage_events(shape, SimStrategy(tp=8, overlap="oases", recompute=True), topo))
+    sim = unique_events(build_stage_events(shape, SimStrategy(tp=8, schedule="oases", recompute=True), topo))
     both = [k for k in pricer.events if k in sim and k.startswith("compute:")]
     assert any(k.startswith("compute:attention[") for k in both), sorted(pricer.events)
     for k in both:
@@ -434,7 +434,8 @@ def test_atp_plans_are_whole_model_and_win_when_memory_binds():
     for degree 4 picks ATP 4x2 over TP 8 (axis 2 inside the NVLink pairs). On two 3090 nodes it
     does not: ATP's two concurrent axis-1 rings would share each node's one InfiniBand card."""
     topo = load_topology("nvlink-pairs")
-    m = PlanModel(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=8)
+    m = PlanModel(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=8,
+                  recompute=True)  # the Oases fine-grained recompute (the budget is sized for it)
     cm = build_cost_model(m, topology=topo, global_batch_size=16, memory_gb=5.3, families=("megatron", "atp"),
                           gpu="rtx-3090")
     labels = [s.label for s in cm.strategies]

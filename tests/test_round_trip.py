@@ -76,8 +76,6 @@ ATP_OASES_SAVED = ("the Oases executor holds every local step's inputs and outpu
                    "inventory plus Megatron 1-D's two step boundaries (describe.saved.oases_kept_beyond_stock)")
 ATP_LINE_SAVED = ("ATP with d2 = 1: the planner offers the mesh as the megatron family's layout (Megatron's "
                   "inventory: torch's norms); the ATP layer's norms keep more (describe.saved.mesh_norm_bytes)")
-PLAN_NO_MEGATRON_RECOMPUTE = ("plan takes none of Megatron's recompute modes (--recompute-granularity full / "
-                              "selective, Oases' coarse recompute): it prices Oases fine-grained recompute or none")
 PLAN_OASES_RESHARD_SAVED = ("describe.planned.planned_block_saved_bytes (the planner's and the simulator's) is per "
                             "block: under the Oases schedule the trainer also keeps each reshard's output where the "
                             "degree changes (the next block's share)")
@@ -89,23 +87,21 @@ def _xf(saved: str = "", saved_sim: str = "", saved_plan: str = "", collectives:
     return {k: v for k, v in pairs if v}
 
 
-_RC = _xf(saved_plan=PLAN_NO_MEGATRON_RECOMPUTE, collectives=PLAN_NO_MEGATRON_RECOMPUTE)
-
 GRID = [
     Row("gpt2-tp2", 2),
     Row("llama-tp2", 2, (*LLAMA,)),
     Row("gpt2-tp2-sp", 2, (*SP,)),
     Row("llama-tp2-sp", 2, (*LLAMA, *SP)),
-    Row("gpt2-tp2-selective", 2, (*SELECTIVE,), xfail=_xf(saved_plan=PLAN_NO_MEGATRON_RECOMPUTE)),
-    Row("llama-tp2-selective", 2, (*LLAMA, *SELECTIVE), xfail=_xf(saved_plan=PLAN_NO_MEGATRON_RECOMPUTE)),
-    Row("gpt2-tp2-sp-selective", 2, (*SP, *SELECTIVE), xfail=_xf(saved_plan=PLAN_NO_MEGATRON_RECOMPUTE)),
-    Row("gpt2-tp2-full", 2, (*FULL,), xfail=_RC),
-    Row("llama-tp2-sp-full", 2, (*LLAMA, *SP, *FULL), xfail=_RC),
+    Row("gpt2-tp2-selective", 2, (*SELECTIVE,)),
+    Row("llama-tp2-selective", 2, (*LLAMA, *SELECTIVE)),
+    Row("gpt2-tp2-sp-selective", 2, (*SP, *SELECTIVE)),
+    Row("gpt2-tp2-full", 2, (*FULL,)),
+    Row("llama-tp2-sp-full", 2, (*LLAMA, *SP, *FULL)),
     Row("gpt2-tp2-oases", 2, (*OASES,)),
     Row("llama-tp2-oases", 2, (*LLAMA, *OASES)),
     Row("gpt2-tp2-oases-fine", 2, (*FINE,)),
     Row("llama-tp2-oases-fine", 2, (*LLAMA, *FINE)),
-    Row("gpt2-tp2-oases-full", 2, (*COARSE,), xfail=_RC),
+    Row("gpt2-tp2-oases-full", 2, (*COARSE,)),
     Row("gpt2-tp2-sp-oases", 2, (*SP, *OASES)),
     Row("gpt2-tp2-plan-2-1", 2, plan=(2, 1)),
     Row("gpt2-tp2-plan-1-1-oases", 2, (*OASES,), plan=(1, 1)),
@@ -130,10 +126,10 @@ GRID = [
     Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2))),
     Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES), xfail=_xf(saved=ATP_OASES_SAVED)),
     Row("gpt2-atp-4x1", 4, (*_atp(4, 1),), xfail=_xf(saved_plan=ATP_LINE_SAVED)),
-    Row("gpt2-atp-1x4-full", 4, (*_atp(1, 4), *FULL), xfail=_RC),
+    Row("gpt2-atp-1x4-full", 4, (*_atp(1, 4), *FULL)),
     Row("gpt2-cube-8", 8, (*CUBE,)),
     Row("llama-cube-8", 8, (*LLAMA, *CUBE)),
-    Row("gpt2-cube-8-full", 8, (*CUBE, *FULL), xfail=_RC),
+    Row("gpt2-cube-8-full", 8, (*CUBE, *FULL)),
 ]
 
 
@@ -227,22 +223,15 @@ class BytesPricer:
 
 def plan_argv(argv: list[str], world: int) -> list[str]:
     """``plan``'s command line for the trainer's: the trainer's flags as they are (the ones
-    ``plan`` does not take are dropped by its parser), plus what ``plan`` names otherwise: the
-    element type (``--dtype``), the Oases fine-grained recompute (``--plan-recompute``), the
-    launch's world (``--nproc-per-node``) and a topology (not read: the pricer prices bytes)."""
+    ``plan`` does not take are dropped by its parser; the recompute flags it takes), plus what
+    ``plan`` names otherwise: the element type (``--dtype``), the launch's world
+    (``--nproc-per-node``) and a topology (not read: the pricer prices bytes)."""
     from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser
 
-    from megatron_oases.plan.plan_cli import build_parser as plan_parser
-
     cfg = run_config(build_parser().parse_args(argv))
     dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    oases_fine = (cfg.schedule == "oases" and cfg.recompute_granularity == "full"
-                  and cfg.oases_fine_grained_recompute)
-    # plan's name for it (--recompute before the flag table renamed it --plan-recompute)
-    name = "plan-recompute" if "--plan-recompute" in plan_parser()._option_string_actions else "recompute"
-    return [*argv, "--dtype", dtype, f"--{name}" if oases_fine else f"--no-{name}",
-            "--nproc-per-node", str(world), "--topology", "local"]
+    return [*argv, "--dtype", dtype, "--nproc-per-node", str(world), "--topology", "local"]
 
 
 def plan_layer(argv: list[str], row: Row) -> Layer:
@@ -259,9 +248,9 @@ def plan_layer(argv: list[str], row: Row) -> Layer:
     cfg = validate_config(run_config(train_parser().parse_args(argv)), row.world, cuda=False)
     a, _ = build_parser().parse_known_args(plan_argv(argv, row.world))
     m = model_from_args(a)
-    world, dp = launch_world(a, row.world, "local", m.tp)
+    world, dp = launch_world(a, row.world, "local", m.tp, a.pipeline_model_parallel_size)
     cm = build_cost_model(m, topology=local_topology(world), global_batch_size=a.global_batch_size,
-                          pricer=BytesPricer(), data_parallel=dp // row.pp,
+                          pricer=BytesPricer(), data_parallel=dp,
                           families=tuple(dict.fromkeys((cfg.tp_backend, "megatron"))))
     # the run's strategy: its backend's layout, else (a per-block plan; ATP with d2 = 1, which the
     # planner offers as the megatron family's layout) Megatron 1-D at each block's degree

@@ -76,18 +76,19 @@ def megatron_blocks(desc: LayerDescription) -> dict[str, tuple[tuple[Op, ...], t
 def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, seq: int, hidden: int, heads: int,
                               ffn: int, bytes_per_element: int, oases: bool, variant: LayerVariant = GPT2,
                               hidden_dropout: bool = False, attention_dropout: bool = False,
-                              core_attention: str = "local") -> float:
+                              core_attention: str = "local", recompute_core_attention: bool = False) -> float:
     """Bytes a planned block (``kind``: attention | mlp) of degree ``degree`` keeps for backward,
     without recompute, on its replica's ``samples``: Megatron's block inventory at that degree
     (``saved.block_saved_bytes``) and, under the Oases schedule (``oases``, TP > 1), its step
     boundary: half a layer's ``saved.oases_kept_beyond_stock``, at degree 1 too (that block runs
     in the executor, on one sub-batch). The planner's memory and the simulator's read it;
     ``tests/test_round_trip.py`` measures it. Where the degree changes under the Oases schedule
-    the trainer also keeps the reshard's output, which is not counted here."""
+    the trainer also keeps the reshard's output, which is not counted here.
+    ``recompute_core_attention``: Megatron's selective recompute (no s^2 tensor kept)."""
     e = bytes_per_element
     kept = block_saved_bytes(kind, b=samples, s=seq, h=hidden, a=heads, f=ffn, t=degree, e=e,
                              hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
-                             core_attention=core_attention)
+                             core_attention=core_attention, recompute_core_attention=recompute_core_attention)
     if oases and tp > 1:  # at TP 1 no executor runs (schedules/oases/options.oases_runs)
         kept += oases_kept_beyond_stock(samples * seq * hidden * e, s=seq, h=hidden, a=heads, e=e, variant=variant,
                                         sub_batches=sub_batches_at(degree, oases=True),

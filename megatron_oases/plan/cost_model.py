@@ -153,14 +153,15 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
     for blk in ops:
         c_f = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.fwd_compute)
         c_b = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.bwd_compute)
-        c_b += c_f if m.recompute else 0.0
+        c_b += c_f if m.recompute else 0.0  # full recompute reruns the block's forward before its backward,
+        rerun_comm = blk.fwd_comm if m.recompute and not m.fine_grained else ()  # its collectives too unless fine
         params = fam.params(s, m, blk.kind)
         shard = len(grad_ranks) if m.distributed_optimizer else 1
         saved, runtime = fam.memory(s, m, blk.kind, share)
         g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(grad_ranks),
                           payload_bytes=4 * params)
         out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b,
-                                  m_bwd=comm(blk.bwd_comm) - hidden_by_wgrad(blk.bwd_comm),
+                                  m_bwd=comm(blk.bwd_comm) + comm(rerun_comm) - hidden_by_wgrad(blk.bwd_comm),
                                   params=params, state_bytes=params * state_bytes_per_param(m, shard),
                                   saved_bytes=saved, runtime_bytes=runtime,
                                   grad_sync_ms=pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=grad_ranks,

@@ -33,7 +33,7 @@ from megatron_oases.describe.planned import degree_reshard, split_at
 from megatron_oases.describe.registry import (axis_ranks, block_edges, block_param_tensors, layer_activation_bytes,
                                                 layer_input_bytes, layer_param_tensors)
 
-from .memory import block_activation_bytes, block_memory
+from .memory import block_activation_bytes, block_memory, recomputed_block_bytes
 from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
 
 # ---- strategies --------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def describe_layer(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescrip
         ffn=m.ffn_hidden_size, tp=s.degree, bytes_per_element=m.bytes_per_element, variant=m.variant,
         sequence_parallel=m.sequence_parallel, schedule="oases" if m.sub_batches > 1 else "stock",
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
-        core_attention=m.core_attention))
+        core_attention=m.core_attention, recompute_core_attention=m.selective_recompute))
 
 
 def _megatron_ranks(s: BlockStrategy, axis: str) -> tuple[int, ...]:
@@ -220,7 +220,8 @@ def _saved_flags(m: PlanModel) -> dict:
 
 
 def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
-    """Hidden states are ``[s, b, h/d2]``. Fine-grained recompute keeps the block input and the
+    """Hidden states are ``[s, b, h/d2]``. Full recompute keeps the layer input
+    (``memory.recomputed_block_bytes``); the Oases fine-grained one keeps the block input and the
     outputs of its forward collectives (attention: QKV sum 3h/d1, gathered context h/d1, proj sum
     h/d2; MLP: fc1 sum f/d1, fc2 sum h/d2); without recompute the block's share of ATP's full
     activations (``describe.registry.layer_activation_bytes``, split in proportion to Megatron's)."""
@@ -233,6 +234,9 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
     grads = 2 * e * tok * h / d2
     if not m.recompute:
         return full, grads
+    if not m.fine_grained:  # the layer input, as a rank holds it
+        block_input = layer_input_bytes(s.family, b=samples, s=m.seq_length, h=h, e=e, t=s.degree, layout=s.layout)
+        return recomputed_block_bytes(m, kind, block_input), full + grads
     qkv, fc1 = m.variant.qkv_rows(h, m.num_attention_heads), m.variant.fc1_rows(f)
     saved = e * tok * ((h / d2 + qkv / d1 + h / d1 + h / d2) if kind == "attention" else (fc1 / d1 + h / d2))
     return saved, full + grads
@@ -242,9 +246,9 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
 
 def _whole_group_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tuple[float, float]:
     """The record's saved bytes (``layer_activation_bytes``), split between the blocks in
-    proportion to Megatron's; with recompute a block keeps its input as a rank holds it
-    (``layer_input_bytes``: the cube's own block, 1/T) and runs the stock executor's full
-    recompute; backward's working set adds two such hidden states."""
+    proportion to Megatron's; with recompute the layer keeps its input as a rank holds it
+    (``layer_input_bytes``: the cube's own block, 1/T; ``memory.recomputed_block_bytes``) and runs
+    the stock executor's full recompute; backward's working set adds two such hidden states."""
     kw = dict(b=samples, s=m.seq_length, h=m.hidden_size, e=m.bytes_per_element, layout=s.layout)
     layer = layer_activation_bytes(s.family, a=m.num_attention_heads, f=m.ffn_hidden_size, t=s.degree,
                                    **kw, **_saved_flags(m))
@@ -253,7 +257,7 @@ def _whole_group_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int)
     block_input = layer_input_bytes(s.family, t=s.degree, **kw)
     if not m.recompute:
         return full, 2 * block_input
-    return block_input, full + 2 * block_input
+    return recomputed_block_bytes(m, kind, block_input), full + 2 * block_input
 
 
 def _whole_group_family(name: str) -> Family:
@@ -324,6 +328,9 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     refused = _record_refusal(s, m, query_groups=m.variant.query_groups)
     if refused:
         return refused
+    if m.selective_recompute and not backend(s.family).megatron_modules:  # train_args.check_selective_recompute
+        return (f"--recompute-granularity selective checkpoints Megatron's core attention, which --tp-backend "
+                f"{s.family} does not run: plan with --recompute-granularity full or none")
     if m.sub_batches > 1 and not backend(s.family).oases_tape:
         return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --schedule default"
     return split_refusal(m.micro_batch_size, m.sub_batches)  # describe.split

@@ -30,9 +30,16 @@ class PlanModel(GPTShape):
 
     tp: int
     """--tensor-model-parallel-size T: the TP group every block's degree divides."""
-    recompute: bool = True
-    """Oases fine-grained recompute: each block saves its input and forward all-reduce output and
-    recomputes its compute (no collective) before its backward."""
+    recompute: bool = False
+    """--recompute-granularity full (every layer of the stage): each layer keeps its input and
+    reruns its forward before its backward, the forward's collectives too, unless
+    :attr:`fine_grained` (``describe.split.recompute_boundaries``)."""
+    fine_grained_recompute: bool = True
+    """--oases-fine-grained-recompute, the trainer's default: under the Oases schedule full
+    recompute also keeps each forward all-reduce's output and so issues no collective again."""
+    selective_recompute: bool = False
+    """--recompute-granularity selective: the core attention reruns in backward, its s^2 tensors
+    are not kept (``describe.saved``)."""
     sub_batches: int = 2
     """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor."""
     distributed_optimizer: bool = False
@@ -56,10 +63,20 @@ class PlanModel(GPTShape):
         if self.sub_batches not in (1, SUB_BATCHES):
             raise PlanError(f"sub_batches must be 1 (stock executor) or {SUB_BATCHES} (Oases) "
                             f"(got {self.sub_batches!r})")
+        if self.recompute and self.selective_recompute:
+            raise PlanError(f"{option('recompute_granularity')} is full or selective, not both")
+        if self.selective_recompute and self.sub_batches > 1:  # the trainer's refusal (schedules/oases/options)
+            raise PlanError(f"{option('recompute_granularity')} selective cannot be combined with --schedule oases "
+                            "(Oases recomputes whole layers); use full or no recompute")
         refused = tp_split_refusal(tp=self.tp, hidden=self.hidden_size, heads=self.num_attention_heads,
                                    ffn=self.ffn_hidden_size)
         if refused:
             raise PlanError(refused)
+
+    @property
+    def fine_grained(self) -> bool:
+        """Full recompute that reissues no collective: the Oases schedule's fine-grained one."""
+        return self.recompute and self.fine_grained_recompute and self.sub_batches > 1
 
     @property
     def num_blocks(self) -> int:
@@ -71,6 +88,7 @@ class PlanModel(GPTShape):
              "num_attention_heads": self.num_attention_heads, "seq_length": self.seq_length,
              "micro_batch_size": self.micro_batch_size, "tp": self.tp, "ffn_hidden_size": self.ffn_hidden_size,
              "vocab_size": self.padded_vocab_size, "dtype": self.dtype, "recompute": self.recompute,
+             "fine_grained_recompute": self.fine_grained_recompute, "selective_recompute": self.selective_recompute,
              "sub_batches": self.sub_batches, "distributed_optimizer": self.distributed_optimizer,
              "hidden_dropout": self.hidden_dropout, "attention_dropout": self.attention_dropout,
              # the --attention-backend value that maps back to the kind and its kernels
@@ -87,7 +105,8 @@ _ALIASES = {"vocab": "vocab_size", "tensor_model_parallel_size": "tp", "micro_ba
 
 
 FILE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp",
-               "ffn_hidden_size", "vocab_size", "dtype", "recompute", "sub_batches", "distributed_optimizer",
+               "ffn_hidden_size", "vocab_size", "dtype", "recompute", "fine_grained_recompute",
+               "selective_recompute", "sub_batches", "distributed_optimizer",
                "hidden_dropout", "attention_dropout", "attention_backend", "num_query_groups", "swiglu", "normalization",
                "add_bias_linear", "position_embedding_type", "rotary_percent", "qk_layernorm", "sequence_parallel")
 """The keys of a ``--model`` file and of a plan file's ``inputs.model`` (``PlanModel.to_dict``)."""

@@ -55,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                   "qk_layernorm"))
     add_flag(p, "sequence_parallel", note="priced at the uniform degree T only")
     add_flags(p, ("hidden_dropout", "attention_dropout", "attention_backend"))
-    p.add_argument("--plan-recompute", action=argparse.BooleanOptionalAction, default=True,
-                   help="price Oases fine-grained recompute (the launch's --recompute-granularity full "
-                        "--recompute-method uniform); default on, or the --model file's recompute")
-    p.add_argument("--recompute", "--no-recompute", action=Renamed, new="--plan-recompute / --no-plan-recompute "
-                   "(sim's --recompute is Megatron's full recompute)")
+    add_flags(p, ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+    add_flag(p, "oases_fine_grained_recompute", note="the plan prices it under --schedule oases with "
+             "--recompute-granularity full")
+    p.add_argument("--plan-recompute", "--no-plan-recompute", "--recompute", "--no-recompute", action=Renamed,
+                   new=f"the trainer's {option('recompute_granularity')} full|selective (with "
+                       f"{option('recompute_method')}; under --schedule oases {option('oases_fine_grained_recompute')}"
+                       "), which plan prices as the launch runs them; without them no recompute")
     add_flag(p, "schedule", note="oases prices the two-sub-batch overlap, default Megatron's sequential "
              "executor; the plan file records it")
     p.add_argument("--sub-batches", type=int, choices=(1, SUB_BATCHES), default=None,
@@ -152,7 +154,8 @@ MODEL_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                 "num_attention_heads": "num_attention_heads", "seq_length": "seq_length",
                 "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size",
                 "micro_batch_size": "micro_batch_size", "tp": "tensor_model_parallel_size", "dtype": "dtype",
-                "recompute": "plan_recompute", "distributed_optimizer": "use_distributed_optimizer",
+                "fine_grained_recompute": "oases_fine_grained_recompute",
+                "distributed_optimizer": "use_distributed_optimizer",
                 "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
                 "attention_backend": "attention_backend", "swiglu": "swiglu", "normalization": "normalization",
                 "add_bias_linear": "add_bias_linear", "position_embedding_type": "position_embedding_type",
@@ -174,6 +177,10 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
     if "num_query_groups" in given or "group_query_attention" in given or "num_query_groups" not in stated:
         over["num_query_groups"] = _gqa_groups(a)
     over["sub_batches"] = _sub_batches(a, stated)
+    if given & {"recompute_granularity", "recompute_method", "recompute_num_layers"} or not \
+            {"recompute", "selective_recompute"} & set(stated):
+        over.update(recompute=a.recompute_granularity == "full",
+                    selective_recompute=a.recompute_granularity == "selective")
     model = model_from_mapping(config, source=f"--model {a.model}" if a.model else "model flags", **over)
     # the plan prices a GPU, where flash has no fp32 kernel (a model file may still state it for
     # a CPU run of the trainer, whose torch kernels take fp32)
@@ -197,6 +204,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     pp = a.pipeline_model_parallel_size
     world, dp = launch_world(a, topo.world_size, topo.name, m.tp, pp)
     stage = stage_model(m, pp)
+    check_recompute_layers(a, stage.num_layers)
     degrees = None
     if a.degrees is not None:  # "" restricts to nothing: refused, not read as "every degree"
         try:
@@ -271,6 +279,28 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
 def world_given(a: argparse.Namespace) -> bool:
     """Whether the flags name the launch's world (else the plan takes the topology's ranks)."""
     return a.nproc_per_node is not None or a.data_parallel_size is not None
+
+
+def check_recompute_layers(a: argparse.Namespace, stage_layers: int) -> None:
+    """The recompute the planner prices is every layer of a stage or none: ``uniform`` with
+    groups of one layer, or ``block`` covering the stage; one line naming the flag otherwise (and
+    the trainer's pairing of the flags)."""
+    method, n = a.recompute_method, a.recompute_num_layers
+    gran, meth, num = (option(d) for d in ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+    if a.recompute_granularity != "full":
+        if method is not None or n is not None:
+            raise PlanError(f"{meth} / {num} need {gran} full")
+        return
+    if method is None:
+        raise PlanError(f"{gran} full needs {meth} uniform|block")
+    if n is not None and n < 1:
+        raise PlanError(range_refusal(num, n, 1))
+    if method == "uniform" and (n or 1) != 1:
+        raise PlanError(f"{meth} uniform {num} {n} checkpoints groups of {n} layers, which the planner does not "
+                        f"price; plan with {num} 1")
+    if method == "block" and n is not None and n < stage_layers:
+        raise PlanError(f"{meth} block {num} {n} recomputes {n} of a stage's {stage_layers} layers, which the "
+                        f"planner does not price (every layer or none); plan with {num} {stage_layers}")
 
 
 def stage_model(m: PlanModel, pp: int) -> PlanModel:
