@@ -15,7 +15,6 @@ from pathlib import Path
 
 from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.run_config import SCHEDULES
-from megatron_oases.sim.frontends.cli import OVERLAP_OF
 from megatron_oases.describe.shapes import GPTShape
 from megatron_oases.sim.core.strategy import Strategy
 from megatron_oases.sim.core.timeline import SimResult, simulate, summary_table
@@ -35,14 +34,14 @@ def cluster(gpus: int, per_node: int = 8) -> Topology:
 
 
 def run(*, gpus: int = 3072, layers: int = 128, tp: int = 8, pp: int = 8, dp: int = 48,
-        microbatches: int = 32, overlap: str = "oases", schedule: str = "1f1b", virtual_stages: int = 1,
+        microbatches: int = 32, schedule: str = "oases", pipeline_schedule: str = "1f1b", virtual_stages: int = 1,
         distributed_optimizer: bool = True, ddp_overlap: bool = False) -> tuple[SimResult, float]:
     """(result, seconds) for a GPT-175B-like model (h 12288, 96 heads, s 2048)."""
     t0 = time.perf_counter()
     model = GPTShape(num_layers=layers, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                      padded_vocab_size=51200, micro_batch_size=2)
-    strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, schedule=schedule,
-                        overlap=overlap, recompute=True, virtual_stages=virtual_stages,
+    strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, pipeline_schedule=pipeline_schedule,
+                        schedule=schedule, recompute=True, virtual_stages=virtual_stages,
                         distributed_optimizer=distributed_optimizer, overlap_grad_reduce=ddp_overlap,
                         overlap_param_gather=ddp_overlap and distributed_optimizer)
     r = simulate(model, strategy, device_model(cluster(gpus)))
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         r, secs = run(gpus=a.gpus, layers=a.layers, tp=a.tp, pp=a.pp, dp=a.dp, microbatches=a.microbatches,
-                      overlap=OVERLAP_OF[a.schedule], schedule=a.pipeline_schedule, virtual_stages=a.virtual_stages,
+                      schedule=a.schedule, pipeline_schedule=a.pipeline_schedule, virtual_stages=a.virtual_stages,
                       distributed_optimizer=a.distributed_optimizer, ddp_overlap=a.ddp_overlap)
     except SimError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -116,7 +116,7 @@ def describe(r: SimResult, run: dict) -> str:
     """Short configuration of a simulated run: model, strategy, topology."""
     m, s = r.model, r.strategy
     back = {"megatron": "1-D", "atp": f"ATP{s.layout.shape}", "3d": "3-D"}[s.backend]
-    extra = (" oases" if s.overlap == "oases" else "") + (" rc" if s.recompute else "")
+    extra = (" oases" if s.schedule == "oases" else "") + (" rc" if s.recompute else "")
     nodes = f"x{run['nodes']}" if run.get("nodes") else ""
     return (f"L{m.num_layers} h{m.hidden_size} b{m.micro_batch_size} {back} TP{s.tp} PP{s.pp} DP{s.dp} "
             f"m{s.num_microbatches}{extra} @{run['topology']}{nodes}")

@@ -33,7 +33,7 @@ def test_the_candidate_set():
 def test_planner_and_search_offer_the_same_meshes(tp):
     plan = candidate_strategies(PlanModel(**SHAPE, tp=tp, sub_batches=1), families=("atp",))
     space = SearchSpace(gpus=tp, global_batch=2, tp_sizes=(tp,), pp_sizes=(1,), backends=("atp",),
-                        overlaps=("none",), recompute=("off",))
+                        schedules=("default",), recompute=("off",))
     searched = [c.strategy.layout.shape for c in candidates(GPTShape(**SHAPE), space)]
     assert [s.layout.shape for s in plan] == searched == list(atp_meshes(tp, with_1d=False))
     if tp == 6:

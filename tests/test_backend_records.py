@@ -67,7 +67,7 @@ def test_the_simulators_search_offers_each_records_layouts(tp):
     shape = GPTShape(num_layers=2, hidden_size=tp * 48, num_attention_heads=tp * 2, seq_length=16,
                      micro_batch_size=4, ffn_hidden_size=tp * 192, padded_vocab_size=tp * 64)
     space = SearchSpace(gpus=tp, global_batch=4, tp_sizes=[tp], pp_sizes=[1], backends=tuple(BACKENDS),
-                        overlaps=("none",), recompute=("off",))
+                        schedules=("default",), recompute=("off",))
     offered = {(c.backend, c.strategy.layout) for c in candidates(shape, space) if c.strategy is not None}
     assert offered == {(n, layout) for n, b in BACKENDS.items() for layout in b.layouts(tp)}
 

@@ -67,19 +67,19 @@ def test_3d_description_refuses_what_the_cube_cannot_split():
         cube_3d_gpt_layer(micro_batch=2, seq=8, hidden=32, heads=8, ffn=128, tp=8)
 
 
-@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", atp_layout(4, 2), "oases")])
-def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, overlap):
+@pytest.mark.parametrize("backend, mesh, schedule", [("3d", None, "default"), ("atp", atp_layout(4, 2), "oases")])
+def test_simulator_runs_the_backends_the_runtime_runs(backend, mesh, schedule):
     topo = load_topology("dgx-a100")
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
                      micro_batch_size=4, ffn_hidden_size=4096)
-    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, overlap=overlap,
-                  recompute=overlap == "oases")
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, schedule=schedule,
+                  recompute=schedule == "oases")
     res = simulate(model, st, device_model(topo))
     assert res.iteration_ms > 0
 
 
-@pytest.mark.parametrize("backend, mesh, overlap", [("3d", None, "none"), ("atp", atp_layout(4, 2), "oases")])
-def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
+@pytest.mark.parametrize("backend, mesh, schedule", [("3d", None, "default"), ("atp", atp_layout(4, 2), "oases")])
+def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, schedule):
     """GQA, SwiGLU, RMSNorm and no bias are priced from the backend's description: the
     weights a rank holds are the description's parameters (SwiGLU's third matrix outweighs
     GQA's smaller QKV), and the step time changes with them."""
@@ -89,8 +89,8 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
     topo = load_topology("dgx-a100")
     kw = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
               micro_batch_size=4, ffn_hidden_size=2816)
-    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, overlap=overlap,
-                  recompute=overlap == "oases")
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, schedule=schedule,
+                  recompute=schedule == "oases")
     llama = GPTShape(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",
                                                     bias=False))
     gpt = simulate(GPTShape(**kw), st, device_model(topo))
@@ -108,7 +108,7 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, overlap):
 
 
 def test_simulator_refuses_oases_over_the_cube():
-    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend="3d", overlap="oases")
+    st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend="3d", schedule="oases")
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
                      micro_batch_size=4, ffn_hidden_size=4096)
     with pytest.raises(SimError, match="no Oases tape for 3d"):

@@ -106,7 +106,7 @@ def test_the_planner_and_the_simulator_read_the_same_bytes():
         _dropped_per_layer(b=1, s=4096, h=8192, a=64, g=8, t=8, e=2), rel=1e-12)
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(recompute=True), dict(overlap="oases"),
+@pytest.mark.parametrize("mode", [dict(), dict(recompute=True), dict(schedule="oases"),
                                   dict(selective_recompute=True)])
 def test_fused_attention_never_keeps_more(mode):
     """Full recompute keeps each layer's input either way (only the recomputed layer's working set

@@ -30,7 +30,7 @@ def test_description_moves_the_head_collectives_to_the_sub_batches(sp, rope):
     assert [c.name for c in left] == ["loss.ar"]
 
 
-def _chunk(overlap: str, sp: bool):
+def _chunk(schedule: str, sp: bool):
     from megatron_oases.describe.shapes import GPTShape
     from megatron_oases.sim.core.events import build_stage_events
     from megatron_oases.sim.core.strategy import Strategy
@@ -39,7 +39,7 @@ def _chunk(overlap: str, sp: bool):
     shape = GPTShape(num_layers=2, hidden_size=H, num_attention_heads=8, seq_length=S,
                      padded_vocab_size=V, micro_batch_size=B)
     assert shape.bytes_per_element == E
-    (stage,) = build_stage_events(shape, Strategy(tp=T, dp=4, overlap=overlap,
+    (stage,) = build_stage_events(shape, Strategy(tp=T, dp=4, schedule=schedule,
                                                   sequence_parallel=sp, recompute=True), load_topology("pcie-3090-2node"))
     return stage.chunks[0]
 
@@ -56,7 +56,7 @@ def test_simulator_runs_the_head_collectives_in_the_sub_batch_chains(sp):
                 for evs, chains in segs for ev in evs
                 if ev.kind == "collective" and ev.name.startswith(head)}
 
-    stock, oases = sizes(_chunk("none", sp)), sizes(_chunk("oases", sp))
+    stock, oases = sizes(_chunk("default", sp)), sizes(_chunk("oases", sp))
     assert {(c, n) for _, c, n in stock} == {(1, ACT)}
     assert {(c, n) for _, c, n in oases} == {(2, ACT // 2)}
     assert {name for name, _, _ in oases} == {name for name, _, _ in stock} - {"logits.ag.wgrad"}

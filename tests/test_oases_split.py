@@ -124,7 +124,7 @@ def test_runtime_simulator_and_planner_agree_on_a_micro_batch(micro_batch):
     model = GPTShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=128,
                      micro_batch_size=micro_batch)
     with expect() as sim:
-        check(model, Strategy(tp=2, pp=1, dp=1, num_microbatches=2, overlap="oases"), 2)
+        check(model, Strategy(tp=2, pp=1, dp=1, num_microbatches=2, schedule="oases"), 2)
     topo = Topology(name="flat", device="a100-80gb", levels=(Level(
         name="nvlink", size=2, scope="intra_node", p2p_bandwidth_GBps=100, group_bandwidth_GBps=100, latency_us=2),))
     plan = PlanModel(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, micro_batch_size=micro_batch,

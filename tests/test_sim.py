@@ -90,8 +90,8 @@ def test_profile_overrides_and_names_missing(tmp_path: Path):
     assert simulate(SMALL, strat, lenient).iteration_ms > 0
 
 
-CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=8, schedule=sch, overlap=ov, recompute=rc, virtual_stages=vp)
-           for sch, vp in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)) for ov in ("none", "oases") for rc in (False, True)
+CONFIGS = [Strategy(tp=2, pp=4, dp=2, num_microbatches=8, pipeline_schedule=sch, schedule=ov, recompute=rc, virtual_stages=vp)
+           for sch, vp in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)) for ov in ("default", "oases") for rc in (False, True)
            if sch == "1f1b" or vp == 1]
 CONFIGS += [Strategy(tp=4, pp=2, dp=2, num_microbatches=4, backend="atp", layout=atp_layout(2, 2), recompute=True, virtual_stages=2),
             Strategy(tp=2, pp=2, dp=4, num_microbatches=3, distributed_optimizer=True)]
@@ -100,7 +100,7 @@ MODEL8 = GPTShape(num_layers=8, hidden_size=512, num_attention_heads=8, seq_leng
 
 
 def _label(s: Strategy) -> str:
-    return f"{s.schedule}-vp{s.virtual_stages}-{s.overlap}-rc{int(s.recompute)}-{s.backend}"
+    return f"{s.pipeline_schedule}-vp{s.virtual_stages}-{s.schedule}-rc{int(s.recompute)}-{s.backend}"
 
 
 @pytest.mark.parametrize("strat", CONFIGS, ids=_label)
@@ -115,12 +115,12 @@ def test_timeline_invariants(strat: Strategy):
     # inside a template each sub-batch's ops run in order (compute waits on its collectives); stock
     # Megatron's input-gradient all-reduce starts beside its compute's weight gradient instead
     chain_end, chain_start = {}, {}
-    beside = strat.overlap == "none" and strat.backend == "megatron"
+    beside = strat.schedule == "default" and strat.backend == "megatron"
     for e in evs:
         if e["phase"] in ("F", "B") and e["stream"] != "p2p":
             k = (e["stage"], e["chunk"], e["phase"], e["micro_batch"], e["chain"])
             # (under oases the output layer's all-reduce runs per sub-batch, in its chain's order)
-            if (e["name"] in OUTPUT_ASYNC_DGRAD and strat.overlap != "oases") or (
+            if (e["name"] in OUTPUT_ASYNC_DGRAD and strat.schedule != "oases") or (
                     beside and e["name"] in STOCK_ASYNC_DGRAD):
                 assert e["start"] >= chain_start[k] - EPS
                 chain_end[k] = max(chain_end[k], e["end"])
@@ -163,21 +163,21 @@ def test_oases_never_slower_with_linear_costs(tp: int, pp: int, mb: int):
     dm = device_model(topo(lat=0.0), gemm_half_ms=0.0, stack=no_host)  # no host floor either
     model = GPTShape(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
                      micro_batch_size=mb)
-    times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, overlap=ov),
-                          dm).iteration_ms for ov in ("none", "oases")}
-    assert times["oases"] <= times["none"] + EPS
+    times = {ov: simulate(model, Strategy(tp=tp, pp=pp, dp=16 // (tp * pp), num_microbatches=4, schedule=ov),
+                          dm).iteration_ms for ov in ("default", "oases")}
+    assert times["oases"] <= times["default"] + EPS
 
 
 def test_oases_meets_max_bound_for_one_layer_comm_equal_compute():
     model = GPTShape(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
                      micro_batch_size=2)
     layer = ("attention", "attention.g", "mlp", "mlp.g")
-    for ov, unit in (("none", 2.0), ("oases", 1.0)):  # a sub-batch op costs half a micro-batch op
-        st = build_stage_events(model, Strategy(tp=2, overlap=ov), topo(nodes=1, per_node=2))[0]
+    for ov, unit in (("default", 2.0), ("oases", 1.0)):  # a sub-batch op costs half a micro-batch op
+        st = build_stage_events(model, Strategy(tp=2, schedule=ov), topo(nodes=1, per_node=2))[0]
         ops = tuple(e for e in st.forward if e.name in layer)
         tm = run_template(ops, st.chains, {e.key: unit for e in ops})
         c = m = 2 * 2.0  # total compute = total comm = 4 (two segments of 2 per micro-batch)
-        if ov == "none":
+        if ov == "default":
             assert tm.duration == pytest.approx(c + m)
         else:  # max(C, M) + the one sub-batch segment that cannot overlap (pipeline fill)
             assert tm.duration == pytest.approx(max(c, m) + unit)
@@ -201,7 +201,7 @@ def test_stock_input_gradient_all_reduce_runs_beside_the_weight_gradient():
     # both twice as slow together: the wgrad ends at 7 + 6, the all-reduce did 6/10 by then, 2 ms alone
     tm = run_template(ops, 1, price, {ar.key: 10.0, ar.beside.key: 6.0})
     assert tm.slots[0].dur == pytest.approx(13.0) and tm.duration == pytest.approx(15.0)
-    oases = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
+    oases = build_stage_events(model, Strategy(tp=2, schedule="oases"), topo(nodes=1, per_node=2))[0]
     # the executor launches its own collectives, the output layer's too (per sub-batch)
     assert [e.name for e in oases.backward if e.beside is not None] == []
 
@@ -212,7 +212,7 @@ def test_oases_splits_the_layers_and_the_head_collectives():
     logits' compute and the loss run before and after them on the whole micro-batch, one chain."""
     model = GPTShape(num_layers=2, hidden_size=512, num_attention_heads=8, seq_length=256, padded_vocab_size=4096,
                      micro_batch_size=4)
-    st = build_stage_events(model, Strategy(tp=2, overlap="oases"), topo(nodes=1, per_node=2))[0]
+    st = build_stage_events(model, Strategy(tp=2, schedule="oases"), topo(nodes=1, per_node=2))[0]
     ch = st.chunks[0]
     assert [c for _, c in ch.forward_segments] == [1, 2, 1] == [c for _, c in ch.backward_segments]
     assert [e.name for e in ch.forward_segments[0][0]] == ["embedding"]
@@ -238,7 +238,7 @@ def test_oases_splits_the_layers_and_the_head_collectives():
 
 
 def test_chrome_trace(tmp_path: Path):
-    r = simulate(SMALL, Strategy(tp=2, pp=2, dp=4, num_microbatches=3, overlap="oases"), device_model(topo()))
+    r = simulate(SMALL, Strategy(tp=2, pp=2, dp=4, num_microbatches=3, schedule="oases"), device_model(topo()))
     tr = chrome_trace(r)
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     assert xs and all({"name", "pid", "tid", "ts", "dur", "args"} <= e.keys() for e in xs)

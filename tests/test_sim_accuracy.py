@@ -157,7 +157,7 @@ def test_profile_contention_roundtrip_and_simulation(tmp_path):
 def test_overlap_plan_and_merge():
     """Oases stages mark their forward / backward events overlapped; the plan measures those
     collectives and compute events also under overlap, and the merge keeps the slowest rank."""
-    s = Strategy(tp=2, num_microbatches=2, overlap="oases")
+    s = Strategy(tp=2, num_microbatches=2, schedule="oases")
     topo = local_topology(2)
     stages = build_stage_events(TINY, s, topo)
     keys = overlapped_keys(stages)
@@ -186,7 +186,7 @@ def test_template_with_overlap_prices():
     """Without overlap prices the fluid template equals the list schedule; when overlapped
     collectives and compute slow each other down, the template gets longer but never longer
     than running everything back to back at the overlapped prices."""
-    s = Strategy(tp=2, num_microbatches=2, overlap="oases")
+    s = Strategy(tp=2, num_microbatches=2, schedule="oases")
     topo = local_topology(2)
     dm = device_model(topo, gpu="a100-80gb")
     st = build_stage_events(TINY, s, topo)[0]
@@ -273,7 +273,7 @@ def test_overlapped_collective_time_from_the_executor_s_pattern():
     assert overlapped_from_beside(total=6.0, compute=9.0, plain=10.0) == 6.0  # done during the compute
     ov = overlapped_from_beside(total=15.0, compute=9.0, plain=10.0)  # 40% done in 9 ms, 6 ms alone
     assert ov == pytest.approx(22.5)
-    evs = tuple(e for e in build_stage_events(TINY, Strategy(tp=2, overlap="oases"), local_topology(2))[0].forward
+    evs = tuple(e for e in build_stage_events(TINY, Strategy(tp=2, schedule="oases"), local_topology(2))[0].forward
                 if e.name in ("attention", "attention.g"))[:2]
     price = {evs[0].key: 9.0, evs[1].key: 10.0}
     # sub-batch 0's all-reduce beside sub-batch 1's 9 ms compute ends 6 ms after it, as measured

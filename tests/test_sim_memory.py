@@ -58,7 +58,7 @@ def _mem(**kw):
 def test_in_flight_micro_batches_per_schedule():
     one = _mem()
     assert [m.in_flight for m in one.memory] == [4, 3, 2, 1]  # 1F1B: pp - stage
-    assert [m.in_flight for m in _mem(schedule="gpipe").memory] == [8] * 4
+    assert [m.in_flight for m in _mem(pipeline_schedule="gpipe").memory] == [8] * 4
     inter = _mem(virtual_stages=2)
     # Megatron's interleaved warm-up: 2 (pp - s - 1) + (v - 1) pp forwards, plus the steady one
     assert [m.in_flight for m in inter.memory] == [2 * (4 - s - 1) + 4 + 1 for s in range(4)]
@@ -73,8 +73,8 @@ def test_recompute_and_oases_fine_grained():
                                   e=e, layout=None,
                                   hidden_dropout=False, attention_dropout=False)  # MODEL's dropout is 0
     none, rc = _mem().memory[1], _mem(recompute=True).memory[1]
-    oases = _mem(recompute=True, overlap="oases").memory[1]
-    coarse = _mem(recompute=True, overlap="oases", fine_grained_recompute=False).memory[1]
+    oases = _mem(recompute=True, schedule="oases").memory[1]
+    coarse = _mem(recompute=True, schedule="oases", fine_grained_recompute=False).memory[1]
     layers, alive = 2, 3  # stage 1 of 4: 2 layers, 3 micro-batches in flight
     assert none.activations == pytest.approx(alive * layers * full)
     assert rc.activations == pytest.approx(alive * layers * inp + full)  # + the recompute working set
@@ -137,6 +137,6 @@ def test_oases_without_recompute_prices_its_step_boundaries():
     inventory, and a causal mask for its second sub-batch (measured in
     tests/test_saved_bytes_budget.py)."""
     b, s, h, e = MODEL.micro_batch_size, MODEL.seq_length, MODEL.hidden_size, 2
-    stock, oases = _mem().memory[1], _mem(overlap="oases").memory[1]
+    stock, oases = _mem().memory[1], _mem(schedule="oases").memory[1]
     layers, alive = 2, 3
     assert oases.activations - stock.activations == pytest.approx(alive * layers * (2 * b * s * h * e + s * s))

@@ -103,7 +103,7 @@ def test_every_compute_event_has_a_workload():
     strats = [Strategy(tp=2, pp=2, num_microbatches=2, recompute=True),
               Strategy(tp=2, pp=2, num_microbatches=2, selective_recompute=True),
               Strategy(tp=4, backend="atp", layout=atp_layout(2, 2), num_microbatches=2),
-              Strategy(tp=2, dp=2, overlap="oases", distributed_optimizer=True)]
+              Strategy(tp=2, dp=2, schedule="oases", distributed_optimizer=True)]
     events = needed_events(TINY, strats, topo)
     names = {e.name for e in events.values() if e.kind == "compute"}
     assert {"attention.bwd", "attention.core", "atp.core.bwd", "logits.bwd", "embedding", "optimizer",
@@ -180,7 +180,7 @@ def test_predict_maps_trainer_flags():
         "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--schedule", "oases", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--device", "cpu"])
-    assert sim_inputs_from_train_args(oases)[1].overlap == "oases"
+    assert sim_inputs_from_train_args(oases)[1].schedule == "oases"
     topo = local_topology(2)
     keys = unique_events(build_stage_events(model, s, topo))
     db = ProfileDB(device="cpu", events_ms={k: 1.0 for k in keys})
@@ -382,7 +382,7 @@ def test_emulated_profiling_ranks_finish_and_merge(tmp_path, tp, pp):
     from megatron_oases.sim.calibrate.emulated_profile import build_plan, merge_rank_results
     from megatron_oases.sim.core.events import overlapped_keys
 
-    s = Strategy(tp=tp, pp=pp, num_microbatches=2, overlap="oases")
+    s = Strategy(tp=tp, pp=pp, num_microbatches=2, schedule="oases")
     stages = build_stage_events(TINY, s, local_topology(s.world_size))
     events = unique_events(stages)
     plan = build_plan(events, s, warmup=0, reps=1, overlap=overlapped_keys(stages))

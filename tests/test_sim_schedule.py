@@ -81,7 +81,7 @@ def test_interleaving_shrinks_the_bubble():
     (dict(pp=1, dp=4, virtual_stages=2), "need the 1f1b schedule with PP > 1"),
     (dict(pp=4, virtual_stages=3), "not divisible by PP 4 x virtual stages 3"),
     (dict(pp=4, virtual_stages=2, num_microbatches=6), r"micro-batches \(6\) to be a multiple of PP 4"),
-    (dict(pp=2, dp=2, virtual_stages=2, schedule="gpipe"), "need the 1f1b schedule"),
+    (dict(pp=2, dp=2, virtual_stages=2, pipeline_schedule="gpipe"), "need the 1f1b schedule"),
 ])
 def test_interleaved_bad_input(kw, msg):
     from megatron_oases.pricing.device_model import SimError

@@ -29,14 +29,15 @@ def attention_tag(core_attention: str, kernels: str = "auto") -> tuple[str, tupl
 def layer_event_tag(hidden_dropout: float, attention_dropout: float, chains: int, backend: str = "megatron"
                     ) -> tuple[str, tuple[tuple[str, Union[int, str, float]], ...]]:
     """Key suffix and dims a Megatron 1-D layer event's work also depends on (the profiler runs
-    it on a real layer, ``sim.calibrate.layer_workloads``): the dropout rates, and the executor (``oases``:
-    a sub-batch through the Oases executor; ``stock``: Megatron's forward / backward). Other
+    it on a real layer, ``sim.calibrate.layer_workloads``): the dropout rates, and the executor as the trainer's ``--schedule`` names it (``oases``:
+    a sub-batch through the Oases executor; ``default``: Megatron's forward / backward; the keys keep
+    their text, only ``_oases`` names it). Other
     backends' events (``Backend.real_layer_events`` False) run synthetic ops that depend on
     neither: no tag. The planner tags its events with this function too."""
     if not record(backend).real_layer_events:
         return "", ()
     drop = f"_hd{hidden_dropout:g}ad{attention_dropout:g}" if hidden_dropout or attention_dropout else ""
-    executor = "oases" if chains > 1 else "stock"
+    executor = "oases" if chains > 1 else "default"
     return (drop + ("_oases" if chains > 1 else ""),
             (("hd", float(hidden_dropout)), ("ad", float(attention_dropout)), ("exec", executor)))
 

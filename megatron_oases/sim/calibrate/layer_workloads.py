@@ -30,11 +30,12 @@ norms) are this rank's s/t tokens and the linears take an all-gathered ``[s, b, 
 (the all-gather and reduce-scatter are collective events): the same Local steps on SP's shapes.
 The column weight gradient is the same GEMM on all s tokens as without SP.
 
-``dims['exec']``: ``stock`` runs the pieces under plain autograd (``TransformerLayer.forward``);
+``dims['exec']``, the executor as the trainer's ``--schedule`` names it: ``default`` runs the pieces under plain autograd (``TransformerLayer.forward``);
 ``oases`` runs each piece as the Oases executor runs a ``Local`` step: detached leaves, the
 sub-batch's slice of the micro-batch dropout masks, ``torch.autograd.grad`` into inputs and
 parameters, and the bytes of the executor's per-sub-batch parameter-gradient sum and delivery
-(two half-size adds per gradient: one add each, every second sub-batch).
+(two half-size adds per gradient: one add each, every second sub-batch). Profile plans written
+before the executor took the trainer's names say ``stock`` for ``default`` and still run.
 """
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ import torch
 from ...describe.core_attention import attention_backend_of, attention_kernels_refusal
 from ...describe.split import SUB_BATCHES
 from ...pricing.device_model import SimError
+from ...run_config import SCHEDULES
 
 LAYER_EVENTS = ("attention", "mlp", "attention.bwd", "mlp.bwd", "attention.wgrad", "mlp.wgrad", "attention.core")
-EXECUTORS = ("stock", "oases")
+OLD_SCHEDULE_NAMES = {"stock": "default"}
+"""``dims['exec']`` values of profile plans written before the executor took the trainer's names."""
 _PIECES = {"attention": ("bda", "ln1", "attention"), "mlp": ("bda_ln2", "mlp")}
 """Tape steps (``schedules.oases.tape``) behind each block event, in order."""
 def core_attention_backend(d: dict) -> str:
@@ -214,9 +217,10 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
     from ...schedules.oases.dropout import MicroBatchMasks, active_sub_batch
     from ...schedules.oases.tape import BlockInputs, Local, megatron_layer_tape
 
-    executor = str(d.get("exec", "stock"))
-    if executor not in EXECUTORS:
-        raise SimError(f"layer workload executor must be one of {', '.join(EXECUTORS)} (got {executor!r})")
+    schedule = str(d.get("exec", "default"))
+    schedule = OLD_SCHEDULE_NAMES.get(schedule, schedule)
+    if schedule not in SCHEDULES:
+        raise SimError(f"layer workload executor (dims exec) must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
     b, s, h = int(d["b"]), int(d["s"]), int(d["h"])
     sp = bool(int(d.get("sp", 0)))
     chunk = s // int(d["t"]) if sp else s  # the residual side's tokens (sequence parallelism)
@@ -230,7 +234,7 @@ def megatron_layer_workload(name: str, d: dict, device: torch.device, dtype: tor
            for n in ("x", "h1", "mlp_sum", "attn_sum")}
     inputs = BlockInputs(attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1),
                          rotary_pos_emb=_rotary_table(d, device))
-    oases = executor == "oases"
+    oases = schedule == "oases"
     gathered = {n: torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype) for n in ("ln1", "ln2")}
 
     def dropout_scope():

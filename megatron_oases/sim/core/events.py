@@ -149,7 +149,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     layer = layer_description(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
-                              schedule="oases" if s.overlap == "oases" else "stock",
+                              schedule="oases" if s.schedule == "oases" else "stock",
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
                               recompute_core_attention=s.selective_recompute, core_attention=m.core_attention)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
@@ -182,7 +182,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
 
         fwd_l = [ev(op) for op in layer.forward]
         bwd_l = [ev(op) for op in layer.backward] + [_grad_event(m, sum(layer_tensors(m, s, 0)), chains)]
-        fine = s.overlap == "oases" and s.fine_grained_recompute
+        fine = s.schedule == "oases" and s.fine_grained_recompute
         rec_l = [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
         chunks = []
         for c in range(vp):

@@ -34,7 +34,8 @@ class SearchSpace:
     pp_sizes: Sequence[int] | None = None
     """Default: powers of two dividing ``gpus / tp``, at most the number of layers."""
     backends: Sequence[str] = ("megatron", "atp")
-    overlaps: Sequence[str] = ("none", "oases")
+    schedules: Sequence[str] = ("default", "oases")
+    """TP executors to try (the trainer's ``--schedule`` values)."""
     recompute: Sequence[str] = ("off", "full")
     """Recompute modes to try (``RECOMPUTE_MODES``): none, Megatron's full (every layer; Oases' own
     under the Oases schedule), selective (the core attention; Megatron 1-D, stock schedule)."""
@@ -44,7 +45,7 @@ class SearchSpace:
     (``describe.backends``: Megatron 1-D)."""
     tp_comm_overlap: bool = False
     """``--tp-comm-overlap`` on every candidate it applies to (SP, stock schedule)."""
-    schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -66,7 +67,7 @@ class Candidate:
     dp: int
     vp: int
     backend: str
-    overlap: str
+    schedule: str
     recompute: str
     """A ``RECOMPUTE_MODES`` value."""
     sequence_parallel: bool = False
@@ -89,7 +90,7 @@ class Candidate:
     def row(self) -> dict[str, object]:
         r = self.result
         return {"strategy": self.label, "tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp,
-                "backend": self.backend, "overlap": self.overlap, "recompute": self.recompute,
+                "backend": self.backend, "schedule": self.schedule, "recompute": self.recompute,
                 "sequence_parallel": int(self.sequence_parallel),
                 "micro_batches": self.num_microbatches if self.num_microbatches is not None else "",
                 "iteration_ms": f"{r.iteration_ms:.3f}" if r else "",
@@ -115,7 +116,7 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
     for tp in tps:
         pps = space.pp_sizes or _pow2_divisors(space.gpus // tp if space.gpus % tp == 0 else 1, model.num_layers)
         for pp in pps:
-            base = dict(tp=tp, pp=pp, vp=1, backend="megatron", overlap="none", recompute="off")
+            base = dict(tp=tp, pp=pp, vp=1, backend="megatron", schedule="default", recompute="off")
             if space.gpus % (tp * pp):
                 out.append(Candidate(dp=0, num_microbatches=None, strategy=None,
                                      reason=f"TP {tp} x PP {pp} does not divide {space.gpus} GPUs", **base))
@@ -136,18 +137,18 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                 continue
             for backend in space.backends:
                 for layout in record(backend).layouts(tp):  # ATP's meshes; the cube at TP = p^3 only
-                    for overlap in space.overlaps:
-                        if overlap == "oases" and not record(backend).oases_tape:
+                    for schedule in space.schedules:
+                        if schedule == "oases" and not record(backend).oases_tape:
                             continue  # the runtime has no Oases tape for the cube
                         for rc in space.recompute:
-                            if rc == "selective" and not selective_recompute_applies(backend, overlap):
+                            if rc == "selective" and not selective_recompute_applies(backend, schedule):
                                 continue
                             for sp in _sequence_parallel(space, tp, backend):
                                 for vp in space.virtual_stages:
                                     if vp > 1 and pp == 1:
                                         continue
                                     out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
-                                                          layout=layout, overlap=overlap, recompute=rc,
+                                                          layout=layout, schedule=schedule, recompute=rc,
                                                           sequence_parallel=sp, num_microbatches=m))
     return out
 
@@ -162,11 +163,11 @@ def _candidate(space: SearchSpace, *, layout, **info) -> Candidate:
     """One point of the space: its ``Strategy``, or the reason it cannot be built."""
     try:
         st = Strategy(tp=info["tp"], pp=info["pp"], dp=info["dp"], num_microbatches=info["num_microbatches"],
-                      schedule=space.schedule, virtual_stages=info["vp"], recompute=info["recompute"] == "full",
-                      selective_recompute=info["recompute"] == "selective", overlap=info["overlap"],
+                      pipeline_schedule=space.pipeline_schedule, virtual_stages=info["vp"], recompute=info["recompute"] == "full",
+                      selective_recompute=info["recompute"] == "selective", schedule=info["schedule"],
                       backend=info["backend"], layout=layout, sequence_parallel=info["sequence_parallel"],
                       tp_comm_overlap=(space.tp_comm_overlap and info["sequence_parallel"]
-                                       and info["overlap"] == "none"),
+                                       and info["schedule"] == "default"),
                       distributed_optimizer=space.distributed_optimizer,
                       overlap_grad_reduce=space.overlap_grad_reduce,
                       overlap_param_gather=space.overlap_param_gather, ddp_bucket_size=space.ddp_bucket_size)
@@ -237,7 +238,7 @@ def search(model: GPTShape, space: SearchSpace, device: DeviceModel, *,
     return sorted(done, key=order)
 
 
-COLUMNS = ("strategy", "tp", "pp", "dp", "vp", "backend", "overlap", "recompute", "sequence_parallel",
+COLUMNS = ("strategy", "tp", "pp", "dp", "vp", "backend", "schedule", "recompute", "sequence_parallel",
            "micro_batches",
            "iteration_ms", "tokens_per_s", "mfu", "memory_GB", "feasible", "reason")
 

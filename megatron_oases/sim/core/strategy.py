@@ -1,7 +1,7 @@
 """How the model is split and scheduled (``Strategy``), and whether a model fits that split.
 
 The simulator's one description of a parallel layout: TP / PP / DP, the pipeline schedule, the TP
-backend and its layout, recompute, the Oases overlap, a per-block plan and the DDP overlap flags.
+backend and its layout, recompute, the executor (``schedule``, default or Oases), a per-block plan and the DDP overlap flags.
 ``Strategy.__post_init__`` refuses what needs no model (the backend and its layout read from
 ``describe``); ``check`` what needs the model (layer and batch splits, divisibility by TP).
 """
@@ -16,9 +16,9 @@ from ...describe.registry import BACKENDS
 from ...describe.shapes import GPTShape
 from ...describe.split import split_refusal, sub_batches_at
 from ...pricing.device_model import SimError
+from ...run_config import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b")
-OVERLAPS = ("none", "oases")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,7 @@ class Strategy:
     pp: int = 1
     dp: int = 1
     num_microbatches: int = 1
-    schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
     """gpipe | 1f1b (interleaved 1F1B when ``virtual_stages`` > 1)."""
     virtual_stages: int = 1
     """Model chunks per device (Megatron's virtual pipeline size)."""
@@ -42,8 +42,9 @@ class Strategy:
     """Megatron's ``--recompute-granularity selective`` (``recompute_modules`` core_attn): each
     layer's core attention (scores, softmax, dropout, attention over V) is rerun before its
     backward and keeps none of its s^2 tensors (Megatron 1-D, stock schedule, no full recompute)."""
-    overlap: str = "none"
-    """none (stock: compute waits on each collective) | oases (two sub-batches cross-overlap)."""
+    schedule: str = "default"
+    """The TP executor, as the trainer's ``--schedule`` (``run_config.SCHEDULES``): default (Megatron's:
+    compute waits on each collective) | oases (two sub-batches cross-overlap)."""
     fine_grained_recompute: bool = True
     """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
     backend: str = "megatron"
@@ -91,10 +92,10 @@ class Strategy:
         for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise SimError(f"strategy {f} must be a positive integer (got {getattr(self, f)!r})")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise SimError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)} (got {self.pipeline_schedule!r})")
         if self.schedule not in SCHEDULES:
             raise SimError(f"schedule must be one of {', '.join(SCHEDULES)} (got {self.schedule!r})")
-        if self.overlap not in OVERLAPS:
-            raise SimError(f"overlap must be one of {', '.join(OVERLAPS)} (got {self.overlap!r})")
         if self.backend not in BACKENDS:
             raise SimError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         self._check_layout()
@@ -108,7 +109,7 @@ class Strategy:
             raise SimError(sequence_parallel_refusal(self.tp, 1))
         if self.sequence_parallel and (not record(self.backend).sequence_parallel or self.block_degrees is not None):
             raise SimError("--sequence-parallel is modeled for --tp-backend megatron without --oases-plan only")
-        if self.tp_comm_overlap and (not self.sequence_parallel or self.overlap != "none"):
+        if self.tp_comm_overlap and (not self.sequence_parallel or self.schedule != "default"):
             raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
         self._check_ddp_overlap()
 
@@ -127,7 +128,7 @@ class Strategy:
         """Where Megatron's selective recompute takes effect (as the trainer refuses the rest)."""
         if self.recompute:
             raise SimError("--recompute-granularity is selective or full, not both")
-        if not selective_recompute_applies(self.backend, self.overlap, planned=self.block_degrees is not None):
+        if not selective_recompute_applies(self.backend, self.schedule, planned=self.block_degrees is not None):
             raise SimError("--recompute-granularity selective is modeled for --tp-backend megatron on the stock "
                            "schedule without --oases-plan only (the Oases schedule recomputes by its own rules)")
 
@@ -165,18 +166,18 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        """Short name: ``tp8.pp8.dp48`` + backend / schedule / overlap / recompute markers."""
+        """Short name: ``tp8.pp8.dp48`` + backend / pipeline schedule / executor / recompute markers."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         tag = record(self.backend).tag(self.layout)  # atp2x4, 3d; Megatron's none
         if tag:
             parts.append(tag)
         if self.virtual_stages > 1:
             parts.append(f"vp{self.virtual_stages}")
-        if self.schedule == "gpipe":
+        if self.pipeline_schedule == "gpipe":
             parts.append("gpipe")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.overlap == "oases":
+        if self.schedule == "oases":
             parts.append("oases")
         if self.block_degrees is not None:
             parts.append("plan")
@@ -191,11 +192,11 @@ class Strategy:
         return tp + self.tp * (dp + self.dp * pp)
 
 
-def selective_recompute_applies(backend: str, overlap: str, *, planned: bool = False) -> bool:
+def selective_recompute_applies(backend: str, schedule: str, *, planned: bool = False) -> bool:
     """Whether Megatron's selective recompute does something: Megatron's own attention module
     (backend megatron) on the stock schedule (Oases recomputes whole layers), without a per-block
     plan."""
-    return record(backend).megatron_modules and overlap == "none" and not planned
+    return record(backend).megatron_modules and schedule == "default" and not planned
 
 
 def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
@@ -210,7 +211,7 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
     elif m.num_layers % s.pp:
         raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp}")
     if s.virtual_stages > 1:
-        if s.pp == 1 or s.schedule != "1f1b":
+        if s.pp == 1 or s.pipeline_schedule != "1f1b":
             raise SimError(f"virtual stages {s.virtual_stages} need the 1f1b schedule with PP > 1 (interleaved)")
         if m.num_layers % (s.pp * s.virtual_stages):
             raise SimError(f"{m.num_layers} layers are not divisible by PP {s.pp} x virtual stages "
@@ -218,12 +219,12 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
         if s.num_microbatches % s.pp:
             raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
                            f"of PP {s.pp}")
-    if s.overlap == "oases" and split_refusal(m.micro_batch_size):
+    if s.schedule == "oases" and split_refusal(m.micro_batch_size):
         raise SimError(split_refusal(m.micro_batch_size))
-    if s.overlap == "oases" and not record(s.backend).oases_tape:
+    if s.schedule == "oases" and not record(s.backend).oases_tape:
         taped = " and ".join(name for name in BACKENDS if record(name).oases_tape)
-        raise SimError(f"oases overlap runs the {taped} TP backends (the runtime has no Oases "
-                       f"tape for {s.backend}); use overlap none with backend {s.backend}")
+        raise SimError(f"--schedule oases runs the {taped} TP backends (the runtime has no Oases "
+                       f"tape for {s.backend}); use --schedule default with backend {s.backend}")
     if m.hidden_size % s.tp or m.num_attention_heads % s.tp or m.ffn_hidden_size % s.tp or m.padded_vocab_size % s.tp:
         raise SimError(f"hidden {m.hidden_size}, heads {m.num_attention_heads}, ffn {m.ffn_hidden_size}, "
                        f"vocab {m.padded_vocab_size} must be divisible by TP {s.tp}")
@@ -278,4 +279,4 @@ def _check_plan(m: GPTShape, s: Strategy) -> None:
 def block_sub_batches(s: Strategy, degree: int | None = None) -> int:
     """Sub-batches of the Oases split a block at ``degree`` runs (``describe.split.sub_batches_at``;
     None: the stage's whole TP group, no plan); the timeline runs them as that many chains."""
-    return sub_batches_at(degree, oases=s.overlap == "oases")
+    return sub_batches_at(degree, oases=s.schedule == "oases")

@@ -434,7 +434,7 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
                             for ch in st.chunks) for st in stages)
     p2p = [[(pipeline_send_ms(ch.send_forward, price, device, s), pipeline_send_ms(ch.send_backward, price, device, s))
             for ch in st.chunks] for st in stages]
-    orders = [schedule_order(s.schedule, i, s.pp, s.num_microbatches, s.virtual_stages) for i in range(s.pp)]
+    orders = [schedule_order(s.pipeline_schedule, i, s.pp, s.num_microbatches, s.virtual_stages) for i in range(s.pp)]
     contention = device.profile.contention if device.profile is not None else {}
     if s.pp > 1 and any(k in contention for k in price):
         # stages share compute (ranks > cores): durations by busy stages, fluid placement
@@ -507,8 +507,8 @@ def summary_table(r: SimResult) -> str:
     be = f", {title}" if title else ""
     if s.block_degrees is not None:
         be += f", per-block degrees {list(s.block_degrees)}"
-    lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.schedule}, "
-             f"{s.num_microbatches} micro-batches, overlap {s.overlap}, recompute {'on' if s.recompute else 'selective' if s.selective_recompute else 'off'}"
+    lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.pipeline_schedule}, "
+             f"{s.num_microbatches} micro-batches, schedule {s.schedule}, recompute {'on' if s.recompute else 'selective' if s.selective_recompute else 'off'}"
              + (", DP overlap grad" + (" + param" if s.overlap_param_gather else "") if s.overlap_grad_reduce else ""),
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
              f"bubble {100 * r.bubble_fraction:.1f}% | exposed comm {r.exposed_comm_ms:.2f} ms | "

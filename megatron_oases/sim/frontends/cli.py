@@ -31,8 +31,6 @@ from ...run_config import DEFAULTS, SCHEDULES, check_gqa_flags, filled_ffn_hidde
 from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
 
-OVERLAP_OF = {"default": "none", "oases": "oases"}
-"""The simulator's ``Strategy.overlap`` of each ``--schedule`` (``run_config.SCHEDULES``)."""
 
 
 
@@ -215,9 +213,9 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
         micro = a.global_batch_size // per
     layout = record(a.tp_backend).parse_layout(a.atp_mesh, a.tensor_model_parallel_size)  # describe.backends
     granularity, rc_layers = recompute_from_args(a)
-    return Strategy(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, dp=dp, num_microbatches=micro or 1, schedule=a.pipeline_schedule,
+    return Strategy(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, dp=dp, num_microbatches=micro or 1, pipeline_schedule=a.pipeline_schedule,
                     virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
-                    selective_recompute=granularity == "selective", overlap=OVERLAP_OF[a.schedule],
+                    selective_recompute=granularity == "selective", schedule=a.schedule,
                     fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
                     layout=layout, distributed_optimizer=a.use_distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
@@ -289,9 +287,8 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
                        tp_sizes=_ints(a.tp_sizes, "--tp-sizes") if a.tp_sizes else None,
                        pp_sizes=_ints(a.pp_sizes, "--pp-sizes") if a.pp_sizes else None,
                        backends=comma_names("--backends", a.backends, tuple(BACKENDS), error=SimError),
-                       overlaps=tuple(OVERLAP_OF[e] for e in comma_names("--schedules", a.schedules, SCHEDULES,
-                                                                          error=SimError)), recompute=rc,
-                       virtual_stages=tuple(_virtual_stages(a)), schedule=a.pipeline_schedule,
+                       schedules=comma_names("--schedules", a.schedules, SCHEDULES, error=SimError), recompute=rc,
+                       virtual_stages=tuple(_virtual_stages(a)), pipeline_schedule=a.pipeline_schedule,
                        sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
                        distributed_optimizer=a.use_distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
                        overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)

@@ -23,7 +23,7 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int) -> list[
         out += [flag] + ([value] if value is not None else [])
     if st.virtual_stages > 1:
         out += [option("num_layers_per_virtual_pipeline_stage"), str(num_layers // (st.pp * st.virtual_stages))]
-    if st.overlap == "oases":
+    if st.schedule == "oases":
         out += [option("schedule"), "oases"]
     if st.recompute:
         out += [option("recompute_granularity"), "full", option("recompute_method"), "uniform"]

@@ -74,10 +74,10 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
                         num_microbatches=cfg.global_batch_size // (cfg.micro_batch_size * dims.dp),
-                        schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
+                        pipeline_schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
                         recompute_layers=cfg.recompute_num_layers if block else 0,
                         selective_recompute=cfg.selective_recompute,
-                        overlap="oases" if oases_runs(cfg) else "none",
+                        schedule="oases" if oases_runs(cfg) else "default",
                         fine_grained_recompute=cfg.oases_fine_grained_recompute,
                         backend=backend, layout=cfg.layout,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
