@@ -464,3 +464,20 @@ def test_host_issue_times_merge_per_event_and_cpu_times_are_their_own_host_part(
     assert m.meta["host_issue_ms"] == {"x": 0.2, "y": 1.9} and m.meta["reps"] == 10
     ms, host = time_ms_and_host(lambda: torch.ones(64).sum(), warmup=1, reps=3, device=torch.device("cpu"))
     assert ms == host > 0
+
+
+def test_layer_events_name_the_executor_as_the_trainer_and_old_plans_still_run():
+    """A layer event's ``exec`` dim is the trainer's ``--schedule`` value (default | oases); profile
+    plans written before say ``stock`` for default and still run; anything else is refused."""
+    from megatron_oases.sim.calibrate.layer_workloads import single_rank_world
+    from megatron_oases.sim.calibrate.workloads import compute_workload
+
+    for schedule in ("default", "oases"):
+        events = unique_events(build_stage_events(TINY, Strategy(tp=2, schedule=schedule), local_topology(2)))
+        (mlp,) = [e for e in events.values() if e.kind == "compute" and e.name == "mlp"]
+        assert dict(mlp.dims)["exec"] == schedule
+    dims = dict(mlp.dims)
+    with single_rank_world():
+        compute_workload("mlp", {**dims, "exec": "stock"}, torch.device("cpu"))()
+        with pytest.raises(SimError, match="default, oases"):
+            compute_workload("mlp", {**dims, "exec": "none"}, torch.device("cpu"))()
