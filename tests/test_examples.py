@@ -155,8 +155,8 @@ def test_walkthrough_end_to_end(tmp_path):
     assert profile["format"].startswith("megatron-oases-profile/") and profile["events"]
     # every event took time; the trainer's loop overhead (loop.*) is at least 0
     assert all(v > 0 or (v == 0 and "loop." in k) for k, v in profile["events"].items())
-    assert "overlap none" in (out / "sim_stock.txt").read_text()
-    assert "overlap oases" in (out / "sim_oases.txt").read_text()
+    assert "schedule default" in (out / "sim_stock.txt").read_text()
+    assert "schedule oases" in (out / "sim_oases.txt").read_text()
     assert float(re.search(r"predicted step time: ([0-9.]+) ms", (out / "predict_oases.txt").read_text())[1]) > 0
 
     runs = {}

@@ -74,8 +74,10 @@ def test_bad_nodes_is_one_line(capsys):
     (["--tp", "2", "--tp-sizes", "1,2"], "--tp-sizes applies to --search only"),
     (["--tp", "2", "--csv", "x.csv"], "--csv applies to --search only"),
     (["--tp", "2", "--atp-mesh", "1,2"], "--atp-mesh needs --tp-backend atp"),
-    (["--tp", "2", "--no-fine-grained-recompute"], "--no-fine-grained-recompute chooses how Oases recomputes"),
-    (["--tp", "2", "--schedule", "oases", "--no-fine-grained-recompute"], "and full recompute"),
+    (["--tp", "2", "--no-oases-fine-grained-recompute"], "--no-oases-fine-grained-recompute chooses how Oases"),
+    (["--tp", "2", "--schedule", "oases", "--no-oases-fine-grained-recompute"], "and full recompute"),
+    (["--tp", "2", "--num-microbatches", "1", "--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    (["--tp", "2", "--num-microbatches", "1", "--fp16", "--dtype", "fp32"], "--fp16 and --dtype fp32 contradict"),
     (["--tp", "2", "--recompute", "--recompute-layers", "2"], "contradict each other"),
     (["--search", "--global-batch-size", "16", "--tp", "2"],
      "--tensor-model-parallel-size names one strategy, which --search enumerates"),
@@ -85,7 +87,8 @@ def test_bad_nodes_is_one_line(capsys):
      "--tensor-model-parallel-size has no effect with --predict"),
     (["--predict", "--profile", "p.json", "--gpu", "h100-sxm", "--", "--num-layers", "2"],
      "--gpu has no effect with --predict"),
-], ids=["gpus", "tp-sizes", "csv", "atp-mesh", "fine-grained", "fine-grained-no-recompute", "recompute-both",
+], ids=["gpus", "tp-sizes", "csv", "atp-mesh", "fine-grained", "fine-grained-no-recompute",
+        "bf16-and-fp16", "fp16-and-dtype", "recompute-both",
         "search-tp", "search-overlap", "search-trace", "predict-tp", "predict-gpu"])
 def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     """Each flag either acts in the chosen mode (one strategy, --search, --predict) or is one error
@@ -314,6 +317,7 @@ def test_selective_recompute_reruns_the_core_attention_only(capsys):
     (["--overlap", "oases"], "--overlap is now --schedule default|oases"),
     (["--search", "--overlaps", "none,oases"], "--overlaps is now --schedules default,oases"),
     (["--distributed-optimizer"], "--distributed-optimizer is now --use-distributed-optimizer"),
+    (["--no-fine-grained-recompute"], "--no-fine-grained-recompute is now --no-oases-fine-grained-recompute"),
 ])
 def test_the_executors_old_flag_names_are_refused_naming_the_new_ones(flags, needle, capsys):
     """``--schedule`` is the TP executor in every front end (the trainer's name), the distributed

@@ -26,7 +26,7 @@ from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
 from ...describe.registry import BACKENDS
-from ...flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ...flags import FLAGS, RecordsGiven, Renamed, add_flag, add_flags, given_in, option
 from ...run_config import DEFAULTS, SCHEDULES, check_gqa_flags, filled_ffn_hidden_size, gqa_groups, options_present
 from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
@@ -57,6 +57,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron flag names, megatron-oases train's defaults)")
     add_flags(g, MODEL_FLAGS)
     g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
+    add_flag(g, "bf16", note="priced as --dtype bf16")
+    add_flag(g, "fp16", note="priced as --dtype fp16")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="reduce data-parallel gradients in fp32 under --dtype fp16 (Megatron-LM's flag; "
                         "bf16 and fp32 do unless --grad-reduce-in-bf16, as Megatron-LM)")
@@ -90,8 +92,9 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-layers", type=int, default=0,
                    help="short form of --recompute-granularity full --recompute-method block "
                         "--recompute-num-layers K")
-    g.add_argument("--no-fine-grained-recompute", dest="fine_grained_recompute", action="store_false",
-                   help="oases: recompute from each layer's input (repeats the forward all-reduces)")
+    add_flag(g, "oases_fine_grained_recompute")
+    g.add_argument("--no-fine-grained-recompute", action=Renamed,
+                   new="--no-oases-fine-grained-recompute (the trainer's name)")
     add_flags(g, ("tp_backend", "atp_mesh", "use_distributed_optimizer"))
     g.add_argument("--distributed-optimizer", action=Renamed, new="--use-distributed-optimizer (Megatron-LM's name)")
     add_flag(g, "overlap_grad_reduce")
@@ -147,7 +150,7 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
     for dest, value in (("vocab_size", a.vocab_size), ("make_vocab_size_divisible_by", a.make_vocab_size_divisible_by)):
         if range_refusal(option(dest), value, 1):
             raise SimError(range_refusal(option(dest), value, 1))
-    dtype = "fp32" if a.fp32 else a.dtype
+    dtype = priced_dtype(a)
     check_flash_dtype(a.attention_backend, half=dtype != "fp32", half_flags="--dtype bf16 or fp16", error=SimError)
     multiple = a.make_vocab_size_divisible_by * tp
     core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,
@@ -161,6 +164,17 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
                     core_attention=core, attention_kernels=attention_kernels_of(
                         attention_backend=a.attention_backend, core_attention=core),
                     grad_reduce_bytes=_grad_reduce_bytes(a, dtype))
+
+
+def priced_dtype(a: argparse.Namespace) -> str:
+    """The element type priced: a launch's ``--bf16`` / ``--fp16``, ``--fp32``, or ``--dtype``
+    (default bf16, what GPU runs train in); two that disagree are refused in one line."""
+    given = [name for name in ("bf16", "fp16", "fp32") if getattr(a, name, False)]
+    if len(given) > 1:
+        raise SimError(f"--{given[0]} and --{given[1]} are exclusive; pick one")
+    if given and a.dtype != FLAGS["dtype"].default and a.dtype != given[0]:
+        raise SimError(f"--{given[0]} and --dtype {a.dtype} contradict each other; give one")
+    return given[0] if given else a.dtype
 
 
 def _grad_reduce_bytes(a: argparse.Namespace, dtype: str) -> int:
@@ -216,7 +230,7 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
     return Strategy(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size, dp=dp, num_microbatches=micro or 1, pipeline_schedule=a.pipeline_schedule,
                     virtual_stages=vps[0], recompute=granularity == "full", recompute_layers=rc_layers,
                     selective_recompute=granularity == "selective", schedule=a.schedule,
-                    fine_grained_recompute=a.fine_grained_recompute, backend=a.tp_backend,
+                    fine_grained_recompute=a.oases_fine_grained_recompute, backend=a.tp_backend,
                     layout=layout, distributed_optimizer=a.use_distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
@@ -386,8 +400,8 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
     values = options_present(a, [act.dest for act in actions])
     for act in actions:
         value, flag = values[act.dest], act.option_strings[0]
-        if act.dest in ("dtype", "fp32"):
-            out += [f"--{value}"] if act.dest == "dtype" and value != "fp32" and not a.fp32 else []
+        if act.dest in ("dtype", "fp32", "bf16", "fp16"):
+            out += [f"--{priced_dtype(a)}"] if act.dest == "dtype" and priced_dtype(a) != "fp32" else []
         elif flag not in trainer:
             if value != act.default:
                 raise SimError(f"{flag} has no trainer flag, so the searched run cannot be launched as priced; "
@@ -445,8 +459,8 @@ def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one
     if a.recompute and a.recompute_layers:
         raise SimError("--recompute (every layer) and --recompute-layers (the first K of each chunk) "
                        "contradict each other; give one")
-    if not a.fine_grained_recompute and (a.schedule != "oases" or recompute_from_args(a)[0] != "full"):
-        raise SimError("--no-fine-grained-recompute chooses how Oases recomputes and has no effect without "
+    if not a.oases_fine_grained_recompute and (a.schedule != "oases" or recompute_from_args(a)[0] != "full"):
+        raise SimError("--no-oases-fine-grained-recompute chooses how Oases recomputes and has no effect without "
                        "--schedule oases and full recompute (--recompute); drop it or add them")
 
 
