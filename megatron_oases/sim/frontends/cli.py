@@ -169,7 +169,7 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
 def priced_dtype(a: argparse.Namespace) -> str:
     """The element type priced: a launch's ``--bf16`` / ``--fp16``, ``--fp32``, or ``--dtype``
     (default bf16, what GPU runs train in); two that disagree are refused in one line."""
-    given = [name for name in ("bf16", "fp16", "fp32") if getattr(a, name, False)]
+    given = [name for name, on in (("bf16", a.bf16), ("fp16", a.fp16), ("fp32", a.fp32)) if on]
     if len(given) > 1:
         raise SimError(f"--{given[0]} and --{given[1]} are exclusive; pick one")
     if given and a.dtype != FLAGS["dtype"].default and a.dtype != given[0]:
