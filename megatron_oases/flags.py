@@ -247,3 +247,25 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         for a, default, required in saved:
             a.default, a.required = default, required
     return set(vars(ns))
+
+
+def filled_recompute_num_layers(cfg, stage_layers: int | None, error: type[Exception] = ValueError) -> int | None:
+    """Megatron's pairing of the recompute flags, one home for the trainer, ``plan`` and ``sim``:
+    ``--recompute-method`` / ``--recompute-num-layers`` need ``--recompute-granularity full``,
+    which needs a method; the layers must be >= 1 and default to 1 (uniform) or the stage's
+    ``stage_layers`` (block; None where the caller does not know the stage). Returns the filled
+    ``--recompute-num-layers`` (None without full recompute); ``error``: the caller's one-line
+    error class. ``cfg``: a ``RunConfig`` or a front end's namespace (the same three fields)."""
+    gran, meth, num = (option(d) for d in ("recompute_granularity", "recompute_method", "recompute_num_layers"))
+    if cfg.recompute_granularity != "full":
+        if cfg.recompute_method is not None or cfg.recompute_num_layers is not None:
+            raise error(f"{meth} / {num} need {gran} full")
+        return None
+    if cfg.recompute_method is None:
+        raise error(f"{gran} full needs {meth} uniform|block")
+    n = cfg.recompute_num_layers
+    if n is not None and n < 1:
+        raise error(f"{num} must be >= 1 (got {n})")
+    if n is None:
+        return 1 if cfg.recompute_method == "uniform" else stage_layers
+    return n

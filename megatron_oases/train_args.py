@@ -309,17 +309,12 @@ def validate_config(cfg: RunConfig, world_size: int, cuda: bool | None) -> RunCo
     cfg = validate_backend_config(cfg, dims)
     if cfg.sequence_parallel and sequence_parallel_refusal(dims.tp, cfg.seq_length):
         raise ConfigError(sequence_parallel_refusal(dims.tp, cfg.seq_length))
-    if cfg.recompute_granularity == "full":
-        if cfg.recompute_method is None:
-            raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block")
-        if cfg.recompute_num_layers is None:
-            cfg = dataclasses.replace(cfg, recompute_num_layers=(
-                1 if cfg.recompute_method == "uniform" else cfg.num_layers // dims.pp))
-        if cfg.recompute_num_layers < 1:
-            raise ConfigError(f"--recompute-num-layers must be >= 1 (got {cfg.recompute_num_layers})")
-    elif cfg.recompute_method is not None or cfg.recompute_num_layers is not None:
-        raise ConfigError("--recompute-method / --recompute-num-layers need "
-                          "--recompute-granularity full")
+    if cfg.recompute_granularity == "full" or cfg.recompute_method is not None \
+            or cfg.recompute_num_layers is not None:  # Megatron's pairing of the flags, one home
+        from megatron_oases.flags import filled_recompute_num_layers
+
+        cfg = dataclasses.replace(cfg, recompute_num_layers=filled_recompute_num_layers(
+            cfg, cfg.num_layers // dims.pp, ConfigError))
     if cfg.topology is not None:
         check_topology(cfg.topology)
     from megatron_oases.checkpoint import validate_checkpoint_config

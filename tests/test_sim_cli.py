@@ -277,12 +277,13 @@ def test_megatron_recompute_flags():
     assert full == _strategy("--recompute") and full.recompute and full.recompute_layers == 0
     block = _strategy("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
     assert block == _strategy("--recompute-layers", "2") and block.recompute_layers == 2
+    # block without --recompute-num-layers: every layer of the stage, as the trainer fills it
+    assert _strategy("--recompute-granularity", "full", "--recompute-method", "block") == full
     sel = _strategy("--recompute-granularity", "selective")
     assert sel == _strategy("--recompute-activations") and sel.selective_recompute and not sel.recompute
     assert sel.label.endswith(".sel")
     for bad, needle in ((["--recompute-granularity", "full"], "needs --recompute-method"),
                         (["--recompute-method", "block"], "need --recompute-granularity full"),
-                        (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-num-layers"),
                         (["--recompute-granularity", "full", "--recompute-method", "uniform",
                           "--recompute-num-layers", "2"], "not modeled"),
                         (["--recompute", "--recompute-granularity", "selective"], "not both"),

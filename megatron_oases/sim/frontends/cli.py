@@ -26,7 +26,7 @@ from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
 from ...describe.registry import BACKENDS
-from ...flags import FLAGS, RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ...flags import FLAGS, RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
 from ...run_config import DEFAULTS, SCHEDULES, check_gqa_flags, filled_ffn_hidden_size, gqa_groups, options_present
 from ..core.strategy import Strategy
 from ..calibrate.profiler import resolve_topology
@@ -255,23 +255,17 @@ def recompute_from_args(a: argparse.Namespace) -> tuple[str | None, int]:
         raise SimError(f"--recompute-layers must be >= 0 (got {a.recompute_layers})")
     if short:
         return "full", a.recompute_layers
+    folded = argparse.Namespace(recompute_granularity=granularity, recompute_method=a.recompute_method,
+                                recompute_num_layers=a.recompute_num_layers)  # --recompute-activations folded in
+    n = filled_recompute_num_layers(folded, None, SimError)  # Megatron's pairing, the trainer's words
     if granularity != "full":
-        if a.recompute_method or a.recompute_num_layers is not None:
-            raise SimError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
         return granularity, 0
-    if a.recompute_method is None:
-        raise SimError("--recompute-granularity full needs --recompute-method uniform|block (as Megatron)")
-    n = a.recompute_num_layers
-    if n is not None and n < 1:
-        raise SimError(f"--recompute-num-layers must be >= 1 (got {n})")
     if a.recompute_method == "uniform":
-        if n not in (None, 1):
+        if n != 1:
             raise SimError("--recompute-method uniform with --recompute-num-layers > 1 (groups of layers "
                            "checkpointed together) is not modeled; use 1 or --recompute-method block")
         return "full", 0
-    if n is None:
-        raise SimError("--recompute-method block needs --recompute-num-layers")
-    return "full", n
+    return "full", n or 0  # block without --recompute-num-layers: every layer of the stage, as the trainer
 
 
 def _virtual_stages(a: argparse.Namespace) -> list[int]:
