@@ -41,6 +41,19 @@ def test_seconds(log_lines) -> dict[str, float]:
     return dict(seconds)
 
 
+def shared_setup_files(log_lines, keep_s: float) -> set[str]:
+    """Test files one of whose tests spends more than ``keep_s`` in setup: a module-scoped
+    fixture, which pytest charges to the file's first test but every test of the file needs, so
+    keeping any of them in the fast tier costs the fixture; such a file goes to the slow tier whole."""
+    files = set()
+    for line in log_lines:
+        m = DURATION.match(line)
+        if m and m.group(2) == "setup" and float(m.group(1)) > keep_s:
+            node = m.group(3)
+            files.add((node[node.index("tests/"):] if "tests/" in node else "tests/" + node).split("::", 1)[0])
+    return files
+
+
 def merge_by_file(runs: list[dict[str, float]]) -> dict[str, float]:
     """Each test file's seconds from the last run that timed it (a test removed from a file
     leaves with the file's older timings)."""
@@ -52,22 +65,26 @@ def merge_by_file(runs: list[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
-def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float) -> set[str]:
-    """The slow set: slowest first until the rest fit in ``budget_s``, bar each file's keeper."""
+def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float,
+                whole_files: frozenset[str] = frozenset()) -> set[str]:
+    """The slow set: ``whole_files``' tests (``shared_setup_files``), then the slowest first until
+    the rest fit in ``budget_s``, bar each other file's keeper."""
     by_file: dict[str, list[str]] = collections.defaultdict(list)
     for node in seconds:
         by_file[node.split("::", 1)[0]].append(node)
     keepers = set()
-    for nodes in by_file.values():
+    for file, nodes in by_file.items():
+        if file in whole_files:
+            continue
         fastest = min(nodes, key=seconds.get)
         if seconds[fastest] <= keep_s:
             keepers.add(fastest)
-    fast_total = sum(seconds.values())
-    slow = set()
+    slow = {node for node in seconds if node.split("::", 1)[0] in whole_files}
+    fast_total = sum(seconds.values()) - sum(seconds[node] for node in slow)
     for node in sorted(seconds, key=seconds.get, reverse=True):
         if fast_total <= budget_s:
             break
-        if node in keepers:
+        if node in keepers or node in slow:
             continue
         slow.add(node)
         fast_total -= seconds[node]
@@ -84,15 +101,17 @@ def main(argv=None) -> int:
                    help="a file's fastest test stays fast if it takes at most this (default 10)")
     p.add_argument("--out", default=SLOW_LIST, help="the list to write (default tests/slow_tests.txt)")
     args = p.parse_args(argv)
-    runs = []
+    runs, whole_files = [], set()
     for log in args.log:
         with open(log, encoding="utf-8", errors="replace") as f:
-            runs.append(test_seconds(f))
+            lines = f.readlines()
+        runs.append(test_seconds(lines))
+        whole_files |= shared_setup_files(lines, args.keep_s)
         if not runs[-1]:
             print(f"{log}: no --durations lines; run pytest with --durations=0", file=sys.stderr)
             return 2
     seconds = merge_by_file(runs)
-    slow = split_tiers(seconds, args.budget_s, args.keep_s)
+    slow = split_tiers(seconds, args.budget_s, args.keep_s, frozenset(whole_files))
     with open(args.out, "w", encoding="utf-8") as f:
         f.write("# Outside the fast tier (marked `slow` by tests/conftest.py); written by\n"
                 "# scripts/tier_tests.py from a --durations=0 run. One pytest node id a line.\n")

@@ -48,3 +48,16 @@ def test_every_slow_entry_names_a_test_file_that_exists():
         nodes = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     missing = {n.split("::")[0] for n in nodes if not os.path.exists(os.path.join(ROOT, n.split("::")[0]))}
     assert not missing, f"tests/slow_tests.txt names files that are gone: {sorted(missing)}"
+
+
+def test_a_file_whose_module_fixture_outlasts_keep_s_leaves_the_fast_tier_whole():
+    """pytest charges a module-scoped fixture to the file's first test, but any test of the file
+    kept fast would pay it: such a file goes slow whole, and the budget counts each test once."""
+    log = LOG + "50.00s setup    tests/test_d.py::test_first[a]\n 0.01s call     tests/test_d.py::test_second[b]\n"
+    lines = log.splitlines()
+    whole = tiers.shared_setup_files(lines, keep_s=10.0)
+    assert whole == {"tests/test_d.py"}
+    slow = tiers.split_tiers(tiers.test_seconds(lines), budget_s=7.0, keep_s=10.0, whole_files=frozenset(whole))
+    assert {"tests/test_d.py::test_first[a]", "tests/test_d.py::test_second[b]"} <= slow
+    assert slow - {"tests/test_d.py::test_first[a]", "tests/test_d.py::test_second[b]"} == {
+        "tests/test_a.py::test_big[x]", "tests/test_b.py::test_only"}
