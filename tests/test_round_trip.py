@@ -69,11 +69,6 @@ def _atp(d1: int, d2: int) -> list[str]:
 CUBE = ["--tp-backend", "3d"]
 
 # Known disagreements (strict xfails: each must still fail), by quantity; each is a bug at its home.
-ATP_OASES_SAVED = ("the Oases executor holds every local step's inputs and outputs (its graph's leaves and "
-                   "roots) until backward, which reads none of these: under ATP the QKV all-reduce's output and "
-                   "its bias-added copy, fc1's output before its bias, the proj and fc2 partials, the residuals "
-                   "h1 and y, the norms' partial sums (1x2: 197,632 bytes a layer); the simulator prices stock's "
-                   "inventory plus Megatron 1-D's two step boundaries (describe.saved.oases_kept_beyond_stock)")
 ATP_LINE_SAVED = ("ATP with d2 = 1: the planner offers the mesh as the megatron family's layout (Megatron's "
                   "inventory: torch's norms); the ATP layer's norms keep more (describe.saved.mesh_norm_bytes)")
 PLAN_OASES_RESHARD_SAVED = ("describe.planned.planned_block_saved_bytes (the planner's and the simulator's) is per "
@@ -109,7 +104,7 @@ GRID = [
     Row("gpt2-atp-1x2", 2, (*_atp(1, 2),)),
     Row("gpt2-atp-2x1", 2, (*_atp(2, 1),), xfail=_xf(saved_plan=ATP_LINE_SAVED)),
     Row("llama-atp-1x2", 2, (*LLAMA, *_atp(1, 2))),
-    Row("gpt2-atp-1x2-oases", 2, (*_atp(1, 2), *OASES), xfail=_xf(saved=ATP_OASES_SAVED)),
+    Row("gpt2-atp-1x2-oases", 2, (*_atp(1, 2), *OASES)),
     Row("gpt2-tp1-dp2", 1, dp=2),
     Row("gpt2-tp1-pp2", 1, pp=2),
     Row("gpt2-tp4", 4),
@@ -124,7 +119,7 @@ GRID = [
     Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
     Row("gpt2-atp-2x2", 4, (*_atp(2, 2),)),
     Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2))),
-    Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES), xfail=_xf(saved=ATP_OASES_SAVED)),
+    Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES)),
     Row("gpt2-atp-4x1", 4, (*_atp(4, 1),), xfail=_xf(saved_plan=ATP_LINE_SAVED)),
     Row("gpt2-atp-1x4-full", 4, (*_atp(1, 4), *FULL)),
     Row("gpt2-cube-8", 8, (*CUBE,)),

@@ -24,9 +24,8 @@ core attention keeps none of its s^2 tensors nor the causal mask it builds, only
 K, V: under GQA QKV's smaller output instead of the heads' copies) and a 4-byte mask-type
 tensor (Korthikanti et al.'s sbh(10 + 24/t) then, plus norm statistics).
 
-The Oases schedule without recompute keeps stock's inventory plus the two hidden states at its
-forward all-reduces (the step boundaries each sub-batch resumes from) and one causal mask (and
-RoPE's tables) per further sub-batch; with recompute, the layer input (and with fine-grained recompute the two
+The Oases schedule without recompute keeps stock's inventory plus one causal mask (and RoPE's
+tables) per further sub-batch (its step boundaries are freed where backward does not read them); with recompute, the layer input (and with fine-grained recompute the two
 all-reduce outputs) plus, per dropout site, the generator state for the redraw.
 Grouped-query attention keeps the same 3 h / t of Q, K, V (the query copy and the keys and
 values repeated to their heads replace QKV's smaller output); SwiGLU keeps 5 f / t instead of
@@ -380,10 +379,7 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
               sequence_parallel=sp, gathered_input=sp and oases)
     kw_attn = dict(kw, recompute_core_attention=recompute_core_attention, core_attention=core_attention)
     kept = block_saved_bytes("attention", **kw_attn) + block_saved_bytes("mlp", **kw)
-    # per block, what the executor keeps at its collectives: the all-reduce's output (in place);
-    # under SP the all-gather's input chunk, the reduce-scatter's input (whole) and output chunk
-    boundary = hidden + 2 * hidden / t if sp else hidden
-    extra = oases_kept_beyond_stock(boundary, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
+    extra = oases_kept_beyond_stock(hidden, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
                                     core_attention=core_attention, attention_dropout=attention_dropout, kernels=k)
     return kept + (extra if oases else 0)
 
@@ -392,13 +388,14 @@ def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int
                             variant: LayerVariant = GPT2, sub_batches: int = SUB_BATCHES, core_attention: str = "local",
                             attention_dropout: bool = False, kernels: Kernels = CUDA_KERNELS) -> float:
     """What one layer under the Oases schedule without recompute keeps beyond stock's inventory:
-    per block the step boundaries at its collectives that autograd does not keep
-    (``hidden_state_bytes`` each: the all-reduce's output; under sequence parallelism the
-    all-gather's input chunk, the reduce-scatter's whole input and its output chunk, h + 2h/t,
-    measured: backward needs none of them, so the executor could drop them) and, per further
-    sub-batch, what each attention call builds anew (``per_call_bytes``: the causal mask, RoPE's
-    tables; under ``core_attention`` and ``attention_dropout``'s kernel)."""
+    per further sub-batch, what each attention call builds anew (``per_call_bytes``: the causal
+    mask, RoPE's tables; under ``core_attention`` and ``attention_dropout``'s kernel). The step
+    boundaries at its collectives (the all-reduces' outputs, partial sums, residuals) are not
+    kept: the executor frees what its graphs' backward does not read
+    (``schedules/oases/release.py``), so ``hidden_state_bytes`` (a hidden state's bytes, which
+    the callers still pass) adds nothing; measured per layer by ``tests/test_round_trip.py``."""
+    del hidden_state_bytes
     kernel = attention_kernel(core_attention, attention_dropout=attention_dropout,
                               fused_dropout=kernels.fused_attention_dropout)
-    return 2 * hidden_state_bytes + (sub_batches - 1) * per_call_bytes(
+    return (sub_batches - 1) * per_call_bytes(
         s=s, h=h, a=a, e=e, variant=variant, core_attention=kernel, kernels=kernels)

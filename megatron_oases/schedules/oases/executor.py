@@ -39,6 +39,7 @@ from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.parallel.collectives import reduce_scatter_into as _reduce_scatter_into
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
+from megatron_oases.schedules.oases.release import Placeholders, release_unread
 from megatron_oases.schedules.oases.wgrad import sub_batch_sums
 from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, BackwardAllGather,
                                                  BackwardAllReduce, BlockInputs, ForwardAllGather,
@@ -157,6 +158,7 @@ class OasesRunner:
         self._step_params: dict = {}
         """(layer, step) -> the parameters the step's graph reaches (found on its first backward)."""
         self._last_saved_bytes = 0
+        self._placeholders = Placeholders()
 
     # ----- forward -------------------------------------------------------------------------
     def stage_params(self) -> list[torch.Tensor]:
@@ -212,9 +214,10 @@ class OasesRunner:
                     if keep_graph:
                         leaves = _leaves(env, step.inputs)
                         with torch.enable_grad():
-                            outs = step.fn(leaves, state.inputs[i])
-                        saved[step.name] = (leaves, outs)
-                        outs = {k: v.detach() for k, v in outs.items()}
+                            graph = step.fn(leaves, state.inputs[i])
+                        saved[step.name] = (leaves, graph)
+                        outs = {k: v.detach() for k, v in graph.items()}
+                        release_unread(leaves, graph, self._placeholders)
                     else:
                         outs = step.fn({n: env[n] for n in step.inputs}, state.inputs[i])
                     env.update(outs)
