@@ -75,7 +75,8 @@ def test_candidates_are_feasible_powers_of_two():
     m6 = small_model(tp=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=384, micro_batch_size=6)
     with pytest.raises(PlanError, match="--tensor-model-parallel-size 6 must be a power of two"):
         candidate_strategies(m6)
-    assert [s.layout.shape for s in candidate_strategies(m6, families=("atp",))] == [(3, 2), (2, 3), (1, 6)]
+    # ATP's meshes, (T, 1) too: its layers there are not Megatron's (plan.graph._atp_layouts)
+    assert [s.layout.shape for s in candidate_strategies(m6, families=("atp",))] == [(6, 1), (3, 2), (2, 3), (1, 6)]
 
 
 def test_reshard_groups_and_payload():
@@ -313,13 +314,16 @@ def test_real_model_plan_respects_memory_and_trades_time():
 
 # ---- ILP / DP optimality -----------------------------------------------------------------------
 
-def random_problem(rng, n, k, ties=False, budget_frac=None) -> PlanProblem:
+def random_problem(rng, n, k, ties=False, budget_frac=None, edge_bytes=False) -> PlanProblem:
+    """``edge_bytes``: edges keep bytes where the strategy changes (none where it does not, as a
+    reshard's output)."""
     node = rng.uniform(1, 10, (n, k))
     edge = rng.uniform(0, 4, (n - 1, k, k))
     mem = rng.uniform(1, 8, (n, k)) * GiB
     peak = rng.uniform(0, 3, (n, k)) * GiB
     tie = tuple((i, i + 1) for i in range(0, n - 1, 2)) if ties else ()
-    p = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=0.5 * GiB, ties=tie)
+    edge_mem = rng.uniform(0, 6, (n - 1, k, k)) * GiB * (1 - np.eye(k)) if edge_bytes else None
+    p = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=0.5 * GiB, ties=tie, edge_mem=edge_mem)
     lo, _ = min_memory(p)
     hi = max(evaluate(p, brute_force(p)[1])[1], lo)
     frac = rng.uniform(0, 1) if budget_frac is None else budget_frac
@@ -339,6 +343,24 @@ def test_ilp_and_dp_match_brute_force_on_random_instances():
         assert ilp.time_ms == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
         assert dp_t == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
         assert ilp.memory_bytes <= p.budget * (1 + 1e-9) and evaluate(p, dp_a)[1] <= p.budget * (1 + 1e-9)
+
+
+def test_edge_bytes_are_exact_in_both_solvers_and_in_min_memory():
+    """What a change of strategy keeps (``PlanProblem.edge_mem``, the Oases reshard's output):
+    the DP adds it on each extension, the ILP through its edge product variables, and the least
+    memory is a shortest path; each equals enumeration."""
+    rng = np.random.default_rng(47)
+    for i in range(12):
+        n, k = int(rng.integers(2, 7)), int(rng.integers(2, 4))
+        p = random_problem(rng, n, k, ties=i % 3 == 2, edge_bytes=True)
+        best, _ = brute_force(p)
+        assert solve_chain(p)[0] == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
+        assert solve_ilp(p, solver="cbc").time_ms == pytest.approx(best, rel=1e-9, abs=1e-9), (i, n, k)
+        need, a = min_memory(p)
+        groups = p.groups
+        allm = [evaluate(p, [c[next(j for j, g in enumerate(groups) if v in g)] for v in range(n)])[1]
+                for c in np.ndindex(*(k,) * len(groups))]
+        assert need == pytest.approx(min(allm)) and evaluate(p, a)[1] == pytest.approx(need)
 
 
 def test_dp_matches_brute_force_without_a_budget_and_min_memory_is_exact():

@@ -83,7 +83,7 @@ def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, 
     boundary: half a layer's ``saved.oases_kept_beyond_stock``, at degree 1 too (that block runs
     in the executor, on one sub-batch). The planner's memory and the simulator's read it;
     ``tests/test_round_trip.py`` measures it. Where the degree changes under the Oases schedule
-    the trainer also keeps the reshard's output, which is not counted here.
+    the trainer also keeps the reshard's output: an edge's term, :func:`reshard_saved_bytes`.
     ``recompute_core_attention``: Megatron's selective recompute (no s^2 tensor kept)."""
     e = bytes_per_element
     kept = block_saved_bytes(kind, b=samples, s=seq, h=hidden, a=heads, f=ffn, t=degree, e=e,
@@ -94,3 +94,18 @@ def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, 
                                         sub_batches=sub_batches_at(degree, oases=True),
                                         core_attention=core_attention, attention_dropout=attention_dropout) / 2
     return kept
+
+
+def reshard_saved_bytes(src: int, dst: int, *, tp: int, micro_batch: int, seq: int, hidden: int,
+                        bytes_per_element: int, oases: bool) -> float:
+    """Bytes the trainer keeps for backward at an edge from a block of degree ``src`` into one of
+    degree ``dst`` (a term of the pair, not of either block): under the Oases schedule each run of
+    blocks at one degree is its own executor stage (``schedules/oases/block._run_segments``),
+    which keeps its input, the reshard's output: ``dst``'s share ``[s, b dst / T, h]`` of the
+    micro-batch. Without a change of degree the stage's input is the previous block's output,
+    already in that block's inventory; the stock executor keeps no reshard output. A chunk's
+    first block enters from the whole TP group (``src = tp``). Read by the planner's memory (an
+    edge term of its problem) and the simulator's; ``tests/test_round_trip.py`` measures it."""
+    if not oases or src == dst or tp == 1:
+        return 0.0
+    return micro_batch * dst / tp * seq * hidden * bytes_per_element

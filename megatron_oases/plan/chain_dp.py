@@ -10,10 +10,13 @@ a chain, so the problem is a resource-constrained shortest path, which this DP s
   values; for each candidate ``z`` only strategies with peak <= z are allowed and the resident
   budget is ``budget - const - z`` (the best over all ``z`` is the optimum).
 * Labels. For every block and strategy keep the Pareto set of (time so far, resident bytes so
-  far) over all partial plans ending there; extend by one block, merge, drop dominated labels.
-* Pruning (exact). A label is dropped if the cheapest completion of its memory (``suffix_mem``)
-  breaks the budget, or if its time plus the cheapest completion of its time (a backward
-  Viterbi pass without the memory constraint) cannot beat the best plan found so far.
+  far) over all partial plans ending there; extend by one block (its node's bytes plus the edge's,
+  ``PlanProblem.edge_mem``: what a change of strategy keeps, taken exactly), merge, drop
+  dominated labels.
+* Pruning (exact). A label is dropped if the cheapest completion of its memory (``suffix_mem``,
+  the nodes' least bytes: a lower bound, the edge terms being >= 0) breaks the budget, or if its
+  time plus the cheapest completion of its time (a backward Viterbi pass without the memory
+  constraint) cannot beat the best plan found so far.
 
 Ties (one strategy per TransformerLayer) are handled by running the DP on the groups.
 """
@@ -31,17 +34,20 @@ MAX_LABELS = 2_000_000
 
 
 def _grouped(p: PlanProblem):
-    """(node, edge, mem, peak, groups) of the problem with each tie group as one node."""
+    """(node, edge, mem, edge_mem, peak, groups) of the problem with each tie group as one node."""
     groups = p.groups
     if all(len(g) == 1 for g in groups):
-        return p.node, p.edge, p.mem, p.peak, groups
+        return p.node, p.edge, p.mem, p.edge_mem, p.peak, groups
     k = p.node.shape[1]
-    node = np.stack([p.node[g].sum(axis=0) + sum(p.edge[v, np.arange(k), np.arange(k)] for v in g[:-1])
-                     for g in groups])
-    edge = np.stack([p.edge[g[-1]] for g in groups[:-1]]) if len(groups) > 1 else np.zeros((0, k, k))
-    mem = np.stack([p.mem[g].sum(axis=0) for g in groups])
+    diag = np.arange(k)
+    node = np.stack([p.node[g].sum(axis=0) + sum(p.edge[v, diag, diag] for v in g[:-1]) for g in groups])
+
+    def links(a: np.ndarray) -> np.ndarray:
+        return np.stack([a[g[-1]] for g in groups[:-1]]) if len(groups) > 1 else np.zeros((0, k, k))
+
+    mem = np.stack([p.mem[g].sum(axis=0) + sum(p.edge_mem[v, diag, diag] for v in g[:-1]) for g in groups])
     peak = np.stack([p.peak[g].max(axis=0) for g in groups])
-    return node, edge, mem, peak, groups
+    return node, links(p.edge), mem, links(p.edge_mem), peak, groups
 
 
 def _cost_to_go(node: np.ndarray, edge: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -57,7 +63,7 @@ def _cost_to_go(node: np.ndarray, edge: np.ndarray, allowed: np.ndarray) -> np.n
 def solve_chain(p: PlanProblem) -> tuple[float, tuple[int, ...], int]:
     """(optimal objective, assignment per block, labels created) of ``p``; ``PlanError`` if no
     assignment fits (call ``ilp.check_memory`` first for the error that names --memory-gb)."""
-    node, edge, mem, peak, groups = _grouped(p)
+    node, edge, mem, edge_mem, peak, groups = _grouped(p)
     n, K = node.shape
     allowed0 = np.isfinite(node)
     best_t, best_a = math.inf, None
@@ -82,9 +88,9 @@ def solve_chain(p: PlanProblem) -> tuple[float, tuple[int, ...], int]:
         if start.min() >= best_t - _EPS:
             continue  # even without the memory constraint this z cannot win
         if p.budget is None:
-            cap, m_eff = math.inf, np.zeros_like(mem)
+            cap, m_eff, e_eff = math.inf, np.zeros_like(mem), np.zeros_like(edge_mem)
         else:
-            cap, m_eff = p.budget - p.mem_const - z, mem
+            cap, m_eff, e_eff = p.budget - p.mem_const - z, mem, edge_mem
         mmin = np.where(allowed, m_eff, np.inf).min(axis=1)
         suffix = np.concatenate([np.cumsum(mmin[::-1])[::-1][1:], [0.0]])
         if mmin.sum() > cap + abs(cap) * 1e-12:
@@ -103,7 +109,7 @@ def solve_chain(p: PlanProblem) -> tuple[float, tuple[int, ...], int]:
                 t = m = b = None
                 if allowed[v, k]:
                     t = np.concatenate([T[a] + edge[v - 1, a, k] for a in src]) + node[v, k]
-                    m = np.concatenate([M[a] for a in src]) + m_eff[v, k]
+                    m = np.concatenate([M[a] + e_eff[v - 1, a, k] for a in src]) + m_eff[v, k]
                     b = np.concatenate([np.stack([np.full(len(T[a]), a), np.arange(len(T[a]))], 1) for a in src])
                     ok = (m + suffix[v] <= lim) & (t + h[v, k] < best_t - _EPS)
                     t, m, b = t[ok], m[ok], b[ok]

@@ -46,7 +46,7 @@ from megatron_oases.topology import Topology
 
 from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, BlockStrategy, attention_fits, build_graph,
                     candidate_strategies, family_of, split_blocks)
-from .memory import state_bytes_per_param
+from .memory import reshard_kept_bytes, state_bytes_per_param
 from .problem import PlanProblem
 from .pricing import DevicePricer, Pricer, event_shape
 
@@ -85,6 +85,10 @@ class CostModel:
     """(K,) backward all-gather from block 0 at strategy k into the degree-T embedding."""
     head_fwd_ms: np.ndarray
     """(K,) forward all-gather from the last block into the degree-T logits."""
+    reshard_saved_bytes: np.ndarray
+    """(K, K) bytes one micro-batch keeps at an edge from strategy a to b (under Oases the
+    reshard's output where the degree changes: ``memory.reshard_kept_bytes``); the edge from the
+    degree-T embedding into block 0 is in ``problem.mem[0]``."""
     num_microbatches: int
     data_parallel: int
     global_batch_size: int
@@ -110,12 +114,14 @@ class CostModel:
             c = self.costs[(self.blocks[v].kind, k)]
             grad = c.grad_sync_ms if self.grad_sync else 0.0
             edge = float(p.edge[v - 1, assignment[v - 1], k]) if v else 0.0
+            kept_in = float(p.edge_mem[v - 1, assignment[v - 1], k]) if v else 0.0
             out.append({"block": v, "layer": self.blocks[v].layer, "kind": self.blocks[v].kind,
                         "degree": self.strategies[k].degree, "strategy": self.strategies[k].label,
                         "node_ms": float(p.node[v, k]) - grad, "edge_in_ms": edge, "grad_sync_ms": grad,
                         "time_ms": float(p.node[v, k]) + edge,
                         "state_bytes": c.state_bytes, "saved_bytes": c.saved_bytes,
-                        "memory_bytes": float(p.mem[v, k]),  # the saved bytes of each micro-batch in flight
+                        # the saved bytes of each micro-batch in flight, with what its incoming edge keeps
+                        "memory_bytes": float(p.mem[v, k]) + kept_in,
                         "runtime_bytes": c.runtime_bytes})
         return out
 
@@ -273,7 +279,10 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         else:
             fwd, bwd = rf, rb
         edge[v] = runs * (fwd + bwd)
+    kept = np.array([[reshard_kept_bytes(m, a.degree, b.degree) for b in strategies] for a in strategies])
     mem = np.array([arr(kd, "state_bytes") + in_flight * arr(kd, "saved_bytes") for kd in kinds])
+    mem[0] += in_flight * np.array([reshard_kept_bytes(m, m.tp, s.degree) for s in strategies])  # from the embedding
+    edge_mem = np.broadcast_to(in_flight * kept, (max(N - 1, 0), K, K)).copy()
     peak = np.array([arr(kd, "runtime_bytes") for kd in kinds])
     e, h, V, T, b, s = (m.bytes_per_element, m.hidden_size, m.padded_vocab_size, m.tp, m.micro_batch_size, m.seq_length)
     # the head on the plan's one stage (describe.head): embedding + final norm (+ an untied output
@@ -285,8 +294,10 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
              + b * s * h * e + head_saved_bytes(**head, b=b, s=s, e=e, hidden_dropout=False))
     ties = tuple((2 * i, 2 * i + 1) for i in range(m.num_layers)) if granularity == "layer" else ()
     budget = memory_gb * float(1 << 30) if memory_gb is not None else None
-    problem = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=float(const), budget=budget, ties=ties)
+    problem = PlanProblem(node=node, edge=edge, mem=mem, peak=peak, mem_const=float(const), budget=budget, ties=ties,
+                          edge_mem=edge_mem)
     return CostModel(model=m, strategies=tuple(strategies), blocks=tuple(blocks), costs=costs, reshard_fwd_ms=rf,
-                     reshard_bwd_ms=rb, embed_bwd_ms=embed_b, head_fwd_ms=head_f, num_microbatches=n_micro,
+                     reshard_bwd_ms=rb, embed_bwd_ms=embed_b, head_fwd_ms=head_f, reshard_saved_bytes=kept,
+                     num_microbatches=n_micro,
                      data_parallel=dp, global_batch_size=global_batch_size, grad_sync=grad_sync,
                      granularity=granularity, problem=problem, pricing=pricer.summary())

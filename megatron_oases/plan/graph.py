@@ -11,7 +11,7 @@ Strategies. The TP group has ``T`` ranks (``--tensor-model-parallel-size``). A b
 degree-``T`` block's, its all-reduce moves ``d / T`` of the bytes on a smaller (often faster)
 group, and it holds ``T / d`` times the weights. The cost model only sees ``BlockStrategy`` objects:
 a family (``megatron`` 1-D; ``atp``, ATP's 2-D mesh ``d1 x d2 = T`` over the whole TP group,
-every divisor pair: ``describe/atp_meshes.py``)
+every divisor pair, d2 = 1 too: ``describe/atp_meshes.py``, :func:`_atp_layouts`)
 that describes the layer on its share of the batch, splits it into the two blocks, names the
 group ranks of each collective axis, reshards between two strategies and counts parameters and
 saved bytes. A family the runtime cannot place next to another (``mixes=False``: ATP layers run
@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from megatron_oases.describe.atp_2d import atp_layout
+from megatron_oases.describe.atp_meshes import atp_meshes
 from megatron_oases.describe.backends import BACKENDS, backend
 from megatron_oases.describe.layer_query import LayerQuery
 from megatron_oases.describe.layout import Layout
@@ -119,6 +121,8 @@ class Family:
     """The layer description -> its attention and MLP blocks (default ``split_blocks``)."""
     mixes: bool = True
     """Whether the runtime can put this family's blocks next to another strategy's."""
+    layouts: Callable[[int], tuple[Layout, ...]] | None = None
+    """(TP size) -> the layouts the planner offers (None: the record's, ``Backend.layouts``)."""
 
 
 def describe_layer(s: BlockStrategy, m: PlanModel, samples: int) -> LayerDescription:
@@ -260,6 +264,16 @@ def _whole_group_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int)
     return recomputed_block_bytes(m, kind, block_input), full + 2 * block_input
 
 
+def _atp_layouts(tp: int) -> tuple[Layout, ...]:
+    """Every mesh d1 x d2 = T, d2 = 1 too (``atp_meshes(with_1d=True)``): ``--tp-backend atp
+    --atp-mesh T,1`` runs ATP's layers, whose norms keep more than Megatron's
+    (``describe.saved.mesh_norm_bytes``), so the megatron family's degree-T strategy is not that
+    launch; offered, an ATP plan prices the layer it trains (its record's saved bytes and
+    collectives). The simulator's search leaves d2 = 1 to its megatron backend
+    (``Backend.layouts``)."""
+    return tuple(atp_layout(d1, d2) for d1, d2 in atp_meshes(tp, with_1d=True))
+
+
 def _whole_group_family(name: str) -> Family:
     """The planner's pricing of a record without its own entry in ``FAMILIES``: its layer over
     the whole TP group, entered and left at its block edges, cut into blocks where its record
@@ -275,7 +289,7 @@ FAMILIES: dict[str, Family] = {
                        split=_split_named(*backend("megatron").block_split)),
     "atp": Family(describe=describe_layer, group_ranks=_whole_group_ranks, reshard=_edge_reshard,
                   params=block_params, memory=_atp_memory, split=_split_named(*backend("atp").block_split),
-                  mixes=False),
+                  mixes=False, layouts=_atp_layouts),
 }
 """The planner's own pricing of some records' layers (``describe.backends``): Megatron's per-block
 degrees and their reshards, ATP's fine-grained recompute. The families offered are the records
@@ -358,6 +372,12 @@ def _record_refusal(s: BlockStrategy, m: PlanModel, *, query_groups: int | None)
                                      ffn=m.ffn_hidden_size, micro_batch=m.micro_batch_size, query_groups=query_groups)
 
 
+def family_layouts(name: str, tp: int) -> tuple[Layout, ...]:
+    """The layouts the planner offers family ``name`` at TP ``tp`` (``Family.layouts``, else its
+    record's ``Backend.layouts``); a plan file naming another is refused (``plan_file``)."""
+    return (family_of(BlockStrategy(degree=tp, family=name)).layouts or backend(name).layouts)(tp)
+
+
 def family_names() -> tuple[str, ...]:
     """The strategy families: one per backend record (``describe.backends.BACKENDS``), read when
     asked so that a new row is offered without an edit here."""
@@ -375,7 +395,8 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
     """Megatron 1-D at each power-of-two degree up to T that can run the model (ascending;
     ``degrees`` restricts them), then for each other family asked, in the records' order, every
     layout its record offers at T that can (``Backend.layouts``: for ATP every mesh d1 x d2 = T,
-    ``describe.atp_meshes.atp_meshes``, d2 = 1 being the megatron family's layout; the cube)."""
+    ``describe.atp_meshes.atp_meshes``, d2 = 1 too: ATP's layers there are not Megatron's,
+    :func:`_atp_layouts`; the cube)."""
     known = family_names()
     bad = [f for f in families if f not in known]
     if bad:
@@ -387,7 +408,7 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
             out += _megatron_candidates(m, degrees, name)
     for name in known:
         if name in families and not backend(name).per_block_plans:
-            layouts = [BlockStrategy(degree=m.tp, family=name, layout=x) for x in backend(name).layouts(m.tp)]
+            layouts = [BlockStrategy(degree=m.tp, family=name, layout=x) for x in family_layouts(name, m.tp)]
             if not layouts:
                 why = why or f"{name} has no layout at --tensor-model-parallel-size {m.tp}"
             for s in layouts:

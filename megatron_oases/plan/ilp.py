@@ -6,7 +6,10 @@ strategies with the marginals  sum_b e_uv[a, b] = s_u[a],  sum_a e_uv[a, b] = s_
 one-hot s this forces e_uv = s_u s_v^T (and on a chain the LP relaxation is already tight).
 Eq. 6: resident bytes (parameters + optimizer state, saved tensors) summed over blocks, plus the
 largest backward working set (one block runs backward at a time):
-    const + sum_v m_v^T s_v + z <= M,    z >= p_v^T s_v  for every v.
+    const + sum_v m_v^T s_v + sum_(u,v) <W_uv, e_uv> + z <= M,    z >= p_v^T s_v  for every v.
+``W_uv`` (``PlanProblem.edge_mem``) is what a change of strategy keeps (the Oases executor's
+reshard output); it is linearised exactly with the same product variables e_uv as the edge time
+(not bounded), so the ILP and the chain DP solve the same problem.
 ``ties`` groups blocks that must share one strategy (one degree per TransformerLayer).
 
 Nothing here knows what a block or a strategy is: the arrays come from ``cost_model``.
@@ -41,6 +44,8 @@ def brute_force(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
         t = t + p.edge[np.arange(n - 1), a[:, :-1], a[:, 1:]].sum(axis=1)
     if p.budget is not None:
         m = p.mem_const + p.mem[np.arange(n), a].sum(axis=1) + p.peak[np.arange(n), a].max(axis=1)
+        if n > 1:
+            m = m + p.edge_mem[np.arange(n - 1), a[:, :-1], a[:, 1:]].sum(axis=1)
         t = np.where(m <= p.budget * (1 + 1e-12), t, np.inf)
     i = int(np.argmin(t))
     return float(t[i]), tuple(int(x) for x in a[i])
@@ -125,6 +130,7 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
     var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3 / older
     x: list[dict[int, pulp.LpVariable]] = []
     obj: list[tuple[pulp.LpVariable, float]] = []
+    edge_bytes: list[tuple[pulp.LpVariable, float]] = []  # (e_uv[a, b], W_uv[a, b]) for Eq. 6
     for j, g in enumerate(groups):
         ks = [a for a in range(k) if allowed[g, a].all()]
         if not ks:
@@ -148,6 +154,7 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
         for b in xv:
             prob += pulp.lpSum(e[a, b] for a in xu if (a, b) in e) == xv[b], f"col_{v}_{b}"
         obj += [(var, float(p.edge[v, a, b])) for (a, b), var in e.items()]
+        edge_bytes += [(var, float(p.edge_mem[v, a, b])) for (a, b), var in e.items() if p.edge_mem[v, a, b]]
     prob += _weighted_sum(obj)
     if p.budget is not None:
         z = var("z_peak", lowBound=0)
@@ -159,7 +166,9 @@ def solve_ilp(p: PlanProblem, *, solver: str = "ilp", time_limit: float | None =
                 continue
             seen.add((gid[v], row))
             prob += z >= pulp.lpSum(float(p.peak[v, a]) * scale * var for a, var in x[gid[v]].items()), f"peak_{v}"
-        terms = [(var, float(p.mem[groups[j], a].sum()) * scale) for j, xs in enumerate(x) for a, var in xs.items()]
+        terms = [(var, (float(p.mem[groups[j], a].sum()) + sum(float(p.edge_mem[v, a, a]) for v in groups[j][:-1]))
+                  * scale) for j, xs in enumerate(x) for a, var in xs.items()]
+        terms += [(var, w * scale) for var, w in edge_bytes]
         prob += _weighted_sum(terms) + z <= (p.budget - p.mem_const) * scale, "memory"
     slv, slv_name = _solver(solver, time_limit)
     t1 = time.perf_counter()

@@ -4,7 +4,7 @@ model)."""
 from __future__ import annotations
 
 from megatron_oases.describe.optimizer import state_bytes_per_param as model_state_bytes
-from megatron_oases.describe.planned import planned_block_saved_bytes
+from megatron_oases.describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes
 from megatron_oases.describe.split import recompute_boundaries
 from .model import PlanModel
@@ -75,3 +75,12 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     kept = planned_block_saved_bytes(kind, **kw, recompute_core_attention=m.selective_recompute)
     rerun = planned_block_saved_bytes(kind, **kw) - kept  # one core attention's tensors at a time
     return kept, 2 * one + rerun
+
+
+def reshard_kept_bytes(m: PlanModel, src: int, dst: int) -> float:
+    """Bytes one micro-batch keeps at an edge from a block of degree ``src`` into one of degree
+    ``dst`` (``describe.planned.reshard_saved_bytes``, the simulator's too: under the Oases
+    executor the reshard's output), a term of the pair that the planner's problem carries on its
+    edges (``PlanProblem.edge_mem``)."""
+    return reshard_saved_bytes(src, dst, tp=m.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
+                               hidden=m.hidden_size, bytes_per_element=m.bytes_per_element, oases=m.sub_batches > 1)

@@ -19,7 +19,7 @@ from megatron_oases.describe.backends import backend
 from megatron_oases.describe.layout import Layout
 from megatron_oases.describe.ops import ModelingError
 
-from .graph import BLOCK_KINDS, BlockStrategy, family_of, strategy_of_label
+from .graph import BLOCK_KINDS, BlockStrategy, family_layouts, family_of, strategy_of_label
 from megatron_oases.flags import option
 
 PLAN_FORMAT = "megatron-oases-plan/1"
@@ -267,7 +267,7 @@ def whole_model_backend(data: dict[str, Any]) -> dict[str, str] | None:
     if not whole:
         return None
     s = strategies[next(iter(whole))]
-    if len(whole) != 1 or len(whole) != len(set(labels)) or s.layout not in backend(s.family).layouts(s.degree):
+    if len(whole) != 1 or len(whole) != len(set(labels)) or s.layout not in family_layouts(s.family, s.degree):
         raise ConfigError(f"plan strategies {sorted(set(labels))} mix a whole-model backend (ATP mesh or "
                           f"3-D cube) with other layouts, which the runtime cannot run; plan again")
     return backend(s.family).launch_flags(s.layout)

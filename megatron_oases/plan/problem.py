@@ -36,12 +36,19 @@ class PlanProblem:
     """Device memory in bytes; None: no constraint."""
     ties: tuple[tuple[int, ...], ...] = ()
     """Groups of consecutive blocks that take the same strategy index."""
+    edge_mem: np.ndarray | None = None
+    """(N-1, K, K) resident bytes of the edge between block v (strategy a) and block v+1
+    (strategy b), >= 0: what the runtime keeps because the strategy changes there (under the
+    Oases executor the reshard's output, ``describe.planned.reshard_saved_bytes``); None: zeros."""
 
     def __post_init__(self) -> None:
         n, k = self.node.shape
-        if self.edge.shape != (max(n - 1, 0), k, k) or self.mem.shape != (n, k) or self.peak.shape != (n, k):
+        if self.edge_mem is None:
+            object.__setattr__(self, "edge_mem", np.zeros_like(self.edge, dtype=float))
+        if (self.edge.shape != (max(n - 1, 0), k, k) or self.edge_mem.shape != self.edge.shape
+                or self.mem.shape != (n, k) or self.peak.shape != (n, k)):
             raise ValueError(f"inconsistent shapes: node {self.node.shape}, edge {self.edge.shape}, "
-                             f"mem {self.mem.shape}, peak {self.peak.shape}")
+                             f"edge_mem {self.edge_mem.shape}, mem {self.mem.shape}, peak {self.peak.shape}")
 
     @property
     def groups(self) -> list[list[int]]:
@@ -87,16 +94,22 @@ def evaluate(p: PlanProblem, assignment) -> tuple[float, float]:
     if n > 1:
         t += float(p.edge[np.arange(n - 1), a[:-1], a[1:]].sum())
     m = p.mem_const + float(p.mem[np.arange(n), a].sum()) + float(p.peak[np.arange(n), a].max())
+    if n > 1:
+        m += float(p.edge_mem[np.arange(n - 1), a[:-1], a[1:]].sum())
     return t, m
 
 
 def min_memory(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
     """The least memory any allowed assignment needs, and one such assignment (exact: for each
-    candidate largest working set z, every group takes its smallest resident strategy with
-    working set <= z)."""
+    candidate largest working set z, a shortest path over the groups of blocks whose nodes are
+    their resident bytes at strategies with working set <= z and whose edges are the edge terms
+    ``edge_mem``)."""
     groups = p.groups
     allowed = np.isfinite(p.node)
-    res = np.stack([p.mem[g].sum(axis=0) for g in groups])
+    k = p.node.shape[1]
+    diag = np.arange(k)
+    res = np.stack([p.mem[g].sum(axis=0) + sum(p.edge_mem[v, diag, diag] for v in g[:-1]) for g in groups])
+    link = [p.edge_mem[g[-1]] for g in groups[:-1]]
     pk = np.stack([p.peak[g].max(axis=0) for g in groups])
     ok = np.stack([allowed[g].all(axis=0) for g in groups])
     best, best_a = math.inf, None
@@ -105,10 +118,17 @@ def min_memory(p: PlanProblem) -> tuple[float, tuple[int, ...]]:
         if not fits.any(axis=1).all():
             continue
         r = np.where(fits, res, np.inf)
-        pick = r.argmin(axis=1)
-        total = p.mem_const + float(r[np.arange(len(groups)), pick].sum()) + float(z)
+        cost, back = r[0], []
+        for j in range(1, len(groups)):
+            via = cost[:, None] + link[j - 1]
+            back.append(via.argmin(axis=0))
+            cost = via.min(axis=0) + r[j]
+        pick = [int(cost.argmin())]
+        for b in back[::-1]:
+            pick.append(int(b[pick[-1]]))
+        total = p.mem_const + float(cost.min()) + float(z)
         if total < best:
-            best, best_a = total, pick
+            best, best_a = total, pick[::-1]
     if best_a is None:
         raise PlanError("no block has an allowed strategy")
     return best, spread(p, groups, best_a)

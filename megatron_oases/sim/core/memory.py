@@ -18,7 +18,8 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   (``describe.saved.core_attention_bytes``), so the planner's memory constraint sees the same bytes.
 * Under a per-block plan (``--oases-plan``, without recompute) each block keeps its inventory at
   its degree on its replica's share, and under Oases its step boundary
-  (``describe.planned.planned_block_saved_bytes``, the planner's too; was: the uniform degree's).
+  (``describe.planned.planned_block_saved_bytes``, the planner's too; was: the uniform degree's),
+  and under Oases each change of degree the reshard's output (``reshard_saved_bytes``).
 * The last stage also keeps the logits (e bytes) and the fp32 softmax of the vocab-parallel loss.
 * How many micro-batches are alive comes from the stage's op order (GPipe: all of them; 1F1B:
   ``pp - stage``; interleaved: Megatron's warm-up), walked op by op.
@@ -30,7 +31,7 @@ import itertools
 
 from ...describe.head import head_saved_bytes
 from ...describe.optimizer import state_bytes_per_param
-from ...describe.planned import planned_block_saved_bytes
+from ...describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
@@ -103,10 +104,16 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
 def _planned_layers_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:
     """What a chunk's layers keep per micro-batch under a per-block plan (no recompute): each
     block at its degree on its replica's share (``describe.planned.planned_block_saved_bytes``, the
-    planner's too); the chunk's blocks as ``events`` reads them from the plan."""
+    planner's too), and under Oases each change of degree its reshard's output
+    (``describe.planned.reshard_saved_bytes``, from the whole TP group into the chunk's first
+    block); the chunk's blocks as ``events`` reads them from the plan."""
     g = chunk.chunk * s.pp + chunk.stage
     degrees = s.block_degrees[2 * g * chunk.layers:2 * (g + 1) * chunk.layers]
-    return sum(planned_block_saved_bytes(
+    edges = sum(reshard_saved_bytes(a, b, tp=s.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
+                                    hidden=m.hidden_size, bytes_per_element=m.bytes_per_element,
+                                    oases=s.schedule == "oases")
+                for a, b in zip((s.tp, *degrees[:-1]), degrees))
+    return edges + sum(planned_block_saved_bytes(
         kind, samples=m.micro_batch_size * d // s.tp, degree=d, tp=s.tp, seq=m.seq_length, hidden=m.hidden_size,
         heads=m.num_attention_heads, ffn=m.ffn_hidden_size, bytes_per_element=m.bytes_per_element,
         oases=s.schedule == "oases", variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
