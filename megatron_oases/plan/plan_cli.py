@@ -16,7 +16,7 @@ from typing import Any
 from ..describe.core_attention import check_flash_dtype
 from ..describe.split import SUB_BATCHES, split_refusal, sub_batches_at
 from ..errors import comma_names, range_refusal
-from ..flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import stated_fields
@@ -285,20 +285,14 @@ def check_recompute_layers(a: argparse.Namespace, stage_layers: int) -> None:
     """The recompute the planner prices is every layer of a stage or none: ``uniform`` with
     groups of one layer, or ``block`` covering the stage; one line naming the flag otherwise (and
     the trainer's pairing of the flags)."""
-    method, n = a.recompute_method, a.recompute_num_layers
-    gran, meth, num = (option(d) for d in ("recompute_granularity", "recompute_method", "recompute_num_layers"))
-    if a.recompute_granularity != "full":
-        if method is not None or n is not None:
-            raise PlanError(f"{meth} / {num} need {gran} full")
+    n = filled_recompute_num_layers(a, stage_layers, PlanError)  # Megatron's pairing, the trainer's words
+    if n is None:
         return
-    if method is None:
-        raise PlanError(f"{gran} full needs {meth} uniform|block")
-    if n is not None and n < 1:
-        raise PlanError(range_refusal(num, n, 1))
-    if method == "uniform" and (n or 1) != 1:
+    method, meth, num = a.recompute_method, option("recompute_method"), option("recompute_num_layers")
+    if method == "uniform" and n != 1:
         raise PlanError(f"{meth} uniform {num} {n} checkpoints groups of {n} layers, which the planner does not "
                         f"price; plan with {num} 1")
-    if method == "block" and n is not None and n < stage_layers:
+    if method == "block" and n < stage_layers:
         raise PlanError(f"{meth} block {num} {n} recomputes {n} of a stage's {stage_layers} layers, which the "
                         f"planner does not price (every layer or none); plan with {num} {stage_layers}")
 
