@@ -133,6 +133,21 @@ class RunConfig:
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
     tp_invariant_init: bool = True
+    # -- mixture of experts (Megatron-LM's names and defaults; TransformerConfig's num_moe_experts...)
+    num_experts: int | None = None
+    """Experts per MoE layer (None: dense MLPs)."""
+    moe_router_topk: int = 2
+    expert_model_parallel_size: int = 1
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's FFN width (None: ``ffn_hidden_size``, as Megatron-LM fills it)."""
+    moe_layer_freq: int = 1
+    """One MoE layer every N layers (Megatron-LM's integer form)."""
+    moe_expert_capacity_factor: float | None = None
+    """None: dropless (every routed token is computed)."""
+    moe_grouped_gemm: bool = False
     # -- training
     micro_batch_size: int = 2
     global_batch_size: int | None = 8
