@@ -521,7 +521,7 @@ class DeviceModel:
         return bw
 
     def collective_ms(self, kind: str, payload_bytes: float, ranks: tuple[int, ...]) -> float:
-        """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter (n-1)/n S/B + (n-1) lat;
+        """Ring algorithm: all-reduce 2(n-1)/n S/B + 2(n-1) lat; gather/scatter and all-to-all (n-1)/n S/B + (n-1) lat;
         broadcast / reduce (3-D vectors) S/B + (n-1) lat."""
         n = len(ranks)
         if n <= 1:
@@ -529,7 +529,7 @@ class DeviceModel:
         bw, lat_us = self.ring_link(ranks)
         if kind == "all_reduce":
             factor, steps = ring_factor(kind, n), 2 * (n - 1)
-        elif kind in ("all_gather", "reduce_scatter"):
+        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):  # all-to-all: MoE's dispatch, n - 1 peers
             factor, steps = ring_factor(kind, n), n - 1
         elif kind in ("broadcast", "reduce"):  # pipelined along the ring: the root's S, n - 1 hops
             factor, steps = 1.0, n - 1
