@@ -54,8 +54,6 @@ class Row:
     pp: int = 1
     plan: tuple[int, int] | None = None
     """Each layer's (attention, mlp) degrees: the row runs ``--oases-plan`` with them."""
-    xfail: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Quantity (params, collectives, saved_sim, saved_plan) -> why its readings differ (a known bug)."""
 
     @property
     def world(self) -> int:
@@ -67,18 +65,6 @@ def _atp(d1: int, d2: int) -> list[str]:
 
 
 CUBE = ["--tp-backend", "3d"]
-
-# Known disagreements (strict xfails: each must still fail), by quantity; each is a bug at its home.
-PLAN_OASES_RESHARD_SAVED = ("under the Oases schedule where the degree changes the trainer keeps each reshard's "
-                            "output, priced (describe.planned.reshard_saved_bytes), and 8 bytes a layer more that "
-                            "nothing prices yet (1x2: 173,832 kept, 173,824 priced; 2x4: 124,168, 124,160)")
-
-
-def _xf(saved: str = "", saved_sim: str = "", saved_plan: str = "", collectives: str = "") -> dict[str, str]:
-    """Quantity -> reason; ``saved``: both the simulator's and the planner's saved bytes."""
-    pairs = (("saved_sim", saved_sim or saved), ("saved_plan", saved_plan or saved), ("collectives", collectives))
-    return {k: v for k, v in pairs if v}
-
 
 GRID = [
     Row("gpt2-tp2", 2),
@@ -98,7 +84,7 @@ GRID = [
     Row("gpt2-tp2-sp-oases", 2, (*SP, *OASES)),
     Row("gpt2-tp2-plan-2-1", 2, plan=(2, 1)),
     Row("gpt2-tp2-plan-1-1-oases", 2, (*OASES,), plan=(1, 1)),
-    Row("gpt2-tp2-plan-1-2-oases", 2, (*OASES,), plan=(1, 2), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
+    Row("gpt2-tp2-plan-1-2-oases", 2, (*OASES,), plan=(1, 2)),
     Row("gpt2-atp-1x2", 2, (*_atp(1, 2),)),
     Row("gpt2-atp-2x1", 2, (*_atp(2, 1),)),
     Row("llama-atp-1x2", 2, (*LLAMA, *_atp(1, 2))),
@@ -114,7 +100,7 @@ GRID = [
     Row("gpt2-tp2-pp2", 2, pp=2),
     Row("gpt2-tp2-pp2-sp", 2, (*SP,), pp=2),
     Row("gpt2-tp4-plan-4-2", 4, plan=(4, 2)),
-    Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4), xfail=_xf(saved=PLAN_OASES_RESHARD_SAVED)),
+    Row("gpt2-tp4-plan-2-4-oases", 4, (*OASES,), plan=(2, 4)),
     Row("gpt2-atp-2x2", 4, (*_atp(2, 2),)),
     Row("llama-atp-2x2", 4, (*LLAMA, "--num-query-groups", "4", *_atp(2, 2))),
     Row("gpt2-atp-2x2-oases", 4, (*_atp(2, 2), *OASES)),
@@ -306,10 +292,7 @@ def trainer_readings(tmp_path_factory):
     return out, tmp
 
 
-def _cases(quantity: str):
-    """The grid's rows, each marked xfail where ``quantity``'s readings are known to differ."""
-    return [pytest.param(r, id=r.name, marks=[pytest.mark.xfail(reason=r.xfail[quantity], strict=True)]
-                         if quantity in r.xfail else []) for r in GRID]
+CASES = [pytest.param(r, id=r.name) for r in GRID]
 
 
 def _readings(row: Row, trainer_readings):
@@ -318,7 +301,7 @@ def _readings(row: Row, trainer_readings):
     return trainer_layer(*readings[row.name]), sim_layer(big, small, row.world), plan_layer(big, row)
 
 
-@pytest.mark.parametrize("row", _cases("params"))
+@pytest.mark.parametrize("row", CASES)
 def test_parameters_per_layer_and_rank(row, trainer_readings):
     """Each layer's parameters (and, the simulator's, the whole stage's on rank 0: embedding,
     output layer and final norm with the layers)."""
@@ -327,7 +310,7 @@ def test_parameters_per_layer_and_rank(row, trainer_readings):
     assert [sum(got.params) / len(got.params)] == plan.params
 
 
-@pytest.mark.parametrize("row", _cases("collectives"))
+@pytest.mark.parametrize("row", CASES)
 def test_collectives_per_layer(row, trainer_readings):
     """Each pass's collectives (kind, group, bytes) equal the simulator's events; their bytes
     equal the planner's communication terms."""
@@ -336,13 +319,13 @@ def test_collectives_per_layer(row, trainer_readings):
     assert (_bytes(got.forward), _bytes(got.backward)) == (plan.forward, plan.backward)
 
 
-@pytest.mark.parametrize("row", _cases("saved_sim"))
+@pytest.mark.parametrize("row", CASES)
 def test_saved_bytes_per_layer_as_the_simulator_prices_them(row, trainer_readings, cpu_kernels):
     got, sim, _ = _readings(row, trainer_readings)
     assert got.saved == sim.saved
 
 
-@pytest.mark.parametrize("row", _cases("saved_plan"))
+@pytest.mark.parametrize("row", CASES)
 def test_saved_bytes_per_layer_as_the_planner_prices_them(row, trainer_readings, cpu_kernels):
     got, _, plan = _readings(row, trainer_readings)
     assert got.saved == plan.saved

@@ -13,6 +13,7 @@ from megatron_oases.describe.split import sub_batches_at
 from megatron_oases.schedules.oases.backend_tapes import layer_tape
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
+from megatron_oases.schedules.oases.release import Placeholders
 from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer,
                                                  megatron_block_tapes)
 
@@ -154,7 +155,10 @@ def _segments(units, options: OasesOptions) -> list[_Segment]:
             out.append((degree, groups, [tape]))
     # A degree-1 block issues no collective: nothing to overlap, so its replica's slice is not
     # split into sub-batches (describe.split.sub_batches_at; the planner prices it that way too).
-    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=sub_batches_at(d))), d, g)
+    # The segments share one placeholder element (release.Placeholders): one per runner kept an
+    # element per change of degree that no description prices (issue 47: 8 bytes a layer).
+    shared = Placeholders()
+    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=sub_batches_at(d)), shared), d, g)
             for d, g, t in out]
 
 

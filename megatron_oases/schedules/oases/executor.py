@@ -150,7 +150,11 @@ class _StepState:
 class OasesRunner:
     """Executes the layers of one model chunk (their ``LayerTape``s) with the Oases schedule."""
 
-    def __init__(self, tapes: list[LayerTape], options: OasesOptions):
+    def __init__(self, tapes: list[LayerTape], options: OasesOptions,
+                 placeholders: Placeholders | None = None):
+        """``placeholders``: where released step boundaries point (``release.Placeholders``);
+        the runners of one model chunk share one, so a chunk cut into several runners (a plan's
+        degrees) keeps one placeholder element, not one per runner."""
         self.tapes = tapes
         self.options = options
         self._arrivals: dict = {}
@@ -158,7 +162,7 @@ class OasesRunner:
         self._step_params: dict = {}
         """(layer, step) -> the parameters the step's graph reaches (found on its first backward)."""
         self._last_saved_bytes = 0
-        self._placeholders = Placeholders()
+        self._placeholders = placeholders or Placeholders()
 
     # ----- forward -------------------------------------------------------------------------
     def stage_params(self) -> list[torch.Tensor]:
