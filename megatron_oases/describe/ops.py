@@ -61,7 +61,7 @@ def ring_factor(kind: str, n: int) -> float:
     """Share of a collective's payload each of its ``n`` ranks sends with a ring algorithm:
     ``2(n-1)/n`` for an all-reduce (a reduce-scatter then an all-gather), ``(n-1)/n`` for an
     all-gather or a reduce-scatter (and, as the per-rank average of a pipelined chain, for the 3-D
-    broadcast / reduce). The one home of the formula: the descriptions' wire bytes, the runtime's
+    broadcast / reduce; for an all-to-all, the share of its payload that leaves the rank). The one home of the formula: the descriptions' wire bytes, the runtime's
     ``CommCounter``, the device model's ``collective_ms``, the profiler's scaling and the scripts
     read it (ATP's Eq. 4, ``plan.atp_mesh.rabenseifner_alg_bandwidth``, is its inverse in the
     paper's form). It lives here, the lowest layer, because ``describe`` may import nothing above it."""
@@ -74,7 +74,7 @@ class Collective:
 
     name: str
     kind: str
-    """all_reduce | all_gather | reduce_scatter."""
+    """all_reduce | all_gather | reduce_scatter | all_to_all (MoE's dispatch: ``describe.moe``)."""
     axis: str
     """The group it runs on: "tp" for Megatron 1-D; mesh axes / cube directions for other backends."""
     group_size: int

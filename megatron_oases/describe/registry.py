@@ -7,6 +7,7 @@ from __future__ import annotations
 from .backends import BACKENDS as RECORDS, backend as record
 from .layer_query import LayerQuery
 from .layout import Layout
+from .moe import MoEShape, moe_layer
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError
 
 BACKENDS = RECORDS
@@ -19,23 +20,30 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
                       schedule: str = "stock", attention_dropout: bool = False,
                       hidden_dropout: bool = False, recompute_core_attention: bool = False,
-                      core_attention: str = "local") -> LayerDescription:
+                      core_attention: str = "local", moe: MoEShape | None = None, ep: int = 1) -> LayerDescription:
     """A backend's layer; ``sequence_parallel`` only on Megatron 1-D, whose Oases tape
     (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them.
     The dropouts' element-wise traffic is described for Megatron 1-D only, and so is
     ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
     its core attention; the ATP and 3-D attention modules do not) and ``core_attention``'s kernel
-    count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels)."""
+    count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels). ``moe``:
+    an MoE layer (``describe.moe``, Megatron's own modules only) with ``ep`` expert-parallel ranks."""
     if sequence_parallel and not (backend in RECORDS and record(backend).sequence_parallel):
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
     if recompute_core_attention and not (backend in RECORDS and record(backend).megatron_modules):
         raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
                             f"(got {backend})")
-    return record(backend).layer(LayerQuery(
+    dense = record(backend).layer(LayerQuery(
         layout=layout, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp,
         bytes_per_element=bytes_per_element, variant=variant, sequence_parallel=sequence_parallel,
         schedule=schedule, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
         recompute_core_attention=recompute_core_attention, core_attention=core_attention))
+    if moe is None:
+        return dense
+    if not record(backend).megatron_modules:
+        raise ModelingError(f"--num-experts is described for --tp-backend megatron only (got {backend})")
+    return moe_layer(dense, micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
+                     bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout)
 
 
 def block_edges(*, backend: str, layout: Layout | None, micro_batch: int, seq: int, hidden: int,

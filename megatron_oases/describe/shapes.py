@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from .core_attention import attention_kernels_refusal, scores_on_chip
+from .moe import MoEShape
 from .ops import GPT2, LayerVariant, ModelingError
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -88,7 +89,12 @@ class GPTShape:
     ``--accumulate-allreduce-grads-in-fp32``), 2 (Megatron-LM's fp16 default, and bf16 with
     ``--grad-reduce-in-bf16``). (The simulator reads it; the planner prices fp32 gradients only.)"""
 
+    moe: MoEShape | None = None
+    """The MoE flags (``describe.moe``: ``--num-experts`` and the rest); None: dense MLPs."""
+
     def __post_init__(self) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoEShape):
+            raise self.error(f"model moe must be a MoEShape (got {type(self.moe).__name__})")
         if not self.ffn_hidden_size and is_positive_int(self.hidden_size):
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",

@@ -16,6 +16,7 @@ from ...describe.backends import backend as record
 from ...describe.head import head_ops, head_param_tensors
 from ...describe.megatron_1d import OUTPUT_ASYNC_DGRAD, STOCK_ASYNC_DGRAD, column_wgrad
 from ...describe.event_key import layer_shape
+from ...describe.moe import MOE_AXES
 from ...describe.ops import LOOP_EVENTS, Collective, Compute
 from ...describe.planned import degree_reshard, megatron_blocks, reshard_shape
 from ...describe.shapes import GPTShape
@@ -23,6 +24,8 @@ from ...describe.registry import (MLP_PARAM_TENSORS, axis_ranks, block_edges, bl
                                  layer_description, layer_param_tensors)
 from ...pricing.event import Event, group_tag
 from ...topology import Topology
+from .moe import expert_dp_ranks, expert_tensor_count, is_moe_layer, is_moe_op, layer_expert_params, \
+    moe_axis_ranks, moe_layer_tensors
 from .strategy import Strategy, block_sub_batches, check, stage_layer_counts
 
 
@@ -152,6 +155,12 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                               schedule="oases" if s.schedule == "oases" else "stock",
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
                               recompute_core_attention=s.selective_recompute, core_attention=m.core_attention)
+    moe_layer = None if m.moe is None else layer_description(
+        backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
+        heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e, variant=m.variant,
+        sequence_parallel=s.sequence_parallel, attention_dropout=m.attention_dropout > 0,
+        hidden_dropout=m.hidden_dropout > 0, recompute_core_attention=s.selective_recompute,
+        core_attention=m.core_attention, moe=m.moe, ep=s.ep)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
@@ -180,23 +189,31 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
                 return _compute(op, head_shape, head_dims)
             return _collective(op, head_shape, topo, tp_ranks, head_dims)
 
-        fwd_l = [ev(op) for op in layer.forward]
-        bwd_l = [ev(op) for op in layer.backward] + [_grad_event(m, sum(layer_tensors(m, s, 0)), chains)]
         fine = s.schedule == "oases" and s.fine_grained_recompute
-        rec_l = [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
+
+        def layer_events(desc, index):  # (forward, backward, recomputed forward) of one layer
+            fwd_l = [ev(op) for op in desc.forward]
+            bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains)]
+            return fwd_l, bwd_l, [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
+        kinds = {False: layer_events(layer, 1 if m.moe is not None and m.moe.layer_freq > 1 else 0)}
+        if moe_layer is not None:  # layer 0 is always an MoE layer (``MoEShape.is_moe``)
+            kinds[True] = layer_events(moe_layer, 0)
         chunks = []
         for c in range(vp):
             g = c * s.pp + st
             first, last = g == 0, g == s.pp * vp - 1
             if s.block_degrees is None:
-                fwd = fwd_l * per_chunk
+                # each layer's events: dense, or MoE (``--moe-layer-freq``)
+                base = g * per_chunk if vp > 1 else offset
+                mine = [kinds[is_moe_layer(m, base + i)] for i in range(per_chunk)]
+                fwd = [x for f_l, _, _ in mine for x in f_l]
                 # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
-                bwd = bwd_l * (per_chunk - n_rc) + (rec_l + bwd_l) * n_rc
+                bwd_layers = [(mine[i][2] if i < n_rc else []) + mine[i][1] for i in reversed(range(per_chunk))]
+                bwd = [x for evs in bwd_layers for x in evs]
                 fwd_parts = [(fwd + [ev(op) for op in leave], chains)]
                 bwd_parts = [(bwd + [ev(op) for op in enter_b], chains)]
-                starts = [i * len(fwd_l) for i in range(per_chunk)]
-                ends = [len(bwd_l) * (j + 1) + len(rec_l) * max(0, j + 1 - (per_chunk - n_rc))
-                        for j in range(per_chunk)]
+                starts = [sum(len(f_l) for f_l, _, _ in mine[:i]) for i in range(per_chunk)]
+                ends = [sum(len(evs) for evs in bwd_layers[:j + 1]) for j in range(per_chunk)]
             else:
                 blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
                 fwd_parts, bwd_parts = _planned_chunk(m, s, topo, tp_ranks, blocks, g * per_chunk)
@@ -300,7 +317,9 @@ def _chunk_tensors(m: GPTShape, s: Strategy, first: bool, last: bool, w: _Tensor
         out += [ChunkTensor(n, 0, w.total_ready, shared=tied_copy and i == 0) for i, n in enumerate(emb)]
     for i, layer in enumerate(w.layers):
         ready = w.ends[len(w.layers) - 1 - i]
-        out += [ChunkTensor(n, w.starts[i], ready) for n in layer_tensors(m, s, layer)]
+        tensors = layer_tensors(m, s, layer)
+        tensors = tensors[:len(tensors) - expert_tensor_count(m, s, layer)]  # experts': reduced over expert DP
+        out += [ChunkTensor(n, w.starts[i], ready) for n in tensors]
     if last:
         head = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=False,
                                   last=True, variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
@@ -346,9 +365,13 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     Megatron's async input-gradient all-reduce carries its weight gradient ``beside`` it.
     ``shape_dims``: ``_block_shape(m, s, degree, chains)`` when the caller has it."""
     shape, dims = shape_dims or _block_shape(m, s, degree, chains)
+    if is_moe_op(op.name):  # the MoE block's work depends on the MoE flags and EP too
+        shape, dims = shape + m.moe.key(s.ep), dims + (("moe", m.moe.key(s.ep)),)
     if isinstance(op, Compute):
         return _compute(op, shape, dims)
-    coll = _collective(op, shape, topo, axis_ranks(op.axis, tp_ranks[:degree], s.layout), dims)
+    ranks = (moe_axis_ranks(op.axis, tp_ranks[:degree], s) if op.axis in MOE_AXES
+             else axis_ranks(op.axis, tp_ranks[:degree], s.layout))
+    coll = _collective(op, shape, topo, ranks, dims)
     if s.tp_comm_overlap and (gemm := _ub_gemm(op.name, m, degree)) is not None:
         return dataclasses.replace(coll, key=coll.key + "~ub", hidden_by=gemm)
     if chains == 1 and record(s.backend).megatron_modules and op.name in STOCK_ASYNC_DGRAD:
@@ -459,6 +482,8 @@ def layer_tensors(model: GPTShape, strategy: Strategy, layer: int) -> tuple[int,
     """``layer_param_tensors`` of one layer on TP rank 0; under a plan each tensor at the degree of
     the block it belongs to (``describe.registry.MLP_PARAM_TENSORS``)."""
     m, s = model, strategy
+    if is_moe_layer(m, layer):  # the attention block's tensors, then the MoE block's (describe.moe)
+        return moe_layer_tensors(m, s, s.tp)
     degrees = (s.tp, s.tp) if s.block_degrees is None else s.block_degrees[2 * layer:2 * layer + 2]
     at = {d: layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, d, s.layout, heads=m.num_attention_heads,
                                  variant=m.variant)
@@ -493,6 +518,7 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
                 chains: int) -> StageEvents:
     tensors = stage_param_tensors(m, s, st)
     params = sum(tensors)
+    experts = sum(layer_expert_params(m, s, layer) for layer in stage_layers(m, s, st))
     gdtype = m.grad_dtype
     grad = tie = norm = norm_ar = opt = gather = None
     buckets: tuple[GradBucket, ...] = ()
@@ -502,9 +528,9 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
             buckets = tuple(_dp_bucket(m, s, topo, dp_ranks, c, n, need, ready)
                             for c, ch in enumerate(chunks) for n, need, ready in ddp_buckets(s, st, c, ch.param_tensors))
         else:
-            grad = _dp_reduce(m, s, topo, dp_ranks, params)
+            grad = _dp_reduce(m, s, topo, dp_ranks, params - experts)
         if s.distributed_optimizer and not s.overlap_param_gather:  # all-gather updated params after the step
-            gather = _dp_gather(m, s, topo, dp_ranks, params)
+            gather = _dp_gather(m, s, topo, dp_ranks, params - experts)
     if m.tied_embeddings and s.pp > 1 and st in (0, s.pp - 1):
         pair = (s.rank(pp=0), s.rank(pp=s.pp - 1))
         n = m.padded_vocab_size * m.hidden_size // s.tp
@@ -527,8 +553,24 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
                        + (() if s.clip_grad else (("clip", 0),)))
     return StageEvents(stage=st, chunks=chunks, grad_allreduce=grad, tie_allreduce=tie, grad_norm=norm,
                        norm_allreduce=norm_ar, optimizer=opt, param_allgather=gather if opt else None,
-                       params_per_rank=params, chains=chains, replica_allreduce=_replica_allreduce(m, s, topo, st),
+                       params_per_rank=params, chains=chains,
+                       replica_allreduce=_replica_allreduce(m, s, topo, st) + _expert_reduce(m, s, topo, st, experts),
                        grad_buckets=buckets if opt else tuple(dataclasses.replace(b, gather=None) for b in buckets))
+
+
+def _expert_reduce(m: GPTShape, s: Strategy, topo: Topology, stage: int, experts: int) -> tuple[Event, ...]:
+    """The experts' gradient reduction over the expert-data-parallel group (DP / EP replicas,
+    ``sim.core.moe.expert_dp_ranks``), as the DP reduction of those parameters (Megatron-Core
+    keeps them in their own buffer); priced after the backward, not per bucket, and, under the
+    distributed optimizer, followed by their parameters' all-gather over that group."""
+    ranks = expert_dp_ranks(s, stage)
+    if not experts or len(ranks) < 2:
+        return ()
+    edp = dataclasses.replace(s, dp=len(ranks))  # the reduction's group size and kind, as _dp_reduce
+    out = [_dp_reduce(m, edp, topo, ranks, experts)]
+    if s.distributed_optimizer and s.optimizer_step:
+        out.append(_dp_gather(m, edp, topo, ranks, experts))
+    return tuple(out)
 
 
 def ddp_buckets(s: Strategy, stage: int, chunk: int, tensors: tuple[ChunkTensor, ...]) -> list[tuple[int, int, int]]:

@@ -36,7 +36,8 @@ from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
-from .events import ChunkEvents, StageEvents
+from .events import ChunkEvents, StageEvents, stage_layers
+from .moe import layer_expert_params, moe_block_delta, moe_saved_delta
 from .strategy import Strategy
 
 GiB = float(1 << 30)
@@ -84,7 +85,7 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
             full, _, kept = _sp_layer_bytes(m, s)
         else:
             kept = layer_activation_bytes(s.backend, recompute_core_attention=True, **layer_kw)
-        return chunk.layers * kept + _head_bytes(m, s, chunk), full - kept
+        return chunk.layers * kept + _head_bytes(m, s, chunk) + _moe_bytes(m, s, chunk, 0), full - kept
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
@@ -98,7 +99,18 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     if s.sequence_parallel:
         full, saved, kept = _sp_layer_bytes(m, s)
     per_mb = n_rc * saved + (n - n_rc) * kept + _head_bytes(m, s, chunk)
-    return per_mb, (full if n_rc else 0.0)
+    if m.moe is not None:  # a recomputed MoE layer's working set is its own inventory
+        full += max(0.0, moe_block_delta(m, s))
+    return per_mb + _moe_bytes(m, s, chunk, n_rc), (full if n_rc else 0.0)
+
+
+def _moe_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents, recomputed: int) -> float:
+    """What the chunk's MoE layers keep beyond the same layers dense (``sim.core.moe``)."""
+    if m.moe is None:
+        return 0.0
+    n = chunk.layers
+    layers = stage_layers(m, s, chunk.stage)[chunk.chunk * n:(chunk.chunk + 1) * n]
+    return moe_saved_delta(m, s, layers, recomputed=recomputed)
 
 
 def _planned_layers_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:
@@ -147,6 +159,9 @@ def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
 def stage_memory(model: GPTShape, strategy: Strategy, stage: StageEvents,
                  order: list[tuple[str, int, int]]) -> StageMemory:
     w, g, o = model_state_bytes(stage.params_per_rank, model, strategy)
+    if model.moe is not None and strategy.distributed_optimizer:  # experts' states sharded over DP / EP only
+        experts = sum(layer_expert_params(model, strategy, x) for x in stage_layers(model, strategy, stage.stage))
+        o += experts * (strategy.ep - 1) * model_state_bytes(1, model, strategy)[2]
     per = [chunk_activation_bytes(model, strategy, ch) for ch in stage.chunks]
     # running sums over the order (a forward stores its chunk's activations, a backward frees
     # them): the peak of the bytes held and of the micro-batches in flight; accumulate keeps the

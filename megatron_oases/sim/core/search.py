@@ -1,5 +1,5 @@
 """Strategy search: simulate every TP x PP x DP split (x TP backend / ATP mesh, Oases on/off,
-recompute off / full / selective, virtual stages) of a fixed global batch on N GPUs and rank them (DistSim §6,
+recompute off / full / selective, virtual stages, and EP for an MoE model) of a fixed global batch on N GPUs and rank them (DistSim §6,
 Fig. 12 / Table 2). Infeasible strategies stay in the table with the reason: divisibility (the
 same one-line ``SimError`` a single simulation gives), memory, or missing profile events.
 """
@@ -51,6 +51,10 @@ class SearchSpace:
     overlap_param_gather: bool = False
     ddp_bucket_size: int = 0
     """The DP overlap flags, as ``Strategy``'s, for every candidate."""
+    ep_sizes: Sequence[int] | None = None
+    """Expert-parallel sizes to try with an MoE model (``--expert-model-parallel-size``); default:
+    the powers of two dividing both the experts and DP (Megatron's rule with the experts' TP equal
+    to TP: EP divides DP, ``describe.moe.moe_refusal``). A dense model tries EP 1 only."""
 
     def __post_init__(self) -> None:
         bad = [r for r in self.recompute if r not in RECOMPUTE_MODES]
@@ -71,6 +75,7 @@ class Candidate:
     recompute: str
     """A ``RECOMPUTE_MODES`` value."""
     sequence_parallel: bool = False
+    ep: int = 1
     num_microbatches: int | None
     strategy: Strategy | None
     result: SimResult | None = None
@@ -136,27 +141,42 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                 out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
                 continue
             for backend in space.backends:
+                if model.moe is not None and not record(backend).megatron_modules:
+                    continue  # Megatron-Core's MoE layer runs on Megatron's own modules only
                 for layout in record(backend).layouts(tp):  # ATP's meshes; the cube at TP = p^3 only
                     for schedule in space.schedules:
                         if schedule == "oases" and not record(backend).oases_tape:
                             continue  # the runtime has no Oases tape for the cube
+                        if schedule == "oases" and model.moe is not None and tp > 1:
+                            continue  # the Oases executor does not run MoE layers yet (sim.core.moe)
                         for rc in space.recompute:
                             if rc == "selective" and not selective_recompute_applies(backend, schedule):
                                 continue
-                            for sp in _sequence_parallel(space, tp, backend):
+                            for sp in _sequence_parallel(space, tp, backend, moe=model.moe is not None):
                                 for vp in space.virtual_stages:
                                     if vp > 1 and pp == 1:
                                         continue
-                                    out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
-                                                          layout=layout, schedule=schedule, recompute=rc,
-                                                          sequence_parallel=sp, num_microbatches=m))
+                                    for ep in _ep_sizes(model, space, dp):
+                                        out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
+                                                              layout=layout, schedule=schedule, recompute=rc,
+                                                              sequence_parallel=sp, num_microbatches=m, ep=ep))
     return out
 
 
-def _sequence_parallel(space: SearchSpace, tp: int, backend: str) -> tuple[bool, ...]:
-    """The SP settings a candidate takes: on only where it runs (TP > 1, a backend that has it)."""
+def _sequence_parallel(space: SearchSpace, tp: int, backend: str, *, moe: bool = False) -> tuple[bool, ...]:
+    """The SP settings a candidate takes: on only where it runs (TP > 1, a backend that has it);
+    an MoE model at TP > 1 needs it on (Megatron-Core's rule)."""
     runs = tp > 1 and record(backend).sequence_parallel
-    return tuple(sp for sp in dict.fromkeys(space.sequence_parallel) if runs or not sp)
+    return tuple(sp for sp in dict.fromkeys(space.sequence_parallel) if (runs or not sp) and (sp or not (moe and runs)))
+
+
+def _ep_sizes(model: GPTShape, space: SearchSpace, dp: int) -> list[int]:
+    """The expert-parallel sizes a candidate takes (``SearchSpace.ep_sizes``)."""
+    if model.moe is None:
+        return [1]
+    if space.ep_sizes:
+        return list(space.ep_sizes)
+    return [e for e in _pow2_divisors(dp, dp) if model.moe.num_experts % e == 0]
 
 
 def _candidate(space: SearchSpace, *, layout, **info) -> Candidate:
@@ -170,7 +190,8 @@ def _candidate(space: SearchSpace, *, layout, **info) -> Candidate:
                                        and info["schedule"] == "default"),
                       distributed_optimizer=space.distributed_optimizer,
                       overlap_grad_reduce=space.overlap_grad_reduce,
-                      overlap_param_gather=space.overlap_param_gather, ddp_bucket_size=space.ddp_bucket_size)
+                      overlap_param_gather=space.overlap_param_gather, ddp_bucket_size=space.ddp_bucket_size,
+                      ep=info["ep"])
     except SimError as e:
         return Candidate(strategy=None, reason=str(e), **info)
     return Candidate(strategy=st, **info)

@@ -17,6 +17,7 @@ from ...describe.shapes import GPTShape
 from ...describe.split import split_refusal, sub_batches_at
 from ...pricing.device_model import SimError
 from ...run_config import SCHEDULES
+from .moe import moe_check
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -88,8 +89,12 @@ class Strategy:
     layer's SP all-gather / reduce-scatter is pipelined with the GEMM beside it and exposes only
     what that GEMM cannot hide (``Event.hidden_by``)."""
 
+    ep: int = 1
+    """``--expert-model-parallel-size``: the experts of an MoE model split over EP data-parallel
+    replicas (``describe.moe``; the experts' TP is TP's, Megatron's default)."""
+
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages"):
+        for f in ("tp", "pp", "dp", "num_microbatches", "virtual_stages", "ep"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise SimError(f"strategy {f} must be a positive integer (got {getattr(self, f)!r})")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
@@ -175,6 +180,8 @@ class Strategy:
             parts.append(f"vp{self.virtual_stages}")
         if self.pipeline_schedule == "gpipe":
             parts.append("gpipe")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.schedule == "oases":
@@ -239,6 +246,7 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
         raise SimError(refused)
     if s.block_degrees is not None:
         _check_plan(m, s)
+    moe_check(m, s)
 
 
 def stage_layer_counts(m: GPTShape, s: Strategy) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from ...pricing.device_model import DeviceModel, SimError
 from ...pricing.event import Event
 from ...describe.shapes import GPTShape
 from ...describe.backends import backend as record
+from .moe import flops_ffn
 from .events import GradBucket, StageEvents, build_stage_events, unique_events
 from .strategy import Strategy
 from .contention import level_prices
@@ -484,7 +485,7 @@ def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
     flops = gpt_flops_per_iteration(global_batch_size=global_batch, seq_length=model.seq_length,
                                     num_layers=model.num_layers, hidden_size=model.hidden_size,
                                     num_attention_heads=model.num_attention_heads,
-                                    ffn_hidden_size=model.ffn_hidden_size, padded_vocab_size=model.padded_vocab_size)
+                                    ffn_hidden_size=flops_ffn(model), padded_vocab_size=model.padded_vocab_size)
     secs = iteration / 1e3
     peak = device.peak_tflops * 1e12 * s.world_size
     grad = tuple(price[st.grad_allreduce.key] if st.grad_allreduce else sum(price[b.reduce.key] for b in st.grad_buckets)

@@ -22,6 +22,7 @@ from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import TRANSFORMER_IMPLS, attention_kernels_of, check_flash_dtype, \
     core_attention_of
+from ...describe.moe import ROUTING_ASSUMPTION, MoEShape
 from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
@@ -51,6 +52,9 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "num_query_groups", "swiglu",
                "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
                "qk_layernorm", "hidden_dropout", "attention_dropout")
+MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
+             "moe_expert_capacity_factor", "moe_grouped_gemm")
+"""The MoE model flags of the table (``describe.moe``); ``--expert-model-parallel-size`` is a strategy flag."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +71,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "grad_sync_dtype bf16); refused where Megatron-LM would ignore it (another dtype) or "
                         "override another flag with it (--accumulate-allreduce-grads-in-fp32)")
     add_flags(g, LAYER_FLAGS)
+    add_flags(g, MOE_FLAGS)
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
@@ -120,6 +125,7 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
                         "the software stack `local` (pricing/stack.py); default with --transformer-impl "
                         "local: apex-fused")
     add_flag(g, "sequence_parallel")
+    add_flag(g, "expert_model_parallel_size", "--ep")
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +136,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
              "--num-microbatches is given")
     g.add_argument("--tp-sizes", default=None, help="e.g. 1,2,4,8 (default: powers of two up to heads)")
     g.add_argument("--pp-sizes", default=None, help="default: powers of two dividing GPUs / TP, up to layers")
+    g.add_argument("--ep-sizes", default=None,
+                   help="with --num-experts: expert-parallel sizes to try (default: powers of two dividing the "
+                        "experts and DP)")
     g.add_argument("--backends", default="megatron,atp",
                    help="TP backends to try: megatron,atp (add 3d: cube TP degrees p^3 only)")
     g.add_argument("--schedules", default="default,oases", help="TP executors to try: default, oases")
@@ -160,10 +169,23 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
                     micro_batch_size=a.micro_batch_size, ffn_hidden_size=filled_ffn_hidden_size(a, SimError), dtype=dtype,
                     tied_embeddings=not a.untie_embeddings_and_output_weights,
                     hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-                    variant=_variant(a),
+                    variant=_variant(a), moe=moe_from_args(a),
                     core_attention=core, attention_kernels=attention_kernels_of(
                         attention_backend=a.attention_backend, core_attention=core),
                     grad_reduce_bytes=_grad_reduce_bytes(a, dtype))
+
+
+def moe_from_args(a: argparse.Namespace) -> MoEShape | None:
+    """The MoE flags as ``describe.moe.MoEShape`` (None without ``--num-experts``, or with 0, as
+    Megatron-LM reads it); ``--moe-ffn-hidden-size`` defaults to the FFN size, as Megatron-LM fills it."""
+    if not a.num_experts:
+        given = [option(d) for d in MOE_FLAGS[1:] if getattr(a, d) != FLAGS[d].default_value]
+        if given:
+            raise SimError(f"{given[0]} takes effect with MoE layers only; add --num-experts N or drop it")
+        return None
+    return MoEShape(num_experts=a.num_experts, ffn=a.moe_ffn_hidden_size or filled_ffn_hidden_size(a, SimError),
+                    topk=a.moe_router_topk, layer_freq=a.moe_layer_freq, capacity_factor=a.moe_expert_capacity_factor,
+                    dispatcher=a.moe_token_dispatcher_type, grouped_gemm=a.moe_grouped_gemm)
 
 
 def priced_dtype(a: argparse.Namespace) -> str:
@@ -235,7 +257,7 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
                     tp_comm_overlap=a.tp_comm_overlap, first_stage_layers=a.decoder_first_pipeline_num_layers,
-                    last_stage_layers=a.decoder_last_pipeline_num_layers)
+                    last_stage_layers=a.decoder_last_pipeline_num_layers, ep=a.expert_model_parallel_size)
 
 
 def recompute_from_args(a: argparse.Namespace) -> tuple[str | None, int]:
@@ -299,7 +321,8 @@ def search_space_from_args(a: argparse.Namespace, model: GPTShape, gpus: int):
                        virtual_stages=tuple(_virtual_stages(a)), pipeline_schedule=a.pipeline_schedule,
                        sequence_parallel=tuple(v == "on" for v in sp), tp_comm_overlap=a.tp_comm_overlap,
                        distributed_optimizer=a.use_distributed_optimizer, overlap_grad_reduce=a.overlap_grad_reduce,
-                       overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0)
+                       overlap_param_gather=a.overlap_param_gather, ddp_bucket_size=a.ddp_bucket_size or 0,
+                       ep_sizes=_ints(a.ep_sizes, "--ep-sizes") if a.ep_sizes else None)
 
 
 class SimParser(RecordsGiven, OneLineErrorParser):
@@ -484,6 +507,8 @@ def sim_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(summary_table(r))
+    if model.moe is not None:
+        print(ROUTING_ASSUMPTION)
     if profile is None:  # what the analytical model borrows or fits rather than measured here (issue 49)
         print("\n".join(dm.pricing_notes()))
     _write_outputs(a, r)
@@ -549,6 +574,8 @@ def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     gpus = a.gpus or dm.topology.world_size
     cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb, jobs=a.jobs)
     print(search_table(cands, top=a.top, show_refused=a.show_refused))
+    if model.moe is not None:
+        print(ROUTING_ASSUMPTION)
     best = next((c for c in cands if c.feasible), None)
     if best is not None:
         nodes = dm.topology.num_nodes if gpus == dm.topology.world_size else max(1, gpus // dm.topology.ranks_per_node)

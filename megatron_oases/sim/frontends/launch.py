@@ -3,7 +3,7 @@ the trainer's form and in Megatron-LM's, so that the best strategy is run as it 
 
 The model part is ``sim``'s model flags in the trainer's words (``cli.model_flags``); the
 strategy part comes from the candidate: TP / PP / virtual stages, the backend record's own
-``launch_flags``, the executor, recompute, sequence parallelism and the DP flags the search
+``launch_flags``, the executor, recompute, sequence parallelism, expert parallelism and the DP flags the search
 applied. ``tests/test_sim_search.py`` parses the trainer form with the trainer's parser.
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int) -> list[
         out += [option("recompute_granularity"), "selective"]
     if st.sequence_parallel:
         out.append("--sequence-parallel")
+    if st.ep > 1:
+        out += [option("expert_model_parallel_size"), str(st.ep)]
     if st.tp_comm_overlap:
         out.append("--tp-comm-overlap")
     if st.distributed_optimizer:

@@ -1,0 +1,260 @@
+"""Megatron-Core's MoE layer (``MoELayer``) on Megatron 1-D TP: what it computes, sends and holds.
+
+An MoE layer is Megatron's attention block followed by an MoE block in place of the MLP: the
+pre-MLP norm, a router (a linear ``h x E``, replicated over TP, on this rank's tokens), top-k
+routing, a token dispatcher that moves each token's k copies to the ranks holding their experts,
+``E / EP`` local experts (each an MLP of width ``--moe-ffn-hidden-size``, SwiGLU aware, split
+over the experts' TP group, which is TP: Megatron's default ``expert_tensor_parallel_size``),
+and the dispatcher's combine. The planner, the simulator and ``tests/test_moe_description.py``
+read this one description, as they read ``megatron_1d`` for dense layers.
+
+The dispatchers (``megatron/core/transformer/moe/token_dispatcher.py``):
+
+* ``alltoall``: an all-to-all of the routed copies over the EP group (and of their router
+  probabilities), then an all-gather over the experts' TP group; the combine is the
+  reduce-scatter over TP and the all-to-all back. The payload of an all-to-all is what a rank
+  sends and receives in all: ``tokens x topk x h`` elements, of which ``(EP - 1) / EP`` leave
+  the rank (``ops.ring_factor``'s gather share) under even routing.
+* ``allgather``: the tokens, their probabilities over all experts and the routing map are
+  all-gathered over the TP x EP group, each rank runs its experts on the tokens routed to them,
+  and the combine reduce-scatters the ``[tokens x EP, h]`` output over TP x EP.
+
+**Assumption: even routing.** Every expert receives the same share of the routed copies, so
+each rank computes ``tokens x topk`` copies and each all-to-all sends the same bytes; a real
+router is uneven (the aux loss only pulls it towards even), and the busiest rank sets the step.
+No flag changes this; ``sim`` prints it. With ``--moe-expert-capacity-factor c`` an expert
+takes at most ``c`` times its even share, so below 1 the copies beyond are dropped; Megatron
+pads to the capacity only with ``--moe-pad-expert-input-to-capacity``, which we do not take, so
+no padded token is described.
+
+Megatron-Core needs ``--sequence-parallel`` with MoE at TP > 1 (the trainer refuses it
+otherwise, ``megatron_oases.moe``): the dispatcher starts from this rank's ``s / t`` tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .ops import Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
+from .saved import CUDA_KERNELS, Kernels, _norm_beyond_input
+
+DISPATCHERS = ("allgather", "alltoall")
+"""The token dispatchers described (Megatron-Core's ``flex`` needs DeepEP, a CUDA extension)."""
+EP_AXIS, TP_EP_AXIS = "ep", "tp_ep"
+"""The groups of the MoE collectives besides TP's: the EP group (one rank of each of EP
+data-parallel replicas at the same TP position) and the TP x EP group."""
+MOE_AXES = (EP_AXIS, TP_EP_AXIS)
+ROUTING_ASSUMPTION = ("MoE: even routing assumed (every expert gets the same share of the routed tokens; a "
+                      "real router is uneven and its busiest rank sets the step)")
+"""The stated assumption, printed by ``sim`` with an MoE model."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """The MoE flags of a model (Megatron-LM's names; ``RunConfig``'s fields)."""
+
+    num_experts: int
+    """``--num-experts``"""
+    ffn: int
+    """``--moe-ffn-hidden-size`` as Megatron-LM fills it (default ``--ffn-hidden-size``)."""
+    topk: int = 2
+    """``--moe-router-topk``"""
+    layer_freq: int = 1
+    """``--moe-layer-freq N``: layers 0, N, 2N, ... are MoE, the others dense (Megatron-Core's
+    ``moe_layer_pattern``)."""
+    capacity_factor: float | None = None
+    """``--moe-expert-capacity-factor`` (None: dropless)."""
+    dispatcher: str = "allgather"
+    """``--moe-token-dispatcher-type``"""
+    grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped kernel (same FLOPs, fewer
+    launches)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "ffn", "topk", "layer_freq"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelingError(f"--{_flag(name)} must be a positive integer (got {v!r})")
+        if self.topk > self.num_experts:
+            raise ModelingError(f"--moe-router-topk {self.topk} must be at most --num-experts {self.num_experts}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ModelingError(f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)} "
+                                f"(got {self.dispatcher!r})")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ModelingError(f"--moe-expert-capacity-factor must be > 0 (got {self.capacity_factor!r}); "
+                                f"omit it for dropless MoE")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer`` (of the whole model, from 0) is an MoE layer."""
+        return layer % self.layer_freq == 0
+
+    @property
+    def kept_share(self) -> float:
+        """The share of the routed copies the experts compute under even routing: 1 dropless or
+        with a capacity factor >= 1, the factor below 1 (the rest dropped)."""
+        return 1.0 if self.capacity_factor is None else min(1.0, self.capacity_factor)
+
+    def key(self, ep: int) -> str:
+        """The suffix of an MoE event's key: what its work depends on beyond the dense layer's."""
+        cf = "" if self.capacity_factor is None else f"c{self.capacity_factor:g}"
+        return f"_moe{self.num_experts}k{self.topk}f{self.ffn}ep{ep}{self.dispatcher[:2]}{cf}" + \
+            ("gg" if self.grouped_gemm else "")
+
+
+_FLAGS = {"num_experts": "num-experts", "ffn": "moe-ffn-hidden-size", "topk": "moe-router-topk",
+          "layer_freq": "moe-layer-freq"}
+
+
+def _flag(name: str) -> str:
+    return _FLAGS[name]
+
+
+def moe_refusal(moe: MoEShape, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
+                megatron_modules: bool = True) -> str:
+    """Why an MoE model does not run at this layout ("" when it does), in the trainer's words
+    (``megatron_oases.moe``): EP divides the experts and, the experts' TP being TP's, the
+    data-parallel size (Megatron's ``world % (ETP x EP x PP)``); TP > 1 needs SP; Megatron's
+    own modules only. ``dp`` None: not known yet (a search checks it per candidate)."""
+    if not megatron_modules:
+        return "--num-experts builds Megatron-Core's MoE layers, which only --tp-backend megatron runs"
+    if ep < 1 or moe.num_experts % ep:
+        return (f"--expert-model-parallel-size {ep} must divide --num-experts {moe.num_experts} "
+                f"(each expert-parallel rank holds whole experts)")
+    if dp is not None and dp % ep:
+        return (f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (the experts' TP "
+                f"size is --tensor-model-parallel-size's, so an expert-parallel group spans data-parallel ranks)")
+    if tp > 1 and not sequence_parallel:
+        return (f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+                f"(as Megatron-Core's MoE layer requires); add it")
+    if moe.ffn % tp:
+        return f"--moe-ffn-hidden-size {moe.ffn} is not divisible by --tensor-model-parallel-size {tp}"
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The token counts of one MoE block on one rank (even routing)."""
+
+    chunk: int
+    """Tokens this rank routes: its s/t under SP, all b s at TP 1."""
+    routed: float
+    """Routed copies this rank's experts compute: b s x topk x kept share (TP group's tokens)."""
+    local: int
+    """Experts on this rank: E / EP."""
+
+
+def _sizes(*, b: int, s: int, t: int, moe: MoEShape, ep: int) -> _Sizes:
+    return _Sizes(chunk=b * s // t, routed=b * s * moe.topk * moe.kept_share, local=moe.num_experts // ep)
+
+
+def moe_block(*, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int, ep: int,
+              bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False
+              ) -> tuple[tuple, tuple]:
+    """(forward ops, backward ops) of the MoE block on TP rank 0 of EP rank 0: ``moe.router``
+    (the pre-MLP norm, the router GEMM, softmax / top-k, the permutation into expert order), the
+    dispatch collectives, ``moe.experts`` (the local experts' GEMMs and activation, and the
+    product with the router probabilities), the combine collectives, ``moe.unpermute`` (back to
+    token order, summed over the k copies, residual add). Backward: each segment's
+    ``backward_of`` and each collective's adjoint, in reverse (an all-to-all's adjoint is an
+    all-to-all; an all-gather's a reduce-scatter)."""
+    b, s, h, t, e = micro_batch, seq, hidden, tp, bytes_per_element
+    if s % t:
+        raise ModelingError(f"sequence parallelism needs seq {s} divisible by TP {t}")
+    z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
+    E, k, f = moe.num_experts, moe.topk, moe.ffn
+    fc1, per_expert = variant.fc1_rows(f), max(1, round(z.routed / z.local))
+    mask = z.chunk * h if hidden_dropout else 0
+    router = Compute(name="moe.router", gemm_flops=2.0 * z.chunk * h * E,
+                     elementwise_bytes=e * (2 * z.chunk * h + 3 * z.chunk * E + z.chunk * h + z.chunk * k * h),
+                     kernels=8, gemms=((z.chunk, E, h),))
+    gemms = ((per_expert, fc1 // t, h), (per_expert, h, f // t)) * z.local
+    experts = Compute(name="moe.experts", gemm_flops=2.0 * z.routed * h * (fc1 + f) / t,
+                      elementwise_bytes=e * z.routed * ((variant.mlp_saved_per_ffn + 2) * f / t + 1),
+                      kernels=(5 if moe.grouped_gemm else 5 * z.local), gemms=gemms)
+    unpermute = Compute(name="moe.unpermute", gemm_flops=0.0,
+                        elementwise_bytes=e * (z.chunk * k * h + z.chunk * h + 3 * z.chunk * h) + mask, kernels=4)
+    dispatch, combine = dispatch_collectives(b=b, s=s, h=h, t=t, ep=ep, e=e, moe=moe)
+    fwd = (router, *(c for c, _ in dispatch), experts, *(c for c, _ in combine), unpermute)
+    bwd = (backward_of(unpermute), *(a for _, a in reversed(combine)), backward_of(experts),
+           *(a for _, a in reversed(dispatch)), backward_of(router))
+    return fwd, bwd
+
+
+def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe: MoEShape
+                         ) -> tuple[list[tuple[Collective, Collective]], list[tuple[Collective, Collective]]]:
+    """(dispatch, combine) as (forward collective, its backward adjoint) pairs, in forward order;
+    payloads as ``Collective.payload_bytes`` (all-to-all: what one rank sends and receives in all;
+    all-gather: its output; reduce-scatter: its input). None where the group has one rank."""
+    z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
+    k = moe.topk
+    adjoint = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
+
+    def pair(name: str, kind: str, axis: str, n: int, payload: float):
+        fwd = Collective(name=name, kind=kind, axis=axis, group_size=n, payload_bytes=int(payload))
+        return fwd, dataclasses.replace(fwd, name=f"{name}.bwd", kind=adjoint[kind])
+
+    dispatch, combine = [], []
+    if moe.dispatcher == "alltoall":
+        copies = z.chunk * k  # the routed copies this rank sends (and, evenly, receives)
+        if ep > 1:
+            dispatch += [pair("moe.dispatch", "all_to_all", EP_AXIS, ep, copies * h * e),
+                         pair("moe.dispatch.probs", "all_to_all", EP_AXIS, ep, copies * e)]
+        if t > 1:  # the experts' TP group gathers the copies every TP rank received
+            dispatch += [pair("moe.ag", "all_gather", "tp", t, copies * t * h * e),
+                         pair("moe.ag.probs", "all_gather", "tp", t, copies * t * e)]
+            combine.append(pair("moe.rs", "reduce_scatter", "tp", t, copies * t * h * e))
+        if ep > 1:
+            combine.append(pair("moe.combine", "all_to_all", EP_AXIS, ep, copies * h * e))
+    elif t * ep > 1:  # allgather: every token of the TP x EP group, its probabilities over all experts
+        tokens = z.chunk * t * ep
+        dispatch += [pair("moe.ag.probs", "all_gather", TP_EP_AXIS, t * ep, tokens * moe.num_experts * e),
+                     pair("moe.ag", "all_gather", TP_EP_AXIS, t * ep, tokens * h * e)]
+        combine.append(pair("moe.rs", "reduce_scatter", TP_EP_AXIS, t * ep, tokens * h * e))
+    return dispatch, combine
+
+
+def moe_layer(dense: LayerDescription, *, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int,
+              ep: int, bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False
+              ) -> LayerDescription:
+    """An MoE layer: the attention block of Megatron's ``dense`` layer (``planned.megatron_blocks``)
+    followed by :func:`moe_block`."""
+    from .planned import megatron_blocks
+
+    attn_f, attn_b = megatron_blocks(dense)["attention"]
+    moe_f, moe_b = moe_block(micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
+                             bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout)
+    return LayerDescription(backend=dense.backend, forward=(*attn_f, *moe_f), backward=(*moe_b, *attn_b))
+
+
+def moe_block_param_tensors(*, h: int, moe: MoEShape, t: int, ep: int, variant: LayerVariant) -> tuple[int, ...]:
+    """Sizes of the MoE block's parameter tensors on one rank: the pre-MLP norm's weight and bias
+    (0: none), the router's weight ``E x h`` and bias (replicated over TP), then per local expert
+    fc1's weight and bias, fc2's weight and bias (fc2's bias whole: a row-parallel linear's)."""
+    bias = 1 if variant.bias else 0
+    norm_bias = 1 if variant.normalization == "LayerNorm" else 0
+    fc1 = variant.fc1_rows(moe.ffn)
+    expert = (h * fc1 // t, bias * fc1 // t, moe.ffn // t * h, bias * h)
+    return (h, norm_bias * h, moe.num_experts * h, bias * moe.num_experts) + expert * (moe.num_experts // ep)
+
+
+EXPERT_TENSORS_FROM = 4
+"""Position in :func:`moe_block_param_tensors` of the first expert tensor: those after it are the
+experts', whose gradients Megatron reduces over the expert-data-parallel group (DP / EP ranks)
+instead of DP, and which its distributed optimizer shards over that group."""
+
+
+def moe_block_saved_bytes(*, b: int, s: int, h: int, moe: MoEShape, t: int, ep: int, e: int,
+                          variant: LayerVariant, hidden_dropout: bool = False,
+                          kernels: Kernels = CUDA_KERNELS) -> float:
+    """Bytes the MoE block keeps for backward per micro-batch (stock, no recompute), from
+    Megatron-Core's ``MoELayer`` code: the pre-MLP norm's input and statistics and the router's
+    input (this rank's tokens), the router's fp32 softmax output and its top-k indices (8 bytes
+    each), the permutation's indices per routed copy (8 bytes, dispatch and combine), each
+    expert's fc1 input, its activation's kept tensors (``variant.mlp_saved_per_ffn``), the
+    probability product's input and output and the probabilities, and the hidden dropout mask."""
+    z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
+    mask = e if kernels.dropout_mask is None else kernels.dropout_mask
+    norm = z.chunk * e * h + _norm_beyond_input(z.chunk, h, e=e, kernels=kernels, variant=variant)
+    router = z.chunk * e * h + z.chunk * moe.num_experts * 4 + z.chunk * moe.topk * 8
+    permute = 2 * 8 * z.chunk * moe.topk
+    experts = z.routed * e * (h + (variant.mlp_saved_per_ffn + 1) * moe.ffn / t + 1)
+    return norm + router + permute + experts + (z.chunk * h * mask if hidden_dropout else 0)

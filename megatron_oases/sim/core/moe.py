@@ -1,0 +1,117 @@
+"""The simulator's MoE pieces: where an MoE model runs, its groups, its layers' events and bytes.
+
+The layer itself is ``describe.moe`` (read through ``describe.registry.layer_description``);
+this module maps it onto a ``Strategy``: the EP group of a stage's representative (one rank of
+each of ``ep`` consecutive data-parallel replicas, Megatron's expert order ``tp-ep-dp-pp`` with the
+experts' TP equal to TP), the TP x EP group of the allgather dispatcher, the expert-data-parallel
+group (DP / EP replicas) over which the experts' gradients are reduced and their optimizer states
+sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memory`` call it.
+"""
+from __future__ import annotations
+
+from ...describe.moe import (EP_AXIS, EXPERT_TENSORS_FROM, MOE_AXES, TP_EP_AXIS, moe_block_param_tensors,
+                             moe_block_saved_bytes, moe_refusal)
+from ...describe.registry import MLP_PARAM_TENSORS, layer_param_tensors
+from ...describe.saved import block_saved_bytes
+from ...describe.shapes import GPTShape
+from ...pricing.device_model import SimError
+
+
+def moe_check(m: GPTShape, s) -> None:
+    """Where an MoE model runs, in the trainer's words (``megatron_oases.moe``, ``describe.moe``):
+    EP divides the experts and DP, SP at TP > 1, Megatron's modules, no per-block plan, not yet
+    the Oases executor (issue 51 item 2); EP > 1 needs MoE layers."""
+    if m.moe is None:
+        if s.ep > 1:
+            raise SimError("--expert-model-parallel-size takes effect with MoE layers only; add --num-experts N "
+                           "or drop it")
+        return
+    from ...describe.backends import backend as record
+
+    refused = moe_refusal(m.moe, tp=s.tp, ep=s.ep, dp=s.dp, sequence_parallel=s.sequence_parallel,
+                          megatron_modules=record(s.backend).megatron_modules)
+    if refused:
+        raise SimError(refused)
+    if s.block_degrees is not None:
+        raise SimError("--num-experts: --oases-plan's per-block degrees are for dense MLPs; drop one of them")
+    if s.schedule == "oases" and s.tp > 1:
+        raise SimError("--num-experts: the Oases executor does not run MoE layers yet (issue 51 item 2); "
+                       "drop --schedule oases")
+
+
+def is_moe_layer(m: GPTShape, layer: int) -> bool:
+    """Whether layer ``layer`` of the model is an MoE layer."""
+    return m.moe is not None and m.moe.is_moe(layer)
+
+
+def moe_axis_ranks(axis: str, tp_ranks: tuple[int, ...], s) -> tuple[int, ...]:
+    """The group of TP rank 0 of a stage on an MoE axis: EP (stride TP over data-parallel
+    replicas 0..EP-1, ``Strategy.rank``'s order) or TP x EP."""
+    if axis == EP_AXIS:
+        return tuple(tp_ranks[0] + s.tp * j for j in range(s.ep))
+    if axis == TP_EP_AXIS:
+        return tuple(r + s.tp * j for j in range(s.ep) for r in tp_ranks)
+    raise SimError(f"unknown MoE axis {axis!r} (expected one of {', '.join(MOE_AXES)})")
+
+
+def expert_dp_ranks(s, stage: int) -> tuple[int, ...]:
+    """The expert-data-parallel group of the stage's representative: the DP replicas at the same
+    EP position (0, EP, 2 EP, ...)."""
+    return tuple(s.rank(dp=k * s.ep, pp=stage) for k in range(s.dp // s.ep))
+
+
+def is_moe_op(name: str) -> bool:
+    """An op of the MoE block (its events' keys carry ``MoEShape.key``)."""
+    return name.startswith("moe.")
+
+
+def moe_layer_tensors(m: GPTShape, s, degree: int) -> tuple[int, ...]:
+    """``layer_param_tensors`` of an MoE layer on TP rank 0 of EP rank 0: the attention block's
+    tensors, then the MoE block's (``describe.moe.moe_block_param_tensors``)."""
+    dense = layer_param_tensors(s.backend, m.hidden_size, m.ffn_hidden_size, degree, s.layout,
+                                heads=m.num_attention_heads, variant=m.variant)
+    attention = tuple(n for i, n in enumerate(dense) if i not in MLP_PARAM_TENSORS)
+    return attention + moe_block_param_tensors(h=m.hidden_size, moe=m.moe, t=degree, ep=s.ep, variant=m.variant)
+
+
+def expert_tensor_count(m: GPTShape, s, layer: int) -> int:
+    """How many of the layer's tensors (the last ones of :func:`moe_layer_tensors`) are experts'."""
+    if not is_moe_layer(m, layer):
+        return 0
+    return len(moe_block_param_tensors(h=m.hidden_size, moe=m.moe, t=s.tp, ep=s.ep, variant=m.variant)) \
+        - EXPERT_TENSORS_FROM
+
+
+def layer_expert_params(m: GPTShape, s, layer: int) -> int:
+    """Expert parameters of the layer on one rank (0 for a dense layer)."""
+    n = expert_tensor_count(m, s, layer)
+    return sum(moe_layer_tensors(m, s, s.tp)[-n:]) if n else 0
+
+
+def moe_saved_delta(m: GPTShape, s, layers: list[int], *, recomputed: int) -> float:
+    """Bytes the MoE layers among ``layers`` keep per micro-batch beyond what the same layers
+    would keep dense (their MoE block's inventory, ``describe.moe.moe_block_saved_bytes``, minus
+    the dense MLP block's); the first ``recomputed`` layers keep only their input, as dense ones."""
+    if m.moe is None:
+        return 0.0
+    return sum(moe_block_delta(m, s) for i, layer in enumerate(layers) if i >= recomputed and is_moe_layer(m, layer))
+
+
+def moe_block_delta(m: GPTShape, s) -> float:
+    """One MoE block's saved bytes minus the dense MLP block's (stock, CUDA kernels)."""
+    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, t=s.tp, e=m.bytes_per_element,
+              variant=m.variant, hidden_dropout=m.hidden_dropout > 0)
+    dense = block_saved_bytes("mlp", a=m.num_attention_heads, f=m.ffn_hidden_size,
+                              sequence_parallel=s.sequence_parallel, **kw)
+    return moe_block_saved_bytes(moe=m.moe, ep=s.ep, **kw) - dense
+
+
+def flops_ffn(m: GPTShape) -> float:
+    """The FFN width Megatron-LM's model-FLOPs formula (``flops.gpt_flops_per_iteration``, linear
+    in it) sees per layer, averaged over the layers: an MoE layer counts its top-k experts'
+    ``topk x --moe-ffn-hidden-size`` (Megatron-LM's ``num_floating_point_operations``; the
+    router's h x E is left out there too), a dense one ``--ffn-hidden-size``."""
+    if m.moe is None:
+        return m.ffn_hidden_size
+    n_moe = sum(m.moe.is_moe(i) for i in range(m.num_layers))
+    return (n_moe * m.moe.topk * m.moe.ffn + (m.num_layers - n_moe) * m.ffn_hidden_size) / m.num_layers
