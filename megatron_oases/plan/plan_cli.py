@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ("recompute_granularity", "recompute_method", "recompute_num_layers"))
     add_flag(p, "oases_fine_grained_recompute", note="the plan prices it under --schedule oases with "
              "--recompute-granularity full")
+    add_flag(p, "num_experts", note="refused: the planner prices dense MLP blocks only (issue 51 item 3)")
     p.add_argument("--plan-recompute", "--no-plan-recompute", "--recompute", "--no-recompute", action=Renamed,
                    new=f"the trainer's {option('recompute_granularity')} full|selective (with "
                        f"{option('recompute_method')}; under --schedule oases {option('oases_fine_grained_recompute')}"
@@ -167,6 +168,9 @@ MODEL_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     """The priced model: each field from its flag when given, else from the ``--model`` file,
     else the flag's default (``megatron-oases train``'s, from the flag table)."""
+    if a.num_experts:  # MoE: described and simulated (describe.moe, sim), not yet planned
+        raise PlanError(f"{option('num_experts')} {a.num_experts}: the planner prices dense MLP blocks only; "
+                        f"price the MoE model with `megatron-oases sim` (its --search adds EP) or drop it")
     config = _load_config(a.model)
     stated = stated_fields(config)
     values = options_present(a, MODEL_FIELDS.values())
