@@ -43,3 +43,18 @@ def test_intra_node_send_keeps_the_device_models_price():
     assert dm.topology.level_between(*ev.ranks) == 0
     assert pipeline_send_ms(ev, price, dm, s) == price[ev.key]
     assert pipeline_send_ms(None, price, dm, s) == 0.0
+
+
+def test_scatter_gather_sends_a_slice_and_gathers_it_over_tp():
+    """``--scatter-gather-tensors-in-pipeline`` (Megatron-LM 2021, DeepSpeed's pipeline engine):
+    1/TP of the bytes cross the network, then the receiving node all-gathers the whole tensor over
+    its 8 GPUs on NVSwitch (the device model's ring price of that all-gather)."""
+    ev, price, dm, s = _first_send("--topology", "dgx-a100-hdr8", "--nodes", "2", "--tp", "8", "--pp", "2")
+    ev_sg, price_sg, dm_sg, s_sg = _first_send("--topology", "dgx-a100-hdr8", "--nodes", "2", "--tp", "8", "--pp", "2",
+                                               "--scatter-gather-tensors-in-pipeline")
+    full, scattered = pipeline_send_ms(ev, price, dm, s), pipeline_send_ms(ev_sg, price_sg, dm_sg, s_sg)
+    receivers = tuple(range(8, 16))  # the second node: stage 1's TP group
+    gather = dm_sg.collective_ms("all_gather", ev_sg.nbytes, receivers)
+    assert dm_sg.topology.level_between(8, 15) == 0 and gather > 0
+    assert scattered == pytest.approx((full - 0.005) / 8 + 0.005 + gather)
+    assert scattered < full

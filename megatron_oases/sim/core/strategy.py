@@ -88,6 +88,12 @@ class Strategy:
     """``--tp-comm-overlap`` (Transformer Engine userbuffers, needs ``sequence_parallel``): each
     layer's SP all-gather / reduce-scatter is pipelined with the GEMM beside it and exposes only
     what that GEMM cannot hide (``Event.hidden_by``)."""
+    scatter_gather_pipeline: bool = False
+    """``--scatter-gather-tensors-in-pipeline``: each TP rank sends only its 1/TP slice of the
+    activation between stages and the receiving stage all-gathers it over TP (Megatron-LM before
+    Megatron-Core, where it was the default, and DeepSpeed's pipeline engine, which partitions a
+    stage's output whenever TP > 1); ``sim.core.timeline.pipeline_send_ms`` prices it. Megatron-Core
+    sends the whole tensor (the default here)."""
 
     ep: int = 1
     """``--expert-model-parallel-size``: the experts of an MoE model split over EP data-parallel

@@ -276,6 +276,11 @@ def pipeline_send_ms(ev: Event | None, price: dict[str, float], device: DeviceMo
       DP replica its own). The send gets the share the collectives already get for a
       one-GPU-per-node group (``DeviceModel.nic_share``): an eighth of a DGX node, one card.
 
+    * With ``--scatter-gather-tensors-in-pipeline`` (Megatron-LM before Megatron-Core,
+      ``p2p_communication._communicate``; DeepSpeed's pipeline engine, ``PartitionedTensor``) each
+      TP rank sends its ``1 / TP`` slice and the receiving stage all-gathers the whole tensor over
+      its TP group before using it (neither when the sequence-parallel shard is sent).
+
     Measured sends (a profile) keep their price; the latency is paid once either way."""
     if ev is None:
         return 0.0
@@ -285,9 +290,15 @@ def pipeline_send_ms(ev: Event | None, price: dict[str, float], device: DeviceMo
     a, b = ev.ranks
     latency_ms = device.topology.link_latency(a, b) / 1e3
     wire = t - latency_ms
-    if strategy.sequence_parallel and strategy.tp > 1:
-        wire /= strategy.tp
-    return wire / min(1.0, device.nic_share((a, b), a, b)) + latency_ms
+    tp = strategy.tp
+    scattered = strategy.scatter_gather_pipeline and not strategy.sequence_parallel and tp > 1
+    if (strategy.sequence_parallel and tp > 1) or scattered:
+        wire /= tp
+    send = wire / min(1.0, device.nic_share((a, b), a, b)) + latency_ms
+    if not scattered:
+        return send
+    group = tuple(b + strategy.rank(tp=i) - strategy.rank(tp=0) for i in range(tp))
+    return send + device.collective_ms("all_gather", ev.nbytes, group)
 
 
 def host_splits(stages: list[StageEvents], device: DeviceModel) -> dict[str, tuple[float, float]]:

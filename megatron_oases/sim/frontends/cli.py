@@ -114,6 +114,9 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="Transformer Engine userbuffers: with --sequence-parallel, each layer's all-gather / "
                         "reduce-scatter pipelined with the GEMM beside it")
+    g.add_argument("--scatter-gather-tensors-in-pipeline", action="store_true",
+                   help="each TP rank sends 1/TP of the activation between pipeline stages and the next "
+                        "stage all-gathers it (Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="fused (flash) attention kernels: no s x s scores in HBM nor kept for backward, "
                         "causal blocks skipped")
@@ -256,7 +259,8 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     layout=layout, distributed_optimizer=a.use_distributed_optimizer,
                     overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
-                    tp_comm_overlap=a.tp_comm_overlap, first_stage_layers=a.decoder_first_pipeline_num_layers,
+                    tp_comm_overlap=a.tp_comm_overlap, scatter_gather_pipeline=a.scatter_gather_tensors_in_pipeline,
+                    first_stage_layers=a.decoder_first_pipeline_num_layers,
                     last_stage_layers=a.decoder_last_pipeline_num_layers, ep=a.expert_model_parallel_size)
 
 
