@@ -46,6 +46,8 @@ class Flag:
     action: Any = None
     choices: tuple | None = None
     metavar: str | None = None
+    nargs: Any = None
+    """argparse's ``nargs`` where Megatron-LM's parser takes a list (``--moe-aux-loss-coeff``)."""
     default: Any = _FIELD
     """Only for a flag that fills no ``RunConfig`` field; else ``DEFAULTS.<dest>``."""
     megatron_lm: bool = False
@@ -58,7 +60,7 @@ class Flag:
     def kwargs(self) -> dict[str, Any]:
         """``add_argument``'s keywords (argparse's store_true / store_false carry their own type)."""
         kw = {"dest": self.dest, "default": self.default_value, "help": self.help, "type": self.type,
-              "action": self.action, "choices": self.choices, "metavar": self.metavar}
+              "action": self.action, "choices": self.choices, "metavar": self.metavar, "nargs": self.nargs}
         return {k: v for k, v in kw.items() if v is not None or k == "default"}
 
 
@@ -150,19 +152,23 @@ _TABLE = (
     Flag("--attention-dropout", "attention_dropout", type=float),
     Flag("--attention-backend", "attention_backend", choices=ATTENTION_BACKENDS, help=BACKEND_HELP),
     _bool("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights"),
-    # -- mixture of experts (no front end takes them yet: issue 51 wires them where they take effect)
+    # -- mixture of experts (the trainer and Megatron-LM's parser; moe.py checks them)
     Flag("--num-experts", "num_experts", type=int, help="experts per MoE layer (omit: dense MLPs)"),
     Flag("--moe-router-topk", "moe_router_topk", type=int, help="experts each token is routed to"),
     Flag("--expert-model-parallel-size", "expert_model_parallel_size", type=int,
          help="expert-parallel (EP) group size: the experts are split over EP ranks"),
     Flag("--moe-token-dispatcher-type", "moe_token_dispatcher_type", choices=("allgather", "alltoall", "flex"),
          help="how routed tokens reach their experts' ranks"),
-    Flag("--moe-aux-loss-coeff", "moe_aux_loss_coeff", type=float, help="load-balancing loss coefficient"),
-    Flag("--moe-router-load-balancing-type", "moe_router_load_balancing_type",
-         choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")),
+    Flag("--moe-aux-loss-coeff", "moe_aux_loss_coeff", type=float, nargs="+",
+         help="load-balancing loss coefficient (one per --moe-router-load-balancing-type)"),
+    Flag("--moe-router-load-balancing-type", "moe_router_load_balancing_type", nargs="+",
+         choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+         help="the router's load balancing: aux_loss (GShard), seq_aux_loss (per sample), global_aux_loss, "
+              "sinkhorn, none; several: one loss each"),
     Flag("--moe-ffn-hidden-size", "moe_ffn_hidden_size", type=int,
          help="each expert's FFN width (default: --ffn-hidden-size)"),
-    Flag("--moe-layer-freq", "moe_layer_freq", type=int, help="one MoE layer every N layers"),
+    Flag("--moe-layer-freq", "moe_layer_freq", type=int,
+         help="one MoE layer every N layers (layers 0, N, 2N...; the others dense)"),
     Flag("--moe-expert-capacity-factor", "moe_expert_capacity_factor", type=float,
          help="tokens an expert takes, as a factor of the even share (omit: dropless)"),
     _bool("--moe-grouped-gemm", "moe_grouped_gemm", help="the local experts as one grouped GEMM"),

@@ -98,6 +98,15 @@ def dense_mlp_parts(mlp_submodule):
 _GPT_MODEL_DEPRECATION = "GPTModel IS DEPRECATED"
 
 
+def local_grouped_mlp():
+    """Megatron-Core's local grouped-GEMM experts class (``GroupedMLP``, over the ``grouped_gemm``
+    package), or None: 0.19 removed it, and its local spec builds ``SequentialMLP`` whatever
+    ``moe_grouped_gemm`` says (only Transformer Engine's ``TEGroupedMLP`` groups the GEMMs)."""
+    from megatron.core.transformer.moe import experts
+
+    return getattr(experts, "GroupedMLP", None)
+
+
 def quiet_gpt_model_deprecation() -> None:
     """0.19 logs "GPTModel IS DEPRECATED ... HybridModel" for every model chunk built. Megatron-LM's
     own ``pretrain_gpt.py`` (``gpt_builders``) still builds ``GPTModel`` at core_v0.19.0, and so do

@@ -138,9 +138,13 @@ class RunConfig:
     """Experts per MoE layer (None: dense MLPs)."""
     moe_router_topk: int = 2
     expert_model_parallel_size: int = 1
+    """Expert-parallel (EP) group size; the experts' TP size is TP's (Megatron-LM's default), so
+    EP divides the data-parallel size."""
     moe_token_dispatcher_type: str = "allgather"
-    moe_aux_loss_coeff: float = 0.0
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
+    """One coefficient per load-balancing type (a tuple for several, once validated; Megatron-LM's
+    parser gives a list)."""
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN width (None: ``ffn_hidden_size``, as Megatron-LM fills it)."""
     moe_layer_freq: int = 1

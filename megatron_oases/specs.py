@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_oases.describe.backends import backend, resolve
 from megatron_oases.mcore_compat import quiet_gpt_model_deprecation
+from megatron_oases.moe import moe_config_kwargs, moe_layer_pattern, moe_runs, moe_words
 from megatron_oases.run_config import RunConfig, gqa_groups
 from megatron_oases.schedules.oases.options import oases_runs
 from megatron_oases.vocab import padded_vocab_size
@@ -70,6 +71,7 @@ def transformer_config_from_args(cfg: RunConfig, *, cuda: bool) -> TransformerCo
         apply_rope_fusion=False,
         gradient_accumulation_fusion=cfg.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
+        **moe_config_kwargs(cfg),  # Megatron-LM's MoE fields (empty for a dense run)
     )
 
 
@@ -94,12 +96,15 @@ def _no_groups(cfg: RunConfig) -> None:
     return None
 
 
-def _megatron_spec(cfg: RunConfig, groups) -> ModuleSpec:
+def _megatron_spec(cfg: RunConfig, groups, *, moe: bool = False) -> ModuleSpec:
     """Megatron's local spec with the run's core attention (the Oases tapes and planned layers
-    build on this spec, so they take it too); on ``--oases-plan`` degrees, the planned layer."""
+    build on this spec, so they take it too); on ``--oases-plan`` degrees, the planned layer.
+    ``moe``: its MoE layer (Megatron-Core's ``MoELayer``, local ``SequentialMLP`` experts)."""
     from megatron_oases.layers.core_attention import core_attention_class
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None,
+                                    moe_grouped_gemm=moe and cfg.moe_grouped_gemm,
+                                    qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(cfg.attention_backend)
     if cfg.oases_layer_degrees:
         from megatron_oases.layers.planned_layer import planned_layer_spec
@@ -170,6 +175,8 @@ def build_gpt_model(cfg: RunConfig, config: TransformerConfig, *,
         from megatron_oases.layers.torch_norm import sequence_parallel_block_spec
 
         spec = sequence_parallel_block_spec(spec, config, vp_stage)
+    if moe_runs(cfg):
+        spec = _moe_block_spec(cfg, config, spec, vp_stage)
     quiet_gpt_model_deprecation()
     model = GPTModel(
         config=config,
@@ -196,6 +203,25 @@ def build_gpt_model(cfg: RunConfig, config: TransformerConfig, *,
     elif cfg.oases_skip_tp_collectives:
         _layers_skip_tp_collectives(model)
     return model
+
+
+def _moe_block_spec(cfg: RunConfig, config: TransformerConfig, spec, vp_stage: int | None):
+    """The block spec of an MoE run: this stage's layers, MoE or dense by ``--moe-layer-freq``
+    (``moe.moe_layer_pattern``, Megatron-Core's rule), sliced at Megatron's layer offset; ``spec``:
+    the dense layer's spec, or the sequence-parallel block spec (its norms, kept in every layer)."""
+    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_oases.layers.torch_norm import with_torch_norms
+
+    sp = isinstance(spec, TransformerBlockSubmodules)
+    dense, moe = (_megatron_spec(cfg, None, moe=m) for m in (False, True))
+    layers = [moe if m else dense for m in moe_layer_pattern(cfg)]
+    start = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local = layers[start:start + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=[with_torch_norms(s) if sp else s for s in local],
+                                      layer_norm=spec.layer_norm if sp else LayerNormImpl)
 
 
 def _layers_skip_tp_collectives(model) -> None:
@@ -227,6 +253,8 @@ def build_line(cfg: RunConfig, *, world: int, device: str, dist_backend: str,
     if cfg.oases_layer_degrees:
         degrees = " ".join(f"{a}/{m}" for a, m in cfg.oases_layer_degrees)
         plan = f"--oases-plan {cfg.oases_plan} (attention/MLP degree per layer: {degrees})"
-    return (f"megatron_oases: model {model} | {executor} | {plan} | TP {tp} x PP {pp} x "
-            f"DP {world // (tp * pp * cp)}{f' x CP {cp}' if cp > 1 else ''} on {world} ranks | "
+    moe = f" | {moe_words(cfg)}" if moe_runs(cfg) else ""
+    ep = f" (EP {cfg.expert_model_parallel_size})" if moe_runs(cfg) else ""
+    return (f"megatron_oases: model {model}{moe} | {executor} | {plan} | TP {tp} x PP {pp} x "
+            f"DP {world // (tp * pp * cp)}{ep}{f' x CP {cp}' if cp > 1 else ''} on {world} ranks | "
             f"{device}, {dist_backend}")

@@ -64,6 +64,7 @@ def setup(cfg: RunConfig) -> Trainer:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vp,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,  # the experts' TP size: TP's
         distributed_timeout_minutes=cfg.dist_timeout / 60.0)  # Megatron's groups: ours too
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
@@ -247,6 +248,7 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
 
     from megatron_oases.evaluate import Validator
     from megatron_oases.flops import gpt_flops_per_iteration
+    from megatron_oases.moe import flops_ffn_hidden_size
     from megatron_oases.train_args import query_groups
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
@@ -270,7 +272,7 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
     flops = gpt_flops_per_iteration(
         global_batch_size=cfg.global_batch_size, seq_length=cfg.seq_length,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=flops_ffn_hidden_size(cfg),
         padded_vocab_size=padded_vocab_size(cfg), num_query_groups=query_groups(cfg),
         gated_mlp=cfg.swiglu)
     world = torch.distributed.get_world_size()

@@ -54,6 +54,9 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
                   "attention_backend"))
     g.add_argument("--init-method-std", type=float, default=DEFAULTS.init_method_std)
     add_flag(g, "untie_embeddings_and_output_weights")
+    from megatron_oases.moe import MOE_FIELDS
+
+    add_flags(p.add_argument_group("mixture of experts (Megatron-Core's MoELayer)"), ("num_experts", *MOE_FIELDS))
     g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
                    help="keep Megatron's own init (depends on TP/PP); by default every parameter "
                         "is drawn from (seed, global name) so all layouts start identical")
@@ -348,8 +351,10 @@ def validate_backend_config(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
     Returns ``cfg`` with ``atp_mesh`` as (d1, d2) and ``oases_layer_degrees`` set (None without
     a plan)."""
     from megatron_oases.plan.plan_file import validate_plan_args
+    from megatron_oases.moe import validate_moe_config
     from megatron_oases.schedules.oases.options import validate_oases_config
 
+    cfg = validate_moe_config(cfg, tp=dims.tp, dp=dims.dp)
     cfg = dataclasses.replace(cfg, atp_mesh=validate_layout(cfg, dims))
     check_selective_recompute(cfg)
     validate_oases_config(cfg, dims)

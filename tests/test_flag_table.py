@@ -116,8 +116,7 @@ def test_megatron_lm_gets_only_what_it_lacks(built):
 def test_every_shared_flag_is_in_train_or_a_pricing_flag(built):
     """A table flag the trainer lacks prices a run (sim / plan) or describes the launch's world."""
     lacking = {f.dest for f in FLAGS.values() if f.name not in built["train"]}
-    moe_pending = {d for d in FLAGS if d.startswith(("moe_", "num_experts", "expert_"))}  # issue 51 item 1
-    assert lacking - moe_pending == {"data_parallel_size", "dtype", "gpu", "memory_gb", "profile"}
+    assert lacking == {"data_parallel_size", "dtype", "gpu", "memory_gb", "profile"}
 
 
 def literal_counts() -> dict[str, list[str]]:

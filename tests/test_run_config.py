@@ -72,8 +72,7 @@ def test_parser_defaults_are_the_config_defaults():
     for a in actions:
         assert a.default == getattr(DEFAULTS, a.dest), a.dest
     # Not flags: set by validation (plan degrees) or programmatically (mesh search's gain).
-    moe_pending = {d for d in FLAT_FIELDS if d.startswith(("moe_", "num_experts", "expert_"))}  # issue 51 item 1
-    assert set(FLAT_FIELDS) - {a.dest for a in actions} - moe_pending == {"oases_layer_degrees", "atp_min_gain"}
+    assert set(FLAT_FIELDS) - {a.dest for a in actions} == {"oases_layer_degrees", "atp_min_gain"}
 
 
 def test_megatron_lm_flags_share_the_defaults():
@@ -91,10 +90,8 @@ def test_trainer_namespace_round_trips():
     ns = build_parser().parse_args(["--hidden-size", "96", "--schedule", "oases", "--swiglu"])
     cfg = run_config(ns)
     assert (cfg.hidden_size, cfg.schedule, cfg.swiglu) == (96, "oases", True)
-    moe_pending = {d: getattr(DEFAULTS, d) for d in FLAT_FIELDS
-                   if d.startswith(("moe_", "num_experts", "expert_")) and d not in vars(ns)}  # issue 51 item 1
     assert cfg.as_dict() == {**vars(ns), "oases_layer_degrees": None,
-                             "atp_min_gain": DEFAULTS.atp_min_gain, **moe_pending}
+                             "atp_min_gain": DEFAULTS.atp_min_gain}
     assert cfg.megatron_lm == MegatronLMOptions()
     assert run_config(cfg) is cfg
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -323,6 +323,9 @@ def install_cpu_compat(force: bool = False) -> bool:
     for modname, clsname in CUDA_TYPE_CHECKING_INITS:
         cls = getattr(importlib.import_module(modname), clsname)
         cls.__init__ = _with_cuda_type_names(cls.__init__)
+    from megatron_oases.runtime.cpu_moe_compat import install_cpu_moe_compat
+
+    install_cpu_moe_compat()  # the MoE all-to-all's split sizes (its own module)
     rng = importlib.import_module("megatron.core.tensor_parallel.random")
     rng._get_cuda_rng_state = _cpu_get_rng_state
     rng._set_cuda_rng_state = _cpu_set_rng_state

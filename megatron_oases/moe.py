@@ -1,0 +1,200 @@
+"""Mixture of experts: the MoE flags' checks, and their mapping onto Megatron-Core's config.
+
+Megatron-Core builds the MoE layers (``MoELayer``: its router, token dispatcher and local experts,
+``SequentialMLP``); this module only decides whether a run's MoE flags can take effect, before any
+process group starts (one ``ConfigError`` line naming the flag and the fix), and hands them to
+``TransformerConfig`` under Megatron's names. The trainer (``train_args.validate_config``) and the
+Megatron-LM entry (``megatron_lm.flags``) share the checks; ``specs`` builds the layers.
+
+No torch import at module level: the trainer's parse must not import torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_oases.errors import ConfigError
+from megatron_oases.flags import option
+from megatron_oases.run_config import DEFAULTS, RunConfig
+
+MOE_FIELDS = ("moe_router_topk", "expert_model_parallel_size", "moe_token_dispatcher_type",
+              "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_ffn_hidden_size",
+              "moe_layer_freq", "moe_expert_capacity_factor", "moe_grouped_gemm")
+"""The MoE flags other than ``--num-experts``, which take effect only with it."""
+
+DISPATCHERS = ("allgather", "alltoall")
+"""The token dispatchers that run on Megatron-Core's local spec (``flex`` needs DeepEP or
+HybridEP, CUDA extensions)."""
+
+
+def moe_runs(cfg: RunConfig) -> bool:
+    """Whether the run builds MoE layers (``--num-experts`` given, not 0, as Megatron-LM reads it)."""
+    return bool(cfg.num_experts)
+
+
+def normalized_moe(cfg: RunConfig) -> RunConfig:
+    """Megatron-LM's filling of the MoE flags (``validate_args``): a one-element
+    ``--moe-router-load-balancing-type`` / ``--moe-aux-loss-coeff`` list as its element (several:
+    a tuple, one coefficient per type), ``--num-experts 0`` as None, ``--moe-ffn-hidden-size`` from
+    ``--ffn-hidden-size`` (filled in first)."""
+    def one(value):
+        if isinstance(value, (list, tuple)):
+            return value[0] if len(value) == 1 else tuple(value)
+        return value
+
+    changes = {"moe_router_load_balancing_type": one(cfg.moe_router_load_balancing_type),
+               "moe_aux_loss_coeff": one(cfg.moe_aux_loss_coeff)}
+    if cfg.num_experts == 0:
+        changes["num_experts"] = None
+    if cfg.num_experts and cfg.moe_ffn_hidden_size is None:
+        changes["moe_ffn_hidden_size"] = cfg.ffn_hidden_size
+    return dataclasses.replace(cfg, **changes)
+
+
+def validate_moe_config(cfg: RunConfig, *, tp: int, dp: int) -> RunConfig:
+    """Refuse MoE flags that cannot take effect, or combinations that do not run, in one line naming
+    the flag and the fix; returns ``cfg`` normalised (``normalized_moe``). ``tp`` / ``dp``: the
+    validated degrees (the experts' tensor-parallel size is TP's, Megatron-LM's default, so the
+    expert-parallel group must divide DP)."""
+    cfg = normalized_moe(cfg)
+    if not moe_runs(cfg):
+        for name in MOE_FIELDS:
+            if getattr(cfg, name) != getattr(DEFAULTS, name) and not (
+                    name == "moe_ffn_hidden_size" and getattr(cfg, name) is None):
+                raise ConfigError(f"{option(name)} takes effect with MoE layers only; add "
+                                  f"{option('num_experts')} N or drop it")
+        return cfg
+    _check_values(cfg, dp)
+    _check_combinations(cfg, tp)
+    return cfg
+
+
+def _check_values(cfg: RunConfig, dp: int) -> None:
+    """Each MoE flag's own range, and the expert-parallel split."""
+    n, ep, topk = cfg.num_experts, cfg.expert_model_parallel_size, cfg.moe_router_topk
+    experts = option("num_experts")
+    if n < 1:
+        raise ConfigError(f"{experts} must be >= 1 (got {n}); omit it (or 0) for dense MLPs")
+    if not 1 <= topk <= n:
+        raise ConfigError(f"{option('moe_router_topk')} must be in [1, {experts} {n}] (got {topk})")
+    if topk == 1 and cfg.moe_router_load_balancing_type != "sinkhorn":
+        raise ConfigError(f"{option('moe_router_topk')} 1 needs Megatron's --moe-router-pre-softmax (a softmax "
+                          f"over one expert has no gradient), which the trainer does not take; use "
+                          f"{option('moe_router_topk')} 2 or more, or {option('moe_router_load_balancing_type')} "
+                          f"sinkhorn")
+    if ep < 1 or n % ep:
+        raise ConfigError(f"{option('expert_model_parallel_size')} {ep} must divide {experts} {n} "
+                          f"(each expert-parallel rank holds whole experts)")
+    if dp % ep:
+        raise ConfigError(f"{option('expert_model_parallel_size')} {ep} must divide the data-parallel "
+                          f"size {dp} (the experts' TP size is --tensor-model-parallel-size's, so an "
+                          f"expert-parallel group spans data-parallel ranks); launch more ranks or "
+                          f"lower it")
+    if cfg.moe_ffn_hidden_size < 1:
+        raise ConfigError(f"{option('moe_ffn_hidden_size')} must be >= 1 (got {cfg.moe_ffn_hidden_size})")
+    if cfg.moe_layer_freq < 1:
+        raise ConfigError(f"{option('moe_layer_freq')} must be >= 1 (got {cfg.moe_layer_freq})")
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        raise ConfigError(f"{option('moe_expert_capacity_factor')} must be > 0 (got {factor}); omit "
+                          f"it for dropless MoE")
+    types = cfg.moe_router_load_balancing_type
+    coeffs = cfg.moe_aux_loss_coeff
+    n_types = len(types) if isinstance(types, tuple) else 1
+    n_coeffs = len(coeffs) if isinstance(coeffs, tuple) else 1
+    if n_types != n_coeffs:
+        raise ConfigError(f"{option('moe_aux_loss_coeff')} takes one coefficient per "
+                          f"{option('moe_router_load_balancing_type')} ({n_types} given, {n_coeffs} "
+                          f"coefficients)")
+    if factor is not None and "sinkhorn" in (types if isinstance(types, tuple) else (types,)):
+        raise ConfigError(f"{option('moe_expert_capacity_factor')} works with aux_loss, seq_aux_loss, "
+                          f"global_aux_loss or none load balancing (Megatron's rule); drop it or "
+                          f"change {option('moe_router_load_balancing_type')} sinkhorn")
+
+
+def _check_combinations(cfg: RunConfig, tp: int) -> None:
+    """What our builds cannot run with MoE layers yet, refused before any process group starts."""
+    from megatron_oases.describe.backends import backend
+    from megatron_oases.schedules.oases.options import oases_runs
+
+    experts = option("num_experts")
+    if cfg.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ConfigError(f"{option('moe_token_dispatcher_type')} {cfg.moe_token_dispatcher_type} needs "
+                          f"DeepEP or HybridEP (CUDA extensions our local specs do not build); use "
+                          f"{' or '.join(DISPATCHERS)}")
+    if cfg.moe_grouped_gemm and not grouped_gemm_available():
+        raise ConfigError(f"{option('moe_grouped_gemm')}: this megatron-core's local spec has no grouped "
+                          f"GEMM experts (Transformer Engine's TEGroupedMLP is not built by our specs); "
+                          f"drop it (the local experts run as Megatron's SequentialMLP)")
+    if not backend(cfg.tp_backend).megatron_modules:
+        raise ConfigError(f"{experts} builds Megatron-Core's MoE layers, which --tp-backend "
+                          f"{cfg.tp_backend} does not; use --tp-backend megatron")
+    if cfg.oases_plan is not None:
+        raise ConfigError(f"{experts}: --oases-plan's per-block degrees are for dense MLPs; drop one of them")
+    if oases_runs(cfg):
+        raise ConfigError(f"{experts}: the Oases executor does not run MoE layers yet (issue 51 item 2); "
+                          f"drop --schedule oases (or use --tensor-model-parallel-size 1, where it runs "
+                          f"stock layers)")
+    if cfg.oases_skip_tp_collectives:
+        raise ConfigError(f"{experts}: --oases-skip-tp-collectives would also drop the experts' "
+                          f"communication; drop one of them")
+    if tp > 1 and not cfg.sequence_parallel:
+        raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+                          f"(as Megatron-Core's MoE layer requires); add it")
+    if tp > 1 and cfg.add_bias_linear:
+        raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --disable-bias-linear "
+                          f"(Megatron-Core's experts take biases only at expert TP size 1, and theirs "
+                          f"is TP's); add it")
+
+
+def grouped_gemm_available() -> bool:
+    """Whether the local spec can build grouped-GEMM experts: megatron-core before 0.19 has its
+    ``GroupedMLP`` over the ``grouped_gemm`` package; 0.19's local spec builds ``SequentialMLP``
+    whatever the flag says."""
+    import importlib.util
+
+    from megatron_oases.mcore_compat import local_grouped_mlp
+
+    return local_grouped_mlp() is not None and importlib.util.find_spec("grouped_gemm") is not None
+
+
+def moe_config_kwargs(cfg: RunConfig) -> dict:
+    """``TransformerConfig``'s MoE fields for the run (Megatron-LM's mapping, by name); empty
+    for a dense run."""
+    if not moe_runs(cfg):
+        return {}
+    listed = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - Megatron takes lists
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=listed(cfg.moe_aux_loss_coeff),
+        moe_router_load_balancing_type=listed(cfg.moe_router_load_balancing_type),
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
+        moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+        moe_grouped_gemm=cfg.moe_grouped_gemm)
+
+
+def moe_layer_pattern(cfg: RunConfig) -> list[bool]:
+    """Per layer of the whole model, whether it is an MoE layer: ``--moe-layer-freq N`` makes
+    layers 0, N, 2N... MoE, as Megatron-Core's ``get_gpt_decoder_layer_specs``."""
+    return [moe_runs(cfg) and i % cfg.moe_layer_freq == 0 for i in range(cfg.num_layers)]
+
+
+def flops_ffn_hidden_size(cfg: RunConfig) -> float:
+    """The FFN width Megatron-LM's FLOPs formula counts per layer, averaged over the layers: an
+    MoE layer computes ``--moe-router-topk`` experts of ``--moe-ffn-hidden-size`` per token (the
+    router's GEMM is not counted, as Megatron-LM counts it), a dense one ``--ffn-hidden-size``."""
+    pattern = moe_layer_pattern(cfg)
+    moe_width = (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size) * cfg.moe_router_topk
+    return sum(moe_width if m else cfg.ffn_hidden_size for m in pattern) / cfg.num_layers
+
+
+def moe_words(cfg: RunConfig) -> str:
+    """The start-up line's words for the run's MoE layers ('' for a dense run)."""
+    if not moe_runs(cfg):
+        return ""
+    every = "" if cfg.moe_layer_freq == 1 else f" every {cfg.moe_layer_freq} layers"
+    drop = ("dropless" if cfg.moe_expert_capacity_factor is None
+            else f"capacity factor {cfg.moe_expert_capacity_factor:g}")
+    return (f"MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}{every}, "
+            f"{cfg.moe_token_dispatcher_type}, {drop}")

@@ -1,0 +1,85 @@
+"""Megatron-Core's MoE token dispatcher on CPU + gloo (part of ``runtime.cpu_compat``).
+
+The all-to-all dispatcher (``--moe-token-dispatcher-type alltoall``) counts the tokens each rank
+sends and receives on the device, then copies the counts to the host as numpy arrays
+(``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``) for ``all_to_all_single``'s split
+sizes. That helper converts only a CUDA tensor; on CPU the counts stay tensors, which
+``ProcessGroup.all_to_all_single`` does not take as split sizes (a TypeError). Inside the token
+dispatcher module only, the helper is wrapped to give the numpy array it gives on a GPU. Gloo
+itself runs the uneven all-to-all (alltoallv) on CPU.
+
+With TP > 1 the dispatcher also gathers and reduce-scatters tokens over the TP group in uneven
+pieces (``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split
+sizes), which NCCL does and gloo refuses (its all-gather and reduce-scatter take equal pieces).
+Those two, given split sizes, become one all-reduce of the whole tensor (each rank's piece in
+place, zeros elsewhere; or the whole input, then the rank's piece): exact, since adding zeros is,
+and summed in the same order as gloo's reduce-scatter. ``tests/test_moe_compat.py`` checks each
+piece and that the upstream signatures they wrap are unchanged.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def _splits_as_numpy(maybe_move_tensor_to_cpu):
+    """Upstream's helper, then ``as_numpy`` honoured for a tensor already on the CPU."""
+    def wrapped(tensor, as_numpy=False, record_stream=False):
+        tensor = maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):
+            tensor = tensor.numpy()
+        return tensor
+
+    wrapped.cpu_moe_compat = True
+    return wrapped
+
+
+def _uneven_gather(gather):
+    """``_gather_along_first_dim`` whose uneven form (``output_split_sizes``) all-reduces."""
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        start = sum(sizes[:group.rank()])
+        output = input_.new_zeros((sum(sizes), *input_.shape[1:]))
+        output[start:start + sizes[group.rank()]] = input_
+        torch.distributed.all_reduce(output, group=group)
+        return output
+
+    wrapped.cpu_moe_compat = True
+    return wrapped
+
+
+def _uneven_reduce_scatter(reduce_scatter):
+    """``_reduce_scatter_along_first_dim`` whose uneven form (``input_split_sizes``) all-reduces."""
+    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.contiguous().clone()
+        torch.distributed.all_reduce(summed, group=group)
+        return torch.split(summed, [int(n) for n in input_split_sizes], dim=0)[group.rank()].contiguous()
+
+    wrapped.cpu_moe_compat = True
+    return wrapped
+
+
+WRAPPED = ((TOKEN_DISPATCHER, "maybe_move_tensor_to_cpu", _splits_as_numpy),
+           (MAPPINGS, "_gather_along_first_dim", _uneven_gather),
+           (MAPPINGS, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter))
+"""(module, function, wrapper): what the layer replaces, inside that module only."""
+
+
+def install_cpu_moe_compat() -> None:
+    """Wrap each of ``WRAPPED`` (idempotent; nothing to do where a module or function is absent)."""
+    for modname, name, wrapper in WRAPPED:
+        try:
+            module = importlib.import_module(modname)
+        except ImportError:
+            continue
+        fn = getattr(module, name, None)
+        if fn is not None and not getattr(fn, "cpu_moe_compat", False):
+            setattr(module, name, wrapper(fn))
