@@ -15,9 +15,11 @@ model prices GEMMs from (issue 49 item 1), from our own device runs only:
     python scripts/gemm_table_build.py \\
         --trace examples/gpu/h100-2026-11-27/call1/traces/traces_default-sleep.json.gz \\
                 examples/gpu/h100-2026-11-27/call1/overlap_standin.json \\
-        --trace examples/gpu/h100-2026-11-27/call1/traces/traces_oases-sleep.json.gz \\
-                examples/gpu/h100-2026-11-27/call1/overlap_standin.json \\
         --gemms examples/gpu/h200-2026-11-26/gpu_gemms.json --out megatron_oases/pricing/gemm_table.json
+
+The committed table takes the stock trace only: the Oases traces of the same runs are what
+``scripts/sim_vs_standin.py`` checks the simulator's split against, so their half-token GEMMs
+would price the check with its own answer (issue 49 item 2). ``--trace`` still reads them.
 """
 from __future__ import annotations
 

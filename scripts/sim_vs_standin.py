@@ -9,26 +9,60 @@ compute only).
     python scripts/sim_vs_standin.py examples/gpu/h100-2026-11-27/call1/overlap_standin*.json \\
         --out /tmp/sim_vs_standin.json
 
-The stand-ins and the simulator price each collective with the same ``DeviceModel.collective_ms``
-on the same link, so their communication totals agree by construction (the test checks it);
-what the comparison tests is the simulator's compute model and its overlap of the two. A card
+The stand-ins are priced with the simulator's ``DeviceModel.collective_ms`` on the benchmark's
+link, but a ``sleep`` stand-in spins a calibrated number of SM cycles, so what it lasts is those
+cycles over the clock it runs at (issue 49 item 2). The simulator gets the link as it ran:
+
+* alone, at the clock of the benchmark's own ``standins_only`` measurement (each stand-in
+  ``standins_only / priced`` of its price: 0.84-0.99 in the committed runs, whose calibrations
+  ran at 1,651-1,946 MHz and whose idle stand-ins at about 1,975 MHz): the link's rate scaled;
+* beside compute, at the card's clock under GEMM load (``DeviceModel.collective_beside_compute``
+  = the stand-ins' clock alone, calibration clock / (standins_only / priced), over the loaded
+  clock, read 5 s into the same session's trainer runs: ``summary*.txt`` beside the JSON, else
+  the 2026-11-27 H100's, said so; about 1,975 / 1,642 = 1.20).
+
+and the Oases executor's program as it ran (``sim.core.tape``): runs whose ``issued`` list holds
+a head collective of the whole micro-batch predate the head's split and the one ``main_grad``
+add. What the comparison then tests is the simulator's compute model and its overlap. A card
 the device model's table lacks (a CPU run: gpu_check.sh's test) is priced as an H100 SXM, so
 only the plumbing means anything there.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
+import statistics
 import sys
 
 from benchmarks.standin.summary import parse_overlap_files
+
+
+BORROWED_CLOCKS = "examples/gpu/h100-2026-11-27/call1/summary.txt"
+"""Where a run without its own loaded-clock readings takes them (the H100 of 2026-11-27)."""
+
+
+def loaded_clock_mhz(path: str) -> tuple[float, str]:
+    """The SM clock under GEMM load (MHz) for the benchmark JSON ``path``, and where it was read:
+    the mean of the ``(settled 5s): N MHz`` lines of the ``summary*.txt`` in its directory, else
+    ``BORROWED_CLOCKS``'s."""
+    here = os.path.dirname(os.path.abspath(path))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for where in (sorted(glob.glob(os.path.join(here, "summary*.txt"))), [os.path.join(repo, BORROWED_CLOCKS)]):
+        mhz = [float(x) for f in where if os.path.exists(f)
+               for x in re.findall(r"\(settled[^)]*\): (\d+) MHz", open(f, encoding="utf-8").read())]
+        if mhz:
+            return statistics.fmean(mhz), os.path.relpath(where[0], repo)
+    raise SystemExit(f"{path}: no loaded-clock reading beside it nor in {BORROWED_CLOCKS}")
 
 
 def compare(path: str) -> list[dict]:
     """One row per schedule of the benchmark's JSON ``path``."""
     from benchmarks.standin.standins import Link, link_topology
     from megatron_oases.pricing.device_model import gpu_of_device_name
+    from megatron_oases.sim.core.tape import CURRENT, tape_of_issued
     from megatron_oases.sim.frontends.predict import analytical_train_step
     from megatron_oases.train_args import build_parser
 
@@ -36,21 +70,36 @@ def compare(path: str) -> list[dict]:
         bench = json.load(f)
     tp, flags = bench["tp"], list(bench["trainer_flags"])
     gpu = gpu_of_device_name(bench["device"]) or "h100-sxm"
-    topo = link_topology(Link(GBps=bench["link"]["GBps"], latency_us=bench["link"]["latency_us"]), tp, gpu)
+    cal_mhz = (bench.get("calibration") or {}).get("sleep_cycles_per_ms")
+    loaded, clock_src = loaded_clock_mhz(path) if cal_mhz else (None, None)
     rows = []
     for schedule, m in bench["schedules"].items():
         args = build_parser().parse_args(flags + ["--tensor-model-parallel-size", str(tp), "--nproc-per-node", str(tp),
                                                   "--schedule", schedule])
-        r = analytical_train_step(args, topology=topo, world_size=tp, forward_backward_only=True)
+        sl = m.get("sleep", {})
+        alone = (sl["standins_only"]["ms"] / sl["priced_ms"]) if sl.get("standins_only") and sl.get("priced_ms") else 1.0
+        link = Link(GBps=bench["link"]["GBps"] / alone, latency_us=bench["link"]["latency_us"] * alone)
+        payload = args.micro_batch_size * args.seq_length * args.hidden_size * (2 if args.bf16 or args.fp16 else 4)
+        tape = tape_of_issued(sl.get("issued", []), payload) if schedule == "oases" else CURRENT
+        # alone a stand-in runs at the clock cal / alone (its price x alone, the link above); beside
+        # the GEMMs at the loaded clock: that clock's ratio longer
+        beside = cal_mhz / 1e3 / alone / loaded if cal_mhz else 1.0
+        r = analytical_train_step(args, topology=link_topology(link, tp, gpu), world_size=tp, forward_backward_only=True,
+                                  tape=tape, collective_beside_compute=beside)
         st = r.stages[0]
-        sleep = m.get("sleep", {}).get("with_standins", {}).get("ms")
+        alone_r = analytical_train_step(args, topology=link_topology(link, tp, gpu), world_size=tp,
+                                        forward_backward_only=True, tape=tape)
+        sleep = sl.get("with_standins", {}).get("ms")
         compute = m["compute"]["ms"]
         rows.append({
             "file": os.path.basename(path), "path": path, "schedule": schedule, "recompute": m["recompute"],
             "cuda_device_max_connections": bench.get("cuda_device_max_connections"), "gpu": gpu,
-            "link_GBps": bench["link"]["GBps"],
+            "link_GBps": bench["link"]["GBps"], "standins_alone_over_priced": alone,
+            "calibration_MHz": cal_mhz and cal_mhz / 1e3, "loaded_MHz": loaded, "loaded_clock_from": clock_src,
+            "collective_beside_compute": beside, "tape": "current" if tape == CURRENT else "pre-split head, two adds",
             "compute_ms": compute, "sim_compute_ms": st.compute_ms,
-            "standins_priced_ms": m.get("sleep", {}).get("priced_ms"), "sim_comm_ms": st.comm_ms,
+            "standins_priced_ms": sl.get("priced_ms"), "standins_alone_ms": (sl.get("standins_only") or {}).get("ms"),
+            "sim_comm_alone_ms": alone_r.stages[0].comm_ms, "sim_comm_ms": st.comm_ms,
             "sleep_step_ms": sleep, "sim_step_ms": r.iteration_ms,
             "exposed_ms": None if sleep is None else sleep - compute, "sim_exposed_ms": st.exposed_comm_ms,
         })
@@ -95,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_overlap_files(p, argv, out_help="write the rows as JSON here", out_required=False)
     rows = [row for f in a.files for row in compare(f)]
     cols = ("file", "schedule", "recompute", "cuda_device_max_connections", "compute_ms", "sim_compute_ms",
-            "standins_priced_ms", "sim_comm_ms", "sleep_step_ms", "sim_step_ms", "exposed_ms", "sim_exposed_ms")
+            "standins_priced_ms", "standins_alone_ms", "sim_comm_ms", "sleep_step_ms", "sim_step_ms", "exposed_ms",
+            "sim_exposed_ms")
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(_fmt(row[c]) for c in cols))

@@ -238,9 +238,10 @@ def test_fusion_bench_times_on_the_device_s_stream(monkeypatch):
 
 
 def test_sim_vs_standin_prices_the_benchmark_s_collectives_as_the_simulator_does(tmp_path, capsys):
-    """The one-GPU overlap benchmark's stand-ins and the simulator price each collective with the
-    same ``DeviceModel.collective_ms`` on the same link: their communication totals agree for
-    every committed H100 run (both schedules, with and without recompute)."""
+    """The one-GPU overlap benchmark's stand-ins are priced with ``DeviceModel.collective_ms`` and
+    the simulator gets their link as it ran alone: its collectives alone add up to the stand-ins
+    alone for every committed H100 run (both schedules, with and without recompute); beside
+    compute they last longer (the SM clock under load), so the step's comm time is longer."""
     svs = load_script("scripts/sim_vs_standin.py")
     runs = [os.path.join(ROOT, "examples", "gpu", "h100-2026-11-27", "call1", f"overlap_standin{s}.json")
             for s in ("", "_conn8", "_rc")] + [os.path.join(ROOT, "examples", "gpu", "h100-2026-11-26",
@@ -250,7 +251,8 @@ def test_sim_vs_standin_prices_the_benchmark_s_collectives_as_the_simulator_does
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and {r["schedule"] for r in rows} == {"default", "oases"}
     for r in rows:
-        assert r["sim_comm_ms"] == pytest.approx(r["standins_priced_ms"], rel=0.005), r
+        assert r["sim_comm_alone_ms"] == pytest.approx(r["standins_alone_ms"], rel=0.005), r
+        assert r["sim_comm_ms"] >= r["sim_comm_alone_ms"] and r["collective_beside_compute"] > 1, r
         assert r["gpu"] == "h100-sxm" and r["sim_step_ms"] > r["sim_compute_ms"] > 0
     assert "sim_exposed_ms" in capsys.readouterr().out
     with pytest.raises(SystemExit):

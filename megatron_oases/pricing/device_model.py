@@ -360,6 +360,16 @@ class DeviceModel:
     use_gemm_table: bool = True
     """Price GEMMs near measured shapes from ``pricing.gemm_table`` (False: the factor model
     alone, as before issue 49)."""
+    collective_beside_compute: float = 1.0
+    """An analytically priced collective's duration while the compute stream runs, over its
+    duration alone (``timeline``: it progresses at the slower rate while both streams are busy,
+    as a profile's ``overlapped`` times). 1: no contention priced, the default, since nothing we
+    measured gives real NCCL's (the SMs and HBM bandwidth its kernels share with the GEMMs). The
+    one-GPU stand-in benchmark sets it (``scripts/sim_vs_standin.py``): its ``sleep`` stand-ins
+    spin a calibrated number of SM cycles, so beside the GEMMs, which pull the card to its power
+    limit and its clock down, each lasts its clock alone over the loaded clock longer (about
+    1,975 / 1,642 MHz on the H100 of 2026-11-27). With it the Oases templates run the fluid
+    timeline (``timeline._run_template_shared``), which does not let the host issue ahead."""
     profile: ProfileDB | None = None
     """Measured times; when given, every event must be in it (``strict``) or falls back."""
     strict_profile: bool = True

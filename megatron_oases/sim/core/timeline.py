@@ -20,6 +20,7 @@ from ...describe.backends import backend as record
 from .moe import flops_ffn
 from .events import GradBucket, StageEvents, build_stage_events, unique_events
 from .strategy import Strategy
+from .tape import CURRENT, OasesTape
 from .contention import level_prices
 from .memory import GiB, StageMemory, stage_memory
 from .placement import Placement, place_pipeline
@@ -301,6 +302,18 @@ def pipeline_send_ms(ev: Event | None, price: dict[str, float], device: DeviceMo
     return send + device.collective_ms("all_gather", ev.nbytes, group)
 
 
+def beside_compute(stages: list[StageEvents], device: DeviceModel, price: dict[str, float],
+                   measured: dict[str, float]) -> dict[str, float]:
+    """Each analytically priced collective's time while the compute stream runs
+    (``DeviceModel.collective_beside_compute`` times its price; the templates' ``overlapped``);
+    none when the factor is 1 or the profile measured it."""
+    f = device.collective_beside_compute
+    if f == 1.0:
+        return {}
+    return {k: price[k] * f for k, e in unique_events(stages).items()
+            if e.kind == "collective" and k not in measured}
+
+
 def host_splits(stages: list[StageEvents], device: DeviceModel) -> dict[str, tuple[float, float]]:
     """(GPU ms, host ms) of each analytically priced compute event with a host cost: the templates
     let the host issue ahead of the GPU (``run_template``); measured events keep their price."""
@@ -426,16 +439,18 @@ def _tail(stages: list[StageEvents], price: dict[str, float], last_end: list[flo
 
 
 def simulate(model: GPTShape, strategy: Strategy, device: DeviceModel, *,
-             memory_limit_GB: float | None = None, timeline: bool = True) -> SimResult:
+             memory_limit_GB: float | None = None, timeline: bool = True, tape: OasesTape = CURRENT) -> SimResult:
     """One training iteration on ``device.topology``; memory checked against ``memory_limit_GB``
     (default: the GPU's memory; 0 disables the check). ``timeline=False`` keeps no placements
-    (the numbers are the same; a search needs no trace)."""
-    stages = build_stage_events(model, strategy, device.topology)
+    (the numbers are the same; a search needs no trace). ``tape``: which Oases executor's
+    program (``sim.core.tape``; the current one by default)."""
+    stages = build_stage_events(model, strategy, device.topology, tape)
     price = price_events(stages, device)
     host = host_splits(stages, device)
     s = strategy
     cache: dict[tuple, Template] = {}
     overlapped = dict(device.profile.overlapped) if device.profile is not None else {}
+    overlapped.update(beside_compute(stages, device, price, overlapped))
 
     def template(segments: tuple[tuple[tuple[Event, ...], int], ...]) -> Template:
         k = tuple((chains, *(e.key for e in evs)) for evs, chains in segments)  # middle stages share theirs

@@ -25,6 +25,7 @@ from ...topology import Topology
 from ...pricing.device_model import DeviceModel, ProfileDB, SimError, gpu_of_device_name, gpu_spec
 from ...pricing.stack import stack_of
 from ..core.events import build_stage_events, unique_events
+from ..core.tape import CURRENT, OasesTape
 from ..core.strategy import Strategy
 from ..calibrate.profiler import ProfileSettings, profile_events, resolve_topology
 from ..core.timeline import SimResult, simulate
@@ -181,17 +182,20 @@ def predict_train_step(args: argparse.Namespace, profile: ProfileDB, *, world_si
 
 
 def analytical_train_step(args: argparse.Namespace, *, topology: Topology, gpu: str | None = None,
-                          world_size: int | None = None, forward_backward_only: bool = False) -> SimResult:
+                          world_size: int | None = None, forward_backward_only: bool = False,
+                          **simulate_kw) -> SimResult:
     """The simulated step of the trainer run ``args`` priced by the analytical device model of
     ``gpu`` (default: the topology's ``device``) on ``topology``; as ``predict_train_step``
-    otherwise (our builds' ``local`` stack)."""
+    otherwise (our builds' ``local`` stack). ``simulate_kw``: ``tape`` (``simulate``'s) and
+    ``collective_beside_compute`` (the ``DeviceModel``'s), for a run of another executor or link."""
     return _train_step(args, None, world_size=world_size, topology=topology, gpu=gpu,
-                       forward_backward_only=forward_backward_only, loop_overhead=False)
+                       forward_backward_only=forward_backward_only, loop_overhead=False, **simulate_kw)
 
 
 def _train_step(args: argparse.Namespace, profile: ProfileDB | None, *, world_size: int | None,
                 topology: Topology | str | None, forward_backward_only: bool, loop_overhead: bool,
-                gpu: str | None = None) -> SimResult:
+                gpu: str | None = None, tape: OasesTape = CURRENT,
+                collective_beside_compute: float = 1.0) -> SimResult:
     model, strategy = sim_inputs_from_train_args(args, world_size)
     strategy = dataclasses.replace(strategy, loop_overhead=loop_overhead and not forward_backward_only,
                                    optimizer_step=strategy.optimizer_step and not forward_backward_only)
@@ -203,5 +207,5 @@ def _train_step(args: argparse.Namespace, profile: ProfileDB | None, *, world_si
     gpu = gpu or topo.device or (profile is not None and gpu_of_device_name(profile.device)) or "a100-80gb"
     dm = DeviceModel(gpu=gpu_spec(gpu), topology=topo, profile=profile,
                      bytes_per_element=model.bytes_per_element, fused_attention=model.fused_attention,
-                     stack=stack)
-    return simulate(model, strategy, dm, memory_limit_GB=0)
+                     stack=stack, collective_beside_compute=collective_beside_compute)
+    return simulate(model, strategy, dm, memory_limit_GB=0, tape=tape)
