@@ -33,6 +33,8 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
     if recompute_core_attention and not (backend in RECORDS and record(backend).megatron_modules):
         raise ModelingError(f"--recompute-granularity selective is described for --tp-backend megatron only "
                             f"(got {backend})")
+    if moe is not None and not (backend in RECORDS and record(backend).megatron_modules):
+        raise ModelingError(f"--num-experts is described for --tp-backend megatron only (got {backend})")
     dense = record(backend).layer(LayerQuery(
         layout=layout, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp,
         bytes_per_element=bytes_per_element, variant=variant, sequence_parallel=sequence_parallel,
@@ -40,8 +42,6 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
         recompute_core_attention=recompute_core_attention, core_attention=core_attention))
     if moe is None:
         return dense
-    if not record(backend).megatron_modules:
-        raise ModelingError(f"--num-experts is described for --tp-backend megatron only (got {backend})")
     return moe_layer(dense, micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
                      bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout)
 

@@ -136,7 +136,8 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                 continue
             m = space.global_batch // per
             try:  # the split itself (layers / heads / hidden vs TP and PP): one row, not one per variant
-                check(model, Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m), space.gpus)
+                check(model, Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=m,  # MoE at TP > 1 needs SP
+                                      sequence_parallel=model.moe is not None and tp > 1), space.gpus)
             except SimError as e:
                 out.append(Candidate(dp=dp, num_microbatches=m, strategy=None, reason=str(e), **base))
                 continue
