@@ -21,7 +21,7 @@ from megatron_oases.sim.frontends.cli import sim_main
 
 B, S, H, E, K, F = 2, 64, 128, 8, 2, 256
 BASE = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024, micro_batch_size=1,
-            ffn_hidden_size=2048)
+            ffn_hidden_size=2048, variant=LayerVariant(bias=False))  # MoE at TP > 1: no linear biases
 
 
 def _ops(pass_ops, kind=None):
@@ -145,7 +145,9 @@ def test_expert_gradients_reduce_over_expert_data_parallel():
     (["--tp", "2", "--ep", "4"], "needs --sequence-parallel"),
     (["--tp", "2", "--sequence-parallel", "--ep", "3"], "must divide --num-experts 8"),
     (["--tp", "8", "--sequence-parallel", "--ep", "4"], "must divide the data-parallel size 2"),
-    (["--tp", "2", "--sequence-parallel", "--schedule", "oases"], "Oases executor does not run MoE"),
+    (["--tp", "2", "--sequence-parallel"], "needs --disable-bias-linear"),
+    (["--tp", "2", "--sequence-parallel", "--disable-bias-linear", "--schedule", "oases"],
+     "Oases executor does not run MoE"),
 ])
 def test_sim_refuses_what_megatron_refuses(flags, match, capsys):
     assert sim_main(["--topology", "dgx-h100-ndr8", "--nodes", "2", "--num-layers", "4", "--hidden-size", "512",
@@ -168,6 +170,7 @@ def test_sim_prints_the_routing_assumption(capsys):
     assert sim_main(["--topology", "dgx-h100-ndr8", "--num-layers", "2", "--hidden-size", "512",
                      "--num-attention-heads", "8", "--seq-length", "256", "--num-experts", "8",
                      "--moe-token-dispatcher-type", "alltoall", "--tp", "2", "--sequence-parallel", "--ep", "4",
+                     "--disable-bias-linear",
                      "--global-batch-size", "32"]) == 0
     assert ROUTING_ASSUMPTION in capsys.readouterr().out
 
@@ -183,6 +186,7 @@ def test_search_enumerates_ep_and_launches_with_it(capsys):
                      "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
                      "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "32",
                      "--tp-sizes", "2", "--pp-sizes", "1", "--ep-sizes", "2", "--recompute-options", "off",
+                     "--disable-bias-linear",
                      "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("launch (trainer):"))

@@ -109,11 +109,12 @@ def _flag(name: str) -> str:
 
 
 def moe_refusal(moe: MoEShape, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
-                megatron_modules: bool = True) -> str:
+                megatron_modules: bool = True, bias: bool = False) -> str:
     """Why an MoE model does not run at this layout ("" when it does), in the trainer's words
     (``megatron_oases.moe``): EP divides the experts and, the experts' TP being TP's, the
-    data-parallel size (Megatron's ``world % (ETP x EP x PP)``); TP > 1 needs SP; Megatron's
-    own modules only. ``dp`` None: not known yet (a search checks it per candidate)."""
+    data-parallel size (Megatron's ``world % (ETP x EP x PP)``); TP > 1 needs SP and, with
+    ``bias`` (linears with biases), is refused as the trainer refuses it; Megatron's own modules
+    only. ``dp`` None: not known yet (a search checks it per candidate)."""
     if not megatron_modules:
         return "--num-experts builds Megatron-Core's MoE layers, which only --tp-backend megatron runs"
     if ep < 1 or moe.num_experts % ep:
@@ -125,6 +126,9 @@ def moe_refusal(moe: MoEShape, *, tp: int, ep: int, dp: int | None, sequence_par
     if tp > 1 and not sequence_parallel:
         return (f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                 f"(as Megatron-Core's MoE layer requires); add it")
+    if tp > 1 and bias:
+        return (f"--num-experts with --tensor-model-parallel-size {tp} needs --disable-bias-linear "
+                f"(Megatron-Core's experts take biases only at expert TP size 1); add it")
     if moe.ffn % tp:
         return f"--moe-ffn-hidden-size {moe.ffn} is not divisible by --tensor-model-parallel-size {tp}"
     return ""

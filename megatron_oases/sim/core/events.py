@@ -27,7 +27,6 @@ from ...topology import Topology
 from .moe import expert_dp_ranks, expert_tensor_count, is_moe_layer, is_moe_op, layer_expert_params, \
     moe_axis_ranks, moe_layer_tensors
 from .strategy import Strategy, block_sub_batches, check, stage_layer_counts
-from .tape import CURRENT, OasesTape
 
 
 class ChunkTensor(NamedTuple):
@@ -41,6 +40,9 @@ class ChunkTensor(NamedTuple):
     shared: bool = False
     """The tied word embedding / output-layer copy across pipeline stages (Megatron's
     ``shared_embedding``): its own bucket under the distributed optimizer."""
+    expert: bool = False
+    """An MoE expert's: in Megatron-Core's expert buffer, reduced over the expert-data-parallel
+    group (``sim.core.moe.expert_dp_ranks``), not in the DP buckets."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +146,8 @@ def _compute(op: Compute, shape: str, dims) -> Event:
     return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
 
 
-def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
-                       tape: OasesTape = CURRENT) -> list[StageEvents]:
-    """Per-stage event lists for stage representatives (tp rank 0, dp replica 0); under Oases
-    the executor's program as ``tape`` says (``sim.core.tape``: the current one by default)."""
+def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> list[StageEvents]:
+    """Per-stage event lists for stage representatives (tp rank 0, dp replica 0)."""
     check(model, strategy, topo.world_size)
     s, m = strategy, model
     chains = block_sub_batches(s)
@@ -196,7 +196,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
 
         def layer_events(desc, index):  # (forward, backward, recomputed forward) of one layer
             fwd_l = [ev(op) for op in desc.forward]
-            bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains, tape)]
+            bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains)]
             return fwd_l, bwd_l, [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
         kinds = {False: layer_events(layer, 1 if m.moe is not None and m.moe.layer_freq > 1 else 0)}
         if moe_layer is not None:  # layer 0 is always an MoE layer (``MoEShape.is_moe``)
@@ -227,8 +227,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
             # the all-reduce of its input gradient
             hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e,
                           first=first, last=last, sequence_parallel=s.sequence_parallel,
-                          learned_positions=not m.variant.rotary,
-                          sub_batches=chains if tape.head_split else 1)
+                          learned_positions=not m.variant.rotary, sub_batches=chains)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
             split_pre_f, split_post_f, split_pre_b, split_post_b = (
@@ -270,7 +269,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
     return out
 
 
-def grad_accumulate(params: int, bytes_per_element: int, chains: int, per_sub_batch: bool = False) -> Compute:
+def grad_accumulate(params: int, bytes_per_element: int, chains: int) -> Compute:
     """A layer's weight gradients (``params`` on this rank) added into Megatron DDP's fp32
     ``main_grad`` once per micro-batch, as one of ``chains`` sub-batch events sharing it: read
     main_grad, read the gradient, write main_grad ((8 + e) bytes a parameter in e-byte training;
@@ -279,23 +278,19 @@ def grad_accumulate(params: int, bytes_per_element: int, chains: int, per_sub_ba
     reads it: e bytes a parameter); with fp32 weights each sub-batch's GEMM accumulates into
     main_grad itself (its 4-byte read) and no add follows. A stack with gradient-accumulation
     fusion (Apex's or Transformer Engine's fp32-output weight GEMM) prices it 0
-    (``DeviceModel.gpu_compute_ms``). ``per_sub_batch`` (the executor before ``69398c8``,
-    ``sim.core.tape``): every sub-batch adds its own gradient, (8 + e) bytes a parameter each."""
+    (``DeviceModel.gpu_compute_ms``)."""
     from ...pricing.device_model import GRAD_ACCUMULATE
 
     e = bytes_per_element
-    if per_sub_batch:
-        per_param = 8.0 + e
-    else:
-        per_param = 4.0 if e == 4 and chains > 1 else ((8 + e) + e * (chains - 1)) / chains
+    per_param = 4.0 if e == 4 and chains > 1 else ((8 + e) + e * (chains - 1)) / chains
     return Compute(name=GRAD_ACCUMULATE, gemm_flops=0.0, elementwise_bytes=per_param * params)
 
 
-def _grad_event(m: GPTShape, params: int, chains: int, tape: OasesTape = CURRENT) -> Event:
+def _grad_event(m: GPTShape, params: int, chains: int) -> Event:
     """``grad_accumulate`` as the layer's event, keyed by what it moves: the elements of one
     fp32 += e-byte add of the same bytes (what the profiler's workload adds,
     ``sim.calibrate.workloads``)."""
-    op = grad_accumulate(params, m.bytes_per_element, chains, tape.grad_add_per_sub_batch and chains > 1)
+    op = grad_accumulate(params, m.bytes_per_element, chains)
     n = round(op.elementwise_bytes / (8 + m.bytes_per_element))
     return _compute(op, f"n{n}_{m.dtype}", (("grad_elems", n), ("dtype", m.dtype)))
 
@@ -326,8 +321,8 @@ def _chunk_tensors(m: GPTShape, s: Strategy, first: bool, last: bool, w: _Tensor
     for i, layer in enumerate(w.layers):
         ready = w.ends[len(w.layers) - 1 - i]
         tensors = layer_tensors(m, s, layer)
-        tensors = tensors[:len(tensors) - expert_tensor_count(m, s, layer)]  # experts': reduced over expert DP
-        out += [ChunkTensor(n, w.starts[i], ready) for n in tensors]
+        dense = len(tensors) - expert_tensor_count(m, s, layer)  # the experts' last (reduced over expert DP)
+        out += [ChunkTensor(n, w.starts[i], ready, expert=j >= dense) for j, n in enumerate(tensors)]
     if last:
         head = head_param_tensors(v=m.padded_vocab_size, h=m.hidden_size, seq=m.seq_length, t=s.tp, first=False,
                                   last=True, variant=m.variant, output_copy=s.pp > 1 or not m.tied_embeddings)
@@ -535,6 +530,7 @@ def _stage_tail(m: GPTShape, s: Strategy, topo: Topology, st: int, chunks: tuple
         if s.overlap_grad_reduce:
             buckets = tuple(_dp_bucket(m, s, topo, dp_ranks, c, n, need, ready)
                             for c, ch in enumerate(chunks) for n, need, ready in ddp_buckets(s, st, c, ch.param_tensors))
+            buckets += _expert_buckets(m, s, topo, st, chunks)
         else:
             grad = _dp_reduce(m, s, topo, dp_ranks, params - experts)
         if s.distributed_optimizer and not s.overlap_param_gather:  # all-gather updated params after the step
@@ -572,12 +568,32 @@ def _expert_reduce(m: GPTShape, s: Strategy, topo: Topology, stage: int, experts
     keeps them in their own buffer); priced after the backward, not per bucket, and, under the
     distributed optimizer, followed by their parameters' all-gather over that group."""
     ranks = expert_dp_ranks(s, stage)
-    if not experts or len(ranks) < 2:
+    if not experts or len(ranks) < 2 or s.overlap_grad_reduce:  # overlapped: _expert_buckets
         return ()
     edp = dataclasses.replace(s, dp=len(ranks))  # the reduction's group size and kind, as _dp_reduce
     out = [_dp_reduce(m, edp, topo, ranks, experts)]
     if s.distributed_optimizer and s.optimizer_step:
         out.append(_dp_gather(m, edp, topo, ranks, experts))
+    return tuple(out)
+
+
+def _expert_buckets(m: GPTShape, s: Strategy, topo: Topology, stage: int,
+                    chunks: tuple[ChunkEvents, ...]) -> tuple[GradBucket, ...]:
+    """Under ``overlap_grad_reduce``: per chunk, its experts' gradients as one bucket on the
+    expert-data-parallel group (Megatron-Core's expert buffer, launched when the chunk's last
+    expert gradient is ready), with its parameters' all-gather under ``overlap_param_gather``."""
+    ranks = expert_dp_ranks(s, stage)
+    if len(ranks) < 2:
+        return ()
+    edp = dataclasses.replace(s, dp=len(ranks))
+    out = []
+    for c, ch in enumerate(chunks):
+        mine = [t for t in ch.param_tensors if t.expert]
+        if mine:
+            n = sum(t.params for t in mine)
+            out.append(GradBucket(chunk=c, params=n, ready=max(t.ready for t in mine), need=min(t.need for t in mine),
+                                  reduce=_dp_reduce(m, edp, topo, ranks, n),
+                                  gather=_dp_gather(m, edp, topo, ranks, n) if s.overlap_param_gather else None))
     return tuple(out)
 
 
@@ -592,6 +608,8 @@ def ddp_buckets(s: Strategy, stage: int, chunk: int, tensors: tuple[ChunkTensor,
     out: list[list[int]] = []
     open_ = False
     for t in reversed(tensors):
+        if t.expert:  # the expert buffer's (``_expert_buckets``)
+            continue
         split = t.shared and s.distributed_optimizer
         if not open_ or (split and out[-1][0]):
             out.append([0, t.need, 0])

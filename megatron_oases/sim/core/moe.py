@@ -19,7 +19,7 @@ from ...pricing.device_model import SimError
 
 def moe_check(m: GPTShape, s) -> None:
     """Where an MoE model runs, in the trainer's words (``megatron_oases.moe``, ``describe.moe``):
-    EP divides the experts and DP, SP at TP > 1, Megatron's modules, no per-block plan, not yet
+    EP divides the experts and DP, SP and no linear biases at TP > 1, Megatron's modules, no per-block plan, not yet
     the Oases executor (issue 51 item 2); EP > 1 needs MoE layers."""
     if m.moe is None:
         if s.ep > 1:
@@ -29,7 +29,7 @@ def moe_check(m: GPTShape, s) -> None:
     from ...describe.backends import backend as record
 
     refused = moe_refusal(m.moe, tp=s.tp, ep=s.ep, dp=s.dp, sequence_parallel=s.sequence_parallel,
-                          megatron_modules=record(s.backend).megatron_modules)
+                          megatron_modules=record(s.backend).megatron_modules, bias=m.variant.bias)
     if refused:
         raise SimError(refused)
     if s.block_degrees is not None:

@@ -421,6 +421,8 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
     values = options_present(a, [act.dest for act in actions])
     for act in actions:
         value, flag = values[act.dest], act.option_strings[0]
+        if act.dest in MOE_FLAGS and not a.num_experts:  # a dense model's launch names no MoE flag
+            continue
         if act.dest in ("dtype", "fp32", "bf16", "fp16"):
             out += [f"--{priced_dtype(a)}"] if act.dest == "dtype" and priced_dtype(a) != "fp32" else []
         elif flag not in trainer:
