@@ -27,6 +27,7 @@ from ...topology import Topology
 from .moe import expert_dp_ranks, expert_tensor_count, is_moe_layer, is_moe_op, layer_expert_params, \
     moe_axis_ranks, moe_layer_tensors
 from .strategy import Strategy, block_sub_batches, check, stage_layer_counts
+from .tape import CURRENT, OasesTape
 
 
 class ChunkTensor(NamedTuple):
@@ -146,8 +147,10 @@ def _compute(op: Compute, shape: str, dims) -> Event:
     return Event(key=f"compute:{op.name}[{shape}]", name=op.name, kind="compute", op=op, dims=dims)
 
 
-def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> list[StageEvents]:
-    """Per-stage event lists for stage representatives (tp rank 0, dp replica 0)."""
+def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
+                       tape: OasesTape = CURRENT) -> list[StageEvents]:
+    """Per-stage event lists for stage representatives (tp rank 0, dp replica 0); under Oases
+    the executor's program as ``tape`` says (``sim.core.tape``: the current one by default)."""
     check(model, strategy, topo.world_size)
     s, m = strategy, model
     chains = block_sub_batches(s)
@@ -196,7 +199,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
 
         def layer_events(desc, index):  # (forward, backward, recomputed forward) of one layer
             fwd_l = [ev(op) for op in desc.forward]
-            bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains)]
+            bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains, tape)]
             return fwd_l, bwd_l, [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
         kinds = {False: layer_events(layer, 1 if m.moe is not None and m.moe.layer_freq > 1 else 0)}
         if moe_layer is not None:  # layer 0 is always an MoE layer (``MoEShape.is_moe``)
@@ -227,7 +230,8 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
             # the all-reduce of its input gradient
             hd = head_ops(b=hb, s=m.seq_length, h=m.hidden_size, v=m.padded_vocab_size, t=t, e=e,
                           first=first, last=last, sequence_parallel=s.sequence_parallel,
-                          learned_positions=not m.variant.rotary, sub_batches=chains)
+                          learned_positions=not m.variant.rotary,
+                          sub_batches=chains if tape.head_split else 1)
             pre_f, post_f, post_b = ([head_ev(op) for op in ops]
                                      for ops in (hd.pre_forward, hd.post_forward, hd.post_backward))
             split_pre_f, split_post_f, split_pre_b, split_post_b = (
@@ -269,7 +273,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology) -> l
     return out
 
 
-def grad_accumulate(params: int, bytes_per_element: int, chains: int) -> Compute:
+def grad_accumulate(params: int, bytes_per_element: int, chains: int, per_sub_batch: bool = False) -> Compute:
     """A layer's weight gradients (``params`` on this rank) added into Megatron DDP's fp32
     ``main_grad`` once per micro-batch, as one of ``chains`` sub-batch events sharing it: read
     main_grad, read the gradient, write main_grad ((8 + e) bytes a parameter in e-byte training;
@@ -278,19 +282,23 @@ def grad_accumulate(params: int, bytes_per_element: int, chains: int) -> Compute
     reads it: e bytes a parameter); with fp32 weights each sub-batch's GEMM accumulates into
     main_grad itself (its 4-byte read) and no add follows. A stack with gradient-accumulation
     fusion (Apex's or Transformer Engine's fp32-output weight GEMM) prices it 0
-    (``DeviceModel.gpu_compute_ms``)."""
+    (``DeviceModel.gpu_compute_ms``). ``per_sub_batch`` (the executor before ``69398c8``,
+    ``sim.core.tape``): every sub-batch adds its own gradient, (8 + e) bytes a parameter each."""
     from ...pricing.device_model import GRAD_ACCUMULATE
 
     e = bytes_per_element
-    per_param = 4.0 if e == 4 and chains > 1 else ((8 + e) + e * (chains - 1)) / chains
+    if per_sub_batch:
+        per_param = 8.0 + e
+    else:
+        per_param = 4.0 if e == 4 and chains > 1 else ((8 + e) + e * (chains - 1)) / chains
     return Compute(name=GRAD_ACCUMULATE, gemm_flops=0.0, elementwise_bytes=per_param * params)
 
 
-def _grad_event(m: GPTShape, params: int, chains: int) -> Event:
+def _grad_event(m: GPTShape, params: int, chains: int, tape: OasesTape = CURRENT) -> Event:
     """``grad_accumulate`` as the layer's event, keyed by what it moves: the elements of one
     fp32 += e-byte add of the same bytes (what the profiler's workload adds,
     ``sim.calibrate.workloads``)."""
-    op = grad_accumulate(params, m.bytes_per_element, chains)
+    op = grad_accumulate(params, m.bytes_per_element, chains, tape.grad_add_per_sub_batch and chains > 1)
     n = round(op.elementwise_bytes / (8 + m.bytes_per_element))
     return _compute(op, f"n{n}_{m.dtype}", (("grad_elems", n), ("dtype", m.dtype)))
 
