@@ -47,6 +47,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     from ...run_config import gqa_groups
+    from .cli import moe_from_args
 
     rope = cfg.position_embedding_type == "rope"
     variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,
@@ -70,7 +71,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, variant=variant,
                      core_attention=core,
                      attention_kernels=attention_kernels_of(attention_backend=cfg.attention_backend,
-                                                            core_attention=core))
+                                                            core_attention=core),
+                     moe=moe_from_args(cfg))  # the MoE fields have the flags' names (describe.moe)
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -84,7 +86,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
                         overlap_grad_reduce=bool(cfg.overlap_grad_reduce),  # train.py's DDP buckets and hooks
                         block_degrees=_plan_degrees(cfg), sequence_parallel=bool(cfg.sequence_parallel),
-                        clip_grad=cfg.clip_grad > 0)
+                        clip_grad=cfg.clip_grad > 0, ep=cfg.expert_model_parallel_size)
     return model, strategy
 
 
