@@ -44,17 +44,18 @@ BORROWED_CLOCKS = "examples/gpu/h100-2026-11-27/call1/summary.txt"
 """Where a run without its own loaded-clock readings takes them (the H100 of 2026-11-27)."""
 
 
-def loaded_clock_mhz(path: str) -> tuple[float, str]:
-    """The SM clock under GEMM load (MHz) for the benchmark JSON ``path``, and where it was read:
-    the mean of the ``(settled 5s): N MHz`` lines of the ``summary*.txt`` in its directory, else
-    ``BORROWED_CLOCKS``'s."""
+def loaded_clock_mhz(path: str) -> tuple[float, str, bool]:
+    """The SM clock under GEMM load (MHz) for the benchmark JSON ``path``, where it was read and
+    whether it was borrowed: the mean of the ``(settled 5s): N MHz`` lines of the ``summary*.txt``
+    in its directory, else ``BORROWED_CLOCKS``'s."""
     here = os.path.dirname(os.path.abspath(path))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for where in (sorted(glob.glob(os.path.join(here, "summary*.txt"))), [os.path.join(repo, BORROWED_CLOCKS)]):
+    for borrowed, where in enumerate((sorted(glob.glob(os.path.join(here, "summary*.txt"))),
+                                      [os.path.join(repo, BORROWED_CLOCKS)])):
         mhz = [float(x) for f in where if os.path.exists(f)
                for x in re.findall(r"\(settled[^)]*\): (\d+) MHz", open(f, encoding="utf-8").read())]
         if mhz:
-            return statistics.fmean(mhz), os.path.relpath(where[0], repo)
+            return statistics.fmean(mhz), os.path.relpath(where[0], repo), bool(borrowed)
     raise SystemExit(f"{path}: no loaded-clock reading beside it nor in {BORROWED_CLOCKS}")
 
 
@@ -71,7 +72,7 @@ def compare(path: str) -> list[dict]:
     tp, flags = bench["tp"], list(bench["trainer_flags"])
     gpu = gpu_of_device_name(bench["device"]) or "h100-sxm"
     cal_mhz = (bench.get("calibration") or {}).get("sleep_cycles_per_ms")
-    loaded, clock_src = loaded_clock_mhz(path) if cal_mhz else (None, None)
+    loaded, clock_src, borrowed = loaded_clock_mhz(path) if cal_mhz else (None, None, False)
     rows = []
     for schedule, m in bench["schedules"].items():
         args = build_parser().parse_args(flags + ["--tensor-model-parallel-size", str(tp), "--nproc-per-node", str(tp),
@@ -96,6 +97,7 @@ def compare(path: str) -> list[dict]:
             "cuda_device_max_connections": bench.get("cuda_device_max_connections"), "gpu": gpu,
             "link_GBps": bench["link"]["GBps"], "standins_alone_over_priced": alone,
             "calibration_MHz": cal_mhz and cal_mhz / 1e3, "loaded_MHz": loaded, "loaded_clock_from": clock_src,
+            "loaded_clock_borrowed": borrowed,
             "collective_beside_compute": beside, "tape": "current" if tape == CURRENT else "pre-split head, two adds",
             "compute_ms": compute, "sim_compute_ms": st.compute_ms,
             "standins_priced_ms": sl.get("priced_ms"), "standins_alone_ms": (sl.get("standins_only") or {}).get("ms"),
@@ -152,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in ratios(rows):
         print(f"{r['file']} ({r['recompute']}): stock / Oases measured {r['measured']:.3f}x, "
               f"simulated {r['simulated']:.3f}x ({r['error_pct']:+.1f}%)")
+    for f in dict.fromkeys(r["path"] for r in rows):
+        r = next(x for x in rows if x["path"] == f)
+        if r["loaded_MHz"]:
+            print(f"{f}: stand-ins alone at {r['standins_alone_over_priced']:.3f} of their price, beside compute "
+                  f"x{r['collective_beside_compute']:.3f} (loaded clock {r['loaded_MHz']:.0f} MHz from "
+                  f"{r['loaded_clock_from']}{', borrowed: none read in its session' if r['loaded_clock_borrowed'] else ''}); "
+                  f"Oases tape: {next((x['tape'] for x in rows if x['path'] == f and x['schedule'] == 'oases'), '-')}")
     for line in dict.fromkeys(n for f in a.files for n in notes(f)):
         print(line)
     if a.out:
