@@ -16,6 +16,7 @@ from ...flops import gpt_flops_per_iteration
 from ...pricing.stack import stack_of
 from ...flags import option
 from .cli import build_parser, simulation_inputs
+from ..core.moe import flops_ffn
 from ..core.timeline import SimResult, simulate
 
 
@@ -80,7 +81,7 @@ def iteration_flops(model, strategy, recompute: bool) -> float:
     return gpt_flops_per_iteration(
         global_batch_size=model.micro_batch_size * strategy.num_microbatches * strategy.dp,
         seq_length=model.seq_length, num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, ffn_hidden_size=flops_ffn(model),  # MoE: top-k x FFN
         padded_vocab_size=model.padded_vocab_size,
         num_query_groups=v.query_groups, gated_mlp=v.gated, recompute=recompute)
 
