@@ -120,3 +120,18 @@ def test_h100_32b_needs_a_micro_batch_of_two():
     assert ratios["h100-32B"][crossval.OPTIMISTIC] > 1.0 > ratios["h100-32B-mb1"][crossval.OPTIMISTIC]
     predicted_s = script.predict_row(timed, sources, crossval.tune(*crossval.OPTIMISTIC))["predicted"]
     assert ratios[timed["id"]][crossval.OPTIMISTIC] == pytest.approx(timed["measured"] / predicted_s)
+
+
+def test_fit_weighs_every_source_the_same():
+    """Three rows of one source that want the factor 0.8 and one row of another that wants 1.0:
+    unweighted, the three would outvote the one (0.8); with each source's rows weighing 1
+    together the fit takes the point between them (0.9). Ratios made up, no simulation."""
+    from megatron_oases.sim.calibrate import crossval
+
+    rows = [{"id": f"a{i}", "source": "a", "stack": "local"} for i in range(3)] + \
+           [{"id": "b0", "source": "b", "stack": "local"}]
+    want = {"a0": 0.8, "a1": 0.8, "a2": 0.8, "b0": 1.0}
+    ratios = {i: {(g, 300.0): g / w for g in (0.8, 0.9, 1.0)} for i, w in want.items()}
+    assert crossval.source_weights(rows) == {"a0": 1 / 3, "a1": 1 / 3, "a2": 1 / 3, "b0": 1.0}
+    assert crossval.fit(rows, ratios)["gemm_shape_factor"] == 0.9
+    assert crossval.fit(rows[:3], ratios)["gemm_shape_factor"] == 0.8

@@ -10,7 +10,9 @@ left-out source, repeat for each source. Only those held-out predictions are rep
 values of each fold and their spread go beside them.
 
 The fit is a grid search: each row is simulated once per grid point (``grid_errors``) and a fold
-picks the point that minimises its training rows' squared log error (``fit``). The GEMM factor is
+picks the point that minimises its training rows' squared log error (``fit``), each source weighing
+the same (a source's rows share its cluster, software and way of measuring: 30 rows of one layout
+search are one piece of evidence, not thirty, and must not outvote a source of ten). The GEMM factor is
 shared by every row (it is a property of real shapes against a best-shape measurement, not of
 one GPU, so a fold without a GPU's other source still has a value); the host cost is per stack,
 each row informing its own stack's.
@@ -73,8 +75,16 @@ def grid_errors(rows: list[dict], predict: Callable[[dict, object], float], *,
             for r in rows}
 
 
-def _loss(ratios: list[float]) -> float:
-    return sum(math.log(x) ** 2 for x in ratios)
+def _loss(ratios: list[float], weights: list[float]) -> float:
+    return sum(w * math.log(x) ** 2 for x, w in zip(ratios, weights))
+
+
+def source_weights(rows: list[dict]) -> dict[str, float]:
+    """{row id: 1 / rows of its source}: every source's rows weigh 1 together in ``fit``."""
+    n: dict[str, int] = {}
+    for r in rows:
+        n[r["source"]] = n.get(r["source"], 0) + 1
+    return {r["id"]: 1.0 / n[r["source"]] for r in rows}
 
 
 TIE = 1e-9
@@ -90,7 +100,8 @@ def prior_host_us(hosts) -> float:
 
 
 def fit(rows: list[dict], ratios: dict[str, dict[tuple[float, float], float]]) -> dict:
-    """The grid point that minimises the rows' squared log error: one GEMM factor for all rows,
+    """The grid point that minimises the rows' squared log error, each source's rows weighing 1
+    together (``source_weights``): one GEMM factor for all rows,
     one host cost per stack (``row["stack"]``); a stack without rows keeps None. Where a stack's
     rows fit several host costs equally (GEMM-bound rows: the host issues ahead and its cost never
     shows), the data say nothing, so the measured prior (``prior_host_us``) is taken among them,
@@ -99,12 +110,13 @@ def fit(rows: list[dict], ratios: dict[str, dict[tuple[float, float], float]]) -
     points = next(iter(ratios.values())).keys()
     gemms, hosts = sorted({g for g, _ in points}), sorted({h for _, h in points})
     prior = prior_host_us(hosts)
+    weight = source_weights(rows)
     best = None
     for g in gemms:
         total, chosen = 0.0, {}
         for st in stacks:
             mine = [r["id"] for r in rows if r["stack"] == st]
-            losses = {h: _loss([ratios[i][(g, h)] for i in mine]) for h in hosts}
+            losses = {h: _loss([ratios[i][(g, h)] for i in mine], [weight[i] for i in mine]) for h in hosts}
             loss = min(losses.values())
             h = min((h for h, v in losses.items() if v <= loss + TIE), key=lambda h: abs(h - prior))
             total += loss
