@@ -47,11 +47,12 @@ BORROWED_CLOCKS = "examples/gpu/h100-2026-11-27/call1/summary.txt"
 def loaded_clock_mhz(path: str) -> tuple[float, str, bool]:
     """The SM clock under GEMM load (MHz) for the benchmark JSON ``path``, where it was read and
     whether it was borrowed: the mean of the ``(settled 5s): N MHz`` lines of the ``summary*.txt``
-    in its directory, else ``BORROWED_CLOCKS``'s."""
+    in its directory or the one above (``gpu_check.sh`` writes the JSON under ``json/``), else
+    ``BORROWED_CLOCKS``'s."""
     here = os.path.dirname(os.path.abspath(path))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for borrowed, where in enumerate((sorted(glob.glob(os.path.join(here, "summary*.txt"))),
-                                      [os.path.join(repo, BORROWED_CLOCKS)])):
+    own = sorted(glob.glob(os.path.join(here, "summary*.txt")) + glob.glob(os.path.join(here, "..", "summary*.txt")))
+    for borrowed, where in enumerate((own, [os.path.join(repo, BORROWED_CLOCKS)])):
         mhz = [float(x) for f in where if os.path.exists(f)
                for x in re.findall(r"\(settled[^)]*\): (\d+) MHz", open(f, encoding="utf-8").read())]
         if mhz:
