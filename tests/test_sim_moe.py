@@ -41,9 +41,12 @@ def test_alltoall_bytes_are_tokens_topk_hidden(t, ep):
     assert a2a["moe.dispatch.probs"].payload_bytes == copies * 2
     gathers = _ops(fwd, "all_gather")
     assert (gathers["moe.ag"].payload_bytes == copies * t * H * 2) if t > 1 else "moe.ag" not in gathers
-    # the backward has each forward collective's adjoint: the same bytes
+    # the backward has each forward collective's adjoint (the same bytes), but for the routing
+    # bookkeeping's, which has no gradient: the token counts per expert, int64, over TP x EP
+    counts = _ops(fwd, "all_gather")["moe.ag.counts"]
+    assert counts.payload_bytes == t * ep * E * 8 and counts.group_size == t * ep
     assert sorted(op.payload_bytes for op in _ops(bwd).values() if hasattr(op, "kind")) == \
-        sorted(op.payload_bytes for op in _ops(fwd).values() if hasattr(op, "kind"))
+        sorted(op.payload_bytes for n, op in _ops(fwd).items() if hasattr(op, "kind") and n != "moe.ag.counts")
 
 
 def test_allgather_dispatcher_gathers_the_tp_ep_group():

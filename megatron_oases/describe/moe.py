@@ -178,8 +178,8 @@ def moe_block(*, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int
                         elementwise_bytes=e * (z.chunk * k * h + z.chunk * h + 3 * z.chunk * h) + mask, kernels=4)
     dispatch, combine = dispatch_collectives(b=b, s=s, h=h, t=t, ep=ep, e=e, moe=moe)
     fwd = (router, *(c for c, _ in dispatch), experts, *(c for c, _ in combine), unpermute)
-    bwd = (backward_of(unpermute), *(a for _, a in reversed(combine)), backward_of(experts),
-           *(a for _, a in reversed(dispatch)), backward_of(router))
+    bwd = (backward_of(unpermute), *(a for _, a in reversed(combine) if a), backward_of(experts),
+           *(a for _, a in reversed(dispatch) if a), backward_of(router))
     return fwd, bwd
 
 
@@ -187,18 +187,24 @@ def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe
                          ) -> tuple[list[tuple[Collective, Collective]], list[tuple[Collective, Collective]]]:
     """(dispatch, combine) as (forward collective, its backward adjoint) pairs, in forward order;
     payloads as ``Collective.payload_bytes`` (all-to-all: what one rank sends and receives in all;
-    all-gather: its output; reduce-scatter: its input). None where the group has one rank."""
+    all-gather: its output; reduce-scatter: its input); none where the group has one rank. The
+    routing bookkeeping has no gradient, so no adjoint: the alltoall dispatcher's all-gather of
+    each rank's token counts per expert (int64) over TP x EP, the allgather dispatcher's of the
+    routing map (one byte a token and expert)."""
     z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
     k = moe.topk
     adjoint = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
 
-    def pair(name: str, kind: str, axis: str, n: int, payload: float):
+    def pair(name: str, kind: str, axis: str, n: int, payload: float, grad: bool = True):
         fwd = Collective(name=name, kind=kind, axis=axis, group_size=n, payload_bytes=int(payload))
-        return fwd, dataclasses.replace(fwd, name=f"{name}.bwd", kind=adjoint[kind])
+        return fwd, (dataclasses.replace(fwd, name=f"{name}.bwd", kind=adjoint[kind]) if grad else None)
 
     dispatch, combine = [], []
     if moe.dispatcher == "alltoall":
         copies = z.chunk * k  # the routed copies this rank sends (and, evenly, receives)
+        if t * ep > 1:
+            dispatch.append(pair("moe.ag.counts", "all_gather", TP_EP_AXIS, t * ep, t * ep * moe.num_experts * 8,
+                                 grad=False))
         if ep > 1:
             dispatch += [pair("moe.dispatch", "all_to_all", EP_AXIS, ep, copies * h * e),
                          pair("moe.dispatch.probs", "all_to_all", EP_AXIS, ep, copies * e)]
@@ -210,7 +216,8 @@ def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe
             combine.append(pair("moe.combine", "all_to_all", EP_AXIS, ep, copies * h * e))
     elif t * ep > 1:  # allgather: every token of the TP x EP group, its probabilities over all experts
         tokens = z.chunk * t * ep
-        dispatch += [pair("moe.ag.probs", "all_gather", TP_EP_AXIS, t * ep, tokens * moe.num_experts * e),
+        dispatch += [pair("moe.ag.map", "all_gather", TP_EP_AXIS, t * ep, tokens * moe.num_experts, grad=False),
+                     pair("moe.ag.probs", "all_gather", TP_EP_AXIS, t * ep, tokens * moe.num_experts * e),
                      pair("moe.ag", "all_gather", TP_EP_AXIS, t * ep, tokens * h * e)]
         combine.append(pair("moe.rs", "reduce_scatter", TP_EP_AXIS, t * ep, tokens * h * e))
     return dispatch, combine
@@ -249,16 +256,23 @@ instead of DP, and which its distributed optimizer shards over that group."""
 def moe_block_saved_bytes(*, b: int, s: int, h: int, moe: MoEShape, t: int, ep: int, e: int,
                           variant: LayerVariant, hidden_dropout: bool = False,
                           kernels: Kernels = CUDA_KERNELS) -> float:
-    """Bytes the MoE block keeps for backward per micro-batch (stock, no recompute), from
-    Megatron-Core's ``MoELayer`` code: the pre-MLP norm's input and statistics and the router's
-    input (this rank's tokens), the router's fp32 softmax output and its top-k indices (8 bytes
-    each), the permutation's indices per routed copy (8 bytes, dispatch and combine), each
-    expert's fc1 input, its activation's kept tensors (``variant.mlp_saved_per_ffn``), the
-    probability product's input and output and the probabilities, and the hidden dropout mask."""
+    """Bytes the MoE block keeps for backward per micro-batch (stock, no recompute), Megatron-Core
+    0.19's ``MoELayer`` as ``tests/test_moe_description.py`` measures it (the ranks' mean: what a
+    rank's experts keep follows its routing): the pre-MLP norm's input and statistics and the
+    router's input (this rank's tokens), the router's top-k indices (int64) and probabilities;
+    the dispatcher's bookkeeping (alltoall: an int64 per token and expert of the routing map and
+    per routed copy; allgather: the gathered tokens' probabilities and routing map for the local
+    experts and an int64 per received copy); per received copy each expert's fc1 input, its
+    activation's kept tensors (``variant.mlp_saved_per_ffn``), the probability product's input
+    and the probability; and the hidden dropout mask."""
     z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
+    E, k = moe.num_experts, moe.topk
     mask = e if kernels.dropout_mask is None else kernels.dropout_mask
     norm = z.chunk * e * h + _norm_beyond_input(z.chunk, h, e=e, kernels=kernels, variant=variant)
-    router = z.chunk * e * h + z.chunk * moe.num_experts * 4 + z.chunk * moe.topk * 8
-    permute = 2 * 8 * z.chunk * moe.topk
+    router = z.chunk * e * h + z.chunk * k * (8 + e)
+    if moe.dispatcher == "alltoall":
+        bookkeeping = 8 * z.chunk * (E + k)
+    else:
+        bookkeeping = z.chunk * t * ep * z.local * (e + 1) + 8 * z.routed
     experts = z.routed * e * (h + (variant.mlp_saved_per_ffn + 1) * moe.ffn / t + 1)
-    return norm + router + permute + experts + (z.chunk * h * mask if hidden_dropout else 0)
+    return norm + router + bookkeeping + experts + (z.chunk * h * mask if hidden_dropout else 0)
