@@ -287,28 +287,37 @@ def test_overlap_summary_models_pass_the_benchmark_s_checks(tp, array):
 
 
 def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp_path):
-    """The prepared GPU call's step at tiny sizes: 8 benchmark runs (2 models x 2 recompute x 2
-    links), then overlap_summary.json with a record per kind of each."""
+    """The prepared GPU call's step at tiny sizes: a benchmark run per model, recompute and link
+    (2 x 2 x 2 on the GPU), then overlap_summary.json with a record per kind of each. Here at
+    one link of the script's own SUMMARY_LINKS (its second: the value reaches each record and
+    file name); each run is a process paying torch's and Megatron's imports, ~5 s on 2 cores,
+    and a second link would repeat the same four runs at another number."""
     import tarfile
 
     from benchmarks.standin.summary import FIELDS
 
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh"), encoding="utf-8").read()
+    links = re.search(r"for gbps in \$\{SUMMARY_LINKS:-([^}]*)\}", text)[1].split()
+    assert links == ["24", "150"]  # the GPU call's links (docs/gpu.md, "The next GPU call")
+    link = links[-1]
     rc, summary, log = _gpu_check_on_cpu(
-        tmp_path, "overlap-summary", OVERLAP_ARGS="--steps 1 --warmup 0",
+        tmp_path, "overlap-summary", OVERLAP_ARGS="--steps 1 --warmup 0", SUMMARY_LINKS=link,
         OVERLAP_FLAGS="--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                       "--micro-batch-size 2 --global-batch-size 4",
         LLAMA_SIZES="--num-layers 1 --hidden-size 64 --num-attention-heads 8 --num-query-groups 8 --ffn-hidden-size 64 "
                     "--seq-length 16 --max-position-embeddings 16 --vocab-size 1024 --micro-batch-size 2")
-    runs = [f"summary-{m}-{r}-{g}" for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24, 150)]
+    models = ("h4096", "llama2-70b-tp8")
+    runs = [f"summary-{m}-{r}-{link}" for m in models for r in ("none", "full")]
     assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
         [name, "rc=0"] for name in runs + ["overlap-summary"]], log[-3000:]
     assert "=== wheels" not in log
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
         recs = json.load(tar.extractfile("json/overlap_summary.json"))
+        assert sorted(n for n in tar.getnames() if n.startswith("json/summary/")) == sorted(
+            f"json/summary/overlap-{m}-{r}-{link}.json" for m in models for r in ("none", "full"))
     assert all(list(r) == list(FIELDS) for r in recs)
     assert [(r["model"], r["recompute"], r["link_GBps"], r["kind"]) for r in recs] == [
-        (m, r, g, k) for m in ("h4096", "llama2-70b-tp8") for r in ("none", "full") for g in (24.0, 150.0)
-        for k in ("sleep", "nccl")]
+        (m, r, float(link), k) for m in models for r in ("none", "full") for k in ("sleep", "nccl")]
     assert all(r["stock_ms"] > 0 and r["oases_ms"] > 0 and r["comm_disabled_ms"] > 0 for r in recs)
 
 
