@@ -103,9 +103,9 @@ def report_progress() -> None:
 
 def _rank_main(fn, args, kwargs, env: _RankEnv, results, progress):
     global _PROGRESS
-    # The forkserver's heap (torch and Megatron, ~10^6 objects) is inherited by every rank, and
+    # The forkserver's heap (torch and Megatron, ~4 x 10^5 objects) is inherited by every rank, and
     # each full collection walked all of it, writing its headers (copy-on-write page faults):
-    # Megatron's distributed-optimizer save calls gc.collect(), ~1 s a rank a save on 2 cores.
+    # Megatron's distributed-optimizer save calls gc.collect(): ~1 s a rank a save (4 ranks, 2 cores).
     # Frozen objects are never walked (as CPython's docs advise for fork without exec).
     gc.freeze()
     _PROGRESS = (progress, env.rank)
