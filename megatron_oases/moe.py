@@ -50,12 +50,15 @@ def normalized_moe(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def validate_moe_config(cfg: RunConfig, *, tp: int, dp: int) -> RunConfig:
+def validate_moe_config(cfg: RunConfig, *, tp: int, dp: int, ours: bool = True) -> RunConfig:
     """Refuse MoE flags that cannot take effect, or combinations that do not run, in one line naming
     the flag and the fix; returns ``cfg`` normalised (``normalized_moe``). ``tp`` / ``dp``: the
     validated degrees (the experts' tensor-parallel size is TP's, Megatron-LM's default, so the
-    expert-parallel group must divide DP)."""
+    expert-parallel group must divide DP). ``ours=False``: Megatron-LM's own provider builds the
+    model (a stock run with a checkout), whose MoE flags are Megatron-LM's to check."""
     cfg = normalized_moe(cfg)
+    if not ours:
+        return cfg
     if not moe_runs(cfg):
         for name in MOE_FIELDS:
             if getattr(cfg, name) != getattr(DEFAULTS, name) and not (
@@ -76,7 +79,7 @@ def _check_values(cfg: RunConfig, dp: int) -> None:
         raise ConfigError(f"{experts} must be >= 1 (got {n}); omit it (or 0) for dense MLPs")
     if not 1 <= topk <= n:
         raise ConfigError(f"{option('moe_router_topk')} must be in [1, {experts} {n}] (got {topk})")
-    if topk == 1 and cfg.moe_router_load_balancing_type != "sinkhorn":
+    if topk == 1 and cfg.moe_router_load_balancing_type != "sinkhorn" and not cfg.megatron_lm.moe_router_pre_softmax:
         raise ConfigError(f"{option('moe_router_topk')} 1 needs Megatron's --moe-router-pre-softmax (a softmax "
                           f"over one expert has no gradient), which the trainer does not take; use "
                           f"{option('moe_router_topk')} 2 or more, or {option('moe_router_load_balancing_type')} "
@@ -91,8 +94,13 @@ def _check_values(cfg: RunConfig, dp: int) -> None:
                           f"lower it")
     if cfg.moe_ffn_hidden_size < 1:
         raise ConfigError(f"{option('moe_ffn_hidden_size')} must be >= 1 (got {cfg.moe_ffn_hidden_size})")
-    if cfg.moe_layer_freq < 1:
-        raise ConfigError(f"{option('moe_layer_freq')} must be >= 1 (got {cfg.moe_layer_freq})")
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, (list, tuple)):  # Megatron-LM's per-layer pattern
+        if len(freq) != cfg.num_layers or set(freq) - {0, 1}:
+            raise ConfigError(f"{option('moe_layer_freq')} as a list needs one 0 (dense) or 1 (MoE) per "
+                              f"layer ({cfg.num_layers}; got {list(freq)})")
+    elif freq < 1:
+        raise ConfigError(f"{option('moe_layer_freq')} must be >= 1 (got {freq})")
     factor = cfg.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
         raise ConfigError(f"{option('moe_expert_capacity_factor')} must be > 0 (got {factor}); omit "
@@ -177,7 +185,10 @@ def moe_config_kwargs(cfg: RunConfig) -> dict:
 def moe_layer_pattern(cfg: RunConfig) -> list[bool]:
     """Per layer of the whole model, whether it is an MoE layer: ``--moe-layer-freq N`` makes
     layers 0, N, 2N... MoE, as Megatron-Core's ``get_gpt_decoder_layer_specs``."""
-    return [moe_runs(cfg) and i % cfg.moe_layer_freq == 0 for i in range(cfg.num_layers)]
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, (list, tuple)):  # Megatron-LM's list form, one entry per layer
+        return [moe_runs(cfg) and bool(f) for f in freq]
+    return [moe_runs(cfg) and i % freq == 0 for i in range(cfg.num_layers)]
 
 
 def flops_ffn_hidden_size(cfg: RunConfig) -> float:
@@ -193,7 +204,8 @@ def moe_words(cfg: RunConfig) -> str:
     """The start-up line's words for the run's MoE layers ('' for a dense run)."""
     if not moe_runs(cfg):
         return ""
-    every = "" if cfg.moe_layer_freq == 1 else f" every {cfg.moe_layer_freq} layers"
+    pattern = moe_layer_pattern(cfg)
+    every = "" if all(pattern) else f" in {sum(pattern)} of {len(pattern)} layers"
     drop = ("dropless" if cfg.moe_expert_capacity_factor is None
             else f"capacity factor {cfg.moe_expert_capacity_factor:g}")
     return (f"MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}{every}, "

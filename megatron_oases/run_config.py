@@ -56,6 +56,8 @@ class MegatronLMOptions:
     recompute_activations: bool = False
     """Megatron-LM's short form of ``--recompute-granularity selective``, which its own
     ``validate_args`` expands after our parse-time checks (``RunConfig.selective_recompute``)."""
+    moe_router_pre_softmax: bool = False
+    """Megatron-LM's softmax before the router's top-k (which ``--moe-router-topk 1`` needs)."""
     cuda_graph_impl: str | None = "none"
     distributed_backend: str = "gloo"
     # CUDA-only options (runtime.cpu_training_compat.CUDA_ONLY_FLAGS)
@@ -147,8 +149,9 @@ class RunConfig:
     moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN width (None: ``ffn_hidden_size``, as Megatron-LM fills it)."""
-    moe_layer_freq: int = 1
-    """One MoE layer every N layers (Megatron-LM's integer form)."""
+    moe_layer_freq: int | list[int] = 1
+    """One MoE layer every N layers (the trainer's integer form); Megatron-LM's parser also takes a
+    per-layer list of 1 (MoE) and 0 (dense)."""
     moe_expert_capacity_factor: float | None = None
     """None: dropless (every routed token is computed)."""
     moe_grouped_gemm: bool = False

@@ -345,16 +345,17 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
         ffn_hidden_size=cfg.ffn_hidden_size)
 
 
-def validate_backend_config(cfg: RunConfig, dims: ParallelDims) -> RunConfig:
-    """The checks of ``--tp-backend``, ``--schedule`` and ``--oases-plan`` against the validated
-    degrees, shared by the trainer (``validate_config``) and Megatron-LM (``megatron_lm.flags``).
-    Returns ``cfg`` with ``atp_mesh`` as (d1, d2) and ``oases_layer_degrees`` set (None without
-    a plan)."""
+def validate_backend_config(cfg: RunConfig, dims: ParallelDims, *, ours: bool = True) -> RunConfig:
+    """The checks of ``--tp-backend``, ``--schedule``, ``--oases-plan`` and the MoE flags against
+    the validated degrees, shared by the trainer (``validate_config``) and Megatron-LM
+    (``megatron_lm.flags``). Returns ``cfg`` with ``atp_mesh`` as (d1, d2), ``oases_layer_degrees``
+    set (None without a plan) and the MoE flags filled in. ``ours=False``: Megatron-LM's own
+    provider builds the layers (a stock run with a checkout; ``moe.validate_moe_config``)."""
     from megatron_oases.plan.plan_file import validate_plan_args
     from megatron_oases.moe import validate_moe_config
     from megatron_oases.schedules.oases.options import validate_oases_config
 
-    cfg = validate_moe_config(cfg, tp=dims.tp, dp=dims.dp)
+    cfg = validate_moe_config(cfg, tp=dims.tp, dp=dims.dp, ours=ours)
     cfg = dataclasses.replace(cfg, atp_mesh=validate_layout(cfg, dims))
     check_selective_recompute(cfg)
     validate_oases_config(cfg, dims)

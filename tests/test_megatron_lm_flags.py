@@ -141,7 +141,7 @@ def test_oases_flags_parse(monkeypatch):
     (["--tensor-model-parallel-size", "4", "--schedule", "oases", "--tp-backend", "atp",
       "--atp-mesh", "2,2", "--overlap-param-gather"], "drop --overlap-param-gather"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",
-      "--num-experts", "8"], "--tp-backend atp builds its own layers and does not support --num-experts"),
+      "--num-experts", "8"], "--num-experts builds Megatron-Core's MoE layers, which --tp-backend atp does not"),
     (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--position-embedding-type",
       "mrope"], "drop --position-embedding-type mrope"),
     (["--tensor-model-parallel-size", "4", "--tp-backend", "atp", "--atp-mesh", "2,2",

@@ -243,7 +243,7 @@ def test_entry_refuses_what_the_wheel_path_does_not_build(capsys, monkeypatch):
 
     args = parse([])
     assert not provider.uses_stock(args) and wheel_gpt.refusal(args) is None
-    for argv, needle in ((["--num-experts", "2"], "does not support --num-experts"),
+    for argv, needle in ((["--num-experts", "2", "--moe-permute-fusion"], "does not support --moe-permute-fusion"),
                          (["--transformer-impl", "transformer_engine"], "--transformer-impl local")):
         with pytest.raises(SystemExit) as exc:
             parse(argv)

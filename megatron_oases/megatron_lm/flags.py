@@ -272,7 +272,8 @@ def validate_megatron_args(args: argparse.Namespace, world_size: int | None = No
             view, dims = trainer_view(cfg, world_size)
         except ConfigError:
             return cfg  # sizes of a stock run are Megatron-LM's to check, in its own words
-        return validate_backend_config(view, dims)  # stray --atp-mesh, --oases-* without --schedule oases
+        # stray --atp-mesh, --oases-* without --schedule oases; the MoE flags are Megatron-LM's
+        return validate_backend_config(view, dims, ours=False)
     what = _build_named(cfg)
     # Megatron-LM's own options our builds refuse, read by name (RunConfig does not carry them)
     refused = refusal(args, cfg, megatron_lm_defaults() if defaults is None else defaults, what)

@@ -75,37 +75,39 @@ KERNEL_CHOICE = frozenset({
 """Which kernel computes the same math. Megatron's fused kernels need CUDA and apex or TE; our
 own layers run the unfused ops, which is what turning a fusion off asks for."""
 
+MOE = frozenset({
+    "num_experts",
+    "expert_model_parallel_size", "moe_extended_tp", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_shared_expert_overlap", "moe_layer_freq", "moe_ffn_hidden_size",
+    "moe_router_load_balancing_type", "moe_router_topk", "moe_enable_routing_replay",
+    "moe_router_padding_for_quantization", "moe_router_padding_for_fp8", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_score_function", "moe_router_dtype", "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate", "moe_router_force_load_balancing", "moe_grouped_gemm",
+    "moe_use_legacy_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_input_jitter_eps", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+    "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy", "moe_layer_recompute", "moe_apply_probs_on_input", "moe_latent_size",
+    "moe_deepep_num_sms", "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
+    "expert_tensor_parallel_num_weight_shards", "high_priority_a2a_comm_stream",
+    "moe_shared_expert_glu_interleave_size", "moe_router_quantile_balancing_ema",
+    "moe_router_force_biased", "moe_permute_fusion_into_hybridep",
+    "moe_hybridep_pad_uneven_dispatch_inputs", "moe_pad_experts_for_cuda_graph_inference",
+    "moe_flex_dispatcher_num_sms", "moe_hybridep_num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms_preprocessing",
+    "moe_ncclep_static_shape", "moe_ncclep_zero_copy", "moe_mlp_glu_interleave_size",
+    "moe_expert_rank_capacity_factor", "moe_paged_stash_page_size",
+    "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_buffer_size_factor_cpu",
+})
+"""Megatron-Core's MoE options (issue 51): every MoE build is Megatron's own ``MoELayer`` on the
+local spec (our ``megatron`` spec through ``specs``, or the checkout's provider for a stock run), so
+they act there as in stock. ``moe.validate_moe_config`` refuses MoE layers under the builds that
+replace layers (the Oases executor at TP > 1, plans, ATP, 3-D) and what the local spec cannot
+run (``flex``, grouped GEMM); ``REFUSED`` holds those that need Transformer Engine or CUDA
+kernels, or an expert TP size other than TP's."""
+
 GATED = {
     # Read only when an option we refuse (or Transformer Engine, which we refuse) is on.
-    **{name: "num_experts" for name in (
-        "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_extended_tp",
-        "overlap_moe_expert_parallel_comm", "ep_overlap_early_attn_memory_release",
-        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-        "moe_shared_expert_overlap", "moe_layer_freq", "moe_ffn_hidden_size",
-        "moe_router_load_balancing_type", "moe_router_topk", "moe_enable_routing_replay",
-        "moe_router_padding_for_quantization", "moe_router_padding_for_fp8",
-        "moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax",
-        "moe_router_topk_scaling_factor", "moe_router_score_function", "moe_router_dtype",
-        "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-        "moe_router_force_load_balancing", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
-        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
-        "moe_token_dispatcher_type", "moe_enable_deepep", "moe_flex_dispatcher_backend",
-        "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-        "moe_token_drop_policy", "moe_layer_recompute", "moe_permute_fusion", "moe_router_fusion",
-        "moe_apply_probs_on_input", "moe_latent_size", "moe_deepep_num_sms",
-        "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
-        # megatron-core 0.17-0.19
-        "expert_tensor_parallel_num_weight_shards", "overlap_dispatch_backward_with_experts_wgrad",
-        "high_priority_a2a_comm_stream", "use_grouped_gemm_for_shared_expert",
-        "moe_shared_expert_glu_interleave_size", "moe_router_quantile_balancing_ema",
-        "moe_router_force_biased", "moe_single_grouped_weight", "moe_single_grouped_bias",
-        "moe_permute_fusion_into_hybridep", "moe_hybridep_pad_uneven_dispatch_inputs",
-        "moe_pad_experts_for_cuda_graph_inference", "moe_flex_dispatcher_num_sms",
-        "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
-        "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape", "moe_ncclep_zero_copy",
-        "moe_mlp_glu_interleave_size", "moe_expert_rank_capacity_factor", "moe_paged_stash",
-        "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
-        "moe_paged_stash_buffer_size_factor_cpu")},
     **{name: "experimental_attention_variant" for name in (
         "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
         "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "linear_attention_freq",
@@ -169,7 +171,6 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "use_legacy_models": ("--use-legacy-models", ALL),
     "spec": ("--spec", ALL),
     "yaml_cfg": ("--yaml-cfg", ALL),
-    "num_experts": ("--num-experts", ALL),
     "multi_latent_attention": ("--multi-latent-attention", ALL),
     "experimental_attention_variant": ("--experimental-attention-variant", ALL),
     "heterogeneous_layers_config_path": ("--heterogeneous-layers-config-path", ALL),
@@ -228,6 +229,19 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     # (Megatron-LM has no --use-custom-fsdp flag: it is set from --use-megatron-fsdp.)
     "use_torch_fsdp2": ("--use-torch-fsdp2", ALL),
     "use_megatron_fsdp": ("--use-megatron-fsdp", ALL),
+    # MoE options of Transformer Engine, DeepEP / fused CUDA kernels, or an expert TP size other
+    # than TP's (moe.validate_moe_config's expert-parallel split assumes Megatron-LM's default).
+    "expert_tensor_parallel_size": ("--expert-tensor-parallel-size", ALL),
+    "overlap_moe_expert_parallel_comm": ("--overlap-moe-expert-parallel-comm", ALL),
+    "ep_overlap_early_attn_memory_release": ("--ep-overlap-early-attn-memory-release", ALL),
+    "overlap_dispatch_backward_with_experts_wgrad": ("--overlap-dispatch-backward-with-experts-wgrad", ALL),
+    "moe_enable_deepep": ("--moe-enable-deepep", ALL),
+    "moe_permute_fusion": ("--moe-permute-fusion", ALL),
+    "moe_router_fusion": ("--moe-router-fusion", ALL),
+    "use_grouped_gemm_for_shared_expert": ("--use-grouped-gemm-for-shared-expert", ALL),
+    "moe_single_grouped_weight": ("--moe-single-grouped-weight", ALL),
+    "moe_single_grouped_bias": ("--moe-single-grouped-bias", ALL),
+    "moe_paged_stash": ("--moe-paged-stash", ALL),
 }
 """``dest: (flag, builds that refuse it)``: refused when the run uses one of those builds and the
 option differs from Megatron-LM's default."""
@@ -271,7 +285,7 @@ or by its training loop (gradient hooks, timers), or left at Megatron-Core's def
 def classes() -> dict[str, str]:
     """Every classified name -> its class; a name in two classes is a bug (test)."""
     out: dict[str, str] = {}
-    for cls, names in (("model", MODEL), ("shared", SHARED), ("kernel", KERNEL_CHOICE),
+    for cls, names in (("model", MODEL), ("shared", SHARED), ("kernel", KERNEL_CHOICE), ("moe", MOE),
                        ("gated", GATED), ("inert", INERT), ("refused", REFUSED),
                        ("provider", PROVIDER),
                        ("not-a-flag", NOT_FLAGS)):
