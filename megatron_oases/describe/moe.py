@@ -100,6 +100,20 @@ class MoEShape:
             ("gg" if self.grouped_gemm else "")
 
 
+def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_hidden_size: int,
+              moe_router_topk: int, moe_layer_freq: int, moe_expert_capacity_factor: float | None,
+              moe_token_dispatcher_type: str, moe_grouped_gemm: bool) -> MoEShape | None:
+    """The MoE flags under Megatron-LM's names (``RunConfig``'s fields) as a :class:`MoEShape`;
+    None without ``--num-experts`` (or with 0, as Megatron-LM reads it). ``--moe-ffn-hidden-size``
+    defaults to ``ffn_hidden_size`` (filled), as Megatron-LM fills it. ``sim``'s flags and
+    ``sim --predict``'s trainer run both map through here."""
+    if not num_experts:
+        return None
+    return MoEShape(num_experts=num_experts, ffn=moe_ffn_hidden_size or ffn_hidden_size, topk=moe_router_topk,
+                    layer_freq=moe_layer_freq, capacity_factor=moe_expert_capacity_factor,
+                    dispatcher=moe_token_dispatcher_type, grouped_gemm=moe_grouped_gemm)
+
+
 _FLAGS = {"num_experts": "num-experts", "ffn": "moe-ffn-hidden-size", "topk": "moe-router-topk",
           "layer_freq": "moe-layer-freq"}
 

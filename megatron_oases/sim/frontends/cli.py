@@ -22,7 +22,7 @@ from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import TRANSFORMER_IMPLS, attention_kernels_of, check_flash_dtype, \
     core_attention_of
-from ...describe.moe import ROUTING_ASSUMPTION, MoEShape
+from ...describe.moe import ROUTING_ASSUMPTION, MoEShape, moe_shape
 from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
@@ -179,16 +179,15 @@ def model_from_args(a: argparse.Namespace, tp: int = 1) -> GPTShape:
 
 
 def moe_from_args(a: argparse.Namespace) -> MoEShape | None:
-    """The MoE flags as ``describe.moe.MoEShape`` (None without ``--num-experts``, or with 0, as
-    Megatron-LM reads it); ``--moe-ffn-hidden-size`` defaults to the FFN size, as Megatron-LM fills it."""
-    if not a.num_experts:
-        given = [option(d) for d in MOE_FLAGS[1:] if getattr(a, d) != FLAGS[d].default_value]
+    """The MoE flags as ``describe.moe.MoEShape`` (``describe.moe.moe_shape``); an MoE flag
+    without ``--num-experts`` is refused in one line."""
+    values = options_present(a, MOE_FLAGS)
+    if not values["num_experts"]:
+        given = [option(d) for d in MOE_FLAGS[1:] if values[d] != FLAGS[d].default_value]
         if given:
             raise SimError(f"{given[0]} takes effect with MoE layers only; add --num-experts N or drop it")
         return None
-    return MoEShape(num_experts=a.num_experts, ffn=a.moe_ffn_hidden_size or filled_ffn_hidden_size(a, SimError),
-                    topk=a.moe_router_topk, layer_freq=a.moe_layer_freq, capacity_factor=a.moe_expert_capacity_factor,
-                    dispatcher=a.moe_token_dispatcher_type, grouped_gemm=a.moe_grouped_gemm)
+    return moe_shape(**values, ffn_hidden_size=filled_ffn_hidden_size(a, SimError))
 
 
 def priced_dtype(a: argparse.Namespace) -> str:

@@ -47,7 +47,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     from ...run_config import gqa_groups
-    from .cli import moe_from_args
+    from ...describe.moe import moe_shape
 
     rope = cfg.position_embedding_type == "rope"
     variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,
@@ -72,7 +72,12 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      core_attention=core,
                      attention_kernels=attention_kernels_of(attention_backend=cfg.attention_backend,
                                                             core_attention=core),
-                     moe=moe_from_args(cfg))  # the MoE fields have the flags' names (describe.moe)
+                     moe=moe_shape(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+                                   ffn_hidden_size=cfg.ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
+                                   moe_layer_freq=cfg.moe_layer_freq,
+                                   moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                                   moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+                                   moe_grouped_gemm=cfg.moe_grouped_gemm))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
