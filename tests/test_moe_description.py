@@ -31,8 +31,8 @@ EP2 = ["--expert-model-parallel-size", "2"]
 GRID = [
     Row("moe-ep2-alltoall", 1, (*MOE, *A2A, *EP2), dp=2),
     Row("moe-ep2-allgather", 1, (*MOE, *EP2), dp=2),
-    Row("moe-ep2-top3-swiglu", 1, (*MOE, *A2A, *EP2, "--moe-router-topk", "3", "--swiglu",
-                                   "--moe-ffn-hidden-size", "96"), dp=2),
+    Row("moe-ep2-top3-swiglu-rms", 1, (*MOE, *A2A, *EP2, "--moe-router-topk", "3", "--swiglu",
+                                       "--normalization", "RMSNorm", "--moe-ffn-hidden-size", "96"), dp=2),
     Row("moe-tp2-sp-allgather", 2, (*MOE, *TP2)),
     Row("moe-tp2-sp-ep2-alltoall", 2, (*MOE, *A2A, *TP2, *EP2), dp=2),
 ]
@@ -108,7 +108,16 @@ def test_moe_collectives_per_layer(row, moe_readings):
     assert any(k[1] == "all_to_all" for k in coll(sim)) == ("alltoall" in row.flags)
 
 
+@pytest.fixture
+def moe_cpu_kernels(cpu_kernels, monkeypatch):
+    """``test_round_trip``'s ``cpu_kernels`` for ``describe.moe``'s inventory too (its pre-MLP
+    norm: CPU's RMSNorm also keeps the normalised input)."""
+    from megatron_oases.describe import moe, saved
+
+    monkeypatch.setitem(moe.moe_block_saved_bytes.__kwdefaults__, "kernels", saved.CPU_KERNELS)
+
+
 @pytest.mark.parametrize("row", CASES)
-def test_moe_saved_bytes_per_layer(row, moe_readings, cpu_kernels):
+def test_moe_saved_bytes_per_layer(row, moe_readings, moe_cpu_kernels):
     trainer, sim = _both(row, moe_readings)
     assert sim["saved"] == pytest.approx(trainer["saved"])
