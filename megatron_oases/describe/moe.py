@@ -5,8 +5,9 @@ pre-MLP norm, a router (a linear ``h x E``, replicated over TP, on this rank's t
 routing, a token dispatcher that moves each token's k copies to the ranks holding their experts,
 ``E / EP`` local experts (each an MLP of width ``--moe-ffn-hidden-size``, SwiGLU aware, split
 over the experts' TP group, which is TP: Megatron's default ``expert_tensor_parallel_size``),
-and the dispatcher's combine. The planner, the simulator and ``tests/test_moe_description.py``
-read this one description, as they read ``megatron_1d`` for dense layers.
+and the dispatcher's combine. The simulator (``sim.core.moe``, its events and memory) and
+``tests/test_moe_description.py`` read this one description, as they read ``megatron_1d`` for
+dense layers; the planner refuses MoE (``plan --num-experts``) until its cost model prices it.
 
 The dispatchers (``megatron/core/transformer/moe/token_dispatcher.py``):
 
@@ -14,9 +15,10 @@ The dispatchers (``megatron/core/transformer/moe/token_dispatcher.py``):
   probabilities), then an all-gather over the experts' TP group; the combine is the
   reduce-scatter over TP and the all-to-all back. The payload of an all-to-all is what a rank
   sends and receives in all: ``tokens x topk x h`` elements, of which ``(EP - 1) / EP`` leave
-  the rank (``ops.ring_factor``'s gather share) under even routing.
-* ``allgather``: the tokens, their probabilities over all experts and the routing map are
-  all-gathered over the TP x EP group, each rank runs its experts on the tokens routed to them,
+  the rank (``ops.ring_factor``'s gather share) under even routing; before it, the token counts
+  per expert are all-gathered over TP x EP (int64, no gradient).
+* ``allgather``: the routing map (no gradient), the tokens' probabilities over all experts and
+  the tokens are all-gathered over the TP x EP group, each rank runs its experts on the tokens routed to them,
   and the combine reduce-scatters the ``[tokens x EP, h]`` output over TP x EP.
 
 **Assumption: even routing.** Every expert receives the same share of the routed copies, so
