@@ -162,7 +162,8 @@ def restore_adam_steps(optimizer, loaded: dict) -> None:
     holds a ``step`` per parameter; the load assigns one shared tensor (Adam increments steps in
     place, so it would advance once per parameter per iteration) and it came back as 0 here
     (the resume-parity test caught both: iteration 5 after a resume from 3 differed). The
-    checkpoint's common state carries the step in its ``param_groups``.
+    checkpoint's common state carries the step in its ``param_groups`` (with MoE, one state per
+    chained optimizer, dense and expert: ``{0: ..., 1: ...}``, read alike).
     """
     import torch
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
@@ -171,7 +172,9 @@ def restore_adam_steps(optimizer, loaded: dict) -> None:
                  if isinstance(o, DistributedOptimizer)]
     if HAVE_APEX_OR_TE or not dist_opts:
         return
-    steps = {g["step"] for g in loaded.get("optimizer", {}).get("param_groups", []) if "step" in g}
+    chained = [loaded] if "optimizer" in loaded else [v for v in loaded.values() if isinstance(v, dict)]
+    steps = {g["step"] for state in chained
+             for g in state.get("optimizer", {}).get("param_groups", []) if "step" in g}
     if len(steps) != 1:
         return
     (step,) = steps
