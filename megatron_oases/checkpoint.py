@@ -45,16 +45,17 @@ mid-save (tests/test_preemption.py)."""
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "max_position_embeddings", "normalization", "untie_embeddings_and_output_weights",
                "position_embedding_type", "swiglu", "group_query_attention", "num_query_groups",
-               "add_bias_linear", "qk_layernorm")
+               "add_bias_linear", "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq")
 _LATER_MODEL_FLAGS = {"position_embedding_type": "learned_absolute", "swiglu": False,
                       "group_query_attention": False, "num_query_groups": None,
-                      "add_bias_linear": True, "qk_layernorm": False}
+                      "add_bias_linear": True, "qk_layernorm": False, "num_experts": None,
+                      "moe_ffn_hidden_size": None, "moe_layer_freq": 1}
 """Model flags added after checkpoint_version 3.0 files were first written: a checkpoint without
 them was saved with these values."""
 # Flags of the layout: RNG states are per (PP, TP, DP) rank and reload only into the same one.
 LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
-                "oases_layer_degrees")
+                "oases_layer_degrees", "expert_model_parallel_size")
 _TORCH_READER_NOTES = ("torch.distributed is disabled, unavailable or uninitialized",
                        "The argument order of load has been changed")
 """torch's notes when the common state is read (``no_dist``, before any process group, and from

@@ -30,3 +30,13 @@ def test_ep2_checkpoint_resumes_at_ep4(tmp_path, dist_opt):
     assert sorted(resumed) == list(range(SAVED + 1, ITERS + 1)), resumed
     for it, loss in resumed.items():
         assert abs(loss - whole[it]) / abs(whole[it]) <= TOL, (it, loss, whole[it])
+
+
+def test_dense_checkpoint_is_not_loaded_into_moe(tmp_path):
+    """The experts are part of the model a checkpoint must match: one line naming the flag."""
+    from megatron_oases.checkpoint import CheckpointError, check_same_model
+    from megatron_oases.run_config import RunConfig
+
+    dense = RunConfig(ffn_hidden_size=256).as_dict()
+    with pytest.raises(CheckpointError, match="was saved with --num-experts None, this run has 4"):
+        check_same_model(dense, RunConfig(ffn_hidden_size=256, num_experts=4), str(tmp_path))
