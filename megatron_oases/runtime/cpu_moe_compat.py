@@ -34,42 +34,43 @@ def _splits_as_numpy(maybe_move_tensor_to_cpu):
             tensor = tensor.numpy()
         return tensor
 
-    wrapped.cpu_moe_compat = True
+    wrapped.cpu_moe_compat, wrapped.upstream = True, maybe_move_tensor_to_cpu
     return wrapped
 
 
-def _uneven_gather(gather):
-    """``_gather_along_first_dim`` whose uneven form (``output_split_sizes``) all-reduces."""
-    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
-        if output_split_sizes is None or group.size() == 1:
-            return gather(input_, group, output_split_sizes, use_global_buffer)
-        sizes = [int(n) for n in output_split_sizes]
-        start = sum(sizes[:group.rank()])
-        output = input_.new_zeros((sum(sizes), *input_.shape[1:]))
-        output[start:start + sizes[group.rank()]] = input_
-        torch.distributed.all_reduce(output, group=group)
-        return output
-
-    wrapped.cpu_moe_compat = True
-    return wrapped
+def _gather_uneven(input_, group, sizes: list[int]):
+    """The uneven all-gather as one all-reduce: this rank's piece in place, zeros elsewhere."""
+    start = sum(sizes[:group.rank()])
+    output = input_.new_zeros((sum(sizes), *input_.shape[1:]))
+    output[start:start + sizes[group.rank()]] = input_
+    torch.distributed.all_reduce(output, group=group)
+    return output
 
 
-def _uneven_reduce_scatter(reduce_scatter):
-    """``_reduce_scatter_along_first_dim`` whose uneven form (``input_split_sizes``) all-reduces."""
-    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if input_split_sizes is None or group.size() == 1:
-            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-        summed = input_.contiguous().clone()
-        torch.distributed.all_reduce(summed, group=group)
-        return torch.split(summed, [int(n) for n in input_split_sizes], dim=0)[group.rank()].contiguous()
+def _reduce_scatter_uneven(input_, group, sizes: list[int]):
+    """The uneven reduce-scatter as one all-reduce of the whole input, then this rank's piece."""
+    summed = input_.contiguous().clone()
+    torch.distributed.all_reduce(summed, group=group)
+    return torch.split(summed, sizes, dim=0)[group.rank()].contiguous()
 
-    wrapped.cpu_moe_compat = True
-    return wrapped
+
+def _when_uneven(uneven):
+    """Megatron's ``(input_, group, split_sizes=None, use_global_buffer=False)`` collective, run
+    by ``uneven`` when split sizes are given (upstream's own path otherwise)."""
+    def wrap(collective):
+        def wrapped(input_, group, split_sizes=None, use_global_buffer=False):
+            if split_sizes is None or group.size() == 1:
+                return collective(input_, group, split_sizes, use_global_buffer)
+            return uneven(input_, group, [int(n) for n in split_sizes])
+
+        wrapped.cpu_moe_compat, wrapped.upstream = True, collective
+        return wrapped
+    return wrap
 
 
 WRAPPED = ((TOKEN_DISPATCHER, "maybe_move_tensor_to_cpu", _splits_as_numpy),
-           (MAPPINGS, "_gather_along_first_dim", _uneven_gather),
-           (MAPPINGS, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter))
+           (MAPPINGS, "_gather_along_first_dim", _when_uneven(_gather_uneven)),
+           (MAPPINGS, "_reduce_scatter_along_first_dim", _when_uneven(_reduce_scatter_uneven)))
 """(module, function, wrapper): what the layer replaces, inside that module only."""
 
 
