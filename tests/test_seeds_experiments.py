@@ -52,3 +52,22 @@ def test_every_plan_row_runs_the_recompute_its_source_states():
         assert r["plan"]["recompute-granularity"] == "full"
         speedup, pick, _ = mod.run_plan(r["plan"])
         assert speedup >= 1.0 and pick.startswith("[[")
+
+
+def test_megatron_based_runs_carry_megatron_lms_dropout_and_it_is_priced():
+    """Oases and DistSim ran Megatron-LM's model code, whose dropout defaults are 0.1 (the papers
+    set none; ours is 0): their runs and the Oases plan rows carry it, and it reaches the simulator
+    (the same Oases run without it is faster). A few ms."""
+    mod = _script()
+    _, runs, rows = mod.load()
+    for run in runs.values():
+        if run["source"] in ("oases", "distsim"):
+            assert run["flags"]["attention-dropout"] == run["flags"]["hidden-dropout"] == 0.1, run["name"]
+    for r in rows:
+        if "plan" in r:
+            assert r["plan"]["attention-dropout"] == r["plan"]["hidden-dropout"] == 0.1, r["id"]
+    from megatron_oases.sim.frontends.published import simulate_run
+    run = runs["oases-pcie-h2048-megatron"]
+    without = {**run["flags"], "attention-dropout": 0.0, "hidden-dropout": 0.0}
+    assert simulate_run(run["topology"], None, run["flags"]).iteration_ms > \
+        simulate_run(run["topology"], None, without).iteration_ms
