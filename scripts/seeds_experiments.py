@@ -16,6 +16,7 @@ max |error|, and writes ``<out>.csv`` and ``<out>.json``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -60,6 +61,8 @@ def _check_row(row: dict, runs: dict, sources: dict) -> None:
             raise ValueError(f"row {row['id']}: unknown unit {row.get('unit', runs[n]['unit'])!r}")
     if ("published" in row) == ("published_range" in row):
         raise ValueError(f"row {row['id']}: give published or published_range")
+    if row.get("unit") == "busy_pct" and any(runs[n].get("layers_only") for n in names):
+        raise ValueError(f"row {row['id']}: busy_pct of a layers_only run")
     if source_of(row, runs) not in sources:
         raise ValueError(f"row {row['id']}: unknown source")
 
@@ -104,12 +107,49 @@ class Simulator:
     def result(self, name: str) -> SimResult:
         if name not in self.cache:
             run = self.runs[name]
-            self.cache[name] = simulate_run(topology_path(run["topology"], DATA), run.get("nodes"), run["flags"],
-                                            optimizer_step=run.get("optimizer_step", True))
+            self.cache[name] = (between_batches if run.get("batch_between") else self.timed)(run)
         return self.cache[name]
+
+    @staticmethod
+    def timed(run: dict) -> SimResult:
+        """The run simulated, its transformer layers alone where it says ``layers_only``."""
+        return (layers_only if run.get("layers_only") else Simulator.simulate)(run)
+
+    @staticmethod
+    def simulate(run: dict) -> SimResult:
+        return simulate_run(topology_path(run["topology"], DATA), run.get("nodes"), run["flags"],
+                            optimizer_step=run.get("optimizer_step", True))
 
     def value(self, name: str, unit: str | None = None) -> float:
         return in_unit(self.result(name), unit or self.runs[name]["unit"])
+
+
+def layers_only(run: dict) -> SimResult:
+    """The run's transformer layers alone, for a source that times only "the consecutive Transformer
+    layers" (3-D TP §4.1): the simulated step at 2L layers minus the one at L. The difference drops
+    what a step holds outside the layers whatever its size: the embedding and head with their
+    collectives (at 3-D TP's batches an activation-sized all-reduce over TP 64) and a layout's
+    entry and exit (the 3-D cube's), the tail. The result is the L-layer run with that time."""
+    one = Simulator.simulate(run)
+    flags = {**run["flags"], "num-layers": 2 * run["flags"]["num-layers"]}
+    two = Simulator.simulate({**run, "flags": flags})
+    return dataclasses.replace(one, iteration_ms=two.iteration_ms - one.iteration_ms)
+
+
+def between_batches(run: dict) -> SimResult:
+    """A run at a micro-batch its backend cannot split (3-D TP Table 2's batch 24 on the 4 x 4 x 4
+    cube, which splits a micro-batch into p^2 = 16 blocks): its step interpolated linearly between
+    the two batches ``batch_between`` that it can split. Each collective's bytes and each kernel's
+    work grow with the batch and their latencies do not, so the step is affine in the batch up to
+    GEMM tile rounding; simulating the larger batch alone (as before) prices the fixed part per
+    sequence too low."""
+    lo, hi = run["batch_between"]
+    b = run["flags"]["micro-batch-size"]
+    if not lo < b < hi:
+        raise ValueError(f"run {run['name']}: micro-batch-size {b} not inside batch_between {lo}-{hi}")
+    ends = [Simulator.timed({**run, "flags": {**run["flags"], "micro-batch-size": x}}) for x in (lo, hi)]
+    ms = ends[0].iteration_ms + (ends[1].iteration_ms - ends[0].iteration_ms) * (b - lo) / (hi - lo)
+    return dataclasses.replace(ends[0], iteration_ms=ms, model=dataclasses.replace(ends[0].model, micro_batch_size=b))
 
 
 def describe(r: SimResult, run: dict) -> str:

@@ -71,3 +71,34 @@ def test_megatron_based_runs_carry_megatron_lms_dropout_and_it_is_priced():
     without = {**run["flags"], "attention-dropout": 0.0, "hidden-dropout": 0.0}
     assert simulate_run(run["topology"], None, run["flags"]).iteration_ms > \
         simulate_run(run["topology"], None, without).iteration_ms
+
+
+def test_layers_only_times_the_layers_alone():
+    """3-D TP times only its transformer layers: a layers_only run's time is linear in the layer
+    count (what is outside the layers drops out) and below the whole step, which holds the
+    embedding's activation-sized all-reduce and the cube's entry and exit. A few tens of ms."""
+    mod = _script()
+    _, runs, _ = mod.load()
+    run = runs["tp3d-weak-3d-8"]
+    assert run["layers_only"]
+    four = mod.layers_only(run)
+    eight = mod.layers_only({**run, "flags": {**run["flags"], "num-layers": 8}})
+    assert abs(eight.iteration_ms / four.iteration_ms - 2.0) < 0.02
+    assert four.iteration_ms < mod.Simulator.simulate(run).iteration_ms
+
+
+def test_batch_between_interpolates_a_batch_the_cube_cannot_split():
+    """Table 2's 3-D run at 64 GPUs has batch 24, which the 4 x 4 x 4 cube cannot split: its time is
+    the midpoint of batches 16 and 32, and a batch outside the pair is refused. Tens of ms."""
+    import pytest
+
+    mod = _script()
+    _, runs, _ = mod.load()
+    run = runs["tp3d-strong-3d-64"]
+    assert run["batch_between"] == [16, 32] and run["flags"]["micro-batch-size"] == 24
+    got = mod.between_batches(run)
+    ends = [mod.Simulator.timed({**run, "flags": {**run["flags"], "micro-batch-size": b}}).iteration_ms
+            for b in (16, 32)]
+    assert got.model.micro_batch_size == 24 and abs(got.iteration_ms - sum(ends) / 2) < 1e-6 * got.iteration_ms
+    with pytest.raises(ValueError, match="batch_between"):
+        mod.between_batches({**run, "flags": {**run["flags"], "micro-batch-size": 48}})
