@@ -281,6 +281,35 @@ def test_swiglu_without_ffn_prices_megatron_lms_default(tmp_path, capsys):
     assert json.loads(out.read_text())["inputs"]["model"]["ffn_hidden_size"] == 2048
 
 
+@pytest.mark.parametrize("flags, dtype", [([], "bf16"), (["--bf16"], "bf16"), (["--fp16"], "fp16"),
+                                          (["--dtype", "fp32"], "fp32"), (["--fp16", "--dtype", "fp16"], "fp16")])
+def test_plan_prices_the_launchs_precision_flags(tmp_path, capsys, flags, dtype):
+    """The launch's --bf16 / --fp16 price as --dtype does (``precision.priced_dtype``, sim's rule
+    too); none of them: --dtype's default, bf16 (was: plan refused --bf16 / --fp16)."""
+    out = tmp_path / "p.json"
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--out", str(out)]
+    assert plan_main(argv + flags) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["inputs"]["model"]["dtype"] == dtype
+
+
+@pytest.mark.parametrize("flags, needle", [(["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pick one"),
+                                           (["--bf16", "--dtype", "fp32"],
+                                            "--bf16 and --dtype fp32 contradict each other; give one")])
+def test_plan_refuses_two_precisions_in_sims_words(tmp_path, capsys, flags, needle):
+    from megatron_oases.sim.frontends.cli import sim_main
+
+    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
+            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
+    assert plan_main(argv + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert sim_main(["--topology", "pcie-3090-2node", "--tensor-model-parallel-size", "4", *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_sequence_parallel_plan_launches_without_oases_plan(tmp_path, capsys):
     """A --sequence-parallel plan is uniform T, and --oases-plan refuses --sequence-parallel at
     launch: the launch flags and --rewrite-cmd drop --oases-plan (were: '--oases-plan FILE', a

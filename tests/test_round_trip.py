@@ -203,15 +203,16 @@ class BytesPricer:
 
 def plan_argv(argv: list[str], world: int) -> list[str]:
     """``plan``'s command line for the trainer's: the trainer's flags as they are (the ones
-    ``plan`` does not take are dropped by its parser; the recompute flags it takes), plus what
-    ``plan`` names otherwise: the element type (``--dtype``), the launch's world
+    ``plan`` does not take are dropped by its parser; the recompute and precision flags it takes),
+    plus what ``plan`` reads otherwise: a precision the launch leaves unstated (the trainer then
+    trains fp32, while ``plan`` prices bf16: ``precision.priced_dtype``), the launch's world
     (``--nproc-per-node``) and a topology (not read: the pricer prices bytes)."""
     from megatron_oases.run_config import run_config
     from megatron_oases.train_args import build_parser
 
     cfg = run_config(build_parser().parse_args(argv))
-    dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    return [*argv, "--dtype", dtype, "--nproc-per-node", str(world), "--topology", "local"]
+    unstated = [] if cfg.bf16 or cfg.fp16 else ["--dtype", "fp32"]
+    return [*argv, *unstated, "--nproc-per-node", str(world), "--topology", "local"]
 
 
 def plan_layer(argv: list[str], row: Row) -> Layer:

@@ -16,6 +16,7 @@ from typing import Any
 from ..describe.core_attention import check_flash_dtype
 from ..describe.split import SUB_BATCHES, split_refusal, sub_batches_at
 from ..errors import comma_names, range_refusal
+from ..precision import PRECISION_FLAGS, priced_dtype
 from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "vocab_size", "micro_batch_size"))
     add_flag(p, "tensor_model_parallel_size", "--tp",
              note="T: the megatron family's block degrees are powers of two dividing it")
+    add_flag(p, "bf16", note="the launch's precision, priced as --dtype bf16 (precision.priced_dtype)")
+    add_flag(p, "fp16", note="priced as --dtype fp16")
     add_flags(p, ("dtype", "group_query_attention"))
     add_flag(p, "num_query_groups", note="a block's degree must divide it")
     add_flags(p, ("swiglu", "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent",
@@ -154,7 +157,7 @@ def schedule_of(m: PlanModel) -> str:
 MODEL_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                 "num_attention_heads": "num_attention_heads", "seq_length": "seq_length",
                 "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size",
-                "micro_batch_size": "micro_batch_size", "tp": "tensor_model_parallel_size", "dtype": "dtype",
+                "micro_batch_size": "micro_batch_size", "tp": "tensor_model_parallel_size",
                 "fine_grained_recompute": "oases_fine_grained_recompute",
                 "distributed_optimizer": "use_distributed_optimizer",
                 "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
@@ -178,6 +181,8 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
     given = set(values) if given is None else given  # a namespace built by hand: all given
     over = {field: values[dest] for field, dest in MODEL_FIELDS.items()
             if dest in given or field not in stated}
+    if given & {"dtype", *PRECISION_FLAGS} or "dtype" not in stated:
+        over["dtype"] = priced_dtype(a, PlanError)
     if "num_query_groups" in given or "group_query_attention" in given or "num_query_groups" not in stated:
         over["num_query_groups"] = _gqa_groups(a)
     over["sub_batches"] = _sub_batches(a, stated)

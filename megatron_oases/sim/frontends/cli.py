@@ -27,6 +27,7 @@ from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
 from ...describe.registry import BACKENDS
+from ... import precision
 from ...flags import FLAGS, RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
 from ...run_config import DEFAULTS, SCHEDULES, check_gqa_flags, filled_ffn_hidden_size, gqa_groups, options_present
 from ..core.strategy import Strategy
@@ -191,14 +192,8 @@ def moe_from_args(a: argparse.Namespace) -> MoEShape | None:
 
 
 def priced_dtype(a: argparse.Namespace) -> str:
-    """The element type priced: a launch's ``--bf16`` / ``--fp16``, ``--fp32``, or ``--dtype``
-    (default bf16, what GPU runs train in); two that disagree are refused in one line."""
-    given = [name for name, on in (("bf16", a.bf16), ("fp16", a.fp16), ("fp32", a.fp32)) if on]
-    if len(given) > 1:
-        raise SimError(f"--{given[0]} and --{given[1]} are exclusive; pick one")
-    if given and a.dtype != FLAGS["dtype"].default and a.dtype != given[0]:
-        raise SimError(f"--{given[0]} and --dtype {a.dtype} contradict each other; give one")
-    return given[0] if given else a.dtype
+    """The element type priced (``precision.priced_dtype``: the rule ``plan`` reads too)."""
+    return precision.priced_dtype(a, SimError)
 
 
 def _grad_reduce_bytes(a: argparse.Namespace, dtype: str) -> int:
