@@ -4,7 +4,9 @@ Each row of ``examples/validation/seeds_experiments.yaml`` is one published numb
 2, 3 and 6, ATP Table 3 and §5.1, 3-D TP Tables 1 and 2, DistSim Table 2). Its runs are simulated
 with the analytical device model through ``megatron-oases sim``'s own flag mapping
 (``megatron_oases.sim.frontends.published``), converted to the paper's unit (the file's header lists them),
-and a ratio row divides two runs' values. A plan row runs ``megatron-oases plan``'s solver
+and a ratio row divides two runs' values (a run marked ``layers_only`` is timed as its transformer
+layers alone, one with ``batch_between`` at a batch its backend cannot split by interpolation;
+the YAML's header). A plan row runs ``megatron-oases plan``'s solver
 (``plan.plan_cli.make_plan``) and lists its per-layer TP degrees beside the paper's pick; its
 number is the planned speedup over uniform TP.
 
