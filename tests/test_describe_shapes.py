@@ -58,7 +58,7 @@ def test_plan_model_is_the_shape_plus_the_planning_setup():
     assert isinstance(m, GPTShape)
     shape_fields = {f.name for f in dataclasses.fields(GPTShape)}
     own = [f.name for f in dataclasses.fields(PlanModel) if f.name not in shape_fields]
-    assert own == ["tp", "recompute", "fine_grained_recompute", "selective_recompute", "sub_batches", "distributed_optimizer", "sequence_parallel"]
+    assert own == ["tp", "recompute", "fine_grained_recompute", "selective_recompute", "sub_batches", "distributed_optimizer", "sequence_parallel", "ep"]
     # ATP plans TP 6 (its meshes 3x2, 2x3, 1x6); the megatron family refuses it (test_planner)
     assert PlanModel(**{**BASE, "hidden_size": 96, "num_attention_heads": 6}, tp=6).tp == 6
     with pytest.raises(PlanError, match="--untie-embeddings-and-output-weights is not priced by the planner"):

@@ -1,5 +1,5 @@
-"""MoE through describe, sim, sim --search and plan (issue 51 item 3): the description's bytes and
-FLOPs, the all-to-all priced on the topology, the dense twin priced differently, EP searched and
+"""MoE through describe, sim and sim --search (issue 51 item 3; the planner's MoE blocks:
+tests/test_plan_moe.py): the description's bytes and FLOPs, the all-to-all priced on the topology, the dense twin priced differently, EP searched and
 launched, the flags refused where they cannot take effect. Quick: the models are small."""
 from __future__ import annotations
 
@@ -199,14 +199,6 @@ def test_search_enumerates_ep_and_launches_with_it(capsys):
     from megatron_oases.train_args import build_parser
     parsed = build_parser().parse_args(argv[argv.index("megatron_oases.train") + 1:])
     assert parsed.expert_model_parallel_size == 2 and parsed.moe_token_dispatcher_type == "alltoall"
-
-
-def test_plan_refuses_moe_in_one_line(capsys):
-    from megatron_oases.plan.plan_cli import plan_main
-    assert plan_main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--tp", "2",
-                      "--topology", "emu-2x2", "--num-experts", "4"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--num-experts 4: the planner prices dense MLP blocks only" in err and len(err.splitlines()) == 1
 
 
 def test_dense_strategy_has_no_moe_events():

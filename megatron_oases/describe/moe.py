@@ -7,7 +7,7 @@ routing, a token dispatcher that moves each token's k copies to the ranks holdin
 over the experts' TP group, which is TP: Megatron's default ``expert_tensor_parallel_size``),
 and the dispatcher's combine. The simulator (``sim.core.moe``, its events and memory) and
 ``tests/test_moe_description.py`` read this one description, as they read ``megatron_1d`` for
-dense layers; the planner refuses MoE (``plan --num-experts``) until its cost model prices it.
+dense layers; so does the planner (``plan.moe_blocks``).
 
 The dispatchers (``megatron/core/transformer/moe/token_dispatcher.py``):
 
@@ -292,3 +292,31 @@ def moe_block_saved_bytes(*, b: int, s: int, h: int, moe: MoEShape, t: int, ep: 
         bookkeeping = z.chunk * t * ep * z.local * (e + 1) + 8 * z.routed
     experts = z.routed * e * (h + (variant.mlp_saved_per_ffn + 1) * moe.ffn / t + 1)
     return norm + router + bookkeeping + experts + (z.chunk * h * mask if hidden_dropout else 0)
+
+
+def is_moe_op(name: str) -> bool:
+    """An op of the MoE block (its events' keys carry ``MoEShape.key``)."""
+    return name.startswith("moe.")
+
+
+def moe_axis_ranks(axis: str, tp_ranks: tuple[int, ...], *, tp: int, ep: int) -> tuple[int, ...]:
+    """The group of TP rank 0 of a stage on an MoE axis: EP (stride TP over data-parallel
+    replicas 0..EP-1, Megatron's expert rank order tp-ep-dp-pp) or TP x EP; the simulator and the
+    planner place the MoE collectives here."""
+    if axis == EP_AXIS:
+        return tuple(tp_ranks[0] + tp * j for j in range(ep))
+    if axis == TP_EP_AXIS:
+        return tuple(r + tp * j for j in range(ep) for r in tp_ranks)
+    raise ModelingError(f"unknown MoE axis {axis!r} (expected one of {', '.join(MOE_AXES)})")
+
+
+def moe_block_saved_delta(*, b: int, s: int, h: int, a: int, f: int, moe: MoEShape, t: int, ep: int, e: int,
+                          variant: LayerVariant, hidden_dropout: bool, sequence_parallel: bool) -> float:
+    """One MoE block's saved bytes (:func:`moe_block_saved_bytes`) minus the dense MLP block's of
+    width ``f`` (``describe.saved.block_saved_bytes``; stock, CUDA kernels): what an MoE layer keeps
+    beyond its dense twin, in the simulator's memory and the planner's alike."""
+    from .saved import block_saved_bytes
+
+    kw = dict(b=b, s=s, h=h, t=t, e=e, variant=variant, hidden_dropout=hidden_dropout)
+    dense = block_saved_bytes("mlp", a=a, f=f, sequence_parallel=sequence_parallel, **kw)
+    return moe_block_saved_bytes(moe=moe, ep=ep, **kw) - dense

@@ -38,14 +38,16 @@ from megatron_oases.describe.backends import backend
 from megatron_oases.describe.ops import Collective
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
+from megatron_oases.describe.moe import moe_refusal
 from megatron_oases.describe.planned import reshard_shape
 from megatron_oases.describe.shapes import batch_split_refusal
 from megatron_oases.describe.plan_degrees import replica_share
 from megatron_oases.describe.split import split_refusal, sub_batch_sizes, sub_batches_at
 from megatron_oases.topology import Topology
 
-from .graph import (BLOCK_KINDS, Block, PlanError, PlanModel, BlockStrategy, attention_fits, build_graph,
+from .graph import (Block, PlanError, PlanModel, BlockStrategy, attention_fits, block_ops, build_graph,
                     candidate_strategies, family_of, split_blocks)
+from .moe_blocks import MOE_KIND, expert_dp_ranks, moe_group_ranks, moe_memory, moe_ops, moe_params, moe_shape_of
 from .memory import reshard_kept_bytes, state_bytes_per_param
 from .problem import PlanProblem
 from .pricing import DevicePricer, Pricer, event_shape
@@ -136,11 +138,21 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
         sub, scale = share, 1.0 / m.sub_batches
     shape, dims = event_shape(m, sub, s)
     ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
+    if m.moe is not None:  # an MoE layer's second block (moe_blocks: describe.moe's MoE block)
+        ops.append(block_ops(MOE_KIND, *moe_ops(m, s.degree, sub)))
     grad_ranks = tuple(j * s.degree + m.tp * i for i in range(dp) for j in range(m.tp // s.degree))
     out = {}
 
+    def keyed(op) -> dict:  # an MoE op's event carries the MoE flags (moe_blocks.moe_shape_of)
+        op_shape, op_dims = moe_shape_of(m, op.name, shape, dims)
+        return {"shape": op_shape, "dims": op_dims}
+
     def comm(cs) -> float:
-        return sum(pricer.collective_ms(c, shape=shape, ranks=fam.group_ranks(s, c.axis), dims=dims) for c in cs)
+        return sum(pricer.collective_ms(c, **keyed(c), ranks=moe_group_ranks(m, s.degree, c.axis)
+                                        or fam.group_ranks(s, c.axis)) for c in cs)
+
+    def compute(cs) -> float:
+        return scale * sum(pricer.compute_ms(c, **keyed(c)) for c in cs)
 
     def hidden_by_wgrad(cs) -> float:
         """Stock Megatron (one sub-batch, 1-D TP) runs a column-parallel linear's input-gradient
@@ -156,22 +168,29 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
                 out += min(comm([c]), scale * pricer.compute_ms(w, shape=shape, dims=dims))
         return out
 
+    def grad_sync(params: int, ranks: tuple[int, ...]) -> float:
+        g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(ranks), payload_bytes=4 * params)
+        return pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=ranks, dims=(("p", params), ("dtype", "fp32")))
+
     for blk in ops:
-        c_f = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.fwd_compute)
-        c_b = scale * sum(pricer.compute_ms(c, shape=shape, dims=dims) for c in blk.bwd_compute)
+        c_f, c_b = compute(blk.fwd_compute), compute(blk.bwd_compute)
         c_b += c_f if m.recompute else 0.0  # full recompute reruns the block's forward before its backward,
         rerun_comm = blk.fwd_comm if m.recompute and not m.fine_grained else ()  # its collectives too unless fine
-        params = fam.params(s, m, blk.kind)
-        shard = len(grad_ranks) if m.distributed_optimizer else 1
-        saved, runtime = fam.memory(s, m, blk.kind, share)
-        g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(grad_ranks),
-                          payload_bytes=4 * params)
+        moe = blk.kind == MOE_KIND
+        params, experts = moe_params(m, s.degree) if moe else (fam.params(s, m, blk.kind), 0)
+        # the experts' gradients and optimizer states live on the expert-data-parallel group (DP / EP)
+        expert_ranks = expert_dp_ranks(m, dp) if moe else grad_ranks
+        shard, expert_shard = ((len(grad_ranks), len(expert_ranks)) if m.distributed_optimizer else (1, 1))
+        saved, runtime = fam.memory(s, m, "mlp" if moe else blk.kind, share)
+        if moe:
+            saved, runtime = moe_memory(m, saved, runtime)
         out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b,
                                   m_bwd=comm(blk.bwd_comm) + comm(rerun_comm) - hidden_by_wgrad(blk.bwd_comm),
-                                  params=params, state_bytes=params * state_bytes_per_param(m, shard),
+                                  params=params, state_bytes=(params - experts) * state_bytes_per_param(m, shard)
+                                  + experts * state_bytes_per_param(m, expert_shard),
                                   saved_bytes=saved, runtime_bytes=runtime,
-                                  grad_sync_ms=pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=grad_ranks,
-                                                                    dims=(("p", params), ("dtype", "fp32"))))
+                                  grad_sync_ms=grad_sync(params - experts, grad_ranks)
+                                  + (grad_sync(experts, expert_ranks) if experts else 0.0))
     return out
 
 
@@ -217,6 +236,9 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         raise PlanError(f"topology {topology.name!r} has {world} ranks, not a multiple of "
                         f"--tensor-model-parallel-size {m.tp}")
     dp = world // m.tp if data_parallel is None else data_parallel
+    if m.moe is not None and dp % m.ep:  # the trainer's rule (describe.moe.moe_refusal)
+        raise PlanError(moe_refusal(m.moe, tp=m.tp, ep=m.ep, dp=dp, sequence_parallel=m.sequence_parallel,
+                                    bias=m.variant.bias))
     refused = batch_split_refusal(global_batch=global_batch_size, micro_batch=m.micro_batch_size, dp=dp)
     if refused:
         raise PlanError(refused)
@@ -247,10 +269,10 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
         return np.array([getattr(costs[(kind, k)], field) for k in range(K)])
 
     kinds = [b.kind for b in blocks]
-    C = {kd: arr(kd, "c_fwd") for kd in BLOCK_KINDS}
-    M = {kd: arr(kd, "m_fwd") for kd in BLOCK_KINDS}
-    Cb = {kd: arr(kd, "c_bwd") for kd in BLOCK_KINDS}
-    Mb = {kd: arr(kd, "m_bwd") for kd in BLOCK_KINDS}
+    C = {kd: arr(kd, "c_fwd") for kd in set(kinds)}
+    M = {kd: arr(kd, "m_fwd") for kd in set(kinds)}
+    Cb = {kd: arr(kd, "c_bwd") for kd in set(kinds)}
+    Mb = {kd: arr(kd, "m_bwd") for kd in set(kinds)}
     node = np.zeros((N, K))
     for v, kd in enumerate(kinds):
         if S > 1:  # the lock-step of the Oases split's two sub-batches (module docstring)

@@ -37,6 +37,7 @@ from megatron_oases.describe.registry import (axis_ranks, block_edges, block_par
 
 from .memory import block_activation_bytes, block_memory, recomputed_block_bytes
 from .model import BLOCK_KINDS, DTYPES, PlanError, PlanModel, model_from_mapping  # noqa: F401
+from .moe_blocks import MOE_KIND, moe_plan_refusal
 
 # ---- strategies --------------------------------------------------------------------------------
 
@@ -169,18 +170,20 @@ def _split_named(mlp_first: str | tuple[str, ...], attention_first_bwd: str | tu
     """A split for layers with many small segments (ATP, 3-D: norm statistics, gathers): the
     attention block is everything before ``mlp_first`` (the pre-MLP norm, forward) and from
     ``attention_first_bwd`` (the proj backward) on."""
-    def block(kind, ops_f, ops_b):
-        return BlockOps(kind=kind, fwd_compute=tuple(o for o in ops_f if isinstance(o, Compute)),
-                        fwd_comm=tuple(o for o in ops_f if isinstance(o, Collective)),
-                        bwd_compute=tuple(o for o in ops_b if isinstance(o, Compute)),
-                        bwd_comm=tuple(o for o in ops_b if isinstance(o, Collective)))
-
     def split(desc: LayerDescription) -> list[BlockOps]:
         attn_f, mlp_f = split_at(desc.forward, mlp_first)
         mlp_b, attn_b = split_at(desc.backward, attention_first_bwd)
-        return [block("attention", attn_f, attn_b), block("mlp", mlp_f, mlp_b)]
+        return [block_ops("attention", attn_f, attn_b), block_ops("mlp", mlp_f, mlp_b)]
 
     return split
+
+
+def block_ops(kind: str, ops_f, ops_b) -> BlockOps:
+    """A block of kind ``kind`` from its forward and backward ops, in order."""
+    return BlockOps(kind=kind, fwd_compute=tuple(o for o in ops_f if isinstance(o, Compute)),
+                    fwd_comm=tuple(o for o in ops_f if isinstance(o, Collective)),
+                    bwd_compute=tuple(o for o in ops_b if isinstance(o, Compute)),
+                    bwd_comm=tuple(o for o in ops_b if isinstance(o, Collective)))
 
 
 
@@ -339,6 +342,9 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
         return refused
     if s.degree != m.tp:
         return f"a {s.family} block covers the whole TP group: degree {s.degree} must be T={m.tp}"
+    refused = backend(s.family).run_refusal(_run_flags(m))  # the trainer's words (train_args.validate_layout)
+    if refused:
+        return refused
     refused = _record_refusal(s, m, query_groups=m.variant.query_groups)
     if refused:
         return refused
@@ -348,6 +354,15 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     if m.sub_batches > 1 and not backend(s.family).oases_tape:
         return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --schedule default"
     return split_refusal(m.micro_batch_size, m.sub_batches)  # describe.split
+
+
+def _run_flags(m: PlanModel):
+    """The trainer's config with ``m``'s flags that a record's ``run_refusal`` reads (sequence
+    parallelism, SwiGLU, linear biases), the rest at the trainer's defaults."""
+    from megatron_oases.run_config import DEFAULTS
+
+    return dataclasses.replace(DEFAULTS, sequence_parallel=m.sequence_parallel, swiglu=m.variant.gated,
+                               add_bias_linear=m.variant.bias)
 
 
 def _megatron_feasible(s: BlockStrategy, m: PlanModel) -> str:
@@ -401,6 +416,9 @@ def candidate_strategies(m: PlanModel, degrees: tuple[int, ...] | None = None,
     bad = [f for f in families if f not in known]
     if bad:
         raise PlanError(f"--families: unknown family {bad[0]!r} (known: {', '.join(known)})")
+    refused = moe_plan_refusal(m, families=families, degrees=degrees)  # what the trainer runs for MoE
+    if refused:
+        raise PlanError(refused)
     out = []
     why = ""  # the first reason a family's layout was left out, for the refusal below
     for name in known:
@@ -463,6 +481,8 @@ class Block:
 
 
 def build_graph(m: PlanModel) -> list[Block]:
-    """The chain of blocks: layer 0 attention, layer 0 mlp, layer 1 attention, ..."""
-    return [Block(index=i, layer=i // len(BLOCK_KINDS), kind=BLOCK_KINDS[i % len(BLOCK_KINDS)])
+    """The chain of blocks: layer 0 attention, layer 0 mlp, layer 1 attention, ...; an MoE layer's
+    second block is ``moe`` (``--moe-layer-freq``: ``PlanModel.is_moe_block``)."""
+    return [Block(index=i, layer=i // len(BLOCK_KINDS),
+                  kind=MOE_KIND if m.is_moe_block(i) else BLOCK_KINDS[i % len(BLOCK_KINDS)])
             for i in range(m.num_blocks)]

@@ -6,11 +6,12 @@ from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_split_refusal
+from megatron_oases.describe.moe import moe_refusal, moe_shape
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
-from megatron_oases.run_config import megatron_ffn_hidden_size
+from megatron_oases.run_config import DEFAULTS, megatron_ffn_hidden_size
 
 __all__ = ["BLOCK_KINDS", "DTYPES", "PlanError", "PlanModel", "model_from_mapping"]
 
@@ -47,9 +48,13 @@ class PlanModel(GPTShape):
     sequence_parallel: bool = False
     """--sequence-parallel: priced at the uniform degree T only (Megatron family; the runtime
     runs no per-block plan with it), with the SP layer description and saved bytes."""
+    ep: int = 1
+    """--expert-model-parallel-size: the experts of an MoE model (``GPTShape.moe``) split over EP
+    data-parallel replicas, fixed by the launch (the planner chooses TP degrees only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_moe()
         if not is_positive_int(self.tp):
             raise PlanError(f"--tensor-model-parallel-size must be a positive integer (got {self.tp!r})")
         if self.sequence_parallel and sequence_parallel_refusal(self.tp, self.seq_length):  # the trainer's rule
@@ -72,6 +77,30 @@ class PlanModel(GPTShape):
                                    ffn=self.ffn_hidden_size)
         if refused:
             raise PlanError(refused)
+
+    def _check_moe(self) -> None:
+        """What the trainer refuses for MoE (``megatron_oases.moe``, ``describe.moe.moe_refusal``):
+        EP divides the experts, SP and no biases at TP > 1; and the Oases executor does not run
+        MoE layers at TP > 1 yet (issue 51 item 2). EP's division of DP is checked with the launch."""
+        if not is_positive_int(self.ep):
+            raise PlanError(f"{option('expert_model_parallel_size')} must be a positive integer (got {self.ep!r})")
+        if self.moe is None:
+            if self.ep > 1:
+                raise PlanError(f"{option('expert_model_parallel_size')} takes effect with MoE layers only; add "
+                                f"{option('num_experts')} N or drop it")
+            return
+        refused = moe_refusal(self.moe, tp=self.tp, ep=self.ep, dp=None, sequence_parallel=self.sequence_parallel,
+                              bias=self.variant.bias)
+        if refused:
+            raise PlanError(refused)
+        if self.sub_batches > 1 and self.tp > 1:
+            raise PlanError(f"{option('num_experts')}: the Oases executor does not run MoE layers yet (issue 51 "
+                            f"item 2), so the planner prices them under --schedule default; drop --schedule oases")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` of the chain (``graph.build_graph``) is an MoE layer's MoE block."""
+        layer, kind = divmod(index, len(BLOCK_KINDS))
+        return self.moe is not None and kind == 1 and self.moe.is_moe(layer)
 
     @property
     def fine_grained(self) -> bool:
@@ -96,6 +125,15 @@ class PlanModel(GPTShape):
              "attention_backend": attention_backend_of(self.core_attention, self.attention_kernels)}
         d.update(variant_flags(self.variant))
         d["sequence_parallel"] = self.sequence_parallel
+        # the MoE flags (Megatron-LM's names; a dense model's at the trainer's defaults, no experts)
+        if self.moe is None:
+            d.update({k: getattr(DEFAULTS, k) for k in MOE_FIELDS}, num_experts=None)
+        else:
+            d.update(num_experts=self.moe.num_experts, moe_ffn_hidden_size=self.moe.ffn,
+                     moe_router_topk=self.moe.topk, moe_layer_freq=self.moe.layer_freq,
+                     moe_expert_capacity_factor=self.moe.capacity_factor,
+                     moe_token_dispatcher_type=self.moe.dispatcher, moe_grouped_gemm=self.moe.grouped_gemm)
+        d["expert_model_parallel_size"] = self.ep
         return d
 
 
@@ -109,6 +147,10 @@ FILE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "selective_recompute", "sub_batches", "distributed_optimizer",
                "hidden_dropout", "attention_dropout", "attention_backend", "num_query_groups", "swiglu", "normalization",
                "add_bias_linear", "position_embedding_type", "rotary_percent", "qk_layernorm", "sequence_parallel")
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_expert_capacity_factor",
+              "moe_token_dispatcher_type", "moe_grouped_gemm")
+"""The MoE flags of a model file (``describe.moe.moe_shape``'s arguments)."""
+FILE_FIELDS += MOE_FIELDS + ("expert_model_parallel_size",)
 """The keys of a ``--model`` file and of a plan file's ``inputs.model`` (``PlanModel.to_dict``)."""
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp")
 _VARIANT_FLAGS = ("num_query_groups", "swiglu", "normalization", "add_bias_linear", "position_embedding_type",
@@ -155,9 +197,28 @@ def model_from_mapping(data: Any, source: str = "--model", **overrides: Any) -> 
         d["ffn_hidden_size"] = megatron_ffn_hidden_size(d["hidden_size"], True)
     if "vocab_size" in d:
         d["padded_vocab_size"] = d.pop("vocab_size")
+    d["moe"], d["ep"] = _moe_of(d), d.pop("expert_model_parallel_size", None) or 1
     # Megatron-LM's --attention-backend (describe.core_attention maps it); absent, as in plan files
     # written before it was priced: Megatron's local attention (what they priced)
     flag = d.pop("attention_backend", None)
     d["core_attention"] = core_attention_of(attention_backend=flag, error=PlanError)
     d["attention_kernels"] = attention_kernels_of(attention_backend=flag, core_attention=d["core_attention"])
     return PlanModel(**d, variant=variant)
+
+
+def _moe_of(d: dict[str, Any]):
+    """The MoE flags popped from ``d`` as ``describe.moe.MoEShape`` (None: dense); an MoE flag
+    without ``num_experts`` is refused in one line."""
+    given = {k: d.pop(k) for k in MOE_FIELDS if k in d}
+    values = {k: given.get(k, getattr(DEFAULTS, k)) for k in MOE_FIELDS}  # the trainer's defaults
+    if not values["num_experts"]:
+        extra = [k for k, v in given.items() if k != "num_experts" and v != getattr(DEFAULTS, k)]
+        if extra:
+            raise PlanError(f"{option(extra[0])} takes effect with MoE layers only; add {option('num_experts')} N "
+                            f"or drop it")
+        return None
+    from megatron_oases.describe.ops import ModelingError
+    try:
+        return moe_shape(**values, ffn_hidden_size=d.get("ffn_hidden_size") or 4 * d["hidden_size"])
+    except ModelingError as e:
+        raise PlanError(str(e)) from None

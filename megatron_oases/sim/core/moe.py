@@ -9,10 +9,10 @@ sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memor
 """
 from __future__ import annotations
 
-from ...describe.moe import (EP_AXIS, EXPERT_TENSORS_FROM, MOE_AXES, TP_EP_AXIS, moe_block_param_tensors,
-                             moe_block_saved_bytes, moe_refusal)
+from ...describe.moe import EXPERT_TENSORS_FROM, is_moe_op, moe_block_param_tensors, moe_block_saved_delta, moe_refusal  # noqa: F401
+from ...describe.moe import moe_axis_ranks as axis_ranks
+from ...describe.ops import ModelingError
 from ...describe.registry import MLP_PARAM_TENSORS, layer_param_tensors
-from ...describe.saved import block_saved_bytes
 from ...describe.shapes import GPTShape
 from ...pricing.device_model import SimError
 
@@ -45,24 +45,19 @@ def is_moe_layer(m: GPTShape, layer: int) -> bool:
 
 
 def moe_axis_ranks(axis: str, tp_ranks: tuple[int, ...], s) -> tuple[int, ...]:
-    """The group of TP rank 0 of a stage on an MoE axis: EP (stride TP over data-parallel
-    replicas 0..EP-1, ``Strategy.rank``'s order) or TP x EP."""
-    if axis == EP_AXIS:
-        return tuple(tp_ranks[0] + s.tp * j for j in range(s.ep))
-    if axis == TP_EP_AXIS:
-        return tuple(r + s.tp * j for j in range(s.ep) for r in tp_ranks)
-    raise SimError(f"unknown MoE axis {axis!r} (expected one of {', '.join(MOE_AXES)})")
+    """The group of TP rank 0 of a stage on an MoE axis (``describe.moe.moe_axis_ranks``, the
+    planner's too): EP (stride TP over data-parallel replicas 0..EP-1, ``Strategy.rank``'s order)
+    or TP x EP."""
+    try:
+        return axis_ranks(axis, tp_ranks, tp=s.tp, ep=s.ep)
+    except ModelingError as e:
+        raise SimError(str(e)) from None
 
 
 def expert_dp_ranks(s, stage: int) -> tuple[int, ...]:
     """The expert-data-parallel group of the stage's representative: the DP replicas at the same
     EP position (0, EP, 2 EP, ...)."""
     return tuple(s.rank(dp=k * s.ep, pp=stage) for k in range(s.dp // s.ep))
-
-
-def is_moe_op(name: str) -> bool:
-    """An op of the MoE block (its events' keys carry ``MoEShape.key``)."""
-    return name.startswith("moe.")
 
 
 def moe_layer_tensors(m: GPTShape, s, degree: int) -> tuple[int, ...]:
@@ -98,12 +93,12 @@ def moe_saved_delta(m: GPTShape, s, layers: list[int], *, recomputed: int) -> fl
 
 
 def moe_block_delta(m: GPTShape, s) -> float:
-    """One MoE block's saved bytes minus the dense MLP block's (stock, CUDA kernels)."""
-    kw = dict(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, t=s.tp, e=m.bytes_per_element,
-              variant=m.variant, hidden_dropout=m.hidden_dropout > 0)
-    dense = block_saved_bytes("mlp", a=m.num_attention_heads, f=m.ffn_hidden_size,
-                              sequence_parallel=s.sequence_parallel, **kw)
-    return moe_block_saved_bytes(moe=m.moe, ep=s.ep, **kw) - dense
+    """One MoE block's saved bytes minus the dense MLP block's (stock, CUDA kernels:
+    ``describe.moe.moe_block_saved_delta``, the planner's too)."""
+    return moe_block_saved_delta(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
+                                 f=m.ffn_hidden_size, moe=m.moe, t=s.tp, ep=s.ep, e=m.bytes_per_element,
+                                 variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
+                                 sequence_parallel=s.sequence_parallel)
 
 
 def flops_ffn(m: GPTShape) -> float:
