@@ -20,7 +20,7 @@ from ..precision import PRECISION_FLAGS, priced_dtype
 from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
-from .model import stated_fields
+from .model import MOE_FIELDS, stated_fields
 from .plan_file import (PLAN_FORMAT, strategy_layouts, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
 
@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ("recompute_granularity", "recompute_method", "recompute_num_layers"))
     add_flag(p, "oases_fine_grained_recompute", note="the plan prices it under --schedule oases with "
              "--recompute-granularity full")
-    add_flag(p, "num_experts", note="refused: the planner prices dense MLP blocks only (issue 51 item 3)")
+    add_flag(p, "num_experts", note="MoE layers (describe.moe), planned at the uniform degree T under the "
+             "default executor, as the trainer runs them")
+    add_flags(p, ("moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
+                  "moe_expert_capacity_factor", "moe_grouped_gemm"))
+    add_flag(p, "expert_model_parallel_size", "--ep", note="fixed by the launch (the plan chooses TP only)")
     p.add_argument("--plan-recompute", "--no-plan-recompute", "--recompute", "--no-recompute", action=Renamed,
                    new=f"the trainer's {option('recompute_granularity')} full|selective (with "
                        f"{option('recompute_method')}; under --schedule oases {option('oases_fine_grained_recompute')}"
@@ -164,16 +168,14 @@ MODEL_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                 "attention_backend": "attention_backend", "swiglu": "swiglu", "normalization": "normalization",
                 "add_bias_linear": "add_bias_linear", "position_embedding_type": "position_embedding_type",
                 "rotary_percent": "rotary_percent", "qk_layernorm": "qk_layernorm",
-                "sequence_parallel": "sequence_parallel"}
+                "sequence_parallel": "sequence_parallel",
+                **{f: f for f in MOE_FIELDS + ("expert_model_parallel_size",)}}
 """``PlanModel`` field -> the flag (``dest``) that sets it."""
 
 
 def model_from_args(a: argparse.Namespace) -> PlanModel:
     """The priced model: each field from its flag when given, else from the ``--model`` file,
     else the flag's default (``megatron-oases train``'s, from the flag table)."""
-    if a.num_experts:  # MoE: described and simulated (describe.moe, sim), not yet planned
-        raise PlanError(f"{option('num_experts')} {a.num_experts}: the planner prices dense MLP blocks only; "
-                        f"price the MoE model with `megatron-oases sim` (its --search adds EP) or drop it")
     config = _load_config(a.model)
     stated = stated_fields(config)
     values = options_present(a, MODEL_FIELDS.values())
@@ -420,6 +422,8 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"launch command: {rewrite_command(a.rewrite_cmd, flags=flags)}")
     runs_with = (launch_flags(whole_model_backend(data)) if whole_model_backend(data)
                  else option("oases_plan") if flags.get(option("oases_plan")) else
+                 "uniform TP and the MoE flags, without --oases-plan (which refuses MoE)"
+                 if data["inputs"]["model"].get("num_experts") else
                  "uniform TP and --sequence-parallel, without --oases-plan (which refuses it)")
     print("note: times are cost-model predictions; `megatron-oases train` and Megatron-LM "
           "(megatron_oases.pretrain_gpt) run the plan with " + runs_with)

@@ -283,9 +283,10 @@ def plan_launch_flags(data: dict[str, Any], plan_path: str) -> dict[str, str | N
     # the executor it is priced for (None: Megatron's default, the flag removed); none in older files
     schedule = {option("schedule"): None if data["schedule"] == "default" else data["schedule"]} \
         if data.get("schedule") else {}
-    if backend is None and (data.get("inputs") or {}).get("model", {}).get("sequence_parallel"):
-        # priced at uniform T only, and --oases-plan refuses --sequence-parallel (check_plan):
-        # the launch is stock TP T
+    model = (data.get("inputs") or {}).get("model", {})
+    if backend is None and (model.get("sequence_parallel") or model.get("num_experts")):
+        # priced at uniform T only, and --oases-plan refuses --sequence-parallel and MoE (check_plan,
+        # megatron_oases.moe): the launch is stock TP T
         return {TP_FLAG: str(tp), FLAG: None, **schedule}
     if backend is None:
         return {**_per_block_flags(tp, plan_path), **schedule}
