@@ -14,6 +14,13 @@ Tests are taken into the slow list, slowest first, until the rest add up to at m
 when that test takes at most ``--keep-s`` seconds, so the tier still imports and exercises every
 module the suite reaches. Timings from a loaded machine are inflated alike, so run it on an idle
 one (the budget is the run's seconds, not a promise for another machine). Prints the split.
+
+A fixture a test fetches with ``request.getfixturevalue`` (or a result a file caches across its
+tests) is charged to the first test that needs it, which then goes slow, while the fast tests
+that need it too pay it in the fast tier, unseen here. ``--fast-log`` takes a timed run of the
+fast tier (``pytest -m "not slow" --durations=0``): each fast test that took more than
+``--keep-s`` longer there than in the full run goes slow too (bar its file's keeper); run the
+fast tier again until none does.
 """
 from __future__ import annotations
 
@@ -65,10 +72,17 @@ def merge_by_file(runs: list[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
+def hidden_costs(seconds: dict[str, float], fast_seconds: dict[str, float], keep_s: float) -> set[str]:
+    """The tests of a fast-tier run that took more than ``keep_s`` longer there than in the full
+    run: they paid a shared fixture the full run charged to a test now slow."""
+    return {node for node, s in fast_seconds.items() if s - seconds.get(node, 0.0) > keep_s}
+
+
 def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float,
-                whole_files: frozenset[str] = frozenset()) -> set[str]:
-    """The slow set: ``whole_files``' tests (``shared_setup_files``), then the slowest first until
-    the rest fit in ``budget_s``, bar each other file's keeper."""
+                whole_files: frozenset[str] = frozenset(), hidden: frozenset[str] = frozenset()) -> set[str]:
+    """The slow set: ``whole_files``' tests (``shared_setup_files``) and the ``hidden`` ones
+    (``hidden_costs``) bar each file's keeper, then the slowest first until the rest fit in
+    ``budget_s``, bar each other file's keeper."""
     by_file: dict[str, list[str]] = collections.defaultdict(list)
     for node in seconds:
         by_file[node.split("::", 1)[0]].append(node)
@@ -76,11 +90,12 @@ def split_tiers(seconds: dict[str, float], budget_s: float, keep_s: float,
     for file, nodes in by_file.items():
         if file in whole_files:
             continue
-        fastest = min(nodes, key=seconds.get)
+        fastest = min([n for n in nodes if n not in hidden] or nodes, key=seconds.get)
         if seconds[fastest] <= keep_s:
             keepers.add(fastest)
     slow = {node for node in seconds if node.split("::", 1)[0] in whole_files}
-    fast_total = sum(seconds.values()) - sum(seconds[node] for node in slow)
+    slow |= {node for node in hidden if node not in keepers}
+    fast_total = sum(seconds.values()) - sum(seconds.get(node, 0.0) for node in slow)
     for node in sorted(seconds, key=seconds.get, reverse=True):
         if fast_total <= budget_s:
             break
@@ -99,6 +114,9 @@ def main(argv=None) -> int:
                    help="seconds of the timed run the fast tier may take (default 180)")
     p.add_argument("--keep-s", type=float, default=10.0,
                    help="a file's fastest test stays fast if it takes at most this (default 10)")
+    p.add_argument("--fast-log", action="append", default=[], metavar="LOG",
+                   help="a timed run of the fast tier (-m 'not slow' --durations=0): its tests that took "
+                        "more than --keep-s longer than in the full run go slow too")
     p.add_argument("--out", default=SLOW_LIST, help="the list to write (default tests/slow_tests.txt)")
     args = p.parse_args(argv)
     runs, whole_files = [], set()
@@ -111,13 +129,17 @@ def main(argv=None) -> int:
             print(f"{log}: no --durations lines; run pytest with --durations=0", file=sys.stderr)
             return 2
     seconds = merge_by_file(runs)
-    slow = split_tiers(seconds, args.budget_s, args.keep_s, frozenset(whole_files))
+    hidden: set[str] = set()
+    for log in args.fast_log:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            hidden |= hidden_costs(seconds, test_seconds(f), args.keep_s)
+    slow = split_tiers(seconds, args.budget_s, args.keep_s, frozenset(whole_files), frozenset(hidden))
     with open(args.out, "w", encoding="utf-8") as f:
         f.write("# Outside the fast tier (marked `slow` by tests/conftest.py); written by\n"
                 "# scripts/tier_tests.py from a --durations=0 run. One pytest node id a line.\n")
         f.writelines(node + "\n" for node in sorted(slow))
     total = sum(seconds.values())
-    fast = total - sum(seconds[n] for n in slow)
+    fast = total - sum(seconds.get(n, 0.0) for n in slow)
     print(f"{'tier':<6}{'tests':>7}{'seconds':>10}")
     print(f"{'fast':<6}{len(seconds) - len(slow):>7}{fast:>10.1f}")
     print(f"{'slow':<6}{len(slow):>7}{total - fast:>10.1f}")

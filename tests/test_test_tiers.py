@@ -61,3 +61,19 @@ def test_a_file_whose_module_fixture_outlasts_keep_s_leaves_the_fast_tier_whole(
     assert {"tests/test_d.py::test_first[a]", "tests/test_d.py::test_second[b]"} <= slow
     assert slow - {"tests/test_d.py::test_first[a]", "tests/test_d.py::test_second[b]"} == {
         "tests/test_a.py::test_big[x]", "tests/test_b.py::test_only"}
+
+
+def test_a_fast_test_that_paid_a_fixture_charged_elsewhere_goes_slow():
+    """test_c's tests share a fixture fetched with getfixturevalue: the full run charged it to
+    test_mid, the fast-tier run to test_tiny, which --fast-log moves out (test_mid keeps the file
+    in the tier); a file whose only test paid one keeps it. Tests the full log left out (under
+    its 5 ms floor) count as 0 s there."""
+    seconds = tiers.test_seconds(LOG.splitlines())
+    fast = tiers.test_seconds(["13.00s call     tests/test_c.py::test_tiny", " 0.30s call     tests/test_a.py::test_small",
+                               "12.00s call     tests/test_e.py::test_unlisted"])
+    hidden = frozenset(tiers.hidden_costs(seconds, fast, keep_s=10.0))
+    assert hidden == {"tests/test_c.py::test_tiny", "tests/test_e.py::test_unlisted"}
+    assert tiers.split_tiers(seconds, budget_s=100.0, keep_s=10.0, hidden=hidden) == {
+        "tests/test_c.py::test_tiny", "tests/test_e.py::test_unlisted"}
+    assert tiers.split_tiers({"tests/test_c.py::test_tiny": 1.0}, budget_s=100.0, keep_s=10.0,
+                             hidden=hidden) == {"tests/test_e.py::test_unlisted"}
