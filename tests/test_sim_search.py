@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,85 @@ def test_the_printed_launch_command_is_accepted_by_the_trainer(capsys):
         assert f"tp{cfg.tensor_model_parallel_size}.pp{cfg.pipeline_model_parallel_size}" in best
         assert cfg.sequence_parallel == (".sp" in best) and (cfg.schedule == "oases") == (".oases" in best)
         assert "launch (Megatron-LM): torchrun --nnodes 1 --nproc-per-node 4 -m megatron_oases.pretrain_gpt" in out
+
+
+PLAN_ARGV = ["--search", "--topology", "dgx-a100", "--global-batch-size", "32", "--num-layers", "4", "--hidden-size",
+             "1024", "--num-attention-heads", "16", "--seq-length", "512", "--micro-batch-size", "4", "--backends",
+             "megatron", "--schedules", "oases", "--tp-sizes", "4", "--pp-sizes", "1", "--recompute-options", "off",
+             "--sequence-parallel-options", "off", "--jobs", "1"]
+"""A host-bound model on 8 A100s where the planner's per-block degrees beat the uniform Oases TP 4."""
+
+
+def test_per_block_plans_are_a_search_step_priced_by_the_simulator(tmp_path: Path, capsys):
+    """The planner runs on the best uniform strategy, the simulator prices its plan; a plan that
+    beats every uniform strategy is written to --plan-out and launched with --oases-plan, which the
+    trainer reads and accepts as is."""
+    import json
+    import shlex
+
+    from megatron_oases.run_config import run_config
+    from megatron_oases.sim.core.strategy import Strategy
+    from megatron_oases.sim.frontends.cli import build_parser as build_sim_parser, sim_main, simulation_inputs
+    from megatron_oases.train_args import build_parser, validate_config
+
+    assert sim_main(PLAN_ARGV) == 0  # without --plan-out: the plan is shown, the uniform one launched
+    out = capsys.readouterr().out
+    assert "per-block plans" in out and "give --plan-out FILE" in out and "--oases-plan" not in out
+    path = tmp_path / "plan.json"
+    assert sim_main(PLAN_ARGV + ["--plan-out", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(path.read_text())
+    planned = next(l for l in out.splitlines() if ".plan " in l).split()
+    uniform_ms = float(out.splitlines()[0].rsplit(": ", 1)[1].split()[0])
+    assert float(planned[1]) < uniform_ms and set(plan["degrees"]) != {4}
+    shape, _, dm = simulation_inputs(build_sim_parser().parse_args(PLAN_ARGV))  # the model and device the search priced
+    again = simulate(shape, Strategy(tp=4, pp=1, dp=2, num_microbatches=4, schedule="oases",
+                                     block_degrees=tuple(plan["degrees"])), dm)
+    assert again.iteration_ms == pytest.approx(float(planned[1]), abs=0.01)  # the simulator's number, not the planner's
+    line = next(l for l in out.splitlines() if l.startswith("launch (trainer): "))
+    words = shlex.split(line.split(": ", 1)[1])
+    assert words[words.index("--oases-plan") + 1] == str(path)
+    cfg = validate_config(run_config(build_parser().parse_args(words[2:])), 8, cuda=False)
+    assert [d for pair in cfg.oases_layer_degrees for d in pair] == plan["degrees"] and cfg.schedule == "oases"
+
+
+def test_plan_refusals_and_untied_embeddings():
+    from megatron_oases.sim.frontends.search_plans import plan_refusal, plan_search
+
+    dm = device_model(load_topology("2node-ib"))
+    cands = search(MODEL, SearchSpace(gpus=16, global_batch=64, tp_sizes=(4,), pp_sizes=(1,),
+                                      recompute=("off", "full")), dm, jobs=1)
+    why = {c.label: plan_refusal(c, MODEL) for c in cands}
+    assert "--sequence-parallel" in why["tp4.pp1.dp4.sp"] and "recompute" in why["tp4.pp1.dp4.rc"]
+    assert "Megatron 1-D" in why["tp4.pp1.dp4.atp2x2"] and why["tp4.pp1.dp4"] == ""
+    untied = dataclasses.replace(MODEL, tied_embeddings=False)  # the planner plans its blocks tied
+    rows = plan_search(search(untied, SearchSpace(gpus=16, global_batch=64, tp_sizes=(4,), pp_sizes=(1,),
+                                                  backends=("megatron",)), dm, jobs=1),
+                       untied, dm, top=2, global_batch=64, memory_limit_GB=None)
+    assert len(rows) == 2 and not any(r.reason.startswith("planner") for r in rows)
+
+
+def test_atp_t_by_1_is_searched_as_atps_layer(capsys):
+    """ATP's T x 1 mesh is its own launch (ATP's layers), offered beside Megatron's TP T, as the planner does."""
+    from megatron_oases.describe.atp_2d import atp_layout
+    from megatron_oases.sim.frontends.launch import strategy_flags
+
+    cands = candidates(MODEL, SearchSpace(gpus=16, global_batch=64, tp_sizes=(1, 4), pp_sizes=(1,)))
+    atp = {c.strategy.layout for c in cands if c.backend == "atp" and c.strategy is not None}
+    assert atp_layout(4, 1) in atp and not any(c.backend == "atp" and c.tp == 1 for c in cands)
+    tx1 = next(c for c in cands if c.label == "tp4.pp1.dp4.atp4x1")
+    flags = strategy_flags(tx1, global_batch=64, num_layers=12)
+    assert flags[flags.index("--atp-mesh") + 1] == "4,1"
+
+
+def test_a_launch_the_trainer_refuses_is_not_printed(monkeypatch, capsys):
+    from megatron_oases.sim.frontends import launch
+    from megatron_oases.sim.frontends.cli import sim_main
+
+    refusal = launch.trainer_refusal("megatron-oases train --num-layers 2 --bf16 --fp16", 1)
+    assert refusal == "--bf16 and --fp16 are exclusive; pick one"
+    monkeypatch.setattr(launch, "trainer_refusal", lambda command, gpus: refusal)
+    assert sim_main(PLAN_ARGV + ["--search-plans", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "launch (" not in captured.out
+    assert captured.err.strip().endswith(f"the trainer refuses the launch of tp4.pp1.dp2.oases: {refusal}")

@@ -210,9 +210,11 @@ def atp_2d_input_split(t: int, layout: Layout | None) -> int:
 
 
 def atp_2d_layouts(tp: int) -> tuple[Layout, ...]:
-    """Every mesh d1 x d2 = TP with d2 >= 2 (``atp_meshes.atp_meshes``: d2 = 1 is Megatron's layout,
-    offered by the megatron backend)."""
-    return tuple(atp_layout(d1, d2) for d1, d2 in atp_meshes(tp, with_1d=False))
+    """Every mesh d1 x d2 = TP, d2 = 1 too (``atp_meshes.atp_meshes``): ``--tp-backend atp --atp-mesh
+    TP,1`` runs ATP's layers (their norms, collectives and saved bytes, not Megatron's), so it is a
+    launch of its own, which the simulator's search prices as ATP's layer, as the planner does
+    (at TP > 1: the 1 x 1 mesh has no TP group)."""
+    return tuple(atp_layout(d1, d2) for d1, d2 in atp_meshes(tp, with_1d=tp > 1))
 
 
 def atp_2d_launch_flags(layout: Layout | None) -> dict[str, str]:

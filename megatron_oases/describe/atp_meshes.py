@@ -24,10 +24,9 @@ def atp_meshes(tp: int, *, with_1d: bool) -> tuple[tuple[int, int], ...]:
     - ``d2 = 1`` (``(tp, 1)``) is Megatron 1-D's layout (whole hidden states between layers, one
       all-reduce per block on the TP group). ``with_1d=True`` keeps it first: the mesh picker
       prices it as the baseline a 2-D mesh must beat by ``min_gain``, and ``--tp-backend atp
-      --atp-mesh TP,1`` runs. ``with_1d=False`` leaves it out: the simulator's ``megatron`` backend
-      and the planner's ``megatron`` family (at a power-of-two TP, the sizes its per-block
-      degrees need) already offer that layout, and a second candidate would price the same
-      layer twice.
+      --atp-mesh TP,1`` runs. The planner, the simulator's search (``atp_2d.atp_2d_layouts``)
+      and the mesh picker offer it as ATP's layer, which is not Megatron 1-D's (its norms keep
+      more); ``with_1d=False`` leaves it out.
     """
     return tuple((tp // d2, d2) for d2 in range(1 if with_1d else 2, tp + 1) if tp % d2 == 0)
 

@@ -345,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--png", default=None, help="write a timeline PNG here (needs matplotlib)")
     g.add_argument("--csv", default=None, help="--search: write every strategy as CSV here")
     g.add_argument("--top", type=int, default=20, help="--search: feasible rows to print")
+    g.add_argument("--search-plans", type=int, default=3,
+                   help="--search: run the planner on this many of the best uniform strategies it can plan "
+                        "and price its per-block plans (0: none)")
+    g.add_argument("--plan-out", default=None, metavar="FILE",
+                   help="--search: write the per-block plan here when one beats every uniform strategy "
+                        "(its launch takes --oases-plan FILE)")
     p.add_argument("--predict", action="store_true",
                    help="predict the step time of `megatron-oases train` with the flags after `--` (needs --profile)")
     return p
@@ -377,7 +383,7 @@ def _set_flags(p: argparse.ArgumentParser, a: argparse.Namespace, title: str, *,
 
 
 AT_LEAST = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "num_microbatches": 1, "global_batch_size": 1, "gpus": 1, "top": 0,
-            "jobs": 1,
+            "jobs": 1, "search_plans": 0,
             # profile's own
             "nproc": 1, "warmup": 0, "reps": 1, "threads": 1, "repeats": 1}
 """The smallest value each count flag of ``sim`` and ``profile`` takes (by dest); a flag not given
@@ -452,7 +458,8 @@ def check_flag_scope(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                            f"after `--` on its profile; drop it (the run is what those trainer flags say)")
         return
     check_search_scope(p, a, one_strategy=_set_flags(p, a, "outputs", only=frozenset({"trace", "png"})),
-                       search_only=_set_flags(p, a, "outputs", only=frozenset({"csv", "top"})))
+                       search_only=_set_flags(p, a, "outputs",
+                                              only=frozenset({"csv", "top", "search_plans", "plan_out"})))
 
 
 def check_search_scope(p: argparse.ArgumentParser, a: argparse.Namespace, *, one_strategy: Sequence[str] = (),
@@ -488,7 +495,7 @@ def sim_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(own)
     try:
         check_flag_scope(p, a)
-        for flag, path in (("--trace", a.trace), ("--png", a.png), ("--csv", a.csv)):
+        for flag, path in (("--trace", a.trace), ("--png", a.png), ("--csv", a.csv), ("--plan-out", a.plan_out)):
             check_output_file(flag, path)
         profile = ProfileDB.load(a.profile) if a.profile else None
         if a.predict:
@@ -569,7 +576,7 @@ def _largest_tp(a: argparse.Namespace, topo) -> int:
 
 def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     from ..core.search import search, search_table, write_csv
-    from .launch import launch_commands
+    from .launch import launch_commands, trainer_refusal
 
     gpus = a.gpus or dm.topology.world_size
     cands = search(model, search_space_from_args(a, model, gpus), dm, memory_limit_GB=a.memory_gb, jobs=a.jobs)
@@ -577,15 +584,46 @@ def _search(a: argparse.Namespace, model: GPTShape, dm) -> int:
     if model.moe is not None:
         print(ROUTING_ASSUMPTION)
     best = next((c for c in cands if c.feasible), None)
+    best, plan_path = _search_plans(a, cands, best, model, dm)
     if best is not None:
         nodes = dm.topology.num_nodes if gpus == dm.topology.world_size else max(1, gpus // dm.topology.ranks_per_node)
-        for form, cmd in launch_commands(best, model_flags(build_parser(), a), global_batch=a.global_batch_size,
-                                         num_layers=model.num_layers, gpus=gpus, nodes=nodes).items():
+        commands = launch_commands(best, model_flags(build_parser(), a), global_batch=a.global_batch_size,
+                                   num_layers=model.num_layers, gpus=gpus, nodes=nodes, plan_path=plan_path)
+        refused = trainer_refusal(commands["trainer"], gpus)
+        if refused:
+            raise SimError(f"the trainer refuses the launch of {best.label}: {refused}")
+        for form, cmd in commands.items():
             print(f"launch ({form}): {cmd}")
     if a.csv:
         write_csv(cands, a.csv)
         print(f"csv: {a.csv}")
     return 0
+
+
+def _search_plans(a: argparse.Namespace, cands, best, model: GPTShape, dm):
+    """The per-block plan step (``search_plans``): prints the planned rows; returns the strategy
+    to launch and its plan file (the best plan when it beats ``best`` and ``--plan-out`` names
+    where to write it; else ``best`` and None)."""
+    from .search_plans import best_plan, plan_search, plans_table
+
+    if not a.search_plans or best is None:
+        return best, None
+    rows = plan_search(cands, model, dm, top=a.search_plans, global_batch=a.global_batch_size,
+                       memory_limit_GB=a.memory_gb)
+    if rows:
+        print(plans_table(rows, best.result.iteration_ms))
+    win = best_plan(rows, best)
+    if win is None:
+        return best, None
+    if not a.plan_out:
+        print(f"     the best plan beats {best.label}: give --plan-out FILE to write it and launch it "
+              f"(degrees {win.plan['compact']}); the launch below is the best uniform strategy")
+        return best, None
+    from ...plan.plan_file import write_plan
+
+    write_plan(a.plan_out, win.plan)
+    print(f"plan: {a.plan_out} ({win.planned.label}, degrees {win.plan['compact']})")
+    return win.planned, a.plan_out
 
 
 def _predict(a: argparse.Namespace, profile: ProfileDB | None, train_argv: list[str]) -> int:
