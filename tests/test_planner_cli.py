@@ -310,6 +310,27 @@ def test_plan_refuses_two_precisions_in_sims_words(tmp_path, capsys, flags, need
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family, tp", [("atp", 4), ("3d", 8)])
+def test_whole_model_families_refuse_sequence_parallel_in_the_trainers_words(tmp_path, capsys, family, tp):
+    """ATP's and the cube's layers do not run --sequence-parallel: plan leaves them out with the
+    trainer's line (the record's ``run_refusal``), as ``train --tp-backend`` refuses the launch
+    (was: plan priced an ATP plan with --sequence-parallel that the trainer refuses)."""
+    import dataclasses
+
+    from megatron_oases.describe.backends import BACKENDS
+    from megatron_oases.run_config import DEFAULTS
+
+    trainers = BACKENDS[family].run_refusal(dataclasses.replace(DEFAULTS, sequence_parallel=True))
+    argv = ["--topology", "dgx-a100", "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "256", "--micro-batch-size", "4", "--tensor-model-parallel-size", str(tp),
+            "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json"), "--families", family]
+    assert plan_main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert plan_main(argv + ["--sequence-parallel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert trainers and trainers in err and len(err.splitlines()) == 1, err
+
+
 def test_sequence_parallel_plan_launches_without_oases_plan(tmp_path, capsys):
     """A --sequence-parallel plan is uniform T, and --oases-plan refuses --sequence-parallel at
     launch: the launch flags and --rewrite-cmd drop --oases-plan (were: '--oases-plan FILE', a
