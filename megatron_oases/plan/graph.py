@@ -345,9 +345,6 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     refused = backend(s.family).run_refusal(_run_flags(m))  # the trainer's words (train_args.validate_layout)
     if refused:
         return refused
-    refused = backend(s.family).run_refusal(_run_flags(m))  # the trainer's words (train_args.validate_layout)
-    if refused:
-        return refused
     refused = _record_refusal(s, m, query_groups=m.variant.query_groups)
     if refused:
         return refused
@@ -357,15 +354,6 @@ def feasible(s: BlockStrategy, m: PlanModel) -> str:
     if m.sub_batches > 1 and not backend(s.family).oases_tape:
         return f"--tp-backend {s.family} runs the stock executor (no Oases tape): plan with --schedule default"
     return split_refusal(m.micro_batch_size, m.sub_batches)  # describe.split
-
-
-def _run_flags(m: PlanModel):
-    """The trainer's config with ``m``'s flags that a record's ``run_refusal`` reads (sequence
-    parallelism, SwiGLU, linear biases), the rest at the trainer's defaults."""
-    from megatron_oases.run_config import DEFAULTS
-
-    return dataclasses.replace(DEFAULTS, sequence_parallel=m.sequence_parallel, swiglu=m.variant.gated,
-                               add_bias_linear=m.variant.bias)
 
 
 def _run_flags(m: PlanModel):
