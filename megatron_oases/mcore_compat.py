@@ -107,6 +107,24 @@ def local_grouped_mlp():
     return getattr(experts, "GroupedMLP", None)
 
 
+def report_moe_losses(*, num_microbatches: int, iteration: int, num_layers: int, moe_layer_freq,
+                      track_names: list[str]) -> dict[str, float]:
+    """The MoE routers' losses of the last step, as Megatron-LM's ``training_log`` gathers them
+    (``load_balancing_loss``...: summed over the MoE layers and pipeline stages, averaged over the
+    micro-batches), and the tracker cleared for the next step. Collective: every rank calls it.
+    0.19 deprecates ``moe_utils.track_moe_metrics`` for ``get_moe_metrics_tracker().report``,
+    which takes the same keywords; 0.16-0.18 have only the former."""
+    from megatron.core.transformer.moe import moe_utils
+
+    totals: dict = {}
+    tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)
+    report = tracker().report if tracker is not None else moe_utils.track_moe_metrics
+    report(loss_scale=1.0 / num_microbatches, iteration=iteration, total_loss_dict=totals,
+           force_initialize=True, track_names=track_names, num_layers=num_layers,
+           moe_layer_freq=moe_layer_freq)
+    return {name: float(value) for name, value in totals.items()}
+
+
 def quiet_gpt_model_deprecation() -> None:
     """0.19 logs "GPTModel IS DEPRECATED ... HybridModel" for every model chunk built. Megatron-LM's
     own ``pretrain_gpt.py`` (``gpt_builders``) still builds ``GPTModel`` at core_v0.19.0, and so do

@@ -148,6 +148,12 @@ def _check_combinations(cfg: RunConfig, tp: int) -> None:
     if tp > 1 and not cfg.sequence_parallel:
         raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                           f"(as Megatron-Core's MoE layer requires); add it")
+    if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
+        raise ConfigError(f"{experts} with biases at --tensor-model-parallel-size 1 and "
+                          f"{option('expert_model_parallel_size')} 1 fails inside Megatron-Core's local "
+                          f"experts (their bias is added in place to an all-reduce's output, which "
+                          f"autograd forbids when the reduce is one rank's identity); add "
+                          f"--disable-bias-linear or use {option('expert_model_parallel_size')} 2 or more")
     if tp > 1 and cfg.add_bias_linear:
         raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --disable-bias-linear "
                           f"(Megatron-Core's experts take biases only at expert TP size 1, and theirs "
@@ -210,3 +216,13 @@ def moe_words(cfg: RunConfig) -> str:
             else f"capacity factor {cfg.moe_expert_capacity_factor:g}")
     return (f"MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}{every}, "
             f"{cfg.moe_token_dispatcher_type}, {drop}")
+
+
+def moe_loss_names(cfg: RunConfig) -> list[str]:
+    """The routers' losses Megatron-LM logs for the run's ``--moe-router-load-balancing-type``
+    (its ``training_log``'s ``track_names``; ``--moe-z-loss-coeff`` is not a flag of ours)."""
+    types = cfg.moe_router_load_balancing_type
+    types = types if isinstance(types, tuple) else (types,)
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+             "global_aux_loss": "global_load_balancing_loss"}
+    return [names[t] for t in types if t in names]

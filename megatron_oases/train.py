@@ -248,7 +248,8 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
 
     from megatron_oases.evaluate import Validator
     from megatron_oases.flops import gpt_flops_per_iteration
-    from megatron_oases.moe import flops_ffn_hidden_size
+    from megatron_oases.mcore_compat import report_moe_losses
+    from megatron_oases.moe import flops_ffn_hidden_size, moe_loss_names, moe_runs
     from megatron_oases.train_args import query_groups
     from megatron_oases.runtime.spawn import report_progress
     from megatron_oases.vocab import padded_vocab_size
@@ -296,6 +297,10 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
                    "forward_backward_ms": out["forward_backward_ms"],
                    "optimizer_ms": out["optimizer_ms"],
                    "forward_backward_host_ms": out["forward_backward_host_ms"]}
+            if moe_runs(cfg):  # Megatron-LM's MoE loss fields (collective: every rank)
+                rec.update(report_moe_losses(num_microbatches=tr.num_microbatches, iteration=it,
+                                             num_layers=cfg.num_layers, moe_layer_freq=cfg.moe_layer_freq,
+                                             track_names=moe_loss_names(cfg)))
             if oases_runs(cfg):
                 from megatron_oases.schedules.oases.block import oases_saved_bytes
 
@@ -307,7 +312,9 @@ def run(cfg: RunConfig) -> tuple[Trainer, list[dict]]:
                 print(f" iteration {it:8d}/{cfg.train_iters:8d} | lm loss: {rec['lm_loss']:.6E} | "
                       f"grad norm: {norm} | elapsed time per iteration (ms): "
                       f"{rec['step_ms']:.1f} | tokens/s: {rec['tokens_per_s']:.1f} | "
-                      f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}", flush=True)
+                      f"TFLOP/s per rank: {rec['tflops_per_rank']:.4f}"
+                      + "".join(f" | {name}: {rec[name]:.6E}" for name in moe_loss_names(cfg) if name in rec),
+                      flush=True)
             stopped = nonfinite_stop(tr, it, out)
             if not stopped:
                 rec.update(validator.after_iteration(it))  # --eval-interval: validation loss fields

@@ -27,3 +27,11 @@ def losses_and_params(n: int, argv: list[str]) -> dict:
 
     out = run_on_ranks(train_losses_and_grads, n, args=(argv,), timeout_s=240)
     return {"losses": out[-1]["losses"], "params": out[0]["params"]}
+
+
+def logged_moe_losses(cfg) -> list[float | None]:
+    """``train.run`` for the validated ``cfg``: each iteration's logged ``load_balancing_loss``."""
+    from megatron_oases.train import run
+
+    _, records = run(cfg)
+    return [r.get("load_balancing_loss") for r in records]

@@ -15,7 +15,7 @@ from megatron_oases.train import main
 from megatron_oases.train_args import build_parser, validate_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
-MOE = ["--num-experts", "4"]
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -30,12 +30,13 @@ MOE = ["--num-experts", "4"]
     (["--nproc-per-node", "1", *MOE, "--moe-token-dispatcher-type", "flex"],
      "--moe-token-dispatcher-type flex needs DeepEP or HybridEP"),
     (["--nproc-per-node", "1", *MOE, "--moe-grouped-gemm"], "--moe-grouped-gemm: this megatron-core"),
-    (["--nproc-per-node", "2", *MOE, "--tensor-model-parallel-size", "2", "--disable-bias-linear"],
+    (["--nproc-per-node", "2", *MOE, "--tensor-model-parallel-size", "2"],
      "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
-    (["--nproc-per-node", "2", *MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "needs --disable-bias-linear"),
+    (["--nproc-per-node", "2", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], "needs --disable-bias-linear"),
+    (["--nproc-per-node", "1", "--num-experts", "4"], "with biases at --tensor-model-parallel-size 1 and"),
     (["--nproc-per-node", "2", *MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--disable-bias-linear", "--schedule", "oases"], "the Oases executor does not run MoE layers yet"),
+      "--schedule", "oases"], "the Oases executor does not run MoE layers yet"),
     (["--nproc-per-node", "2", *MOE, "--tensor-model-parallel-size", "2", "--tp-backend", "atp",
       "--atp-mesh", "2,1"], "--tp-backend atp does not"),
     (["--nproc-per-node", "1", *MOE, "--moe-aux-loss-coeff", "0.1", "0.2"],
@@ -102,3 +103,16 @@ def test_moe_model_builds_megatron_moe_layers(on_ranks):
     cfg = _validated(MOE + ["--moe-layer-freq", "2", "--expert-model-parallel-size", "2"], 2)
     for layers in on_ranks(built_mlps, 2, cfg, timeout_s=120):
         assert layers == [("MoELayer", "SequentialMLP", 2), ("MLP", None, 0)] * 2
+
+
+def test_trainer_logs_the_load_balancing_loss_as_one_rank(on_ranks):
+    """Each iteration's record (and log line) carries Megatron-LM's ``load_balancing_loss``, the
+    routers' loss gathered by Megatron's tracker, and EP 2 logs one rank's."""
+    from tests.rank_fns_moe import logged_moe_losses
+
+    argv = MOE + ["--moe-aux-loss-coeff", "0.01", "--train-iters", "2", "--seq-length", "16"]
+    one = on_ranks(logged_moe_losses, 1, _validated(argv, 1), timeout_s=120)[0]
+    ep2 = on_ranks(logged_moe_losses, 2, _validated(argv + ["--expert-model-parallel-size", "2"], 2),
+                   timeout_s=120)[-1]
+    assert len(one) == 2 and all(v is not None and v > 0 for v in one)
+    assert ep2 == pytest.approx(one, rel=1e-5)
