@@ -44,7 +44,8 @@ def _cost(m: PlanModel, **kw):
 
 def _sim_inputs(m: PlanModel, **kw) -> tuple[GPTShape, Strategy]:
     shape = GPTShape(**{f.name: getattr(m, f.name) for f in dataclasses.fields(GPTShape)})
-    return shape, Strategy(tp=m.tp, dp=4, ep=m.ep, num_microbatches=2, sequence_parallel=m.sequence_parallel, **kw)
+    return shape, Strategy(tp=m.tp, dp=8 // m.tp, ep=m.ep, num_microbatches=16 // (8 // m.tp * m.micro_batch_size),
+                           sequence_parallel=m.sequence_parallel, **kw)
 
 
 def test_eight_experts_are_priced_above_the_dense_twin_and_every_other_layer_between():
@@ -59,12 +60,12 @@ def test_eight_experts_are_priced_above_the_dense_twin_and_every_other_layer_bet
     assert times["dense"][1] < times["half"][1] < times["moe"][1]  # 4 experts a rank, each the twin's MLP
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_moe_block_prices_the_simulators_events(dispatcher):
+@pytest.mark.parametrize("dispatcher, tp, ep", [("alltoall", 2, 2), ("allgather", 2, 2), ("allgather", 1, 4)])
+def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep):
     """Every MoE event the planner prices is one the simulator builds (key, dims, bytes, ranks:
     the EP and TP x EP groups placed alike), and the MoE block's time is the sum of the
     simulator's prices of that block's events (stock executor: run one after another)."""
-    m = _model(_moe(dispatcher=dispatcher), ep=2, num_layers=1)
+    m = _model(_moe(dispatcher=dispatcher), ep=ep, num_layers=1, tp=tp, sequence_parallel=tp > 1)
     cm, pricer = _cost(m)
     shape, st = _sim_inputs(m)
     topo = load_topology(TOPO)
