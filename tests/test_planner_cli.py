@@ -281,17 +281,20 @@ def test_swiglu_without_ffn_prices_megatron_lms_default(tmp_path, capsys):
     assert json.loads(out.read_text())["inputs"]["model"]["ffn_hidden_size"] == 2048
 
 
+def _small_plan(tmp_path, *, topology: str = "pcie-3090-2node", tp: int = 4) -> list[str]:
+    """A two-layer plan's command line, its plan file in ``tmp_path``."""
+    return ["--topology", topology, "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "256", "--micro-batch-size", "4", "--tensor-model-parallel-size", str(tp),
+            "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
+
+
 @pytest.mark.parametrize("flags, dtype", [([], "bf16"), (["--bf16"], "bf16"), (["--fp16"], "fp16"),
                                           (["--dtype", "fp32"], "fp32"), (["--fp16", "--dtype", "fp16"], "fp16")])
 def test_plan_prices_the_launchs_precision_flags(tmp_path, capsys, flags, dtype):
     """The launch's --bf16 / --fp16 price as --dtype does (``precision.priced_dtype``, sim's rule
     too); none of them: --dtype's default, bf16 (was: plan refused --bf16 / --fp16)."""
-    out = tmp_path / "p.json"
-    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
-            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
-            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--out", str(out)]
-    assert plan_main(argv + flags) == 0, capsys.readouterr().err
-    assert json.loads(out.read_text())["inputs"]["model"]["dtype"] == dtype
+    assert plan_main(_small_plan(tmp_path) + flags) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "p.json").read_text())["inputs"]["model"]["dtype"] == dtype
 
 
 @pytest.mark.parametrize("flags, needle", [(["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pick one"),
@@ -300,10 +303,7 @@ def test_plan_prices_the_launchs_precision_flags(tmp_path, capsys, flags, dtype)
 def test_plan_refuses_two_precisions_in_sims_words(tmp_path, capsys, flags, needle):
     from megatron_oases.sim.frontends.cli import sim_main
 
-    argv = ["--topology", "pcie-3090-2node", "--num-layers", "2", "--hidden-size", "512",
-            "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "4",
-            "--tensor-model-parallel-size", "4", "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
-    assert plan_main(argv + flags) == 2
+    assert plan_main(_small_plan(tmp_path) + flags) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert sim_main(["--topology", "pcie-3090-2node", "--tensor-model-parallel-size", "4", *flags]) == 2
@@ -321,9 +321,7 @@ def test_whole_model_families_refuse_sequence_parallel_in_the_trainers_words(tmp
     from megatron_oases.run_config import DEFAULTS
 
     trainers = BACKENDS[family].run_refusal(dataclasses.replace(DEFAULTS, sequence_parallel=True))
-    argv = ["--topology", "dgx-a100", "--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
-            "--seq-length", "256", "--micro-batch-size", "4", "--tensor-model-parallel-size", str(tp),
-            "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json"), "--families", family]
+    argv = _small_plan(tmp_path, topology="dgx-a100", tp=tp) + ["--families", family]
     assert plan_main(argv) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert plan_main(argv + ["--sequence-parallel"]) == 2
