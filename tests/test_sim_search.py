@@ -112,8 +112,10 @@ def test_the_printed_launch_command_is_accepted_by_the_trainer(capsys):
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--vocab-size", "1024", "--swiglu", "--dtype", "fp32", "--jobs", "1"]
     for extra in ([], ["--schedules", "oases", "--sequence-parallel", "--tp-sizes", "2"]):
-        assert sim_main(argv + extra) == 0
+        assert sim_main(argv + extra + ["--show-refused", "--top", "1000"]) == 0
         out = capsys.readouterr().out
+        if not extra:  # the default space holds SP and Oases candidates (and both together)
+            assert ".sp " in out and ".oases " in out and ".sp.oases " in out
         line = next(l for l in out.splitlines() if l.startswith("launch (trainer): "))
         words = shlex.split(line.split(": ", 1)[1])
         assert words[:4] == ["megatron-oases", "train", "--nproc-per-node", "4"]
@@ -205,3 +207,28 @@ def test_a_launch_the_trainer_refuses_is_not_printed(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "launch (" not in captured.out
     assert captured.err.strip().endswith(f"the trainer refuses the launch of tp4.pp1.dp2.oases: {refusal}")
+
+
+def test_the_printed_launch_trains_on_cpu(capsys):
+    """The acceptance run: the best of a search whose space holds SP and Oases candidates, launched
+    as printed (plus one iteration on CPU), trains with two ranks. About 6 s (spawned ranks):
+    in tests/slow_tests.txt."""
+    import shlex
+    import subprocess
+    import sys
+
+    from megatron_oases.sim.frontends.cli import sim_main
+
+    argv = ["--search", "--topology", "local", "--gpu", "h100-sxm", "--gpus", "2", "--global-batch-size", "4",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--vocab-size", "1024", "--swiglu", "--dtype", "fp32", "--jobs", "1",
+            "--schedules", "oases", "--sequence-parallel", "--tp-sizes", "2"]
+    assert sim_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "best tp2.pp1.dp1.sp.oases:" in out.splitlines()[0]  # the SP + Oases strategy is the one launched
+    words = shlex.split(next(l for l in out.splitlines() if l.startswith("launch (trainer): ")).split(": ", 1)[1])
+    exe = str(Path(sys.executable).with_name(words[0]))
+    run = subprocess.run([exe, *words[1:], "--train-iters", "1", "--device", "cpu"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "iteration        1/       1 | lm loss" in run.stdout
