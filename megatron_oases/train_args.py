@@ -56,7 +56,11 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     add_flag(g, "untie_embeddings_and_output_weights")
     from megatron_oases.moe import MOE_FIELDS
 
-    add_flags(p.add_argument_group("mixture of experts (Megatron-Core's MoELayer)"), ("num_experts", *MOE_FIELDS))
+    moe = p.add_argument_group("mixture of experts (Megatron-Core's MoELayer; docs/trainer.md)")
+    notes = {"moe_token_dispatcher_type": "flex (DeepEP / HybridEP) is refused",
+             "moe_grouped_gemm": "refused where megatron-core's local spec has none (0.19: SequentialMLP only)"}
+    for dest in ("num_experts", *MOE_FIELDS):
+        add_flag(moe, dest, note=notes.get(dest, ""))
     g.add_argument("--no-tp-invariant-init", dest="tp_invariant_init", action="store_false",
                    help="keep Megatron's own init (depends on TP/PP); by default every parameter "
                         "is drawn from (seed, global name) so all layouts start identical")
