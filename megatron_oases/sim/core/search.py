@@ -2,6 +2,8 @@
 recompute off / full / selective, virtual stages, and EP for an MoE model) of a fixed global batch on N GPUs and rank them (DistSim §6,
 Fig. 12 / Table 2). Infeasible strategies stay in the table with the reason: divisibility (the
 same one-line ``SimError`` a single simulation gives), memory, or missing profile events.
+Per-block plans are a step after the ranking, in the front end (``sim.frontends.search_plans``):
+the core does not import the planner.
 """
 from __future__ import annotations
 
