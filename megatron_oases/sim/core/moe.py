@@ -9,7 +9,8 @@ sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memor
 """
 from __future__ import annotations
 
-from ...describe.moe import EXPERT_TENSORS_FROM, is_moe_op, moe_block_param_tensors, moe_block_saved_delta, moe_refusal  # noqa: F401
+from ...describe.moe import EXPERT_TENSORS_FROM, moe_block_param_tensors, moe_block_saved_delta, moe_refusal
+from ...describe.moe import is_moe_op  # noqa: F401  (events.py reads it from here)
 from ...describe.moe import moe_axis_ranks as axis_ranks
 from ...describe.ops import ModelingError
 from ...describe.registry import MLP_PARAM_TENSORS, layer_param_tensors
