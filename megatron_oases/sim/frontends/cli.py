@@ -345,9 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--png", default=None, help="write a timeline PNG here (needs matplotlib)")
     g.add_argument("--csv", default=None, help="--search: write every strategy as CSV here")
     g.add_argument("--top", type=int, default=20, help="--search: feasible rows to print")
-    g.add_argument("--search-plans", type=int, default=3,
+    g.add_argument("--search-plans", type=int, default=None,
                    help="--search: run the planner on this many of the best uniform strategies it can plan "
-                        "and price its per-block plans (0: none)")
+                        "and price its per-block plans (0: none; default 3, 0 with --profile, whose "
+                        "`profile --search` measured the uniform strategies' events only)")
     g.add_argument("--plan-out", default=None, metavar="FILE",
                    help="--search: write the per-block plan here when one beats every uniform strategy "
                         "(its launch takes --oases-plan FILE)")
@@ -606,9 +607,10 @@ def _search_plans(a: argparse.Namespace, cands, best, model: GPTShape, dm):
     where to write it; else ``best`` and None)."""
     from .search_plans import best_plan, plan_search, plans_table
 
-    if not a.search_plans or best is None:
+    top = a.search_plans if a.search_plans is not None else 0 if a.profile else 3
+    if not top or best is None:
         return best, None
-    rows = plan_search(cands, model, dm, top=a.search_plans, global_batch=a.global_batch_size,
+    rows = plan_search(cands, model, dm, top=top, global_batch=a.global_batch_size,
                        memory_limit_GB=a.memory_gb)
     if rows:
         print(plans_table(rows, best.result.iteration_ms))
