@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_oases.describe.moe import DISPATCHERS, moe_refusal, moe_shape
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
 from megatron_oases.run_config import DEFAULTS, RunConfig
@@ -21,9 +22,6 @@ MOE_FIELDS = ("moe_router_topk", "expert_model_parallel_size", "moe_token_dispat
               "moe_layer_freq", "moe_expert_capacity_factor", "moe_grouped_gemm")
 """The MoE flags other than ``--num-experts``, which take effect only with it."""
 
-DISPATCHERS = ("allgather", "alltoall")
-"""The token dispatchers that run on Megatron-Core's local spec (``flex`` needs DeepEP or
-HybridEP, CUDA extensions)."""
 
 
 def moe_runs(cfg: RunConfig) -> bool:
@@ -66,14 +64,14 @@ def validate_moe_config(cfg: RunConfig, *, tp: int, dp: int, ours: bool = True) 
                 raise ConfigError(f"{option(name)} takes effect with MoE layers only; add "
                                   f"{option('num_experts')} N or drop it")
         return cfg
-    _check_values(cfg, dp)
-    _check_combinations(cfg, tp)
+    _check_values(cfg)
+    _check_combinations(cfg, tp, dp)
     return cfg
 
 
-def _check_values(cfg: RunConfig, dp: int) -> None:
-    """Each MoE flag's own range, and the expert-parallel split."""
-    n, ep, topk = cfg.num_experts, cfg.expert_model_parallel_size, cfg.moe_router_topk
+def _check_values(cfg: RunConfig) -> None:
+    """Each MoE flag's own range."""
+    n, topk = cfg.num_experts, cfg.moe_router_topk
     experts = option("num_experts")
     if n < 1:
         raise ConfigError(f"{experts} must be >= 1 (got {n}); omit it (or 0) for dense MLPs")
@@ -84,14 +82,6 @@ def _check_values(cfg: RunConfig, dp: int) -> None:
                           f"over one expert has no gradient), which the trainer does not take; use "
                           f"{option('moe_router_topk')} 2 or more, or {option('moe_router_load_balancing_type')} "
                           f"sinkhorn")
-    if ep < 1 or n % ep:
-        raise ConfigError(f"{option('expert_model_parallel_size')} {ep} must divide {experts} {n} "
-                          f"(each expert-parallel rank holds whole experts)")
-    if dp % ep:
-        raise ConfigError(f"{option('expert_model_parallel_size')} {ep} must divide the data-parallel "
-                          f"size {dp} (the experts' TP size is --tensor-model-parallel-size's, so an "
-                          f"expert-parallel group spans data-parallel ranks); launch more ranks or "
-                          f"lower it")
     if cfg.moe_ffn_hidden_size < 1:
         raise ConfigError(f"{option('moe_ffn_hidden_size')} must be >= 1 (got {cfg.moe_ffn_hidden_size})")
     freq = cfg.moe_layer_freq
@@ -119,7 +109,7 @@ def _check_values(cfg: RunConfig, dp: int) -> None:
                           f"change {option('moe_router_load_balancing_type')} sinkhorn")
 
 
-def _check_combinations(cfg: RunConfig, tp: int) -> None:
+def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
     """What our builds cannot run with MoE layers yet, refused before any process group starts."""
     from megatron_oases.describe.backends import backend
     from megatron_oases.schedules.oases.options import oases_runs
@@ -145,19 +135,27 @@ def _check_combinations(cfg: RunConfig, tp: int) -> None:
     if cfg.oases_skip_tp_collectives:
         raise ConfigError(f"{experts}: --oases-skip-tp-collectives would also drop the experts' "
                           f"communication; drop one of them")
-    if tp > 1 and not cfg.sequence_parallel:
-        raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --sequence-parallel "
-                          f"(as Megatron-Core's MoE layer requires); add it")
+    refused = moe_refusal(moe_shape_of(cfg), tp=tp, ep=cfg.expert_model_parallel_size, dp=dp,
+                          sequence_parallel=cfg.sequence_parallel, bias=cfg.add_bias_linear)
+    if refused:  # the layer's own rules (EP divides the experts and DP; TP needs SP, no biases)
+        raise ConfigError(refused)
     if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
         raise ConfigError(f"{experts} with biases at --tensor-model-parallel-size 1 and "
                           f"{option('expert_model_parallel_size')} 1 fails inside Megatron-Core's local "
                           f"experts (their bias is added in place to an all-reduce's output, which "
                           f"autograd forbids when the reduce is one rank's identity); add "
                           f"--disable-bias-linear or use {option('expert_model_parallel_size')} 2 or more")
-    if tp > 1 and cfg.add_bias_linear:
-        raise ConfigError(f"{experts} with --tensor-model-parallel-size {tp} needs --disable-bias-linear "
-                          f"(Megatron-Core's experts take biases only at expert TP size 1, and theirs "
-                          f"is TP's); add it")
+
+
+def moe_shape_of(cfg: RunConfig):
+    """The run's ``describe.moe.MoEShape`` (its layer rules; a per-layer ``--moe-layer-freq``
+    list, which those rules do not read, as 1)."""
+    freq = cfg.moe_layer_freq
+    return moe_shape(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+                     ffn_hidden_size=cfg.ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
+                     moe_layer_freq=1 if isinstance(freq, (list, tuple)) else freq,
+                     moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                     moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=cfg.moe_grouped_gemm)
 
 
 def grouped_gemm_available() -> bool:
@@ -194,7 +192,8 @@ def moe_layer_pattern(cfg: RunConfig) -> list[bool]:
     freq = cfg.moe_layer_freq
     if isinstance(freq, (list, tuple)):  # Megatron-LM's list form, one entry per layer
         return [moe_runs(cfg) and bool(f) for f in freq]
-    return [moe_runs(cfg) and i % freq == 0 for i in range(cfg.num_layers)]
+    shape = moe_shape_of(cfg) if moe_runs(cfg) else None
+    return [shape is not None and shape.is_moe(i) for i in range(cfg.num_layers)]
 
 
 def flops_ffn_hidden_size(cfg: RunConfig) -> float:

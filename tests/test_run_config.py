@@ -28,8 +28,10 @@ def _sources():
 
 NAMESPACE_NAMES = {"args", "a", "view", "ns", "namespace"}
 EXEMPT: dict[tuple[str, str], str] = {
-    # (file, function): reason -- none: Megatron-LM's own options named in a table are read
+    # (file, function): reason -- Megatron-LM's own options named in a table are read
     # through run_config.options_present
+    ("precision.py", "priced_dtype"): "sim's and plan's pricing namespaces (--dtype and sim's --fp32 "
+                                      "are no RunConfig fields; plan has no --fp32)",
 }
 
 
@@ -145,6 +147,7 @@ RUN_CONFIG_ENTRIES: dict[tuple[str, str], str] = {
     ("sim/frontends/predict.py", "_train_step"): "the simulator's trainer-flags front end",
     ("benchmarks/standin/measure.py", "trainer_config"): "the stand-in benchmark's trainer flags",
     ("plan/mesh_cli.py", "run_shape"): "megatron-oases mesh: the trainer's model flags",
+    ("sim/frontends/launch.py", "trainer_refusal"): "sim --search's printed launch, checked as the trainer parses it",
     ("sim/frontends/predict.py", "_with_loop_overhead"):
         "the simulator's trainer-flags front end (the loop overhead's one-rank runs)",
 }
