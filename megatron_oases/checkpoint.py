@@ -56,6 +56,8 @@ them was saved with these values."""
 LAYOUT_FLAGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "num_layers_per_virtual_pipeline_stage", "tp_backend", "atp_mesh",
                 "oases_layer_degrees", "expert_model_parallel_size")
+_LATER_LAYOUT_FLAGS = {"expert_model_parallel_size": 1}
+"""Layout flags added after checkpoints were first written: one saved without them had these."""
 _TORCH_READER_NOTES = ("torch.distributed is disabled, unavailable or uninitialized",
                        "The argument order of load has been changed")
 """torch's notes when the common state is read (``no_dist``, before any process group, and from
@@ -423,7 +425,7 @@ def _plain_flags(cfg, world_size: int | None = None) -> dict:
 
 
 def _layout(flags: dict) -> tuple:
-    return tuple((k, flags.get(k)) for k in LAYOUT_FLAGS)
+    return tuple((k, flags.get(k, _LATER_LAYOUT_FLAGS.get(k))) for k in LAYOUT_FLAGS)
 
 
 def _rank0() -> bool:
