@@ -5,14 +5,54 @@ from __future__ import annotations
 from .atp_meshes import atp_mesh_refusal, atp_meshes
 from .layer_query import LayerQuery
 from .layout import BACKEND_FLAG, Layout
-from .megatron_1d import megatron_1d_saved_bytes, tp_split_refusal
+from .megatron_1d import core_kernels, megatron_1d_saved_bytes, tp_split_refusal
 from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import mesh_layer_saved_bytes
 
 
+def eager_norm_kernels(normalization: str, *, bytes_per_element: int) -> int:
+    """Forward kernels of ATP's and the cube's norms in eager PyTorch (``layers.atp_norm.ATPNorm``,
+    ``layers.linear3d.LayerNorm3D``; Megatron's norm is one fused kernel): LayerNorm = the sum,
+    mean, centring, square, sum, variance, + eps, rsqrt, scale, weight and bias (11); RMSNorm =
+    square, sum, mean, + eps, rsqrt, scale, weight (7); below fp32 the cast to fp32 and back (2)."""
+    return (11 if normalization == "LayerNorm" else 7) + (2 if bytes_per_element < 4 else 0)
+
+
+def mesh_segment_kernels(variant: LayerVariant, *, bytes_per_element: int, core_attention: str = "local",
+                         attention_dropout: bool = False) -> dict[str, int]:
+    """Forward kernels of each segment of a layer cut at its collectives (ATP's, the cube's:
+    ln1, qkv, core, proj, ln2, fc1, fc2), counted as ``megatron_1d`` counts Megatron's (its
+    attention's 7 + the core attention's, its MLP's 5) with the eager norms
+    (:func:`eager_norm_kernels`) and the MLP's unfused bias add and activation
+    (``layers.atp_mlp.ATPMLP.activate``: act(gate) * up is two kernels)."""
+    norm = eager_norm_kernels(variant.normalization, bytes_per_element=bytes_per_element)
+    bias = 1 if variant.bias else 0
+    return {"ln1": norm,
+            "qkv": 2,  # the GEMM and its bias (Megatron's count keeps it with or without one)
+            # the q/k/v split copies as Megatron's 7 leave them (less norm, QKV 2, proj, b-d-a: 2)
+            "core": 2 + core_kernels(core_attention, attention_dropout=attention_dropout),
+            "proj": 1,
+            "ln2": 1 + norm,  # the attention's bias-dropout-add, then the norm
+            "fc1": 1 + bias + (2 if variant.gated else 1),
+            "fc2": 2}  # the GEMM, the MLP's bias-dropout-add
+
+
+MESH_BLOCKS = {"ln1": 4, "qkv": 4, "core": 4, "proj": 4, "ln2": 3, "fc1": 3, "fc2": 3}
+"""Segments of the block each segment belongs to (attention: ln1, qkv, core, proj; MLP: ln2, fc1,
+fc2): each carries that share of its block's framework cost (``Compute.framework_share``)."""
+
+
+def mesh_segment(name: str, kernels: dict[str, int], **work) -> Compute:
+    """The segment ``<backend>.<part>`` with ``work`` (``Compute``'s FLOPs and bytes), its kernels
+    (:func:`mesh_segment_kernels`) and its block's framework share (``MESH_BLOCKS``)."""
+    part = name.split(".")[-1]
+    return Compute(name=name, kernels=kernels[part], framework_share=1 / MESH_BLOCKS[part], **work)
+
+
 def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, d1: int,
                      d2: int, bytes_per_element: int = 2, chunks: int = 1,
-                     variant: LayerVariant = GPT2) -> LayerDescription:
+                     variant: LayerVariant = GPT2, core_attention: str = "local",
+                     attention_dropout: bool = False) -> LayerDescription:
     """ATP's layer on DeviceMesh(d1, d2): hidden states ``[s, b, h/d2]`` between layers.
 
     Forward: LN partial sums -> 2 tiny all-reduces (mean, variance) on axis 2 -> QKV (column-first,
@@ -26,6 +66,8 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     are replicated).
     ``chunks`` (``--atp-chunks``, §4.1): the four linears' forward all-reduces run as that many
     all-reduces of one chunk each, launched while the next chunk's GEMM runs.
+    Each segment counts its kernels (:func:`mesh_segment_kernels`) and its block's framework share
+    (``MESH_BLOCKS``): the software stack prices its host time and element-wise factors as Megatron's.
     """
     n = d1 * d2
     refused = atp_2d_split_refusal(d1=d1, d2=d2, hidden=hidden, heads=heads, ffn=ffn,
@@ -41,15 +83,17 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
         return Collective(name=name, kind=kind, axis=f"mesh{axis}", group_size=d1 if axis == 1 else d2,
                           payload_bytes=int(nbytes))
 
-    ln = lambda nm: Compute(name=nm, gemm_flops=0.0, elementwise_bytes=e * 3 * tok * h / d2)  # noqa: E731
-    qkv = Compute(name="atp.qkv", gemm_flops=2 * tok * (h / d2) * (qkv_n / d1),
-                  elementwise_bytes=e * (3 * tok * h / d2))
-    core = Compute(name="atp.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / n,
-                   elementwise_bytes=e * (3 * b * (a // n) * s * s
-                                          + tok * variant.qk_elementwise_per_token(h, a) / n))
-    proj = Compute(name="atp.proj", gemm_flops=2 * tok * (h / d1) * (h / d2))
-    fc1 = Compute(name="atp.fc1", gemm_flops=2 * tok * (h / d2) * (fc1_n / d1), elementwise_bytes=e * 3 * tok * h / d2)
-    fc2 = Compute(name="atp.fc2", gemm_flops=2 * tok * (f / d1) * (h / d2), elementwise_bytes=e * 2 * tok * f / d1)
+    kernels = mesh_segment_kernels(variant, bytes_per_element=e, core_attention=core_attention,
+                                   attention_dropout=attention_dropout)
+    seg = lambda name, **work: mesh_segment(name, kernels, **work)  # noqa: E731
+
+    ln = lambda nm: seg(nm, gemm_flops=0.0, elementwise_bytes=e * 3 * tok * h / d2)  # noqa: E731
+    qkv = seg("atp.qkv", gemm_flops=2 * tok * (h / d2) * (qkv_n / d1), elementwise_bytes=e * (3 * tok * h / d2))
+    core = seg("atp.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / n,
+               elementwise_bytes=e * (3 * b * (a // n) * s * s + tok * variant.qk_elementwise_per_token(h, a) / n))
+    proj = seg("atp.proj", gemm_flops=2 * tok * (h / d1) * (h / d2))
+    fc1 = seg("atp.fc1", gemm_flops=2 * tok * (h / d2) * (fc1_n / d1), elementwise_bytes=e * 3 * tok * h / d2)
+    fc2 = seg("atp.fc2", gemm_flops=2 * tok * (f / d1) * (h / d2), elementwise_bytes=e * 2 * tok * f / d1)
     if chunks < 1 or micro_batch % chunks:
         raise ModelingError(f"--atp-chunks {chunks} must divide the micro-batch {micro_batch}")
 
@@ -157,7 +201,8 @@ def atp_2d_layer(q: LayerQuery) -> LayerDescription:
     """The record's layer: ATP's on ``q.layout``."""
     assert q.layout is not None
     return atp_2d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
-                            d1=q.layout["d1"], d2=q.layout["d2"], bytes_per_element=q.bytes_per_element, variant=q.variant)
+                            d1=q.layout["d1"], d2=q.layout["d2"], bytes_per_element=q.bytes_per_element, variant=q.variant,
+                            core_attention=q.core_attention, attention_dropout=q.attention_dropout)
 
 
 def atp_2d_edges(*, layout: Layout | None, micro_batch: int, seq: int, hidden: int, tp: int,

@@ -15,10 +15,11 @@ Quantities are per rank and per (sub-)batch ``b``; FLOPs count a multiply-add as
 """
 from __future__ import annotations
 
+from .atp_2d import mesh_segment, mesh_segment_kernels
 from .layer_query import LayerQuery
 from .layout import BACKEND_FLAG, Layout
 from .megatron_1d import tp_split_refusal
-from .ops import GPT2, Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
+from .ops import GPT2, Collective, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import mesh_layer_saved_bytes
 
 _OTHER = {"y": "z", "z": "y"}
@@ -47,12 +48,14 @@ backward overflowed)."""
 
 
 def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, tp: int,
-                      bytes_per_element: int = 2, variant: LayerVariant = GPT2) -> LayerDescription:
+                      bytes_per_element: int = 2, variant: LayerVariant = GPT2, core_attention: str = "local",
+                      attention_dropout: bool = False) -> LayerDescription:
     """A GPT layer on the cube of ``tp = p^3`` ranks: GPT-2's (LayerNorm, biased linears, GeLU
     MLP) or a ``variant`` (GQA widens QKV's output to queries plus a key and a value per group,
     SwiGLU fc1's to gate and up; RMSNorm has one statistic and no bias vector; without biases
     the linears move no bias vectors; RoPE and QK-norm are element-wise on the rank's heads, the
-    q/k norms replicated, no collective)."""
+    q/k norms replicated, no collective). Each segment counts its kernels and its block's framework
+    share as ATP's (``atp_2d.mesh_segment``: the same eager norms, biases and activation)."""
     refused = cube_3d_split_refusal(tp=tp, hidden=hidden, heads=heads, ffn=ffn, micro_batch=micro_batch,
                                     query_groups=variant.query_groups)
     if refused:
@@ -102,15 +105,17 @@ def cube_3d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ff
         return vector(name, n, col_dir, backward) if variant.bias else ()
 
     per = tok * h / p ** 3  # elements of one activation block
-    ln = lambda nm: Compute(name=nm, gemm_flops=0.0, elementwise_bytes=e * 4 * per)  # noqa: E731
-    qkv = Compute(name="3d.qkv", gemm_flops=2 * tok * h * qkv_n / p ** 3, elementwise_bytes=e * 3 * per)
-    core = Compute(name="3d.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / p ** 3,
-                   elementwise_bytes=e * (3 * (b // q) * (a // p) * s * s
-                                          + tok * variant.qk_elementwise_per_token(h, a) / p ** 3))
-    proj = Compute(name="3d.proj", gemm_flops=2 * tok * h * h / p ** 3, elementwise_bytes=e * 3 * per)
-    fc1 = Compute(name="3d.fc1", gemm_flops=2 * tok * h * fc1_n / p ** 3, elementwise_bytes=e * 3 * per)
-    fc2 = Compute(name="3d.fc2", gemm_flops=2 * tok * f * h / p ** 3,
-                  elementwise_bytes=e * (2 * tok * f / p ** 3 + 3 * per))
+    kernels = mesh_segment_kernels(variant, bytes_per_element=e, core_attention=core_attention,
+                                   attention_dropout=attention_dropout)
+    seg = lambda name, **work: mesh_segment(name, kernels, **work)  # noqa: E731
+    ln = lambda nm: seg(nm, gemm_flops=0.0, elementwise_bytes=e * 4 * per)  # noqa: E731
+    qkv = seg("3d.qkv", gemm_flops=2 * tok * h * qkv_n / p ** 3, elementwise_bytes=e * 3 * per)
+    core = seg("3d.core", gemm_flops=0.0, attention_flops=4 * b * s * s * h / p ** 3,
+               elementwise_bytes=e * (3 * (b // q) * (a // p) * s * s
+                                      + tok * variant.qk_elementwise_per_token(h, a) / p ** 3))
+    proj = seg("3d.proj", gemm_flops=2 * tok * h * h / p ** 3, elementwise_bytes=e * 3 * per)
+    fc1 = seg("3d.fc1", gemm_flops=2 * tok * h * fc1_n / p ** 3, elementwise_bytes=e * 3 * per)
+    fc2 = seg("3d.fc2", gemm_flops=2 * tok * f * h / p ** 3, elementwise_bytes=e * (2 * tok * f / p ** 3 + 3 * per))
     ln1, ln2 = ln("3d.ln1"), ln("3d.ln2")
 
     def block(name, n_in, n_out, a_dir, compute):
@@ -227,7 +232,8 @@ def cube_3d_layout_refusal(layout: Layout | None, tp: int) -> str:
 def cube_3d_layer(q: LayerQuery) -> LayerDescription:
     """The record's layer: the cube's of ``q.tp`` ranks."""
     return cube_3d_gpt_layer(micro_batch=q.micro_batch, seq=q.seq, hidden=q.hidden, heads=q.heads, ffn=q.ffn,
-                             tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant)
+                             tp=q.tp, bytes_per_element=q.bytes_per_element, variant=q.variant,
+                             core_attention=q.core_attention, attention_dropout=q.attention_dropout)
 
 
 def cube_3d_edges(*, layout: Layout | None, micro_batch: int, seq: int, hidden: int, tp: int,

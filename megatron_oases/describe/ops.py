@@ -43,6 +43,11 @@ class Compute:
     kernels: int = 0
     """CUDA kernels the segment launches in eager PyTorch (0: unknown, counted as 1); the device
     model's dispatch floor (``DeviceModel.dispatch_us``)."""
+    framework_share: float = 1.0
+    """The share of its block's framework host cost (``SoftwareStack.layer_framework_us``: the
+    module calls, hooks and autograd around an attention or MLP block) this event carries: 1 for
+    Megatron's segments (one per block), 1 / n for each of the n segments a layer cut by its
+    collectives makes of one block (ATP, 3-D), so cutting a block does not multiply its cost."""
     gemms: tuple[tuple[int, int, int], ...] = ()
     """The segment's GEMMs as ``(M, N, K)``: an ``M x N`` output reduced over ``K`` (2 M N K
     FLOPs each; together ``gemm_flops``). Empty: shapes unknown (the device model then prices
@@ -121,7 +126,8 @@ def backward_of(c: Compute) -> Compute:
     """A segment's backward: dgrad + wgrad GEMMs (2x), and twice the element-wise traffic."""
     return Compute(name=f"{c.name}.bwd", gemm_flops=2 * c.gemm_flops,
                    attention_flops=2 * c.attention_flops, elementwise_bytes=2 * c.elementwise_bytes,
-                   score_bytes=2 * c.score_bytes, kernels=2 * c.kernels, gemms=backward_gemms(c.gemms))
+                   score_bytes=2 * c.score_bytes, kernels=2 * c.kernels, gemms=backward_gemms(c.gemms),
+                   framework_share=c.framework_share)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -92,9 +92,9 @@ class SoftwareStack:
 
     def host_ms(self, c: Compute) -> float:
         """Host time to issue the event: kernels x ``dispatch_us`` (+ the framework cost for a
-        multi-kernel event)."""
+        multi-kernel event, its block's share of it: ``Compute.framework_share``)."""
         k = self.kernels(c)
-        return (k * self.dispatch_us + (self.layer_framework_us if k > 1 else 0.0)) / 1e3
+        return (k * self.dispatch_us + (self.layer_framework_us * c.framework_share if k > 1 else 0.0)) / 1e3
 
 
 def is_backward(c: Compute) -> bool:
