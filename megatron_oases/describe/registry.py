@@ -25,8 +25,9 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
     (``schedule="oases"``) keeps the all-gathered column inputs instead of re-gathering them.
     The dropouts' element-wise traffic is described for Megatron 1-D only, and so is
     ``recompute_core_attention`` (selective recompute: Megatron's attention module checkpoints
-    its core attention; the ATP and 3-D attention modules do not) and ``core_attention``'s kernel
-    count (``GPTShape.core_attention``; the ATP and 3-D descriptions count no kernels). ``moe``:
+    its core attention; the ATP and 3-D attention modules do not). ``core_attention``'s kernel
+    count (``GPTShape.core_attention``) holds for every backend (ATP and 3-D count their segments'
+    kernels with it: ``describe.atp_2d.mesh_segment_kernels``). ``moe``:
     an MoE layer (``describe.moe``, Megatron's own modules only) with ``ep`` expert-parallel ranks."""
     if sequence_parallel and not (backend in RECORDS and record(backend).sequence_parallel):
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
