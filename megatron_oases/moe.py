@@ -126,18 +126,13 @@ def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
     if not backend(cfg.tp_backend).megatron_modules:
         raise ConfigError(f"{experts} builds Megatron-Core's MoE layers, which --tp-backend "
                           f"{cfg.tp_backend} does not; use --tp-backend megatron")
-    if cfg.oases_plan is not None:
-        raise ConfigError(f"{experts}: --oases-plan's per-block degrees are for dense MLPs; drop one of them")
-    if oases_runs(cfg):
-        raise ConfigError(f"{experts}: the Oases executor does not run MoE layers yet (issue 51 item 2); "
-                          f"drop --schedule oases (or use --tensor-model-parallel-size 1, where it runs "
-                          f"stock layers)")
     if cfg.oases_skip_tp_collectives:
         raise ConfigError(f"{experts}: --oases-skip-tp-collectives would also drop the experts' "
                           f"communication; drop one of them")
     refused = moe_refusal(moe_shape_of(cfg), tp=tp, ep=cfg.expert_model_parallel_size, dp=dp,
-                          sequence_parallel=cfg.sequence_parallel, bias=cfg.add_bias_linear)
-    if refused:  # the layer's own rules (EP divides the experts and DP; TP needs SP, no biases)
+                          sequence_parallel=cfg.sequence_parallel, bias=cfg.add_bias_linear,
+                          per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg))
+    if refused:  # EP divides the experts and DP; TP needs SP, no biases; no plan, no Oases executor yet
         raise ConfigError(refused)
     if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
         raise ConfigError(f"{experts} with biases at --tensor-model-parallel-size 1 and "

@@ -124,13 +124,19 @@ def _flag(name: str) -> str:
     return _FLAGS[name]
 
 
-def moe_refusal(moe: MoEShape, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
-                megatron_modules: bool = True, bias: bool = False) -> str:
-    """Why an MoE model does not run at this layout ("" when it does), in the trainer's words
-    (``megatron_oases.moe``): EP divides the experts and, the experts' TP being TP's, the
-    data-parallel size (Megatron's ``world % (ETP x EP x PP)``); TP > 1 needs SP and, with
-    ``bias`` (linears with biases), is refused as the trainer refuses it; Megatron's own modules
-    only. ``dp`` None: not known yet (a search checks it per candidate)."""
+def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
+                megatron_modules: bool = True, bias: bool = False, per_block_plan: bool = False,
+                oases: bool = False) -> str:
+    """Why an MoE model does not run at this layout ("" when it does), in the trainer's words, one
+    home for the trainer (``megatron_oases.moe``), ``sim`` and ``plan``: EP only with MoE layers;
+    EP divides the experts and, the experts' TP being TP's, the data-parallel size (Megatron's
+    ``world % (ETP x EP x PP)``); TP > 1 needs SP and, with ``bias`` (linears with biases), is
+    refused as the trainer refuses it; Megatron's own modules only; no ``per_block_plan``
+    (``--oases-plan``) and not yet the Oases executor (``oases``: ``--schedule oases``) at TP > 1.
+    ``dp`` None: not known yet (a search checks it per candidate)."""
+    if moe is None:
+        return ("--expert-model-parallel-size takes effect with MoE layers only; add --num-experts N or drop it"
+                if ep > 1 else "")
     if not megatron_modules:
         return "--num-experts builds Megatron-Core's MoE layers, which only --tp-backend megatron runs"
     if ep < 1 or moe.num_experts % ep:
@@ -147,6 +153,11 @@ def moe_refusal(moe: MoEShape, *, tp: int, ep: int, dp: int | None, sequence_par
                 f"(Megatron-Core's experts take biases only at expert TP size 1); add it")
     if moe.ffn % tp:
         return f"--moe-ffn-hidden-size {moe.ffn} is not divisible by --tensor-model-parallel-size {tp}"
+    if per_block_plan:
+        return "--num-experts: --oases-plan's per-block degrees are for dense MLPs; drop one of them"
+    if oases and tp > 1:
+        return ("--num-experts: the Oases executor does not run MoE layers yet (issue 51 item 2); drop "
+                "--schedule oases (or use --tensor-model-parallel-size 1, where it runs stock layers)")
     return ""
 
 

@@ -84,18 +84,10 @@ class PlanModel(GPTShape):
         MoE layers at TP > 1 yet (issue 51 item 2). EP's division of DP is checked with the launch."""
         if not is_positive_int(self.ep):
             raise PlanError(f"{option('expert_model_parallel_size')} must be a positive integer (got {self.ep!r})")
-        if self.moe is None:
-            if self.ep > 1:
-                raise PlanError(f"{option('expert_model_parallel_size')} takes effect with MoE layers only; add "
-                                f"{option('num_experts')} N or drop it")
-            return
         refused = moe_refusal(self.moe, tp=self.tp, ep=self.ep, dp=None, sequence_parallel=self.sequence_parallel,
-                              bias=self.variant.bias)
+                              bias=self.variant.bias, oases=self.sub_batches > 1)
         if refused:
             raise PlanError(refused)
-        if self.sub_batches > 1 and self.tp > 1:
-            raise PlanError(f"{option('num_experts')}: the Oases executor does not run MoE layers yet (issue 51 "
-                            f"item 2), so the planner prices them under --schedule default; drop --schedule oases")
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block ``index`` of the chain (``graph.build_graph``) is an MoE layer's MoE block."""

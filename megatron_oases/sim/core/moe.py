@@ -22,22 +22,13 @@ def moe_check(m: GPTShape, s) -> None:
     """Where an MoE model runs, in the trainer's words (``megatron_oases.moe``, ``describe.moe``):
     EP divides the experts and DP, SP and no linear biases at TP > 1, Megatron's modules, no per-block plan, not yet
     the Oases executor (issue 51 item 2); EP > 1 needs MoE layers."""
-    if m.moe is None:
-        if s.ep > 1:
-            raise SimError("--expert-model-parallel-size takes effect with MoE layers only; add --num-experts N "
-                           "or drop it")
-        return
     from ...describe.backends import backend as record
 
     refused = moe_refusal(m.moe, tp=s.tp, ep=s.ep, dp=s.dp, sequence_parallel=s.sequence_parallel,
-                          megatron_modules=record(s.backend).megatron_modules, bias=m.variant.bias)
+                          megatron_modules=record(s.backend).megatron_modules, bias=m.variant.bias,
+                          per_block_plan=s.block_degrees is not None, oases=s.schedule == "oases")
     if refused:
         raise SimError(refused)
-    if s.block_degrees is not None:
-        raise SimError("--num-experts: --oases-plan's per-block degrees are for dense MLPs; drop one of them")
-    if s.schedule == "oases" and s.tp > 1:
-        raise SimError("--num-experts: the Oases executor does not run MoE layers yet (issue 51 item 2); "
-                       "drop --schedule oases")
 
 
 def is_moe_layer(m: GPTShape, layer: int) -> bool:
