@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_oases.describe.moe import DISPATCHERS, moe_refusal, moe_shape
+from megatron_oases.describe.moe import DISPATCHERS, flops_ffn_width, moe_refusal, moe_shape
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
 from megatron_oases.run_config import DEFAULTS, RunConfig
@@ -192,12 +192,10 @@ def moe_layer_pattern(cfg: RunConfig) -> list[bool]:
 
 
 def flops_ffn_hidden_size(cfg: RunConfig) -> float:
-    """The FFN width Megatron-LM's FLOPs formula counts per layer, averaged over the layers: an
-    MoE layer computes ``--moe-router-topk`` experts of ``--moe-ffn-hidden-size`` per token (the
-    router's GEMM is not counted, as Megatron-LM counts it), a dense one ``--ffn-hidden-size``."""
-    pattern = moe_layer_pattern(cfg)
-    moe_width = (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size) * cfg.moe_router_topk
-    return sum(moe_width if m else cfg.ffn_hidden_size for m in pattern) / cfg.num_layers
+    """The FFN width Megatron-LM's FLOPs formula counts per layer, averaged over the layers
+    (``describe.moe.flops_ffn_width`` over the run's ``moe_layer_pattern``)."""
+    return flops_ffn_width(moe_layer_pattern(cfg), dense_ffn=cfg.ffn_hidden_size,
+                           moe_ffn=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, topk=cfg.moe_router_topk)
 
 
 def moe_words(cfg: RunConfig) -> str:

@@ -124,6 +124,16 @@ def _flag(name: str) -> str:
     return _FLAGS[name]
 
 
+def flops_ffn_width(pattern, *, dense_ffn: int, moe_ffn: int, topk: int) -> float:
+    """The FFN width Megatron-LM's model-FLOPs formula sees per layer (``flops``, linear in it),
+    averaged over the layers of ``pattern`` (True: an MoE layer): an MoE layer counts its top-k
+    experts' ``topk x --moe-ffn-hidden-size`` (Megatron-LM's ``num_floating_point_operations``,
+    the router's h x E left out as there), a dense one ``--ffn-hidden-size``. The trainer's and
+    the simulator's MFU both read it."""
+    pattern = list(pattern)
+    return sum(topk * moe_ffn if moe else dense_ffn for moe in pattern) / len(pattern)
+
+
 def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
                 megatron_modules: bool = True, bias: bool = False, per_block_plan: bool = False,
                 oases: bool = False) -> str:

@@ -9,7 +9,8 @@ sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memor
 """
 from __future__ import annotations
 
-from ...describe.moe import EXPERT_TENSORS_FROM, moe_block_param_tensors, moe_block_saved_delta, moe_refusal
+from ...describe.moe import (EXPERT_TENSORS_FROM, flops_ffn_width, moe_block_param_tensors,
+                             moe_block_saved_delta, moe_refusal)
 from ...describe.moe import is_moe_op  # noqa: F401  (events.py reads it from here)
 from ...describe.moe import moe_axis_ranks as axis_ranks
 from ...describe.ops import ModelingError
@@ -94,11 +95,8 @@ def moe_block_delta(m: GPTShape, s) -> float:
 
 
 def flops_ffn(m: GPTShape) -> float:
-    """The FFN width Megatron-LM's model-FLOPs formula (``flops.gpt_flops_per_iteration``, linear
-    in it) sees per layer, averaged over the layers: an MoE layer counts its top-k experts'
-    ``topk x --moe-ffn-hidden-size`` (Megatron-LM's ``num_floating_point_operations``; the
-    router's h x E is left out there too), a dense one ``--ffn-hidden-size``."""
+    """The FFN width Megatron-LM's model-FLOPs formula sees per layer (``describe.moe.flops_ffn_width``)."""
     if m.moe is None:
         return m.ffn_hidden_size
-    n_moe = sum(m.moe.is_moe(i) for i in range(m.num_layers))
-    return (n_moe * m.moe.topk * m.moe.ffn + (m.num_layers - n_moe) * m.ffn_hidden_size) / m.num_layers
+    return flops_ffn_width((m.moe.is_moe(i) for i in range(m.num_layers)), dense_ffn=m.ffn_hidden_size,
+                           moe_ffn=m.moe.ffn, topk=m.moe.topk)
