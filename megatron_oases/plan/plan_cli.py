@@ -21,7 +21,7 @@ from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute
 from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
 from .model import MOE_FIELDS, stated_fields
-from .plan_file import (PLAN_FORMAT, strategy_layouts, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
+from .plan_file import (plan_record, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
 
 PROG = "megatron-oases plan"
@@ -243,24 +243,15 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
                           degrees=degrees, families=comma_names("--families", a.families, family_names(),
                                                                 error=PlanError))
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
-    degs = [cm.strategies[k].degree for k in sol.assignment] * pp  # every stage runs the same degrees
+    data = plan_record(cm.strategies, sol.assignment, num_layers=m.num_layers, world_size=world,
+                       data_parallel_size=dp, pipeline_model_parallel_size=pp, micro_batch_size=m.micro_batch_size,
+                       schedule=schedule_of(m), tp=m.tp)
+    degs = data["degrees"]
     per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
     uni = cm.uniform(m.tp)
     uni_t, uni_m = evaluate(cm.problem, uni) if uni else (None, None)
     rows = cm.breakdown(sol.assignment)
-    data = {
-        "format": PLAN_FORMAT,
-        "tensor_model_parallel_size": m.tp,
-        "num_layers": m.num_layers,
-        # the launch it is made for (plan_file.check_plan_launch refuses another)
-        "world_size": world, "data_parallel_size": dp, "pipeline_model_parallel_size": pp,
-        "micro_batch_size": m.micro_batch_size,
-        "schedule": schedule_of(m),
-        "block_kinds": ["attention", "mlp"],
-        "degrees": degs,
-        "strategies": [cm.strategies[k].label for k in sol.assignment],
-        "layouts": strategy_layouts(cm.strategies[k] for k in sorted(set(sol.assignment))),  # plan_file
-        "compact": compact_notation(degs),
+    data.update({
         "compact_layers": compact_notation(per_layer) if per_layer else None,
         "granularity": a.granularity,
         "predicted": {
@@ -283,7 +274,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
                    "candidate_strategies": [s.label for s in cm.strategies], "pricing": cm.pricing},
         "solver": {"name": sol.solver, "status": sol.status, "build_ms": sol.build_s * 1e3,
                    "solve_ms": sol.solve_s * 1e3},
-    }
+    })
     return data, cm, sol
 
 

@@ -230,6 +230,29 @@ def _tokens(cmd: str) -> list[tuple[int, int, str]]:
     return out
 
 
+def plan_record(strategies, assignment, *, num_layers: int, world_size: int, data_parallel_size: int,
+                pipeline_model_parallel_size: int, micro_batch_size: int, schedule: str, tp: int) -> dict[str, Any]:
+    """The fields every plan file holds, one writer for ``plan`` and ``sim --search``'s plan step:
+    the solver's ``assignment`` (indices into ``strategies``, one per block of a stage) repeated
+    over the pipeline's stages as ``degrees``, and the launch it is made for, which
+    ``check_plan_launch`` compares (``LAUNCH_FIELDS``)."""
+    degrees = [strategies[k].degree for k in assignment] * pipeline_model_parallel_size  # every stage alike
+    return {
+        "format": PLAN_FORMAT,
+        "tensor_model_parallel_size": tp,
+        "num_layers": num_layers,
+        "world_size": world_size, "data_parallel_size": data_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "micro_batch_size": micro_batch_size,
+        "schedule": schedule,
+        "block_kinds": list(BLOCK_KINDS),
+        "degrees": degrees,
+        "strategies": [strategies[k].label for k in assignment],
+        "layouts": strategy_layouts(strategies[k] for k in sorted(set(assignment))),
+        "compact": compact_notation(degrees),
+    }
+
+
 def strategy_layouts(strategies) -> dict[str, dict[str, Any]]:
     """What a plan file stores of its strategies' layouts (``layouts``): each whole-group
     strategy's label -> its backend and its layout's JSON form (``{"tp_backend": "atp",

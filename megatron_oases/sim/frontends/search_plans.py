@@ -43,7 +43,7 @@ def plan_refusal(c: Candidate, model: GPTShape) -> str:
     if st.recompute or st.selective_recompute:
         return "--oases-plan with recompute is not modeled by the simulator"
     if model.moe is not None:
-        return "the planner prices dense MLP blocks only"
+        return "the trainer runs --oases-plan's per-block degrees for dense MLPs only"
     return ""
 
 
@@ -69,7 +69,7 @@ def make_plan(c: Candidate, model: GPTShape, dm: DeviceModel, *, global_batch: i
     ``--oases-plan`` reads: ``plan.plan_file.load_plan`` and ``check_plan_launch``)."""
     from ...plan.cost_model import build_cost_model
     from ...plan.ilp import solve
-    from ...plan.plan_file import PLAN_FORMAT, compact_notation
+    from ...plan.plan_file import plan_record
     from ...plan.pricing import DevicePricer
 
     st = c.strategy
@@ -78,13 +78,11 @@ def make_plan(c: Candidate, model: GPTShape, dm: DeviceModel, *, global_batch: i
     cm = build_cost_model(stage, topology=dm.topology, pipeline=st.pp, global_batch_size=global_batch,
                           pricer=pricer, data_parallel=st.dp, memory_gb=memory_limit_GB or dm.gpu.memory_GB)
     sol = solve(cm.problem)
-    degrees = [cm.strategies[k].degree for k in sol.assignment] * st.pp  # every stage runs the same degrees
-    return {"format": PLAN_FORMAT, "tensor_model_parallel_size": st.tp, "num_layers": model.num_layers,
-            "world_size": st.world_size, "data_parallel_size": st.dp, "pipeline_model_parallel_size": st.pp,
-            "micro_batch_size": model.micro_batch_size, "schedule": st.schedule,
-            "block_kinds": ["attention", "mlp"], "degrees": degrees, "compact": compact_notation(degrees),
-            "strategies": [cm.strategies[k].label for k in sol.assignment],
-            "made_by": "megatron-oases sim --search (the planner's chain DP on one stage; priced by the simulator)"}
+    data = plan_record(cm.strategies, sol.assignment, num_layers=model.num_layers, world_size=st.world_size,
+                       data_parallel_size=st.dp, pipeline_model_parallel_size=st.pp,
+                       micro_batch_size=model.micro_batch_size, schedule=st.schedule, tp=st.tp)
+    data["made_by"] = "megatron-oases sim --search (the planner's chain DP on one stage; priced by the simulator)"
+    return data
 
 
 def plan_search(cands: Sequence[Candidate], model: GPTShape, dm: DeviceModel, *, top: int, global_batch: int,
