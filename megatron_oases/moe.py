@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_oases.describe.moe import DISPATCHERS, flops_ffn_width, moe_refusal, moe_shape
+from megatron_oases.describe.moe import DISPATCHERS, flops_ffn_width, moe_refusal, moe_shape, without_experts
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
 from megatron_oases.run_config import DEFAULTS, RunConfig
@@ -61,8 +61,7 @@ def validate_moe_config(cfg: RunConfig, *, tp: int, dp: int, ours: bool = True) 
         for name in MOE_FIELDS:
             if getattr(cfg, name) != getattr(DEFAULTS, name) and not (
                     name == "moe_ffn_hidden_size" and getattr(cfg, name) is None):
-                raise ConfigError(f"{option(name)} takes effect with MoE layers only; add "
-                                  f"{option('num_experts')} N or drop it")
+                raise ConfigError(without_experts(option(name)))
         return cfg
     _check_values(cfg)
     _check_combinations(cfg, tp, dp)

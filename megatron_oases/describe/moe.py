@@ -124,6 +124,11 @@ def _flag(name: str) -> str:
     return _FLAGS[name]
 
 
+def without_experts(flag: str) -> str:
+    """The one line for an MoE flag given without ``--num-experts`` (trainer, ``sim``, ``plan``)."""
+    return f"{flag} takes effect with MoE layers only; add --num-experts N or drop it"
+
+
 def flops_ffn_width(pattern, *, dense_ffn: int, moe_ffn: int, topk: int) -> float:
     """The FFN width Megatron-LM's model-FLOPs formula sees per layer (``flops``, linear in it),
     averaged over the layers of ``pattern`` (True: an MoE layer): an MoE layer counts its top-k
@@ -145,8 +150,7 @@ def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, seque
     (``--oases-plan``) and not yet the Oases executor (``oases``: ``--schedule oases``) at TP > 1.
     ``dp`` None: not known yet (a search checks it per candidate)."""
     if moe is None:
-        return ("--expert-model-parallel-size takes effect with MoE layers only; add --num-experts N or drop it"
-                if ep > 1 else "")
+        return without_experts("--expert-model-parallel-size") if ep > 1 else ""
     if not megatron_modules:
         return "--num-experts builds Megatron-Core's MoE layers, which only --tp-backend megatron runs"
     if ep < 1 or moe.num_experts % ep:

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_split_refusal
-from megatron_oases.describe.moe import moe_refusal, moe_shape
+from megatron_oases.describe.moe import moe_refusal, moe_shape, without_experts
 from megatron_oases.describe.split import SUB_BATCHES
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
@@ -206,8 +206,7 @@ def _moe_of(d: dict[str, Any]):
     if not values["num_experts"]:
         extra = [k for k, v in given.items() if k != "num_experts" and v != getattr(DEFAULTS, k)]
         if extra:
-            raise PlanError(f"{option(extra[0])} takes effect with MoE layers only; add {option('num_experts')} N "
-                            f"or drop it")
+            raise PlanError(without_experts(option(extra[0])))
         return None
     from megatron_oases.describe.ops import ModelingError
     try:

@@ -22,7 +22,7 @@ from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import TRANSFORMER_IMPLS, attention_kernels_of, check_flash_dtype, \
     core_attention_of
-from ...describe.moe import ROUTING_ASSUMPTION, MoEShape, moe_shape
+from ...describe.moe import ROUTING_ASSUMPTION, MoEShape, moe_shape, without_experts
 from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
@@ -186,7 +186,7 @@ def moe_from_args(a: argparse.Namespace) -> MoEShape | None:
     if not values["num_experts"]:
         given = [option(d) for d in MOE_FLAGS[1:] if values[d] != FLAGS[d].default_value]
         if given:
-            raise SimError(f"{given[0]} takes effect with MoE layers only; add --num-experts N or drop it")
+            raise SimError(without_experts(given[0]))
         return None
     return moe_shape(**values, ffn_hidden_size=filled_ffn_hidden_size(a, SimError))
 
