@@ -187,8 +187,9 @@ _TABLE = (
               "--recompute-num-layers of each chunk)"),
     Flag("--recompute-num-layers", "recompute_num_layers", type=int),
     # -- pricing (the simulator's and the planner's)
-    Flag("--dtype", "dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-         help="element type of the priced run (a launch's --bf16 / --fp16, or neither: fp32)"),
+    Flag("--dtype", "dtype", choices=("bf16", "fp16", "fp32"), default=None,
+         help="element type of the priced run, for a run not written as a launch (a launch's --bf16 / "
+              "--fp16 say it; neither and no --dtype: fp32, as Megatron-LM)"),
     Flag("--gpu", "gpu", default=None, help="GPU model of the device model (default: the topology's device)"),
     Flag("--memory-gb", "memory_gb", type=float, default=None, help="device memory, GiB (default: the GPU's)"),
     Flag("--profile", "profile", default=None, metavar="DB.json",

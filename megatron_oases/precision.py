@@ -4,28 +4,29 @@ flags by.
 A launch states its precision with Megatron-LM's ``--bf16`` / ``--fp16`` (the flag table's), which
 both tools take, so the launch's own command line prices its own precision; each tool also takes
 ``--dtype`` (and ``sim`` ``--fp32``) for a run not written as a launch. With none of them they
-price ``--dtype``'s default, bf16: what GPU runs train in. (The trainer without ``--bf16`` /
-``--fp16`` trains fp32, as Megatron-LM; ``sim --predict`` and ``--atp-mesh auto`` read the
-trainer's config, so they price what it trains.)
+price fp32, as the trainer, ``mesh`` and Megatron-LM run a launch without ``--bf16`` / ``--fp16``:
+one command line means one precision in every tool (``sim --predict`` and ``--atp-mesh auto``
+read the trainer's config, so they price what it trains).
 """
 from __future__ import annotations
 
 import argparse
 
-from megatron_oases.flags import FLAGS
-
 PRECISION_FLAGS = ("bf16", "fp16", "fp32")
 """The switches that name an element type (``fp32``: ``sim``'s own)."""
 
+UNSTATED = "fp32"
+"""The element type of a run that names none: Megatron-LM's (``--bf16`` / ``--fp16`` absent)."""
+
 
 def priced_dtype(a: argparse.Namespace, error: type[Exception]) -> str:
-    """``a``'s element type: the one of ``--bf16`` / ``--fp16`` / ``--fp32`` given, else
-    ``--dtype`` (default bf16). Two switches, or a switch and another ``--dtype``, are refused
-    with ``error`` (the caller's one-line class)."""
+    """``a``'s element type: the one of ``--bf16`` / ``--fp16`` / ``--fp32`` / ``--dtype`` given,
+    else fp32 (``UNSTATED``). Two switches, or a switch and another ``--dtype``, are refused with
+    ``error`` (the caller's one-line class)."""
     given = [name for name in PRECISION_FLAGS if getattr(a, name, False)]
     if len(given) > 1:
         raise error(f"--{given[0]} and --{given[1]} are exclusive; pick one")
-    dtype = getattr(a, "dtype", None) or FLAGS["dtype"].default
-    if given and dtype != FLAGS["dtype"].default and dtype != given[0]:
+    dtype = getattr(a, "dtype", None)
+    if given and dtype is not None and dtype != given[0]:
         raise error(f"--{given[0]} and --dtype {dtype} contradict each other; give one")
-    return given[0] if given else dtype
+    return given[0] if given else dtype or UNSTATED

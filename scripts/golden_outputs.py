@@ -42,7 +42,7 @@ COMMANDS: dict[str, list[str]] = {
                                  "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
                                  "--num-layers-per-virtual-pipeline-stage", "2", "--data-parallel-size", "2",
                                  "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                                 "--num-microbatches", "8", "--attention-backend", "flash"],
+                                 "--num-microbatches", "8", "--attention-backend", "flash", "--bf16"],
     "sim-llama-oases-te": ["sim", "--topology", "dgx-a100", *LLAMA, "--tensor-model-parallel-size", "8",
                            "--schedule", "oases", "--transformer-impl", "transformer_engine"],
     "sim-llama-selective": ["sim", "--topology", "dgx-a100", *LLAMA, "--tensor-model-parallel-size", "4",

@@ -19,7 +19,7 @@ LLAMA2_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-he
               "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--swiglu", "--normalization", "RMSNorm",
               "--disable-bias-linear", "--position-embedding-type", "rope", "--seq-length", "4096",
               "--micro-batch-size", "1", "--vocab-size", "32000", "--untie-embeddings-and-output-weights",
-              "--tp", "8", "--pp", "8", "--global-batch-size", "64"]
+              "--tp", "8", "--pp", "8", "--global-batch-size", "64", "--bf16"]
 LOCAL = ("--attention-backend", "local")
 """Megatron's local attention (``sim``'s default is the trainer's, ``auto``: a fused kernel)."""
 

@@ -156,7 +156,7 @@ def test_whole_model_atp_plan_rewrites_the_backend_flags(tmp_path, capsys):
     out = tmp_path / "p.json"
     rc = plan_main(["--topology", "nvlink-pairs", "--gpu", "rtx-3090", "--num-layers", "8", "--hidden-size", "4096",
                     "--num-attention-heads", "32", "--seq-length", "1024", "--micro-batch-size", "4",
-                    "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--memory-gb", "5.3",
+                    "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--memory-gb", "5.3", "--bf16",
                     "--families", "megatron,atp", "--out", str(out), "--quiet",
                     "--rewrite-cmd", "torchrun x.py --tensor-model-parallel-size 4 --oases-plan old.json --bf16"])
     text = capsys.readouterr().out
@@ -288,18 +288,21 @@ def _small_plan(tmp_path, *, topology: str = "pcie-3090-2node", tp: int = 4) -> 
             "--global-batch-size", "8", "--quiet", "--out", str(tmp_path / "p.json")]
 
 
-@pytest.mark.parametrize("flags, dtype", [([], "bf16"), (["--bf16"], "bf16"), (["--fp16"], "fp16"),
+@pytest.mark.parametrize("flags, dtype", [([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16"),
                                           (["--dtype", "fp32"], "fp32"), (["--fp16", "--dtype", "fp16"], "fp16")])
 def test_plan_prices_the_launchs_precision_flags(tmp_path, capsys, flags, dtype):
     """The launch's --bf16 / --fp16 price as --dtype does (``precision.priced_dtype``, sim's rule
-    too); none of them: --dtype's default, bf16 (was: plan refused --bf16 / --fp16)."""
+    too); none of them: fp32, as the trainer and Megatron-LM (was: bf16; before that, plan refused
+    --bf16 / --fp16)."""
     assert plan_main(_small_plan(tmp_path) + flags) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "p.json").read_text())["inputs"]["model"]["dtype"] == dtype
 
 
 @pytest.mark.parametrize("flags, needle", [(["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pick one"),
                                            (["--bf16", "--dtype", "fp32"],
-                                            "--bf16 and --dtype fp32 contradict each other; give one")])
+                                            "--bf16 and --dtype fp32 contradict each other; give one"),
+                                           (["--fp16", "--dtype", "bf16"],  # was let through: bf16 was the default
+                                            "--fp16 and --dtype bf16 contradict each other; give one")])
 def test_plan_refuses_two_precisions_in_sims_words(tmp_path, capsys, flags, needle):
     from megatron_oases.sim.frontends.cli import sim_main
 

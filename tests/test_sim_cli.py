@@ -154,7 +154,7 @@ def test_a_megatron_lm_flag_the_simulator_does_not_know_is_one_line(capsys):
     assert err == "megatron-oases sim: error: unrecognized arguments: --cross-entropy-loss-fusion\n"
 
 
-@pytest.mark.parametrize("flags", [["--attention-backend", "flash"], ["--use-flash-attn"],
+@pytest.mark.parametrize("flags", [["--attention-backend", "flash", "--bf16"], ["--use-flash-attn"],
                                    ["--transformer-impl", "transformer_engine"], ["--no-masked-softmax-fusion"],
                                    ["--use-distributed-optimizer"], ["--virtual-stages", "1,2"]])
 def test_search_takes_the_flags_it_applies_to_every_candidate(flags, capsys):

@@ -61,7 +61,8 @@ MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron flag names, megatron-oases train's defaults)")
     add_flags(g, MODEL_FLAGS)
-    g.add_argument("--fp32", action="store_true", help="same as --dtype fp32")
+    g.add_argument("--fp32", action="store_true",
+                   help="same as --dtype fp32, what no precision flag prices (as Megatron-LM)")
     add_flag(g, "bf16", note="priced as --dtype bf16")
     add_flag(g, "fp16", note="priced as --dtype fp16")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
