@@ -70,6 +70,9 @@ class MoEShape:
     grouped_gemm: bool = False
     """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped kernel (same FLOPs, fewer
     launches)."""
+    aux_loss: bool = False
+    """``--moe-aux-loss-coeff`` > 0 (Megatron-LM's default 0: off): the load-balancing loss, which
+    under the Oases executor makes the sub-batches join after routing (:func:`moe_layer`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "ffn", "topk", "layer_freq"):
@@ -104,7 +107,8 @@ class MoEShape:
 
 def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_hidden_size: int,
               moe_router_topk: int, moe_layer_freq: int, moe_expert_capacity_factor: float | None,
-              moe_token_dispatcher_type: str, moe_grouped_gemm: bool) -> MoEShape | None:
+              moe_token_dispatcher_type: str, moe_grouped_gemm: bool,
+              moe_aux_loss_coeff: float | tuple[float, ...] = 0.0) -> MoEShape | None:
     """The MoE flags under Megatron-LM's names (``RunConfig``'s fields) as a :class:`MoEShape`;
     None without ``--num-experts`` (or with 0, as Megatron-LM reads it). ``--moe-ffn-hidden-size``
     defaults to ``ffn_hidden_size`` (filled), as Megatron-LM fills it. ``sim``'s flags and
@@ -113,7 +117,9 @@ def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_h
         return None
     return MoEShape(num_experts=num_experts, ffn=moe_ffn_hidden_size or ffn_hidden_size, topk=moe_router_topk,
                     layer_freq=moe_layer_freq, capacity_factor=moe_expert_capacity_factor,
-                    dispatcher=moe_token_dispatcher_type, grouped_gemm=moe_grouped_gemm)
+                    dispatcher=moe_token_dispatcher_type, grouped_gemm=moe_grouped_gemm,
+                    aux_loss=any(c > 0 for c in (moe_aux_loss_coeff if isinstance(moe_aux_loss_coeff, (list, tuple))
+                                                 else (moe_aux_loss_coeff,))))
 
 
 _FLAGS = {"num_experts": "num-experts", "ffn": "moe-ffn-hidden-size", "topk": "moe-router-topk",
@@ -192,15 +198,22 @@ def _sizes(*, b: int, s: int, t: int, moe: MoEShape, ep: int) -> _Sizes:
 
 
 def moe_block(*, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int, ep: int,
-              bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False
-              ) -> tuple[tuple, tuple]:
+              bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False,
+              oases: bool = False) -> tuple[tuple, tuple]:
     """(forward ops, backward ops) of the MoE block on TP rank 0 of EP rank 0: ``moe.router``
     (the pre-MLP norm, the router GEMM, softmax / top-k, the permutation into expert order), the
     dispatch collectives, ``moe.experts`` (the local experts' GEMMs and activation, and the
     product with the router probabilities), the combine collectives, ``moe.unpermute`` (back to
     token order, summed over the k copies, residual add). Backward: each segment's
     ``backward_of`` and each collective's adjoint, in reverse (an all-to-all's adjoint is an
-    all-to-all; an all-gather's a reduce-scatter)."""
+    all-to-all; an all-gather's a reduce-scatter).
+
+    ``oases``: the block as the Oases executor's tape runs it (``schedules/oases/moe_tape.py``,
+    alltoall dispatcher), on one sub-batch: the router is two steps, ``moe.route`` (norm, router
+    GEMM, top-k; the sub-batches join after it when the load-balancing loss is on,
+    :func:`moe_layer`) and ``moe.permute`` (the copies into expert order), with the blocking
+    gather of the token counts between them; the collectives, the experts and the unpermute as
+    stock's. The two router steps' work is stock's router's."""
     b, s, h, t, e = micro_batch, seq, hidden, tp, bytes_per_element
     if s % t:
         raise ModelingError(f"sequence parallelism needs seq {s} divisible by TP {t}")
@@ -208,9 +221,11 @@ def moe_block(*, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int
     E, k, f = moe.num_experts, moe.topk, moe.ffn
     fc1, per_expert = variant.fc1_rows(f), max(1, round(z.routed / z.local))
     mask = z.chunk * h if hidden_dropout else 0
-    router = Compute(name="moe.router", gemm_flops=2.0 * z.chunk * h * E,
-                     elementwise_bytes=e * (2 * z.chunk * h + 3 * z.chunk * E + z.chunk * h + z.chunk * k * h),
-                     kernels=8, gemms=((z.chunk, E, h),))
+    # the norm and the router GEMM, softmax / top-k (route); the k copies in expert order (permute)
+    route = Compute(name="moe.route", gemm_flops=2.0 * z.chunk * h * E,
+                    elementwise_bytes=e * (2 * z.chunk * h + 3 * z.chunk * E), kernels=6, gemms=((z.chunk, E, h),))
+    permute = Compute(name="moe.permute", gemm_flops=0.0, elementwise_bytes=e * (z.chunk * h + z.chunk * k * h),
+                      kernels=2)
     gemms = ((per_expert, fc1 // t, h), (per_expert, h, f // t)) * z.local
     experts = Compute(name="moe.experts", gemm_flops=2.0 * z.routed * h * (fc1 + f) / t,
                       elementwise_bytes=e * z.routed * ((variant.mlp_saved_per_ffn + 2) * f / t + 1),
@@ -218,10 +233,28 @@ def moe_block(*, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int
     unpermute = Compute(name="moe.unpermute", gemm_flops=0.0,
                         elementwise_bytes=e * (z.chunk * k * h + z.chunk * h + 3 * z.chunk * h) + mask, kernels=4)
     dispatch, combine = dispatch_collectives(b=b, s=s, h=h, t=t, ep=ep, e=e, moe=moe)
-    fwd = (router, *(c for c, _ in dispatch), experts, *(c for c, _ in combine), unpermute)
-    bwd = (backward_of(unpermute), *(a for _, a in reversed(combine) if a), backward_of(experts),
-           *(a for _, a in reversed(dispatch) if a), backward_of(router))
-    return fwd, bwd
+    counts = [c for c, a in dispatch if a is None]  # the routing bookkeeping, before the permutation
+    moved = [(c, a) for c, a in dispatch if a is not None]
+    tail = (*(c for c, _ in moved), experts, *(c for c, _ in combine), unpermute)
+    bwd_tail = (*(a for _, a in reversed(moved)),)
+    if oases:  # the executor's steps: route, (join), the counts, permute
+        return (route, *counts, permute, *tail), (*_bwd_head(unpermute, combine, experts), *bwd_tail,
+                                                  backward_of(permute), backward_of(route))
+    router = _merged("moe.router", route, permute)
+    return (router, *counts, *tail), (*_bwd_head(unpermute, combine, experts), *bwd_tail, backward_of(router))
+
+
+def _bwd_head(unpermute: Compute, combine, experts: Compute) -> tuple:
+    """The MoE block's backward up to the dispatch's adjoints: unpermute's, the combine's adjoints,
+    the experts'."""
+    return (backward_of(unpermute), *(a for _, a in reversed(combine) if a), backward_of(experts))
+
+
+def _merged(name: str, *parts: Compute) -> Compute:
+    """One segment of consecutive local ``parts`` (the stock router: route and permute in one)."""
+    return Compute(name=name, gemm_flops=sum(p.gemm_flops for p in parts),
+                   elementwise_bytes=sum(p.elementwise_bytes for p in parts),
+                   kernels=sum(p.kernels for p in parts), gemms=tuple(g for p in parts for g in p.gemms))
 
 
 def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe: MoEShape
@@ -230,14 +263,15 @@ def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe
     payloads as ``Collective.payload_bytes`` (all-to-all: what one rank sends and receives in all;
     all-gather: its output; reduce-scatter: its input); none where the group has one rank. The
     routing bookkeeping has no gradient, so no adjoint: the alltoall dispatcher's all-gather of
-    each rank's token counts per expert (int64) over TP x EP, the allgather dispatcher's of the
-    routing map (one byte a token and expert)."""
+    each rank's token counts per expert (int64) over TP x EP (blocking: Megatron reads the counts
+    on the host to size the all-to-alls), the allgather dispatcher's of the routing map (one byte a
+    token and expert)."""
     z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
     k = moe.topk
     adjoint = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
 
-    def pair(name: str, kind: str, axis: str, n: int, payload: float, grad: bool = True):
-        fwd = Collective(name=name, kind=kind, axis=axis, group_size=n, payload_bytes=int(payload))
+    def pair(name: str, kind: str, axis: str, n: int, payload: float, grad: bool = True, blocking: bool = False):
+        fwd = Collective(name=name, kind=kind, axis=axis, group_size=n, payload_bytes=int(payload), blocking=blocking)
         return fwd, (dataclasses.replace(fwd, name=f"{name}.bwd", kind=adjoint[kind]) if grad else None)
 
     dispatch, combine = [], []
@@ -245,7 +279,7 @@ def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe
         copies = z.chunk * k  # the routed copies this rank sends (and, evenly, receives)
         if t * ep > 1:
             dispatch.append(pair("moe.ag.counts", "all_gather", TP_EP_AXIS, t * ep, t * ep * moe.num_experts * 8,
-                                 grad=False))
+                                 grad=False, blocking=True))
         if ep > 1:
             dispatch += [pair("moe.dispatch", "all_to_all", EP_AXIS, ep, copies * h * e),
                          pair("moe.dispatch.probs", "all_to_all", EP_AXIS, ep, copies * e)]
@@ -265,16 +299,30 @@ def dispatch_collectives(*, b: int, s: int, h: int, t: int, ep: int, e: int, moe
 
 
 def moe_layer(dense: LayerDescription, *, micro_batch: int, seq: int, hidden: int, moe: MoEShape, tp: int,
-              ep: int, bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False
-              ) -> LayerDescription:
-    """An MoE layer: the attention block of Megatron's ``dense`` layer (``planned.megatron_blocks``)
-    followed by :func:`moe_block`."""
+              ep: int, bytes_per_element: int, variant: LayerVariant, hidden_dropout: bool = False,
+              oases: bool = False) -> LayerDescription:
+    """An MoE layer: the attention block of Megatron's ``dense`` layer (``planned.megatron_blocks``;
+    the Oases tape's when ``dense`` is) followed by :func:`moe_block`. ``oases``: as the Oases
+    executor runs it, whose sub-batches join after ``moe.route`` when the load-balancing loss is on
+    (``MoEShape.aux_loss``: the loss needs the whole micro-batch's counts; ``LayerDescription.joins``)."""
     from .planned import megatron_blocks
 
     attn_f, attn_b = megatron_blocks(dense)["attention"]
     moe_f, moe_b = moe_block(micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
-                             bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout)
-    return LayerDescription(backend=dense.backend, forward=(*attn_f, *moe_f), backward=(*moe_b, *attn_b))
+                             bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout,
+                             oases=oases)
+    joins = (len(attn_f),) if oases and moe.aux_loss else ()  # after moe.route
+    return LayerDescription(backend=dense.backend, forward=(*attn_f, *moe_f), backward=(*moe_b, *attn_b),
+                            joins=joins)
+
+
+def oases_recompute_kept_bytes(layer: LayerDescription, input_bytes: float) -> float:
+    """Bytes one layer keeps between its forward and its recompute under the Oases executor's
+    fine-grained recompute, for the sub-batch ``layer`` describes: its input and the output of every
+    forward collective (recompute then issues none; ``LayerTape.saved_boundaries``): for an MoE
+    layer the dispatch and combine all-to-alls' received copies, the counts, the experts' TP
+    gathers and reduce-scatter, and under SP the attention's gathered input and scattered output."""
+    return input_bytes + sum(c.output_bytes for c in layer.collectives("forward"))
 
 
 def moe_block_param_tensors(*, h: int, moe: MoEShape, t: int, ep: int, variant: LayerVariant) -> tuple[int, ...]:

@@ -85,11 +85,22 @@ class Collective:
     group_size: int
     payload_bytes: int
     """Bytes of the full logical tensor (all-reduce input, all-gather output, reduce-scatter input)."""
+    blocking: bool = False
+    """The issuing rank waits for it where it is issued (a host sync: MoE's token counts), so
+    under the Oases executor it overlaps nothing of the other sub-batch's: the simulator runs it
+    on the compute stream."""
 
     @property
     def wire_bytes_per_rank(self) -> float:
         """Ring-algorithm bytes each rank sends (as ``CommCounter`` records them)."""
         return ring_factor(self.kind, self.group_size) * self.payload_bytes
+
+    @property
+    def output_bytes(self) -> float:
+        """Bytes of its result on one rank: what fine-grained recompute keeps so as not to issue it
+        again (a reduce-scatter's 1 / n of its input; all-reduce, all-gather and all-to-all:
+        the payload, an all-to-all's being what the rank receives in all)."""
+        return self.payload_bytes / self.group_size if self.kind == "reduce_scatter" else float(self.payload_bytes)
 
 
 Op = Union[Compute, Collective]
@@ -101,6 +112,10 @@ class LayerDescription:
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
     """In execution order; backward GEMM FLOPs are 2x forward (dgrad + wgrad)."""
+    joins: tuple[int, ...] = ()
+    """Positions in ``forward`` after which every sub-batch of the Oases split must have arrived
+    before any goes on (a barrier: the MoE load-balancing loss needs the whole micro-batch
+    routed, ``describe.moe``); none for a layer run whole."""
 
     def collectives(self, pass_: str = "forward") -> list[Collective]:
         return [op for op in getattr(self, pass_) if isinstance(op, Collective)]

@@ -28,7 +28,8 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
     its core attention; the ATP and 3-D attention modules do not). ``core_attention``'s kernel
     count (``GPTShape.core_attention``) holds for every backend (ATP and 3-D count their segments'
     kernels with it: ``describe.atp_2d.mesh_segment_kernels``). ``moe``:
-    an MoE layer (``describe.moe``, Megatron's own modules only) with ``ep`` expert-parallel ranks."""
+    an MoE layer (``describe.moe``, Megatron's own modules only) with ``ep`` expert-parallel ranks,
+    under ``schedule="oases"`` as the Oases executor's MoE tape runs it."""
     if sequence_parallel and not (backend in RECORDS and record(backend).sequence_parallel):
         raise ModelingError(f"--sequence-parallel is described for --tp-backend megatron only (got {backend})")
     if recompute_core_attention and not (backend in RECORDS and record(backend).megatron_modules):
@@ -44,7 +45,8 @@ def layer_description(*, backend: str, layout: Layout | None, micro_batch: int, 
     if moe is None:
         return dense
     return moe_layer(dense, micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
-                     bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout)
+                     bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout,
+                     oases=schedule == "oases")
 
 
 def block_edges(*, backend: str, layout: Layout | None, micro_batch: int, seq: int, hidden: int,

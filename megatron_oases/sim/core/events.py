@@ -164,9 +164,9 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
     moe_layer = None if m.moe is None else layer_description(
         backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
         heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e, variant=m.variant,
-        sequence_parallel=s.sequence_parallel, attention_dropout=m.attention_dropout > 0,
-        hidden_dropout=m.hidden_dropout > 0, recompute_core_attention=s.selective_recompute,
-        core_attention=m.core_attention, moe=m.moe, ep=s.ep)
+        sequence_parallel=s.sequence_parallel, schedule="oases" if s.schedule == "oases" else "stock",
+        attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
+        recompute_core_attention=s.selective_recompute, core_attention=m.core_attention, moe=m.moe, ep=s.ep)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
     leave, enter_b = block_edges(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                                  tp=t, bytes_per_element=e)
@@ -197,10 +197,11 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
 
         fine = s.schedule == "oases" and s.fine_grained_recompute
 
-        def layer_events(desc, index):  # (forward, backward, recomputed forward) of one layer
+        def layer_events(desc, index):  # (forward, backward, recomputed forward, joins) of one layer
             fwd_l = [ev(op) for op in desc.forward]
             bwd_l = [ev(op) for op in desc.backward] + [_grad_event(m, sum(layer_tensors(m, s, index)), chains, tape)]
-            return fwd_l, bwd_l, [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l
+            return fwd_l, bwd_l, [x for x in fwd_l if x.kind == "compute"] if fine else fwd_l, \
+                desc.joins if chains > 1 else ()
         kinds = {False: layer_events(layer, 1 if m.moe is not None and m.moe.layer_freq > 1 else 0)}
         if moe_layer is not None:  # layer 0 is always an MoE layer (``MoEShape.is_moe``)
             kinds[True] = layer_events(moe_layer, 0)
@@ -212,13 +213,12 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
                 # each layer's events: dense, or MoE (``--moe-layer-freq``)
                 base = g * per_chunk if vp > 1 else offset
                 mine = [kinds[is_moe_layer(m, base + i)] for i in range(per_chunk)]
-                fwd = [x for f_l, _, _ in mine for x in f_l]
                 # Backward visits layers last to first; the first n_rc layers of the chunk recompute.
                 bwd_layers = [(mine[i][2] if i < n_rc else []) + mine[i][1] for i in reversed(range(per_chunk))]
                 bwd = [x for evs in bwd_layers for x in evs]
-                fwd_parts = [(fwd + [ev(op) for op in leave], chains)]
+                fwd_parts = _joined([(f_l, joins) for f_l, _, _, joins in mine], [ev(op) for op in leave], chains)
                 bwd_parts = [(bwd + [ev(op) for op in enter_b], chains)]
-                starts = [sum(len(f_l) for f_l, _, _ in mine[:i]) for i in range(per_chunk)]
+                starts = [sum(len(f_l) for f_l, *_ in mine[:i]) for i in range(per_chunk)]
                 ends = [sum(len(evs) for evs in bwd_layers[:j + 1]) for j in range(per_chunk)]
             else:
                 blocks = s.block_degrees[2 * g * per_chunk:2 * (g + 1) * per_chunk]
@@ -340,21 +340,47 @@ def _chunk_tensors(m: GPTShape, s: Strategy, first: bool, last: bool, w: _Tensor
     return tuple(out)
 
 
-def _segments(*parts: tuple) -> tuple[tuple[tuple[Event, ...], int], ...]:
+JOIN = None
+"""A part of ``_segments`` that ends the segment before it: every sub-batch arrives there before
+any goes on (``LayerDescription.joins``)."""
+
+
+def _joined(layers: list[tuple[list[Event], tuple[int, ...]]], leave: list[Event], chains: int) -> list:
+    """The forward parts of a chunk's layers (each its events and joins) then ``leave``: one part of
+    ``chains`` sub-batches, cut by a ``JOIN`` after each layer's joins (an MoE layer's routing when
+    its load-balancing loss is on, under Oases)."""
+    parts: list = []
+    run: list[Event] = []
+    for evs, joins in layers:
+        cut = 0
+        for j in joins:
+            parts += [(run + evs[cut:j + 1], chains), JOIN]
+            run, cut = [], j + 1
+        run += evs[cut:]
+    return parts + [(run + leave, chains)]
+
+
+def _segments(*parts: tuple | None) -> tuple[tuple[tuple[Event, ...], int], ...]:
     """Non-empty (events, chains[, unit]) parts in order, neighbours with the same chain count
     joined; sub-batch chains only within one unit (a plan's run of blocks at one degree is one
-    Oases executor: its sub-batches join where the degree changes)."""
+    Oases executor: its sub-batches join where the degree changes) and not across a ``JOIN``."""
     out: list[tuple[tuple[Event, ...], int]] = []
     units: list = []
-    for evs, chains, *unit in parts:
+    cut = False
+    for part in parts:
+        if part is JOIN:
+            cut = True
+            continue
+        evs, chains, *unit = part
         if not evs:
             continue
         u = unit[0] if unit else None
-        if out and out[-1][1] == chains and (chains == 1 or units[-1] == u):
+        if out and not cut and out[-1][1] == chains and (chains == 1 or units[-1] == u):
             out[-1] = (out[-1][0] + tuple(evs), chains)
         else:
             out.append((tuple(evs), chains))
             units.append(u)
+        cut = False
     return tuple(out)
 
 

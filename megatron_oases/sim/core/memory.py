@@ -37,7 +37,7 @@ from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
 from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, stage_layers
-from .moe import layer_expert_params, moe_block_delta, moe_saved_delta
+from .moe import layer_expert_params, moe_block_delta, moe_oases_kept, moe_saved_delta
 from .strategy import Strategy
 
 GiB = float(1 << 30)
@@ -101,16 +101,19 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     per_mb = n_rc * saved + (n - n_rc) * kept + _head_bytes(m, s, chunk)
     if m.moe is not None:  # a recomputed MoE layer's working set is its own inventory
         full += max(0.0, moe_block_delta(m, s))
-    return per_mb + _moe_bytes(m, s, chunk, n_rc), (full if n_rc else 0.0)
+    kept_rc = moe_oases_kept(m, s) - saved if oases and s.fine_grained_recompute and m.moe is not None else 0.0
+    return per_mb + _moe_bytes(m, s, chunk, n_rc, kept_rc), (full if n_rc else 0.0)
 
 
-def _moe_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents, recomputed: int) -> float:
-    """What the chunk's MoE layers keep beyond the same layers dense (``sim.core.moe``)."""
+def _moe_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents, recomputed: int, kept_rc: float = 0.0) -> float:
+    """What the chunk's MoE layers keep beyond the same layers dense (``sim.core.moe``); a recomputed
+    one ``kept_rc`` more (under Oases fine-grained recompute: its own forward collectives' outputs
+    in place of the dense layer's)."""
     if m.moe is None:
         return 0.0
     n = chunk.layers
     layers = stage_layers(m, s, chunk.stage)[chunk.chunk * n:(chunk.chunk + 1) * n]
-    return moe_saved_delta(m, s, layers, recomputed=recomputed)
+    return moe_saved_delta(m, s, layers, recomputed=recomputed, kept_rc=kept_rc)
 
 
 def _planned_layers_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float:

@@ -142,7 +142,7 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
     costs its price (``max(GPU, host)``, issued on its own). Every template starts with the host
     at its start (conservative: no run-ahead across micro-batches or pipeline sends).
     """
-    ops = [("compute" if ev.kind == "compute" else "comm", ev, c) for ev in events for c in range(chains)]
+    ops = [(_stream(ev), ev, c) for ev in events for c in range(chains)]
     if chains > 1 and overlapped:
         return _run_template_shared(ops, chains, price, overlapped)
     free = {"compute": 0.0, "comm": 0.0}
@@ -171,6 +171,12 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
         slots.append(Slot(stream, ev.name, ev.key, c, start, d))
     return Template(slots=tuple(slots), duration=max(prev, default=0.0),
                     compute_busy=busy["compute"], comm_busy=busy["comm"])
+
+
+def _stream(ev: Event) -> str:
+    """The stream an event runs on: compute, or comm for a collective, but for one the rank waits
+    on where it is issued (``Collective.blocking``), which holds the compute stream too."""
+    return "compute" if ev.kind == "compute" or getattr(ev.op, "blocking", False) else "comm"
 
 
 def run_segments(segments: tuple[tuple[tuple[Event, ...], int], ...], price: dict[str, float],
