@@ -130,8 +130,9 @@ def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
                           f"communication; drop one of them")
     refused = moe_refusal(moe_shape_of(cfg), tp=tp, ep=cfg.expert_model_parallel_size, dp=dp,
                           sequence_parallel=cfg.sequence_parallel, bias=cfg.add_bias_linear,
-                          per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg))
-    if refused:  # EP divides the experts and DP; TP needs SP, no biases; no plan, no Oases executor yet
+                          per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg),
+                          load_balancing=cfg.moe_router_load_balancing_type)
+    if refused:  # EP divides the experts and DP; TP needs SP, no biases; no plan; what Oases cannot split
         raise ConfigError(refused)
     if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
         raise ConfigError(f"{experts} with biases at --tensor-model-parallel-size 1 and "

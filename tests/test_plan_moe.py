@@ -111,7 +111,7 @@ def test_moe_memory_beyond_the_dense_twin_is_the_simulators(recompute):
 @pytest.mark.parametrize("extra, needle", [
     (["--families", "atp"], "--num-experts: --families atp does not run Megatron-Core's MoE layers"),
     (["--degrees", "1"], "--num-experts: the trainer runs MoE at the uniform degree 2 only"),
-    (["--schedule", "oases"], "--num-experts: the Oases executor does not run MoE layers yet"),
+    (["--schedule", "oases"], "--schedule oases overlaps MoE layers' all-to-alls"),
     (["--ep", "8"], "--expert-model-parallel-size 8 must divide the data-parallel size 4"),
     (["--ep", "3"], "--expert-model-parallel-size 3 must divide --num-experts 8"),
     (["-" "--disable-bias-linear"], "needs --disable-bias-linear"),

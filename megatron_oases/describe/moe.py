@@ -147,13 +147,15 @@ def flops_ffn_width(pattern, *, dense_ffn: int, moe_ffn: int, topk: int) -> floa
 
 def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
                 megatron_modules: bool = True, bias: bool = False, per_block_plan: bool = False,
-                oases: bool = False) -> str:
+                oases: bool = False, load_balancing: str | tuple = "aux_loss") -> str:
     """Why an MoE model does not run at this layout ("" when it does), in the trainer's words, one
     home for the trainer (``megatron_oases.moe``), ``sim`` and ``plan``: EP only with MoE layers;
     EP divides the experts and, the experts' TP being TP's, the data-parallel size (Megatron's
     ``world % (ETP x EP x PP)``); TP > 1 needs SP and, with ``bias`` (linears with biases), is
     refused as the trainer refuses it; Megatron's own modules only; no ``per_block_plan``
-    (``--oases-plan``) and not yet the Oases executor (``oases``: ``--schedule oases``) at TP > 1.
+    (``--oases-plan``); the Oases executor (``oases``: ``--schedule oases``) only
+    where it equals stock (``schedules/oases/moe_tape.py``): the alltoall dispatcher, dropless,
+    ``load_balancing`` (``--moe-router-load-balancing-type``) aux_loss or none.
     ``dp`` None: not known yet (a search checks it per candidate)."""
     if moe is None:
         return without_experts("--expert-model-parallel-size") if ep > 1 else ""
@@ -175,9 +177,21 @@ def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, seque
         return f"--moe-ffn-hidden-size {moe.ffn} is not divisible by --tensor-model-parallel-size {tp}"
     if per_block_plan:
         return "--num-experts: --oases-plan's per-block degrees are for dense MLPs; drop one of them"
-    if oases and tp > 1:
-        return ("--num-experts: the Oases executor does not run MoE layers yet (issue 51 item 2); drop "
-                "--schedule oases (or use --tensor-model-parallel-size 1, where it runs stock layers)")
+    # The Oases executor over MoE layers (schedules/oases/moe_tape.py), where it runs (TP > 1, or
+    # EP > 1: options.oases_runs; else the layers are stock ones): only what equals stock.
+    oases = oases and (tp > 1 or ep > 1)
+    if oases and moe.dispatcher != "alltoall":
+        return (f"--schedule oases overlaps MoE layers' all-to-alls; use --moe-token-dispatcher-type "
+                f"alltoall (not {moe.dispatcher}) or the default schedule")
+    if oases and moe.capacity_factor is not None:
+        return ("--moe-expert-capacity-factor: with --schedule oases the sub-batches would drop tokens "
+                "each on its own, not over the micro-batch as stock does; drop it (dropless) or use "
+                "the default schedule")
+    types = load_balancing if isinstance(load_balancing, (list, tuple)) else (load_balancing,)
+    other = [t for t in types if t not in ("aux_loss", "none")]
+    if oases and other:
+        return (f"--moe-router-load-balancing-type {other[0]} is not split by sub-batch under "
+                f"--schedule oases; use aux_loss or none, or the default schedule")
     return ""
 
 

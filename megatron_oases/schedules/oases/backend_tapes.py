@@ -18,8 +18,13 @@ def layer_backend(layer) -> str:
 
 
 def layer_tape(layer, index: int) -> LayerTape:
-    """The tape of layer ``index`` of a block, built by its backend record's ``oases_tape``."""
+    """The tape of layer ``index`` of a block, built by its backend record's ``oases_tape``; a
+    Megatron layer whose MLP is an ``MoELayer`` by ``moe_tape.moe_layer_tape``."""
+    from megatron_oases.schedules.oases.moe_tape import is_moe_layer, moe_layer_tape
+
     name = layer_backend(layer)
+    if name == "megatron" and is_moe_layer(layer):
+        return moe_layer_tape(layer, index)
     ref = backend(name).oases_tape
     if ref is None:
         taped = ", ".join(n for n, b in BACKENDS.items() if b.oases_tape)

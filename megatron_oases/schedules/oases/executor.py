@@ -34,14 +34,14 @@ import torch.distributed as dist
 
 from megatron_oases.describe.split import sub_batch_sizes
 from megatron_oases.parallel.collectives import all_gather_into as _all_gather_into
+from megatron_oases.parallel.collectives import all_gather_uneven, all_to_all, comm_tag, reduce_scatter_uneven
 from megatron_oases.parallel.collectives import all_reduce as _all_reduce
-from megatron_oases.parallel.collectives import comm_tag
 from megatron_oases.parallel.collectives import reduce_scatter_into as _reduce_scatter_into
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.release import Placeholders, release_unread
 from megatron_oases.schedules.oases.wgrad import sub_batch_sums
-from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, BackwardAllGather,
+from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, AllToAll, Barrier, BackwardAllGather,
                                                  BackwardAllReduce, BlockInputs, ForwardAllGather,
                                                  ForwardAllReduce, GatherSequence, LayerTape, Local,
                                                  ReduceScatterSequence, UnsupportedLayer)
@@ -125,6 +125,12 @@ def _own_chunk(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return t if n == 1 else t.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
+def _sizes(step, inputs: BlockInputs):
+    """Each rank's rows of an uneven gather / reduce-scatter step (None: equal chunks)."""
+    sizes = getattr(step, "sizes", None)
+    return None if sizes is None else sizes(inputs)
+
+
 def _gathered(out) -> torch.Tensor:
     """An all-gather / reduce-scatter result once waited on (one along a non-leading dim is moved
     back)."""
@@ -174,10 +180,12 @@ class OasesRunner:
         sizes = sub_batch_sizes(stage_input.shape[dim], self.options.sub_batches)
         subs = [s.contiguous() for s in torch.split(stage_input, sizes, dim=dim)]
         masks = MicroBatchMasks(sizes, redraw=self.options.recompute)
+        scratch = {"sub_batches": len(sizes)}
         state = _StepState(len(subs), len(self.tapes), masks,
-                           [dataclasses.replace(inputs, attention_mask=m, position_ids=p)
-                            for m, p in zip(self._split_mask(inputs.attention_mask, sizes),
-                                            _split_rows(inputs.position_ids, sizes))])
+                           [dataclasses.replace(inputs, attention_mask=m, position_ids=p, sub_batch=i,
+                                                scratch=scratch)
+                            for i, (m, p) in enumerate(zip(self._split_mask(inputs.attention_mask, sizes),
+                                                           _split_rows(inputs.position_ids, sizes)))])
         programs = [self._forward_program(i, x, state) for i, x in enumerate(subs)]
         with self._collectives_off():
             interleave(programs, lambda i: active_sub_batch(masks, i, recompute=False))
@@ -226,9 +234,11 @@ class OasesRunner:
                         outs = step.fn({n: env[n] for n in step.inputs}, state.inputs[i])
                     env.update(outs)
                 elif isinstance(step, FORWARD_COLLECTIVES):
-                    yield from self._forward_collective(step, env, tape, recompute=False)
+                    yield from self._forward_collective(step, env, tape, state.inputs[i], recompute=False)
                 elif isinstance(step, BackwardAllGather):
                     env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
+                elif isinstance(step, Barrier):
+                    yield BARRIER
             for name in keep:
                 saved[name] = env[name]
             x = env[tape.output]
@@ -260,7 +270,7 @@ class OasesRunner:
                 if step.dst in saved:
                     env[step.dst] = saved[step.dst]
                 else:
-                    yield from self._forward_collective(step, env, tape, recompute=True)
+                    yield from self._forward_collective(step, env, tape, state.inputs[i], recompute=True)
             elif isinstance(step, BackwardAllGather):
                 env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
         return graphs
@@ -294,16 +304,24 @@ class OasesRunner:
                     _accumulate(grads, step.src,
                                 _own_chunk(grads.pop(step.dst), step.dim, step.group))
                 elif isinstance(step, (BackwardAllGather, ReduceScatterSequence)):
-                    out, work = self._all_gather(grads.pop(step.dst), step.dim, tape.group_of(step))
+                    out, work = self._all_gather(grads.pop(step.dst), step.dim, tape.group_of(step),
+                                                 _sizes(step, state.inputs[i]))
                     if work is not None:
                         yield work
                     _accumulate(grads, step.src, _gathered(out))
                 elif isinstance(step, GatherSequence):  # partial input gradients: sum, keep own
                     out, work = self._reduce_scatter(grads.pop(step.dst), step.dim,
-                                                     tape.group_of(step))
+                                                     tape.group_of(step), _sizes(step, state.inputs[i]))
                     if work is not None:
                         yield work
                     _accumulate(grads, step.src, _gathered(out))
+                elif isinstance(step, AllToAll):  # the all-to-all back: splits swapped
+                    out_splits, in_splits = step.splits(state.inputs[i])
+                    out, work = all_to_all(grads.pop(step.dst), in_splits, out_splits, tape.group_of(step),
+                                           async_op=True)
+                    if work is not None:
+                        yield work
+                    _accumulate(grads, step.src, out)
             state.saved[i][li] = None
             grad = grads.pop(tape.input)
             if not self.options.cross_pass:
@@ -379,7 +397,7 @@ class OasesRunner:
                 _accumulate(state.stage_grads, id(prm), g)
 
     # ----- helpers -------------------------------------------------------------------------
-    def _forward_collective(self, step, env: dict, tape: LayerTape, recompute: bool):
+    def _forward_collective(self, step, env: dict, tape: LayerTape, inputs: BlockInputs, recompute: bool):
         """Launch a forward collective step async (yield its handle), then store its output.
         In recompute (tagged "recompute") an all-reduce works on a copy: its input is the output
         of a graph the backward still walks."""
@@ -389,9 +407,11 @@ class OasesRunner:
                 out = env[step.src].clone() if recompute or step.src == tape.input else env[step.src]
                 work = self._all_reduce(out, group)
             elif isinstance(step, ReduceScatterSequence):
-                out, work = self._reduce_scatter(env[step.src], step.dim, group)
+                out, work = self._reduce_scatter(env[step.src], step.dim, group, _sizes(step, inputs))
+            elif isinstance(step, AllToAll):
+                out, work = all_to_all(env[step.src], *step.splits(inputs), group, async_op=True)
             else:  # ForwardAllGather, GatherSequence
-                out, work = self._all_gather(env[step.src], step.dim, group)
+                out, work = self._all_gather(env[step.src], step.dim, group, _sizes(step, inputs))
         if work is not None:
             yield work
         env[step.dst] = _gathered(out)
@@ -402,16 +422,21 @@ class OasesRunner:
             return None
         return _all_reduce(t, group, async_op=True)
 
-    def _all_gather(self, t: torch.Tensor, dim: int, group):
+    def _all_gather(self, t: torch.Tensor, dim: int, group, sizes=None):
         """Launch an async all-gather along ``dim`` (counted): (result, work or None); read the
-        result with ``_gathered`` after the wait."""
+        result with ``_gathered`` after the wait. ``sizes``: each rank's rows along dim 0, when
+        they differ (an MoE layer's routed tokens; always communicated)."""
+        if sizes is not None:
+            return all_gather_uneven(t, sizes, group, async_op=True)
         if self.options.skip_collectives:
             return torch.cat([t] * dist.get_world_size(group), dim=dim), None
         return _all_gather_into(t, dim, group, async_op=True)
 
-    def _reduce_scatter(self, t: torch.Tensor, dim: int, group):
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, group, sizes=None):
         """Launch an async reduce-scatter along ``dim`` (counted): (result, work or None); read
-        the result with ``_gathered`` after the wait."""
+        the result with ``_gathered`` after the wait. ``sizes``: as ``_all_gather``'s."""
+        if sizes is not None:
+            return reduce_scatter_uneven(t, sizes, group, async_op=True)
         if self.options.skip_collectives:
             return _own_chunk(t, dim, group), None
         return _reduce_scatter_into(t, dim, group, async_op=True)

@@ -73,7 +73,7 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError("--no-oases-fine-grained-recompute chooses how Oases recomputes and has no "
                           "effect without --recompute-granularity full; drop it or add "
                           "--recompute-granularity full --recompute-method uniform")
-    if cfg.tensor_model_parallel_size == 1 and (off or cfg.oases_skip_tp_collectives):
+    if cfg.tensor_model_parallel_size == 1 and not _experts_exchange(cfg) and (off or cfg.oases_skip_tp_collectives):
         flag = off[0] if off else "--oases-skip-tp-collectives"
         raise ConfigError(f"{flag} has no effect at --tensor-model-parallel-size 1 (there are no TP "
                           f"collectives, and --schedule oases runs stock layers there); drop it or "
@@ -114,10 +114,17 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
 
 
 def oases_runs(cfg: RunConfig) -> bool:
-    """Whether the Oases executor runs the layers: ``--schedule oases`` with TP > 1. At TP 1 there
-    is no collective to overlap, so the layers run as stock ones (Megatron's own recompute
-    included): the executor's half-size GEMMs and per-step autograd calls would only cost time."""
-    return cfg.schedule == "oases" and cfg.tensor_model_parallel_size > 1
+    """Whether the Oases executor runs the layers: ``--schedule oases`` with TP > 1, or with MoE
+    layers over ``--expert-model-parallel-size`` > 1 (their all-to-alls to overlap). Otherwise,
+    at TP 1, there is no collective to overlap, so the layers run as stock ones (Megatron's own
+    recompute included): the executor's half-size GEMMs and per-step autograd calls would only
+    cost time."""
+    return cfg.schedule == "oases" and (cfg.tensor_model_parallel_size > 1 or _experts_exchange(cfg))
+
+
+def _experts_exchange(cfg: RunConfig) -> bool:
+    """MoE layers whose tokens cross expert-parallel ranks (an all-to-all at TP 1)."""
+    return bool(cfg.num_experts) and cfg.expert_model_parallel_size > 1
 
 
 def oases_options_of(cfg: RunConfig) -> OasesOptions:

@@ -47,6 +47,13 @@ class BlockInputs:
     rotary_pos_emb: object = None
     position_ids: object = None
     """The sub-batch's ``[b, s]`` position ids (the embedding's tail, ``head_tape.py``)."""
+    sub_batch: int = 0
+    """Which sub-batch of the micro-batch the steps run on."""
+    scratch: dict | None = None
+    """One dict per micro-batch, shared by its sub-batches and kept until its backward ends: what
+    a step computes in forward and its recompute and backward reuse (an MoE layer's routing
+    metadata, ``moe_tape.py``). Never on the shared module, since 1F1B has several micro-batches
+    in flight."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +121,15 @@ class GatherSequence:
     """Sequence parallelism's entry to a column-parallel linear: ``dst`` = all-gather of ``src``
     along ``dim`` (the sequence); backward reduce-scatters grad(dst) into grad(src), since the
     linear's input gradient is partial per rank (Megatron's gather_from_sequence_parallel_region).
-    ``group``: None runs it on the tape's group."""
+    ``group``: None runs it on the tape's group. ``sizes``: ``sizes(inputs)`` gives each rank's
+    rows along dim 0 when they differ (an MoE layer's routed tokens; None: equal chunks)."""
 
     name: str
     src: str
     dst: str
     dim: int = 0
     group: object = None
+    sizes: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +143,36 @@ class ReduceScatterSequence:
     dst: str
     dim: int = 0
     group: object = None
+    sizes: Callable | None = None
+    """As ``GatherSequence.sizes``: each rank's rows of the result when they differ."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAll:
+    """``dst`` = all-to-all of ``src``'s rows over ``group``, ``splits(inputs)`` giving (output
+    splits, input splits) per rank; backward: the all-to-all of grad(dst) with the splits swapped
+    (an MoE layer's dispatch and combine, ``moe_tape.py``)."""
+
+    name: str
+    src: str
+    dst: str
+    splits: Callable
+    group: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """Forward only: wait until every sub-batch of the micro-batch reached this step (a step
+    after it reads what all of them computed, e.g. an MoE router's token counts). Recompute and
+    backward pass it by (what it waited for is kept in ``BlockInputs.scratch``)."""
+
+    name: str
 
 
 Step = Union[Local, ForwardAllReduce, BackwardAllReduce, ForwardAllGather, BackwardAllGather,
-             GatherSequence, ReduceScatterSequence]
-FORWARD_COLLECTIVES = (ForwardAllReduce, ForwardAllGather, GatherSequence, ReduceScatterSequence)
+             GatherSequence, ReduceScatterSequence, AllToAll, Barrier]
+FORWARD_COLLECTIVES = (ForwardAllReduce, ForwardAllGather, GatherSequence, ReduceScatterSequence,
+                       AllToAll)
 """Steps that communicate in forward: recompute must repeat them unless their output is saved."""
 
 
@@ -248,25 +282,72 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
     the attention block's bias-dropout-add and the pre-MLP norm are separate steps
     (``attention_bda``, ``ln2``), so the tape can be cut between them."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
 
-    attn, mlp = layer.self_attention, layer.mlp
-    require(isinstance(attn, SelfAttention), f"layer {index}: self_attention must be SelfAttention")
+    mlp = layer.mlp
     require(isinstance(mlp, MLP), f"layer {index}: the MLP must be Megatron's dense MLP (no MoE)")
-    require(isinstance(layer.cross_attention, IdentityOp), "cross-attention is not supported")
-    linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
-    require(all(isinstance(m, ColumnParallelLinear) for m in linears[0::2])
-             and all(isinstance(m, RowParallelLinear) for m in linears[1::2]),
+    require(isinstance(mlp.linear_fc1, ColumnParallelLinear)
+             and isinstance(mlp.linear_fc2, RowParallelLinear),
              "the linears must be Megatron's Column/RowParallelLinear (local spec; TE layers "
              "fuse their own collectives)")
-    require(attn.linear_proj.skip_bias_add and mlp.linear_fc2.skip_bias_add,
-             "row-parallel linears must return their bias (skip_bias_add)")
+    require(mlp.linear_fc2.skip_bias_add, "row-parallel linears must return their bias (skip_bias_add)")
+    part = attention_part(layer, index, split=split)
+    fc2_bias = mlp.linear_fc2.bias
+
+    def mlp_fn(t, inp):  # Megatron's MLP: GeLU or SwiGLU, with or without bias
+        return {"mlp_p": mlp(t["ln2"])[0]}
+
+    def bda_out(t, inp):
+        return {"y": part.bda(t["mlp_sum"], fc2_bias, t["h1"], "mlp_bda")}
+
+    steps = (
+        *part.steps,
+        part.enter("mlp", "ln2"),
+        Local("mlp", ("ln2",), ("mlp_p",), mlp_fn),
+        part.leave("mlp", "mlp_p", "mlp_sum"),
+        Local("bda", ("mlp_sum", "h1"), ("y",), bda_out),
+    )
+    return steps, (*part.linears, mlp.linear_fc1, mlp.linear_fc2)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPart:
+    """A Megatron layer's steps up to its pre-MLP norm (``x -> h1, ln2``), shared by the dense
+    tape and the MoE tape (``moe_tape.py``)."""
+
+    steps: tuple
+    linears: tuple
+    """(qkv, proj): the linears whose collectives the executor issues."""
+    ln2: str
+    """The pre-MLP norm's output: ``ln2``, or this rank's sequence chunk ``ln2_s`` under SP."""
+    bda: Callable
+    """``bda(x, bias, residual, site)``: Megatron's unfused bias-dropout-add with the micro-batch's
+    dropout mask."""
+    enter: Callable
+    """``enter(block, normed)``: Megatron's f before a column-parallel linear."""
+    leave: Callable
+    """``leave(block, partial, total)``: Megatron's g after a row-parallel linear."""
+
+
+def attention_part(layer, index: int, *, split: bool) -> AttentionPart:
+    """The attention block of a Megatron 1-D layer as steps, then its pre-MLP norm (``split``:
+    ``attention_bda`` and ``ln2`` separate, else one ``bda_ln2`` step)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attn = layer.self_attention
+    require(isinstance(attn, SelfAttention), f"layer {index}: self_attention must be SelfAttention")
+    require(isinstance(layer.cross_attention, IdentityOp), "cross-attention is not supported")
+    linears = (attn.linear_qkv, attn.linear_proj)
+    require(isinstance(linears[0], ColumnParallelLinear) and isinstance(linears[1], RowParallelLinear),
+             "the linears must be Megatron's Column/RowParallelLinear (local spec; TE layers "
+             "fuse their own collectives)")
+    require(attn.linear_proj.skip_bias_add, "row-parallel linears must return their bias (skip_bias_add)")
     sub_batch_attention_dropout(attn.core_attention, index)
 
     p = layer.hidden_dropout
-    proj_bias, fc2_bias = attn.linear_proj.bias, mlp.linear_fc2.bias
+    proj_bias = attn.linear_proj.bias
     from megatron_oases.layers.planned_layer import replica_batch_shard
 
     shards = {"attention_bda": replica_batch_shard(layer, "attention"),
@@ -313,12 +394,6 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
         h1 = attention_bda(t, inp)["h1"]
         return {"h1": h1, n2: layer.pre_mlp_layernorm(h1)}
 
-    def mlp_fn(t, inp):  # Megatron's MLP: GeLU or SwiGLU, with or without bias
-        return {"mlp_p": mlp(t["ln2"])[0]}
-
-    def bda_out(t, inp):
-        return {"y": bda(t["mlp_sum"], fc2_bias, t["h1"], "mlp_bda")}
-
     if split:
         middle = (Local("attention_bda", ("attn_sum", "x"), ("h1",), attention_bda),
                   Local("ln2", ("h1",), (n2,), ln2))
@@ -330,12 +405,8 @@ def _megatron_steps(layer, index: int, *, split: bool) -> tuple[tuple[Step, ...]
         Local("attention", ("ln1",), ("attn_p",), attention),
         leave("attention", "attn_p", "attn_sum"),
         *middle,
-        enter("mlp", "ln2"),
-        Local("mlp", ("ln2",), ("mlp_p",), mlp_fn),
-        leave("mlp", "mlp_p", "mlp_sum"),
-        Local("bda", ("mlp_sum", "h1"), ("y",), bda_out),
     )
-    return steps, linears
+    return AttentionPart(steps, linears, n2, bda, enter, leave)
 
 
 def sub_batch_attention_dropout(core, index: int) -> None:

@@ -1,0 +1,100 @@
+"""The Oases executor over Megatron-Core MoE layers (``schedules/oases/moe_tape.py``): losses and
+every gradient (router and experts included) equal stock at the same layout, fp32, dropless, aux
+loss on, 2 iterations; its recompute issues no collective; what it cannot equal is refused."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_same_training
+from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
+from tests.test_moe_parity import EP, MODEL, SGD
+
+TOL = 1e-5
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+OASES = ["--schedule", "oases"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+TP2_SP_EP2 = [EP, "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", *ALLTOALL]
+TP1_EP2 = [EP, "2", *ALLTOALL]
+
+
+@pytest.mark.parametrize("n, layout, extra", [
+    (4, TP2_SP_EP2, RECOMPUTE),
+    (2, TP1_EP2, RECOMPUTE),
+    (2, TP1_EP2, RECOMPUTE + ["--no-oases-fine-grained-recompute"]),
+    (2, TP1_EP2, []),
+    (2, TP1_EP2, RECOMPUTE + ["--no-oases-cross-pass"]),
+], ids=["tp2-sp-ep2-recompute", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
+        "tp1-ep2-no-cross-pass"])
+def test_oases_moe_equals_stock(n, layout, extra):
+    argv = MODEL + SGD + layout
+    ref = cached_training(n, argv)
+    got = run_training(n, argv + OASES + extra)
+    assert_same_training(got, ref, tol=TOL, what="stock", iterations=2)
+
+
+def aux_and_collectives(argv: list[str]) -> dict:
+    """Two training steps: the router loss Megatron's MoE tracker logged per layer, and every
+    collective issued (ours and, watched, Megatron's own) as (tag, kind, group size, bytes)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+    from megatron_oases.parallel.collectives import CommCounter, watch_torch_distributed
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    watch_torch_distributed()
+    _count_megatron_gathers()
+    tr = setup(run_config(build_parser().parse_args(argv)))
+    with CommCounter() as counter:
+        for it in (1, 2):
+            train_step(tr, it)
+    entry = get_moe_metrics_tracker()._metrics["load_balancing_loss"]
+    return {"aux": entry.values.clone(),
+            "records": sorted((r.tag, r.kind, r.group_size, r.payload_bytes) for r in counter.records)}
+
+
+def _count_megatron_gathers() -> None:
+    """Megatron's even all-gathers (the dispatcher's token-count gather over TP x EP among them)
+    go through a function it bound at import, which ``watch_torch_distributed`` cannot see once
+    Megatron is imported: count them here."""
+    from megatron.core.tensor_parallel import mappings
+
+    from megatron_oases.parallel.collectives import record_collective
+
+    gather = mappings.dist_all_gather_func
+    if getattr(gather, "counted", False):
+        return
+
+    def counted(output, input_, group=None, async_op=False):
+        record_collective("all_gather", output, group)
+        return gather(output, input_, group=group, async_op=async_op)
+
+    counted.counted = True
+    mappings.dist_all_gather_func = counted
+
+
+def _on_ranks(n: int, argv: list[str]) -> list[dict]:
+    from megatron_oases.runtime.spawn import run_on_ranks
+
+    return run_on_ranks(aux_and_collectives, n, args=(argv,), timeout_s=240)
+
+
+def test_router_loss_logged_as_stock_and_recompute_issues_no_collective():
+    """TP 2 x EP 2 with SP: the per-layer load-balancing loss Megatron's tracker holds equals
+    stock's on every rank; with fine-grained recompute the step issues exactly the collectives of
+    the run without recompute (none tagged "recompute", Megatron's count gathers included), while
+    coarse recompute repeats the dispatch (so the count can fail)."""
+    argv = MODEL + SGD + TP2_SP_EP2
+    stock = _on_ranks(4, argv)
+    fine = _on_ranks(4, argv + OASES + RECOMPUTE)
+    kept = _on_ranks(4, argv + OASES)
+    coarse = _on_ranks(4, argv + OASES + RECOMPUTE + ["--no-oases-fine-grained-recompute"])
+    for rank, (a, b) in enumerate(zip(fine, stock)):
+        assert a["aux"].shape == b["aux"].shape and bool((b["aux"] > 0).all()), rank
+        assert float((a["aux"] - b["aux"]).abs().max()) <= TOL * float(b["aux"].abs().max()), rank
+    for f, k, c in zip(fine, kept, coarse):
+        assert not [r for r in f["records"] if r[0] == "recompute"]
+        assert f["records"] == k["records"]
+        assert any(r[1] == "all_to_all" for r in f["records"])
+        assert any(r[1] == "all_gather" and r[2] == 4 for r in f["records"])  # the count gathers
+        assert [r for r in c["records"] if r[0] == "recompute" and r[1] == "all_to_all"]
