@@ -17,9 +17,13 @@ dropless, the aux loss on. Variants, each the median step time after the warm-up
             combine, forward and backward), on one sub-batch, times the sub-batches, the layers and
             the micro-batches
 
-The perfect-overlap bound is max(compute, comm), as for the dense benchmark; the DP gradient
-all-reduce after the backward overlaps nothing in either schedule (it is in the compute row, not
-in the comm row). Prints a table, writes CSV and JSON. Needs root (network namespaces);
+  grad      the step's DP gradient all-reduce alone on the emulated link (the non-expert
+            gradients, fp32: ``sim``'s event for this model and layout), which neither schedule
+            overlaps (Megatron's DDP reduces after the backward)
+
+The perfect-overlap bound is max(compute, comm) + grad (the dense benchmark's max(compute, comm)
+plus the reduction neither schedule hides; compute holds that reduction at loopback speed too, a
+few ms). Prints a table, writes CSV and JSON. Needs root (network namespaces);
 ``--no-emulate`` runs everything on plain local ranks (a smoke test, not a measurement).
 
     python scripts/bench_oases_moe.py --link-GBps 0.02 --out results/bench_oases_moe
@@ -45,7 +49,7 @@ EP = 2
 """Expert-parallel ranks, one per emulated node (TP 1): the EP group is the world."""
 SCHEDULES = {"stock": ["--schedule", "default"] + RECOMPUTE, "oases": ["--schedule", "oases"] + RECOMPUTE}
 VARIANTS = ("stock", "oases", "compute")
-"""Trainer runs; ``compute`` is ``oases`` without the rate limit. The ``comm`` row always runs."""
+"""Trainer runs; ``compute`` is ``oases`` without the rate limit. The ``comm`` and ``grad`` rows always run."""
 
 
 def moe_flags(a) -> list[str]:
@@ -70,14 +74,20 @@ def two_node_yaml(link_GBps: float) -> str:
                          [("lo", 1, "intra_node", 10.0, 20), ("veth", EP, "inter_node", link_GBps, 50)])
 
 
+def _moe_shape(a):
+    """The benchmark's MoE flags as ``describe.moe.MoEShape``."""
+    return moe_shape(num_experts=a.experts, moe_ffn_hidden_size=a.moe_ffn, ffn_hidden_size=4 * a.hidden,
+                     moe_router_topk=a.topk, moe_layer_freq=1, moe_expert_capacity_factor=None,
+                     moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                     moe_aux_loss_coeff=a.aux_loss_coeff)
+
+
 def step_collectives(a) -> list[tuple[str, int]]:
     """(kind, payload bytes) of every MoE collective of one Oases training step, in issue order per
     layer: ``describe``'s MoE layer (``describe.moe``) on one sub-batch of the Oases split
     (``describe.split``), forward then backward, times the sub-batches, layers and micro-batches.
     At TP 1 all of them run on the EP group (the world); fp32."""
-    moe = moe_shape(num_experts=a.experts, moe_ffn_hidden_size=a.moe_ffn, ffn_hidden_size=4 * a.hidden,
-                    moe_router_topk=a.topk, moe_layer_freq=1, moe_expert_capacity_factor=None,
-                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    moe = _moe_shape(a)
     subs = sub_batch_sizes(a.micro_batch)
     layer = layer_description(backend="megatron", layout=None, micro_batch=subs[0], seq=a.seq, hidden=a.hidden,
                               heads=a.heads, ffn=4 * a.hidden, tp=1, bytes_per_element=4, schedule="oases",
@@ -85,6 +95,24 @@ def step_collectives(a) -> list[tuple[str, int]]:
     ops = [c for p in ("forward", "backward") for c in layer.collectives(p)]
     assert all(c.axis in MOE_AXES for c in ops), "at TP 1 every collective of the layer is an MoE one"
     return [(c.kind, c.payload_bytes) for c in ops] * (len(subs) * a.layers * a.micro_batches)
+
+
+def grad_reduce_bytes(a, topo_path: str) -> int:
+    """Bytes of the step's DP gradient all-reduce (the non-expert gradients in fp32; the experts'
+    expert-data-parallel group is one rank here): ``sim``'s event for this model and layout."""
+    from megatron_oases.describe.ops import LayerVariant
+    from megatron_oases.describe.shapes import GPTShape
+    from megatron_oases.sim.core.events import build_stage_events
+    from megatron_oases.sim.core.strategy import Strategy
+    from megatron_oases.topology import load_topology
+
+    m = GPTShape(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,
+                 micro_batch_size=a.micro_batch, ffn_hidden_size=4 * a.hidden, padded_vocab_size=a.vocab,
+                 dtype="fp32", variant=LayerVariant(bias=False), moe=_moe_shape(a))  # --disable-bias-linear
+    s = Strategy(tp=1, dp=EP, ep=EP, num_microbatches=a.micro_batches, recompute=True)
+    (stage,) = build_stage_events(m, s, load_topology(topo_path))
+    assert not stage.replica_allreduce, "the experts' gradients are reduced over one rank"
+    return stage.grad_allreduce.nbytes
 
 
 def comm_only_main(argv: list[str]) -> None:
@@ -109,10 +137,12 @@ def comm_only_main(argv: list[str]) -> None:
         src, dst = bufs[kind, el]
         if kind == "all_to_all":
             dist.all_to_all_single(dst, src)
+        elif kind == "all_reduce":
+            dist.all_reduce(src)
         elif kind == "all_gather":
             dist.all_gather_into_tensor(dst, src[:el // n])
         else:
-            raise SystemExit(f"comm-only: no {kind} in an MoE layer at TP 1")
+            raise SystemExit(f"comm-only: no {kind} in an MoE step at TP 1")
 
     for kind, el in plan[:4]:  # warm up the connections
         one(kind, el)
@@ -138,24 +168,24 @@ def run_train(a, name: str, topo: str | None, workdir: str) -> dict:
     return {"variant": name, **step_stats(log, a.warmup), "wall_s": round(time.time() - t0, 1)}
 
 
-def run_comm(a, topo: str | None, workdir: str) -> dict:
-    """The ``comm`` row: the Oases step's MoE collectives alone (``step_collectives``)."""
-    plan, out = os.path.join(workdir, "comm-plan.json"), os.path.join(workdir, "comm.json")
-    colls = step_collectives(a)
+def run_comm(a, name: str, colls: list[tuple[str, int]], topo: str | None, workdir: str) -> dict:
+    """A communication-only row: ``colls`` (kind, payload bytes) alone, back to back."""
+    plan, out = os.path.join(workdir, f"{name}-plan.json"), os.path.join(workdir, f"{name}.json")
     json.dump(colls, open(plan, "w"))
     cmd = [sys.executable, os.path.abspath(__file__), "--comm-only", "--plan", plan,
            "--repeats", str(a.iters), "--out", out]
     launch_ranks(cmd, EP, topology=topo, timeout=a.timeout)
     got = json.load(open(out))
-    return {"variant": "comm", "step_ms": got["comm_ms"], "steps_ms": [round(t, 1) for t in got["comm_ms_all"]],
+    return {"variant": name, "step_ms": got["comm_ms"], "steps_ms": [round(t, 1) for t in got["comm_ms_all"]],
             "collectives": len(colls), "comm_MB": sum(b for _, b in colls) / 1e6}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Each row with its speedup over stock and its ratio to max(compute, comm)."""
+    """Each row with its speedup over stock and its ratio to max(compute, comm) + grad."""
     ms = {r["variant"]: r["step_ms"] for r in rows}
-    bound = max(ms["compute"], ms["comm"]) if "compute" in ms and "comm" in ms else None
-    return [{**r, "speedup_vs_stock": ms["stock"] / r["step_ms"] if "stock" in ms and r["variant"] != "comm" else None,
+    bound = max(ms["compute"], ms["comm"]) + ms["grad"] if {"compute", "comm", "grad"} <= set(ms) else None
+    return [{**r, "speedup_vs_stock": ms["stock"] / r["step_ms"] if "stock" in ms and r["variant"] in VARIANTS
+             else None,
              "over_bound": r["step_ms"] / bound if bound else None, "bound_ms": bound} for r in rows]
 
 
@@ -169,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link-GBps", type=float, default=0.02,
                    help="each emulated node's link to the other (GB/s): the all-to-alls cross it")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                   help="trainer runs (default: all); the comm row always runs")
+                   help="trainer runs (default: all); the comm and grad rows always run")
     p.add_argument("--no-emulate", action="store_true", help="plain local ranks (smoke test)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/bench_oases_moe")
@@ -188,9 +218,11 @@ def main(argv=None) -> int:
         for name in a.variants:
             rows.append(run_train(a, name, None if name == "compute" else topo, work))
             print(f"  {name:8s} {rows[-1]['step_ms']:9.1f} ms", flush=True)
-        rows.append(run_comm(a, topo, work))
-        print(f"  comm     {rows[-1]['step_ms']:9.1f} ms ({rows[-1]['collectives']} collectives, "
-              f"{rows[-1]['comm_MB']:.1f} MB)", flush=True)
+        grad = grad_reduce_bytes(a, topo or write_topology(work, "bench-moe-2x1", two_node_yaml(a.link_GBps)))
+        for name, colls in (("comm", step_collectives(a)), ("grad", [("all_reduce", grad)])):
+            rows.append(run_comm(a, name, colls, topo, work))
+            print(f"  {name:8s} {rows[-1]['step_ms']:9.1f} ms ({rows[-1]['collectives']} collectives, "
+                  f"{rows[-1]['comm_MB']:.1f} MB)", flush=True)
     rows = summarize(rows)
     print(f"\nMoE {a.experts} experts top-{a.topk} (alltoall, dropless, aux loss {a.aux_loss_coeff}), EP {EP} "
           f"across 2 nodes, hidden {a.hidden}, expert FFN {a.moe_ffn}, layers {a.layers}, seq {a.seq}, "

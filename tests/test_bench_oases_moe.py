@@ -30,3 +30,15 @@ def test_the_trainer_runs_ep_across_the_two_nodes():
     assert at("--expert-model-parallel-size") == str(S.EP) and at("--tensor-model-parallel-size") == "1"
     assert int(at("--global-batch-size")) == a.micro_batch * a.micro_batches * S.EP
     assert at("--moe-token-dispatcher-type") == "alltoall" and float(at("--moe-aux-loss-coeff")) > 0
+
+
+def test_the_grad_row_reduces_the_non_expert_gradients(tmp_path):
+    """The DP all-reduce: every fp32 gradient but the experts' (their expert-DP group is one rank):
+    per layer the two LayerNorms, QKV, the projection and the router (no biases), then the word
+    and position embeddings (tied output layer) and the final norm."""
+    a = S.parse_args(["--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128", "--layers", "3"])
+    h = a.hidden
+    per_layer = 2 * h + 3 * h * h + h * h + 2 * h + a.experts * h
+    params = a.layers * per_layer + a.vocab * h + a.seq * h + 2 * h
+    topo = S.write_topology(str(tmp_path), "t", S.two_node_yaml(0.1))
+    assert S.grad_reduce_bytes(a, topo) == 4 * params
