@@ -98,3 +98,26 @@ def test_router_loss_logged_as_stock_and_recompute_issues_no_collective():
         assert any(r[1] == "all_to_all" for r in f["records"])
         assert any(r[1] == "all_gather" and r[2] == 4 for r in f["records"])  # the count gathers
         assert [r for r in c["records"] if r[0] == "recompute" and r[1] == "all_to_all"]
+
+
+def _megatron_lm_parse(argv: list[str], monkeypatch):
+    """The Megatron-LM entry's parse (``megatron_lm.flags``) over a Megatron-like parser with the
+    MoE flags the trainer's checks read."""
+    from megatron_oases.megatron_lm.flags import extra_args_provider
+    from tests.test_megatron_lm_flags import BASE, megatron_like_parser
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parser = megatron_like_parser()
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parser.add_argument("--moe-token-dispatcher-type", default="allgather")
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    return extra_args_provider(parser).parse_args(BASE + argv)
+
+
+def test_megatron_lm_entry_takes_oases_over_moe_and_refuses_allgather(monkeypatch, capsys):
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+           "--schedule", "oases"]
+    assert _megatron_lm_parse(moe + ALLTOALL, monkeypatch).schedule == "oases"
+    with pytest.raises(SystemExit):
+        _megatron_lm_parse(moe, monkeypatch)
+    assert "use --moe-token-dispatcher-type alltoall" in capsys.readouterr().err
