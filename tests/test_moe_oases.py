@@ -32,6 +32,15 @@ def test_oases_moe_equals_stock(n, layout, extra):
     assert_same_training(got, ref, tol=TOL, what="stock", iterations=2)
 
 
+def test_oases_moe_under_1f1b_equals_stock():
+    """PP 2 x EP 2: two micro-batches in flight on the first stage, each with its own routing
+    metadata until its backward; MoE and dense layers (``--moe-layer-freq 2``)."""
+    argv = MODEL + SGD + TP1_EP2 + ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "2",
+                                    "--num-layers", "4"]
+    got = run_training(4, argv + OASES + RECOMPUTE)
+    assert_same_training(got, run_training(4, argv), tol=TOL, what="stock", iterations=2)
+
+
 def aux_and_collectives(argv: list[str]) -> dict:
     """Two training steps: the router loss Megatron's MoE tracker logged per layer, and every
     collective issued (ours and, watched, Megatron's own) as (tag, kind, group size, bytes)."""

@@ -7,7 +7,8 @@ description (``describe/saved.py``) read these facts here, so they cannot disagr
 * ``SUB_BATCHES``: two sub-batches per micro-batch (§3.1: one sub-batch's TP collectives overlap
   the other's compute);
 * ``sub_batches_at``: the sub-batches a block at a TP degree runs (a degree-1 block of a plan
-  has no collective to overlap and runs its replica's share whole);
+  has no collective to overlap and runs its replica's share whole; an MoE model over EP > 1
+  splits at TP 1 too, its all-to-alls to overlap);
 * ``sub_batch_sizes`` / ``split_refusal``: equal sub-batches only. A micro-batch that does not
   split evenly (an odd one) is refused everywhere with one message, at parse time: the
   simulator's timeline runs every sub-batch through the same events and the planner's lock-step
@@ -24,12 +25,15 @@ SUB_BATCHES = 2
 """Sub-batches per micro-batch under the Oases schedule."""
 
 
-def sub_batches_at(degree: int | None = None, *, oases: bool = True) -> int:
+def sub_batches_at(degree: int | None = None, *, oases: bool = True, expert_parallel: int = 1) -> int:
     """Sub-batches a block runs at TP ``degree`` (None: the stage's whole TP group, no plan):
     ``SUB_BATCHES`` under the Oases schedule, except at degree 1, where a planned block issues
     no collective and its replica's share runs whole (``schedules/oases/block.py``); 1 without
-    the Oases schedule (``oases=False``: the stock executor)."""
-    return SUB_BATCHES if oases and (degree is None or degree > 1) else 1
+    the Oases schedule (``oases=False``: the stock executor). ``expert_parallel``: the run's
+    ``--expert-model-parallel-size`` for a model with MoE layers; above 1 their all-to-alls are
+    there to overlap, so the model splits at degree 1 too (``options.oases_runs``; a dense model
+    at TP 1 runs whole)."""
+    return SUB_BATCHES if oases and (degree is None or degree > 1 or expert_parallel > 1) else 1
 
 
 def split_refusal(micro_batch: int, sub_batches: int = SUB_BATCHES) -> str:
