@@ -60,14 +60,17 @@ def test_eight_experts_are_priced_above_the_dense_twin_and_every_other_layer_bet
     assert times["dense"][1] < times["half"][1] < times["moe"][1]  # 4 experts a rank, each the twin's MLP
 
 
-@pytest.mark.parametrize("dispatcher, tp, ep", [("alltoall", 2, 2), ("allgather", 2, 2), ("allgather", 1, 4)])
-def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep):
+@pytest.mark.parametrize("dispatcher, tp, ep, oases", [("alltoall", 2, 2, False), ("allgather", 2, 2, False),
+                                                      ("allgather", 1, 4, False), ("alltoall", 2, 2, True)])
+def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep, oases):
     """Every MoE event the planner prices is one the simulator builds (key, dims, bytes, ranks:
     the EP and TP x EP groups placed alike), and the MoE block's time is the sum of the
-    simulator's prices of that block's events (stock executor: run one after another)."""
-    m = _model(_moe(dispatcher=dispatcher), ep=ep, num_layers=1, tp=tp, sequence_parallel=tp > 1)
+    simulator's prices of that block's events (stock executor: run one after another; under the
+    Oases executor its tape's steps, one sub-batch's)."""
+    m = _model(_moe(dispatcher=dispatcher), ep=ep, num_layers=1, tp=tp, sequence_parallel=tp > 1,
+               sub_batches=2 if oases else 1)
     cm, pricer = _cost(m)
-    shape, st = _sim_inputs(m)
+    shape, st = _sim_inputs(m, schedule="oases" if oases else "default")
     topo = load_topology(TOPO)
     stage = build_stage_events(shape, st, topo)[0]
     sim = {e.key: e for ch in stage.chunks for seg in (*ch.forward_segments, *ch.backward_segments)
@@ -75,6 +78,7 @@ def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep):
     ours = [k for k in pricer.events if "moe." in k]
     assert any(k.startswith("all_to_all:moe.dispatch[" if dispatcher == "alltoall" else "all_gather:moe.ag[")
                for k in ours), ours
+    assert any(k.startswith("compute:moe.permute[") for k in ours) == oases
     for k in ours:
         assert k in sim, (k, sorted(s for s in sim if "moe." in s))
         got, want = pricer.events[k], sim[k]
@@ -85,19 +89,22 @@ def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep):
     assert c.c_fwd + c.m_fwd + c.c_bwd + c.m_bwd == pytest.approx(want_ms)
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "full-recompute"])
-def test_moe_memory_beyond_the_dense_twin_is_the_simulators(recompute):
+@pytest.mark.parametrize("recompute, tp", [(False, 2), (True, 2), ("oases", 2)],
+                         ids=["no-recompute", "full-recompute", "oases-fine-grained"])
+def test_moe_memory_beyond_the_dense_twin_is_the_simulators(recompute, tp):
     """The MoE model's model states (experts over EP, their Adam states over expert-DP under the
     distributed optimizer) and saved bytes per micro-batch exceed the dense twin's by what the
-    simulator counts (``sim.core.memory.stage_memory``)."""
-    kw = dict(distributed_optimizer=True, recompute=recompute)
+    simulator counts (``sim.core.memory.stage_memory``); under the Oases executor's fine-grained
+    recompute a recomputed MoE layer keeps its forward collectives' outputs."""
+    oases = recompute == "oases"
+    kw = dict(distributed_optimizer=True, recompute=bool(recompute))
     plan, sim = {}, {}
     for name, moe in (("dense", None), ("moe", _moe(layer_freq=2, dispatcher="alltoall"))):
-        m = _model(moe, ep=2 if moe else 1, **kw)
+        m = _model(moe, ep=2 if moe else 1, tp=tp, sequence_parallel=tp > 1, sub_batches=2 if oases else 1, **kw)
         cm, _ = _cost(m)
-        rows = cm.breakdown(cm.uniform(2))
+        rows = cm.breakdown(cm.uniform(tp))
         plan[name] = (sum(r["state_bytes"] for r in rows), sum(r["saved_bytes"] for r in rows))
-        shape, st = _sim_inputs(m, distributed_optimizer=True, recompute=recompute)
+        shape, st = _sim_inputs(m, schedule="oases" if oases else "default", **kw)
         mem = simulate(shape, st, device_model(load_topology(TOPO)), timeline=False).memory[0]
         from megatron_oases.sim.core.memory import chunk_activation_bytes
 

@@ -150,7 +150,7 @@ def test_expert_gradients_reduce_over_expert_data_parallel():
     (["--tp", "8", "--sequence-parallel", "--ep", "4"], "must divide the data-parallel size 2"),
     (["--tp", "2", "--sequence-parallel"], "needs --disable-bias-linear"),
     (["--tp", "2", "--sequence-parallel", "--disable-bias-linear", "--schedule", "oases"],
-     "Oases executor does not run MoE"),
+     "--schedule oases overlaps MoE layers' all-to-alls; use --moe-token-dispatcher-type alltoall"),
 ])
 def test_sim_refuses_what_megatron_refuses(flags, match, capsys):
     assert sim_main(["--topology", "dgx-h100-ndr8", "--nodes", "2", "--num-layers", "4", "--hidden-size", "512",

@@ -68,7 +68,7 @@ def test_the_sub_batches_join_after_routing_only_with_the_aux_loss():
     assert moe_layer(dense, moe=_moe(), **{**kw, "oases": False}).joins == ()
 
 
-@pytest.mark.parametrize("tp", [1])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_sims_collectives_under_oases_are_the_descriptions(tp, two_nodes):
     """Per MoE layer and sub-batch, sim's forward and backward collectives (name, kind, group size,
     bytes) are the Oases description's; fine-grained recompute issues none; with the aux loss the
@@ -99,7 +99,7 @@ def test_the_blocking_gather_holds_the_compute_stream(two_nodes):
     assert streams["moe.ag.counts"] == "compute" and streams["moe.dispatch"] == "comm"
 
 
-@pytest.mark.parametrize("tp", [1])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_oases_over_moe_is_priced_faster_when_the_all_to_all_is_comparable_to_compute(tp, two_nodes):
     """EP across the nodes' link: on a fast link the all-to-alls are small and the two schedules
     are within a few percent; where they take about as long as the compute, Oases hides part of

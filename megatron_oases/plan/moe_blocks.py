@@ -18,9 +18,11 @@ default executor at TP > 1 (``PlanModel._check_moe``). EP is the launch's, not s
 from __future__ import annotations
 
 from megatron_oases.describe.moe import (EXPERT_TENSORS_FROM, MOE_AXES, is_moe_op, moe_axis_ranks, moe_block,
-                                         moe_block_param_tensors, moe_block_saved_delta)
+                                         moe_block_param_tensors, moe_block_saved_delta,
+                                         oases_moe_layer_kept_bytes)
 from megatron_oases.flags import option
 
+from .memory import block_memory
 from .model import PlanModel
 
 MOE_KIND = "moe"
@@ -44,9 +46,11 @@ def moe_plan_refusal(m: PlanModel, *, families: tuple[str, ...], degrees: tuple[
 
 def moe_ops(m: PlanModel, degree: int, samples: int):
     """(forward ops, backward ops) of the MoE block on ``samples`` samples at ``degree``
-    (``describe.moe.moe_block``, the simulator's description)."""
+    (``describe.moe.moe_block``, the simulator's description; under the Oases executor its tape's
+    steps)."""
     return moe_block(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size, moe=m.moe, tp=degree, ep=m.ep,
-                     bytes_per_element=m.bytes_per_element, variant=m.variant, hidden_dropout=m.hidden_dropout > 0)
+                     bytes_per_element=m.bytes_per_element, variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
+                     oases=m.sub_batches > 1)
 
 
 def moe_shape_of(m: PlanModel, name: str, shape: str, dims: tuple) -> tuple[str, tuple]:
@@ -83,10 +87,17 @@ def moe_memory(m: PlanModel, saved: float, runtime: float) -> tuple[float, float
     """(saved bytes per micro-batch, backward working set) of the MoE block from the dense MLP
     block's: without recompute it keeps the MoE block's difference more
     (``describe.moe.moe_block_saved_delta``); under full recompute it keeps the layer's boundaries
-    as the dense block does, and the difference, where positive, is rerun into its backward
-    working set (``sim.core.memory`` alike)."""
+    as the dense block does (under the Oases executor's fine-grained recompute the MoE layer's own:
+    ``describe.moe.oases_moe_layer_kept_bytes`` less the attention block's part), and the difference,
+    where positive, is rerun into its backward working set (``sim.core.memory`` alike)."""
     delta = moe_block_saved_delta(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                   f=m.ffn_hidden_size, moe=m.moe, t=m.tp, ep=m.ep, e=m.bytes_per_element,
                                   variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
                                   sequence_parallel=m.sequence_parallel)
+    if m.fine_grained:
+        layer = oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
+                                           heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=m.tp,
+                                           ep=m.ep, bytes_per_element=m.bytes_per_element, variant=m.variant,
+                                           sequence_parallel=m.sequence_parallel)
+        saved = layer - block_memory(m, "attention", m.micro_batch_size, m.tp)[0]
     return (saved, runtime + max(0.0, delta)) if m.recompute else (saved + delta, runtime)

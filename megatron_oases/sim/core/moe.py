@@ -10,11 +10,11 @@ sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memor
 from __future__ import annotations
 
 from ...describe.moe import (EXPERT_TENSORS_FROM, flops_ffn_width, moe_block_param_tensors,
-                             moe_block_saved_delta, moe_refusal, oases_recompute_kept_bytes)
+                             moe_block_saved_delta, moe_refusal, oases_moe_layer_kept_bytes)
 from ...describe.moe import is_moe_op  # noqa: F401  (events.py reads it from here)
 from ...describe.moe import moe_axis_ranks as axis_ranks
 from ...describe.ops import ModelingError
-from ...describe.registry import MLP_PARAM_TENSORS, layer_description, layer_param_tensors
+from ...describe.registry import MLP_PARAM_TENSORS, layer_param_tensors
 from ...describe.shapes import GPTShape
 from ...pricing.device_model import SimError
 
@@ -89,17 +89,11 @@ def moe_saved_delta(m: GPTShape, s, layers: list[int], *, recomputed: int, kept_
 
 def moe_oases_kept(m: GPTShape, s) -> float:
     """Bytes a recomputed MoE layer keeps per micro-batch under the Oases executor's fine-grained
-    recompute: its input (this rank's sequence chunk under SP) and its forward collectives' outputs
-    (``describe.moe.oases_recompute_kept_bytes`` of the Oases description, whose split is along the
-    batch: the sub-batches' outputs add up to the micro-batch's)."""
-    layer = layer_description(backend=s.backend, layout=s.layout, micro_batch=m.micro_batch_size, seq=m.seq_length,
-                              hidden=m.hidden_size, heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=s.tp,
-                              bytes_per_element=m.bytes_per_element, variant=m.variant,
-                              sequence_parallel=s.sequence_parallel, schedule="oases", core_attention=m.core_attention,
-                              moe=m.moe, ep=s.ep)
-    sp = s.sequence_parallel and s.tp > 1
-    return oases_recompute_kept_bytes(layer, m.micro_batch_size * m.seq_length * m.hidden_size * m.bytes_per_element
-                                      / (s.tp if sp else 1))
+    recompute (``describe.moe.oases_moe_layer_kept_bytes``, the planner's too)."""
+    return oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
+                                      heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=s.tp,
+                                      ep=s.ep, bytes_per_element=m.bytes_per_element, variant=m.variant,
+                                      sequence_parallel=s.sequence_parallel)
 
 
 def moe_block_delta(m: GPTShape, s) -> float:
