@@ -209,9 +209,19 @@ class LayerTape:
     def saved_boundaries(self, fine_grained: bool) -> tuple[str, ...]:
         """Tensors the forward keeps per layer for recompute: the input, and with fine-grained
         recompute the output of every forward collective recompute would otherwise repeat (for a
-        Megatron 1-D layer, ``describe.split.recompute_boundaries`` hidden states)."""
-        outs = tuple(s.dst for s in self.recompute_steps if isinstance(s, FORWARD_COLLECTIVES))
+        Megatron 1-D layer, ``describe.split.recompute_boundaries`` hidden states). A collective
+        on a one-rank group (the attention's all-reduce of an MoE layer at TP 1, which the
+        executor runs for its all-to-alls) moves nothing, so its output is not kept."""
+        outs = tuple(s.dst for s in self.recompute_steps
+                     if isinstance(s, FORWARD_COLLECTIVES) and _ranks(self.group_of(s)) > 1)
         return (self.input,) + (outs if fine_grained else ())
+
+
+def _ranks(group) -> int:
+    """Ranks of ``group`` (2 when unknown: no process group, as in a test of the tape alone)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_initialized() else 2
 
 
 class UnsupportedLayer(ValueError):
