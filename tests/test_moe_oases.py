@@ -15,6 +15,7 @@ OASES = ["--schedule", "oases"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 TP2_SP_EP2 = [EP, "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", *ALLTOALL]
 TP1_EP2 = [EP, "2", *ALLTOALL]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 @pytest.mark.parametrize("n, layout, extra", [
@@ -23,9 +24,11 @@ TP1_EP2 = [EP, "2", *ALLTOALL]
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-fine-grained-recompute"]),
     (2, TP1_EP2, []),
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-cross-pass"]),
+    (2, TP1_EP2 + DROPOUT, RECOMPUTE),
 ], ids=["tp2-sp-ep2-recompute", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
-        "tp1-ep2-no-cross-pass"])
+        "tp1-ep2-no-cross-pass", "tp1-ep2-dropout"])
 def test_oases_moe_equals_stock(n, layout, extra):
+    """``layout`` is the stock reference's too; ``extra`` the Oases run's own flags."""
     argv = MODEL + SGD + layout
     ref = cached_training(n, argv)
     got = run_training(n, argv + OASES + extra)
