@@ -12,7 +12,11 @@ mean over the ranks is the even share the description prices (every routed copy 
 received once, dropless). So the trainer's bytes per layer are compared as that mean: per pass
 and per (kind, group size), the count and the bytes. With TP > 1 the alltoall dispatcher gathers
 over TP in uneven pieces, which gloo runs as all-reduces (``runtime/cpu_moe_compat.py``): that row
-compares its all-to-alls only. Tiny sizes; one spawned group per world size (2 and 4 ranks)."""
+compares its all-to-alls only. The Oases rows (``--schedule oases``, fine-grained recompute, the
+load-balancing loss on) pin the executor's MoE tape to ``describe.moe``'s Oases layer (its
+collectives, per sub-batch) and ``describe.moe_oases`` (what recompute keeps: every forward
+collective's output and the dispatcher's routing metadata). Tiny sizes; one spawned group per
+world size (2 and 4 ranks)."""
 from __future__ import annotations
 
 import collections
@@ -27,6 +31,8 @@ MOE = ["--num-experts", "4"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2 = ["--sequence-parallel", "--disable-bias-linear"]
 EP2 = ["--expert-model-parallel-size", "2"]
+OASES = ["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--moe-aux-loss-coeff", "0.01"]  # fine-grained recompute (the default); the sub-batches join
 
 GRID = [
     Row("moe-ep2-alltoall", 1, (*MOE, *A2A, *EP2), dp=2),
@@ -35,8 +41,10 @@ GRID = [
                                        "--normalization", "RMSNorm", "--moe-ffn-hidden-size", "96"), dp=2),
     Row("moe-tp2-sp-allgather", 2, (*MOE, *TP2)),
     Row("moe-tp2-sp-ep2-alltoall", 2, (*MOE, *A2A, *TP2, *EP2), dp=2),
+    Row("moe-ep2-alltoall-oases", 1, (*MOE, *A2A, *EP2, *OASES), dp=2),
+    Row("moe-tp2-sp-ep2-alltoall-oases", 2, (*MOE, *A2A, *TP2, *EP2, *OASES), dp=2),
 ]
-GLOO_UNEVEN_GATHERS = {"moe-tp2-sp-ep2-alltoall"}
+GLOO_UNEVEN_GATHERS = {"moe-tp2-sp-ep2-alltoall", "moe-tp2-sp-ep2-alltoall-oases"}
 WORLDS = sorted({r.world for r in GRID})
 CASES = [pytest.param(r, id=r.name) for r in GRID]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness import topology_yaml, write_topology
-from megatron_oases.describe.moe import MoEShape, moe_block, moe_layer, oases_recompute_kept_bytes
+from megatron_oases.describe.moe import MoEShape, moe_block, moe_layer
 from megatron_oases.describe.ops import GPT2, Collective, LayerVariant
 from megatron_oases.describe.registry import layer_description
 from megatron_oases.describe.shapes import GPTShape
@@ -115,18 +115,20 @@ def test_oases_over_moe_is_priced_faster_when_the_all_to_all_is_comparable_to_co
 
 
 def test_fine_grained_recompute_keeps_the_forward_collectives_outputs(two_nodes):
-    """At TP 1 a recomputed MoE layer keeps, per micro-batch, its input and what its forward
-    collectives returned: the counts (EP x E int64) and the dispatched tokens, their probabilities
-    and the combined tokens (this rank's tokens x top-k each); stock full recompute its input."""
+    """At TP 1 a recomputed MoE layer keeps, per sub-batch, its input (a one-rank group's all-reduce
+    keeps nothing), the dispatched tokens, their probabilities and the combined
+    tokens (this rank's tokens x top-k each) and the dispatcher's routing metadata (the map, the
+    probabilities over the experts, the inverse permutation; the counts, int64), and per layer the
+    dispatcher's two index maps and the micro-batch's counts; stock full recompute keeps its input
+    (``describe.moe_oases``, as the trainer measures it: ``tests/test_moe_description.py``)."""
     m = GPTShape(**MODEL, moe=_moe())
     topo = two_nodes(50)
     kept = {}
     for sch in ("default", "oases"):
         s = _strategy(1, sch)
         kept[sch] = chunk_activation_bytes(m, s, build_stage_events(m, s, topo)[0].chunks[0])[0]
-    e, ep, copies = 2, 8, B * S * K
-    per_layer = ep * E * 8 + copies * H * e + copies * e + copies * H * e
-    assert kept["oases"] - kept["default"] == pytest.approx(m.num_layers * per_layer)
-    desc = layer_description(backend="megatron", layout=None, micro_batch=B, seq=S, hidden=H, heads=32, ffn=F, tp=1,
-                             bytes_per_element=e, schedule="oases", moe=m.moe, ep=ep)
-    assert oases_recompute_kept_bytes(desc, 0.0) == per_layer
+    e, ep, tokens = 2, 8, B // 2 * S
+    collectives = tokens * K * H * e + tokens * K * e + tokens * K * H * e
+    metadata = tokens * E * (1 + e) + 8 * tokens * K + 8 * (ep * (E // ep) + E // ep) + 8 * E
+    per_layer = 2 * (tokens * H * e + collectives + metadata) + 2 * 8 * E + 8 * E
+    assert kept["oases"] - kept["default"] == pytest.approx(m.num_layers * (per_layer - B * S * H * e))

@@ -330,32 +330,6 @@ def moe_layer(dense: LayerDescription, *, micro_batch: int, seq: int, hidden: in
                             joins=joins)
 
 
-def oases_moe_layer_kept_bytes(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, moe: MoEShape,
-                               tp: int, ep: int, bytes_per_element: int, variant: LayerVariant,
-                               sequence_parallel: bool) -> float:
-    """Bytes one MoE layer keeps per micro-batch for its recompute under the Oases executor's
-    fine-grained recompute (:func:`oases_recompute_kept_bytes` of the Oases layer: the split is along
-    the batch, so the sub-batches' add up to the micro-batch's). The simulator's memory and the
-    planner's MoE block read it."""
-    from .megatron_1d import megatron_1d_gpt_layer
-
-    sp = sequence_parallel and tp > 1
-    kw = dict(micro_batch=micro_batch, seq=seq, hidden=hidden, tp=tp, bytes_per_element=bytes_per_element,
-              variant=variant)
-    dense = megatron_1d_gpt_layer(heads=heads, ffn=ffn, sequence_parallel=sp, keeps_gathered_input=True, **kw)
-    layer = moe_layer(dense, moe=moe, ep=ep, oases=True, **kw)
-    return oases_recompute_kept_bytes(layer, micro_batch * seq * hidden * bytes_per_element / (tp if sp else 1))
-
-
-def oases_recompute_kept_bytes(layer: LayerDescription, input_bytes: float) -> float:
-    """Bytes one layer keeps between its forward and its recompute under the Oases executor's
-    fine-grained recompute, for the sub-batch ``layer`` describes: its input and the output of every
-    forward collective (recompute then issues none; ``LayerTape.saved_boundaries``): for an MoE
-    layer the dispatch and combine all-to-alls' received copies, the counts, the experts' TP
-    gathers and reduce-scatter, and under SP the attention's gathered input and scattered output."""
-    return input_bytes + sum(c.output_bytes for c in layer.collectives("forward"))
-
-
 def moe_block_param_tensors(*, h: int, moe: MoEShape, t: int, ep: int, variant: LayerVariant) -> tuple[int, ...]:
     """Sizes of the MoE block's parameter tensors on one rank: the pre-MLP norm's weight and bias
     (0: none), the router's weight ``E x h`` and bias (replicated over TP), then per local expert

@@ -18,8 +18,8 @@ default executor at TP > 1 (``PlanModel._check_moe``). EP is the launch's, not s
 from __future__ import annotations
 
 from megatron_oases.describe.moe import (EXPERT_TENSORS_FROM, MOE_AXES, is_moe_op, moe_axis_ranks, moe_block,
-                                         moe_block_param_tensors, moe_block_saved_delta,
-                                         oases_moe_layer_kept_bytes)
+                                         moe_block_param_tensors, moe_block_saved_delta)
+from megatron_oases.describe.moe_oases import oases_moe_layer_kept_bytes
 from megatron_oases.flags import option
 
 from .memory import block_memory
@@ -88,7 +88,7 @@ def moe_memory(m: PlanModel, saved: float, runtime: float) -> tuple[float, float
     block's: without recompute it keeps the MoE block's difference more
     (``describe.moe.moe_block_saved_delta``); under full recompute it keeps the layer's boundaries
     as the dense block does (under the Oases executor's fine-grained recompute the MoE layer's own:
-    ``describe.moe.oases_moe_layer_kept_bytes`` less the attention block's part), and the difference,
+    ``describe.moe_oases.oases_moe_layer_kept_bytes`` less the attention block's part), and the difference,
     where positive, is rerun into its backward working set (``sim.core.memory`` alike)."""
     delta = moe_block_saved_delta(b=m.micro_batch_size, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                   f=m.ffn_hidden_size, moe=m.moe, t=m.tp, ep=m.ep, e=m.bytes_per_element,

@@ -10,7 +10,8 @@ sharded, and which layers are MoE (``--moe-layer-freq``). ``events`` and ``memor
 from __future__ import annotations
 
 from ...describe.moe import (EXPERT_TENSORS_FROM, flops_ffn_width, moe_block_param_tensors,
-                             moe_block_saved_delta, moe_refusal, oases_moe_layer_kept_bytes)
+                             moe_block_saved_delta, moe_refusal)
+from ...describe.moe_oases import oases_moe_layer_kept_bytes
 from ...describe.moe import is_moe_op  # noqa: F401  (events.py reads it from here)
 from ...describe.moe import moe_axis_ranks as axis_ranks
 from ...describe.ops import ModelingError
@@ -89,7 +90,7 @@ def moe_saved_delta(m: GPTShape, s, layers: list[int], *, recomputed: int, kept_
 
 def moe_oases_kept(m: GPTShape, s) -> float:
     """Bytes a recomputed MoE layer keeps per micro-batch under the Oases executor's fine-grained
-    recompute (``describe.moe.oases_moe_layer_kept_bytes``, the planner's too)."""
+    recompute (``describe.moe_oases.oases_moe_layer_kept_bytes``, the planner's too)."""
     return oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
                                       heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=s.tp,
                                       ep=s.ep, bytes_per_element=m.bytes_per_element, variant=m.variant,

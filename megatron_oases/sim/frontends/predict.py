@@ -77,7 +77,8 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                    moe_layer_freq=cfg.moe_layer_freq,
                                    moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
                                    moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-                                   moe_grouped_gemm=cfg.moe_grouped_gemm))
+                                   moe_grouped_gemm=cfg.moe_grouped_gemm,
+                                   moe_aux_loss_coeff=cfg.moe_aux_loss_coeff))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
