@@ -61,7 +61,8 @@ def test_eight_experts_are_priced_above_the_dense_twin_and_every_other_layer_bet
 
 
 @pytest.mark.parametrize("dispatcher, tp, ep, oases", [("alltoall", 2, 2, False), ("allgather", 2, 2, False),
-                                                      ("allgather", 1, 4, False), ("alltoall", 2, 2, True)])
+                                                      ("allgather", 1, 4, False), ("alltoall", 2, 2, True),
+                                                      ("alltoall", 1, 4, True)])
 def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep, oases):
     """Every MoE event the planner prices is one the simulator builds (key, dims, bytes, ranks:
     the EP and TP x EP groups placed alike), and the MoE block's time is the sum of the

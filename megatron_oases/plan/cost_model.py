@@ -131,7 +131,8 @@ class CostModel:
 def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> dict[str, BlockCost]:
     fam = family_of(s)
     share = replica_share(m.micro_batch_size, s.degree, m.tp)  # describe.plan_degrees
-    chains = sub_batches_at(s.degree, oases=m.sub_batches > 1)  # as the runtime runs the block
+    chains = sub_batches_at(s.degree, oases=m.sub_batches > 1,  # as the runtime runs the block
+                            expert_parallel=m.ep if m.moe is not None else 1)
     if chains > 1:
         sub, scale = sub_batch_sizes(share, chains)[0], 1.0
     else:  # degree 1 (no collective) or stock: the whole share in one run, split evenly in time
