@@ -243,7 +243,7 @@ def test_plan_files_and_flags_carry_the_attention_backend(tmp_path):
     old = {k: v for k, v in m.to_dict().items() if k != "attention_backend"}
     assert model_from_mapping(old).core_attention == "local"  # plan files written before it
     flags = ["--num-layers", "1", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
-             "--micro-batch-size", "4", "--tp", "8", "--topology", "x", "--global-batch-size", "8"]
+             "--micro-batch-size", "4", "--tp", "8", "--topology", "x", "--global-batch-size", "8", "--bf16"]
     for backend, kind, kernels in (("auto", "fused", "auto"), ("flash", "fused", "flash"),
                                    ("fused", "fused", "fused"), ("unfused", "unfused", "auto"),
                                    ("local", "local", "auto")):
