@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import (RECOMPUTE, add_model_args, launch_ranks, model_flags, print_table,
+from benchmarks.harness import (RECOMPUTE, add_model_args, launch_ranks, loadavg, model_flags, print_table,
                                 step_stats, topology_yaml, write_topology)
 from megatron_oases.describe.moe import MOE_AXES, moe_shape
 from megatron_oases.describe.registry import layer_description
@@ -212,6 +212,8 @@ def main(argv=None) -> int:
         return 0
     a = parse_args(argv)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    load = loadavg()
+    print(f"load average before: {load}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         topo = None if a.no_emulate else write_topology(work, "bench-moe-2x1", two_node_yaml(a.link_GBps))
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     with open(a.out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"config": vars(a), "rows": rows}, f, indent=1)
+        json.dump({"config": vars(a), "load_before": load, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}.csv and {a.out}.json")
     return 0
 
