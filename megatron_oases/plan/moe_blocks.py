@@ -12,8 +12,10 @@ it keeps what the dense MLP block keeps plus the MoE block's difference
 
 What the planner offers for MoE is what the trainer runs (``megatron_oases.moe``): Megatron's
 modules (the megatron family) at the uniform degree T (the trainer refuses ``--oases-plan`` with
-MoE; at TP > 1 MoE needs ``--sequence-parallel``, which the planner prices at T only) under the
-default executor at TP > 1 (``PlanModel._check_moe``). EP is the launch's, not searched.
+MoE; at TP > 1 MoE needs ``--sequence-parallel``, which the planner prices at T only), under the
+default executor or the Oases executor where it splits MoE layers (``PlanModel._check_moe``:
+``describe.moe.moe_refusal``), whose block is its tape's steps (``describe.moe.moe_block(oases=True)``)
+and keeps its boundaries (``describe.moe_oases``). EP is the launch's, not searched.
 """
 from __future__ import annotations
 
