@@ -165,11 +165,14 @@ def _moe_steps(layer, moe, index: int, part) -> tuple:
         if "dispatcher" not in st:  # forward: Megatron's preprocess, its count gather included
             st["dispatcher"] = d = copy.copy(dispatcher)
             tokens, probs = d.dispatch_preprocess(t[n2], st["routing_map"], t["probs"])
-            st["tokens_per_expert"] = d.tokens_per_expert
         else:  # recompute: the forward's metadata, no collective
             d = st["dispatcher"]
             with _preprocessed(d, st["tokens_per_expert"]):
                 tokens, probs = d.dispatch_preprocess(t[n2], st["routing_map"], t["probs"])
+        # What token_dispatch does before its all-to-all: on a GPU the splits were copied to the
+        # host on a side stream, and the all-to-all steps read them next.
+        d.tokens_per_expert = d._maybe_dtoh_and_synchronize("before_ep_alltoall", d.tokens_per_expert)
+        st["tokens_per_expert"] = d.tokens_per_expert
         return {"perm_tokens": tokens, "perm_probs": probs}
 
     def ep_splits(inp):
