@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_same_training
-from tests.rank_fns_oases import cached_training, count_recompute_collectives, run_training
+from tests.rank_fns_oases import cached_training, run_training
 from tests.test_moe_parity import EP, MODEL, SGD
 
 TOL = 1e-5

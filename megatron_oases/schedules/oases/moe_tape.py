@@ -83,40 +83,21 @@ def _require_supported(moe, index: int) -> None:
 
 
 @contextlib.contextmanager
-def _aux_loss_off(router):
-    """Megatron's ``routing`` without its aux losses (the executor attaches them per sub-batch)."""
-    router.is_aux_loss_enabled = lambda: False
+def _overriding(obj, name: str, value):
+    """``obj.name`` is ``value`` on this instance inside (Megatron's method again after): the
+    router's ``is_aux_loss_enabled`` off (the executor attaches the aux loss per sub-batch), the
+    MoE metrics tracker's ``record`` a no-op (recompute attaches without logging twice), the
+    dispatcher's ``preprocess`` answering the forward's counts (recompute, no count gather)."""
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        del router.is_aux_loss_enabled
-
-
-@contextlib.contextmanager
-def _not_logged():
-    """The router's loss attached without a second record in Megatron's MoE metrics tracker."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
-
-    tracker = get_moe_metrics_tracker()
-    tracker.record = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        del tracker.record
-
-
-@contextlib.contextmanager
-def _preprocessed(dispatcher, tokens_per_expert):
-    """``dispatch_preprocess`` with the metadata the forward computed (no count gather)."""
-    dispatcher.preprocess = lambda routing_map: tokens_per_expert
-    try:
-        yield
-    finally:
-        del dispatcher.preprocess
+        delattr(obj, name)
 
 
 def _moe_steps(layer, moe, index: int, part) -> tuple:
     from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         get_moe_metrics_tracker,
                                                          switch_load_balancing_loss_func)
 
     router, dispatcher, cfg = moe.router, moe.token_dispatcher, moe.config
@@ -131,7 +112,7 @@ def _moe_steps(layer, moe, index: int, part) -> tuple:
     def route(t, inp):
         st = mine(inp)
         logits = router.gating(router.apply_input_jitter(t[n2]))
-        with _aux_loss_off(router):
+        with _overriding(router, "is_aux_loss_enabled", lambda: False):
             probs, st["routing_map"] = router.routing(logits)
         if not aux:
             return {"probs": probs}
@@ -153,7 +134,8 @@ def _moe_steps(layer, moe, index: int, part) -> tuple:
             total_num_tokens=shared["tokens"] * router.tp_cp_group.size(), topk=router.topk,
             num_experts=cfg.num_moe_experts, moe_aux_loss_coeff=coeff, fused=cfg.moe_router_fusion)
         st = mine(inp)
-        with _not_logged() if st.get("logged") else contextlib.nullcontext():
+        with (_overriding(get_moe_metrics_tracker(), "record", lambda *a, **k: None) if st.get("logged")
+              else contextlib.nullcontext()):
             probs = router.attach_and_log_load_balancing_loss(
                 t["probs_raw"], coeff, loss, "load_balancing_loss", router.tp_cp_group,
                 valid_token_count=shared["tokens"])
@@ -167,7 +149,7 @@ def _moe_steps(layer, moe, index: int, part) -> tuple:
             tokens, probs = d.dispatch_preprocess(t[n2], st["routing_map"], t["probs"])
         else:  # recompute: the forward's metadata, no collective
             d = st["dispatcher"]
-            with _preprocessed(d, st["tokens_per_expert"]):
+            with _overriding(d, "preprocess", lambda routing_map: st["tokens_per_expert"]):
                 tokens, probs = d.dispatch_preprocess(t[n2], st["routing_map"], t["probs"])
         # What token_dispatch does before its all-to-all: on a GPU the splits were copied to the
         # host on a side stream, and the all-to-all steps read them next.
