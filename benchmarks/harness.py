@@ -193,6 +193,19 @@ def rank_stats(paths: list[str], warmup: int) -> dict:
             "kinds_rank0": per[0]["kinds"]}
 
 
+def write_results(out: str, rows: list[dict], fields: list[str], doc: dict) -> None:
+    """``out.csv`` (``fields`` of each row) and ``out.json`` (``doc`` with the rows), then say so."""
+    import csv
+
+    with open(out + ".csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump({**doc, "rows": rows}, f, indent=1)
+    print(f"wrote {out}.csv and {out}.json")
+
+
 def fmt(v) -> str:
     """A table cell: ``-`` for missing, 3 decimals below 10, 1 above."""
     if v is None:

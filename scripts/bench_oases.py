@@ -35,7 +35,6 @@ bandwidth limit: a smoke test, not a measurement).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -45,7 +44,7 @@ import time
 
 
 from benchmarks.harness import (RECOMPUTE, add_model_args, flat_topology_yaml, fmt,
-                                launch_ranks, model_flags, step_stats)
+                                launch_ranks, model_flags, step_stats, write_results)
 from megatron_oases.describe.megatron_1d import megatron_1d_gpt_layer
 from megatron_oases.describe.split import sub_batch_sizes
 
@@ -281,14 +280,8 @@ def main(argv=None) -> int:
     print(" | ".join(f"{c:>15s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{fmt(r.get(c)):>15s}" for c in cols))
-    with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=cols + ["step_ms_min", "wall_s", "comm_busy_ms", "gemm_ms",
-                                                 "gemm_busy_ms"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    with open(a.out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"config": vars(a), "rows": rows}, f, indent=1)
-    print(f"wrote {a.out}.csv and {a.out}.json")
+    write_results(a.out, rows, cols + ["step_ms_min", "wall_s", "comm_busy_ms", "gemm_ms", "gemm_busy_ms"],
+                  {"config": vars(a)})
     return 0
 
 

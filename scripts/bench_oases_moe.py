@@ -31,7 +31,6 @@ few ms). Prints a table, writes CSV and JSON. Needs root (network namespaces);
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -40,7 +39,7 @@ import tempfile
 import time
 
 from benchmarks.harness import (RECOMPUTE, add_model_args, launch_ranks, loadavg, model_flags, print_table,
-                                step_stats, topology_yaml, write_topology)
+                                step_stats, topology_yaml, write_results, write_topology)
 from megatron_oases.describe.moe import MOE_AXES, moe_shape
 from megatron_oases.describe.registry import layer_description
 from megatron_oases.describe.split import sub_batch_sizes
@@ -232,13 +231,7 @@ def main(argv=None) -> int:
           f"{' (NOT emulated)' if a.no_emulate else ''}")
     cols = ["variant", "step_ms", "speedup_vs_stock", "over_bound", "peak_mem_mb", "oases_saved_mb", "loss"]
     print_table(rows, cols)
-    with open(a.out + ".csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=cols + ["bound_ms", "step_ms_min", "wall_s"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    with open(a.out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"config": vars(a), "load_before": load, "rows": rows}, f, indent=1)
-    print(f"wrote {a.out}.csv and {a.out}.json")
+    write_results(a.out, rows, cols + ["bound_ms", "step_ms_min", "wall_s"], {"config": vars(a), "load_before": load})
     return 0
 
 

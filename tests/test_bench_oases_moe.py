@@ -1,6 +1,5 @@
 """scripts/bench_oases_moe.py's model and communication-only row read the described MoE layer
 (no ranks, no timing)."""
-import argparse
 
 from tests.script_modules import load_script
 
