@@ -25,8 +25,9 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     (2, TP1_EP2, []),
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-cross-pass"]),
     (2, TP1_EP2 + DROPOUT, RECOMPUTE),
+    (4, TP1_EP2 + ["--overlap-grad-reduce"], RECOMPUTE),
 ], ids=["tp2-sp-ep2-recompute", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
-        "tp1-ep2-no-cross-pass", "tp1-ep2-dropout"])
+        "tp1-ep2-no-cross-pass", "tp1-ep2-dropout", "dp4-ep2-overlap-grad-reduce"])
 def test_oases_moe_equals_stock(n, layout, extra):
     """``layout`` is the stock reference's too; ``extra`` the Oases run's own flags."""
     argv = MODEL + SGD + layout
