@@ -20,13 +20,14 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 @pytest.mark.parametrize("n, layout, extra", [
     (4, TP2_SP_EP2, RECOMPUTE),
+    (4, TP2_SP_EP2, RECOMPUTE + ["--no-oases-fine-grained-recompute"]),
     (2, TP1_EP2, RECOMPUTE),
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-fine-grained-recompute"]),
     (2, TP1_EP2, []),
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-cross-pass"]),
     (2, TP1_EP2 + DROPOUT, RECOMPUTE),
     (4, TP1_EP2 + ["--overlap-grad-reduce"], RECOMPUTE),
-], ids=["tp2-sp-ep2-recompute", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
+], ids=["tp2-sp-ep2-recompute", "tp2-sp-ep2-coarse", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
         "tp1-ep2-no-cross-pass", "tp1-ep2-dropout", "dp4-ep2-overlap-grad-reduce"])
 def test_oases_moe_equals_stock(n, layout, extra):
     """``layout`` is the stock reference's too; ``extra`` the Oases run's own flags."""
