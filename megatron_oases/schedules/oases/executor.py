@@ -18,6 +18,11 @@ sub-batch meanwhile and waits on a handle only when its sub-batch needs the resu
 * Sequence parallelism: the tape's collectives are all-gathers before the column linears and
   reduce-scatters after the row linears (backward: reduce-scatter, all-gather); they overlap the
   other sub-batch the same way, and fine-grained recompute saves their outputs.
+* MoE layers (``moe_tape.py``): the dispatch and combine all-to-alls (``AllToAll``; backward: the
+  splits swapped) and the experts' uneven TP gathers / reduce-scatters overlap the same way; a
+  ``Barrier`` step waits in forward until both sub-batches have routed (the load-balancing loss
+  needs the micro-batch's counts); what a step computes in forward for its recompute and backward
+  (routing metadata) lives in the micro-batch's ``BlockInputs.scratch``.
 
 Parameter gradients: the first sub-batch to finish a step's backward adds them straight into
 Megatron DDP's ``main_grad`` buffers (no per-sub-batch copies kept); the last one's autograd call
