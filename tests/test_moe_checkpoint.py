@@ -1,7 +1,9 @@
 """MoE checkpoints across expert-parallel sizes (issue 51 item 1): our torch_dist checkpoints hold
 the experts under Megatron's sharded keys (a global expert axis, ``SequentialMLP``'s
 ``sharded_state_dict``), so a run saved at EP 2 resumes at EP 4 and trains on as EP 4's
-uninterrupted run does: the weights, Adam's states and the data position carry over."""
+uninterrupted run does: the weights, Adam's states and the data position carry over; under
+``--schedule oases`` too (saved and resumed by the Oases executor over the MoE layers, whose
+per-micro-batch routing state lives only within a step)."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +21,11 @@ SAVED, ITERS = 2, 4
 TOL = 1e-5  # another layout: the same model, another reduction order
 
 
-@pytest.mark.parametrize("dist_opt", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
+OASES = ["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform"]
+
+
+@pytest.mark.parametrize("dist_opt", [[], ["--use-distributed-optimizer"], OASES + ["--use-distributed-optimizer"]],
+                         ids=["adam", "distopt", "oases-distopt"])
 def test_ep2_checkpoint_resumes_at_ep4(tmp_path, dist_opt):
     ckpt = str(tmp_path / "ckpt")
     run_on_ranks(train, 2, args=(MODEL + dist_opt + [EP, "2", "--train-iters", str(SAVED), "--save", ckpt,
