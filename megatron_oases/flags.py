@@ -103,8 +103,10 @@ _TABLE = (
     Flag("--atp-chunks", "atp_chunks", type=int, choices=(1, 2, 4), megatron_lm=True,
          help="ATP chunk-based overlap: split the batch into this many chunks"),
     Flag("--schedule", "schedule", choices=SCHEDULES, megatron_lm=True,
-         help=f"executor of the TP layers: default = Megatron's sequential one; oases = {SUB_BATCHES} "
-              "sub-batches per micro-batch whose TP collectives overlap the other's compute"),
+         help=f"executor of the transformer layers: default = Megatron's sequential one; oases = {SUB_BATCHES} "
+              "sub-batches per micro-batch, each one's TP collectives (and, over MoE layers with "
+              "--moe-token-dispatcher-type alltoall, its expert-parallel all-to-alls) overlapping the "
+              "other's compute; at --tensor-model-parallel-size 1 a dense model's layers run as stock ones"),
     Flag("--oases-plan", "oases_plan", metavar="FILE", megatron_lm=True,
          help="run the per-block TP degrees of a plan written by `megatron-oases plan` (attention and MLP "
               "blocks of degree t < T run on TP sub-groups of t ranks, each replica on its slice of the "

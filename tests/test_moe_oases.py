@@ -177,13 +177,18 @@ def _megatron_lm_parse(argv: list[str], monkeypatch):
     parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--moe-token-dispatcher-type", default="allgather")
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    parser.add_argument("--moe-z-loss-coeff", type=float, default=None)
     return extra_args_provider(parser).parse_args(BASE + argv)
 
 
-def test_megatron_lm_entry_takes_oases_over_moe_and_refuses_allgather(monkeypatch, capsys):
+def test_megatron_lm_entry_takes_oases_over_moe_and_refuses_what_it_cannot_split(monkeypatch, capsys):
     moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
            "--schedule", "oases"]
     assert _megatron_lm_parse(moe + ALLTOALL, monkeypatch).schedule == "oases"
     with pytest.raises(SystemExit):
         _megatron_lm_parse(moe, monkeypatch)
     assert "use --moe-token-dispatcher-type alltoall" in capsys.readouterr().err
+    # Megatron's router options the tape does not split by sub-batch: refused at parse, not at build
+    with pytest.raises(SystemExit):
+        _megatron_lm_parse(moe + ALLTOALL + ["--moe-z-loss-coeff", "1e-3"], monkeypatch)
+    assert "does not support --moe-z-loss-coeff;" in capsys.readouterr().err

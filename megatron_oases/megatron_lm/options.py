@@ -33,6 +33,9 @@ provider exists (no checkout, ``megatron_lm.wheel_gpt``)."""
 
 ALL = frozenset(BUILDS)
 
+OASES_MOE = frozenset({"oases"})
+"""The Oases executor alone (its MoE tape's limits, ``REFUSED``'s last entries)."""
+
 MODEL = frozenset({
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
     "group_query_attention", "swiglu", "normalization", "layernorm_epsilon", "qk_layernorm",
@@ -76,35 +79,36 @@ KERNEL_CHOICE = frozenset({
 own layers run the unfused ops, which is what turning a fusion off asks for."""
 
 MOE = frozenset({
-    "num_experts",
-    "expert_model_parallel_size", "moe_extended_tp", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_shared_expert_overlap", "moe_layer_freq", "moe_ffn_hidden_size",
+    "num_experts", "expert_model_parallel_size", "moe_extended_tp", "moe_shared_expert_gate",
+    "moe_shared_expert_overlap", "moe_layer_freq", "moe_ffn_hidden_size",
     "moe_router_load_balancing_type", "moe_router_topk", "moe_enable_routing_replay",
-    "moe_router_padding_for_quantization", "moe_router_padding_for_fp8", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-    "moe_router_score_function", "moe_router_dtype", "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate", "moe_router_force_load_balancing", "moe_grouped_gemm",
-    "moe_use_legacy_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_input_jitter_eps", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
-    "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-    "moe_token_drop_policy", "moe_layer_recompute", "moe_apply_probs_on_input", "moe_latent_size",
-    "moe_deepep_num_sms", "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_score_function", "moe_router_dtype",
+    "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
+    "moe_aux_loss_coeff", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+    "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_token_drop_policy",
+    "moe_layer_recompute", "moe_apply_probs_on_input", "moe_deepep_num_sms",
+    "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
     "expert_tensor_parallel_num_weight_shards", "high_priority_a2a_comm_stream",
     "moe_shared_expert_glu_interleave_size", "moe_router_quantile_balancing_ema",
-    "moe_router_force_biased", "moe_permute_fusion_into_hybridep",
-    "moe_hybridep_pad_uneven_dispatch_inputs", "moe_pad_experts_for_cuda_graph_inference",
-    "moe_flex_dispatcher_num_sms", "moe_hybridep_num_blocks_permute",
-    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms_preprocessing",
-    "moe_ncclep_static_shape", "moe_ncclep_zero_copy", "moe_mlp_glu_interleave_size",
-    "moe_expert_rank_capacity_factor", "moe_paged_stash_page_size",
+    "moe_permute_fusion_into_hybridep", "moe_hybridep_pad_uneven_dispatch_inputs",
+    "moe_pad_experts_for_cuda_graph_inference", "moe_flex_dispatcher_num_sms",
+    "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+    "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape", "moe_ncclep_zero_copy",
+    "moe_mlp_glu_interleave_size", "moe_expert_rank_capacity_factor", "moe_paged_stash_page_size",
     "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_buffer_size_factor_cpu",
 })
 """Megatron-Core's MoE options (issue 51): every MoE build is Megatron's own ``MoELayer`` on the
 local spec (our ``megatron`` spec through ``specs``, or the checkout's provider for a stock run), so
-they act there as in stock. ``moe.validate_moe_config`` refuses MoE layers under the builds that
-replace layers (the Oases executor at TP > 1, plans, ATP, 3-D) and what the local spec cannot
-run (``flex``, grouped GEMM); ``REFUSED`` holds those that need Transformer Engine or CUDA
-kernels, or an expert TP size other than TP's."""
+they act there as in stock, and under ``--schedule oases`` too, whose MoE tape
+(``schedules/oases/moe_tape.py``) calls Megatron's router, dispatcher and experts between its
+own collectives. ``moe.validate_moe_config`` refuses MoE layers under the builds that replace
+layers (plans, ATP, 3-D), what the local spec cannot run (``flex``, grouped GEMM), and what the
+Oases executor cannot make equal to stock (``describe.moe.moe_refusal``: another dispatcher, a
+capacity factor, per-sequence or global load balancing); ``REFUSED`` holds those that need
+Transformer Engine or CUDA kernels, an expert TP size other than TP's, and the router and expert
+options the Oases tape does not split by sub-batch (z-loss, input jitter, expert bias, forced
+routing, shared experts, latent projections)."""
 
 GATED = {
     # Read only when an option we refuse (or Transformer Engine, which we refuse) is on.
@@ -242,6 +246,20 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "moe_single_grouped_weight": ("--moe-single-grouped-weight", ALL),
     "moe_single_grouped_bias": ("--moe-single-grouped-bias", ALL),
     "moe_paged_stash": ("--moe-paged-stash", ALL),
+    # Router and expert options the Oases MoE tape does not split by sub-batch (a z-loss or an
+    # expert bias over the whole micro-batch, jitter drawn per call, shared experts and latent
+    # projections outside the tape's steps): schedules/oases/moe_tape.py refuses them again for a
+    # model built another way.
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", OASES_MOE),
+    "moe_latent_size": ("--moe-latent-size", OASES_MOE),
+    "moe_z_loss_coeff": ("--moe-z-loss-coeff", OASES_MOE),
+    "moe_input_jitter_eps": ("--moe-input-jitter-eps", OASES_MOE),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", OASES_MOE),
+    "moe_router_force_load_balancing": ("--moe-router-force-load-balancing", OASES_MOE),
+    "moe_router_force_biased": ("--moe-router-force-biased", OASES_MOE),
+    "moe_router_padding_for_quantization": ("--moe-router-padding-for-quantization", OASES_MOE),
+    "moe_router_padding_for_fp8": ("--moe-router-padding-for-fp8", OASES_MOE),
+    "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity", OASES_MOE),
 }
 """``dest: (flag, builds that refuse it)``: refused when the run uses one of those builds and the
 option differs from Megatron-LM's default."""
