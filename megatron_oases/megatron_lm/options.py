@@ -87,7 +87,7 @@ MOE = frozenset({
     "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
     "moe_aux_loss_coeff", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
     "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_token_drop_policy",
-    "moe_layer_recompute", "moe_apply_probs_on_input", "moe_deepep_num_sms",
+    "moe_apply_probs_on_input", "moe_deepep_num_sms",
     "moe_hybridep_num_sms", "use_fused_weighted_squared_relu",
     "expert_tensor_parallel_num_weight_shards", "high_priority_a2a_comm_stream",
     "moe_shared_expert_glu_interleave_size", "moe_router_quantile_balancing_ema",
@@ -108,7 +108,7 @@ Oases executor cannot make equal to stock (``describe.moe.moe_refusal``: another
 capacity factor, per-sequence or global load balancing); ``REFUSED`` holds those that need
 Transformer Engine or CUDA kernels, an expert TP size other than TP's, and the router and expert
 options the Oases tape does not split by sub-batch (z-loss, input jitter, expert bias, forced
-routing, shared experts, latent projections)."""
+routing, shared experts, latent projections, ``--moe-layer-recompute``)."""
 
 GATED = {
     # Read only when an option we refuse (or Transformer Engine, which we refuse) is on.
@@ -248,8 +248,10 @@ REFUSED: dict[str, tuple[str, frozenset]] = {
     "moe_paged_stash": ("--moe-paged-stash", ALL),
     # Router and expert options the Oases MoE tape does not split by sub-batch (a z-loss or an
     # expert bias over the whole micro-batch, jitter drawn per call, shared experts and latent
-    # projections outside the tape's steps): schedules/oases/moe_tape.py refuses them again for a
-    # model built another way.
+    # projections outside the tape's steps; --moe-layer-recompute acts in MoELayer.forward, which
+    # the tape does not call: Oases recomputes by its own flags): schedules/oases/moe_tape.py
+    # refuses the others again for a model built another way.
+    "moe_layer_recompute": ("--moe-layer-recompute", OASES_MOE),
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", OASES_MOE),
     "moe_latent_size": ("--moe-latent-size", OASES_MOE),
     "moe_z_loss_coeff": ("--moe-z-loss-coeff", OASES_MOE),
