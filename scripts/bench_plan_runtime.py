@@ -76,7 +76,7 @@ def plan_model(a):
     return PlanModel(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, micro_batch_size=a.micro_batch, tp=a.tp,
                      padded_vocab_size=padded_vocab_size(targs), dtype="fp32", recompute=True,
-                     sub_batches=sub_batches_at(oases=a.schedule == "oases"),
+                     sub_batches=sub_batches_at(a.tp, oases=a.schedule == "oases"),
                      core_attention=run_core_attention(targs))  # what the measured runs run
 
 

@@ -64,8 +64,8 @@ def _light_main(module: str, argv: list[str]):
      "world size 4 is not divisible by --tensor-model-parallel-size 3"),
     (["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--tp-backend", "atp",
       "--atp-mesh", "2,2"], "--atp-mesh 2,2: d1 x d2 = 4"),
-    (["--schedule", "oases", "--micro-batch-size", "3", "--global-batch-size", "6"],
-     "splits each micro-batch into 2"),
+    (["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--schedule", "oases",  # at TP 1 nothing splits
+      "--micro-batch-size", "3", "--global-batch-size", "6"], "splits each micro-batch into 2"),
 ], ids=["unknown", "world", "mesh", "split"])
 def test_trainer_refuses_bad_flags_before_torch(argv, needle):
     status, err, heavy = _light_main("megatron_oases.cli", ["train", *argv])
@@ -79,7 +79,8 @@ def test_trainer_refuses_bad_flags_before_torch(argv, needle):
      "--atp-mesh 2,2: d1 x d2 = 4 must equal --tensor-model-parallel-size 2"),
     (["--tp-backend", "2d"], "argument --tp-backend: invalid choice: '2d'"),
     (["--atp-mesh", "1,2"], "--atp-mesh needs --tp-backend atp"),
-    (["--schedule", "oases", "--micro-batch-size", "3"], "splits each micro-batch into 2"),
+    (["--tensor-model-parallel-size", "2", "--schedule", "oases", "--micro-batch-size", "3"],
+     "splits each micro-batch into 2"),  # at TP 1 nothing splits (describe.split.oases_splits)
 ], ids=["mesh", "choice", "stray", "split"])
 def test_entry_refuses_our_flags_before_torch_and_megatron(argv, needle):
     status, err, heavy = _light_main("megatron_oases.megatron_lm.pretrain_gpt",

@@ -91,8 +91,10 @@ def test_executor_sub_batches_and_boundaries_follow_the_description(micro_batch,
 
 def test_the_split_itself():
     assert SUB_BATCHES == 2 and sub_batch_sizes(4) == (2, 2) and sub_batch_sizes(3, 1) == (3,)
-    assert sub_batches_at(None) == sub_batches_at(4) == SUB_BATCHES
+    assert sub_batches_at(2) == sub_batches_at(4) == SUB_BATCHES
     assert sub_batches_at(1) == 1 and sub_batches_at(8, oases=False) == 1
+    # at degree 1 only an MoE model over EP > 1 splits (its all-to-alls); never off the Oases schedule
+    assert sub_batches_at(1, expert_parallel=2) == SUB_BATCHES and sub_batches_at(1, oases=False, expert_parallel=2) == 1
     assert split_refusal(2) == split_refusal(4) == ""
     assert "--micro-batch-size 2 or 4" in split_refusal(3) and "--micro-batch-size 2," in split_refusal(1)
     assert recompute_boundaries(fine_grained=True, sequence_parallel=True, tp=2) == 3.5

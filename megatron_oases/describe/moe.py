@@ -38,6 +38,7 @@ import dataclasses
 
 from .ops import Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
 from .saved import CUDA_KERNELS, Kernels, _norm_beyond_input
+from .split import oases_splits
 
 DISPATCHERS = ("allgather", "alltoall")
 """The token dispatchers described (Megatron-Core's ``flex`` needs DeepEP, a CUDA extension)."""
@@ -178,8 +179,8 @@ def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, seque
     if per_block_plan:
         return "--num-experts: --oases-plan's per-block degrees are for dense MLPs; drop one of them"
     # The Oases executor over MoE layers (schedules/oases/moe_tape.py), where it runs (TP > 1, or
-    # EP > 1: options.oases_runs; else the layers are stock ones): only what equals stock.
-    oases = oases and (tp > 1 or ep > 1)
+    # EP > 1: describe.split.oases_splits; else the layers are stock ones): only what equals stock.
+    oases = oases_splits(tp, oases=oases, expert_parallel=ep)
     if oases and moe.dispatcher != "alltoall":
         return (f"--schedule oases overlaps MoE layers' all-to-alls; use --moe-token-dispatcher-type "
                 f"alltoall (not {moe.dispatcher}) or the default schedule")

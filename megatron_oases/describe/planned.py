@@ -12,7 +12,7 @@ import dataclasses
 from .megatron_1d import CORE_ATTENTION_RECOMPUTE
 from .ops import GPT2, Collective, LayerDescription, LayerVariant, Op
 from .saved import block_saved_bytes, oases_kept_beyond_stock
-from .split import sub_batches_at
+from .split import oases_splits, sub_batches_at
 
 MLP_FIRST, ATTENTION_FIRST_BWD = ("mlp.ag", "mlp"), ("attention.rs.bwd", CORE_ATTENTION_RECOMPUTE, "attention.bwd")
 """Megatron 1-D's ops where the MLP block starts (forward) and the attention block (backward):
@@ -89,7 +89,7 @@ def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, 
     kept = block_saved_bytes(kind, b=samples, s=seq, h=hidden, a=heads, f=ffn, t=degree, e=e,
                              hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
                              core_attention=core_attention, recompute_core_attention=recompute_core_attention)
-    if oases and tp > 1:  # at TP 1 no executor runs (schedules/oases/options.oases_runs)
+    if oases_splits(tp, oases=oases):  # at TP 1 no executor runs (describe.split; plans are dense)
         kept += oases_kept_beyond_stock(samples * seq * hidden * e, s=seq, h=hidden, a=heads, e=e, variant=variant,
                                         sub_batches=sub_batches_at(degree, oases=True),
                                         core_attention=core_attention, attention_dropout=attention_dropout) / 2

@@ -69,7 +69,7 @@ import dataclasses
 
 from .core_attention import attention_kernel, draws_in_kernel
 from .ops import GPT2, LayerVariant
-from .split import SUB_BATCHES, recompute_boundaries
+from .split import SUB_BATCHES, oases_splits, recompute_boundaries
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -361,7 +361,7 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
-    oases = schedule == "oases" and t > 1  # at TP 1 the Oases schedule runs stock layers
+    oases = oases_splits(t, oases=schedule == "oases")  # at TP 1 the Oases schedule runs stock layers
     if recompute_core_attention and (recompute or schedule == "oases"):
         raise ValueError("selective recompute (the core attention) is Megatron's, on the stock schedule "
                          "without full recompute")

@@ -6,14 +6,18 @@ description (``describe/saved.py``) read these facts here, so they cannot disagr
 
 * ``SUB_BATCHES``: two sub-batches per micro-batch (§3.1: one sub-batch's TP collectives overlap
   the other's compute);
-* ``sub_batches_at``: the sub-batches a block at a TP degree runs (a degree-1 block of a plan
-  has no collective to overlap and runs its replica's share whole; an MoE model over EP > 1
-  splits at TP 1 too, its all-to-alls to overlap);
+* ``oases_splits`` / ``sub_batches_at``: the one rule of where the split happens, which every
+  tool reads (the trainer's ``schedules/oases/options.oases_runs``, ``sim``'s
+  ``Strategy.oases_runs``, ``plan``'s ``PlanModel.sub_batches``): under ``--schedule oases`` a
+  block at TP degree > 1 splits, and so does one at degree 1 of an MoE model over EP > 1 (its
+  all-to-alls to overlap); a dense block at degree 1 has no collective to overlap and runs whole,
+  so a dense model at TP 1 runs stock layers (Megatron's recompute included);
 * ``sub_batch_sizes`` / ``split_refusal``: equal sub-batches only. A micro-batch that does not
   split evenly (an odd one) is refused everywhere with one message, at parse time: the
   simulator's timeline runs every sub-batch through the same events and the planner's lock-step
   node and edge costs assume equal sub-batches, so neither can price a 2 + 1 split the executor
-  could run;
+  could run. Only a micro-batch that is split is checked (``--micro-batch-size 1`` runs at
+  TP 1 under ``--schedule oases``, whose layers are stock there);
 * ``recompute_boundaries``: what a layer keeps between its forward and its recompute, per
   recompute mode.
 """
@@ -25,15 +29,32 @@ SUB_BATCHES = 2
 """Sub-batches per micro-batch under the Oases schedule."""
 
 
-def sub_batches_at(degree: int | None = None, *, oases: bool = True, expert_parallel: int = 1) -> int:
-    """Sub-batches a block runs at TP ``degree`` (None: the stage's whole TP group, no plan):
-    ``SUB_BATCHES`` under the Oases schedule, except at degree 1, where a planned block issues
-    no collective and its replica's share runs whole (``schedules/oases/block.py``); 1 without
-    the Oases schedule (``oases=False``: the stock executor). ``expert_parallel``: the run's
-    ``--expert-model-parallel-size`` for a model with MoE layers; above 1 their all-to-alls are
-    there to overlap, so the model splits at degree 1 too (``options.oases_runs``; a dense model
-    at TP 1 runs whole)."""
-    return SUB_BATCHES if oases and (degree is None or degree > 1 or expert_parallel > 1) else 1
+def oases_splits(degree: int | None, *, oases: bool = True, expert_parallel: int = 1) -> bool:
+    """Whether the Oases executor splits a block at TP ``degree`` into sub-batches (the rule; the
+    stage's whole TP group when the run has no per-block plan; None, only from the executor
+    itself (``schedules/oases/block.py``): a block of the whole group of a run it runs in, which
+    ``options.oases_runs`` decided at that group's size, so it splits): under the Oases schedule
+    (``oases``, ``--schedule oases``) at degree > 1, or at degree 1 when ``expert_parallel`` (the
+    run's ``--expert-model-parallel-size`` for a model with MoE layers, else 1) is above 1, its
+    all-to-alls to overlap. Else the block issues no collective to overlap: a degree-1 block of a
+    plan runs its replica's share whole (``schedules/oases/block.py``), and at TP 1 a dense model's
+    layers are stock ones (``options.oases_runs``: the executor's half-size GEMMs and per-step
+    autograd calls would only cost time)."""
+    return oases and (degree is None or degree > 1 or expert_parallel > 1)
+
+
+def sub_batches_at(degree: int | None, *, oases: bool = True, expert_parallel: int = 1) -> int:
+    """Sub-batches a block at TP ``degree`` runs: ``SUB_BATCHES`` where :func:`oases_splits`,
+    else 1 (the stock executor, ``oases=False``, too)."""
+    return SUB_BATCHES if oases_splits(degree, oases=oases, expert_parallel=expert_parallel) else 1
+
+
+def unsplit_refusal(flag: str) -> str:
+    """The one line for an Oases switch ``flag`` where nothing splits (a dense model at TP 1,
+    :func:`oases_splits` false): the trainer's and ``sim``'s words."""
+    return (f"{flag} has no effect at --tensor-model-parallel-size 1 (there are no TP collectives, "
+            f"and --schedule oases runs stock layers there); drop it or use "
+            f"--tensor-model-parallel-size 2 or more")
 
 
 def split_refusal(micro_batch: int, sub_batches: int = SUB_BATCHES) -> str:

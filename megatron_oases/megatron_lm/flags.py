@@ -53,7 +53,7 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-_EARLY_SHARED = ("tensor_model_parallel_size", "micro_batch_size")
+_EARLY_SHARED = ("tensor_model_parallel_size", "micro_batch_size", "num_experts", "expert_model_parallel_size")
 """Megatron-LM flags ``early_refusal`` reads, as the flag table declares them (Megatron-LM's
 names); read only when given, since Megatron-LM's defaults are Megatron-LM's."""
 
@@ -68,7 +68,7 @@ def early_refusal(argv: list[str]) -> str | None:
     ``--micro-batch-size``. The rules are the trainer's (``train_args``, ``describe``); Megatron-LM's
     parse checks them again with everything else."""
     from megatron_oases.describe.ops import ModelingError
-    from megatron_oases.describe.split import split_refusal
+    from megatron_oases.describe.split import oases_splits, split_refusal
     from megatron_oases.flags import FLAGS
     from megatron_oases.train_args import validate_layout
 
@@ -82,7 +82,10 @@ def early_refusal(argv: list[str]) -> str | None:
         validate_layout(run_config(ns), None)  # a stray --atp-mesh / --atp-chunks; before the dims
         if ns.atp_mesh not in (None, "auto") and tp is not None:
             backend(ns.tp_backend).parse_layout(ns.atp_mesh, tp)  # the record's words (describe.backends)
-        if ns.schedule == "oases" and micro is not None and split_refusal(micro):
+        # only where the micro-batch is split (describe.split.oases_splits; Megatron-LM's TP and EP default 1)
+        ep = (ns.expert_model_parallel_size or 1) if ns.num_experts else 1
+        if oases_splits(tp or 1, oases=ns.schedule == "oases", expert_parallel=ep) and micro is not None \
+                and split_refusal(micro):
             return split_refusal(micro)
     except (ConfigError, ModelingError) as exc:
         return str(exc)

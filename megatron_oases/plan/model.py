@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Mapping
 from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_split_refusal
 from megatron_oases.describe.moe import moe_refusal, moe_shape, without_experts
-from megatron_oases.describe.split import SUB_BATCHES
+from megatron_oases.describe.split import SUB_BATCHES, sub_batches_at, unsplit_refusal
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
@@ -42,7 +42,11 @@ class PlanModel(GPTShape):
     """--recompute-granularity selective: the core attention reruns in backward, its s^2 tensors
     are not kept (``describe.saved``)."""
     sub_batches: int = 2
-    """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor."""
+    """2: the Oases two-sub-batch overlap (Eq. 3); 1: the stock sequential executor. Given 2 (the
+    Oases schedule), it becomes what the executor runs for the whole TP group
+    (``describe.split.sub_batches_at``): 1 for a dense model at TP 1, whose layers the trainer
+    runs as stock ones under ``--schedule oases``, so the plan prices what the default schedule's
+    prices there."""
     distributed_optimizer: bool = False
     """Optimizer states sharded over each block's data-parallel replicas."""
     sequence_parallel: bool = False
@@ -77,6 +81,15 @@ class PlanModel(GPTShape):
                                    ffn=self.ffn_hidden_size)
         if refused:
             raise PlanError(refused)
+        self._split_as_run()
+
+    def _split_as_run(self) -> None:
+        """``sub_batches`` as the trainer runs it (``describe.split``, after the refusals the
+        trainer makes of ``--schedule oases`` itself, selective recompute among them)."""
+        runs = sub_batches_at(self.tp, oases=self.sub_batches > 1, expert_parallel=self.ep if self.moe else 1)
+        if runs < self.sub_batches and not self.fine_grained_recompute:  # the trainer's check
+            raise PlanError(unsplit_refusal("--no-" + option("oases_fine_grained_recompute")[2:]))
+        object.__setattr__(self, "sub_batches", runs)
 
     def _check_moe(self) -> None:
         """What the trainer refuses for MoE (``megatron_oases.moe``, ``describe.moe.moe_refusal``):

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ..describe.core_attention import check_flash_dtype
-from ..describe.split import SUB_BATCHES, split_refusal, sub_batches_at
+from ..describe.split import SUB_BATCHES, split_refusal
 from ..errors import comma_names, range_refusal
 from ..precision import PRECISION_FLAGS, priced_dtype
 from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
@@ -139,22 +139,31 @@ def _gqa_groups(a: argparse.Namespace) -> int | None:
 
 
 def _sub_batches(a: argparse.Namespace, stated: dict[str, Any]) -> int | None:
-    """The executor's sub-batches: ``--schedule``'s (``describe.split``); without it
-    ``--sub-batches``, else the model file's ``sub_batches`` (None: the file's), else the trainer's
-    default schedule's."""
+    """The schedule's sub-batches: ``--schedule``'s; without it ``--sub-batches``, else the model
+    file's ``sub_batches`` (None: the file's), else the trainer's default schedule's. ``PlanModel``
+    then keeps them where the executor splits (``describe.split.sub_batches_at``: not for a dense
+    model at TP 1)."""
     if "schedule" not in (given_in(a) or ()):
         if a.sub_batches is None and "sub_batches" in stated:
             return None
-        return a.sub_batches or sub_batches_at(oases=a.schedule == "oases")
-    want = sub_batches_at(oases=a.schedule == "oases")
+        return a.sub_batches or _schedule_sub_batches(a.schedule)
+    want = _schedule_sub_batches(a.schedule)
     if a.sub_batches is not None and a.sub_batches != want:
         raise PlanError(f"--sub-batches {a.sub_batches} contradicts --schedule {a.schedule} ({want} "
                         f"sub-batch{'es' if want > 1 else ''}); drop --sub-batches")
     return want
 
 
-def schedule_of(m: PlanModel) -> str:
-    """The ``--schedule`` a plan's model is priced for: oases with sub-batches, else default."""
+def _schedule_sub_batches(schedule: str) -> int:
+    """Sub-batches per micro-batch of ``--schedule`` (where the executor splits: ``PlanModel``)."""
+    return SUB_BATCHES if schedule == "oases" else 1
+
+
+def schedule_of(m: PlanModel, a: argparse.Namespace | None = None) -> str:
+    """The ``--schedule`` a plan is made for: ``a``'s when given (at TP 1 a dense model is priced
+    with one sub-batch under either), else oases with sub-batches, else default."""
+    if a is not None and "schedule" in (given_in(a) or ()):
+        return a.schedule
     return "oases" if m.sub_batches > 1 else "default"
 
 
@@ -245,7 +254,7 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     sol = solve(cm.problem, solver=a.solver, time_limit=a.time_limit)
     data = plan_record(cm.strategies, sol.assignment, num_layers=m.num_layers, world_size=world,
                        data_parallel_size=dp, pipeline_model_parallel_size=pp, micro_batch_size=m.micro_batch_size,
-                       schedule=schedule_of(m), tp=m.tp)
+                       schedule=schedule_of(m, a), tp=m.tp)
     degs = data["degrees"]
     per_layer = degs[::2] if all(degs[i] == degs[i + 1] for i in range(0, len(degs), 2)) else None
     uni = cm.uniform(m.tp)

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 
 from megatron_oases.describe.backends import BACKENDS, backend
-from megatron_oases.describe.split import SUB_BATCHES, split_refusal
+from megatron_oases.describe.split import SUB_BATCHES, oases_splits, split_refusal, unsplit_refusal
 from megatron_oases.errors import ConfigError
 from megatron_oases.parallel.dims import ParallelDims
 from megatron_oases.run_config import RunConfig
@@ -73,11 +73,8 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError("--no-oases-fine-grained-recompute chooses how Oases recomputes and has no "
                           "effect without --recompute-granularity full; drop it or add "
                           "--recompute-granularity full --recompute-method uniform")
-    if cfg.tensor_model_parallel_size == 1 and not _experts_exchange(cfg) and (off or cfg.oases_skip_tp_collectives):
-        flag = off[0] if off else "--oases-skip-tp-collectives"
-        raise ConfigError(f"{flag} has no effect at --tensor-model-parallel-size 1 (there are no TP "
-                          f"collectives, and --schedule oases runs stock layers there); drop it or "
-                          f"use --tensor-model-parallel-size 2 or more")
+    if not _splits(cfg, oases=True) and (off or cfg.oases_skip_tp_collectives):
+        raise ConfigError(unsplit_refusal(off[0] if off else "--oases-skip-tp-collectives"))
     if cfg.schedule != "oases":
         if cfg.oases_skip_tp_collectives and (not backend(cfg.tp_backend).megatron_modules or cfg.sequence_parallel):
             raise ConfigError("--oases-skip-tp-collectives with the default schedule needs "
@@ -94,7 +91,7 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--atp-chunks {cfg.atp_chunks} cannot be combined with --schedule "
                           f"oases: Oases overlaps the ATP collectives with the other sub-batch "
                           f"instead; use --atp-chunks 1 with it")
-    if split_refusal(cfg.micro_batch_size):
+    if oases_runs(cfg) and split_refusal(cfg.micro_batch_size):  # at TP 1 (dense) nothing splits
         raise ConfigError(split_refusal(cfg.micro_batch_size))
     if cfg.sequence_parallel and not backend(cfg.tp_backend).sequence_parallel:
         raise ConfigError(f"--schedule oases runs --sequence-parallel on --tp-backend megatron "
@@ -114,17 +111,19 @@ def validate_oases_config(cfg: RunConfig, dims: ParallelDims) -> None:
 
 
 def oases_runs(cfg: RunConfig) -> bool:
-    """Whether the Oases executor runs the layers: ``--schedule oases`` with TP > 1, or with MoE
-    layers over ``--expert-model-parallel-size`` > 1 (their all-to-alls to overlap). Otherwise,
-    at TP 1, there is no collective to overlap, so the layers run as stock ones (Megatron's own
-    recompute included): the executor's half-size GEMMs and per-step autograd calls would only
-    cost time."""
-    return cfg.schedule == "oases" and (cfg.tensor_model_parallel_size > 1 or _experts_exchange(cfg))
+    """Whether the Oases executor runs the layers: ``--schedule oases`` where the split happens
+    for the whole TP group (``describe.split.oases_splits``, the rule ``sim`` and ``plan`` read
+    too): TP > 1, or MoE layers over ``--expert-model-parallel-size`` > 1 (their all-to-alls to
+    overlap). Otherwise, at TP 1, the layers run as stock ones (Megatron's own recompute
+    included)."""
+    return _splits(cfg, oases=cfg.schedule == "oases")
 
 
-def _experts_exchange(cfg: RunConfig) -> bool:
-    """MoE layers whose tokens cross expert-parallel ranks (an all-to-all at TP 1)."""
-    return bool(cfg.num_experts) and cfg.expert_model_parallel_size > 1
+def _splits(cfg: RunConfig, *, oases: bool) -> bool:
+    """``describe.split.oases_splits`` at the run's TP size and, for a model with MoE layers,
+    its expert-parallel size."""
+    return oases_splits(cfg.tensor_model_parallel_size, oases=oases,
+                        expert_parallel=cfg.expert_model_parallel_size if cfg.num_experts else 1)
 
 
 def oases_options_of(cfg: RunConfig) -> OasesOptions:

@@ -158,13 +158,13 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
     layer = layer_description(backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
                               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e,
                               variant=m.variant, sequence_parallel=s.sequence_parallel,
-                              schedule="oases" if s.schedule == "oases" else "stock",
+                              schedule="oases" if s.oases_runs else "stock",
                               attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
                               recompute_core_attention=s.selective_recompute, core_attention=m.core_attention)
     moe_layer = None if m.moe is None else layer_description(
         backend=s.backend, layout=s.layout, micro_batch=b, seq=m.seq_length, hidden=m.hidden_size,
         heads=m.num_attention_heads, ffn=m.ffn_hidden_size, tp=t, bytes_per_element=e, variant=m.variant,
-        sequence_parallel=s.sequence_parallel, schedule="oases" if s.schedule == "oases" else "stock",
+        sequence_parallel=s.sequence_parallel, schedule="oases" if s.oases_runs else "stock",
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
         recompute_core_attention=s.selective_recompute, core_attention=m.core_attention, moe=m.moe, ep=s.ep)
     # where the chunk's run of layers meets Megatron's replicated [s, b, h] (ATP, 3-D)
@@ -195,7 +195,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
                 return _compute(op, head_shape, head_dims)
             return _collective(op, head_shape, topo, tp_ranks, head_dims)
 
-        fine = s.schedule == "oases" and s.fine_grained_recompute
+        fine = s.oases_runs and s.fine_grained_recompute
 
         def layer_events(desc, index):  # (forward, backward, recomputed forward, joins) of one layer
             fwd_l = [ev(op) for op in desc.forward]

@@ -89,7 +89,7 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     inp = layer_input_bytes(s.backend, t=s.tp, **kw)
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
-    oases = s.schedule == "oases"
+    oases = s.oases_runs
     saved = inp * recompute_boundaries(fine_grained=oases and s.fine_grained_recompute)
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
@@ -126,12 +126,12 @@ def _planned_layers_bytes(m: GPTShape, s: Strategy, chunk: ChunkEvents) -> float
     degrees = s.block_degrees[2 * g * chunk.layers:2 * (g + 1) * chunk.layers]
     edges = sum(reshard_saved_bytes(a, b, tp=s.tp, micro_batch=m.micro_batch_size, seq=m.seq_length,
                                     hidden=m.hidden_size, bytes_per_element=m.bytes_per_element,
-                                    oases=s.schedule == "oases")
+                                    oases=s.oases_runs)
                 for a, b in zip((s.tp, *degrees[:-1]), degrees))
     return edges + sum(planned_block_saved_bytes(
         kind, samples=m.micro_batch_size * d // s.tp, degree=d, tp=s.tp, seq=m.seq_length, hidden=m.hidden_size,
         heads=m.num_attention_heads, ffn=m.ffn_hidden_size, bytes_per_element=m.bytes_per_element,
-        oases=s.schedule == "oases", variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
+        oases=s.oases_runs, variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
         attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
         for kind, d in zip(("attention", "mlp") * chunk.layers, degrees))
 
@@ -151,7 +151,7 @@ def _sp_layer_bytes(m: GPTShape, s: Strategy) -> tuple[float, float, float]:
               t=s.tp, e=m.bytes_per_element,
               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
               variant=m.variant, sequence_parallel=True, core_attention=m.core_attention)
-    schedule = "oases" if s.schedule == "oases" else "stock"
+    schedule = "oases" if s.oases_runs else "stock"
     if s.selective_recompute:  # (stock inventory, -, kept with the core attention checkpointed)
         return layer_saved_bytes(**kw), 0.0, layer_saved_bytes(recompute_core_attention=True, **kw)
     return (layer_saved_bytes(**kw), layer_saved_bytes(schedule=schedule, recompute=True,

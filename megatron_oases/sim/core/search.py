@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 from ...pricing.device_model import DeviceModel, SimError
 from ...describe.backends import backend as record
 from ...describe.shapes import GPTShape
+from ...describe.split import oases_splits
 from .strategy import Strategy, check, selective_recompute_applies
 from .timeline import SimResult, simulate
 
@@ -160,6 +161,9 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                                     if vp > 1 and pp == 1:
                                         continue
                                     for ep in _ep_sizes(model, space, dp):
+                                        if schedule == "oases" and "default" in space.schedules and \
+                                                not oases_splits(tp, expert_parallel=ep):
+                                            continue  # stock layers (describe.split): the default row
                                         out.append(_candidate(space, tp=tp, pp=pp, dp=dp, vp=vp, backend=backend,
                                                               layout=layout, schedule=schedule, recompute=rc,
                                                               sequence_parallel=sp, num_microbatches=m, ep=ep))

@@ -14,7 +14,7 @@ from ...describe.layout import Layout
 from ...describe.megatron_1d import sequence_parallel_refusal
 from ...describe.registry import BACKENDS
 from ...describe.shapes import GPTShape
-from ...describe.split import split_refusal, sub_batches_at
+from ...describe.split import oases_splits, split_refusal, sub_batches_at, unsplit_refusal
 from ...pricing.device_model import SimError
 from ...run_config import SCHEDULES
 from .moe import moe_check
@@ -45,7 +45,8 @@ class Strategy:
     backward and keeps none of its s^2 tensors (Megatron 1-D, stock schedule, no full recompute)."""
     schedule: str = "default"
     """The TP executor, as the trainer's ``--schedule`` (``run_config.SCHEDULES``): default (Megatron's:
-    compute waits on each collective) | oases (two sub-batches cross-overlap)."""
+    compute waits on each collective) | oases (two sub-batches cross-overlap, where
+    :attr:`oases_runs`; elsewhere priced as default, whose layers the trainer runs)."""
     fine_grained_recompute: bool = True
     """Oases with recompute: forward all-reduce outputs are saved, so recompute issues no collective."""
     backend: str = "megatron"
@@ -123,6 +124,17 @@ class Strategy:
         if self.tp_comm_overlap and (not self.sequence_parallel or self.schedule != "default"):
             raise SimError("--tp-comm-overlap needs --sequence-parallel and the stock schedule (as Megatron-LM)")
         self._check_ddp_overlap()
+        if not self.fine_grained_recompute and self.schedule == "oases" and not self.oases_runs:
+            raise SimError(unsplit_refusal("--no-oases-fine-grained-recompute"))  # the trainer's check
+
+    @property
+    def oases_runs(self) -> bool:
+        """Whether the Oases executor runs the layers (``describe.split.oases_splits`` at the whole
+        TP group, the trainer's ``options.oases_runs``): ``schedule`` oases at TP > 1, or at EP > 1
+        (an MoE model's all-to-alls; :func:`check` refuses EP > 1 without MoE layers). A dense
+        model at TP 1 runs stock layers under ``--schedule oases``, and is priced as the default
+        schedule prices it: one sub-batch, Megatron's recompute."""
+        return oases_splits(self.tp, oases=self.schedule == "oases", expert_parallel=self.ep)
 
     def _check_layout(self) -> None:
         """The record's layout rule; a strategy without a layout takes the record's at ``tp``
@@ -232,7 +244,7 @@ def check(model: GPTShape, strategy: Strategy, world_size: int) -> None:
         if s.num_microbatches % s.pp:
             raise SimError(f"interleaved 1F1B needs micro-batches ({s.num_microbatches}) to be a multiple "
                            f"of PP {s.pp}")
-    if s.schedule == "oases" and split_refusal(m.micro_batch_size):
+    if s.oases_runs and split_refusal(m.micro_batch_size):  # at TP 1 (dense) nothing splits
         raise SimError(split_refusal(m.micro_batch_size))
     if s.schedule == "oases" and not record(s.backend).oases_tape:
         taped = " and ".join(name for name in BACKENDS if record(name).oases_tape)
@@ -292,5 +304,5 @@ def _check_plan(m: GPTShape, s: Strategy) -> None:
 
 def block_sub_batches(s: Strategy, degree: int | None = None) -> int:
     """Sub-batches of the Oases split a block at ``degree`` runs (``describe.split.sub_batches_at``;
-    None: the stage's whole TP group, no plan); the timeline runs them as that many chains."""
-    return sub_batches_at(degree, oases=s.schedule == "oases")
+    None: the stage's whole TP group ``s.tp``, no plan); the timeline runs them as that many chains."""
+    return sub_batches_at(s.tp if degree is None else degree, oases=s.schedule == "oases", expert_parallel=s.ep)

@@ -540,8 +540,9 @@ def summary_table(r: SimResult) -> str:
     be = f", {title}" if title else ""
     if s.block_degrees is not None:
         be += f", per-block degrees {list(s.block_degrees)}"
+    stock = " (stock layers at TP 1)" if s.schedule == "oases" and not s.oases_runs else ""  # describe.split
     lines = [f"TP {s.tp} x PP {s.pp}{vp} x DP {s.dp} = {s.world_size} GPUs{be}, {s.pipeline_schedule}, "
-             f"{s.num_microbatches} micro-batches, schedule {s.schedule}, recompute {'on' if s.recompute else 'selective' if s.selective_recompute else 'off'}"
+             f"{s.num_microbatches} micro-batches, schedule {s.schedule}{stock}, recompute {'on' if s.recompute else 'selective' if s.selective_recompute else 'off'}"
              + (", DP overlap grad" + (" + param" if s.overlap_param_gather else "") if s.overlap_grad_reduce else ""),
              f"iteration {r.iteration_ms:.2f} ms | {r.tokens_per_s:,.0f} tokens/s | MFU {100 * r.mfu:.1f}% | "
              f"bubble {100 * r.bubble_fraction:.1f}% | exposed comm {r.exposed_comm_ms:.2f} ms | "

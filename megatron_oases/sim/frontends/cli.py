@@ -54,8 +54,9 @@ LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "
                "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
                "qk_layernorm", "hidden_dropout", "attention_dropout")
 MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
-             "moe_expert_capacity_factor", "moe_grouped_gemm")
-"""The MoE model flags of the table (``describe.moe``); ``--expert-model-parallel-size`` is a strategy flag."""
+             "moe_expert_capacity_factor", "moe_grouped_gemm", "moe_aux_loss_coeff")
+"""The MoE model flags of the table (``describe.moe``; ``--moe-aux-loss-coeff`` > 0: the aux loss,
+which joins the Oases sub-batches after routing); ``--expert-model-parallel-size`` is a strategy flag."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +74,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "grad_sync_dtype bf16); refused where Megatron-LM would ignore it (another dtype) or "
                         "override another flag with it (--accumulate-allreduce-grads-in-fp32)")
     add_flags(g, LAYER_FLAGS)
-    add_flags(g, MOE_FLAGS)
+    add_flags(g, MOE_FLAGS[:-1])
+    add_flag(g, "moe_aux_loss_coeff", note="priced as Megatron's aux_loss balancing: > 0 joins the Oases "
+             "sub-batches after routing (the loss needs the micro-batch's counts)")
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:
@@ -433,6 +436,8 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
                                f"drop it")
         elif act.nargs == 0:
             out += [flag] if value != act.default else []
+        elif isinstance(value, (list, tuple)):  # a list-valued flag (nargs="+", as Megatron-LM's)
+            out += [flag, *map(str, value)]
         elif value is not None and not (act.dest == "ffn_hidden_size" and not value):  # 0: 4 x hidden
             out += [flag, str(value)]
     core = core_attention_of(attention_backend=a.attention_backend, transformer_impl=a.transformer_impl,

@@ -17,6 +17,7 @@ from ...describe.backends import backend as record
 from ...describe.shapes import GPTShape
 from ...pricing.device_model import DeviceModel, SimError
 from ..core.search import Candidate
+from ..core.strategy import block_sub_batches
 from ..core.timeline import simulate
 
 
@@ -59,7 +60,7 @@ def plan_model(model: GPTShape, c: Candidate):
     st = c.strategy
     shape = {f.name: getattr(model, f.name) for f in dataclasses.fields(GPTShape) if f.init}
     shape.update(num_layers=model.num_layers // st.pp, tied_embeddings=True)
-    return PlanModel(**shape, tp=st.tp, sub_batches=2 if st.schedule == "oases" else 1,
+    return PlanModel(**shape, tp=st.tp, sub_batches=block_sub_batches(st),  # the stage's split (describe.split)
                      distributed_optimizer=st.distributed_optimizer)
 
 
