@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 
 from megatron_oases.schedules.oases.dropout import dropout
-from megatron_oases.schedules.oases.tape import (BackwardAllGather, BackwardAllReduce,
-                                                 ForwardAllGather, ForwardAllReduce, LayerTape,
-                                                 Local, require, sub_batch_attention_dropout)
+from megatron_oases.schedules.oases.steps import (BackwardAllGather, BackwardAllReduce, ForwardAllGather,
+                                                  ForwardAllReduce, LayerTape, Local, require)
+from megatron_oases.schedules.oases.tape import sub_batch_attention_dropout
 
 
 def _atp_norm_steps(prefix: str, norm, src: str, dst: str, group) -> list:

@@ -9,7 +9,7 @@ are not described as steps names none and is refused with the backends that have
 from __future__ import annotations
 
 from megatron_oases.describe.backends import BACKENDS, backend, resolve
-from megatron_oases.schedules.oases.tape import LayerTape, UnsupportedLayer
+from megatron_oases.schedules.oases.steps import LayerTape, UnsupportedLayer
 
 
 def layer_backend(layer) -> str:

@@ -14,8 +14,8 @@ from megatron_oases.schedules.oases.backend_tapes import layer_tape
 from megatron_oases.schedules.oases.executor import OasesRunner, OasesStage
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.release import Placeholders
-from megatron_oases.schedules.oases.tape import (BlockInputs, UnsupportedLayer,
-                                                 megatron_block_tapes)
+from megatron_oases.schedules.oases.steps import BlockInputs, UnsupportedLayer
+from megatron_oases.schedules.oases.tape import megatron_block_tapes
 
 _UNSUPPORTED_KWARGS = ("context", "context_mask", "rotary_pos_cos",
                        "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",

@@ -24,6 +24,9 @@ sub-batch meanwhile and waits on a handle only when its sub-batch needs the resu
   needs the micro-batch's counts); what a step computes in forward for its recompute and backward
   (routing metadata) lives in the micro-batch's ``BlockInputs.scratch``.
 
+What each collective step kind launches, forward and backward, is ``comm_steps.py``'s; the step
+kinds are ``steps.py``'s.
+
 Parameter gradients: the first sub-batch to finish a step's backward adds them straight into
 Megatron DDP's ``main_grad`` buffers (no per-sub-batch copies kept); the last one's autograd call
 accumulates onto the parameters, so Megatron DDP's per-parameter hooks fire exactly once per
@@ -35,21 +38,15 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from megatron_oases.describe.split import sub_batch_sizes
-from megatron_oases.parallel.collectives import all_gather_into as _all_gather_into
-from megatron_oases.parallel.collectives import all_gather_uneven, all_to_all, comm_tag, reduce_scatter_uneven
-from megatron_oases.parallel.collectives import all_reduce as _all_reduce
-from megatron_oases.parallel.collectives import reduce_scatter_into as _reduce_scatter_into
+from megatron_oases.schedules.oases.comm_steps import CommSteps, accumulate, own_chunk
 from megatron_oases.schedules.oases.dropout import MicroBatchMasks, active_sub_batch
 from megatron_oases.schedules.oases.options import OasesOptions
 from megatron_oases.schedules.oases.release import Placeholders, release_unread
+from megatron_oases.schedules.oases.steps import (FORWARD_COLLECTIVES, Barrier, BackwardAllGather, BlockInputs,
+                                                  LayerTape, Local, UnsupportedLayer)
 from megatron_oases.schedules.oases.wgrad import sub_batch_sums
-from megatron_oases.schedules.oases.tape import (FORWARD_COLLECTIVES, AllToAll, Barrier, BackwardAllGather,
-                                                 BackwardAllReduce, BlockInputs, ForwardAllGather,
-                                                 ForwardAllReduce, GatherSequence, LayerTape, Local,
-                                                 ReduceScatterSequence, UnsupportedLayer)
 
 BARRIER = object()
 """Yielded by a program to wait until every other program reached its barrier too."""
@@ -106,10 +103,6 @@ def _split_rows(t, sizes: list[int]) -> list:
     return list(torch.split(t, sizes, dim=0))
 
 
-def _accumulate(grads: dict, name: str, g: torch.Tensor) -> None:
-    grads[name] = g if name not in grads else grads[name] + g
-
-
 def _add_param_grad(param: torch.nn.Parameter, g: torch.Tensor) -> None:
     """Add ``g`` to ``param``'s gradient without autograd: into Megatron DDP's ``main_grad``
     buffer (unless the linear's fused weight-gradient accumulation already wrote it there,
@@ -122,24 +115,6 @@ def _add_param_grad(param: torch.nn.Parameter, g: torch.Tensor) -> None:
         param.grad = g
     else:
         param.grad.add_(g)
-
-
-def _own_chunk(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """This rank's chunk of ``t`` along ``dim`` over ``group`` (local; no collective)."""
-    n = dist.get_world_size(group)
-    return t if n == 1 else t.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
-
-
-def _sizes(step, inputs: BlockInputs):
-    """Each rank's rows of an uneven gather / reduce-scatter step (None: equal chunks)."""
-    sizes = getattr(step, "sizes", None)
-    return None if sizes is None else sizes(inputs)
-
-
-def _gathered(out) -> torch.Tensor:
-    """An all-gather / reduce-scatter result once waited on (one along a non-leading dim is moved
-    back)."""
-    return out if isinstance(out, torch.Tensor) else out.get()
 
 
 class _StepState:
@@ -174,6 +149,7 @@ class OasesRunner:
         """(layer, step) -> the parameters the step's graph reaches (found on its first backward)."""
         self._last_saved_bytes = 0
         self._placeholders = placeholders or Placeholders()
+        self._comm = CommSteps(options.skip_collectives)
 
     # ----- forward -------------------------------------------------------------------------
     def stage_params(self) -> list[torch.Tensor]:
@@ -239,9 +215,9 @@ class OasesRunner:
                         outs = step.fn({n: env[n] for n in step.inputs}, state.inputs[i])
                     env.update(outs)
                 elif isinstance(step, FORWARD_COLLECTIVES):
-                    yield from self._forward_collective(step, env, tape, state.inputs[i], recompute=False)
+                    yield from self._comm.forward(step, env, tape, state.inputs[i], recompute=False)
                 elif isinstance(step, BackwardAllGather):
-                    env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
+                    env[step.dst] = own_chunk(env[step.src], step.dim, step.group)
                 elif isinstance(step, Barrier):
                     yield BARRIER
             for name in keep:
@@ -275,9 +251,9 @@ class OasesRunner:
                 if step.dst in saved:
                     env[step.dst] = saved[step.dst]
                 else:
-                    yield from self._forward_collective(step, env, tape, state.inputs[i], recompute=True)
+                    yield from self._comm.forward(step, env, tape, state.inputs[i], recompute=True)
             elif isinstance(step, BackwardAllGather):
-                env[step.dst] = _own_chunk(env[step.src], step.dim, step.group)
+                env[step.dst] = own_chunk(env[step.src], step.dim, step.group)
         return graphs
 
     def _backward_program(self, i: int, grad: torch.Tensor, state: _StepState):
@@ -293,40 +269,8 @@ class OasesRunner:
             for step in reversed(tape.steps):
                 if isinstance(step, Local):
                     self._local_backward(li, step, graphs.pop(step.name), grads, tape, state)
-                elif isinstance(step, ForwardAllReduce) and not step.reduce_grad:
-                    grads[step.src] = grads.pop(step.dst)  # Eq. 1
-                elif isinstance(step, ForwardAllReduce):  # a statistic shared by the group
-                    g = grads.pop(step.dst).contiguous().clone()
-                    work = self._all_reduce(g, tape.group_of(step))
-                    if work is not None:
-                        yield work
-                    _accumulate(grads, step.src, g)
-                elif isinstance(step, BackwardAllReduce):
-                    work = self._all_reduce(grads[step.tensor], tape.group_of(step))
-                    if work is not None:
-                        yield work
-                elif isinstance(step, ForwardAllGather):
-                    _accumulate(grads, step.src,
-                                _own_chunk(grads.pop(step.dst), step.dim, step.group))
-                elif isinstance(step, (BackwardAllGather, ReduceScatterSequence)):
-                    out, work = self._all_gather(grads.pop(step.dst), step.dim, tape.group_of(step),
-                                                 _sizes(step, state.inputs[i]))
-                    if work is not None:
-                        yield work
-                    _accumulate(grads, step.src, _gathered(out))
-                elif isinstance(step, GatherSequence):  # partial input gradients: sum, keep own
-                    out, work = self._reduce_scatter(grads.pop(step.dst), step.dim,
-                                                     tape.group_of(step), _sizes(step, state.inputs[i]))
-                    if work is not None:
-                        yield work
-                    _accumulate(grads, step.src, _gathered(out))
-                elif isinstance(step, AllToAll):  # the all-to-all back: splits swapped
-                    out_splits, in_splits = step.splits(state.inputs[i])
-                    out, work = all_to_all(grads.pop(step.dst), in_splits, out_splits, tape.group_of(step),
-                                           async_op=True)
-                    if work is not None:
-                        yield work
-                    _accumulate(grads, step.src, out)
+                else:  # a collective (CommSteps.backward); a Barrier is forward only
+                    yield from self._comm.backward(step, grads, tape, state.inputs[i])
             state.saved[i][li] = None
             grad = grads.pop(tape.input)
             if not self.options.cross_pass:
@@ -357,14 +301,14 @@ class OasesRunner:
                                     inputs=[leaves[n] for n in names] + list(step_params))
             for n in names:
                 if leaves[n].grad is not None:
-                    _accumulate(grads, n, leaves[n].grad)
+                    accumulate(grads, n, leaves[n].grad)
             return
         self._arrivals[key] = arrived
         got = torch.autograd.grad([r for r, _ in roots], [leaves[n] for n in names] + list(step_params),
                                   [g for _, g in roots], allow_unused=True)
         for n, g in zip(names, got):
             if g is not None:
-                _accumulate(grads, n, g)
+                accumulate(grads, n, g)
         used = []
         for prm, g in zip(step_params, got[len(names):]):
             if g is not None:
@@ -387,7 +331,7 @@ class OasesRunner:
                                   [g for _, g in roots], allow_unused=True)
         for n, g in zip(names, got):
             if g is not None:
-                _accumulate(grads, n, g)
+                accumulate(grads, n, g)
         for prm, g in zip(step_params, got[len(names):]):
             if g is not None:
                 raise UnsupportedLayer(f"step {key[1]}: returns a stage parameter's gradient and "
@@ -399,53 +343,9 @@ class OasesRunner:
             if getattr(prm, "grad_added_to_main_grad", False):
                 state.stage_grads[id(prm)] = g  # a placeholder: the GEMM accumulated into main_grad
             else:
-                _accumulate(state.stage_grads, id(prm), g)
+                accumulate(state.stage_grads, id(prm), g)
 
     # ----- helpers -------------------------------------------------------------------------
-    def _forward_collective(self, step, env: dict, tape: LayerTape, inputs: BlockInputs, recompute: bool):
-        """Launch a forward collective step async (yield its handle), then store its output.
-        In recompute (tagged "recompute") an all-reduce works on a copy: its input is the output
-        of a graph the backward still walks."""
-        group = tape.group_of(step)
-        with comm_tag("recompute") if recompute else contextlib.nullcontext():
-            if isinstance(step, ForwardAllReduce):  # in place, unless its input is kept
-                out = env[step.src].clone() if recompute or step.src == tape.input else env[step.src]
-                work = self._all_reduce(out, group)
-            elif isinstance(step, ReduceScatterSequence):
-                out, work = self._reduce_scatter(env[step.src], step.dim, group, _sizes(step, inputs))
-            elif isinstance(step, AllToAll):
-                out, work = all_to_all(env[step.src], *step.splits(inputs), group, async_op=True)
-            else:  # ForwardAllGather, GatherSequence
-                out, work = self._all_gather(env[step.src], step.dim, group, _sizes(step, inputs))
-        if work is not None:
-            yield work
-        env[step.dst] = _gathered(out)
-
-    def _all_reduce(self, t: torch.Tensor, group):
-        """Launch an async in-place all-reduce (counted); None when there is nothing to wait for."""
-        if self.options.skip_collectives:
-            return None
-        return _all_reduce(t, group, async_op=True)
-
-    def _all_gather(self, t: torch.Tensor, dim: int, group, sizes=None):
-        """Launch an async all-gather along ``dim`` (counted): (result, work or None); read the
-        result with ``_gathered`` after the wait. ``sizes``: each rank's rows along dim 0, when
-        they differ (an MoE layer's routed tokens; always communicated)."""
-        if sizes is not None:
-            return all_gather_uneven(t, sizes, group, async_op=True)
-        if self.options.skip_collectives:
-            return torch.cat([t] * dist.get_world_size(group), dim=dim), None
-        return _all_gather_into(t, dim, group, async_op=True)
-
-    def _reduce_scatter(self, t: torch.Tensor, dim: int, group, sizes=None):
-        """Launch an async reduce-scatter along ``dim`` (counted): (result, work or None); read
-        the result with ``_gathered`` after the wait. ``sizes``: as ``_all_gather``'s."""
-        if sizes is not None:
-            return reduce_scatter_uneven(t, sizes, group, async_op=True)
-        if self.options.skip_collectives:
-            return _own_chunk(t, dim, group), None
-        return _reduce_scatter_into(t, dim, group, async_op=True)
-
     def saved_bytes(self) -> int:
         """Bytes the last forward kept for backward, one micro-batch, for the layers. With
         recompute that is all the layers hold between the passes; without, only the step

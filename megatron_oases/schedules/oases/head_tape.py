@@ -36,9 +36,9 @@ import dataclasses
 import torch
 
 from megatron_oases.schedules.oases.dropout import SubBatchDropout
-from megatron_oases.schedules.oases.tape import (BackwardAllReduce, ForwardAllReduce,
-                                                 GatherSequence, LayerTape, Local,
-                                                 ReduceScatterSequence, _explicit_comm, _trainable)
+from megatron_oases.schedules.oases.steps import (BackwardAllReduce, ForwardAllReduce, GatherSequence, LayerTape,
+                                                  Local, ReduceScatterSequence)
+from megatron_oases.schedules.oases.tape import _explicit_comm, _trainable
 
 EMBEDDING_SITE = ("embedding",)
 """The embedding dropout's site among the micro-batch's masks (layers use (index, name))."""

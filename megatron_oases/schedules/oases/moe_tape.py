@@ -40,9 +40,9 @@ import contextlib
 import copy
 
 from megatron_oases.parallel.collectives import all_reduce
-from megatron_oases.schedules.oases.tape import (AllToAll, Barrier, GatherSequence, LayerTape, Local,
-                                                 ReduceScatterSequence, _explicit_comm, _trainable,
-                                                 attention_part, require)
+from megatron_oases.schedules.oases.steps import (AllToAll, Barrier, GatherSequence, LayerTape, Local,
+                                                  ReduceScatterSequence, require)
+from megatron_oases.schedules.oases.tape import _explicit_comm, _trainable, attention_part
 
 
 def is_moe_layer(layer) -> bool:
