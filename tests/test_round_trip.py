@@ -92,6 +92,9 @@ GRID = [
     Row("gpt2-atp-1x2-oases", 2, (*_atp(1, 2), *OASES)),
     Row("gpt2-tp1-dp2", 1, dp=2),
     Row("gpt2-tp1-pp2", 1, pp=2),
+    # --schedule oases at TP 1: stock layers (describe.split.oases_splits), priced as such
+    Row("gpt2-tp1-dp2-oases", 1, (*OASES,), dp=2),
+    Row("gpt2-tp1-dp2-oases-full", 1, (*OASES, *FULL), dp=2),
     Row("gpt2-tp4", 4),
     Row("llama-tp4", 4, (*LLAMA, "--num-query-groups", "4")),
     Row("llama-tp4-sp-oases", 4, (*LLAMA, "--num-query-groups", "4", *SP, *OASES)),
