@@ -17,6 +17,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 TP2_SP_EP2 = [EP, "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", *ALLTOALL]
 TP1_EP2 = [EP, "2", *ALLTOALL]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+NO_AUX = ["--moe-aux-loss-coeff", "0", "--moe-router-load-balancing-type", "none"]  # no barrier, no aux step
 
 
 @pytest.mark.parametrize("n, layout, extra", [
@@ -28,8 +29,9 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     (2, TP1_EP2, RECOMPUTE + ["--no-oases-cross-pass"]),
     (2, TP1_EP2 + DROPOUT, RECOMPUTE),
     (4, TP1_EP2 + ["--overlap-grad-reduce"], RECOMPUTE),
+    (2, TP1_EP2 + NO_AUX + ["--swiglu", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48"], RECOMPUTE),
 ], ids=["tp2-sp-ep2-recompute", "tp2-sp-ep2-coarse", "tp1-ep2-fine-grained", "tp1-ep2-coarse", "tp1-ep2-no-recompute",
-        "tp1-ep2-no-cross-pass", "tp1-ep2-dropout", "dp4-ep2-overlap-grad-reduce"])
+        "tp1-ep2-no-cross-pass", "tp1-ep2-dropout", "dp4-ep2-overlap-grad-reduce", "tp1-ep2-no-aux-swiglu-top3"])
 def test_oases_moe_equals_stock(n, layout, extra):
     """``layout`` is the stock reference's too; ``extra`` the Oases run's own flags."""
     argv = MODEL + SGD + layout
