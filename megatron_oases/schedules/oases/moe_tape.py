@@ -63,8 +63,11 @@ def moe_layer_tape(layer, index: int) -> LayerTape:
 
 
 def _require_supported(moe, index: int) -> None:
-    """What the executor cannot make equal to stock, as ``describe.moe.moe_refusal`` refuses it
-    at parse time (here for a model built another way)."""
+    """What the executor cannot make equal to stock, as the parse refuses it (here for a model
+    built another way): the dispatcher, capacity factor and load balancing in
+    ``describe.moe.moe_refusal``; Megatron-LM's router and expert options the trainer has no flag
+    for (z-loss, jitter, expert bias, forced routing, shared experts, latent) in
+    ``megatron_lm.options.REFUSED``."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     cfg, router = moe.config, moe.router
