@@ -35,7 +35,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                                ) -> tuple[GPTShape, Strategy]:
     """Validate the trainer flags as the trainer does and map them to (GPTShape, Strategy)."""
     from ...errors import ConfigError
-    from ...schedules.oases.options import oases_runs
     from ...train_args import parallel_dims, validate_config, world_size_of
     from ...vocab import padded_vocab_size
 
@@ -86,7 +85,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                         pipeline_schedule="1f1b", virtual_stages=dims.vp or 1, recompute=full,
                         recompute_layers=cfg.recompute_num_layers if block else 0,
                         selective_recompute=cfg.selective_recompute,
-                        schedule="oases" if oases_runs(cfg) else "default",
+                        schedule=cfg.schedule,  # where Oases runs: Strategy.oases_runs (describe.split)
                         fine_grained_recompute=cfg.oases_fine_grained_recompute,
                         backend=backend, layout=cfg.layout,
                         distributed_optimizer=bool(cfg.use_distributed_optimizer),
