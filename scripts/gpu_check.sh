@@ -8,8 +8,8 @@
 # mktemp folder removed on exit (WHEELS=0 skips that, WHEELS=1 forces it; default 1 on CUDA, 0
 # with DEVICE=cpu): `bash scripts/gpu_wheels.sh` puts megatron-core 0.19.2 and pulp for Python
 # 3.12 there.
-# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_FLAGS, LLAMA_SIZES and FUSION_ARGS at small shapes
-# runs env, attn, mfu, overlap, overlap-conn, overlap-summary, fusion, sim and compare on CPU (how the script is tested
+# DEVICE=cpu with MFU_FLAGS, ATTN_ARGS, OVERLAP_FLAGS, LLAMA_SIZES, MOE_SIZES and FUSION_ARGS at small shapes
+# runs env, attn, mfu, overlap, overlap-conn, overlap-summary, moe-standin, fusion, sim and compare on CPU (how the script is tested
 # before a lease; the numbers then mean nothing; env records that there is no GPU; train is
 # CUDA only): docs/gpu.md has the command.
 # Steps, each under its own timeout, skipped once the budget is spent; every step's output goes
@@ -41,6 +41,14 @@
 #             micro-batch 2; LLAMA_SIZES replaces its size flags); one run each (8 in all, about
 #             5 minutes on an H100), then json/overlap_summary.json: one record per kind, recompute,
 #             link and model (benchmarks/standin/summary.py)
+#   moe-standin  the benchmark over MoE layers (issue 51; benchmarks/standin/moe.py): one rank's
+#             shard of 4 Mixtral-8x7B layers (8 experts of SwiGLU FFN 14336, top-2, alltoall
+#             dispatcher, aux loss 1e-2, GQA, sequence 4096, micro-batch 2, bf16; MOE_SIZES
+#             replaces its size flags) as rank 0 of a TP x EP fake world, for each of MOE_LAYOUTS
+#             (default "1x2 2x2": TP 1 x EP 2, TP 2 x EP 2 with sequence parallelism), the
+#             expert-parallel all-to-alls stand-ins too; sleep and nccl, at MOE_LINKS GB/s
+#             (default 24); then json/moe_summary.json (the overlap-summary records) and
+#             json/sim_vs_standin_moe.json (scripts/sim_vs_standin.py)
 #   fusion    scripts/gpu_fusion_bench.py: eager vs fused element-wise parts of the layer
 #   tp1-*     the trainer on CUDA, one rank: stock and Oases (fp32, with full recompute), bf16,
 #             and the same stock run on CPU; losses compared at the end
@@ -62,7 +70,7 @@
 #             each profile the SM and memory clocks are read as found, then after SETTLE_S
 #             (default 5) seconds of GEMMs, under load (scripts/gpu_settle.py; summary.txt)
 # STEPS picks steps (default: "env attn mfu overlap overlap-conn overlap-rc sim sim-sizes compare"; the others are
-# "overlap-summary fusion train measure gemm pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
+# "overlap-summary moe-standin fusion train measure gemm pytest"); MEASURE adds flags to gpu_measure.py, PYTESTS replaces the test
 # files, SIM_MODEL the sim step's model flags (default: the mfu model), SIM_SCHEDULES its
 # schedules, SIM_HIDDEN the sim-sizes list.
 set -u
@@ -167,6 +175,28 @@ if want overlap-summary; then  # docs/gpu.md, "The next GPU call"
   if ls "$OUT"/json/summary/overlap-*.json >/dev/null 2>&1; then
     step overlap-summary 30 $PY -m benchmarks.standin.summary "$OUT"/json/summary/overlap-*.json \
       --out "$OUT/json/overlap_summary.json"
+  fi
+fi
+if want moe-standin; then  # docs/gpu.md, "Oases over MoE on one GPU"
+  if [ -n "${MOE_SIZES:-}" ]; then read -r -a MOE <<<"$MOE_SIZES"; else
+  MOE=(--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336
+    --num-experts 8 --seq-length 4096 --max-position-embeddings 4096 --vocab-size 32000 --micro-batch-size 2 --bf16); fi
+  MOE+=(--group-query-attention --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
+    --untie-embeddings-and-output-weights --moe-router-topk 2 --moe-token-dispatcher-type alltoall
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2)
+  mkdir -p "$OUT/json/moe"
+  for layout in ${MOE_LAYOUTS:-1x2 2x2}; do
+    tp=${layout%x*}; ep=${layout#*x}; sp=(); [ "$tp" -gt 1 ] && sp=(--sequence-parallel)
+    for gbps in ${MOE_LINKS:-24}; do
+      name="mixtral-8x7b-tp${tp}ep${ep}"
+      step "moe-$name-$gbps" 120 $PY scripts/bench_gpu_overlap.py --tp "$tp" --ep "$ep" --kinds sleep,nccl \
+        --link-gbps "$gbps" --label "$name" ${OVERLAP_ARGS:-} --out "$OUT/json/moe/overlap-$name-$gbps.json" \
+        -- --device "$DEVICE" "${MOE[@]}" ${sp[@]+"${sp[@]}"}
+    done
+  done
+  if ls "$OUT"/json/moe/overlap-*.json >/dev/null 2>&1; then
+    step moe-summary 30 $PY -m benchmarks.standin.summary "$OUT"/json/moe/overlap-*.json --out "$OUT/json/moe_summary.json"
+    step sim-standin-moe 60 $PY scripts/sim_vs_standin.py "$OUT"/json/moe/overlap-*.json --out "$OUT/json/sim_vs_standin_moe.json"
   fi
 fi
 want fusion && step fusion 90 $PY scripts/gpu_fusion_bench.py --device "$DEVICE" ${FUSION_ARGS:---hidden 4096 --seq 4096} --out "$OUT/json/fusion.json"

@@ -62,6 +62,7 @@ def loaded_clock_mhz(path: str) -> tuple[float, str, bool]:
 
 def compare(path: str) -> list[dict]:
     """One row per schedule of the benchmark's JSON ``path``."""
+    from benchmarks.standin.measure import trainer_args
     from benchmarks.standin.standins import Link, link_topology
     from megatron_oases.pricing.device_model import gpu_of_device_name
     from megatron_oases.sim.core.tape import CURRENT, tape_of_issued
@@ -70,14 +71,14 @@ def compare(path: str) -> list[dict]:
 
     with open(path, encoding="utf-8") as f:
         bench = json.load(f)
-    tp, flags = bench["tp"], list(bench["trainer_flags"])
+    tp, ep, flags = bench["tp"], bench.get("ep", 1), list(bench["trainer_flags"])
+    world = tp * ep
     gpu = gpu_of_device_name(bench["device"]) or "h100-sxm"
     cal_mhz = (bench.get("calibration") or {}).get("sleep_cycles_per_ms")
     loaded, clock_src, borrowed = loaded_clock_mhz(path) if cal_mhz else (None, None, False)
     rows = []
     for schedule, m in bench["schedules"].items():
-        args = build_parser().parse_args(flags + ["--tensor-model-parallel-size", str(tp), "--nproc-per-node", str(tp),
-                                                  "--schedule", schedule])
+        args = build_parser().parse_args(trainer_args(flags, tp, schedule, ep) + ["--nproc-per-node", str(world)])
         sl = m.get("sleep", {})
         alone = (sl["standins_only"]["ms"] / sl["priced_ms"]) if sl.get("standins_only") and sl.get("priced_ms") else 1.0
         link = Link(GBps=bench["link"]["GBps"] / alone, latency_us=bench["link"]["latency_us"] * alone)
@@ -86,15 +87,20 @@ def compare(path: str) -> list[dict]:
         # alone a stand-in runs at the clock cal / alone (its price x alone, the link above); beside
         # the GEMMs at the loaded clock: that clock's ratio longer
         beside = cal_mhz / 1e3 / alone / loaded if cal_mhz else 1.0
-        r = analytical_train_step(args, topology=link_topology(link, tp, gpu), world_size=tp, forward_backward_only=True,
-                                  tape=tape, collective_beside_compute=beside)
+        r = analytical_train_step(args, topology=link_topology(link, world, gpu), world_size=world,
+                                  forward_backward_only=True, tape=tape, collective_beside_compute=beside)
         st = r.stages[0]
-        alone_r = analytical_train_step(args, topology=link_topology(link, tp, gpu), world_size=tp,
+        alone_r = analytical_train_step(args, topology=link_topology(link, world, gpu), world_size=world,
                                         forward_backward_only=True, tape=tape)
+        # An MoE run's DP (= EP) gradient reduction is not priced by the benchmark (a stand-in of
+        # zero duration, benchmarks/standin/moe.py); the simulator's, exposed after the last
+        # backward without --overlap-grad-reduce, comes off its step, comm and exposed time.
+        grad, grad_alone = (r.grad_ms[0], alone_r.grad_ms[0]) if ep > 1 else (0.0, 0.0)
         sleep = sl.get("with_standins", {}).get("ms")
         compute = m["compute"]["ms"]
         rows.append({
-            "file": os.path.basename(path), "path": path, "schedule": schedule, "recompute": m["recompute"],
+            "file": os.path.basename(path), "path": path, "model": bench.get("label"), "tp": tp, "ep": ep,
+            "schedule": schedule, "recompute": m["recompute"],
             "cuda_device_max_connections": bench.get("cuda_device_max_connections"), "gpu": gpu,
             "link_GBps": bench["link"]["GBps"], "standins_alone_over_priced": alone,
             "calibration_MHz": cal_mhz and cal_mhz / 1e3, "loaded_MHz": loaded, "loaded_clock_from": clock_src,
@@ -102,9 +108,10 @@ def compare(path: str) -> list[dict]:
             "collective_beside_compute": beside, "tape": "current" if tape == CURRENT else "pre-split head, two adds",
             "compute_ms": compute, "sim_compute_ms": st.compute_ms,
             "standins_priced_ms": sl.get("priced_ms"), "standins_alone_ms": (sl.get("standins_only") or {}).get("ms"),
-            "sim_comm_alone_ms": alone_r.stages[0].comm_ms, "sim_comm_ms": st.comm_ms,
-            "sleep_step_ms": sleep, "sim_step_ms": r.iteration_ms,
-            "exposed_ms": None if sleep is None else sleep - compute, "sim_exposed_ms": st.exposed_comm_ms,
+            "sim_comm_alone_ms": alone_r.stages[0].comm_ms - grad_alone, "sim_comm_ms": st.comm_ms - grad,
+            "sleep_step_ms": sleep, "sim_step_ms": r.iteration_ms - grad,
+            "exposed_ms": None if sleep is None else sleep - compute, "sim_exposed_ms": st.exposed_comm_ms - grad,
+            "sim_dp_grad_ms_left_out": grad,
         })
     return rows
 

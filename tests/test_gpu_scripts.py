@@ -321,6 +321,56 @@ def test_gpu_check_overlap_summary_on_cpu_writes_one_record_per_run_and_kind(tmp
     assert all(r["stock_ms"] > 0 and r["oases_ms"] > 0 and r["comm_disabled_ms"] > 0 for r in recs)
 
 
+def _moe_layouts() -> list[tuple[int, int]]:
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh"), encoding="utf-8").read()
+    return [tuple(int(x) for x in w.split("x")) for w in re.search(r"for layout in \$\{MOE_LAYOUTS:-([^}]*)\}", text)[1].split()]
+
+
+def test_moe_standin_model_passes_the_benchmark_s_checks():
+    """The MoE step's model (one rank's shard of Mixtral-8x7B layers) as gpu_check.sh spells it
+    passes the benchmark's and the trainer's checks at each layout of the step (TP 1 x EP 2, TP 2
+    x EP 2 with sequence parallelism, which Megatron needs for MoE at TP > 1)."""
+    from benchmarks.standin.measure import build_parser, validate_args
+
+    flags = _script_array("MOE")
+    assert {"--num-experts", "--swiglu", "--group-query-attention"} <= set(flags)
+    assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "alltoall"  # the one Oases runs
+    assert _moe_layouts() == [(1, 2), (2, 2)]
+    for tp, ep in _moe_layouts():
+        a, rest = build_parser().parse_known_args(["--tp", str(tp), "--ep", str(ep), "--kinds", "sleep,nccl",
+                                                   "--link-gbps", "24", "--device", "cpu", *flags]
+                                                  + (["--sequence-parallel"] if tp > 1 else []))
+        validate_args(a, rest)
+
+
+def test_gpu_check_moe_standin_on_cpu_writes_the_records_and_the_simulator_s_rows(tmp_path):
+    """The MoE step at tiny sizes (the Mixtral family flags kept): a benchmark run per layout at
+    one link, then moe_summary.json (the dense runs' records) and the simulator beside each run."""
+    import tarfile
+
+    from benchmarks.standin.summary import FIELDS
+
+    rc, summary, log = _gpu_check_on_cpu(
+        tmp_path, "moe-standin", OVERLAP_ARGS="--steps 1 --warmup 0", MOE_LINKS="24",
+        MOE_SIZES="--num-layers 1 --hidden-size 64 --num-attention-heads 8 --num-query-groups 8 --ffn-hidden-size 64 "
+                  "--num-experts 4 --seq-length 16 --max-position-embeddings 16 --vocab-size 1024 --micro-batch-size 2")
+    names = [f"mixtral-8x7b-tp{t}ep{e}" for t, e in _moe_layouts()]
+    assert rc == 0 and [line.split()[:2] for line in summary.splitlines()] == [
+        [f"moe-{n}-24", "rc=0"] for n in names] + [["moe-summary", "rc=0"], ["sim-standin-moe", "rc=0"]], log[-3000:]
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        recs = json.load(tar.extractfile("json/moe_summary.json"))
+        rows = json.load(tar.extractfile("json/sim_vs_standin_moe.json"))
+        runs = [json.load(tar.extractfile(f"json/moe/overlap-{n}-24.json")) for n in names]
+    assert [(r["model"], r["link_GBps"], r["kind"]) for r in recs] == [
+        (n, 24.0, k) for n in names for k in ("sleep", "nccl")]
+    assert all(list(r) == list(FIELDS) and r["stock_ms"] > 0 and r["oases_ms"] > 0 for r in recs)
+    assert [(b["tp"], b["ep"], "--sequence-parallel" in b["trainer_flags"]) for b in runs] == [
+        (t, e, t > 1) for t, e in _moe_layouts()]
+    assert [(r["model"], r["tp"], r["ep"], r["schedule"]) for r in rows] == [
+        (n, t, e, s) for n, (t, e) in zip(names, _moe_layouts()) for s in ("default", "oases")]
+    assert all(r["sim_step_ms"] > 0 and r["sim_dp_grad_ms_left_out"] > 0 for r in rows)
+
+
 def test_gpu_check_gemm_step_times_the_table_s_shapes_into_a_file_the_table_builder_reads(tmp_path):
     """Issue 49 item 1: the gemm step (``gpu_measure.py --what table``) on CPU at two tiny shapes;
     on a GPU it times every shape of ``pricing/gemm_table.json`` and the builder adds the file."""

@@ -189,6 +189,7 @@ def test_trainer_flags_pass_through_unabbreviated():
 
 MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -201,7 +202,12 @@ MODEL = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "64", "--num-a
     (["--link-gbps", "-2"], r"--link-gbps must be > 0 \(got -2.0\)"),
     (["--latency-us", "-1"], r"--latency-us must be >= 0 \(got -1.0\)"),
     (["--scratch-mb", "0"], r"--scratch-mb must be > 0 \(got 0.0\)"),
-    (["--tp", "1"], "--tp must be >= 2 .*no collective"),
+    (["--tp", "1"], "--tp must be >= 2 .*no collective.*unless --ep >= 2"),
+    (["--ep", "0"], r"--ep must be >= 1 \(got 0\)"),
+    (["--tp", "1", "--ep", "2"], "--ep 2 splits an MoE model's experts; add --num-experts"),
+    (["--", "--expert-model-parallel-size", "2"], "give it to the benchmark as --ep"),
+    (["--", "--tensor-model-parallel-size=2"], "give it to the benchmark as --tp"),
+    (["--tp", "1", "--ep", "2", "--num-experts", "3"], "--ep 2 must divide --num-experts 3"),
     (["--tp", "3"], "--hidden-size 64 is not divisible by --tp 3"),
     (["--tp", "8"], "--num-attention-heads 4 is not divisible by --tp 8"),
     (["--channels", "8"], "--channels sizes the channels and nccl stand-ins, neither of which --kinds sleep,copy runs"),
@@ -232,6 +238,83 @@ def test_good_flags_pass_validation(tmp_path):
          "--warmup", "0", "--link-gbps", "10", "--latency-us", "0", "--scratch-mb", "1",
          "--trace", str(tmp_path / "traces"), "--out", str(tmp_path / "new" / "o.json")] + MODEL)
     validate_args(a, rest)
+
+
+def test_moe_flags_pass_validation_and_size_the_world():
+    """--tp 1 --ep 2 with an MoE model: a fake world of 2 ranks, DP 2, one micro-batch a rank."""
+    from benchmarks.standin.measure import build_parser, trainer_config, validate_args
+
+    a, rest = build_parser().parse_known_args(["--tp", "1", "--ep", "2"] + MODEL + MOE)
+    validate_args(a, rest)
+    cfg = trainer_config(rest, a.tp, "oases", a.ep)
+    assert (cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.global_batch_size) == (1, 2, 4)
+
+
+def test_integer_all_gathers_are_filled_as_rank_0_s_replicas():
+    """The dispatcher's token counts (int64) come back as if every fake rank routed as rank 0, in
+    both of Megatron's all-gather forms; a float all-gather (tokens) is left to the stand-in."""
+    import torch
+
+    from benchmarks.standin.moe import fill_routing_metadata
+
+    counts = torch.tensor([3, 1, 0, 4])
+    out = torch.full((3 * 4,), -1, dtype=torch.long)
+    assert fill_routing_metadata(WatchedCall("all_gather", None, 3, out.numel() * 8, (out, counts), False))
+    assert out.tolist() == counts.tolist() * 3
+    outs = [torch.full((4,), -1, dtype=torch.long) for _ in range(2)]
+    assert fill_routing_metadata(WatchedCall("all_gather", None, 2, 64, (*outs, counts), False))
+    assert [o.tolist() for o in outs] == [counts.tolist()] * 2
+    tokens, gathered = torch.ones(2, 3), torch.zeros(4, 3)
+    assert not fill_routing_metadata(WatchedCall("all_gather", None, 2, 96, (gathered, tokens), True))
+    assert not fill_routing_metadata(WatchedCall("all_reduce", None, 2, 32, (counts,), False))
+    assert int(gathered.abs().sum()) == 0
+
+
+def test_moe_script_prices_the_all_to_alls_as_described_and_not_dp(tmp_path):
+    """TP 1 x EP 2 (rank 0 of a fake world of 2): every all-to-all is a stand-in priced on the
+    link; the forward's dispatch collectives are ``describe.moe``'s (the count gather, the tokens'
+    and probabilities' all-to-alls: kind, group, bytes), per sub-batch under Oases, async there
+    and blocking in stock; DP's gradient all-reduce is issued but lasts zero; the JSON has the
+    dense runs' schema (the bound records included)."""
+    from collections import Counter
+
+    from benchmarks.standin.summary import FIELDS
+    from megatron_oases.describe.moe import MoEShape, dispatch_collectives
+
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_overlap.py"), "--tp", "1", "--ep", "2",
+           "--steps", "1", "--warmup", "0", "--kinds", "sleep", "--link-gbps", "0.01", "--out", str(out), "--",
+           "--device", "cpu", "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
+           "--seq-length", str(S), "--micro-batch-size", str(B), *MOE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TP 1 x EP 2" in proc.stdout and "not priced" in proc.stdout
+    res = json.loads(out.read_text())
+    assert (res["tp"], res["ep"], res["moe"]["moe_layers"], res["moe"]["local_experts"]) == (1, 2, L, 2)
+    assert [(b["model"], b["kind"]) for b in res["bounds"]] == [("tp1ep2", "sleep")]
+    assert all(list(b) == list(FIELDS) and b["stock_ms"] > 0 and b["oases_ms"] > 0 for b in res["bounds"])
+    link = Link(GBps=res["link"]["GBps"], latency_us=res["link"]["latency_us"])
+    moe = MoEShape(num_experts=4, ffn=4 * H, topk=2, dispatcher="alltoall")
+    for schedule, subs in (("default", 1), ("oases", 2)):
+        r = res["schedules"][schedule]
+        issued = r["sleep"]["issued"]
+        # DP's gradient all-reduce (the only all-reduce at TP 1): issued, zero duration
+        assert r["unpriced"]["collectives_per_step"] == 1 == sum(k == "all_reduce" for k, *_ in issued)
+        assert r["comm_disabled"]["standins_per_step"] == r["collectives_per_step"] + 1 == len(issued)
+        assert r["sleep"]["priced_ms"] == pytest.approx(
+            sum(link.collective_ms(k, b, n) for k, n, b, _ in issued if k != "all_reduce"))
+        a2a = [(n, a) for k, n, _, a in issued if k == "all_to_all"]
+        assert a2a and all(n == 2 and a == (schedule == "oases") for n, a in a2a)
+        dispatch, _ = dispatch_collectives(b=B // subs, s=S, h=H, t=1, ep=2, e=4, moe=moe)
+        described = Counter((c.kind, c.group_size, c.payload_bytes) for c, _ in dispatch)
+        fwd = [(k, n, b) for k, n, b, _ in issued[:r["sleep"]["forward"]["standins"]]]
+        # per layer and sub-batch: the count gather, the dispatch's two all-to-alls, the combine's
+        # (its bytes are the rows routed to rank 0's experts, about the dispatch's: not described)
+        assert Counter(k for k, *_ in fwd) == {"all_gather": subs * L, "all_to_all": 3 * subs * L}
+        assert all(Counter(fwd)[c] >= m * subs * L for c, m in described.items())
+        if schedule == "default":
+            assert [fwd[4 * i:4 * i + 3] for i in range(L)] == [list(described)] * L
 
 
 def test_script_refuses_bad_flags_in_one_line_with_status_2():

@@ -24,6 +24,10 @@ max(compute, stand-in) and 1.3x faster than stock); ``--link-gbps`` fixes it ins
 The bound table (``summary.records``) puts stock, Oases, comm-disabled and max(compute,
 communication) side by side per kind.
 
+``--ep E`` runs an MoE model (``--num-experts``) as rank 0 of a TP x EP fake world, its
+expert-parallel all-to-alls stand-ins too (``moe``: the routing metadata, random router logits,
+DP's gradient reduction not priced).
+
 ``--trace DIR`` also records one step of each schedule and stand-in kind with ``torch.profiler``
 (``DIR/<schedule>-<kind>.json.gz``, Chrome's format) and reports where the compute stream sat
 idle in it: while a stand-in ran (exposed communication) or with nothing running (the host)
@@ -51,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size, "
                "--num-layers, --bf16, --device, --recompute-granularity, ...")
     p.add_argument("--tp", type=int, default=2, help="TP size t of the fake world (default 2)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size e of an MoE model (--num-experts): the fake world is t x e "
+                        "ranks, DP = e, and the all-to-alls over EP are stand-ins too "
+                        "(benchmarks/standin/moe.py; default 1)")
     p.add_argument("--kinds", default="sleep,copy",
                    help="stand-in kernels: sleep, copy, channels, nccl (default sleep,copy)")
     p.add_argument("--channels", type=int, default=None,
@@ -81,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # (flag, attribute, lowest allowed, lowest inclusive?): the benchmark's numeric flags
 _RANGES = (
-    ("--tp", "tp", 2, True),  # TP 1 has no collective to stand in for
+    ("--tp", "tp", 1, True),  # TP 1 only with --ep > 1: validate_args
+    ("--ep", "ep", 1, True),
     ("--channels", "channels", 1, True),
     ("--steps", "steps", 1, True),
     ("--warmup", "warmup", 0, True),
@@ -104,8 +113,17 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     for flag, name, low, inclusive in _RANGES:
         value = values.get(name)
         if value is not None and range_refusal(flag, value, low, inclusive=inclusive):
-            raise ConfigError(range_refusal(flag, value, low, inclusive=inclusive)
-                              + ("; TP 1 has no collective to stand in for" if flag == "--tp" else ""))
+            raise ConfigError(range_refusal(flag, value, low, inclusive=inclusive))
+    if a.tp == 1 and a.ep == 1:
+        raise ConfigError("--tp must be >= 2 (got 1): TP 1 has no collective to stand in for, unless --ep >= 2 "
+                          "runs an MoE model's all-to-alls")
+    given = {tok.split("=", 1)[0] for tok in rest}
+    for flag, ours in (("--tensor-model-parallel-size", "--tp"), ("--expert-model-parallel-size", "--ep")):
+        if flag in given:
+            raise ConfigError(f"{flag} sizes the trainer's world; give it to the benchmark as {ours}")
+    if a.ep > 1 and "--num-experts" not in given:
+        raise ConfigError(f"--ep {a.ep} splits an MoE model's experts; add --num-experts (e.g. --num-experts 8) "
+                          f"after -- or drop --ep")
     kinds = comma_names("--kinds", a.kinds, KINDS)
     if a.channels is not None and not {"channels", "nccl"} & set(kinds):
         raise ConfigError(f"--channels sizes the channels and nccl stand-ins, neither of which --kinds "
@@ -121,11 +139,12 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
                           f"of the model and runs none of the trainer's loop (iterations, evaluation, "
                           f"logging, checkpoints, exits); drop it")
     for schedule in comma_names("--schedules", a.schedules, SCHEDULES):
-        cfg = trainer_config(rest, a.tp, schedule)
-        try:  # rank 0 of a fake world of --tp ranks: the world the benchmark builds
-            validate_config(cfg, a.tp, cuda_wanted(cfg))
-        except ConfigError as e:  # the benchmark passes --tensor-model-parallel-size from --tp
-            raise ConfigError(str(e).replace("--tensor-model-parallel-size", "--tp")) from None
+        cfg = trainer_config(rest, a.tp, schedule, a.ep)
+        try:  # rank 0 of a fake world of --tp x --ep ranks: the world the benchmark builds
+            validate_config(cfg, a.tp * a.ep, cuda_wanted(cfg))
+        except ConfigError as e:  # the benchmark passes the trainer's sizes from --tp and --ep
+            raise ConfigError(str(e).replace("--tensor-model-parallel-size", "--tp")
+                              .replace("--expert-model-parallel-size", "--ep")) from None
 
 
 LOOP_GROUPS = ("validation", "logging", "checkpointing", "preemption")
@@ -142,20 +161,29 @@ def _loop_flags_given(rest: list[str]) -> list[str]:
     return [tok.split("=", 1)[0] for tok in rest if tok.split("=", 1)[0] in loop]
 
 
-def trainer_config(rest: list[str], tp: int, schedule: str):
-    """The trainer's ``RunConfig`` for ``rest`` at TP ``tp`` and ``schedule``: one micro-batch a
-    step and no TP-invariant initialisation unless the flags say otherwise (this bench's entry of
-    the trainer's flags)."""
-    from megatron_oases.run_config import run_config
+def trainer_args(rest: list[str], tp: int, schedule: str, ep: int = 1) -> list[str]:
+    """The trainer's flags of the run: ``rest`` at TP ``tp``, EP ``ep`` (DP = ``ep``) and
+    ``schedule``, one micro-batch a step per rank and no TP-invariant initialisation unless the
+    flags say otherwise (``scripts/sim_vs_standin.py`` simulates the same)."""
     from megatron_oases.train_args import build_parser as trainer_parser
 
     extra = ["--tensor-model-parallel-size", str(tp), "--schedule", schedule]
+    if ep > 1:
+        extra += ["--expert-model-parallel-size", str(ep)]
     if "--global-batch-size" not in rest:
         mbs = rest[rest.index("--micro-batch-size") + 1] if "--micro-batch-size" in rest else None
-        extra += ["--global-batch-size", mbs or str(trainer_parser().get_default("micro_batch_size"))]
+        extra += ["--global-batch-size", str(ep * int(mbs or trainer_parser().get_default("micro_batch_size")))]
     if "--tp-invariant-init" not in rest:
         extra.append("--no-tp-invariant-init")
-    return run_config(trainer_parser("bench_gpu_overlap.py").parse_args(rest + extra))
+    return rest + extra
+
+
+def trainer_config(rest: list[str], tp: int, schedule: str, ep: int = 1):
+    """The trainer's ``RunConfig`` of ``trainer_args`` (this bench's entry of the trainer's flags)."""
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser as trainer_parser
+
+    return run_config(trainer_parser("bench_gpu_overlap.py").parse_args(trainer_args(rest, tp, schedule, ep)))
 
 
 def _step(tr, batches, optimizer_step: bool, forward_only: bool = False) -> None:
@@ -203,10 +231,15 @@ class Bench:
     """One benchmark run: the calibration and the link, shared by every schedule."""
 
     def __init__(self, a: argparse.Namespace, rest: list[str]):
+        from benchmarks.standin.moe import ExpertWorld
+
         self.a, self.rest = a, rest
         self.kinds = [k for k in a.kinds.split(",") if k]
         self.link = None if a.link_gbps is None else _link(a.link_gbps, a.latency_us)
         self.cal = self.scratch = None
+        self.world = ExpertWorld(a.tp, a.ep) if a.ep > 1 else None
+        """An MoE model's TP x EP world (``moe``), None for a dense one."""
+        self.moe = None
 
     def schedule(self, schedule: str) -> dict:
         """Build ``schedule``'s model, time it every way, tear it down."""
@@ -214,10 +247,12 @@ class Bench:
 
         from megatron_oases import train as T
 
-        tr = T.setup(trainer_config(self.rest, self.a.tp, schedule))
+        tr = T.setup(trainer_config(self.rest, self.a.tp, schedule, self.a.ep))
         if len(tr.model) != 1:
             raise SystemExit("bench_gpu_overlap.py: one process is one pipeline stage; drop the "
                              "virtual pipeline flags")
+        if self.world is not None:
+            self.moe = self.world.prepare(tr)
         rt = tr.runtime
         try:
             return self._measure(tr)
@@ -244,11 +279,16 @@ class Bench:
         def forward():
             _step(tr, batches, a.optimizer_step, forward_only=True)
 
-        res = {"recompute": _recompute(tr.cfg), "compute": _summary(_timed(rt, step, a.warmup, a.steps)),
-               "compute_forward": _summary(_timed(rt, forward, min(a.warmup, 1), a.steps))}
-        with CommCounter() as counted:
-            step()
-        calls = [(r.kind, r.group_size, r.payload_bytes) for r in counted.records if r.group_size > 1]
+        with self._replaced():
+            res = {"recompute": _recompute(tr.cfg), "compute": _summary(_timed(rt, step, a.warmup, a.steps)),
+                   "compute_forward": _summary(_timed(rt, forward, min(a.warmup, 1), a.steps))}
+        if self.world is not None:  # the layers' groups only: DP's gradient reduction is not priced
+            calls, unpriced = self.world.calls(step)
+            res["unpriced"] = {"collectives_per_step": len(unpriced), "payload_bytes": sum(b for *_, b in unpriced)}
+        else:
+            with CommCounter() as counted:
+                step()
+            calls = [(r.kind, r.group_size, r.payload_bytes) for r in counted.records if r.group_size > 1]
         res["collectives_per_step"] = len(calls)
         if self.cal is None:
             mib = a.scratch_mb if a.scratch_mb is not None else (1024 if rt.is_cuda else 4)
@@ -260,7 +300,7 @@ class Bench:
             self.cal = calibrate_nccl(rt, self.cal, *self.scratch, a.channels or nccl_channels(self.link.GBps))
         res["comm_disabled"] = self._comm_disabled(rt, step)
         for kind in self.kinds:
-            stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch))
+            stand = StandIns(rt, kind, self.link, self.cal, tuple(self.scratch), priced=self._priced)
             r = res[kind] = self._with_standins(rt, step, forward, stand, f"{tr.cfg.schedule}-{kind}")
             took = r["with_standins"]["ms"]
             r["max_compute_standins_ms"] = max(res["compute"]["ms"], r["standins_only"]["ms"])
@@ -275,10 +315,9 @@ class Bench:
         """Steps with every collective a stand-in of zero duration: communication switched off,
         the side-stream hand-offs kept."""
         from benchmarks.standin.standins import StandIns
-        from megatron_oases.parallel.collectives import replace_watched_collectives
 
         off = StandIns(rt, "sleep", self.link, self.cal, tuple(self.scratch), comm_disabled=True)
-        with replace_watched_collectives(off):
+        with self._replaced(off):
             out = _summary(_timed(rt, step, self.a.warmup, self.a.steps, before=off.clear))
         return {**out, "standins_per_step": len(off.issued)}
 
@@ -286,10 +325,8 @@ class Bench:
         """Steps with ``stand`` in place of the collectives, then its last step's stand-ins alone;
         the same for the ``forward`` pass alone (and, with ``--trace``, one more step recorded;
         ``name`` names its file)."""
-        from megatron_oases.parallel.collectives import replace_watched_collectives
-
         a = self.a
-        with replace_watched_collectives(stand):
+        with self._replaced(stand):
             with_ = _timed(rt, step, a.warmup, a.steps, before=stand.clear)
             issued = list(stand.issued)
             fwd_with = _timed(rt, forward, min(a.warmup, 1), a.steps, before=stand.clear)
@@ -306,12 +343,27 @@ class Bench:
             out["trace"] = trace
         return out
 
+    @property
+    def _priced(self):
+        return None if self.world is None else self.world.priced
+
+    def _replaced(self, stand=None):
+        """The collectives of a measurement: ``stand`` in their place (None: the fake world's
+        own); in an MoE world the routing metadata filled first (``moe.ExpertWorld``)."""
+        import contextlib
+
+        from megatron_oases.parallel.collectives import replace_watched_collectives
+
+        if self.world is not None:
+            return replace_watched_collectives(self.world.replacement(stand))
+        return contextlib.nullcontext() if stand is None else replace_watched_collectives(stand)
+
     def run(self) -> dict:
         import torch
 
         from megatron_oases.mcore_compat import mcore_version
 
-        out = {"note": NOTE, "tp": self.a.tp, "label": self.a.label, "trainer_flags": self.rest, "kinds": self.kinds,
+        out = {"note": NOTE, "tp": self.a.tp, "ep": self.a.ep, "label": self.a.label, "trainer_flags": self.rest, "kinds": self.kinds,
                "steps": self.a.steps, "warmup": self.a.warmup, "optimizer_step": self.a.optimizer_step,
                "torch": torch.__version__, "megatron_core": str(mcore_version()), "schedules": {}}
         for s in self.a.schedules.split(","):
@@ -324,6 +376,8 @@ class Bench:
                               "channel_GBps": self.cal.channel_GBps, "channels": self.cal.channels,
                               "nccl_blocks": self.cal.nccl_blocks, "nccl_GBps": self.cal.nccl_GBps}
         out["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        if self.moe is not None:
+            out["moe"] = self.moe
         sch = out["schedules"]
         if "default" in sch and "oases" in sch:
             out["stock_over_oases"] = {k: sch["default"][k]["with_standins"]["ms"] / sch["oases"][k]["with_standins"]["ms"]
@@ -386,7 +440,9 @@ def print_report(out: dict) -> None:
                          "/ max(compute, stand-ins)": rk["vs_max_compute_standin"],
                          "pass bound ms": rk["pass_bound_ms"], "/ pass bound": rk["vs_pass_bound"]})
     link = out["link"]
-    print(f"device {out['device']}, TP {out['tp']} (rank 0 of a fake world), link {link['GBps']:.4g} GB/s "
+    ep = f" x EP {out['ep']} (MoE: {out['moe']['routing']}; DP's gradient reduction not priced)" if out.get(
+        "moe") else ""
+    print(f"device {out['device']}, TP {out['tp']}{ep} (rank 0 of a fake world), link {link['GBps']:.4g} GB/s "
           f"+ {link['latency_us']} us ({link['chosen_by']}); median of {out['steps']} steps after "
           f"{out['warmup']} warm-up; {NOTE}")
     print_table(rows, ["schedule", "stand-in", "recompute", "step ms", "stand-ins only ms", "priced ms",
@@ -438,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     quiet_known_warnings(cpu=not torch.cuda.is_available())
-    init_fake_world(a.tp)
+    init_fake_world(a.tp * a.ep)
     out = Bench(a, rest).run()
     print_report(out)
     if a.out:

@@ -232,10 +232,12 @@ class Issued:
 class StandIns:
     """The replacement for ``replace_watched_collectives``: each call runs a ``kernel`` stand-in
     (one of ``KINDS``) of its priced duration, zero with ``comm_disabled``, on its group's side
-    stream; ``issued`` lists them (``clear()`` between steps)."""
+    stream; ``issued`` lists them (``clear()`` between steps). ``priced``, a predicate on the call,
+    prices only the calls it accepts: the others last zero (an MoE world's DP gradient reduction,
+    ``moe.ExpertWorld``)."""
 
     def __init__(self, rt, kernel: str, link: Link, cal: Calibration, scratch: tuple[torch.Tensor, torch.Tensor],
-                 comm_disabled: bool = False):
+                 comm_disabled: bool = False, priced=None):
         if kernel not in KINDS:
             raise ValueError(f"stand-in kind must be one of {', '.join(KINDS)} (got {kernel!r})")
         if kernel == "sleep" and rt.is_cuda and not cal.sleep_cycles_per_ms:
@@ -246,6 +248,7 @@ class StandIns:
             raise ValueError("nccl stand-ins need calibrate_nccl's blocks")
         self.rt, self.kernel, self.link, self.cal = rt, kernel, link, cal
         self.comm_disabled = comm_disabled
+        self.priced = priced
         self._src, self._dst = scratch
         self._stamps = (torch.zeros(2 * cal.nccl_blocks, dtype=torch.int64, device=rt.device)
                         if kernel == "nccl" else None)
@@ -256,7 +259,8 @@ class StandIns:
         self.issued = []
 
     def __call__(self, call) -> StandInWork | None:
-        ms = 0.0 if self.comm_disabled else self.link.collective_ms(call.kind, call.payload_bytes, call.group_size)
+        off = self.comm_disabled or (self.priced is not None and not self.priced(call))
+        ms = 0.0 if off else self.link.collective_ms(call.kind, call.payload_bytes, call.group_size)
         issued = Issued(call.kind, call.group_size, call.payload_bytes, ms, call.async_op, call.group)
         self.issued.append(issued)
         return self.launch(issued, call.tensors, call.async_op)

@@ -34,7 +34,8 @@ def records(bench: dict) -> list[dict]:
     out = []
     for kind in bench["kinds"]:
         out.append({
-            "model": bench.get("label") or f"tp{bench['tp']}", "kind": kind,
+            "model": bench.get("label") or f"tp{bench['tp']}" + (f"ep{bench['ep']}" if bench.get("ep", 1) > 1 else ""),
+            "kind": kind,
             "recompute": stock["recompute"].split(" ")[0], "link_GBps": bench["link"]["GBps"],
             "stock_ms": stock[kind]["with_standins"]["ms"], "oases_ms": oases[kind]["with_standins"]["ms"],
             "comm_disabled_ms": stock["comm_disabled"]["ms"],
