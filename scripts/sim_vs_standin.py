@@ -21,9 +21,14 @@ cycles over the clock it runs at (issue 49 item 2). The simulator gets the link 
   clock, read 5 s into the same session's trainer runs: ``summary*.txt`` beside the JSON, else
   the 2026-11-27 H100's, said so; about 1,975 / 1,642 = 1.20).
 
-and the Oases executor's program as it ran (``sim.core.tape``): runs whose ``issued`` list holds
-a head collective of the whole micro-batch predate the head's split and the one ``main_grad``
-add. What the comparison then tests is the simulator's compute model and its overlap. A card
+An MoE run (``bench_gpu_overlap.py --ep E``, ``benchmarks/standin/moe.py``) is simulated at its
+TP x EP world with the same trainer flags (``measure.trainer_args``); the benchmark does not price
+its DP (= EP) gradient reduction, so the simulator's (``grad_ms``, exposed after the last backward
+without ``--overlap-grad-reduce``) comes off its step, comm and exposed time.
+
+The simulator also gets the Oases executor's program as it ran (``sim.core.tape``): runs whose
+``issued`` list holds a head collective of the whole micro-batch predate the head's split and the
+one ``main_grad`` add. What the comparison then tests is the simulator's compute model and its overlap. A card
 the device model's table lacks (a CPU run: gpu_check.sh's test) is priced as an H100 SXM, so
 only the plumbing means anything there.
 """
