@@ -241,13 +241,18 @@ def test_good_flags_pass_validation(tmp_path):
 
 
 def test_moe_flags_pass_validation_and_size_the_world():
-    """--tp 1 --ep 2 with an MoE model: a fake world of 2 ranks, DP 2, one micro-batch a rank."""
-    from benchmarks.standin.measure import build_parser, trainer_config, validate_args
+    """--tp 1 --ep 2 with an MoE model: a fake world of 2 ranks, DP 2, one micro-batch a rank.
+    Any MoE model runs in an expert world (its count gather sizes the experts' GEMMs at EP 1
+    too), a dense one does not."""
+    from benchmarks.standin.measure import Bench, build_parser, trainer_config, validate_args
 
     a, rest = build_parser().parse_known_args(["--tp", "1", "--ep", "2"] + MODEL + MOE)
     validate_args(a, rest)
     cfg = trainer_config(rest, a.tp, "oases", a.ep)
     assert (cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.global_batch_size) == (1, 2, 4)
+    assert Bench(a, rest).world.world_size == 2
+    assert Bench(*build_parser().parse_known_args(["--tp", "2"] + MODEL + ["--num-experts=4"])).world.world_size == 2
+    assert Bench(*build_parser().parse_known_args(["--tp", "2"] + MODEL)).world is None
 
 
 def test_integer_all_gathers_are_filled_as_rank_0_s_replicas():

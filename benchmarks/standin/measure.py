@@ -103,6 +103,7 @@ _RANGES = (
 def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     """Every benchmark flag and the trainer's flags at each schedule, before any model is built
     (``ConfigError``, one line naming the flag)."""
+    from benchmarks.standin.moe import is_moe_run
     from benchmarks.standin.standins import KINDS
     from megatron_oases.output_paths import check_output_root
     from megatron_oases.train_args import SCHEDULES, cuda_wanted, validate_config
@@ -121,7 +122,7 @@ def validate_args(a: argparse.Namespace, rest: list[str]) -> None:
     for flag, ours in (("--tensor-model-parallel-size", "--tp"), ("--expert-model-parallel-size", "--ep")):
         if flag in given:
             raise ConfigError(f"{flag} sizes the trainer's world; give it to the benchmark as {ours}")
-    if a.ep > 1 and "--num-experts" not in given:
+    if a.ep > 1 and not is_moe_run(rest):
         raise ConfigError(f"--ep {a.ep} splits an MoE model's experts; add --num-experts (e.g. --num-experts 8) "
                           f"after -- or drop --ep")
     kinds = comma_names("--kinds", a.kinds, KINDS)
@@ -231,13 +232,13 @@ class Bench:
     """One benchmark run: the calibration and the link, shared by every schedule."""
 
     def __init__(self, a: argparse.Namespace, rest: list[str]):
-        from benchmarks.standin.moe import ExpertWorld
+        from benchmarks.standin.moe import ExpertWorld, is_moe_run
 
         self.a, self.rest = a, rest
         self.kinds = [k for k in a.kinds.split(",") if k]
         self.link = None if a.link_gbps is None else _link(a.link_gbps, a.latency_us)
         self.cal = self.scratch = None
-        self.world = ExpertWorld(a.tp, a.ep) if a.ep > 1 else None
+        self.world = ExpertWorld(a.tp, a.ep) if is_moe_run(rest) else None
         """An MoE model's TP x EP world (``moe``), None for a dense one."""
         self.moe = None
 

@@ -30,6 +30,12 @@ from __future__ import annotations
 import dataclasses
 
 
+def is_moe_run(trainer_flags: list[str]) -> bool:
+    """Whether the trainer's flags build MoE layers (``--num-experts``): then the benchmark runs
+    in an ``ExpertWorld``, at EP 1 too (its count gather over TP sizes the expert GEMMs)."""
+    return any(tok.split("=", 1)[0] == "--num-experts" for tok in trainer_flags)
+
+
 def moe_layers(model) -> list:
     """The ``MoELayer`` modules of ``model`` (a list of model chunks or one module)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -105,7 +111,7 @@ class ExpertWorld:
 
         layers = moe_layers(tr.model)
         if not layers:
-            raise SystemExit("bench_gpu_overlap.py: --ep > 1 needs MoE layers; add --num-experts")
+            raise SystemExit("bench_gpu_overlap.py: --num-experts built no MoE layer; check --moe-layer-freq")
         groups = [ps.get_tensor_model_parallel_group()]
         for moe in layers:
             random_router_logits(moe.router)
