@@ -7,6 +7,7 @@ trainer declares, priced (the aux loss joins the sub-batches) and launched as gi
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 import pytest
@@ -158,3 +159,22 @@ def test_sim_prices_the_aux_loss_join_and_launches_the_coefficient(capsys):
     launched = run_config(train_parser().parse_args(argv[argv.index("--nproc-per-node") + 2:]))
     given = run_config(train_parser().parse_args(aux))
     assert launched.moe_aux_loss_coeff == given.moe_aux_loss_coeff and launched.schedule == "oases"
+
+
+def test_coarse_oases_recompute_at_tp1_is_refused_alike():
+    """``--no-oases-fine-grained-recompute`` chooses how the executor recomputes, which does not run
+    at TP 1 (dense): the trainer, ``sim`` and ``plan`` refuse it with one line."""
+    from megatron_oases.describe.split import unsplit_refusal
+    from megatron_oases.plan.model import PlanError, PlanModel
+
+    why = unsplit_refusal("--no-oases-fine-grained-recompute")
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "2", "--schedule", "oases",
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--no-oases-fine-grained-recompute"]
+    assert _trainer_refusal(argv, 1) == why
+    with pytest.raises(SimError, match="^" + re.escape(why) + "$"):
+        Strategy(schedule="oases", recompute=True, fine_grained_recompute=False)
+    with pytest.raises(PlanError) as plan:
+        PlanModel(**DENSE, micro_batch_size=2, tp=1, recompute=True, fine_grained_recompute=False, sub_batches=2)
+    assert str(plan.value) == why
+    Strategy(tp=2, schedule="oases", recompute=True, fine_grained_recompute=False)  # where it runs: taken
