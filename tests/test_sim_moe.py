@@ -3,6 +3,7 @@ tests/test_plan_moe.py): the description's bytes and FLOPs, the all-to-all price
 launched, the flags refused where they cannot take effect. Quick: the models are small."""
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 import pytest
@@ -15,7 +16,7 @@ from megatron_oases.pricing.device_model import SimError, device_model
 from megatron_oases.sim.calibrate.profiler import resolve_topology
 from megatron_oases.sim.core.events import build_stage_events, unique_events
 from megatron_oases.sim.core.search import SearchSpace, candidates
-from megatron_oases.sim.core.strategy import Strategy
+from megatron_oases.sim.core.strategy import Strategy, check
 from megatron_oases.sim.core.timeline import simulate
 from megatron_oases.sim.frontends.cli import sim_main
 
@@ -179,12 +180,25 @@ def test_sim_prints_the_routing_assumption(capsys):
 
 
 def test_search_enumerates_ep_and_launches_with_it(capsys):
-    moe = GPTShape(**BASE, moe=MoEShape(num_experts=8, ffn=2048, topk=2, dispatcher="alltoall"))
+    moe = GPTShape(**{**BASE, "micro_batch_size": 2}, moe=MoEShape(num_experts=8, ffn=2048, topk=2,
+                                                                  dispatcher="alltoall"))
     cands = candidates(moe, SearchSpace(gpus=16, global_batch=32, tp_sizes=(2,), pp_sizes=(1,),
                                         backends=("megatron", "atp"), recompute=("off",)))
     assert {c.ep for c in cands} == {1, 2, 4, 8}  # powers of two dividing 8 experts and DP 8
     assert {c.backend for c in cands} == {"megatron"} and all(c.sequence_parallel for c in cands)
-    assert {c.schedule for c in cands} == {"default"}
+    # Oases over MoE is priced where the trainer runs it (describe.moe.moe_refusal, the one rule) ...
+    oases = [c for c in cands if c.schedule == "oases" and c.strategy is not None]
+    assert oases
+    for c in oases:
+        check(moe, c.strategy, 16)
+    # ... and refused where it does not (the allgather dispatcher): the check each simulation runs first
+    gathered = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, dispatcher="allgather"))
+    oases = [c for c in candidates(gathered, SearchSpace(gpus=16, global_batch=32, tp_sizes=(2,), pp_sizes=(1,),
+                                                         recompute=("off",))) if c.schedule == "oases"]
+    assert oases
+    for c in oases:
+        with pytest.raises(SimError, match="use --moe-token-dispatcher-type alltoall"):
+            check(gathered, c.strategy, 16)
     assert sim_main(["--search", "--topology", "dgx-h100-ndr8", "--nodes", "2", "--num-layers", "4",
                      "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
                      "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "32",
@@ -199,6 +213,27 @@ def test_search_enumerates_ep_and_launches_with_it(capsys):
     from megatron_oases.train_args import build_parser
     parsed = build_parser().parse_args(argv[argv.index("megatron_oases.train") + 1:])
     assert parsed.expert_model_parallel_size == 2 and parsed.moe_token_dispatcher_type == "alltoall"
+
+
+def test_search_launches_oases_over_moe_as_the_trainer_takes_it(capsys):
+    """An Oases candidate over MoE at TP 2 with SP is searched, and its printed launch passes the
+    trainer's checks (``validate_config``), as the search's other launches do."""
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train_args import build_parser, validate_config
+
+    assert sim_main(["--search", "--topology", "dgx-h100-ndr8", "--nodes", "2", "--num-layers", "4",
+                     "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+                     "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "32",
+                     "--tp-sizes", "2", "--pp-sizes", "1", "--ep-sizes", "2", "--recompute-options", "off",
+                     "--schedules", "oases", "--disable-bias-linear", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "best tp2.pp1.dp8.ep2.sp.oases:" in out.splitlines()[0]
+    line = next(x for x in out.splitlines() if x.startswith("launch (trainer):"))
+    argv = shlex.split(line.split(":", 1)[1])
+    cfg = validate_config(run_config(build_parser().parse_args(argv[argv.index("megatron_oases.train") + 1:])),
+                          16, cuda=False)
+    assert (cfg.schedule, cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size) == ("oases", 2, 2)
+    assert cfg.sequence_parallel and cfg.num_experts == 8
 
 
 def test_dense_strategy_has_no_moe_events():

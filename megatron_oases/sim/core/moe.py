@@ -22,8 +22,8 @@ from ...pricing.device_model import SimError
 
 def moe_check(m: GPTShape, s) -> None:
     """Where an MoE model runs, in the trainer's words (``megatron_oases.moe``, ``describe.moe``):
-    EP divides the experts and DP, SP and no linear biases at TP > 1, Megatron's modules, no per-block plan, not yet
-    the Oases executor (issue 51 item 2); EP > 1 needs MoE layers."""
+    EP divides the experts and DP, SP and no linear biases at TP > 1, Megatron's modules, no per-block plan, the
+    Oases executor only where it equals stock (dispatcher, dropless, load balancing); EP > 1 needs MoE layers."""
     from ...describe.backends import backend as record
 
     refused = moe_refusal(m.moe, tp=s.tp, ep=s.ep, dp=s.dp, sequence_parallel=s.sequence_parallel,

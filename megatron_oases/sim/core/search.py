@@ -151,8 +151,6 @@ def candidates(model: GPTShape, space: SearchSpace) -> list[Candidate]:
                     for schedule in space.schedules:
                         if schedule == "oases" and not record(backend).oases_tape:
                             continue  # the runtime has no Oases tape for the cube
-                        if schedule == "oases" and model.moe is not None and tp > 1:
-                            continue  # the Oases executor does not run MoE layers yet (sim.core.moe)
                         for rc in space.recompute:
                             if rc == "selective" and not selective_recompute_applies(backend, schedule):
                                 continue
