@@ -130,8 +130,7 @@ def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
                           f"communication; drop one of them")
     refused = moe_refusal(moe_shape_of(cfg), tp=tp, ep=cfg.expert_model_parallel_size, dp=dp,
                           sequence_parallel=cfg.sequence_parallel, bias=cfg.add_bias_linear,
-                          per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg),
-                          load_balancing=cfg.moe_router_load_balancing_type)
+                          per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg))
     if refused:  # EP divides the experts and DP; TP needs SP, no biases; no plan; what Oases cannot split
         raise ConfigError(refused)
     if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
@@ -144,13 +143,17 @@ def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
 
 def moe_shape_of(cfg: RunConfig):
     """The run's ``describe.moe.MoEShape`` (its layer rules; a per-layer ``--moe-layer-freq``
-    list, which those rules do not read, as 1)."""
+    list, which those rules do not read, as 1), its aux loss read from
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` as the router reads them
+    (``describe.moe.aux_loss_coeff``)."""
     freq = cfg.moe_layer_freq
     return moe_shape(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
                      ffn_hidden_size=cfg.ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
                      moe_layer_freq=1 if isinstance(freq, (list, tuple)) else freq,
                      moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
-                     moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=cfg.moe_grouped_gemm)
+                     moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=cfg.moe_grouped_gemm,
+                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                     moe_router_load_balancing_type=cfg.moe_router_load_balancing_type)
 
 
 def grouped_gemm_available() -> bool:

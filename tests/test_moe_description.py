@@ -129,3 +129,23 @@ def moe_cpu_kernels(cpu_kernels, monkeypatch):
 def test_moe_saved_bytes_per_layer(row, moe_readings, moe_cpu_kernels):
     trainer, sim = _both(row, moe_readings)
     assert sim["saved"] == pytest.approx(trainer["saved"])
+
+
+@pytest.mark.parametrize("types,coeffs", [("aux_loss", 0.01), ("none", 0.01), ("aux_loss", 0.0),
+                                          (("seq_aux_loss", "aux_loss"), (0.001, 0.01)),
+                                          (("seq_aux_loss",), (0.01,))])
+def test_the_aux_loss_is_read_as_megatrons_router_reads_it(types, coeffs):
+    """``describe.moe.aux_loss_coeff`` (what ``sim``, ``plan`` and ``megatron_oases.moe`` read) is
+    Megatron's ``TopKRouter.get_aux_loss_coeff``, which the Oases executor's MoE tape calls, on the
+    same flags as ``normalized_moe`` hands them to ``TransformerConfig`` (a list for several)."""
+    import types as namespaces
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_oases.describe.moe import aux_loss_coeff
+
+    listed = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - moe_config_kwargs's lists
+    router = namespaces.SimpleNamespace(routing_type=listed(types),
+                                        config=namespaces.SimpleNamespace(moe_aux_loss_coeff=listed(coeffs)))
+    for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        assert aux_loss_coeff(types, coeffs, kind) == TopKRouter.get_aux_loss_coeff(router, kind)

@@ -72,8 +72,12 @@ class MoEShape:
     """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped kernel (same FLOPs, fewer
     launches)."""
     aux_loss: bool = False
-    """``--moe-aux-loss-coeff`` > 0 (Megatron-LM's default 0: off): the load-balancing loss, which
-    under the Oases executor makes the sub-batches join after routing (:func:`moe_layer`)."""
+    """Whether the router adds the ``aux_loss`` load-balancing loss (:func:`aux_loss_coeff` > 0 of
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff``; Megatron-LM's default
+    coefficient 0: off), which under the Oases executor makes the sub-batches join after routing
+    (:func:`moe_layer`)."""
+    load_balancing: str | tuple[str, ...] = "aux_loss"
+    """``--moe-router-load-balancing-type`` (several: a tuple), which :func:`moe_refusal` reads."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "ffn", "topk", "layer_freq"):
@@ -109,18 +113,37 @@ class MoEShape:
 def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_hidden_size: int,
               moe_router_topk: int, moe_layer_freq: int, moe_expert_capacity_factor: float | None,
               moe_token_dispatcher_type: str, moe_grouped_gemm: bool,
-              moe_aux_loss_coeff: float | tuple[float, ...] = 0.0) -> MoEShape | None:
+              moe_aux_loss_coeff: float | tuple[float, ...] = 0.0,
+              moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss") -> MoEShape | None:
     """The MoE flags under Megatron-LM's names (``RunConfig``'s fields) as a :class:`MoEShape`;
     None without ``--num-experts`` (or with 0, as Megatron-LM reads it). ``--moe-ffn-hidden-size``
-    defaults to ``ffn_hidden_size`` (filled), as Megatron-LM fills it. ``sim``'s flags and
-    ``sim --predict``'s trainer run both map through here."""
+    defaults to ``ffn_hidden_size`` (filled), as Megatron-LM fills it; the aux loss is
+    :func:`aux_loss_coeff`'s. ``sim``'s flags, ``sim --predict``'s trainer run and the trainer
+    (``megatron_oases.moe.moe_shape_of``) all map through here."""
     if not num_experts:
         return None
+    types = moe_router_load_balancing_type  # one listed type as itself, as Megatron-LM's validate_args
+    types = (types[0] if len(types) == 1 else tuple(types)) if isinstance(types, (list, tuple)) else types
     return MoEShape(num_experts=num_experts, ffn=moe_ffn_hidden_size or ffn_hidden_size, topk=moe_router_topk,
                     layer_freq=moe_layer_freq, capacity_factor=moe_expert_capacity_factor,
                     dispatcher=moe_token_dispatcher_type, grouped_gemm=moe_grouped_gemm,
-                    aux_loss=any(c > 0 for c in (moe_aux_loss_coeff if isinstance(moe_aux_loss_coeff, (list, tuple))
-                                                 else (moe_aux_loss_coeff,))))
+                    aux_loss=aux_loss_coeff(types, moe_aux_loss_coeff) > 0, load_balancing=types)
+
+
+def aux_loss_coeff(load_balancing: str | tuple[str, ...], coeff: float | tuple[float, ...],
+                   kind: str = "aux_loss") -> float:
+    """The coefficient of the ``kind`` load-balancing loss, 0 where the router adds none: Megatron's
+    ``TopKRouter.get_aux_loss_coeff`` (``--moe-aux-loss-coeff`` pairs with
+    ``--moe-router-load-balancing-type`` by position; a type not listed, ``none`` say, has no loss
+    whatever the coefficient). The Oases executor reads the router's own method
+    (``schedules/oases/moe_tape.py``); ``tests/test_moe_description.py`` pins this one to it. Pure
+    Python: ``sim`` and the trainer's parse import no torch."""
+    types = tuple(load_balancing) if isinstance(load_balancing, (list, tuple)) else (load_balancing,)
+    coeffs = tuple(coeff) if isinstance(coeff, (list, tuple)) else (coeff,)
+    if len(types) != len(coeffs):
+        raise ModelingError(f"--moe-aux-loss-coeff takes one coefficient per --moe-router-load-balancing-type "
+                            f"({len(types)} given, {len(coeffs)} coefficients)")
+    return float(coeffs[types.index(kind)]) if kind in types else 0.0
 
 
 _FLAGS = {"num_experts": "num-experts", "ffn": "moe-ffn-hidden-size", "topk": "moe-router-topk",
@@ -148,7 +171,7 @@ def flops_ffn_width(pattern, *, dense_ffn: int, moe_ffn: int, topk: int) -> floa
 
 def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, sequence_parallel: bool,
                 megatron_modules: bool = True, bias: bool = False, per_block_plan: bool = False,
-                oases: bool = False, load_balancing: str | tuple = "aux_loss") -> str:
+                oases: bool = False) -> str:
     """Why an MoE model does not run at this layout ("" when it does), in the trainer's words, one
     home for the trainer (``megatron_oases.moe``), ``sim`` and ``plan``: EP only with MoE layers;
     EP divides the experts and, the experts' TP being TP's, the data-parallel size (Megatron's
@@ -156,7 +179,7 @@ def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, seque
     refused as the trainer refuses it; Megatron's own modules only; no ``per_block_plan``
     (``--oases-plan``); the Oases executor (``oases``: ``--schedule oases``) only
     where it equals stock (``schedules/oases/moe_tape.py``): the alltoall dispatcher, dropless,
-    ``load_balancing`` (``--moe-router-load-balancing-type``) aux_loss or none.
+    ``MoEShape.load_balancing`` (``--moe-router-load-balancing-type``) aux_loss or none.
     ``dp`` None: not known yet (a search checks it per candidate)."""
     if moe is None:
         return without_experts("--expert-model-parallel-size") if ep > 1 else ""
@@ -188,7 +211,7 @@ def moe_refusal(moe: MoEShape | None, *, tp: int, ep: int, dp: int | None, seque
         return ("--moe-expert-capacity-factor: with --schedule oases the sub-batches would drop tokens "
                 "each on its own, not over the micro-batch as stock does; drop it (dropless) or use "
                 "the default schedule")
-    types = load_balancing if isinstance(load_balancing, (list, tuple)) else (load_balancing,)
+    types = moe.load_balancing if isinstance(moe.load_balancing, tuple) else (moe.load_balancing,)
     other = [t for t in types if t not in ("aux_loss", "none")]
     if oases and other:
         return (f"--moe-router-load-balancing-type {other[0]} is not split by sub-batch under "

@@ -54,9 +54,10 @@ LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "
                "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
                "qk_layernorm", "hidden_dropout", "attention_dropout")
 MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
-             "moe_expert_capacity_factor", "moe_grouped_gemm", "moe_aux_loss_coeff")
-"""The MoE model flags of the table (``describe.moe``; ``--moe-aux-loss-coeff`` > 0: the aux loss,
-which joins the Oases sub-batches after routing); ``--expert-model-parallel-size`` is a strategy flag."""
+             "moe_expert_capacity_factor", "moe_grouped_gemm", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+"""The MoE model flags of the table (``describe.moe``; the aux loss, which joins the Oases sub-batches
+after routing, as the router reads the last two: ``describe.moe.aux_loss_coeff``);
+``--expert-model-parallel-size`` is a strategy flag."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +76,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "override another flag with it (--accumulate-allreduce-grads-in-fp32)")
     add_flags(g, LAYER_FLAGS)
     add_flags(g, MOE_FLAGS[:-1])
-    add_flag(g, "moe_aux_loss_coeff", note="priced as Megatron's aux_loss balancing: > 0 joins the Oases "
-             "sub-batches after routing (the loss needs the micro-batch's counts)")
+    add_flag(g, "moe_aux_loss_coeff", note="> 0 for --moe-router-load-balancing-type aux_loss (as Megatron's "
+             "router pairs them) joins the Oases sub-batches after routing (the loss needs the micro-batch's counts)")
 
 
 def add_strategy_args(p: argparse.ArgumentParser) -> None:

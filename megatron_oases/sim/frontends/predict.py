@@ -46,7 +46,6 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
     except ConfigError as e:
         raise SimError(str(e)) from None
     from ...run_config import gqa_groups
-    from ...describe.moe import moe_shape
 
     rope = cfg.position_embedding_type == "rope"
     variant = variant_from_flags(num_query_groups=gqa_groups(cfg), swiglu=cfg.swiglu, normalization=cfg.normalization,
@@ -71,13 +70,7 @@ def sim_inputs_from_train_args(args: argparse.Namespace, world_size: int | None 
                      core_attention=core,
                      attention_kernels=attention_kernels_of(attention_backend=cfg.attention_backend,
                                                             core_attention=core),
-                     moe=moe_shape(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-                                   ffn_hidden_size=cfg.ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
-                                   moe_layer_freq=cfg.moe_layer_freq,
-                                   moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
-                                   moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-                                   moe_grouped_gemm=cfg.moe_grouped_gemm,
-                                   moe_aux_loss_coeff=cfg.moe_aux_loss_coeff))
+                     moe=_moe_of(cfg))
     full = cfg.recompute_granularity == "full"
     block = full and cfg.recompute_method == "block"
     strategy = Strategy(tp=dims.tp, pp=dims.pp, dp=dims.dp,
@@ -99,6 +92,17 @@ def run_core_attention(cfg: RunConfig) -> str:
     """The trainer run's core attention (``describe.core_attention``) from its ``--attention-backend``."""
     return core_attention_of(attention_backend=cfg.attention_backend, transformer_impl=cfg.megatron_lm.transformer_impl,
                               error=SimError)
+
+
+def _moe_of(cfg: RunConfig):
+    """The run's MoE layers as the trainer reads them (``megatron_oases.moe.moe_shape_of``, its aux
+    loss included); ``sim`` prices ``--moe-layer-freq N``, not Megatron-LM's per-layer list."""
+    from ...moe import moe_shape_of
+
+    if isinstance(cfg.moe_layer_freq, (list, tuple)) and cfg.num_experts:
+        raise SimError("--moe-layer-freq as a per-layer list is not priced by sim; use --moe-layer-freq N "
+                       "(layers 0, N, 2N... MoE) to predict")
+    return moe_shape_of(cfg)
 
 
 def _plan_degrees(cfg: RunConfig) -> tuple[int, ...] | None:
