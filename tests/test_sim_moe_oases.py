@@ -6,10 +6,13 @@ the other's compute, fine-grained recompute keeping every forward collective's o
 none. Analytical prices only; each test well under a second."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.harness import topology_yaml, write_topology
 from megatron_oases.describe.moe import MoEShape, moe_block, moe_layer
+from megatron_oases.describe.moe_oases import oases_moe_layer_kept_bytes
 from megatron_oases.describe.ops import GPT2, Collective, LayerVariant
 from megatron_oases.describe.registry import layer_description
 from megatron_oases.describe.shapes import GPTShape
@@ -132,3 +135,48 @@ def test_fine_grained_recompute_keeps_the_forward_collectives_outputs(two_nodes)
     metadata = tokens * E * (1 + e) + 8 * tokens * K + 8 * (ep * (E // ep) + E // ep) + 8 * E
     per_layer = 2 * (tokens * H * e + collectives + metadata) + 2 * 8 * E + 8 * E
     assert kept["oases"] - kept["default"] == pytest.approx(m.num_layers * (per_layer - B * S * H * e))
+
+
+def _kept_per_layer(m: GPTShape, s: Strategy, topo) -> float:
+    """What one more layer (of the pattern's next two, an MoE and a dense one at ``--moe-layer-freq
+    2``; one MoE layer at 1) keeps per micro-batch in sim: the chunk's bytes at 2 layers minus at 1
+    (or at 4 minus at 2), the head's alike."""
+    per = {}
+    for n in (m.moe.layer_freq, 2 * m.moe.layer_freq):
+        mn = dataclasses.replace(m, num_layers=n)
+        per[n] = chunk_activation_bytes(mn, s, build_stage_events(mn, s, topo)[0].chunks[0])[0]
+    return per[2 * m.moe.layer_freq] - per[m.moe.layer_freq]
+
+
+@pytest.mark.parametrize("freq", [1, 2])
+def test_sims_kept_bytes_at_tp1_ep2_are_the_descriptions(freq, two_nodes):
+    """At TP 1 x EP 2 under fine-grained recompute sim keeps, per MoE layer, ``describe.moe_oases``'s
+    figure (which ``tests/test_moe_description.py`` pins to the trainer), and per dense layer of the
+    same run (``--moe-layer-freq 2``) only its input: its all-reduces are one-rank, whose outputs the
+    executor does not keep."""
+    m = GPTShape(**MODEL, moe=dataclasses.replace(_moe(), layer_freq=freq))
+    s = Strategy(tp=1, dp=8, ep=2, schedule="oases", recompute=True)
+    assert s.oases_runs and s.fine_grained_recompute
+    figure = oases_moe_layer_kept_bytes(micro_batch=B, seq=S, hidden=H, heads=32, ffn=F, moe=m.moe, tp=1, ep=2,
+                                        bytes_per_element=m.bytes_per_element, variant=m.variant,
+                                        sequence_parallel=False)
+    dense_input = B * S * H * m.bytes_per_element
+    assert _kept_per_layer(m, s, two_nodes(50)) == pytest.approx(figure + (freq - 1) * dense_input)
+
+
+@pytest.mark.parametrize("types,coeffs,joins", [("none", "0.01", False), ("aux_loss", "0.01", True),
+                                                ("aux_loss", "0", False)])
+def test_the_join_is_priced_as_the_router_reads_the_load_balancing_flags(types, coeffs, joins, two_nodes):
+    """``--moe-aux-loss-coeff`` counts only for an ``aux_loss`` type (Megatron's router,
+    ``describe.moe.aux_loss_coeff``): with ``none`` no aux loss exists, so the sub-batches do not
+    join after routing."""
+    from megatron_oases.sim.frontends.cli import build_parser, model_from_args
+
+    m = model_from_args(build_parser().parse_args([
+        "--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "256",
+        "--micro-batch-size", "2", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall",
+        "--disable-bias-linear", "--moe-router-load-balancing-type", types, "--moe-aux-loss-coeff", coeffs]))
+    assert m.moe.aux_loss == joins
+    chunk = build_stage_events(m, Strategy(tp=1, dp=8, ep=2, schedule="oases"), two_nodes(50))[0].chunks[0]
+    cuts = [evs[-1].name for evs, chains in chunk.forward_segments if chains == 2][:-1]
+    assert cuts == (["moe.route"] * m.num_layers if joins else [])

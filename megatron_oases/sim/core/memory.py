@@ -9,7 +9,9 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   masks only where dropout is on); the Oases schedule without recompute keeps its two step
   boundaries on top (``describe.saved.oases_kept_beyond_stock``); with recompute a recomputed
   layer keeps only its input, or under Oases fine-grained recompute its input plus the two
-  forward all-reduce outputs (3 [s, b, h] tensors instead of 1); while a recomputed layer runs
+  forward all-reduce outputs (3 [s, b, h] tensors instead of 1; at TP 1, where an MoE run's
+  executor runs one-rank all-reduces, only its input), and a recomputed MoE layer what
+  ``describe.moe_oases`` says the executor keeps for the whole layer; while a recomputed layer runs
   its backward, one layer's full activations exist on top (the working set). Under selective
   recompute each layer keeps its inventory without the core attention's s^2 tensors, which one
   layer at a time has again while its backward runs. A fused core attention
@@ -34,7 +36,7 @@ from ...describe.optimizer import state_bytes_per_param
 from ...describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
-from ...describe.split import recompute_boundaries
+from ...describe.split import oases_splits, recompute_boundaries
 from ...describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, stage_layers
 from .moe import layer_expert_params, moe_block_delta, moe_oases_kept, moe_saved_delta
@@ -90,7 +92,9 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     oases = s.oases_runs
-    saved = inp * recompute_boundaries(fine_grained=oases and s.fine_grained_recompute)
+    # Fine-grained recompute keeps the outputs of the layer's TP collectives, none at TP 1 (one-rank
+    # groups move nothing: a dense layer of an MoE run at TP 1 x EP 2), as describe.saved reads it
+    saved = inp * recompute_boundaries(fine_grained=oases_splits(s.tp, oases=oases and s.fine_grained_recompute))
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                      e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,
