@@ -107,6 +107,17 @@ def local_grouped_mlp():
     return getattr(experts, "GroupedMLP", None)
 
 
+def router_gemm_without_te() -> None:
+    """megatron-core 0.16's MoE router reads ``moe_utils.te_general_gemm``, which that release
+    binds only when Transformer Engine imports (later releases bind it to None otherwise), so
+    every MoE forward without TE dies on a NameError. Bind it to None there, as later releases
+    do: the router then runs its torch GEMM. Nothing to do where the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def report_moe_losses(*, num_microbatches: int, iteration: int, num_layers: int, moe_layer_freq,
                       track_names: list[str]) -> dict[str, float]:
     """The MoE routers' losses of the last step, as Megatron-LM's ``training_log`` gathers them

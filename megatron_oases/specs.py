@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_oases.describe.backends import backend, resolve
-from megatron_oases.mcore_compat import quiet_gpt_model_deprecation
+from megatron_oases.mcore_compat import quiet_gpt_model_deprecation, router_gemm_without_te
 from megatron_oases.moe import moe_config_kwargs, moe_layer_pattern, moe_runs, moe_words
 from megatron_oases.run_config import RunConfig, gqa_groups
 from megatron_oases.schedules.oases.options import oases_runs
@@ -102,6 +102,8 @@ def _megatron_spec(cfg: RunConfig, groups, *, moe: bool = False) -> ModuleSpec:
     ``moe``: its MoE layer (Megatron-Core's ``MoELayer``, local ``SequentialMLP`` experts)."""
     from megatron_oases.layers.core_attention import core_attention_class
 
+    if moe:
+        router_gemm_without_te()
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None,
                                     moe_grouped_gemm=moe and cfg.moe_grouped_gemm,
                                     qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)

@@ -127,3 +127,16 @@ def test_layers_train_on_release(release):
     found = out.stdout.split("\n", 1)[0].strip()  # 0.18+ may append "+<git hash>" of the cwd
     assert mc.parse_version(found) == mc.parse_version(release), out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_router_gemm_without_te_binds_the_name_0_16_reads():
+    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, bound there only with
+    Transformer Engine; after the shim every release has the name (None without TE)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_oases.mcore_compat import router_gemm_without_te
+
+    router_gemm_without_te()
+    assert hasattr(moe_utils, "te_general_gemm")
+    if not moe_utils.HAVE_TE:
+        assert moe_utils.te_general_gemm is None
