@@ -152,6 +152,9 @@ def test_expert_gradients_reduce_over_expert_data_parallel():
     (["--tp", "2", "--sequence-parallel"], "needs --disable-bias-linear"),
     (["--tp", "2", "--sequence-parallel", "--disable-bias-linear", "--schedule", "oases"],
      "--schedule oases overlaps MoE layers' all-to-alls; use --moe-token-dispatcher-type alltoall"),
+    (["--tp", "2", "--sequence-parallel", "--disable-bias-linear", "--schedule", "oases", "--micro-batch-size", "2",
+      "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "seq_aux_loss",
+      "--moe-aux-loss-coeff", "0.01"], "--moe-router-load-balancing-type seq_aux_loss is not split by sub-batch"),
 ])
 def test_sim_refuses_what_megatron_refuses(flags, match, capsys):
     assert sim_main(["--topology", "dgx-h100-ndr8", "--nodes", "2", "--num-layers", "4", "--hidden-size", "512",
