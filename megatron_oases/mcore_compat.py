@@ -118,6 +118,21 @@ def router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def oases_moe_hooks_missing() -> str:
+    """What this megatron-core lacks for the Oases executor over MoE layers ("" when nothing):
+    the tape attaches each sub-batch's aux loss through the router's
+    ``attach_and_log_load_balancing_loss`` and silences the metrics tracker in recompute
+    (``moe_utils.get_moe_metrics_tracker``), both 0.19's; 0.16.1 has neither (its tracker is
+    ``save_to_aux_losses_tracker``)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    needed = (("moe_utils.get_moe_metrics_tracker", hasattr(moe_utils, "get_moe_metrics_tracker")),
+              ("TopKRouter.attach_and_log_load_balancing_loss",
+               hasattr(TopKRouter, "attach_and_log_load_balancing_loss")))
+    return ", ".join(name for name, present in needed if not present)
+
+
 def report_moe_losses(*, num_microbatches: int, iteration: int, num_layers: int, moe_layer_freq,
                       track_names: list[str]) -> dict[str, float]:
     """The MoE routers' losses of the last step, as Megatron-LM's ``training_log`` gathers them

@@ -111,6 +111,7 @@ def _check_values(cfg: RunConfig) -> None:
 def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
     """What our builds cannot run with MoE layers yet, refused before any process group starts."""
     from megatron_oases.describe.backends import backend
+    from megatron_oases.mcore_compat import mcore_version, oases_moe_hooks_missing
     from megatron_oases.schedules.oases.options import oases_runs
 
     experts = option("num_experts")
@@ -133,6 +134,11 @@ def _check_combinations(cfg: RunConfig, tp: int, dp: int) -> None:
                           per_block_plan=cfg.oases_plan is not None, oases=oases_runs(cfg))
     if refused:  # EP divides the experts and DP; TP needs SP, no biases; no plan; what Oases cannot split
         raise ConfigError(refused)
+    missing = oases_runs(cfg) and oases_moe_hooks_missing()
+    if missing:
+        raise ConfigError(f"--schedule oases over {experts} needs megatron-core 0.19 or newer: this "
+                          f"{'.'.join(map(str, mcore_version()))} lacks {missing}, through which the "
+                          f"executor attaches each sub-batch's aux loss; drop --schedule oases or upgrade")
     if tp == 1 and cfg.expert_model_parallel_size == 1 and cfg.add_bias_linear:
         raise ConfigError(f"{experts} with biases at --tensor-model-parallel-size 1 and "
                           f"{option('expert_model_parallel_size')} 1 fails inside Megatron-Core's local "

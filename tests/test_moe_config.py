@@ -122,3 +122,19 @@ def test_trainer_logs_the_load_balancing_loss_as_one_rank(on_ranks):
                    timeout_s=120)[-1]
     assert len(one) == 2 and all(v is not None and v > 0 for v in one)
     assert ep2 == pytest.approx(one, rel=1e-5)
+
+
+def test_oases_over_moe_refused_in_one_line_where_megatron_core_lacks_the_router_hooks(monkeypatch, capsys):
+    """megatron-core 0.16.1's router has no ``get_moe_metrics_tracker``: Oases over MoE is refused
+    at parse time there (stock MoE runs); simulated here by removing the name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.delattr(moe_utils, "get_moe_metrics_tracker", raising=False)
+    argv = ["--nproc-per-node", "2", *MOE, "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall", "--schedule", "oases"]
+    assert main(BASE + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "--schedule oases over --num-experts needs megatron-core 0.19 or newer" in err
+    assert "moe_utils.get_moe_metrics_tracker" in err
+    assert not dist.is_initialized()
