@@ -96,12 +96,10 @@ class BackwardAllGather:
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherSequence:
-    """Sequence parallelism's entry to a column-parallel linear: ``dst`` = all-gather of ``src``
-    along ``dim`` (the sequence); backward reduce-scatters grad(dst) into grad(src), since the
-    linear's input gradient is partial per rank (Megatron's gather_from_sequence_parallel_region).
-    ``group``: None runs it on the tape's group. ``sizes``: ``sizes(inputs)`` gives each rank's
-    rows along dim 0 when they differ (an MoE layer's routed tokens; None: equal chunks)."""
+class _SequenceCollective:
+    """The fields of sequence parallelism's two collectives. ``group``: None runs it on the
+    tape's group. ``sizes``: ``sizes(inputs)`` gives each rank's rows along dim 0 when they
+    differ (an MoE layer's routed tokens; None: equal chunks)."""
 
     name: str
     src: str
@@ -112,18 +110,17 @@ class GatherSequence:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceScatterSequence:
+class GatherSequence(_SequenceCollective):
+    """Sequence parallelism's entry to a column-parallel linear: ``dst`` = all-gather of ``src``
+    along ``dim`` (the sequence); backward reduce-scatters grad(dst) into grad(src), since the
+    linear's input gradient is partial per rank (Megatron's gather_from_sequence_parallel_region)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterSequence(_SequenceCollective):
     """Sequence parallelism's exit from a row-parallel linear: ``dst`` = this rank's sequence
     chunk of the sum of the partial outputs ``src``; backward all-gathers grad(dst) into
     grad(src) (Megatron's reduce_scatter_to_sequence_parallel_region)."""
-
-    name: str
-    src: str
-    dst: str
-    dim: int = 0
-    group: object = None
-    sizes: Callable | None = None
-    """As ``GatherSequence.sizes``: each rank's rows of the result when they differ."""
 
 
 @dataclasses.dataclass(frozen=True)
