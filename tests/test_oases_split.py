@@ -70,10 +70,10 @@ def test_executor_sub_batches_and_boundaries_follow_the_description(micro_batch,
     sizes, n = sub_batch_sizes(micro_batch), LAYERS * SUB_BATCHES
     assert sorted(seen) == sorted(b for b in sizes for _ in range(LAYERS))  # each sub-batch, every layer
     if recompute:
-        assert all(len(t.saved_boundaries(fine_grained)) == recompute_boundaries(fine_grained=fine_grained)
+        assert all(len(t.saved_boundaries(fine_grained)) == recompute_boundaries(fine_grained=fine_grained, tp=2)
                    for t in runner.tapes)
         hidden = S * micro_batch * H * 4
-        assert runner.saved_bytes() == LAYERS * hidden * recompute_boundaries(fine_grained=fine_grained)
+        assert runner.saved_bytes() == LAYERS * hidden * recompute_boundaries(fine_grained=fine_grained, tp=2)
         assert runner.saved_bytes() == LAYERS * layer_saved_bytes(
             schedule="oases", recompute=True, fine_grained=fine_grained, b=micro_batch, s=S, h=H, a=1, f=H,
             t=2, e=4, hidden_dropout=False, attention_dropout=False)
@@ -99,6 +99,9 @@ def test_the_split_itself():
     assert "--micro-batch-size 2 or 4" in split_refusal(3) and "--micro-batch-size 2," in split_refusal(1)
     assert recompute_boundaries(fine_grained=True, sequence_parallel=True, tp=2) == 3.5
     assert recompute_boundaries(fine_grained=False, sequence_parallel=True, tp=4) == 0.25
+    # a one-rank collective keeps no output (the tape's saved_boundaries): at TP 1 the input only
+    assert recompute_boundaries(fine_grained=True, tp=2) == 3
+    assert recompute_boundaries(fine_grained=True, tp=1) == recompute_boundaries(fine_grained=False, tp=1) == 1
 
 
 @pytest.mark.parametrize("micro_batch", [2, 3, 4])

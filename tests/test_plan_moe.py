@@ -194,3 +194,79 @@ def test_moe_step_beyond_the_dense_twin_is_the_simulators(dispatcher, tp, ep, fr
         sim[name] = sum(f.duration + b.duration for f, b in r.templates[0])
     added_plan, added_sim = plan["moe"] - plan["dense"], sim["moe"] - sim["dense"]
     assert added_sim > 0 and added_sim <= added_plan <= 1.02 * added_sim, (added_plan, added_sim)
+
+
+@pytest.fixture(scope="module")
+def slow_link(tmp_path_factory):
+    """2 nodes x 4 H100s joined at 1 GB/s: EP 8 at TP 1 crosses it, so the all-to-alls outlast the
+    compute they overlap and the join's lost overlap shows in the step."""
+    from benchmarks.harness import topology_yaml, write_topology
+
+    return load_topology(write_topology(str(tmp_path_factory.mktemp("topo")), "two1", topology_yaml(
+        "two1", "2 x 4", [("nv", 4, "intra_node", 450, 2), ("ib", 2, "inter_node", 1, 5)], "h100-sxm")))
+
+
+@pytest.mark.parametrize("types", ["aux_loss", "none"])
+def test_plan_reads_the_aux_loss_flags_as_sim_and_prices_the_join_where_sim_cuts(types, slow_link):
+    """``--moe-router-load-balancing-type`` / ``--moe-aux-loss-coeff`` (issue 51 item 3): plan's model
+    file reads them into the MoEShape ``sim``'s flags give (and writes them back); under Oases at
+    TP 1 x EP 8 with the aux loss the sub-batches join after routing: plan's MoE events are sim's,
+    the block's part up to the join is what sim's first forward segment holds of it, and the step
+    costs more than with ``none``, where nothing joins."""
+    from megatron_oases.plan.model import model_from_mapping
+    from megatron_oases.sim.frontends.cli import build_parser, moe_from_args
+
+    flags = {"num_experts": 8, "moe_token_dispatcher_type": "alltoall", "moe_aux_loss_coeff": 0.01}
+    base = dict(num_layers=1, hidden_size=1024, num_attention_heads=8, seq_length=512, micro_batch_size=2, tp=1,
+                sub_batches=2, vocab_size=1024, add_bias_linear=False, **flags)
+    steps = {}
+    for t in ("aux_loss", "none"):
+        m = model_from_mapping({**base, "moe_router_load_balancing_type": t}, expert_model_parallel_size=8)
+        pricer = DevicePricer(topology=slow_link, model=m)
+        cm = build_cost_model(m, topology=slow_link, global_batch_size=16, pricer=pricer)
+        steps[t] = evaluate(cm.problem, cm.uniform(1))[0]
+        if t == types:
+            ours, joined = pricer, cm.costs[("moe", 0)].fwd_joined
+            mine = m
+    sim_args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    assert mine.moe == moe_from_args(build_parser().parse_args(
+        ["--hidden-size", "1024", *sim_args, "--moe-router-load-balancing-type", types]))
+    assert model_from_mapping(mine.to_dict()).moe == mine.moe
+    shape, st = _sim_inputs(mine, schedule="oases")
+    st = dataclasses.replace(st, dp=8, ep=8, num_microbatches=1)
+    chunk = build_stage_events(shape, st, slow_link)[0].chunks[0]
+    segments = [evs for evs, chains in chunk.forward_segments if chains == 2]
+    sim = {e.key: e for evs, _ in (*chunk.forward_segments, *chunk.backward_segments) for e in evs}
+    for k in (k for k in ours.events if "moe." in k):
+        assert (ours.events[k].dims, ours.events[k].nbytes) == (sim[k].dims, sim[k].nbytes), k
+    if types == "none":
+        assert joined is None and len(segments) == 1
+        return
+    dm = device_model(slow_link, bytes_per_element=mine.bytes_per_element)
+    before = [e for e in segments[0] if "moe." in e.key]
+    assert [e.name for e in before] == ["moe.route"]
+    assert joined[0] + joined[1] == pytest.approx(sum(dm.price(e.key, e.op, kind=e.kind, nbytes=e.nbytes,
+                                                               ranks=e.ranks) for e in before))
+    assert steps["aux_loss"] > steps["none"]
+
+
+def test_plans_kept_bytes_at_tp1_ep2_under_oases_recompute_are_the_descriptions():
+    """At TP 1 x EP 2 under the Oases fine-grained recompute, plan keeps per MoE layer
+    ``describe.moe_oases``'s figure (pinned to the trainer by ``tests/test_moe_description.py``, and
+    sim's by ``tests/test_sim_moe_oases.py``) and per dense layer of the run (``--moe-layer-freq 2``)
+    only its input (``describe.split.recompute_boundaries`` at TP 1: one-rank collectives keep
+    no output), as sim does."""
+    from megatron_oases.describe.moe_oases import oases_moe_layer_kept_bytes
+
+    m = _model(_moe(layer_freq=2, dispatcher="alltoall"), ep=2, tp=1, sequence_parallel=False, sub_batches=2,
+               recompute=True)
+    assert m.sub_batches == 2 and m.fine_grained
+    cm, _ = _cost(m)
+    rows = cm.breakdown(cm.uniform(1))
+    per_layer = [sum(r["saved_bytes"] for r in rows if r["layer"] == i) for i in (0, 1)]
+    figure = oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
+                                        heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=1, ep=2,
+                                        bytes_per_element=m.bytes_per_element, variant=m.variant,
+                                        sequence_parallel=False)
+    dense_input = m.micro_batch_size * m.seq_length * m.hidden_size * m.bytes_per_element
+    assert per_layer == [pytest.approx(figure), pytest.approx(dense_input)]

@@ -78,6 +78,8 @@ class MoEShape:
     (:func:`moe_layer`)."""
     load_balancing: str | tuple[str, ...] = "aux_loss"
     """``--moe-router-load-balancing-type`` (several: a tuple), which :func:`moe_refusal` reads."""
+    aux_loss_coeffs: float | tuple[float, ...] = 0.0
+    """``--moe-aux-loss-coeff`` as given (several: a tuple), so that a plan file writes the flags back."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "ffn", "topk", "layer_freq"):
@@ -122,12 +124,15 @@ def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_h
     (``megatron_oases.moe.moe_shape_of``) all map through here."""
     if not num_experts:
         return None
-    types = moe_router_load_balancing_type  # one listed type as itself, as Megatron-LM's validate_args
-    types = (types[0] if len(types) == 1 else tuple(types)) if isinstance(types, (list, tuple)) else types
+    def one(v):  # one listed value as itself, as Megatron-LM's validate_args
+        return (v[0] if len(v) == 1 else tuple(v)) if isinstance(v, (list, tuple)) else v
+
+    types, coeffs = one(moe_router_load_balancing_type), one(moe_aux_loss_coeff)
     return MoEShape(num_experts=num_experts, ffn=moe_ffn_hidden_size or ffn_hidden_size, topk=moe_router_topk,
                     layer_freq=moe_layer_freq, capacity_factor=moe_expert_capacity_factor,
                     dispatcher=moe_token_dispatcher_type, grouped_gemm=moe_grouped_gemm,
-                    aux_loss=aux_loss_coeff(types, moe_aux_loss_coeff) > 0, load_balancing=types)
+                    aux_loss=aux_loss_coeff(types, coeffs) > 0, load_balancing=types,
+                    aux_loss_coeffs=coeffs)
 
 
 def aux_loss_coeff(load_balancing: str | tuple[str, ...], coeff: float | tuple[float, ...],
@@ -349,9 +354,17 @@ def moe_layer(dense: LayerDescription, *, micro_batch: int, seq: int, hidden: in
     moe_f, moe_b = moe_block(micro_batch=micro_batch, seq=seq, hidden=hidden, moe=moe, tp=tp, ep=ep,
                              bytes_per_element=bytes_per_element, variant=variant, hidden_dropout=hidden_dropout,
                              oases=oases)
-    joins = (len(attn_f),) if oases and moe.aux_loss else ()  # after moe.route
+    joins = tuple(len(attn_f) + j for j in moe_block_joins(moe, oases=oases))
     return LayerDescription(backend=dense.backend, forward=(*attn_f, *moe_f), backward=(*moe_b, *attn_b),
                             joins=joins)
+
+
+def moe_block_joins(moe: MoEShape, *, oases: bool) -> tuple[int, ...]:
+    """Where the Oases executor's sub-batches join in :func:`moe_block`'s forward (``oases``):
+    after ``moe.route`` (index 0) when the load-balancing loss is on (``MoEShape.aux_loss``: the
+    loss needs the whole micro-batch's counts), else nowhere. ``sim`` (through :func:`moe_layer`)
+    and ``plan`` (``plan.moe_blocks``) read it here."""
+    return (0,) if oases and moe.aux_loss else ()
 
 
 def moe_block_param_tensors(*, h: int, moe: MoEShape, t: int, ep: int, variant: LayerVariant) -> tuple[int, ...]:

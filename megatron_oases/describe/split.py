@@ -29,21 +29,19 @@ SUB_BATCHES = 2
 """Sub-batches per micro-batch under the Oases schedule."""
 
 
-def oases_splits(degree: int | None, *, oases: bool = True, expert_parallel: int = 1) -> bool:
+def oases_splits(degree: int, *, oases: bool = True, expert_parallel: int = 1) -> bool:
     """Whether the Oases executor splits a block at TP ``degree`` into sub-batches (the rule; the
-    stage's whole TP group when the run has no per-block plan; None, only from the executor
-    itself (``schedules/oases/block.py``): a block of the whole group of a run it runs in, which
-    ``options.oases_runs`` decided at that group's size, so it splits): under the Oases schedule
+    stage's whole TP group when the run has no per-block plan): under the Oases schedule
     (``oases``, ``--schedule oases``) at degree > 1, or at degree 1 when ``expert_parallel`` (the
     run's ``--expert-model-parallel-size`` for a model with MoE layers, else 1) is above 1, its
     all-to-alls to overlap. Else the block issues no collective to overlap: a degree-1 block of a
     plan runs its replica's share whole (``schedules/oases/block.py``), and at TP 1 a dense model's
     layers are stock ones (``options.oases_runs``: the executor's half-size GEMMs and per-step
     autograd calls would only cost time)."""
-    return oases and (degree is None or degree > 1 or expert_parallel > 1)
+    return oases and (degree > 1 or expert_parallel > 1)
 
 
-def sub_batches_at(degree: int | None, *, oases: bool = True, expert_parallel: int = 1) -> int:
+def sub_batches_at(degree: int, *, oases: bool = True, expert_parallel: int = 1) -> int:
     """Sub-batches a block at TP ``degree`` runs: ``SUB_BATCHES`` where :func:`oases_splits`,
     else 1 (the stock executor, ``oases=False``, too)."""
     return SUB_BATCHES if oases_splits(degree, oases=oases, expert_parallel=expert_parallel) else 1
@@ -79,13 +77,17 @@ def sub_batch_sizes(samples: int, sub_batches: int = SUB_BATCHES) -> tuple[int, 
     return (samples // sub_batches,) * sub_batches
 
 
-def recompute_boundaries(*, fine_grained: bool, sequence_parallel: bool = False, tp: int = 1) -> float:
-    """Hidden states (of the micro-batch, all sub-batches together) one Megatron 1-D layer keeps
-    for its recompute under full recompute: its input (1; under sequence parallelism its chunk,
-    1/t) and, with the Oases fine-grained recompute, the outputs of the forward collectives
-    recompute would otherwise repeat, so it issues none: the two all-reduce outputs (2), or under
-    sequence parallelism the two reduce-scattered chunks (2/t) and the two all-gathered norm
-    outputs (2). ``fine_grained=False`` is also Megatron's stock full recompute."""
+def recompute_boundaries(*, fine_grained: bool, tp: int, sequence_parallel: bool = False) -> float:
+    """Hidden states (of the micro-batch, all sub-batches together) one Megatron 1-D layer at TP
+    degree ``tp`` keeps for its recompute under full recompute: its input (1; under sequence
+    parallelism its chunk, 1/t) and, with the Oases fine-grained recompute, the outputs of the
+    forward collectives recompute would otherwise repeat, so it issues none: the two all-reduce
+    outputs (2), or under sequence parallelism the two reduce-scattered chunks (2/t) and the two
+    all-gathered norm outputs (2). At ``tp`` 1 those collectives are one rank's identities, which
+    the executor does not keep (``LayerTape.saved_boundaries``, since 30b7d40): the input only, as
+    a dense layer of an MoE run at TP 1 x EP 2 keeps under ``--schedule oases``. The rule is read
+    here by ``sim.core.memory``, ``plan.memory`` and ``describe.saved``; ``fine_grained=False``
+    is also Megatron's stock full recompute."""
     if sequence_parallel and tp > 1:
         return 2 + 3 / tp if fine_grained else 1 / tp
-    return 3 if fine_grained else 1
+    return 3 if fine_grained and tp > 1 else 1

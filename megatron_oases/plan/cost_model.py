@@ -14,7 +14,10 @@ layout (Eq. 4), an exclusive all-gather reshards the activation (forward, when t
 has fewer replicas) or its gradient (backward, when the previous block has fewer), the other
 direction slices, and the overlap across that edge is lost both ways (the runtime runs each
 degree as its own executor pass): the edge costs ``M_u + AG + C_v`` (AG 0 where it slices)
-instead of ``max(C_v, M_u)``.
+instead of ``max(C_v, M_u)``. Where the sub-batches join inside a block (an MoE block's routing
+with the aux loss on, ``BlockCost.fwd_joined``) its forward is two such chains: the block's part
+up to the join (C_a, M_a) ends one, the rest (C_b, M_b) starts the next, so its node costs
+``max(C_a, M_a) + M_a + C_b + max(C_b, M_b)``, its incoming edge reads C_a and its outgoing M_b.
 The embedding and the logits run at degree T; blocks next to them pay that resharding too.
 With ``sub_batches=1`` (stock executor) node ``C + M``, edge ``AG``; the only overlap is stock
 Megatron's own: a column-parallel linear's input-gradient all-reduce runs async beside its
@@ -47,7 +50,8 @@ from megatron_oases.topology import Topology
 
 from .graph import (Block, PlanError, PlanModel, BlockStrategy, attention_fits, block_ops, build_graph,
                     candidate_strategies, family_of, split_blocks)
-from .moe_blocks import MOE_KIND, expert_dp_ranks, moe_group_ranks, moe_memory, moe_ops, moe_params, moe_shape_of
+from .moe_blocks import (MOE_KIND, expert_dp_ranks, moe_group_ranks, moe_joined_ops, moe_memory, moe_ops, moe_params,
+                         moe_shape_of)
 from .memory import reshard_kept_bytes, state_bytes_per_param
 from .problem import PlanProblem
 from .pricing import DevicePricer, Pricer, event_shape
@@ -69,6 +73,9 @@ class BlockCost:
     runtime_bytes: float
     grad_sync_ms: float
     """Per iteration: fp32 gradient all-reduce over the block's data-parallel replicas."""
+    fwd_joined: tuple[float, float] | None = None
+    """(C, M) of the forward up to where the Oases sub-batches join inside the block (an MoE
+    block's routing with the aux loss on: ``moe_blocks.moe_joined_ops``); None where they do not."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,8 +146,12 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
         sub, scale = share, 1.0 / m.sub_batches
     shape, dims = event_shape(m, sub, s)
     ops = (fam.split or split_blocks)(fam.describe(s, m, sub))
+    joined = None
     if m.moe is not None:  # an MoE layer's second block (moe_blocks: describe.moe's MoE block)
-        ops.append(block_ops(MOE_KIND, *moe_ops(m, s.degree, sub)))
+        moe_f, moe_b = moe_ops(m, s.degree, sub)
+        ops.append(block_ops(MOE_KIND, moe_f, moe_b))
+        pre = moe_joined_ops(m, moe_f)
+        joined = block_ops(MOE_KIND, pre, ()) if pre else None
     grad_ranks = tuple(j * s.degree + m.tp * i for i in range(dp) for j in range(m.tp // s.degree))
     out = {}
 
@@ -191,7 +202,9 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
                                   + experts * state_bytes_per_param(m, expert_shard),
                                   saved_bytes=saved, runtime_bytes=runtime,
                                   grad_sync_ms=grad_sync(params - experts, grad_ranks)
-                                  + (grad_sync(experts, expert_ranks) if experts else 0.0))
+                                  + (grad_sync(experts, expert_ranks) if experts else 0.0),
+                                  fwd_joined=(compute(joined.fwd_compute), comm(joined.fwd_comm))
+                                  if moe and joined else None)
     return out
 
 
@@ -274,10 +287,21 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     M = {kd: arr(kd, "m_fwd") for kd in set(kinds)}
     Cb = {kd: arr(kd, "c_bwd") for kd in set(kinds)}
     Mb = {kd: arr(kd, "m_bwd") for kd in set(kinds)}
+    # where the sub-batches join inside a block, the chain ends there and a new one starts
+    # (module docstring): its entry compute and exit collective are those of its two parts
+    Cin, Mout, Fnode = {}, {}, {}
+    for kd in set(kinds):
+        parts = [costs[(kd, k)].fwd_joined for k in range(K)]
+        ca = np.array([p[0] if p else c for p, c in zip(parts, C[kd])])
+        ma = np.array([p[1] if p else 0.0 for p in parts])
+        cb, mb = C[kd] - ca, M[kd] - ma
+        joined = np.array([p is not None for p in parts])
+        Cin[kd], Mout[kd] = ca, np.where(joined, mb, M[kd])
+        Fnode[kd] = np.where(joined, np.maximum(ca, ma) + ma + cb + np.maximum(cb, mb), np.maximum(C[kd], M[kd]))
     node = np.zeros((N, K))
     for v, kd in enumerate(kinds):
         if S > 1:  # the lock-step of the Oases split's two sub-batches (module docstring)
-            f = np.maximum(C[kd], M[kd]) + (C[kd] if v == 0 else 0) + (M[kd] if v == N - 1 else 0)
+            f = Fnode[kd] + (Cin[kd] if v == 0 else 0) + (Mout[kd] if v == N - 1 else 0)
             g = np.maximum(Cb[kd], Mb[kd]) + (Cb[kd] if v == N - 1 else 0) + (Mb[kd] if v == 0 else 0)
         else:
             f, g = C[kd] + M[kd], Cb[kd] + Mb[kd]
@@ -293,8 +317,8 @@ def build_cost_model(m: PlanModel, *, topology: Topology, global_batch_size: int
     for v in range(N - 1):
         u_k, v_k = kinds[v], kinds[v + 1]
         if S > 1:
-            same_f = np.maximum(C[v_k][None, :], M[u_k][:, None])
-            lost_f = M[u_k][:, None] + rf + C[v_k][None, :]
+            same_f = np.maximum(Cin[v_k][None, :], Mout[u_k][:, None])
+            lost_f = Mout[u_k][:, None] + rf + Cin[v_k][None, :]
             same_b = np.maximum(Cb[u_k][:, None], Mb[v_k][None, :])
             lost_b = Mb[v_k][None, :] + rb + Cb[u_k][:, None]
             fwd = np.where(change, lost_f, same_f)

@@ -243,7 +243,7 @@ def _atp_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int) -> tupl
         return full, grads
     if not m.fine_grained:  # the layer input, as a rank holds it
         block_input = layer_input_bytes(s.family, b=samples, s=m.seq_length, h=h, e=e, t=s.degree, layout=s.layout)
-        return recomputed_block_bytes(m, kind, block_input), full + grads
+        return recomputed_block_bytes(m, kind, block_input, s.degree), full + grads
     qkv, fc1 = m.variant.qkv_rows(h, m.num_attention_heads), m.variant.fc1_rows(f)
     saved = e * tok * ((h / d2 + qkv / d1 + h / d1 + h / d2) if kind == "attention" else (fc1 / d1 + h / d2))
     return saved, full + grads
@@ -264,7 +264,7 @@ def _whole_group_memory(s: BlockStrategy, m: PlanModel, kind: str, samples: int)
     block_input = layer_input_bytes(s.family, t=s.degree, **kw)
     if not m.recompute:
         return full, 2 * block_input
-    return recomputed_block_bytes(m, kind, block_input), full + 2 * block_input
+    return recomputed_block_bytes(m, kind, block_input, s.degree), full + 2 * block_input
 
 
 def _atp_layouts(tp: int) -> tuple[Layout, ...]:

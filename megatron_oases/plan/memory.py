@@ -44,12 +44,12 @@ def _sp_block_memory(m: PlanModel, samples: int, degree: int) -> float:
     return layer / 2
 
 
-def recomputed_block_bytes(m: PlanModel, kind: str, hidden_state: float) -> float:
-    """What a block keeps under full recompute: its part of the layer's boundaries
+def recomputed_block_bytes(m: PlanModel, kind: str, hidden_state: float, degree: int) -> float:
+    """What a block at TP ``degree`` keeps under full recompute: its part of the layer's boundaries
     (``describe.split.recompute_boundaries``, ``hidden_state`` bytes each): the layer input on the
-    attention block and, fine-grained, each block its forward all-reduce output."""
-    layer_input = recompute_boundaries(fine_grained=False)
-    outputs = recompute_boundaries(fine_grained=m.fine_grained) - layer_input
+    attention block and, fine-grained at degree > 1, each block its forward all-reduce output."""
+    layer_input = recompute_boundaries(fine_grained=False, tp=degree)
+    outputs = recompute_boundaries(fine_grained=m.fine_grained, tp=degree) - layer_input
     return hidden_state * ((layer_input if kind == "attention" else 0) + outputs / 2)
 
 
@@ -67,7 +67,7 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     if m.sequence_parallel and degree > 1:
         return _sp_block_memory(m, samples, degree), 2 * one
     if m.recompute:
-        return recomputed_block_bytes(m, kind, one), block_activation_bytes(m, kind, samples, degree) + 2 * one
+        return recomputed_block_bytes(m, kind, one, degree), block_activation_bytes(m, kind, samples, degree) + 2 * one
     kw = dict(samples=samples, degree=degree, tp=m.tp, seq=m.seq_length, hidden=m.hidden_size,
               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, bytes_per_element=m.bytes_per_element,
               oases=m.sub_batches > 1, variant=m.variant, hidden_dropout=m.hidden_dropout > 0,

@@ -137,9 +137,16 @@ class PlanModel(GPTShape):
             d.update(num_experts=self.moe.num_experts, moe_ffn_hidden_size=self.moe.ffn,
                      moe_router_topk=self.moe.topk, moe_layer_freq=self.moe.layer_freq,
                      moe_expert_capacity_factor=self.moe.capacity_factor,
-                     moe_token_dispatcher_type=self.moe.dispatcher, moe_grouped_gemm=self.moe.grouped_gemm)
+                     moe_token_dispatcher_type=self.moe.dispatcher, moe_grouped_gemm=self.moe.grouped_gemm,
+                     moe_router_load_balancing_type=_listed(self.moe.load_balancing),
+                     moe_aux_loss_coeff=_listed(self.moe.aux_loss_coeffs))
         d["expert_model_parallel_size"] = self.ep
         return d
+
+
+def _listed(value):
+    """A tuple-valued flag as the plan file's JSON list (a scalar as itself)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 _ALIASES = {"vocab": "vocab_size", "tensor_model_parallel_size": "tp", "micro_batch": "micro_batch_size",
@@ -153,8 +160,10 @@ FILE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "hidden_dropout", "attention_dropout", "attention_backend", "num_query_groups", "swiglu", "normalization",
                "add_bias_linear", "position_embedding_type", "rotary_percent", "qk_layernorm", "sequence_parallel")
 MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_expert_capacity_factor",
-              "moe_token_dispatcher_type", "moe_grouped_gemm")
-"""The MoE flags of a model file (``describe.moe.moe_shape``'s arguments)."""
+              "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+"""The MoE flags of a model file (``describe.moe.moe_shape``'s arguments, as ``sim``'s
+``MOE_FLAGS`` and the trainer's ``megatron_oases.moe.moe_shape_of``: the last two give the aux
+loss, which under the Oases executor joins the sub-batches after routing)."""
 FILE_FIELDS += MOE_FIELDS + ("expert_model_parallel_size",)
 """The keys of a ``--model`` file and of a plan file's ``inputs.model`` (``PlanModel.to_dict``)."""
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp")

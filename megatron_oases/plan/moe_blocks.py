@@ -20,7 +20,7 @@ and keeps its boundaries (``describe.moe_oases``). EP is the launch's, not searc
 from __future__ import annotations
 
 from megatron_oases.describe.moe import (EXPERT_TENSORS_FROM, MOE_AXES, is_moe_op, moe_axis_ranks, moe_block,
-                                         moe_block_param_tensors, moe_block_saved_delta)
+                                         moe_block_joins, moe_block_param_tensors, moe_block_saved_delta)
 from megatron_oases.describe.moe_oases import oases_moe_layer_kept_bytes
 from megatron_oases.flags import option
 
@@ -53,6 +53,14 @@ def moe_ops(m: PlanModel, degree: int, samples: int):
     return moe_block(micro_batch=samples, seq=m.seq_length, hidden=m.hidden_size, moe=m.moe, tp=degree, ep=m.ep,
                      bytes_per_element=m.bytes_per_element, variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
                      oases=m.sub_batches > 1)
+
+
+def moe_joined_ops(m: PlanModel, forward: tuple) -> tuple:
+    """The MoE block's ``forward`` ops (:func:`moe_ops`') up to where the Oases sub-batches join
+    (``describe.moe.moe_block_joins``: after routing with the aux loss on), which both finish
+    before either goes on; empty where they do not join."""
+    joins = moe_block_joins(m.moe, oases=m.sub_batches > 1)
+    return tuple(forward[:joins[-1] + 1]) if joins else ()
 
 
 def moe_shape_of(m: PlanModel, name: str, shape: str, dims: tuple) -> tuple[str, tuple]:

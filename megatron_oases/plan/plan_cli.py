@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "oases_fine_grained_recompute", note="the plan prices it under --schedule oases with "
              "--recompute-granularity full")
     add_flag(p, "num_experts", note="MoE layers (describe.moe), planned at the uniform degree T under the "
-             "default executor, as the trainer runs them")
+             "executor --schedule names, where the trainer runs them (describe.moe.moe_refusal)")
     add_flags(p, ("moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
-                  "moe_expert_capacity_factor", "moe_grouped_gemm"))
+                  "moe_expert_capacity_factor", "moe_grouped_gemm", "moe_router_load_balancing_type"))
+    add_flag(p, "moe_aux_loss_coeff", note="> 0 for --moe-router-load-balancing-type aux_loss prices, under "
+             "--schedule oases, the join of the sub-batches after routing (as sim)")
     add_flag(p, "expert_model_parallel_size", "--ep", note="fixed by the launch (the plan chooses TP only)")
     p.add_argument("--plan-recompute", "--no-plan-recompute", "--recompute", "--no-recompute", action=Renamed,
                    new=f"the trainer's {option('recompute_granularity')} full|selective (with "

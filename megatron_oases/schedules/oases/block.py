@@ -116,7 +116,9 @@ def enable_oases_schedule(model, options: OasesOptions):
         groups = units[0][1]
         full = groups.tp_size if groups is not None else None
         units = ([(full, groups, entry)] if entry else []) + units + ([(full, groups, exit_)] if exit_ else [])
-    block.oases_segments = _segments(units, options)
+    cfg = block.config  # the rule's inputs where a unit has no plan's degree: the stage's TP and EP
+    block.oases_segments = _segments(units, options, tp=cfg.tensor_model_parallel_size,
+                                     ep=cfg.expert_model_parallel_size if cfg.num_moe_experts else 1)
     block.oases_head = (entry is not None, exit_ is not None)
     block.__class__ = _oases_class(type(block))
     return model
@@ -146,19 +148,23 @@ def _units(layer, index: int) -> list[tuple]:
     return [(degree, groups, attention), (mlp_degree, groups, mlp)]
 
 
-def _segments(units, options: OasesOptions) -> list[_Segment]:
+def _segments(units, options: OasesOptions, *, tp: int, ep: int) -> list[_Segment]:
+    """The units grouped into segments of one degree, each with its runner; a unit without a
+    plan's degree (None) runs at the stage's TP size ``tp``, its MoE layers over EP ``ep``."""
     out: list[tuple[int | None, object, list]] = []
     for degree, groups, tape in units:
         if out and out[-1][0] == degree:
             out[-1][2].append(tape)
         else:
             out.append((degree, groups, [tape]))
-    # A degree-1 block issues no collective: nothing to overlap, so its replica's slice is not
-    # split into sub-batches (describe.split.sub_batches_at; the planner prices it that way too).
+    # A degree-1 block of a plan issues no collective: nothing to overlap, so its replica's slice
+    # is not split into sub-batches (describe.split.sub_batches_at; the planner prices it that
+    # way too); the whole group at TP 1 splits only for an MoE model's all-to-alls (EP > 1).
     # The segments share one placeholder element (release.Placeholders): one per runner kept an
     # element per change of degree that no description prices (issue 47: 8 bytes a layer).
     shared = Placeholders()
-    return [_Segment(OasesRunner(t, dataclasses.replace(options, sub_batches=sub_batches_at(d)), shared), d, g)
+    return [_Segment(OasesRunner(t, dataclasses.replace(
+        options, sub_batches=sub_batches_at(tp if d is None else d, expert_parallel=ep)), shared), d, g)
             for d, g, t in out]
 
 

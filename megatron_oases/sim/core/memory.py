@@ -36,7 +36,7 @@ from ...describe.optimizer import state_bytes_per_param
 from ...describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
 from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
-from ...describe.split import oases_splits, recompute_boundaries
+from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, stage_layers
 from .moe import layer_expert_params, moe_block_delta, moe_oases_kept, moe_saved_delta
@@ -92,9 +92,8 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     n = chunk.layers
     n_rc = 0 if not s.recompute else min(s.recompute_layers, n) if s.recompute_layers else n
     oases = s.oases_runs
-    # Fine-grained recompute keeps the outputs of the layer's TP collectives, none at TP 1 (one-rank
-    # groups move nothing: a dense layer of an MoE run at TP 1 x EP 2), as describe.saved reads it
-    saved = inp * recompute_boundaries(fine_grained=oases_splits(s.tp, oases=oases and s.fine_grained_recompute))
+    # Fine-grained recompute keeps the outputs of the layer's TP collectives (describe.split)
+    saved = inp * recompute_boundaries(fine_grained=oases and s.fine_grained_recompute, tp=s.tp)
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                      e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,
