@@ -15,7 +15,10 @@ over TP in uneven pieces, which gloo runs as all-reduces (``runtime/cpu_moe_comp
 compares its all-to-alls only. The Oases rows (``--schedule oases``, fine-grained recompute, the
 load-balancing loss on) pin the executor's MoE tape to ``describe.moe``'s Oases layer (its
 collectives, per sub-batch) and ``describe.moe_oases`` (what recompute keeps: every forward
-collective's output and the dispatcher's routing metadata). Tiny sizes; one spawned group per
+collective's output and the dispatcher's routing metadata). The ``oases-dense-layer`` rows
+(``--moe-layer-freq 2``: the second layer is dense, at TP 1 in the executor for the run's
+all-to-alls) pin what such a layer keeps, with RoPE without recompute (each sub-batch's tables)
+and under fine-grained recompute (its input only). Tiny sizes; one spawned group per
 world size (2 and 4 ranks)."""
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ EP2 = ["--expert-model-parallel-size", "2"]
 OASES = ["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--moe-aux-loss-coeff", "0.01"]  # fine-grained recompute (the default); the sub-batches join
 
+FREQ2 = ["--moe-layer-freq", "2"]
+ROPE = ["--position-embedding-type", "rope"]  # RoPE tables: what each Oases sub-batch builds anew
+
 GRID = [
     Row("moe-ep2-alltoall", 1, (*MOE, *A2A, *EP2), dp=2),
     Row("moe-ep2-allgather", 1, (*MOE, *EP2), dp=2),
@@ -43,6 +49,10 @@ GRID = [
     Row("moe-tp2-sp-ep2-alltoall", 2, (*MOE, *A2A, *TP2, *EP2), dp=2),
     Row("moe-ep2-alltoall-oases", 1, (*MOE, *A2A, *EP2, *OASES), dp=2),
     Row("moe-tp2-sp-ep2-alltoall-oases", 2, (*MOE, *A2A, *TP2, *EP2, *OASES), dp=2),
+    # --moe-layer-freq 2: the second layer, what the 2-layer reading adds, is a dense one at TP 1
+    # that the Oases executor runs (split, for the run's all-to-alls): with and without recompute
+    Row("moe-ep2-oases-dense-layer", 1, (*MOE, *A2A, *EP2, *FREQ2, *ROPE, "--schedule", "oases"), dp=2),
+    Row("moe-ep2-oases-dense-layer-recompute", 1, (*MOE, *A2A, *EP2, *FREQ2, *OASES), dp=2),
 ]
 GLOO_UNEVEN_GATHERS = {"moe-tp2-sp-ep2-alltoall", "moe-tp2-sp-ep2-alltoall-oases"}
 WORLDS = sorted({r.world for r in GRID})
@@ -113,7 +123,7 @@ def test_moe_collectives_per_layer(row, moe_readings):
     coll = lambda d: {(*k, what): v[i] for k, v in d.items() if isinstance(k, tuple)  # noqa: E731
                       for i, what in enumerate(("count", "bytes"))}
     assert coll(sim) == pytest.approx(coll(trainer))
-    assert any(k[1] == "all_to_all" for k in coll(sim)) == ("alltoall" in row.flags)
+    assert any(k[1] == "all_to_all" for k in coll(sim)) == ("alltoall" in row.flags and "--moe-layer-freq" not in row.flags)
 
 
 @pytest.fixture

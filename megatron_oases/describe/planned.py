@@ -76,7 +76,8 @@ def megatron_blocks(desc: LayerDescription) -> dict[str, tuple[tuple[Op, ...], t
 def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, seq: int, hidden: int, heads: int,
                               ffn: int, bytes_per_element: int, oases: bool, variant: LayerVariant = GPT2,
                               hidden_dropout: bool = False, attention_dropout: bool = False,
-                              core_attention: str = "local", recompute_core_attention: bool = False) -> float:
+                              core_attention: str = "local", recompute_core_attention: bool = False,
+                              expert_parallel: int = 1) -> float:
     """Bytes a planned block (``kind``: attention | mlp) of degree ``degree`` keeps for backward,
     without recompute, on its replica's ``samples``: Megatron's block inventory at that degree
     (``saved.block_saved_bytes``) and, under the Oases schedule (``oases``, TP > 1), its step
@@ -84,14 +85,16 @@ def planned_block_saved_bytes(kind: str, *, samples: int, degree: int, tp: int, 
     in the executor, on one sub-batch). The planner's memory and the simulator's read it;
     ``tests/test_round_trip.py`` measures it. Where the degree changes under the Oases schedule
     the trainer also keeps the reshard's output: an edge's term, :func:`reshard_saved_bytes`.
-    ``recompute_core_attention``: Megatron's selective recompute (no s^2 tensor kept)."""
+    ``recompute_core_attention``: Megatron's selective recompute (no s^2 tensor kept).
+    ``expert_parallel``: an MoE run's EP (``describe.split.oases_splits``: at TP 1 the executor
+    runs its layers when EP > 1, so a dense block of it keeps the step boundary too)."""
     e = bytes_per_element
     kept = block_saved_bytes(kind, b=samples, s=seq, h=hidden, a=heads, f=ffn, t=degree, e=e,
                              hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, variant=variant,
                              core_attention=core_attention, recompute_core_attention=recompute_core_attention)
-    if oases_splits(tp, oases=oases):  # at TP 1 no executor runs (describe.split; plans are dense)
+    if oases_splits(tp, oases=oases, expert_parallel=expert_parallel):  # describe.split: dense TP 1 runs stock
         kept += oases_kept_beyond_stock(samples * seq * hidden * e, s=seq, h=hidden, a=heads, e=e, variant=variant,
-                                        sub_batches=sub_batches_at(degree, oases=True),
+                                        sub_batches=sub_batches_at(degree, oases=True, expert_parallel=expert_parallel),
                                         core_attention=core_attention, attention_dropout=attention_dropout) / 2
     return kept
 

@@ -350,18 +350,21 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
                       a: int, f: int, t: int, e: int, hidden_dropout: bool = True,
                       attention_dropout: bool = True, kernels: Kernels = CUDA_KERNELS,
                       variant: LayerVariant = GPT2, sequence_parallel: bool = False,
-                      recompute_core_attention: bool = False, core_attention: str = "local") -> float:
+                      recompute_core_attention: bool = False, core_attention: str = "local",
+                      expert_parallel: int = 1) -> float:
     """Bytes one layer keeps between its forward and its backward, per micro-batch.
 
     ``recompute``: Megatron's full uniform recompute (stock) or the Oases schedule's own
     (``fine_grained``: also keep the forward collectives' outputs so recompute issues no
     collective; ``describe.split.recompute_boundaries``). ``sequence_parallel``: the residual side is s/t tokens.
     ``recompute_core_attention``: Megatron's selective recompute (stock schedule only).
-    ``core_attention``: ``describe.core_attention.CORE_ATTENTIONS`` (``core_attention_bytes``)."""
+    ``core_attention``: ``describe.core_attention.CORE_ATTENTIONS`` (``core_attention_bytes``).
+    ``expert_parallel``: the EP of an MoE run the layer belongs to (``describe.split.oases_splits``:
+    at TP 1 under the Oases schedule the executor runs it, split, when EP > 1; else stock layers)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     hidden = b * s * h * e
-    oases = oases_splits(t, oases=schedule == "oases")  # at TP 1 the Oases schedule runs stock layers
+    oases = oases_splits(t, oases=schedule == "oases", expert_parallel=expert_parallel)
     if recompute_core_attention and (recompute or schedule == "oases"):
         raise ValueError("selective recompute (the core attention) is Megatron's, on the stock schedule "
                          "without full recompute")

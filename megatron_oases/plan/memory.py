@@ -71,7 +71,8 @@ def block_memory(m: PlanModel, kind: str, samples: int, degree: int) -> tuple[fl
     kw = dict(samples=samples, degree=degree, tp=m.tp, seq=m.seq_length, hidden=m.hidden_size,
               heads=m.num_attention_heads, ffn=m.ffn_hidden_size, bytes_per_element=m.bytes_per_element,
               oases=m.sub_batches > 1, variant=m.variant, hidden_dropout=m.hidden_dropout > 0,
-              attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
+              attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention,
+              expert_parallel=m.ep if m.moe is not None else 1)
     kept = planned_block_saved_bytes(kind, **kw, recompute_core_attention=m.selective_recompute)
     rerun = planned_block_saved_bytes(kind, **kw) - kept  # one core attention's tensors at a time
     return kept, 2 * one + rerun
