@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_oases.describe.moe import DISPATCHERS, flops_ffn_width, moe_refusal, moe_shape, without_experts
+from megatron_oases.describe.moe import (DISPATCHERS, MOE_SHAPE_FLAGS, flops_ffn_width, moe_refusal, moe_shape,
+                                         without_experts)
 from megatron_oases.errors import ConfigError
 from megatron_oases.flags import option
 from megatron_oases.run_config import DEFAULTS, RunConfig
@@ -152,14 +153,10 @@ def moe_shape_of(cfg: RunConfig):
     list, which those rules do not read, as 1), its aux loss read from
     ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` as the router reads them
     (``describe.moe.aux_loss_coeff``)."""
-    freq = cfg.moe_layer_freq
-    return moe_shape(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-                     ffn_hidden_size=cfg.ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
-                     moe_layer_freq=1 if isinstance(freq, (list, tuple)) else freq,
-                     moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
-                     moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=cfg.moe_grouped_gemm,
-                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                     moe_router_load_balancing_type=cfg.moe_router_load_balancing_type)
+    values = {k: getattr(cfg, k) for k in MOE_SHAPE_FLAGS}
+    if isinstance(values["moe_layer_freq"], (list, tuple)):
+        values["moe_layer_freq"] = 1
+    return moe_shape(**values, ffn_hidden_size=cfg.ffn_hidden_size)
 
 
 def grouped_gemm_available() -> bool:

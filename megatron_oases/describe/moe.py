@@ -112,6 +112,13 @@ class MoEShape:
             ("gg" if self.grouped_gemm else "")
 
 
+MOE_SHAPE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+                   "moe_expert_capacity_factor", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                   "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+"""The MoE flags :func:`moe_shape` reads (Megatron-LM's names: ``RunConfig``'s fields, the flag
+table's dests, a plan ``--model`` file's keys); ``ffn_hidden_size`` fills the expert width."""
+
+
 def moe_shape(*, num_experts: int | None, moe_ffn_hidden_size: int | None, ffn_hidden_size: int,
               moe_router_topk: int, moe_layer_freq: int, moe_expert_capacity_factor: float | None,
               moe_token_dispatcher_type: str, moe_grouped_gemm: bool,

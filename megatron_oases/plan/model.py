@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Mapping
 
 from megatron_oases.describe.core_attention import attention_backend_of, attention_kernels_of, core_attention_of
 from megatron_oases.describe.megatron_1d import sequence_parallel_refusal, tp_split_refusal
-from megatron_oases.describe.moe import moe_refusal, moe_shape, without_experts
+from megatron_oases.describe.moe import MOE_SHAPE_FLAGS, moe_refusal, moe_shape, without_experts
 from megatron_oases.describe.split import SUB_BATCHES, sub_batches_at, unsplit_refusal
 from megatron_oases.describe.shapes import DTYPES, GPTShape, is_positive_int, variant_flags, variant_from_flags
 from megatron_oases.errors import ConfigError
@@ -159,11 +159,10 @@ FILE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "selective_recompute", "sub_batches", "distributed_optimizer",
                "hidden_dropout", "attention_dropout", "attention_backend", "num_query_groups", "swiglu", "normalization",
                "add_bias_linear", "position_embedding_type", "rotary_percent", "qk_layernorm", "sequence_parallel")
-MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_expert_capacity_factor",
-              "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
-"""The MoE flags of a model file (``describe.moe.moe_shape``'s arguments, as ``sim``'s
-``MOE_FLAGS`` and the trainer's ``megatron_oases.moe.moe_shape_of``: the last two give the aux
-loss, which under the Oases executor joins the sub-batches after routing)."""
+MOE_FIELDS = MOE_SHAPE_FLAGS
+"""The MoE flags of a model file (``describe.moe.moe_shape``'s, which the trainer's
+``megatron_oases.moe.moe_shape_of`` reads too; the load-balancing type and the aux loss
+coefficient give the aux loss, which under the Oases executor joins the sub-batches after routing)."""
 FILE_FIELDS += MOE_FIELDS + ("expert_model_parallel_size",)
 """The keys of a ``--model`` file and of a plan file's ``inputs.model`` (``PlanModel.to_dict``)."""
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tp")
