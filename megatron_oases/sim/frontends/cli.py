@@ -22,7 +22,7 @@ from ...pricing.device_model import ProfileDB, SimError, device_model
 from ...pricing.stack import stack_of
 from ...describe.core_attention import TRANSFORMER_IMPLS, attention_kernels_of, check_flash_dtype, \
     core_attention_of
-from ...describe.moe import ROUTING_ASSUMPTION, MoEShape, moe_shape, without_experts
+from ...describe.moe import MOE_SHAPE_FLAGS, ROUTING_ASSUMPTION, MoEShape, moe_shape, without_experts
 from ...describe.ops import LayerVariant, is_loop_event
 from ...describe.shapes import GPTShape, variant_from_flags
 from ...describe.backends import backend as record
@@ -53,11 +53,10 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "num_query_groups", "swiglu",
                "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
                "qk_layernorm", "hidden_dropout", "attention_dropout")
-MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_token_dispatcher_type", "moe_ffn_hidden_size", "moe_layer_freq",
-             "moe_expert_capacity_factor", "moe_grouped_gemm", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
-"""The MoE model flags of the table (``describe.moe``; the aux loss, which joins the Oases sub-batches
-after routing, as the router reads the last two: ``describe.moe.aux_loss_coeff``);
-``--expert-model-parallel-size`` is a strategy flag."""
+MOE_FLAGS = MOE_SHAPE_FLAGS
+"""The MoE model flags of the table, those ``describe.moe.moe_shape`` reads (the aux loss, which
+joins the Oases sub-batches after routing, as the router reads the last two:
+``describe.moe.aux_loss_coeff``); ``--expert-model-parallel-size`` is a strategy flag."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
