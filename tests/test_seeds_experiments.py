@@ -102,3 +102,23 @@ def test_batch_between_interpolates_a_batch_the_cube_cannot_split():
     assert got.model.micro_batch_size == 24 and abs(got.iteration_ms - sum(ends) / 2) < 1e-6 * got.iteration_ms
     with pytest.raises(ValueError, match="batch_between"):
         mod.between_batches({**run, "flags": {**run["flags"], "micro-batch-size": 48}})
+
+
+def test_a_calibrated_all_reduce_costs_its_bytes_over_atps_b():
+    """ATP IC1's calibrated numbers are Eq. 2's algorithm bandwidths B (ATP §5.3): an all-reduce of
+    S bytes over a calibrated group takes S / B, so the calibrated ATP-4 (DeviceMesh(2,4)) prices
+    its per-layer all-reduces 46% below ATP-1's, as the paper's Eq. 2 gives (it was 59% when the
+    simulator used B as the ring's link). Eq. 2's volumes: 2bs x 7h/d1 on the axis-2 groups and
+    2bs x 2h/d2 on the axis-1 groups."""
+    from megatron_oases.pricing.device_model import device_model
+    from megatron_oases.topology import load_topology
+
+    dm = device_model(load_topology("pcie-ic1"), gpu="a100-80gb")
+    s = 64e6
+    ring_latency_ms = 2 * 7 * 0.015  # the cpu-socket level's 15 us, 2(n - 1) steps
+    assert abs(dm.collective_ms("all_reduce", s, tuple(range(8))) - (s / 0.97e6 + ring_latency_ms)) < 1e-6
+    h = 4096
+    atp4 = 7 * h / 2 * dm.collective_ms("all_reduce", s, (0, 1, 2, 3)) + 2 * h / 4 * dm.collective_ms(
+        "all_reduce", s, (0, 4))
+    atp1 = 2 * h * dm.collective_ms("all_reduce", s, tuple(range(8)))
+    assert abs(1 - atp4 / atp1 - 0.46) < 0.01

@@ -482,7 +482,13 @@ class DeviceModel:
         return flops / slots if slots > 0 else 1.0
 
     def ring_link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
-        """(bottleneck GB/s, worst latency us) of the ring over ``ranks`` in the given order."""
+        """(bottleneck GB/s, worst latency us) of the ring over ``ranks`` in the given order.
+
+        A calibrated group's measured number is ATP's algorithm bandwidth B (bytes / all-reduce
+        time, ``topology.spec.AllReduceCalibration``, as ``plan.atp_mesh`` reads it), so its ring
+        link is B x 2(n-1)/n (Eq. 4's B'): ``collective_ms`` then prices the all-reduce at S / B.
+        Used as the link itself, ATP IC1's calibrated ATP-4 came out 59% below ATP-1 where the
+        paper's Eq. 2 gives 46% (ATP §5.3)."""
         cal = self.topology.calibrated_allreduce(ranks)
         n = len(ranks)
         pairs = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)] if n > 1 else []
@@ -491,7 +497,7 @@ class DeviceModel:
             pairs = list({link_level(self.topology, a, b): (a, b) for a, b in pairs}.values())
         lat = max((self.topology.link_latency(a, b) for a, b in pairs), default=0.0)
         if cal is not None:
-            return cal, lat
+            return cal * ring_factor("all_reduce", n), lat
         return min((self.link_bandwidth(a, b) * self.nic_share(ranks, a, b) * self.nccl_efficiency(a, b)
                     for a, b in pairs), default=math.inf), lat
 
