@@ -15,10 +15,13 @@ over TP in uneven pieces, which gloo runs as all-reduces (``runtime/cpu_moe_comp
 compares its all-to-alls only. The Oases rows (``--schedule oases``, fine-grained recompute, the
 load-balancing loss on) pin the executor's MoE tape to ``describe.moe``'s Oases layer (its
 collectives, per sub-batch) and ``describe.moe_oases`` (what recompute keeps: every forward
-collective's output and the dispatcher's routing metadata). The ``oases-dense-layer`` rows
+collective's output and the dispatcher's routing metadata; with dropout on, the generator state
+of each dropout site, the attention dropout's per sub-batch: ``describe.saved.redraw_state_bytes``).
+The ``oases-dense-layer`` rows
 (``--moe-layer-freq 2``: the second layer is dense, at TP 1 in the executor for the run's
 all-to-alls) pin what such a layer keeps, with RoPE without recompute (each sub-batch's tables)
-and under fine-grained recompute (its input only). Tiny sizes; one spawned group per
+and under fine-grained recompute (its input and its dropout sites' generator states). Tiny sizes;
+one spawned group per
 world size (2 and 4 ranks)."""
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ MOE = ["--num-experts", "4"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2 = ["--sequence-parallel", "--disable-bias-linear"]
 EP2 = ["--expert-model-parallel-size", "2"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # the recompute's generator states
 OASES = ["--schedule", "oases", "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--moe-aux-loss-coeff", "0.01"]  # fine-grained recompute (the default); the sub-batches join
+         "--moe-aux-loss-coeff", "0.01", *DROPOUT]  # fine-grained recompute (the default); the sub-batches join
 
 FREQ2 = ["--moe-layer-freq", "2"]
 ROPE = ["--position-embedding-type", "rope"]  # RoPE tables: what each Oases sub-batch builds anew

@@ -272,20 +272,23 @@ def test_plans_kept_bytes_at_tp1_ep2_under_oases_recompute_are_the_descriptions(
     assert per_layer == [pytest.approx(figure), pytest.approx(dense_input)]
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "fine-grained"])
-def test_a_dense_layer_of_an_moe_run_at_tp1_keeps_alike_in_plan_sim_and_describe_saved(recompute):
+@pytest.mark.parametrize("recompute, dropout", [(False, 0.0), (True, 0.0), (True, 0.1)],
+                         ids=["no-recompute", "fine-grained", "fine-grained-dropout"])
+def test_a_dense_layer_of_an_moe_run_at_tp1_keeps_alike_in_plan_sim_and_describe_saved(recompute, dropout):
     """A dense layer of an MoE run at TP 1 x EP 2 (``--moe-layer-freq 2``) runs in the Oases
     executor, split (``describe.split.oases_splits``): without recompute it keeps stock's inventory
     and what each further sub-batch's attention call builds anew (RoPE's tables here), under
-    fine-grained recompute its input only; plan, sim and ``describe.saved`` agree (the trainer's
-    bytes for both: ``tests/test_moe_description.py``'s ``moe-ep2-oases-dense-layer`` rows)."""
+    fine-grained recompute its input only, and with dropout a generator state per dropout site
+    (``describe.saved.redraw_state_bytes``); plan, sim and ``describe.saved`` agree (the trainer's
+    bytes for all three: ``tests/test_moe_description.py``'s ``moe-ep2-oases-dense-layer`` rows)."""
     from megatron_oases.describe.saved import layer_saved_bytes
     from megatron_oases.describe.shapes import variant_from_flags
     from megatron_oases.sim.core.memory import chunk_activation_bytes
 
     variant = variant_from_flags(add_bias_linear=False, position_embedding_type="rope")
     m = dataclasses.replace(_model(_moe(layer_freq=2, dispatcher="alltoall"), ep=2, tp=1, sequence_parallel=False,
-                                   sub_batches=2, recompute=recompute), variant=variant)
+                                   sub_batches=2, recompute=recompute, hidden_dropout=dropout,
+                                   attention_dropout=dropout), variant=variant)
     cm, _ = _cost(m)
     plan = sum(r["saved_bytes"] for r in cm.breakdown(cm.uniform(1)) if r["layer"] == 1)
     shape, st = _sim_inputs(m, schedule="oases", recompute=recompute)
@@ -303,4 +306,4 @@ def test_a_dense_layer_of_an_moe_run_at_tp1_keeps_alike_in_plan_sim_and_describe
                               hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
                               variant=variant, core_attention=m.core_attention)
     assert plan == pytest.approx(per[2] - per[1]) and described == pytest.approx(plan)
-    assert (described > stock) == (not recompute)
+    assert (described > stock) == (not recompute or dropout > 0)  # the redraw's states under recompute

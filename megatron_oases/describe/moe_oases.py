@@ -13,6 +13,7 @@ from __future__ import annotations
 from .megatron_1d import megatron_1d_gpt_layer
 from .moe import MoEShape, moe_layer
 from .ops import LayerDescription, LayerVariant
+from .saved import redraw_state_bytes
 from .split import SUB_BATCHES, sub_batch_sizes
 
 COUNTS = "moe.ag.counts"
@@ -22,12 +23,14 @@ COUNTS = "moe.ag.counts"
 
 def oases_moe_layer_kept_bytes(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn: int, moe: MoEShape,
                                tp: int, ep: int, bytes_per_element: int, variant: LayerVariant,
-                               sequence_parallel: bool) -> float:
+                               sequence_parallel: bool, hidden_dropout: bool = False,
+                               attention_dropout: bool = False, core_attention: str = "local") -> float:
     """Bytes one MoE layer keeps per micro-batch for its recompute under fine-grained recompute:
     per sub-batch (``describe.split``) :func:`oases_recompute_kept_bytes` of the Oases layer
     (``describe.moe.moe_layer(oases=True)``) and :func:`dispatcher_kept_bytes`; per layer the
-    dispatcher's two index maps and, with the load-balancing loss, the micro-batch's counts per
-    expert (int64)."""
+    dispatcher's two index maps, with the load-balancing loss the micro-batch's counts per expert
+    (int64), and with dropout the generator states of its sites (``describe.saved.redraw_state_bytes``:
+    the attention block's and the MoE block's hidden dropout, the attention dropout)."""
     sp = sequence_parallel and tp > 1
     sub = sub_batch_sizes(micro_batch)[0]
     e = bytes_per_element
@@ -37,7 +40,9 @@ def oases_moe_layer_kept_bytes(*, micro_batch: int, seq: int, hidden: int, heads
     tokens = sub * seq // tp  # this rank's tokens of the sub-batch (its sequence chunk under SP)
     per_sub = oases_recompute_kept_bytes(layer, tokens * hidden * e) + dispatcher_kept_bytes(tokens, moe, tp, ep, e)
     index_maps = 2 * 8 * tp * moe.num_experts  # sort / restore by local experts, int64
-    return SUB_BATCHES * per_sub + index_maps + (8 * moe.num_experts if moe.aux_loss else 0)
+    states = redraw_state_bytes(("attention", "moe"), hidden_dropout=hidden_dropout,
+                                attention_dropout=attention_dropout, core_attention=core_attention)
+    return SUB_BATCHES * per_sub + index_maps + (8 * moe.num_experts if moe.aux_loss else 0) + states
 
 
 def dispatcher_kept_bytes(tokens: int, moe: MoEShape, tp: int, ep: int, e: int) -> float:

@@ -371,9 +371,9 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     sp = sequence_parallel and t > 1
     if recompute:  # the boundaries per recompute mode: describe.split
         kept = hidden * recompute_boundaries(fine_grained=oases and fine_grained, sequence_parallel=sp, tp=t)
-        if oases:  # one generator state per dropout site (per sub-batch where SDPA draws), for the redraw
-            draws = sub_batches if draws_in_kernel(core_attention) else 1
-            kept += kernels.rng_state * (2 * hidden_dropout + attention_dropout * draws)
+        if oases:  # one generator state per dropout site, for the redraw
+            kept += redraw_state_bytes(BLOCKS, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                                       core_attention=core_attention, sub_batches=sub_batches, kernels=kernels)
         return kept
     # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
     k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
@@ -385,6 +385,29 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     extra = oases_kept_beyond_stock(hidden, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
                                     core_attention=core_attention, attention_dropout=attention_dropout, kernels=k)
     return kept + (extra if oases else 0)
+
+
+REDRAWN_BLOCKS = ("attention", "mlp", "moe")
+"""The blocks :func:`redraw_state_bytes` knows: each ends in a hidden dropout-add; the attention
+block also draws the attention dropout."""
+
+
+def redraw_state_bytes(blocks: tuple[str, ...], *, hidden_dropout: bool, attention_dropout: bool,
+                       core_attention: str = "local", sub_batches: int = SUB_BATCHES,
+                       kernels: Kernels = CUDA_KERNELS) -> float:
+    """Bytes of the generator states the Oases executor keeps, under its recompute (fine-grained
+    or not), for ``blocks`` of one layer (``REDRAWN_BLOCKS``; an MoE layer's are attention and
+    moe) to redraw their dropout masks in recompute (``schedules/oases/dropout.MicroBatchMasks``):
+    one state per dropout site, the attention dropout's once per sub-batch where the kernel draws
+    it (SDPA: ``draws_in_kernel``). Measured with dropout on at TP 2 (``tests/test_saved_bytes_budget.py``)
+    and at TP 1 x EP 2 for an MoE run's dense and MoE layers (``tests/test_moe_description.py``);
+    ``layer_saved_bytes``, ``sim.core.memory``, ``plan.memory`` and ``describe.moe_oases`` read it."""
+    unknown = [b for b in blocks if b not in REDRAWN_BLOCKS]
+    if unknown:
+        raise ValueError(f"block {unknown[0]!r} is not one of {REDRAWN_BLOCKS}")
+    draws = sub_batches if draws_in_kernel(core_attention) else 1
+    sites = len(blocks) * hidden_dropout + ("attention" in blocks) * attention_dropout * draws
+    return kernels.rng_state * sites
 
 
 def oases_kept_beyond_stock(hidden_state_bytes: float, *, s: int, h: int, a: int, e: int,

@@ -108,6 +108,8 @@ def moe_memory(m: PlanModel, saved: float, runtime: float) -> tuple[float, float
         layer = oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
                                            heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=m.tp,
                                            ep=m.ep, bytes_per_element=m.bytes_per_element, variant=m.variant,
-                                           sequence_parallel=m.sequence_parallel)
+                                           sequence_parallel=m.sequence_parallel, hidden_dropout=m.hidden_dropout > 0,
+                                           attention_dropout=m.attention_dropout > 0,
+                                           core_attention=m.core_attention)
         saved = layer - block_memory(m, "attention", m.micro_batch_size, m.tp)[0]
     return (saved, runtime + max(0.0, delta)) if m.recompute else (saved + delta, runtime)

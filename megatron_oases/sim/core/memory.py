@@ -10,7 +10,8 @@ feasibility check; sizes follow Megatron's mixed-precision DDP + Adam).
   boundaries on top (``describe.saved.oases_kept_beyond_stock``); with recompute a recomputed
   layer keeps only its input, or under Oases fine-grained recompute its input plus the two
   forward all-reduce outputs (3 [s, b, h] tensors instead of 1; at TP 1, where an MoE run's
-  executor runs one-rank all-reduces, only its input), and a recomputed MoE layer what
+  executor runs one-rank all-reduces, only its input), under Oases with dropout also a generator
+  state per dropout site (``describe.saved.redraw_state_bytes``), and a recomputed MoE layer what
   ``describe.moe_oases`` says the executor keeps for the whole layer; while a recomputed layer runs
   its backward, one layer's full activations exist on top (the working set). Under selective
   recompute each layer keeps its inventory without the core attention's s^2 tensors, which one
@@ -35,7 +36,7 @@ from ...describe.head import head_saved_bytes
 from ...describe.optimizer import state_bytes_per_param
 from ...describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
-from ...describe.saved import layer_saved_bytes, oases_kept_beyond_stock
+from ...describe.saved import BLOCKS, layer_saved_bytes, oases_kept_beyond_stock, redraw_state_bytes
 from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, stage_layers
@@ -94,6 +95,9 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     oases = s.oases_runs
     # Fine-grained recompute keeps the outputs of the layer's TP collectives (describe.split)
     saved = inp * recompute_boundaries(fine_grained=oases and s.fine_grained_recompute, tp=s.tp)
+    if oases:  # and the generator states its recompute redraws the dropout masks from (describe.saved)
+        saved += redraw_state_bytes(BLOCKS, hidden_dropout=m.hidden_dropout > 0,
+                                    attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                      e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,

@@ -94,7 +94,8 @@ def moe_oases_kept(m: GPTShape, s) -> float:
     return oases_moe_layer_kept_bytes(micro_batch=m.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size,
                                       heads=m.num_attention_heads, ffn=m.ffn_hidden_size, moe=m.moe, tp=s.tp,
                                       ep=s.ep, bytes_per_element=m.bytes_per_element, variant=m.variant,
-                                      sequence_parallel=s.sequence_parallel)
+                                      sequence_parallel=s.sequence_parallel, hidden_dropout=m.hidden_dropout > 0,
+                                      attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
 
 
 def moe_block_delta(m: GPTShape, s) -> float:
