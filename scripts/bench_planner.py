@@ -47,7 +47,8 @@ def timed(problem, solver: str, limit: float | None):
 
 
 def bench_solve(topo, solvers, limit, rows):
-    m = PlanModel(num_layers=48, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=8, tp=8)
+    m = PlanModel(num_layers=48, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=8, tp=8,
+                  dtype="bf16")
     cm = build_cost_model(m, topology=topo, global_batch_size=2 * 8 * (topo.world_size // 8))  # 2 micro-batches
     n, k = cm.problem.node.shape
     lo, _ = min_memory(cm.problem)
@@ -76,7 +77,8 @@ def bench_table6(topo, solvers, limit, memory_gb, rows):
           f"{'GiB':>5}  {'dp ms':>6}  {'ilp ms':>7}  plan")
     for h, L, a, T, mb in TABLE6:
         dp = topo.world_size // T
-        m = PlanModel(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=1024, micro_batch_size=mb, tp=T)
+        m = PlanModel(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=1024, micro_batch_size=mb, tp=T,
+                      dtype="bf16")
         for grad in ("exposed", "none"):
             for gran in ("layer", "block"):
                 cm = build_cost_model(m, topology=topo, global_batch_size=16 * dp, memory_gb=memory_gb,

@@ -39,7 +39,7 @@ def run(*, gpus: int = 3072, layers: int = 128, tp: int = 8, pp: int = 8, dp: in
     """(result, seconds) for a GPT-175B-like model (h 12288, 96 heads, s 2048)."""
     t0 = time.perf_counter()
     model = GPTShape(num_layers=layers, hidden_size=12288, num_attention_heads=96, seq_length=2048,
-                     padded_vocab_size=51200, micro_batch_size=2)
+                     padded_vocab_size=51200, micro_batch_size=2, dtype="bf16")
     strategy = Strategy(tp=tp, pp=pp, dp=dp, num_microbatches=microbatches, pipeline_schedule=pipeline_schedule,
                         schedule=schedule, recompute=True, virtual_stages=virtual_stages,
                         distributed_optimizer=distributed_optimizer, overlap_grad_reduce=ddp_overlap,

@@ -88,7 +88,7 @@ def test_simulator_prices_llama_layers_on_atp_and_3d(backend, mesh, schedule):
 
     topo = load_topology("dgx-a100")
     kw = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=51200,
-              micro_batch_size=4, ffn_hidden_size=2816)
+              micro_batch_size=4, ffn_hidden_size=2816, dtype="bf16")
     st = Strategy(tp=8, pp=1, dp=1, num_microbatches=2, backend=backend, layout=mesh, schedule=schedule,
                   recompute=schedule == "oases")
     llama = GPTShape(**kw, variant=LayerVariant(query_groups=8, gated=True, normalization="RMSNorm",

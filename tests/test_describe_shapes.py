@@ -19,9 +19,15 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "megatron_oases"
 
 
 def test_defaults_and_derived_sizes():
+    import argparse
+
+    from megatron_oases.precision import priced_dtype
+
     m = GPTShape(**BASE)
-    assert (m.ffn_hidden_size, m.padded_vocab_size, m.dtype, m.variant) == (256, 51200, "bf16", GPT2)
-    assert (m.bytes_per_element, m.grad_dtype, m.num_query_groups, m.tied_embeddings) == (2, "fp32", 4, True)
+    # unstated precision is fp32 in every reading (issue 49): the shape's default is the flags' rule
+    assert m.dtype == priced_dtype(argparse.Namespace(), ValueError) == "fp32"
+    assert (m.ffn_hidden_size, m.padded_vocab_size, m.variant) == (256, 51200, GPT2)
+    assert (m.bytes_per_element, m.grad_dtype, m.num_query_groups, m.tied_embeddings) == (4, "fp32", 4, True)
     assert [GPTShape(**BASE, dtype=d).bytes_per_element for d in DTYPES] == [2, 2, 4]
     assert GPTShape(**BASE, dtype="fp16", grad_reduce_bytes=2).grad_dtype == "fp16"
     assert GPTShape(**BASE, variant=LayerVariant(query_groups=2)).num_query_groups == 2

@@ -37,7 +37,7 @@ def _chunk(schedule: str, sp: bool):
     from megatron_oases.topology import load_topology
 
     shape = GPTShape(num_layers=2, hidden_size=H, num_attention_heads=8, seq_length=S,
-                     padded_vocab_size=V, micro_batch_size=B)
+                     padded_vocab_size=V, micro_batch_size=B, dtype="bf16")
     assert shape.bytes_per_element == E
     (stage,) = build_stage_events(shape, Strategy(tp=T, dp=4, schedule=schedule,
                                                   sequence_parallel=sp, recompute=True), load_topology("pcie-3090-2node"))

@@ -29,7 +29,7 @@ def flat(n: int, name: str = "flat") -> Topology:
 
 
 def small_model(**kw) -> PlanModel:
-    d = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tp=2)
+    d = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tp=2, dtype="bf16")
     d.update(kw)
     return PlanModel(**d)
 
@@ -172,7 +172,8 @@ def test_stock_cost_hides_the_async_input_gradient_all_reduce_behind_the_wgrad()
 def test_memory_terms_agree_with_the_simulator():
     from megatron_oases.describe.registry import layer_activation_bytes, layer_params
 
-    m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=4)
+    m = PlanModel(num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=4, tp=4,
+                  dtype="bf16")
     fam = family_of(BlockStrategy(degree=2))
     for d in (1, 2, 4):
         s = BlockStrategy(degree=d)
@@ -253,11 +254,11 @@ def test_planner_prices_each_event_as_the_simulator(core_attention):
 
     topo = load_topology("pcie-3090-2node")
     m = PlanModel(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=2048, micro_batch_size=8,
-                  tp=8, core_attention=core_attention)
+                  tp=8, core_attention=core_attention, dtype="bf16")
     pricer = DevicePricer(topology=topo, model=m)
     build_cost_model(m, topology=topo, global_batch_size=8, pricer=pricer)
     shape = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=16, seq_length=2048,
-                     padded_vocab_size=51200, micro_batch_size=8, core_attention=core_attention)
+                     padded_vocab_size=51200, micro_batch_size=8, core_attention=core_attention, dtype="bf16")
     dm = device_model(topo, bytes_per_element=shape.bytes_per_element, fused_attention=shape.fused_attention)
     sim = unique_events(build_stage_events(shape, SimStrategy(tp=8, schedule="oases", recompute=True), topo))
     both = [k for k in pricer.events if k in sim and k.startswith("compute:")]
@@ -457,7 +458,7 @@ def test_atp_plans_are_whole_model_and_win_when_memory_binds():
     does not: ATP's two concurrent axis-1 rings would share each node's one InfiniBand card."""
     topo = load_topology("nvlink-pairs")
     m = PlanModel(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=1024, micro_batch_size=4, tp=8,
-                  recompute=True)  # the Oases fine-grained recompute (the budget is sized for it)
+                  recompute=True, dtype="bf16")  # the Oases fine-grained recompute (the budget is sized for it)
     cm = build_cost_model(m, topology=topo, global_batch_size=16, memory_gb=5.3, families=("megatron", "atp"),
                           gpu="rtx-3090")
     labels = [s.label for s in cm.strategies]

@@ -17,7 +17,7 @@ from megatron_oases.topology import Level, Topology
 from megatron_oases.describe.atp_2d import atp_layout
 
 MODEL = GPTShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=512, padded_vocab_size=8192,
-                 micro_batch_size=4)
+                 micro_batch_size=4, dtype="bf16")
 
 
 def _topo(n: int = 8) -> Topology:

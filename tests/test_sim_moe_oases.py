@@ -25,7 +25,7 @@ from megatron_oases.topology import load_topology
 
 B, S, H, E, K, F = 4, 2048, 4096, 8, 2, 8192
 MODEL = dict(num_layers=4, hidden_size=H, num_attention_heads=32, seq_length=S, micro_batch_size=B,
-             ffn_hidden_size=F, variant=LayerVariant(bias=False))
+             ffn_hidden_size=F, variant=LayerVariant(bias=False), dtype="bf16")
 
 
 def _moe(aux_loss=True) -> MoEShape:

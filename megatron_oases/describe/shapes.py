@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ..precision import UNSTATED
 from .core_attention import attention_kernels_refusal, scores_on_chip
 from .moe import MoEShape
 from .ops import GPT2, LayerVariant, ModelingError
@@ -56,8 +57,10 @@ class GPTShape:
     padded_vocab_size: int = 51200
     """Megatron's ``args.padded_vocab_size``: ``--vocab-size`` padded to a multiple of
     ``--make-vocab-size-divisible-by`` x TP (``megatron_oases.vocab.padded_vocab_size``)."""
-    dtype: str = "bf16"
-    """``--bf16`` | ``--fp16`` | fp32 (neither): activation and weight elements (Adam states are fp32)."""
+    dtype: str = UNSTATED
+    """``--bf16`` | ``--fp16`` | fp32 (neither): activation and weight elements (Adam states are fp32).
+    Unstated it is fp32, as a launch without either flag runs (``precision.UNSTATED``, the rule
+    ``sim`` and ``plan`` read their flags by)."""
     hidden_dropout: float = 0.0
     """``--hidden-dropout`` (0 by default, as ``megatron-oases train``; Megatron-LM's pretrain_gpt.py
     uses 0.1): part of the layer events' profile keys, since the profiler runs them with it."""
