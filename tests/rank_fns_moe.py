@@ -35,3 +35,58 @@ def logged_moe_losses(cfg) -> list[float | None]:
 
     _, records = run(cfg)
     return [r.get("load_balancing_loss") for r in records]
+
+
+def _join_reduced_shards(model_chunks) -> None:
+    """Before the optimizer step: put each parameter's whole reduced gradient into its
+    ``main_grad``. The distributed optimizer's reduce-scatter leaves only this rank's shard of
+    each bucket reduced (the rest is the rank's own unreduced sum); the shards are summed over
+    the bucket's DP group, so ``gather_global(what="grad")`` reads what the optimizer steps on
+    (each rank's own shard is unchanged)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in model_chunks:
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if not group.ddp_config.use_distributed_optimizer:
+                continue  # main_grad is already all-reduced
+            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                joined = torch.zeros_like(bucket.grad_data)
+                shard_buffer(joined, size)[rank].copy_(shard_buffer(bucket.grad_data, size)[rank])
+                dist.all_reduce(joined, group=group.intra_distributed_optimizer_instance_group)
+                bucket.grad_data.copy_(joined)
+
+
+def reduced_grads_and_params(argv: list[str], adam_eps: float | None = None) -> dict:
+    """Train step by step; per iteration the loss (last rank) and, on rank 0, every parameter's
+    reduced gradient as the optimizer steps on it (fp32 ``main_grad``, after DP and sequence-
+    parallel reductions, before the step; the distributed optimizer's shards joined), and the
+    final parameters. ``adam_eps``: Adam's epsilon instead of Megatron's 1e-8 (the trainer has
+    no flag for it)."""
+    import os
+
+    from megatron_oases.parallel.layout import gather_global
+    from megatron_oases.run_config import run_config
+    from megatron_oases.train import setup, train_step
+    from megatron_oases.train_args import build_parser
+
+    args = build_parser().parse_args(argv)
+    tr = setup(run_config(args))
+    if adam_eps is not None:
+        for opt in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
+            for group in opt.optimizer.param_groups:
+                group["eps"] = adam_eps
+    grads, step = [], tr.optimizer.step
+
+    def gathered_then_step():
+        _join_reduced_shards(tr.model)
+        grads.append(gather_global(tr.model, what="grad"))
+        return step()
+
+    tr.optimizer.step = gathered_then_step
+    losses = [train_step(tr, it)["loss"] for it in range(1, args.train_iters + 1)]
+    params = gather_global(tr.model, what="param")
+    rank0 = int(os.environ["RANK"]) == 0
+    return {"losses": losses, "grads": grads if rank0 else None, "params": params if rank0 else None}
