@@ -1,6 +1,7 @@
 """scripts/seeds_experiments.py: the seed papers' rows load, three of them (an absolute row, a
-ratio row and a planner row) simulate and the script writes its table, CSV and JSON. No accuracy
-is asserted here (docs/sim_seeds.md reports the errors)."""
+ratio row and a planner row) simulate and the script writes its table, CSV and JSON; ATP IC1's
+calibrated bandwidths are priced as the paper's Eq. 2 prices them. No row's accuracy is asserted
+here (docs/sim_seeds.md reports the errors)."""
 from __future__ import annotations
 
 import csv
