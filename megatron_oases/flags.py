@@ -52,6 +52,9 @@ class Flag:
     """Only for a flag that fills no ``RunConfig`` field; else ``DEFAULTS.<dest>``."""
     megatron_lm: bool = False
     """Megatron-LM's parser lacks it: ``megatron_lm.flags`` adds it."""
+    refusal: str | None = None
+    """A flag no front end takes (Megatron-LM has no such flag), declared so that every front end
+    refuses it alike: argparse's error with this text, which names the fix (``Refused``)."""
 
     @property
     def default_value(self) -> Any:
@@ -59,6 +62,8 @@ class Flag:
 
     def kwargs(self) -> dict[str, Any]:
         """``add_argument``'s keywords (argparse's store_true / store_false carry their own type)."""
+        if self.refusal is not None:
+            return {"dest": self.dest, "action": Refused, "why": self.refusal}
         kw = {"dest": self.dest, "default": self.default_value, "help": self.help, "type": self.type,
               "action": self.action, "choices": self.choices, "metavar": self.metavar, "nargs": self.nargs}
         return {k: v for k, v in kw.items() if v is not None or k == "default"}
@@ -180,6 +185,9 @@ _TABLE = (
          help="samples per iteration: micro-batch x data-parallel size x micro-batches"),
     _bool("--bf16", "bf16", help="bf16 params (Float16Module), fp32 main params and gradient reduction"),
     _bool("--fp16", "fp16", help="fp16 params with loss scaling"),
+    Flag("--fp32", "fp32", default=None, megatron_lm=True,  # was sim's and profile's own switch
+         refusal="is not a Megatron-LM flag: a run without --bf16 / --fp16 is fp32 in every tool; drop it "
+                 "(sim and plan also take --dtype fp32)"),
     # -- recompute
     Flag("--recompute-granularity", "recompute_granularity", choices=("full", "selective"),
          help="as Megatron: full (with --recompute-method) reruns whole layers; selective reruns each "
@@ -238,6 +246,18 @@ class Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is now {self.new}")
+
+
+class Refused(argparse.Action):
+    """A flag the table refuses (``Flag.refusal``): one line naming the fix (argparse's exit 2),
+    hidden from ``--help``."""
+
+    def __init__(self, option_strings, dest, why: str, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {self.why}")
 
 
 class RecordsGiven:

@@ -3,7 +3,8 @@ flags by.
 
 A launch states its precision with Megatron-LM's ``--bf16`` / ``--fp16`` (the flag table's), which
 both tools take, so the launch's own command line prices its own precision; each tool also takes
-``--dtype`` (and ``sim`` ``--fp32``) for a run not written as a launch. With none of them they
+``--dtype`` for a run not written as a launch (``--fp32``, which Megatron-LM lacks, is refused by
+every front end: ``flags.py``). With none of them they
 price fp32, as the trainer, ``mesh`` and Megatron-LM run a launch without ``--bf16`` / ``--fp16``:
 one command line means one precision in every tool (``sim --predict`` and ``--atp-mesh auto``
 read the trainer's config, so they price what it trains).
@@ -12,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 
-PRECISION_FLAGS = ("bf16", "fp16", "fp32")
-"""The switches that name an element type (``fp32``: ``sim``'s own)."""
+PRECISION_FLAGS = ("bf16", "fp16")
+"""The switches that name an element type (Megatron-LM's)."""
 
 UNSTATED = "fp32"
 """The element type of a run that names none: Megatron-LM's (``--bf16`` / ``--fp16`` absent)."""
 
 
 def priced_dtype(a: argparse.Namespace, error: type[Exception]) -> str:
-    """``a``'s element type: the one of ``--bf16`` / ``--fp16`` / ``--fp32`` / ``--dtype`` given,
+    """``a``'s element type: the one of ``--bf16`` / ``--fp16`` / ``--dtype`` given,
     else fp32 (``UNSTATED``). Two switches, or a switch and another ``--dtype``, are refused with
     ``error`` (the caller's one-line class)."""
     given = [name for name in PRECISION_FLAGS if getattr(a, name, False)]

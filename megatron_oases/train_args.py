@@ -77,7 +77,7 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=DEFAULTS.adam_beta1)
     g.add_argument("--adam-beta2", type=float, default=DEFAULTS.adam_beta2)
     g.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    add_flags(g, ("bf16", "fp16"))
+    add_flags(g, ("bf16", "fp16", "fp32"))  # --fp32: refused, as by every front end (flags.py)
     g.add_argument("--loss-scale", type=float, default=DEFAULTS.loss_scale,
                    help="constant loss scale > 0 (--fp16; Megatron also applies it with --bf16 "
                         "or --use-distributed-optimizer); default: dynamic under --fp16")

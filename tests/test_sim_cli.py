@@ -110,7 +110,6 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--tp", "16", "--seq-length", "520", "--sequence-parallel"], "--sequence-parallel splits --seq-length 520"),
     (["--attention-backend", "flash", "--dtype", "fp32", "--num-microbatches", "1"],
      "--attention-backend flash has no fp32 kernel; add --dtype"),
-    (["--attention-backend", "flash", "--fp32", "--num-microbatches", "1"], "--attention-backend flash has no fp32 kernel"),
     (["--search", "--global-batch-size", "16", "--schedules", "foo"],
      "--schedules: 'foo' is not one of default, oases"),
     (["--search", "--global-batch-size", "16", "--backends", "foo"], "--backends: 'foo' is not one of"),
@@ -121,7 +120,7 @@ def test_a_flag_the_mode_ignores_is_refused(flags, needle, capsys):
     (["--search", "--global-batch-size", "16", "--sequence-parallel-options", "off,maybe"],
      "--sequence-parallel-options"),
 ], ids=["tp-0", "pp-0", "global-batch-0", "microbatches-0", "memory-negative", "sp-at-tp-1", "sp-seq-length",
-        "flash-fp32", "flash-fp32-short", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
+        "flash-fp32", "search-overlaps", "search-backends", "search-recompute", "search-gpus-0",
         "search-top-negative", "search-memory-negative", "search-sp"])
 def test_a_bad_value_is_one_line_naming_the_flag(flags, needle, capsys):
     """A number no run can have, a name the search does not know, sequence parallelism at TP 1 or

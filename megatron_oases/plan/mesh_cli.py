@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                   "position_embedding_type", "rotary_percent", "qk_layernorm"))
     add_flag(p, "bf16", note="2-byte activations (neither --bf16 nor --fp16: fp32, as megatron-oases train)")
     add_flag(p, "fp16")
+    add_flag(p, "fp32")  # refused, as by every front end (flags.py)
     p.add_argument("--bytes-per-element", type=int, choices=(2, 4), default=None,
                    help="the element size instead of --bf16 / --fp16 (2 or 4)")
     p.add_argument("--min-gain", type=float, default=DEFAULTS.atp_min_gain,

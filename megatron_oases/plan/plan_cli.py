@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
              note="T: the megatron family's block degrees are powers of two dividing it")
     add_flag(p, "bf16", note="the launch's precision, priced as --dtype bf16 (precision.priced_dtype)")
     add_flag(p, "fp16", note="priced as --dtype fp16")
+    add_flag(p, "fp32")  # refused, as by every front end (flags.py)
     add_flags(p, ("dtype", "group_query_attention"))
     add_flag(p, "num_query_groups", note="a block's degree must divide it")
     add_flags(p, ("swiglu", "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent",

@@ -49,7 +49,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                "vocab_size", "make_vocab_size_divisible_by", "dtype")
-"""The model flags of the flag table ``sim`` takes, before its own (``--fp32``, the gradient reduction's)."""
+"""The model flags of the flag table ``sim`` takes, before its own (the gradient reduction's)."""
 LAYER_FLAGS = ("untie_embeddings_and_output_weights", "group_query_attention", "num_query_groups", "swiglu",
                "normalization", "add_bias_linear", "position_embedding_type", "rotary_percent", "rotary_base",
                "qk_layernorm", "hidden_dropout", "attention_dropout")
@@ -62,10 +62,9 @@ joins the Oases sub-batches after routing, as the router reads the last two:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (Megatron flag names, megatron-oases train's defaults)")
     add_flags(g, MODEL_FLAGS)
-    g.add_argument("--fp32", action="store_true",
-                   help="same as --dtype fp32, what no precision flag prices (as Megatron-LM)")
     add_flag(g, "bf16", note="priced as --dtype bf16")
     add_flag(g, "fp16", note="priced as --dtype fp16")
+    add_flag(g, "fp32")  # refused, as by every front end (flags.py)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="reduce data-parallel gradients in fp32 under --dtype fp16 (Megatron-LM's flag; "
                         "bf16 and fp32 do unless --grad-reduce-in-bf16, as Megatron-LM)")
@@ -422,13 +421,14 @@ def model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
 
     trainer = {o for act in train_parser()._actions for o in act.option_strings}
     out: list[str] = []
-    actions = [act for g in p._action_groups if g.title.split(" ")[0] == "model" for act in g._group_actions]
+    actions = [act for g in p._action_groups if g.title.split(" ")[0] == "model" for act in g._group_actions
+               if act.default is not argparse.SUPPRESS]  # not a refused flag (flags.Refused)
     values = options_present(a, [act.dest for act in actions])
     for act in actions:
         value, flag = values[act.dest], act.option_strings[0]
         if act.dest in MOE_FLAGS and not a.num_experts:  # a dense model's launch names no MoE flag
             continue
-        if act.dest in ("dtype", "fp32", "bf16", "fp16"):
+        if act.dest in ("dtype", *precision.PRECISION_FLAGS):
             out += [f"--{priced_dtype(a)}"] if act.dest == "dtype" and priced_dtype(a) != "fp32" else []
         elif flag not in trainer:
             if value != act.default:
