@@ -90,6 +90,32 @@ def test_moe_block_prices_the_simulators_events(dispatcher, tp, ep, oases):
     assert c.c_fwd + c.m_fwd + c.c_bwd + c.m_bwd == pytest.approx(want_ms)
 
 
+@pytest.mark.parametrize("tp, ep", [(1, 4), (2, 2)])
+def test_the_blocking_count_gather_is_compute_in_plan_as_in_sim(tp, ep):
+    """Under the Oases executor the MoE block's gather of the token counts is blocking
+    (``describe.moe.moe_block(oases=True)``: the host reads the counts): the simulator runs it on
+    the compute stream, so it overlaps nothing of the other sub-batch, and the planner's lock-step
+    counts it in the block's compute C, not in its collectives M (``describe.ops.holds_compute``):
+    per pass, C and M are the simulator's prices of that block's events on each stream."""
+    from megatron_oases.sim.core.timeline import _stream
+
+    m = _model(_moe(dispatcher="alltoall"), ep=ep, num_layers=1, tp=tp, sequence_parallel=tp > 1, sub_batches=2)
+    cm, _ = _cost(m)
+    shape, st = _sim_inputs(m, schedule="oases")
+    topo = load_topology(TOPO)
+    chunk = build_stage_events(shape, st, topo)[0].chunks[0]
+    dm = device_model(topo, bytes_per_element=m.bytes_per_element)
+    c = cm.costs[("moe", 0)]
+    for segments, (want_c, want_m) in ((chunk.forward_segments, (c.c_fwd, c.m_fwd)),
+                                       (chunk.backward_segments, (c.c_bwd, c.m_bwd))):
+        events = [e for evs, chains in segments if chains == 2 for e in evs if "moe." in e.key]
+        assert any(getattr(e.op, "blocking", False) for e in events) == (segments is chunk.forward_segments)
+        on = {"compute": 0.0, "comm": 0.0}
+        for e in events:
+            on[_stream(e)] += dm.price(e.key, e.op, kind=e.kind, nbytes=e.nbytes, ranks=e.ranks)
+        assert (on["compute"], on["comm"]) == (pytest.approx(want_c), pytest.approx(want_m))
+
+
 @pytest.mark.parametrize("recompute, tp", [(False, 2), (True, 2), ("oases", 2)],
                          ids=["no-recompute", "full-recompute", "oases-fine-grained"])
 def test_moe_memory_beyond_the_dense_twin_is_the_simulators(recompute, tp):

@@ -106,6 +106,14 @@ class Collective:
 Op = Union[Compute, Collective]
 
 
+def holds_compute(op) -> bool:
+    """Whether ``op`` occupies its rank's compute stream: a compute segment, or a collective the
+    rank waits for where it issues it (``Collective.blocking``: MoE's token counts), which overlaps
+    nothing. The simulator's timeline places events by it and the planner's lock-step prices such
+    a collective with the compute it holds up (``plan.cost_model``), so both read one rule."""
+    return isinstance(op, Compute) or bool(getattr(op, "blocking", False))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerDescription:
     backend: str

@@ -18,6 +18,9 @@ instead of ``max(C_v, M_u)``. Where the sub-batches join inside a block (an MoE 
 with the aux loss on, ``BlockCost.fwd_joined``) its forward is two such chains: the block's part
 up to the join (C_a, M_a) ends one, the rest (C_b, M_b) starts the next, so its node costs
 ``max(C_a, M_a) + M_a + C_b + max(C_b, M_b)``, its incoming edge reads C_a and its outgoing M_b.
+A collective its rank waits for where it issues it (``Collective.blocking``: the MoE block's
+gather of the token counts) overlaps nothing of the other sub-batch: it counts in C, as the
+simulator runs it on the compute stream (``describe.ops.holds_compute``, one rule for both).
 The embedding and the logits run at degree T; blocks next to them pay that resharding too.
 With ``sub_batches=1`` (stock executor) node ``C + M``, edge ``AG``; the only overlap is stock
 Megatron's own: a column-parallel linear's input-gradient all-reduce runs async beside its
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from megatron_oases.describe.backends import backend
-from megatron_oases.describe.ops import Collective
+from megatron_oases.describe.ops import Collective, holds_compute
 from megatron_oases.describe.head import head_param_tensors, head_saved_bytes
 from megatron_oases.describe.megatron_1d import STOCK_ASYNC_DGRAD, column_wgrad
 from megatron_oases.describe.moe import moe_refusal
@@ -184,10 +187,18 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
         g_op = Collective(name="grad.ar", kind="all_reduce", axis="dp", group_size=len(ranks), payload_bytes=4 * params)
         return pricer.collective_ms(g_op, shape=f"p{params}_fp32", ranks=ranks, dims=(("p", params), ("dtype", "fp32")))
 
+    def on_stream(cs) -> tuple[float, float]:
+        """(compute, comm) ms of collectives ``cs``: one its rank waits for where it issues it
+        holds the compute stream (``describe.ops.holds_compute``, as the simulator places it)."""
+        return comm([c for c in cs if holds_compute(c)]), comm([c for c in cs if not holds_compute(c)])
+
     for blk in ops:
-        c_f, c_b = compute(blk.fwd_compute), compute(blk.bwd_compute)
-        c_b += c_f if m.recompute else 0.0  # full recompute reruns the block's forward before its backward,
-        rerun_comm = blk.fwd_comm if m.recompute and not m.fine_grained else ()  # its collectives too unless fine
+        (held_f, m_f), (held_b, m_b) = on_stream(blk.fwd_comm), on_stream(blk.bwd_comm)
+        c_own = compute(blk.fwd_compute)
+        c_f, c_b = c_own + held_f, compute(blk.bwd_compute) + held_b
+        c_b += c_own if m.recompute else 0.0  # full recompute reruns the block's forward before its backward,
+        rerun = m.recompute and not m.fine_grained  # its collectives too unless fine-grained
+        c_b += held_f if rerun else 0.0
         moe = blk.kind == MOE_KIND
         params, experts = moe_params(m, s.degree) if moe else (fam.params(s, m, blk.kind), 0)
         # the experts' gradients and optimizer states live on the expert-data-parallel group (DP / EP)
@@ -196,16 +207,23 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
         saved, runtime = fam.memory(s, m, "mlp" if moe else blk.kind, share)
         if moe:
             saved, runtime = moe_memory(m, saved, runtime)
-        out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=comm(blk.fwd_comm), c_bwd=c_b,
-                                  m_bwd=comm(blk.bwd_comm) + comm(rerun_comm) - hidden_by_wgrad(blk.bwd_comm),
+        out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=m_f, c_bwd=c_b,
+                                  m_bwd=m_b + (on_stream(blk.fwd_comm)[1] if rerun else 0.0)
+                                  - hidden_by_wgrad(blk.bwd_comm),
                                   params=params, state_bytes=(params - experts) * state_bytes_per_param(m, shard)
                                   + experts * state_bytes_per_param(m, expert_shard),
                                   saved_bytes=saved, runtime_bytes=runtime,
                                   grad_sync_ms=grad_sync(params - experts, grad_ranks)
                                   + (grad_sync(experts, expert_ranks) if experts else 0.0),
-                                  fwd_joined=(compute(joined.fwd_compute), comm(joined.fwd_comm))
+                                  fwd_joined=_joined_costs(compute(joined.fwd_compute), on_stream(joined.fwd_comm))
                                   if moe and joined else None)
     return out
+
+
+def _joined_costs(compute_ms: float, comm_ms: tuple[float, float]) -> tuple[float, float]:
+    """``BlockCost.fwd_joined``'s (C, M) of the part before the join: its compute and the
+    collectives that hold the compute stream, and the others."""
+    return compute_ms + comm_ms[0], comm_ms[1]
 
 
 def _reshard_ms(m: PlanModel, a: BlockStrategy, b: BlockStrategy, pricer: Pricer) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from ...pricing.device_model import DeviceModel, SimError
 from ...pricing.event import Event
 from ...describe.shapes import GPTShape
 from ...describe.backends import backend as record
+from ...describe.ops import holds_compute
 from .moe import flops_ffn
 from .events import GradBucket, StageEvents, build_stage_events, unique_events
 from .strategy import Strategy
@@ -175,8 +176,9 @@ def run_template(events: tuple[Event, ...], chains: int, price: dict[str, float]
 
 def _stream(ev: Event) -> str:
     """The stream an event runs on: compute, or comm for a collective, but for one the rank waits
-    on where it is issued (``Collective.blocking``), which holds the compute stream too."""
-    return "compute" if ev.kind == "compute" or getattr(ev.op, "blocking", False) else "comm"
+    on where it is issued, which holds the compute stream too (``describe.ops.holds_compute``, the
+    planner's rule too)."""
+    return "compute" if ev.kind == "compute" or holds_compute(ev.op) else "comm"
 
 
 def run_segments(segments: tuple[tuple[tuple[Event, ...], int], ...], price: dict[str, float],
