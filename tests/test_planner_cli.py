@@ -136,6 +136,20 @@ def test_plan_cli_flags_only_and_errors(tmp_path, capsys):
     assert "Oases plan: 4 layers, h 64, 4 heads, s 32" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"])
+def test_virtual_stages_are_refused_in_one_line_before_any_work(flag, tmp_path, capsys):
+    """Megatron-LM's two spellings of virtual pipeline stages (which ``sim`` and the trainer take):
+    the planner prices a stage as contiguous layers under non-interleaved 1F1B, so it refuses them
+    in one line naming the flag and the fix, before reading the topology (none here) or writing a
+    plan (issue 49)."""
+    out = tmp_path / "p.json"
+    assert plan_main(["--topology", "no-such-topology", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                      flag, "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} 2: plan prices each pipeline stage" in err[0], err
+    assert "non-interleaved 1F1B" in err[0] and "drop it" in err[0] and not out.exists()
+
+
 @pytest.mark.parametrize("stated_in", ["flags", "model-file"])
 def test_flash_attention_in_fp32_is_refused(stated_in, tmp_path, capsys):
     """The planner prices a GPU, where the flash kernel has no fp32 variant (as the trainer refuses

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "topology", required=True)
     add_flag(p, "pipeline_model_parallel_size", note="the plan prices one stage's layers (each stage runs the "
              "same degrees), 1F1B's bubble and the first stage's micro-batches in flight; the plan file records it")
+    add_flag(p, "num_layers_per_virtual_pipeline_stage", note="refused: the plan prices non-interleaved 1F1B only")
+    p.add_argument(VIRTUAL_STAGES_FLAG, type=int, default=None,
+                   help="Megatron-LM's other spelling of virtual stages; refused as the flag above")
     add_flag(p, "nproc_per_node", note="the world is --nproc-per-node x --nnodes, its data-parallel size "
              "world / (TP x PP)")
     p.add_argument("--nnodes", type=int, default=None, help="the launch's nodes (torchrun's flag; default 1)")
@@ -212,6 +215,28 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
     return model
 
 
+VIRTUAL_STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"
+"""Megatron-LM's flag for virtual stages per rank (``RunConfig.megatron_lm``; the trainer and ``sim``
+take ``--num-layers-per-virtual-pipeline-stage``)."""
+
+
+def virtual_stages_refusal(a: argparse.Namespace) -> str:
+    """The one line refusing virtual pipeline stages ("" without them): the planner prices a stage
+    as one contiguous run of layers under non-interleaved 1F1B (one lock-step chain, its bubble, its
+    micro-batches in flight: ``cost_model.build_cost_model``'s ``pipeline``) and writes the same
+    degrees for every stage's layers in order (``plan_file.plan_record``), neither of which an
+    interleaved stage is (its layers are ``v`` chunks spread over the model)."""
+    given = [(flag, v) for flag, v in ((option("num_layers_per_virtual_pipeline_stage"),
+                                        a.num_layers_per_virtual_pipeline_stage),
+                                       (VIRTUAL_STAGES_FLAG, a.num_virtual_stages_per_pipeline_rank)) if v is not None]
+    if not given:
+        return ""
+    flag, value = given[0]
+    return (f"{flag} {value}: plan prices each pipeline stage as contiguous layers under non-interleaved 1F1B, "
+            f"not virtual stages; drop it to plan the non-interleaved launch, or compare interleaved "
+            f"strategies with `megatron-oases sim --search`")
+
+
 def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     """(plan JSON dict, CostModel, Solution) for parsed arguments."""
     from megatron_oases.topology import load_topology
@@ -220,6 +245,9 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     from .ilp import evaluate, solve
     from .pricing import DevicePricer, resolve_gpu
 
+    refused = virtual_stages_refusal(a)  # before any work
+    if refused:
+        raise PlanError(refused)
     m = model_from_args(a)
     topo = load_topology(a.topology)
     if m.sub_batches > 1 and split_refusal(m.micro_batch_size, m.sub_batches):
