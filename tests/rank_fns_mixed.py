@@ -1,8 +1,8 @@
 """Rank functions for tests/test_mixed_precision.py: several trainer runs in one spawned group.
 
 Spawning ranks costs more than training these tiny models, so one spawn trains a list of named
-variants one after another in the same process group (Megatron's model-parallel state is torn
-down and rebuilt between them; every run seeds itself, so order does not matter).
+variants one after another in the same process group, each on process groups of its own
+(``tests/rank_turns.py``; every run seeds itself, so order does not matter).
 """
 from __future__ import annotations
 
@@ -19,19 +19,16 @@ def train_variants(variants: list[tuple[str, list[str]]], gather_params: tuple[s
     (last rank), grad norms and update flags, the parameter dtypes, the optimizer classes, and for
     the names in ``gather_params`` the global parameters after the first and the last iteration
     (rank 0; fp32 copies)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron_oases.parallel.layout import gather_global
     from megatron_oases.run_config import run_config
     from megatron_oases.train import setup, train_step
     from megatron_oases.train_args import build_parser
+    from tests.rank_turns import each_in_turn
 
     rank = int(os.environ["RANK"])
-    out = {}
-    for name, argv in variants:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+
+    def variant(named):
+        name, argv = named
         args = build_parser().parse_args(argv)
         tr = setup(run_config(args))
         rec = {"losses": [], "norms": [], "ok": [], "dtypes": _param_dtypes(tr.model),
@@ -46,7 +43,6 @@ def train_variants(variants: list[tuple[str, list[str]]], gather_params: tuple[s
                 params = gather_global(tr.model, what="param")
                 rec["params" if it == args.train_iters else "params_first"] = (
                     params if rank == 0 else None)
-        out[name] = rec
-        dist.barrier()
-    ps.destroy_model_parallel()
-    return out
+        return name, rec
+
+    return dict(each_in_turn(variant, variants))

@@ -3,8 +3,9 @@ line's model with the trainer's own ``train.setup`` and read, on this rank, what
 through its model chunk really does."""
 from __future__ import annotations
 
-import contextlib
 import os
+
+from tests.rank_turns import each_in_turn
 
 
 def chunk_readings(argv: list[str]) -> dict:
@@ -49,36 +50,12 @@ def chunk_readings(argv: list[str]) -> dict:
 
 def readings_of(argvs: list[list[str]]) -> list[dict]:
     """``chunk_readings`` of each command line in turn, in one spawned group (spawning ranks costs
-    more than these tiny models), each on process groups of its own (``groups_released``)."""
+    more than these tiny models), each on process groups of its own (``rank_turns.each_in_turn``)."""
     from tests.rank_fns_contract import _rebind_megatron_collectives
     from megatron_oases.parallel.collectives import watch_torch_distributed
 
     watch_torch_distributed()  # Megatron's own all-gathers / reduce-scatters (sequence parallelism)
     _rebind_megatron_collectives()
-    out = []
-    for argv in argvs:
-        with groups_released():
-            out.append(chunk_readings(argv))
-    return out
+    return each_in_turn(chunk_readings, argvs)
 
 
-@contextlib.contextmanager
-def groups_released():
-    """Tear down Megatron's model-parallel state and destroy every process group made inside.
-
-    ``destroy_model_parallel`` only drops Megatron's references: torch keeps each group
-    registered, and a gloo group keeps its threads and connections. Forty command lines leave
-    hundreds of groups per rank, and every collective gets slower with them (measured at world
-    4: the last command lines took 10-40 s instead of 0.3 s, the fixture 60 s instead of 18 s).
-    Every rank destroys the same groups (a local call)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from torch.distributed import distributed_c10d as c10d
-
-    before = set(c10d._world.pg_map) if dist.is_initialized() else set()
-    try:
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        for group in [g for g in c10d._world.pg_map if g not in before and g is not c10d._world.default_pg]:
-            dist.destroy_process_group(group)

@@ -35,21 +35,8 @@ def saved_bytes_of_one_forward(argv: list[str]) -> int:
     return kept
 
 
-def each_in_turn(fn, argvs: list[list[str]]) -> list:
-    """``fn(argv)`` of each argv in turn, in one spawned group (spawning ranks costs more than
-    these tiny models): Megatron's model-parallel state is torn down and rebuilt between them, as
-    ``rank_fns_mixed.train_variants`` does; every setup seeds itself."""
-    from megatron.core import parallel_state as ps
-
-    out = []
-    for argv in argvs:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        out.append(fn(argv))
-    ps.destroy_model_parallel()
-    return out
-
-
 def saved_bytes_of_forwards(argvs: list[list[str]]) -> list[int]:
     """``saved_bytes_of_one_forward`` of each argv in turn, in one spawned group."""
+    from tests.rank_turns import each_in_turn
+
     return each_in_turn(saved_bytes_of_one_forward, argvs)
