@@ -49,7 +49,7 @@ def test_rank_order_and_nodes():
     assert t.coords(6) == (2, 1)
     assert t.is_intra_node(4, 7) and not t.is_intra_node(3, 4)
     assert t.level_between(0, 3) == 0 and t.level_between(0, 4) == 1 and t.level_between(5, 5) == -1
-    assert t.p2p_bandwidth(0, 1) == 200 and t.p2p_bandwidth(0, 12) == 25
+    assert t.p2p_bandwidth(0, 1) == 100 and t.p2p_bandwidth(0, 12) == 25  # NVLink3 x 4 and HDR, one way
     assert t.link_latency(0, 1) == 2 and t.link_latency(1, 13) == 5
     with pytest.raises(ValueError):
         t.node_of(16)
@@ -58,7 +58,7 @@ def test_rank_order_and_nodes():
 def test_three_levels_outermost_difference():
     t = load_topology("nvlink-pairs")  # 2 (nvlink) x 4 (pcie), one node
     assert t.level_between(0, 1) == 0 and t.level_between(0, 2) == 1 and t.level_between(1, 2) == 1
-    assert t.p2p_bandwidth(0, 1) == 100 and t.p2p_bandwidth(1, 6) == 12
+    assert t.p2p_bandwidth(0, 1) == 56.25 and t.p2p_bandwidth(1, 6) == 12
     assert t.num_nodes == 1 and all(t.is_intra_node(0, r) for r in range(8))
 
 

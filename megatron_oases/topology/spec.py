@@ -4,6 +4,15 @@ One format serves the emulator, ATP's hierarchical communication matrix, the pla
 simulator, so every consumer reads the same numbers. Objects are frozen so a loaded topology can
 be shared and hashed; every check lives in ``__post_init__`` so hand-built objects are as safe as
 loaded ones. Units: bandwidths in GB/s (1e9 bytes/s), latencies in microseconds.
+
+Every bandwidth is **one direction**: what a unit sends while it receives as much at once. A ring
+all-reduce does both on every link, so its time per rank is 2(n-1)/n x S / that bandwidth, as
+NCCL's bus bandwidth is defined (nccl-tests' busbw is measured against this number, which is why
+``nccl_efficiency`` is busbw / link rate). Data sheets give NVLink both ways: an A100's 600 GB/s
+NVLink3 is 300 here, a V100's 300 GB/s NVLink2 150, an RTX 3090's 112.5 GB/s bridge 56.25
+(``tests/test_topology_directions.py`` pins every shipped NVLink figure to its one-way value).
+NICs (200 Gb/s HDR = 25 GB/s) are already one way. A calibrated all-reduce is another quantity,
+ATP's algorithm bandwidth (``AllReduceCalibration``).
 """
 from __future__ import annotations
 
@@ -72,9 +81,11 @@ class Level:
     scope: str
     """``intra_node`` or ``inter_node``: whether these links stay inside one machine."""
     p2p_bandwidth_GBps: float
-    """Aggregate bandwidth between two units of this level, GB/s (ATP's P2P matrix entry)."""
+    """Aggregate bandwidth between two units of this level, GB/s each way (ATP's P2P matrix entry;
+    one direction, as every bandwidth here: see the module docstring)."""
     group_bandwidth_GBps: float
-    """Aggregate bandwidth of one unit to all other units of this level, GB/s (ATP's group BW)."""
+    """Aggregate bandwidth of one unit to all other units of this level, GB/s each way (ATP's
+    group BW)."""
     latency_us: float = 0.0
     """One-way latency of a message crossing this level, microseconds."""
     p2p_matrix_GBps: tuple[tuple[float, ...], ...] | None = None
