@@ -66,6 +66,12 @@ def atp_2d_gpt_layer(*, micro_batch: int, seq: int, hidden: int, heads: int, ffn
     are replicated).
     ``chunks`` (``--atp-chunks``, §4.1): the four linears' forward all-reduces run as that many
     all-reduces of one chunk each, launched while the next chunk's GEMM runs.
+    The backward dX all-reduces are not overlapped at ``chunks`` 1, so nothing here says so: our
+    linears run them as ``copy_to_group``'s backward, blocking, after the linear's whole backward
+    (``layers/atp_linear.py``). The paper's §4.2 overlap of each with its weight-gradient GEMM is
+    ours only with ``--atp-chunks`` > 1 (``_OverlappedMeshLinear``), which the simulator refuses;
+    ``tests/test_atp_dgrad_overlap.py`` pins both halves. Megatron's own linears (``megatron_1d``)
+    do overlap it (``STOCK_ASYNC_DGRAD``).
     Each segment counts its kernels (:func:`mesh_segment_kernels`) and its block's framework share
     (``MESH_BLOCKS``): the software stack prices its host time and element-wise factors as Megatron's.
     """
