@@ -166,6 +166,7 @@ class RunConfig:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False

@@ -110,7 +110,7 @@ def setup(cfg: RunConfig) -> Trainer:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer=cfg.optimizer, lr=cfg.lr, sgd_momentum=cfg.sgd_momentum,
                         weight_decay=cfg.weight_decay,
-                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
+                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                         clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=cfg.fp16,
                         loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
                         use_distributed_optimizer=cfg.use_distributed_optimizer,

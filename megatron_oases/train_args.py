@@ -76,6 +76,8 @@ def build_parser(prog: str = "megatron-oases train") -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=DEFAULTS.clip_grad)
     g.add_argument("--adam-beta1", type=float, default=DEFAULTS.adam_beta1)
     g.add_argument("--adam-beta2", type=float, default=DEFAULTS.adam_beta2)
+    g.add_argument("--adam-eps", type=float, default=DEFAULTS.adam_eps,
+                   help="Adam's denominator term (Megatron's --adam-eps, default 1e-08)")
     g.add_argument("--seed", type=int, default=DEFAULTS.seed)
     add_flags(g, ("bf16", "fp16", "fp32"))  # --fp32: refused, as by every front end (flags.py)
     g.add_argument("--loss-scale", type=float, default=DEFAULTS.loss_scale,
@@ -153,6 +155,7 @@ _RANGES = (
     ("clip_grad", 0.0, True, None),
     ("adam_beta1", 0.0, True, 1.0),
     ("adam_beta2", 0.0, True, 1.0),
+    ("adam_eps", 0.0, False, None),
     ("sgd_momentum", 0.0, True, 1.0),
     ("hidden_dropout", 0.0, True, 1.0),
     ("attention_dropout", 0.0, True, 1.0),
@@ -266,7 +269,7 @@ def _check_loss_scale(cfg: RunConfig) -> None:
 
 def _check_optimizer_flags(cfg: RunConfig) -> None:
     """An optimizer's hyper-parameter given for the other optimizer would be ignored: refused."""
-    other = {"adam": ("sgd_momentum",), "sgd": ("adam_beta1", "adam_beta2")}[cfg.optimizer]
+    other = {"adam": ("sgd_momentum",), "sgd": ("adam_beta1", "adam_beta2", "adam_eps")}[cfg.optimizer]
     for name in other:
         if getattr(cfg, name) != getattr(DEFAULTS, name):
             flag = "--" + name.replace("_", "-")

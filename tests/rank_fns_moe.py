@@ -59,12 +59,12 @@ def _join_reduced_shards(model_chunks) -> None:
                 bucket.grad_data.copy_(joined)
 
 
-def reduced_grads_and_params(argv: list[str], adam_eps: float | None = None) -> dict:
+def reduced_grads_and_params(argv: list[str]) -> dict:
     """Train step by step; per iteration the loss (last rank) and, on rank 0, every parameter's
     reduced gradient as the optimizer steps on it (fp32 ``main_grad``, after DP and sequence-
     parallel reductions, before the step; the distributed optimizer's shards joined), and the
-    final parameters. ``adam_eps``: Adam's epsilon instead of Megatron's 1e-8 (the trainer has
-    no flag for it)."""
+    final parameters. Every Adam parameter group carries ``--adam-eps`` (checked: the flag takes
+    effect)."""
     import os
 
     from megatron_oases.parallel.layout import gather_global
@@ -74,10 +74,10 @@ def reduced_grads_and_params(argv: list[str], adam_eps: float | None = None) -> 
 
     args = build_parser().parse_args(argv)
     tr = setup(run_config(args))
-    if adam_eps is not None:
+    if args.optimizer == "adam":
         for opt in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]):
             for group in opt.optimizer.param_groups:
-                group["eps"] = adam_eps
+                assert group["eps"] == args.adam_eps, (group["eps"], args.adam_eps)
     grads, step = [], tr.optimizer.step
 
     def gathered_then_step():

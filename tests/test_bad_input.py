@@ -34,6 +34,7 @@ CASES = [
     ("init-std-neg", ["--init-method-std", "-0.1"], "--init-method-std must be >= 0.0"),
     ("beta1-2", ["--adam-beta1", "2"], "--adam-beta1 must be [0.0, 1.0) (got 2.0)"),
     ("beta2-1", ["--adam-beta2", "1"], "--adam-beta2 must be [0.0, 1.0)"),
+    ("adam-eps-0", ["--adam-eps", "0"], "--adam-eps must be > 0.0 (got 0.0)"),
     ("wd-neg", ["--weight-decay", "-1"], "--weight-decay must be >= 0.0"),
     ("clip-neg", ["--clip-grad", "-1"], "--clip-grad must be >= 0.0"),
     ("momentum-1", ["--optimizer", "sgd", "--sgd-momentum", "1.5"], "--sgd-momentum must be [0.0, 1.0)"),

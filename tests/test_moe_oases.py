@@ -109,8 +109,8 @@ def test_oases_moe_bf16_distributed_adam_equals_stock(n, layout):
     from megatron_oases.runtime.spawn import run_on_ranks
 
     argv = ([a if a != "0.05" else "1e-4" for a in MODEL] + ["--optimizer", "adam", "--use-distributed-optimizer"]
-            + layout + HALF["bf16"][0])
-    ref, got = (run_on_ranks(reduced_grads_and_params, n, args=(a, 1e-2), timeout_s=240)
+            + ["--adam-eps", "1e-2"] + layout + HALF["bf16"][0])
+    ref, got = (run_on_ranks(reduced_grads_and_params, n, args=(a,), timeout_s=240)
                 for a in (argv, argv + OASES + RECOMPUTE))
     _assert_within_half({**got[0], "losses": got[-1]["losses"]}, {**ref[0], "losses": ref[-1]["losses"]}, "bf16")
 
