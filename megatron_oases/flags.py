@@ -7,7 +7,9 @@ default, read from that field (``run_config.DEFAULTS``), so every front end show
 same one. Each front end builds its parser by picking the flags it takes from the table
 (``add_flags``), in the spirit of torchtitan's CLI generated from its config dataclasses; a flag
 only one front end takes stays in that front end. ``megatron_lm=True`` marks the flags
-Megatron-LM's parser lacks, which ``megatron_lm.flags`` adds to it from here.
+Megatron-LM's parser lacks, which ``megatron_lm.flags`` adds to it from here. A flag Megatron-LM
+does not have and no front end takes (``--fp32``) is declared with its ``refusal``: every front
+end, Megatron-LM's parser included, refuses it with that one line (``Refused``).
 
 A front end may add aliases (``--tp``), require a flag (``plan --topology``) or append a note to
 its help, never change its name, ``dest``, default, type or choices:
