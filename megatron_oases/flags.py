@@ -206,6 +206,13 @@ _TABLE = (
     Flag("--memory-gb", "memory_gb", type=float, default=None, help="device memory, GiB (default: the GPU's)"),
     Flag("--profile", "profile", default=None, metavar="DB.json",
          help="ProfileDB JSON of measured event times (`megatron-oases profile`)"),
+    # Megatron-LM's flag from 3f65246 (2021-09-02) to core_v0.15; megatron-core 0.16+ lacks it, so the
+    # trainer and Megatron-LM's parser refuse it (unrecognized) and only the simulator takes it.
+    Flag("--no-async-tensor-model-parallel-allreduce", "async_tensor_model_parallel_allreduce",
+         action="store_false", default=True,
+         help="describe an older Megatron-LM: its column-parallel linears all-reduce the input gradient after "
+              "the weight gradient instead of beside it (every Megatron-LM before NVIDIA/Megatron-LM cf7efd4, "
+              "2021-08-30, e.g. v2.6)"),
 )
 
 FLAGS: dict[str, Flag] = {f.dest: f for f in _TABLE}

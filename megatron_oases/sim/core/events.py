@@ -243,7 +243,7 @@ def build_stage_events(model: GPTShape, strategy: Strategy, topo: Topology,
                 pre_f = [mb] + [per_layer] * per_chunk + pre_f
             pre_b = [head_ev(op) for op in hd.pre_backward]
             for i, op in enumerate(hd.pre_backward):
-                if op.name in OUTPUT_ASYNC_DGRAD:
+                if op.name in OUTPUT_ASYNC_DGRAD and s.async_dgrad:
                     pre_b[i] = dataclasses.replace(pre_b[i], beside=_compute(hd.output_wgrad, head_shape, head_dims))
             me = s.rank(pp=st)
             send_f = send_b = None
@@ -411,7 +411,7 @@ def _op_event(op, m: GPTShape, s: Strategy, topo: Topology, tp_ranks: tuple[int,
     coll = _collective(op, shape, topo, ranks, dims)
     if s.tp_comm_overlap and (gemm := _ub_gemm(op.name, m, degree)) is not None:
         return dataclasses.replace(coll, key=coll.key + "~ub", hidden_by=gemm)
-    if chains == 1 and record(s.backend).megatron_modules and op.name in STOCK_ASYNC_DGRAD:
+    if chains == 1 and s.async_dgrad and record(s.backend).megatron_modules and op.name in STOCK_ASYNC_DGRAD:
         b = m.micro_batch_size * degree // s.tp
         wgrad = column_wgrad(STOCK_ASYNC_DGRAD[op.name], b=b, s=m.seq_length, h=m.hidden_size,
                              heads=m.num_attention_heads, f=m.ffn_hidden_size, t=degree, e=m.bytes_per_element,

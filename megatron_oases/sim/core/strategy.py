@@ -96,6 +96,12 @@ class Strategy:
     stage's output whenever TP > 1); ``sim.core.timeline.pipeline_send_ms`` prices it. Megatron-Core
     sends the whole tensor (the default here)."""
 
+    async_dgrad: bool = True
+    """Megatron's column-parallel linears all-reduce (under SP: reduce-scatter) the input gradient
+    beside the weight-gradient GEMM (``describe.megatron_1d.STOCK_ASYNC_DGRAD``), as every
+    Megatron-LM since NVIDIA/Megatron-LM cf7efd4 (2021-08-30) and every megatron-core. False:
+    ``--no-async-tensor-model-parallel-allreduce``, a Megatron-LM before it (v2.6 and older),
+    where the all-reduce follows the whole backward of the linear."""
     ep: int = 1
     """``--expert-model-parallel-size``: the experts of an MoE model split over EP data-parallel
     replicas (``describe.moe``; the experts' TP is TP's, Megatron's default)."""

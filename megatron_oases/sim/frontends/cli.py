@@ -118,6 +118,7 @@ def add_strategy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="Transformer Engine userbuffers: with --sequence-parallel, each layer's all-gather / "
                         "reduce-scatter pipelined with the GEMM beside it")
+    add_flag(g, "async_tensor_model_parallel_allreduce")
     g.add_argument("--scatter-gather-tensors-in-pipeline", action="store_true",
                    help="each TP rank sends 1/TP of the activation between pipeline stages and the next "
                         "stage all-gathers it (Megatron-LM before Megatron-Core, DeepSpeed's pipeline engine)")
@@ -258,7 +259,8 @@ def strategy_from_args(a: argparse.Namespace, world: int | None = None) -> Strat
                     ddp_bucket_size=a.ddp_bucket_size or 0, sequence_parallel=a.sequence_parallel,
                     tp_comm_overlap=a.tp_comm_overlap, scatter_gather_pipeline=a.scatter_gather_tensors_in_pipeline,
                     first_stage_layers=a.decoder_first_pipeline_num_layers,
-                    last_stage_layers=a.decoder_last_pipeline_num_layers, ep=a.expert_model_parallel_size)
+                    last_stage_layers=a.decoder_last_pipeline_num_layers, ep=a.expert_model_parallel_size,
+                    async_dgrad=a.async_tensor_model_parallel_allreduce)
 
 
 def recompute_from_args(a: argparse.Namespace) -> tuple[str | None, int]:
