@@ -225,7 +225,8 @@ def plan_layer(argv: list[str], row: Row) -> Layer:
     its parameters."""
     from megatron_oases.describe.split import sub_batches_at
     from megatron_oases.plan.cost_model import build_cost_model
-    from megatron_oases.plan.plan_cli import build_parser, launch_world, model_from_args
+    from megatron_oases.plan.launch_checks import launch_world
+    from megatron_oases.plan.plan_cli import build_parser, model_from_args
     from megatron_oases.run_config import run_config
     from megatron_oases.sim.calibrate.profiler import local_topology
     from megatron_oases.train_args import build_parser as train_parser, validate_config

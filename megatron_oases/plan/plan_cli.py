@@ -2,12 +2,13 @@
 
 Prices every block x TP degree on a topology, solves the ILP, prints a per-block table and the
 paper's compact notation, writes the plan JSON and the launch flags (or a rewritten launch
-command). Bad input is one line on stderr, exit 2.
+command). Bad input is one line on stderr, exit 2. Here: the parser, the priced model from the
+flags and the ``--model`` file, the run; the launch's checks are ``launch_checks.py``, the printed
+plan ``plan_report.py``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -17,15 +18,17 @@ from ..describe.core_attention import check_flash_dtype
 from ..describe.split import SUB_BATCHES, split_refusal
 from ..errors import comma_names, range_refusal
 from ..precision import PRECISION_FLAGS, priced_dtype
-from ..flags import RecordsGiven, Renamed, add_flag, add_flags, filled_recompute_num_layers, given_in, option
-from ..run_config import DEFAULTS, check_gqa_flags, gqa_groups, options_present
+from ..flags import RecordsGiven, Renamed, add_flag, add_flags, given_in, option
+from ..run_config import check_gqa_flags, gqa_groups, options_present
 from .graph import PlanError, PlanModel, family_names, model_from_mapping
+from .launch_checks import (VIRTUAL_STAGES_FLAG, check_recompute_layers, launch_world, stage_model,
+                            virtual_stages_refusal, world_given)
 from .model import MOE_FIELDS, stated_fields
 from .plan_file import (plan_record, whole_model_backend, compact_notation, launch_flags, plan_launch_flags,
                         rewrite_command, write_plan)
+from .plan_report import GiB, format_plan
 
 PROG = "megatron-oases plan"
-MiB, GiB = float(1 << 20), float(1 << 30)
 
 
 class _UsageError(Exception):
@@ -215,27 +218,6 @@ def model_from_args(a: argparse.Namespace) -> PlanModel:
     return model
 
 
-VIRTUAL_STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"
-"""Megatron-LM's flag for virtual stages per rank (``RunConfig.megatron_lm``; the trainer and ``sim``
-take ``--num-layers-per-virtual-pipeline-stage``)."""
-
-
-def virtual_stages_refusal(a: argparse.Namespace) -> str:
-    """The one line refusing virtual pipeline stages ("" without them): the planner prices a stage
-    as one contiguous run of layers under non-interleaved 1F1B (one lock-step chain, its bubble, its
-    micro-batches in flight: ``cost_model.build_cost_model``'s ``pipeline``) and writes the same
-    degrees for every stage's layers in order (``plan_file.plan_record``), neither of which an
-    interleaved stage is (its layers are ``v`` chunks spread over the model)."""
-    given = [(flag, v) for flag, v in ((option("num_layers_per_virtual_pipeline_stage"),
-                                        a.num_layers_per_virtual_pipeline_stage),
-                                       (VIRTUAL_STAGES_FLAG, a.num_virtual_stages_per_pipeline_rank)) if v is not None]
-    if not given:
-        return ""
-    flag, value = given[0]
-    return (f"{flag} {value}: plan prices each pipeline stage as contiguous layers under non-interleaved 1F1B, "
-            f"not virtual stages; drop it to plan the non-interleaved launch, or compare interleaved "
-            f"strategies with `megatron-oases sim --search`")
-
 
 def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     """(plan JSON dict, CostModel, Solution) for parsed arguments."""
@@ -317,111 +299,6 @@ def make_plan(a: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     })
     return data, cm, sol
 
-
-def world_given(a: argparse.Namespace) -> bool:
-    """Whether the flags name the launch's world (else the plan takes the topology's ranks)."""
-    return a.nproc_per_node is not None or a.data_parallel_size is not None
-
-
-def check_recompute_layers(a: argparse.Namespace, stage_layers: int) -> None:
-    """The recompute the planner prices is every layer of a stage or none: ``uniform`` with
-    groups of one layer, or ``block`` covering the stage; one line naming the flag otherwise (and
-    the trainer's pairing of the flags)."""
-    n = filled_recompute_num_layers(a, stage_layers, PlanError)  # Megatron's pairing, the trainer's words
-    if n is None:
-        return
-    method, meth, num = a.recompute_method, option("recompute_method"), option("recompute_num_layers")
-    if method == "uniform" and n != 1:
-        raise PlanError(f"{meth} uniform {num} {n} checkpoints groups of {n} layers, which the planner does not "
-                        f"price; plan with {num} 1")
-    if method == "block" and n < stage_layers:
-        raise PlanError(f"{meth} block {num} {n} recomputes {n} of a stage's {stage_layers} layers, which the "
-                        f"planner does not price (every layer or none); plan with {num} {stage_layers}")
-
-
-def stage_model(m: PlanModel, pp: int) -> PlanModel:
-    """The model of one pipeline stage: its ``num_layers / pp`` layers (Megatron's even split,
-    which the trainer requires); one line naming the flag when they do not divide."""
-    if m.num_layers % pp:
-        raise PlanError(f"{option('num_layers')} {m.num_layers} is not a multiple of "
-                        f"{option('pipeline_model_parallel_size')} {pp}; give a divisor")
-    return dataclasses.replace(m, num_layers=m.num_layers // pp)
-
-
-def launch_world(a: argparse.Namespace, ranks: int, topology: str, tp: int, pp: int = 1) -> tuple[int, int]:
-    """(world size, data-parallel size) of the launch: ``--nproc-per-node`` x ``--nnodes``, or
-    ``--data-parallel-size`` x TP x PP, else the topology's ``ranks``; DP = world / (TP x PP), as
-    the trainer derives it. One line naming the flag when they disagree or do not fit."""
-    for flag, v in ((option("nproc_per_node"), a.nproc_per_node), ("--nnodes", a.nnodes),
-                    ("--data-parallel-size", a.data_parallel_size),
-                    (option("pipeline_model_parallel_size"), pp)):
-        if v is not None and v < 1:
-            raise PlanError(range_refusal(flag, v, 1))
-    if a.nnodes is not None and a.nproc_per_node is None:
-        raise PlanError("--nnodes needs --nproc-per-node (the launch's world is their product)")
-    world = a.nproc_per_node * (a.nnodes or 1) if a.nproc_per_node is not None else None
-    model = tp * pp
-    if a.data_parallel_size is not None:
-        if world is not None and world != a.data_parallel_size * model:
-            raise PlanError(f"--data-parallel-size {a.data_parallel_size} x --tensor-model-parallel-size {tp} x "
-                            f"{option('pipeline_model_parallel_size')} {pp} is not the world of --nproc-per-node x "
-                            f"--nnodes ({world}); give one of them")
-        world = a.data_parallel_size * model
-    world = ranks if world is None else world
-    if world % model:
-        raise PlanError(f"the launch's {world} ranks are not a multiple of --tensor-model-parallel-size {tp} x "
-                        f"{option('pipeline_model_parallel_size')} {pp}")
-    if world > ranks:
-        raise PlanError(f"the launch's {world} ranks exceed the {ranks} of --topology {topology}; "
-                        "give the launch's cluster")
-    return world, world // model
-
-
-def format_plan(data: dict[str, Any], *, table: bool = True) -> str:
-    inp, pred, m = data["inputs"], data["predicted"], data["inputs"]["model"]
-    lines = [f"Oases plan: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
-             f"s {m['seq_length']}, ffn {m['ffn_hidden_size']}, {m['dtype']}, micro-batch {m['micro_batch_size']}; "
-             f"global batch {inp['global_batch_size']} = DP {inp['data_parallel_size']} x "
-             f"{inp['num_microbatches']} micro-batches; TP group {data['tensor_model_parallel_size']} on "
-             f"{inp['topology']} ({inp['pricing']['gpu']}, {inp['memory_gb']:g} GiB)",
-             f"made for: world {data['world_size']} = TP {data['tensor_model_parallel_size']} x "
-             + (f"PP {pp} x " if (pp := data.get("pipeline_model_parallel_size", 1)) > 1 else "")
-             + f"DP {data['data_parallel_size']}" + (" (the topology's ranks; pass --nproc-per-node / --nnodes or "
-                                                "--data-parallel-size for another launch)"
-                                                if inp.get("world_from") == "topology" else "")
-             + f", --micro-batch-size {data['micro_batch_size']}, --schedule {data['schedule']}"]
-    if table:
-        cols = ("block", "layer", "kind", "strategy", "time ms", "node ms", "edge ms", "grad ms", "memory MiB")
-        rows = [cols] + [(str(b["block"]), str(b["layer"]), b["kind"], b["strategy"], f"{b['time_ms']:.2f}",
-                          f"{b['node_ms']:.2f}", f"{b['edge_in_ms']:.2f}", f"{b['grad_sync_ms']:.2f}",
-                          f"{b['memory_bytes'] / MiB:.0f}") for b in pred["blocks"]]
-        w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-        lines += [""] + ["  ".join(v.ljust(w[i]) if i == 2 else v.rjust(w[i]) for i, v in enumerate(r)) for r in rows]
-    lines.append("")
-    line = (f"predicted iteration (transformer blocks): {pred['iteration_ms']:.2f} ms, "
-            f"memory {pred['memory_gib']:.2f} GiB")
-    if pred["uniform_tp_iteration_ms"]:
-        line += (f"; uniform TP {data['tensor_model_parallel_size']}: {pred['uniform_tp_iteration_ms']:.2f} ms "
-                 f"({pred['uniform_tp_iteration_ms'] / pred['iteration_ms']:.3f}x), "
-                 f"{pred['uniform_tp_memory_gib']:.2f} GiB")
-    lines.append(line)
-    backend = whole_model_backend(data)
-    if backend is not None and option("atp_mesh") in backend:
-        lines.append(f"plan: every block on ATP mesh {backend[option('atp_mesh')].replace(',', 'x')} "
-                     "(the whole TP group)")
-    elif backend is not None:
-        lines.append("plan: every block on the 3-D cube (the whole TP group)")
-    lines.append(f"plan (per block, attention/mlp alternating): {data['compact']}")
-    if data.get("compact_layers"):
-        lines.append(f"plan (per layer, as the paper's Table 6): {data['compact_layers']}")
-    s = data["solver"]
-    lines.append(f"solver: {s['name']} {s['status'].lower()}, {s['solve_ms']:.1f} ms "
-                 f"(+ {s['build_ms']:.1f} ms model build)")
-    pr = inp["pricing"]
-    if "profile" in pr:
-        lines.append(f"pricing: {pr['events_from_profile']} events from {pr['profile']}, "
-                     f"{pr['events_analytical']} analytical")
-    return "\n".join(lines)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
