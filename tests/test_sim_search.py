@@ -183,6 +183,29 @@ def test_plan_refusals_and_untied_embeddings():
     assert len(rows) == 2 and not any(r.reason.startswith("planner") for r in rows)
 
 
+def test_interleaved_candidates_get_no_plan_in_the_planners_words(capsys):
+    """A candidate with virtual stages is refused a per-block plan in the words ``plan`` refuses its
+    launch's ``--num-layers-per-virtual-pipeline-stage`` with (the planner prices a stage as
+    contiguous layers under non-interleaved 1F1B); its non-interleaved twin is planned (issue 49)."""
+    from megatron_oases.plan.plan_cli import plan_main
+    from megatron_oases.sim.frontends.launch import strategy_flags
+    from megatron_oases.sim.frontends.search_plans import plan_refusal, plan_search
+
+    dm = device_model(load_topology("2node-ib"))
+    cands = search(MODEL, SearchSpace(gpus=16, global_batch=64, tp_sizes=(4,), pp_sizes=(2,), virtual_stages=(1, 2),
+                                      backends=("megatron",), recompute=("off",), sequence_parallel=(False,)),
+                   dm, jobs=1)
+    interleaved = next(c for c in cands if c.vp == 2 and c.feasible and c.schedule == "default")
+    flags = strategy_flags(interleaved, global_batch=64, num_layers=12)  # the launch the search would print
+    per_vstage = flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1]
+    assert plan_main(["--topology", "2node-ib", "--num-layers", "12", "--pipeline-model-parallel-size", "2",
+                      "--num-layers-per-virtual-pipeline-stage", per_vstage]) == 2
+    said = capsys.readouterr().err.strip().split("error: ", 1)[1]
+    assert plan_refusal(interleaved, MODEL) == said
+    rows = plan_search(cands, MODEL, dm, top=4, global_batch=64, memory_limit_GB=None)
+    assert rows and all(r.uniform.vp == 1 for r in rows)
+
+
 def test_atp_t_by_1_is_searched_as_atps_layer(capsys):
     """ATP's T x 1 mesh is its own launch (ATP's layers), offered beside Megatron's TP T, as the planner does."""
     from megatron_oases.describe.atp_2d import atp_layout

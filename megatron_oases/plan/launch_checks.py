@@ -1,6 +1,7 @@
 """The launch a plan is made for, checked before any pricing: its world and data-parallel size,
 one pipeline stage's layers, the recompute the planner prices, and no virtual stages. Each check
-is one line naming the flag (``PlanError``), given before any pricing (``plan_cli.make_plan``)."""
+is one line naming the flag (``PlanError``), given before any pricing (``plan_cli.make_plan``); ``sim
+--search`` reads the virtual-stage one for its per-block plans."""
 from __future__ import annotations
 
 import argparse
@@ -17,17 +18,22 @@ take ``--num-layers-per-virtual-pipeline-stage``)."""
 
 
 def virtual_stages_refusal(a: argparse.Namespace) -> str:
-    """The one line refusing virtual pipeline stages ("" without them): the planner prices a stage
-    as one contiguous run of layers under non-interleaved 1F1B (one lock-step chain, its bubble, its
-    micro-batches in flight: ``cost_model.build_cost_model``'s ``pipeline``) and writes the same
-    degrees for every stage's layers in order (``plan_file.plan_record``), neither of which an
-    interleaved stage is (its layers are ``v`` chunks spread over the model)."""
+    """The one line refusing the virtual pipeline stages ``a`` names ("" without them):
+    :func:`interleaved_refusal` for the first of Megatron-LM's two spellings given."""
     given = [(flag, v) for flag, v in ((option("num_layers_per_virtual_pipeline_stage"),
                                         a.num_layers_per_virtual_pipeline_stage),
                                        (VIRTUAL_STAGES_FLAG, a.num_virtual_stages_per_pipeline_rank)) if v is not None]
-    if not given:
-        return ""
-    flag, value = given[0]
+    return interleaved_refusal(*given[0]) if given else ""
+
+
+def interleaved_refusal(flag: str, value: int) -> str:
+    """Why no plan is made for a launch with virtual pipeline stages (``flag value``): the planner
+    prices a stage as one contiguous run of layers under non-interleaved 1F1B (one lock-step chain,
+    its bubble, its micro-batches in flight: ``cost_model.build_cost_model``'s ``pipeline``) and
+    writes the same degrees for every stage's layers in order (``plan_file.plan_record``), neither
+    of which an interleaved stage is (its layers are ``v`` chunks spread over the model). ``plan``
+    refuses such a launch with it, and ``sim --search`` gives no interleaved candidate a per-block
+    plan for it (``sim.frontends.search_plans.plan_refusal``): one rule, one wording."""
     return (f"{flag} {value}: plan prices each pipeline stage as contiguous layers under non-interleaved 1F1B, "
             f"not virtual stages; drop it to plan the non-interleaved launch, or compare interleaved "
             f"strategies with `megatron-oases sim --search`")

@@ -28,7 +28,7 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int, plan_pat
     for flag, value in record(st.backend).launch_flags(st.layout).items():  # the default backend: none
         out += [flag] + ([value] if value is not None else [])
     if st.virtual_stages > 1:
-        out += [option("num_layers_per_virtual_pipeline_stage"), str(num_layers // (st.pp * st.virtual_stages))]
+        out += [option("num_layers_per_virtual_pipeline_stage"), str(layers_per_virtual_stage(c, num_layers))]
     if st.schedule == "oases":
         out += [option("schedule"), "oases"]
     if plan_path is not None:
@@ -50,6 +50,11 @@ def strategy_flags(c: Candidate, *, global_batch: int, num_layers: int, plan_pat
     if st.overlap_param_gather:
         out.append("--overlap-param-gather")
     return out + ["--global-batch-size", str(global_batch)]
+
+
+def layers_per_virtual_stage(c: Candidate, num_layers: int) -> int:
+    """``--num-layers-per-virtual-pipeline-stage`` of candidate ``c``'s launch (with virtual stages)."""
+    return num_layers // (c.strategy.pp * c.strategy.virtual_stages)
 
 
 def launch_commands(c: Candidate, model_flags: list[str], *, global_batch: int, num_layers: int, gpus: int,

@@ -15,10 +15,12 @@ from typing import Sequence
 
 from ...describe.backends import backend as record
 from ...describe.shapes import GPTShape
+from ...flags import option
 from ...pricing.device_model import DeviceModel, SimError
 from ..core.search import Candidate
 from ..core.strategy import block_sub_batches
 from ..core.timeline import simulate
+from .launch import layers_per_virtual_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,18 @@ class PlannedRow:
 
 def plan_refusal(c: Candidate, model: GPTShape) -> str:
     """Why no per-block plan runs on candidate ``c`` (the runtime's and the simulator's limits on
-    ``--oases-plan``); empty when one can."""
+    ``--oases-plan``, and the planner's: no virtual stages, refused in ``plan``'s words); empty
+    when one can."""
     st = c.strategy
     if st is None or not record(st.backend).per_block_plans:
         return "per-block plans run Megatron 1-D TP sub-groups only"
     if st.tp == 1:
         return "TP 1 has no sub-group to plan"
+    if st.virtual_stages > 1:  # the planner's own refusal of the launch the search would print
+        from ...plan.launch_checks import interleaved_refusal
+
+        return interleaved_refusal(option("num_layers_per_virtual_pipeline_stage"),
+                                   layers_per_virtual_stage(c, model.num_layers))
     if st.sequence_parallel:
         return "--oases-plan cannot be combined with --sequence-parallel"
     if st.recompute or st.selective_recompute:
@@ -93,7 +101,7 @@ def plan_search(cands: Sequence[Candidate], model: GPTShape, dm: DeviceModel, *,
     rows: list[PlannedRow] = []
     seen: set[tuple] = set()
     for c in (c for c in cands if c.feasible and not plan_refusal(c, model)):
-        key = (c.tp, c.pp, c.dp, c.schedule)  # what the planner sees (it prices no virtual stages)
+        key = (c.tp, c.pp, c.dp, c.schedule)  # what the planner sees
         if len(rows) == top:
             break
         if key in seen:
