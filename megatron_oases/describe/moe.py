@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from .ops import Collective, Compute, LayerDescription, LayerVariant, ModelingError, backward_of
-from .saved import CUDA_KERNELS, Kernels, _norm_beyond_input
+from .saved_kernels import CUDA_KERNELS, Kernels, norm_beyond_input
 from .split import oases_splits
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -406,7 +406,7 @@ def moe_block_saved_bytes(*, b: int, s: int, h: int, moe: MoEShape, t: int, ep: 
     z = _sizes(b=b, s=s, t=t, moe=moe, ep=ep)
     E, k = moe.num_experts, moe.topk
     mask = e if kernels.dropout_mask is None else kernels.dropout_mask
-    norm = z.chunk * e * h + _norm_beyond_input(z.chunk, h, e=e, kernels=kernels, variant=variant)
+    norm = z.chunk * e * h + norm_beyond_input(z.chunk, h, e=e, kernels=kernels, variant=variant)
     router = z.chunk * e * h + z.chunk * k * (8 + e)
     if moe.dispatcher == "alltoall":
         bookkeeping = 8 * z.chunk * (E + k)
