@@ -47,3 +47,22 @@ def test_trainer_refuses_it(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and FLAG in err[0], err
+
+
+def test_rows_of_megatron_lm_before_cf7efd4_carry_it():
+    """The ATP paper's Megatron-LM v2.6 runs and the 2021 README rows (docs/sim_seeds.md,
+    docs/sim_validation.md) price no input-gradient overlap; later Megatron rows keep it."""
+    import pathlib
+
+    import yaml
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "examples" / "validation"
+    name = FLAG.removeprefix("--")
+    seeds = yaml.safe_load((root / "seeds_experiments.yaml").read_text())
+    megatron_atp = {k: r for k, r in seeds["runs"].items()
+                    if r["source"] == "atp" and r["flags"].get("tp-backend", "megatron") == "megatron"}
+    assert megatron_atp and all(r["flags"].get(name) is True for r in megatron_atp.values())
+    assert not any(name in r["flags"] for r in seeds["runs"].values() if r["source"] != "atp")
+    published = yaml.safe_load((root / "published_megatron.yaml").read_text())["defaults"]
+    old = {s for s, d in published.items() if d.get("flags", {}).get(name) is True}
+    assert old == {"mlm-readme-2021", "mlm-readme-gpt3-example"}
