@@ -18,6 +18,11 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 # initialises CUDA, so the suite runs there as it does on CPU (docs/gpu.md, scripts/gpu_check.sh).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# Our modules a rank imports after the fork, preloaded once in the forkserver (tests/rank_preload.py).
+from tests.rank_preload import extend_forkserver_preload  # noqa: E402
+
+extend_forkserver_preload()
+
 
 def max_rel_diff(a, b) -> float:
     """max |a - b| / max(|b|, tiny) over paired floats (or tensors, element-wise on the max norm)."""

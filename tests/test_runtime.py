@@ -1,6 +1,7 @@
 """The runtime layer: CPU compatibility shims for Megatron-Core and the rank launcher."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -178,25 +179,35 @@ torch.cuda._lazy_init = torch.cuda.init = lambda: calls.append(1)
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 8
 torch.cuda.is_initialized = lambda: False
+import sys
 from megatron_oases.runtime.spawn import _PRELOAD
 for name in _PRELOAD + ["megatron_oases.train", "megatron_oases.specs",
                         "megatron_oases.schedules.oases.executor"]:
     importlib.import_module(name)
+before = set(sys.modules)
+from tests.rank_preload import RANK_PRELOAD
+for name in RANK_PRELOAD:
+    importlib.import_module(name)
 print("cuda initialisations:", len(calls))
+print("other modules of the suite's preloads:", sorted(m for m in set(sys.modules) - before
+                                                       if not m.startswith(("megatron_oases", "tests"))))
 """
 
 
 def test_forkserver_preloads_do_not_initialise_cuda():
     """The launcher's forkserver imports _PRELOAD once and forks every rank from it: a CUDA
     context made there would be inherited by the forks ("Cannot re-initialize CUDA in forked
-    subprocess"). With CUDA reported present, importing them must not initialise it."""
+    subprocess"). With CUDA reported present, importing them must not initialise it. The suite's
+    own preloads (tests/rank_preload.py) load none either, and no module beyond our package: the
+    Megatron modules the CPU layer proxies stay those of a launch."""
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", _PRELOAD_PROBE], capture_output=True, text=True,
-                         timeout=180)
+                         timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cuda initialisations: 0" in out.stdout
+    assert "other modules of the suite's preloads: []" in out.stdout, out.stdout
 
 
 def test_ranks_start_in_fresh_interpreters_where_cuda_is_present(monkeypatch):
