@@ -63,3 +63,26 @@ def test_every_pinned_level_is_shipped():
     """The table names no topology that is gone (a renamed file would escape the pin)."""
     found = {(name, lv.name) for p in list(_nvlink_levels()) for name, lv in [p.values]}
     assert set(ONE_WAY) == found
+
+
+NCCL_EFFICIENCY = {  # hardware: NCCL's measured bus bandwidth / link rate, with its source
+    "a100-nvswitch": 0.667,  # ~200 GB/s all-reduce busbw, 8 x A100 80GB SXM (NVIDIA/nccl-tests issue 149)
+    "h100-nvswitch": 0.822,  # dgx-h100-ndr8's measured figure (its YAML names the source)
+}
+SAME_HARDWARE = {  # (topology, level): the hardware whose measured efficiency it must carry
+    ("dgx-a100", "nvswitch"): "a100-nvswitch",
+    ("2node-ib", "nvswitch"): "a100-nvswitch",
+    ("dgx-a100-hdr8", "nvswitch"): "a100-nvswitch",
+    ("jeanzay-a100-opa4", "nvswitch"): "a100-nvswitch",
+    ("dgx-h100-ndr8", "nvswitch"): "h100-nvswitch",
+}
+
+
+@pytest.mark.parametrize("name, level", [p for p in _nvlink_levels() if "nvswitch" in p.values[1].name])
+def test_one_nvswitch_one_efficiency(name, level):
+    """One fact, one number: every topology built of the same NVSwitch carries the same measured
+    NCCL efficiency (dgx-a100 once gave none, so its rings ran at the link rate while
+    dgx-a100-hdr8's ran at 0.667 of it on the same hardware)."""
+    hw = SAME_HARDWARE.get((name, level.name))
+    assert hw is not None, f"{name}: NVSwitch level {level.name!r} names no hardware here; add it"
+    assert level.nccl_efficiency == pytest.approx(NCCL_EFFICIENCY[hw])
