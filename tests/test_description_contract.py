@@ -13,6 +13,7 @@ from megatron_oases.describe.registry import block_edges, layer_params
 from megatron_oases.runtime.spawn import run_on_ranks
 from megatron_oases.describe.atp_2d import atp_layout
 from tests.rank_fns_contract import layer_contract
+from tests.test_round_trip import cpu_kernels  # noqa: F401 (the fixture: the CPU kernels' saved sizes)
 
 B, S, H, A = 4, 8, 32, 4
 MODEL = ["--num-layers", "1", "--hidden-size", str(H), "--num-attention-heads", str(A),
@@ -123,3 +124,30 @@ def test_megatron_selective_recompute_issues_what_its_description_says(sp):
         assert want == sorted((c.kind, c.group_size, c.payload_bytes) for c in stock.collectives(pass_))
         for out in outs:
             assert _issued(out[pass_]) == want, (out["rank"], pass_)
+
+
+def test_stock_full_recompute_keeps_megatrons_generator_states_as_described(cpu_kernels):
+    """Megatron's full recompute (stock schedule, uniform, dropout 0.1) keeps per layer its input
+    and its checkpoint's snapshot of the generators (``CheckpointFunction``'s ``ctx.rng_states``:
+    CPU, device and the attention's forked tracker state): the trainer's reading (the ledger,
+    ``runtime.saved_tensors``), ``describe.saved`` and ``sim``'s memory agree on it, at TP 1
+    (DP 2) and TP 2, in one spawned group of two ranks (issue 49)."""
+    from megatron_oases.describe.saved import CPU_KERNELS, checkpoint_rng_state_bytes, layer_saved_bytes
+    from tests.rank_fns_saved import saved_bytes_of_forwards
+    from tests.test_round_trip import sim_layer
+
+    def argv(tp: int, layers: int) -> list[str]:
+        return [*MODEL, "--num-layers", str(layers), "--tensor-model-parallel-size", str(tp),
+                "--global-batch-size", str(B * 2 // tp), "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                "--recompute-granularity", "full", "--recompute-method", "uniform"]
+
+    argvs = [argv(tp, n) for tp in (1, 2) for n in (1, 2)]
+    rank0 = run_on_ranks(saved_bytes_of_forwards, 2, args=(argvs,), timeout_s=180)[0]
+    for i, tp in enumerate((1, 2)):
+        got = rank0[2 * i + 1] - rank0[2 * i]
+        states = checkpoint_rng_state_bytes(sequence_parallel=False, attention_dropout=True, core_attention="fused",
+                                            kernels=CPU_KERNELS)
+        assert states > 0 and got == B * S * H * 4 + states, tp  # the layer input and the snapshot
+        assert got == layer_saved_bytes(recompute=True, b=B, s=S, h=H, a=A, f=4 * H, t=tp, e=4, kernels=CPU_KERNELS,
+                                        core_attention="fused"), tp
+        assert got == sim_layer(argv(tp, 2), argv(tp, 1), 2).saved, tp

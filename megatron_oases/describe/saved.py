@@ -70,8 +70,9 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
 
     ``recompute_core_attention`` (``--recompute-granularity selective``): Megatron checkpoints
     the core attention, which then keeps only its inputs (Q, K, V: ``checkpoint_inputs_bytes``)
-    and the attention-mask type as a 4-byte tensor; the softmax output, the dropout mask and
-    probabilities and the causal mask built inside it are not kept (measured)."""
+    and the attention-mask type as a 4-byte tensor, and its checkpoint the generator states
+    (``checkpoint_rng_state_bytes``); the softmax output, the dropout mask and probabilities and
+    the causal mask built inside it are not kept (measured)."""
     if block not in BLOCKS:
         raise ValueError(f"block {block!r} is not one of {BLOCKS}")
     tok = b * s
@@ -83,7 +84,9 @@ def block_saved_bytes(block: str, *, b: int, s: int, h: int, a: int, f: int, t: 
     if block == "mlp":
         return norm + column_input + tok * e * variant.mlp_saved_per_ffn * f / t + hidden_mask
     if recompute_core_attention:
-        attention = rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant) + SELECTIVE_MASK_TYPE_BYTES
+        attention = (rope_table_bytes(s=s, h=h, a=a, e=e, variant=variant) + SELECTIVE_MASK_TYPE_BYTES
+                     + checkpoint_rng_state_bytes(sequence_parallel=sequence_parallel and t > 1, kernels=kernels,
+                                                  attention_dropout=attention_dropout, core_attention=core_attention))
         qkv = checkpoint_inputs_bytes(tok=tok, h=h, a=a, t=t, e=e, kernels=kernels, variant=variant)
     else:
         qkv, attention = core_attention_bytes(b=b, s=s, h=h, a=a, t=t, e=e, attention_dropout=attention_dropout,
@@ -173,6 +176,9 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
         if oases:  # one generator state per dropout site, for the redraw
             kept += redraw_state_bytes(BLOCKS, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                                        core_attention=core_attention, sub_batches=sub_batches, kernels=kernels)
+        else:  # Megatron's checkpoint snapshots the generators
+            kept += checkpoint_rng_state_bytes(sequence_parallel=sp, attention_dropout=attention_dropout,
+                                               core_attention=core_attention, kernels=kernels)
         return kept
     # The Oases schedule draws bool masks itself, whatever the device's dropout kernel keeps.
     k = dataclasses.replace(kernels, dropout_mask=1) if oases else kernels
@@ -184,6 +190,28 @@ def layer_saved_bytes(*, schedule: str = "stock", recompute: bool = False,
     extra = oases_kept_beyond_stock(hidden, s=s, h=h, a=a, e=e, variant=variant, sub_batches=sub_batches,
                                     core_attention=core_attention, attention_dropout=attention_dropout, kernels=k)
     return kept + (extra if oases else 0)
+
+
+def checkpoint_rng_state_bytes(*, sequence_parallel: bool, attention_dropout: bool, core_attention: str = "local",
+                               kernels: Kernels = CUDA_KERNELS) -> float:
+    """Bytes of the generator states Megatron's checkpoint keeps per checkpointed layer under full
+    recompute, or per core attention under selective recompute
+    (``tensor_parallel.CheckpointFunction``'s ``ctx.rng_states``, whatever the dropout): the CPU
+    generator's (``Kernels.host_rng_state``), the device's, and each RNG-tracker state the layer
+    forks after the snapshot (the fork stores a new state, so the snapshot's is the checkpoint's
+    alone; an unforked tracker's is the tracker's own, shared). The layer forks the
+    model-parallel tracker for the attention dropout outside sequence parallelism: Megatron's
+    local attention always (``DotProductAttention``, whatever the probability), SDPA, ATP's and
+    the cube's attention when it is > 0. Measured per layer on CPU with the trainer's ledger
+    (``runtime.saved_tensors``) at TP 1 and 2, local and SDPA, with and without SP and dropout,
+    and for ATP 1 x 4, the cube 8, an MoE run at EP 2 and --schedule oases at TP 1 (stock layers),
+    and under selective recompute (``tests/test_saved_bytes_budget.py``): 2 or 3 states of 5,056
+    bytes. The Oases executor's own recompute keeps none of these
+    (``redraw_state_bytes`` instead). Read by ``block_saved_bytes``, ``layer_saved_bytes``,
+    ``sim.core.memory`` and ``plan.memory`` (``tests/test_description_contract.py`` pins trainer =
+    description = sim)."""
+    forked = not sequence_parallel and (attention_dropout or core_attention == "local")
+    return kernels.host_rng_state + kernels.rng_state * (1 + forked)
 
 
 REDRAWN_BLOCKS = ("attention", "mlp", "moe")

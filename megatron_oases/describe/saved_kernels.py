@@ -19,7 +19,13 @@ class Kernels:
     dropout_mask: int | None
     norm_stat: int | None
     rng_state: int
-    """One generator state (the Oases recompute redraws each dropout mask from it)."""
+    """One generator state of the device (the Oases recompute redraws each dropout mask from it;
+    Megatron's checkpoint snapshots the device's and its tracker's). On CUDA a host tensor of 16
+    bytes, counted as the device's (negligible); on CPU the CPU generator's 5,056 bytes (measured)."""
+    host_rng_state: int = 0
+    """What the CPU generator's state (5,056 bytes, ``torch.get_rng_state()``), which Megatron's
+    checkpoint snapshots beside the device's, takes of the device's memory: all of it on CPU (the
+    host is the device; measured), none on CUDA (host memory)."""
     rms_norm_keeps_normalized: bool = False
     """torch's RMSNorm on CPU is composite and also keeps the normalised input (e h a token);
     CUDA's fused kernel keeps the input and the statistic only (assumed: not measured here)."""
@@ -33,8 +39,8 @@ class Kernels:
 
 
 CUDA_KERNELS = Kernels(dropout_mask=1, norm_stat=4, rng_state=16, fused_attention_rng=24)
-CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056, rms_norm_keeps_normalized=True,
-                      fused_attention_dropout=False)
+CPU_KERNELS = Kernels(dropout_mask=None, norm_stat=None, rng_state=5056, host_rng_state=5056,
+                      rms_norm_keeps_normalized=True, fused_attention_dropout=False)
 
 _NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
 

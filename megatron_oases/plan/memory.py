@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from megatron_oases.describe.optimizer import state_bytes_per_param as model_state_bytes
 from megatron_oases.describe.planned import planned_block_saved_bytes, reshard_saved_bytes
-from megatron_oases.describe.saved import block_saved_bytes, layer_saved_bytes, redraw_state_bytes
+from megatron_oases.describe.saved import (block_saved_bytes, checkpoint_rng_state_bytes, layer_saved_bytes,
+                                          redraw_state_bytes)
 from megatron_oases.describe.split import recompute_boundaries
 from .model import PlanModel
 
@@ -49,11 +50,17 @@ def recomputed_block_bytes(m: PlanModel, kind: str, hidden_state: float, degree:
     (``describe.split.recompute_boundaries``, ``hidden_state`` bytes each): the layer input on the
     attention block and, fine-grained at degree > 1, each block its forward all-reduce output;
     under the Oases executor with dropout the generator states of its dropout sites
-    (``describe.saved.redraw_state_bytes``, as ``sim`` and ``describe.saved``)."""
+    (``describe.saved.redraw_state_bytes``), under Megatron's checkpoint the layer's snapshot of the
+    generators on its attention block (``describe.saved.checkpoint_rng_state_bytes``), as ``sim``
+    and ``describe.saved``."""
     layer_input = recompute_boundaries(fine_grained=False, tp=degree)
     outputs = recompute_boundaries(fine_grained=m.fine_grained, tp=degree) - layer_input
-    states = redraw_state_bytes((kind,), hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-                                core_attention=m.core_attention) if m.sub_batches > 1 else 0.0
+    if m.sub_batches > 1:
+        states = redraw_state_bytes((kind,), hidden_dropout=m.hidden_dropout > 0,
+                                    attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
+    else:  # Megatron's checkpoint of the layer, which starts at its attention block
+        states = checkpoint_rng_state_bytes(sequence_parallel=False, attention_dropout=m.attention_dropout > 0,
+                                            core_attention=m.core_attention) if kind == "attention" else 0.0
     return hidden_state * ((layer_input if kind == "attention" else 0) + outputs / 2) + states
 
 

@@ -65,17 +65,21 @@ def storage_bytes(tensors, skip=frozenset()) -> int:
     return total
 
 
+CTX_STATE = ("state", "rng_states")
+"""The ``ctx`` attributes that hold tensors beyond ``save_for_backward``: ``state`` (by convention
+of our executors) and ``rng_states`` (Megatron's ``tensor_parallel.CheckpointFunction``: the CPU,
+device and RNG-tracker generator states its recompute restores)."""
+
+
 def _ctx_tensors(output: torch.Tensor) -> list:
     """What custom autograd functions reachable from ``output`` keep on their ``ctx`` beyond
-    ``save_for_backward`` (attributes named ``state``, by convention of our executors)."""
+    ``save_for_backward`` (the attributes ``CTX_STATE`` names)."""
     found, seen, todo = [], set(), [output.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        state = getattr(node, "state", None)
-        if state is not None:
-            found.append(state)
+        found += [state for state in (getattr(node, name, None) for name in CTX_STATE) if state is not None]
         todo.extend(fn for fn, _ in node.next_functions)
     return found

@@ -36,7 +36,8 @@ from ...describe.head import head_saved_bytes
 from ...describe.optimizer import state_bytes_per_param
 from ...describe.planned import planned_block_saved_bytes, reshard_saved_bytes
 from ...describe.registry import layer_activation_bytes, layer_input_bytes
-from ...describe.saved import BLOCKS, layer_saved_bytes, oases_kept_beyond_stock, redraw_state_bytes
+from ...describe.saved import (BLOCKS, checkpoint_rng_state_bytes, layer_saved_bytes, oases_kept_beyond_stock,
+                               redraw_state_bytes)
 from ...describe.split import recompute_boundaries
 from ...describe.shapes import GPTShape
 from .events import ChunkEvents, StageEvents, stage_layers
@@ -98,6 +99,9 @@ def chunk_activation_bytes(model: GPTShape, strategy: Strategy, chunk: ChunkEven
     if oases:  # and the generator states its recompute redraws the dropout masks from (describe.saved)
         saved += redraw_state_bytes(BLOCKS, hidden_dropout=m.hidden_dropout > 0,
                                     attention_dropout=m.attention_dropout > 0, core_attention=m.core_attention)
+    else:  # Megatron's checkpoint keeps its snapshot of the generators (describe.saved)
+        saved += checkpoint_rng_state_bytes(sequence_parallel=False, attention_dropout=m.attention_dropout > 0,
+                                            core_attention=m.core_attention)
     # Without recompute the Oases executor keeps its step boundaries on top of stock's inventory.
     beyond = oases_kept_beyond_stock(inp, s=m.seq_length, h=m.hidden_size, a=m.num_attention_heads,
                                      e=m.bytes_per_element, variant=m.variant, core_attention=m.core_attention,
