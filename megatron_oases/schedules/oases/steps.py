@@ -72,9 +72,9 @@ class BackwardAllReduce:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardAllGather:
-    """``dst`` = all-gather of ``src`` along ``dim`` over ``group``; backward keeps this rank's
-    chunk of grad(dst) (the gathered tensor's consumers are replicated on ``group``)."""
+class _ChunkCollective:
+    """The fields of the two gather / chunk steps over ``group`` along ``dim`` (distinct classes,
+    as the executor tells their directions apart)."""
 
     name: str
     src: str
@@ -84,15 +84,15 @@ class ForwardAllGather:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardAllGather:
+class ForwardAllGather(_ChunkCollective):
+    """``dst`` = all-gather of ``src`` along ``dim`` over ``group``; backward keeps this rank's
+    chunk of grad(dst) (the gathered tensor's consumers are replicated on ``group``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardAllGather(_ChunkCollective):
     """``dst`` = this rank's chunk of ``src`` along ``dim`` (``src`` replicated on ``group``);
     backward all-gathers grad(dst) into grad(src)."""
-
-    name: str
-    src: str
-    dst: str
-    dim: int
-    group: object
 
 
 @dataclasses.dataclass(frozen=True)
