@@ -208,7 +208,7 @@ def _strategy_costs(m: PlanModel, s: BlockStrategy, pricer: Pricer, dp: int) -> 
         if moe:
             saved, runtime = moe_memory(m, saved, runtime)
         out[blk.kind] = BlockCost(c_fwd=c_f, m_fwd=m_f, c_bwd=c_b,
-                                  m_bwd=m_b + (on_stream(blk.fwd_comm)[1] if rerun else 0.0)
+                                  m_bwd=m_b + (m_f if rerun else 0.0)
                                   - hidden_by_wgrad(blk.bwd_comm),
                                   params=params, state_bytes=(params - experts) * state_bytes_per_param(m, shard)
                                   + experts * state_bytes_per_param(m, expert_shard),
