@@ -89,6 +89,23 @@ def test_recompute_and_oases_fine_grained():
     assert none.weights == rc.weights
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_full_recompute_keeps_what_describe_saved_says(sp):
+    """A layer under Megatron's full recompute keeps what ``describe.saved.layer_saved_bytes`` says,
+    with and without sequence parallelism (under SP sim reads it whole: ``_sp_layer_bytes``; its
+    input is the 1/t chunk and its checkpoint forks no tracker state)."""
+    from megatron_oases.describe.saved import layer_saved_bytes
+
+    none, rc = _mem(sequence_parallel=sp).memory[1], _mem(recompute=True, sequence_parallel=sp).memory[1]
+    layers, alive = 2, 3  # stage 1 of 4: 2 layers, 3 micro-batches in flight
+    working_set = none.activations / (alive * layers)  # one layer's full activations
+    kept = (rc.activations - working_set) / (alive * layers)
+    assert kept == pytest.approx(layer_saved_bytes(
+        recompute=True, b=MODEL.micro_batch_size, s=MODEL.seq_length, h=MODEL.hidden_size, a=MODEL.num_attention_heads,
+        f=MODEL.ffn_hidden_size, t=2, e=2, hidden_dropout=False, attention_dropout=False, sequence_parallel=sp,
+        core_attention=MODEL.core_attention))
+
+
 def test_selective_recompute_keeps_the_inventory_without_score_tensors():
     """Each layer keeps its inventory without the core attention's s^2 tensors; the one layer
     running its backward has them again (the working set)."""
